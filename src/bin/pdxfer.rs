@@ -1,0 +1,4 @@
+//! The `pdxfer` command line.
+fn main() {
+    std::process::exit(pdxfer::cli::main());
+}

@@ -1,0 +1,178 @@
+//! Every raw-pointer conversion of the C ABI lives here: NULL, alignment and
+//! length checks, versioned struct reads and size-limited struct writes.
+
+use crate::error::{Error, Result, Status};
+use std::mem::{align_of, size_of};
+
+/// A `#[repr(C)]` struct whose first field is `struct_size: u64` and whose
+/// all-zero bit pattern is a valid value (integers and raw pointers only).
+///
+/// # Safety
+/// Implementors must be `#[repr(C)]`, start with a `u64` size field, and be
+/// valid when zero-filled.
+pub unsafe trait Versioned: Copy {
+    /// Size of the oldest accepted version of the struct.
+    const MIN_SIZE: usize;
+    /// Name used in error messages.
+    const NAME: &'static str;
+}
+
+/// Reads a versioned struct from the caller: sizes between `MIN_SIZE` and ours
+/// are accepted (missing fields read as zero); larger ones too (the extra
+/// fields, from a newer header, are ignored).
+pub fn read_versioned<T: Versioned>(p: *const T) -> Result<T> {
+    if p.is_null() {
+        return Err(Error::new(
+            Status::NullArgument,
+            format!("{} pointer is NULL", T::NAME),
+        ));
+    }
+    if !(p as usize).is_multiple_of(align_of::<u64>()) {
+        return Err(Error::invalid(format!(
+            "{} pointer is not 8-byte aligned",
+            T::NAME
+        )));
+    }
+    // SAFETY: p is non-NULL and aligned; the caller promises struct_size readable bytes, of which the first 8 are the size.
+    let size = unsafe { (p as *const u64).read() } as usize;
+    if size < T::MIN_SIZE {
+        return Err(Error::new(
+            Status::AbiMismatch,
+            format!(
+                "{}.struct_size={size} is smaller than the oldest supported size {}; set struct_size = sizeof({})",
+                T::NAME,
+                T::MIN_SIZE,
+                T::NAME
+            ),
+        ));
+    }
+    // SAFETY: Versioned guarantees the all-zero pattern is a valid T.
+    let mut out: T = unsafe { std::mem::zeroed() };
+    let n = size.min(size_of::<T>());
+    // SAFETY: the caller's struct has at least `size >= n` bytes; out has size_of::<T>() >= n; they do not overlap.
+    unsafe { std::ptr::copy_nonoverlapping(p as *const u8, &mut out as *mut T as *mut u8, n) };
+    Ok(out)
+}
+
+/// Writes `value` into the caller's struct, at most its `struct_size` bytes
+/// (which the caller set before the call), keeping that size field.
+pub fn write_versioned<T: Versioned>(p: *mut T, value: &T) -> Result<()> {
+    if p.is_null() {
+        return Err(Error::new(
+            Status::NullArgument,
+            format!("{} output pointer is NULL", T::NAME),
+        ));
+    }
+    if !(p as usize).is_multiple_of(align_of::<u64>()) {
+        return Err(Error::invalid(format!(
+            "{} pointer is not 8-byte aligned",
+            T::NAME
+        )));
+    }
+    // SAFETY: p is non-NULL and aligned; its first 8 bytes are the caller-set size.
+    let size = unsafe { (p as *const u64).read() } as usize;
+    if size < T::MIN_SIZE {
+        return Err(Error::new(
+            Status::AbiMismatch,
+            format!(
+                "output {}.struct_size={size} is smaller than {}; set struct_size before the call",
+                T::NAME,
+                T::MIN_SIZE
+            ),
+        ));
+    }
+    let n = size.min(size_of::<T>());
+    // SAFETY: skip the 8-byte size field; the caller's struct holds `size >= n` bytes; no overlap with `value`.
+    unsafe {
+        std::ptr::copy_nonoverlapping(
+            (value as *const T as *const u8).add(8),
+            (p as *mut u8).add(8),
+            n - 8,
+        )
+    };
+    Ok(())
+}
+
+/// A caller array as a slice; NULL is accepted only with length 0.
+pub fn slice<'a, T>(p: *const T, len: usize, what: &str) -> Result<&'a [T]> {
+    if len == 0 {
+        return Ok(&[]);
+    }
+    if p.is_null() {
+        return Err(Error::new(
+            Status::NullArgument,
+            format!("{what} is NULL but its length is {len}"),
+        ));
+    }
+    check_array(p as usize, len, size_of::<T>(), align_of::<T>(), what)?;
+    // SAFETY: non-NULL, aligned, length fits isize; the caller promises len readable elements for the call's duration.
+    Ok(unsafe { std::slice::from_raw_parts(p, len) })
+}
+
+/// A caller output array as a mutable slice; NULL is accepted only with length 0.
+pub fn slice_mut<'a, T>(p: *mut T, len: usize, what: &str) -> Result<&'a mut [T]> {
+    if len == 0 {
+        return Ok(&mut []);
+    }
+    if p.is_null() {
+        return Err(Error::new(
+            Status::NullArgument,
+            format!("{what} is NULL but its capacity is {len}"),
+        ));
+    }
+    check_array(p as usize, len, size_of::<T>(), align_of::<T>(), what)?;
+    // SAFETY: non-NULL, aligned, length fits isize; the caller promises len writable elements not aliased during the call.
+    Ok(unsafe { std::slice::from_raw_parts_mut(p, len) })
+}
+
+fn check_array(addr: usize, len: usize, size: usize, align: usize, what: &str) -> Result<()> {
+    if !addr.is_multiple_of(align) {
+        return Err(Error::invalid(format!(
+            "{what} is not {align}-byte aligned"
+        )));
+    }
+    match len.checked_mul(size) {
+        Some(b) if b <= isize::MAX as usize => Ok(()),
+        _ => Err(Error::invalid(format!("{what} length {len} is too large"))),
+    }
+}
+
+/// Writes `v` through an out-pointer that must not be NULL.
+pub fn write_out<T>(p: *mut T, v: T, what: &str) -> Result<()> {
+    if p.is_null() {
+        return Err(Error::new(Status::NullArgument, format!("{what} is NULL")));
+    }
+    if !(p as usize).is_multiple_of(align_of::<T>()) {
+        return Err(Error::invalid(format!("{what} is not aligned")));
+    }
+    // SAFETY: non-NULL and aligned; the caller provides a writable T.
+    unsafe { p.write(v) };
+    Ok(())
+}
+
+/// Copies `items` into the caller's array of `capacity`, writing the needed
+/// length to `out_len`. A NULL array with capacity 0 is a size query.
+pub fn fill<T: Copy>(
+    items: &[T],
+    dst: *mut T,
+    capacity: usize,
+    out_len: *mut usize,
+    what: &str,
+) -> Result<Status> {
+    write_out(out_len, items.len(), "out_len")?;
+    if dst.is_null() && capacity == 0 {
+        return Ok(Status::Ok);
+    }
+    if capacity < items.len() {
+        return Err(Error::new(
+            Status::BufferTooSmall,
+            format!(
+                "{what} holds {capacity} items but {} are needed (written to out_len)",
+                items.len()
+            ),
+        ));
+    }
+    let out = slice_mut(dst, items.len(), what)?;
+    out.copy_from_slice(items);
+    Ok(Status::Ok)
+}

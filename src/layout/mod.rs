@@ -1,0 +1,24 @@
+//! The layout core: pure functions, no I/O, no threads, no globals.
+//!
+//! - [`topology`]: one side's parallel topology, pool kind, per-entry geometry
+//!   and the DCP ownership rule ([`DcpLayout`]).
+//! - [`rank_map`]: which prefill ranks a decode rank talks to (reference 3.1-3.3).
+//! - [`compat`]: whether a prefill rank may send to a decode rank, and how.
+//! - [`plan`]: token plans for one chunk and one rank pair, SGLang's and general.
+//! - [`runs`]: runs, byte operations per entry, packed layout and pack sizing.
+
+pub mod compat;
+pub mod plan;
+pub mod rank_map;
+pub mod runs;
+pub mod topology;
+
+pub use compat::{check_peer, PeerCompat, TransferMode};
+pub use plan::{
+    dcp_token_plan, pairs_with_share, PairRequest, Segment, SglangChunk, Side, TokenPlan,
+};
+pub use rank_map::{prefill_unique_rank, resolve_rank_mapping, MappingOptions, RankMapping};
+pub use runs::{
+    byte_ops, coalesce_runs, dcp_pack_buffer_bytes, pack_slice_tokens, ByteOp, PackLayout, Run,
+};
+pub use topology::{DcpLayout, KvDtype, KvEntry, PoolKind, Topology};

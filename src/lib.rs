@@ -1,0 +1,19 @@
+//! pdxfer: KV-cache transfer for prefill/decode disaggregated LLM serving.
+//!
+//! Layers as folders, data flowing one way (see `DESIGN.md` in the shared docs):
+//! [`ffi`] (C ABI) -> `engine` -> `bootstrap` -> `relayout` -> `transport` ->
+//! `memory` -> [`layout`] (pure). A layer uses the ones below it, never above.
+#![warn(missing_docs)]
+
+pub mod cli;
+pub mod error;
+pub mod ffi;
+pub mod layout;
+pub mod relayout;
+pub mod transport;
+
+pub use error::{Error, Result, Status};
+
+pub use ffi::status::{
+    PDXFER_ABI_VERSION_MAJOR as ABI_VERSION_MAJOR, PDXFER_ABI_VERSION_MINOR as ABI_VERSION_MINOR,
+};

@@ -1,0 +1,4 @@
+//! Moves bytes between registered regions.
+
+pub mod nccl;
+pub mod rdma;
