@@ -20,6 +20,18 @@
 // Every prefill CP rank transfers its shard.
 #define PDXFER_MAP_ALL_CP_RANKS 1
 
+// Wire protocol version; peers with another version are refused at the handshake.
+#define VERSION 1
+
+// Largest control payload accepted (descriptor lists, write intents).
+#define MAX_CONTROL_PAYLOAD (64 << 20)
+
+// Size of a data frame header.
+#define DATA_HEADER_LEN 48
+
+// Data frame flag: the receiver sums piece checksums for this batch.
+#define DATA_FLAG_CHECKSUM 1
+
 // Stable status codes shared by Rust, C (`PdxStatus`) and Python (`.code`).
 enum PdxStatus
 #if defined(__cplusplus) || __STDC_VERSION__ >= 202311L

@@ -9,6 +9,7 @@ pub mod cli;
 pub mod error;
 pub mod ffi;
 pub mod layout;
+pub mod memory;
 pub mod relayout;
 pub mod transport;
 
