@@ -1,6 +1,8 @@
 //! The `pdxfer` command line: `info`, `plan` (more subcommands join as their layers land).
 
+mod bench;
 mod plan;
+mod target;
 
 use clap::{Parser, Subcommand};
 
@@ -22,6 +24,10 @@ enum Cmd {
     },
     /// Show where each token of a request goes, per (prefill rank, decode rank).
     Plan(plan::PlanArgs),
+    /// Run a receiving peer (registers zeroed regions, prints completions).
+    Target(target::TargetArgs),
+    /// Measure a transport between two processes (initiator and target).
+    Bench(bench::BenchArgs),
 }
 
 /// Runs the CLI; returns the process exit code.
@@ -30,6 +36,8 @@ pub fn main() -> i32 {
     let r = match cli.cmd {
         Cmd::Info { json } => info(json),
         Cmd::Plan(a) => plan::run(&a),
+        Cmd::Target(a) => target::run(&a),
+        Cmd::Bench(a) => bench::run(&a),
     };
     match r {
         Ok(()) => 0,

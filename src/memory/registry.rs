@@ -146,11 +146,11 @@ impl Registry {
         let mut st = self.lock();
         for e in st.regions.values() {
             let d = &e.desc;
-            let same_space = match (d.kind, kind) {
-                (RegionKind::Host, RegionKind::Host) => true,
-                (RegionKind::Device { .. }, RegionKind::Device { .. }) => true,
-                _ => false,
-            };
+            let same_space = matches!(
+                (d.kind, kind),
+                (RegionKind::Host, RegionKind::Host)
+                    | (RegionKind::Device { .. }, RegionKind::Device { .. })
+            );
             if same_space && addr < d.addr + d.len && d.addr < end {
                 return Err(Error::new(
                     Status::RegionOverlap,

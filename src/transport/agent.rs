@@ -820,10 +820,7 @@ mod tests {
     use super::*;
     use crate::transport::{BatchOptions, BatchStatus, WriteOp};
 
-    fn pair(
-        kind: TransportKind,
-        streams: u32,
-    ) -> (
+    type Pair = (
         Agent,
         Agent,
         Vec<u8>,
@@ -831,7 +828,9 @@ mod tests {
         Box<dyn Transport>,
         RegionDesc,
         RegionDesc,
-    ) {
+    );
+
+    fn pair(kind: TransportKind, streams: u32) -> Pair {
         let rx = Agent::new(&AgentOptions {
             listen: Some("127.0.0.1:0".into()),
             ..Default::default()

@@ -236,7 +236,9 @@ pub(crate) fn split_even(pieces: &[Piece], n: usize) -> Vec<Vec<Piece>> {
             };
             let mut part = p;
             part.len = take;
-            out.last_mut().map(|v| v.push(part));
+            if let Some(v) = out.last_mut() {
+                v.push(part);
+            }
             cur += take;
             p.src += take;
             p.dst += take;
@@ -290,7 +292,7 @@ impl Conn {
         if self.table.finished(job.id) {
             return abort(self);
         }
-        let r = if threads <= 1 || job.pieces.len() == 0 || job.commit.bytes < (256 << 10) {
+        let r = if threads <= 1 || job.pieces.is_empty() || job.commit.bytes < (256 << 10) {
             peer.write(&job.pieces)
         } else {
             let groups = split_even(&job.pieces, threads);
