@@ -176,3 +176,79 @@ pub fn fill<T: Copy>(
     out.copy_from_slice(items);
     Ok(Status::Ok)
 }
+
+/// Borrows an opaque handle created by a `*_create`/`*_open` export.
+pub fn handle<'a, T>(p: *const T, what: &str) -> Result<&'a T> {
+    if p.is_null() {
+        return Err(Error::new(
+            Status::NullArgument,
+            format!("{what} handle is NULL"),
+        ));
+    }
+    if !(p as usize).is_multiple_of(align_of::<T>()) {
+        return Err(Error::invalid(format!(
+            "{what} handle is not aligned (not a pdxfer handle?)"
+        )));
+    }
+    // SAFETY: non-NULL and aligned; the caller passes a handle this library created and has not destroyed.
+    Ok(unsafe { &*p })
+}
+
+/// Moves `v` to the heap and writes the new handle to `out`.
+pub fn new_handle<T>(v: T, out: *mut *mut T, what: &str) -> Result<()> {
+    if out.is_null() {
+        return Err(Error::new(
+            Status::NullArgument,
+            format!("{what} output pointer is NULL"),
+        ));
+    }
+    write_out(out, Box::into_raw(Box::new(v)), what)
+}
+
+/// Destroys a handle created by [`new_handle`]; NULL is a no-op.
+pub fn drop_handle<T>(p: *mut T) {
+    if !p.is_null() {
+        // SAFETY: the caller passes a handle from new_handle exactly once (documented on every destroy export).
+        drop(unsafe { Box::from_raw(p) });
+    }
+}
+
+/// A NUL-terminated UTF-8 string argument.
+pub fn c_str<'a>(p: *const std::ffi::c_char, what: &str) -> Result<&'a str> {
+    if p.is_null() {
+        return Err(Error::new(Status::NullArgument, format!("{what} is NULL")));
+    }
+    // SAFETY: non-NULL; the caller promises a NUL-terminated string valid for the call.
+    unsafe { std::ffi::CStr::from_ptr(p) }
+        .to_str()
+        .map_err(|_| Error::new(Status::InvalidUtf8, format!("{what} is not valid UTF-8")))
+}
+
+/// Copies `s` plus a NUL into `buf` of `cap` bytes; the needed size (with
+/// the NUL) goes to `out_len`. A NULL buffer with capacity 0 is a size query.
+pub fn write_c_str(
+    s: &str,
+    buf: *mut std::ffi::c_char,
+    cap: usize,
+    out_len: *mut usize,
+) -> Result<Status> {
+    let bytes: Vec<std::ffi::c_char> = s
+        .bytes()
+        .map(|b| b as std::ffi::c_char)
+        .chain(std::iter::once(0))
+        .collect();
+    fill(&bytes, buf, cap, out_len, "string buffer")
+}
+
+/// A caller's raw memory range as an address for registration (no access made here).
+pub fn raw_range(p: *mut std::ffi::c_void, len: usize, what: &str) -> Result<*mut u8> {
+    if p.is_null() {
+        return Err(Error::new(Status::NullArgument, format!("{what} is NULL")));
+    }
+    if len == 0 || (p as usize).checked_add(len).is_none() {
+        return Err(Error::invalid(format!(
+            "{what} length {len} is 0 or wraps the address space"
+        )));
+    }
+    Ok(p as *mut u8)
+}

@@ -591,23 +591,28 @@ fn completion(c: &Commit) -> Completion {
 
 /// Validates and pins every range of a cma intent; all or nothing.
 fn grant(reg: &Registry, ranges: &[Range]) -> Result<Vec<AccessGuard>> {
-    let mut guards = Vec::with_capacity(ranges.len());
-    let mut pinned: HashMap<u64, ()> = HashMap::new();
+    let mut guards: Vec<AccessGuard> = Vec::new();
+    let mut descs: HashMap<u64, RegionDesc> = HashMap::new();
     for (i, r) in ranges.iter().enumerate() {
         let ctx = |e: Error| Error::new(e.status(), format!("range {i}: {}", e.detail()));
-        reg.check_access(r.region, r.offset, r.len).map_err(ctx)?;
-        if reg.kind(r.region).map_err(ctx)? != RegionKind::Host {
-            return Err(ctx(Error::new(
-                Status::Unsupported,
-                format!(
-                    "region {} is device memory; cma writes host memory only",
-                    r.region
-                ),
-            )));
-        }
-        if pinned.insert(r.region, ()).is_none() {
-            guards.push(reg.acquire(r.region, 0, 0).map_err(ctx)?);
-        }
+        let d = match descs.entry(r.region) {
+            std::collections::hash_map::Entry::Occupied(o) => o.into_mut(),
+            std::collections::hash_map::Entry::Vacant(v) => {
+                let d = reg.get(r.region).map_err(ctx)?;
+                if d.kind != RegionKind::Host {
+                    return Err(ctx(Error::new(
+                        Status::Unsupported,
+                        format!(
+                            "region {} is device memory; cma writes host memory only",
+                            r.region
+                        ),
+                    )));
+                }
+                guards.push(reg.acquire(r.region, 0, 0).map_err(ctx)?);
+                v.insert(d)
+            }
+        };
+        d.check(r.offset, r.len).map_err(ctx)?;
     }
     Ok(guards)
 }

@@ -153,6 +153,8 @@ pub(crate) fn validate_ops(
     let mut pieces = Vec::with_capacity(ops.len());
     let mut total = 0u64;
     let mut pinned: HashMap<u64, AccessGuard> = HashMap::new();
+    let mut locals: HashMap<u64, RegionDesc> = HashMap::new();
+    let mut remotes: HashMap<u64, Option<RegionDesc>> = HashMap::new();
     for (i, op) in ops.iter().enumerate() {
         let ctx = |e: Error| {
             Error::new(
@@ -160,7 +162,12 @@ pub(crate) fn validate_ops(
                 format!("op {i} of the batch: {}; nothing was sent", e.detail()),
             )
         };
-        let ldesc = registry.get(op.local_region).map_err(ctx)?;
+        let ldesc = match locals.entry(op.local_region) {
+            std::collections::hash_map::Entry::Occupied(o) => o.into_mut(),
+            std::collections::hash_map::Entry::Vacant(v) => {
+                v.insert(registry.get(op.local_region).map_err(ctx)?)
+            }
+        };
         ldesc.check(op.local_offset, op.len).map_err(ctx)?;
         if ldesc.kind != RegionKind::Host {
             return Err(ctx(Error::new(
@@ -171,12 +178,16 @@ pub(crate) fn validate_ops(
                 ),
             )));
         }
-        let rdesc = remote(op.remote_region).ok_or_else(|| {
-            ctx(Error::new(
-                Status::RegionNotFound,
-                format!("the peer exported no region {}", op.remote_region),
-            ))
-        })?;
+        let rdesc = remotes
+            .entry(op.remote_region)
+            .or_insert_with(|| remote(op.remote_region))
+            .as_ref()
+            .ok_or_else(|| {
+                ctx(Error::new(
+                    Status::RegionNotFound,
+                    format!("the peer exported no region {}", op.remote_region),
+                ))
+            })?;
         rdesc.check(op.remote_offset, op.len).map_err(ctx)?;
         if rdesc.kind != RegionKind::Host {
             return Err(ctx(Error::new(
