@@ -77,6 +77,8 @@ struct RecvBatch {
 struct TcpRecv {
     batches: HashMap<u64, RecvBatch>,
     finished: HashSet<u64>,
+    /// Batches the test stall knob already delayed.
+    stalled: HashSet<u64>,
 }
 
 struct Granted {
@@ -749,7 +751,7 @@ fn stream_loop(
         s.read_exact(&mut hb)?;
         let h = DataHeader::decode(&hb)?;
         if !a.stall.is_zero() {
-            let new = !lock(&sess.tcp).batches.contains_key(&h.batch);
+            let new = lock(&sess.tcp).stalled.insert(h.batch);
             if new {
                 std::thread::sleep(a.stall);
             }
