@@ -216,16 +216,26 @@ def _call_rows(fn, args, numpy: bool) -> Tuple:
     return list(a), list(b)
 
 
-def _runs_out(fill, numpy: bool):
+def _runs_out(fill, numpy: bool, cap: int):
+    """Calls ``fill(out, capacity, out_len)`` once with a buffer of ``cap`` runs
+    (an upper bound), again only if the library asks for more."""
     n = ctypes.c_size_t(0)
-    check(fill(None, 0, ctypes.byref(n)))
+    for _ in range(2):
+        if numpy:
+            arr = _np.empty((cap, 3), dtype=_np.int64)
+            out = arr.ctypes.data_as(ctypes.POINTER(Run))
+        else:
+            arr = (Run * cap)()
+            out = ctypes.cast(arr, ctypes.POINTER(Run))
+        st = fill(out if cap else None, cap, ctypes.byref(n))
+        if st == -104:  # buffer_too_small: retry with the size it wrote
+            cap = n.value
+            continue
+        check(st)
+        break
     if numpy:
-        arr = _np.empty((n.value, 3), dtype=_np.int64)
-        check(fill(arr.ctypes.data_as(ctypes.POINTER(Run)), n.value, ctypes.byref(n)))
-        return arr
-    buf = (Run * n.value)()
-    check(fill(ctypes.cast(buf, ctypes.POINTER(Run)), n.value, ctypes.byref(n)))
-    return [(r.src, r.dst, r.len) for r in buf]
+        return arr[: n.value]
+    return [(r.src, r.dst, r.len) for r in arr[: n.value]]
 
 
 def dcp_token_plan(
@@ -286,8 +296,10 @@ def pair_runs(*, src_layout: Tuple[int, int, int], src_rank: int, src_pages, src
     start = max(src_origin, dst_origin) if start is None else start
     args, keep = _pair_args(src_layout, src_rank, src_pages, src_origin, dst_layout, dst_rank,
                             dst_pages, dst_origin, start, num_tokens, PLAN_PACKED if packed else 0)
+    s_pages, d_pages = keep
+    bound = num_tokens if not (packed and src_layout[1] == 1) else min(num_tokens, d_pages.n)
     return _runs_out(lambda out, cap, n: lib.pdxfer_pair_runs(ctypes.byref(args), out, cap, n),
-                     _is_np(src_pages, dst_pages))
+                     _is_np(src_pages, dst_pages), bound)
 
 
 def coalesce_runs(src_rows, dst_rows):
@@ -297,7 +309,7 @@ def coalesce_runs(src_rows, dst_rows):
     if s.n != d.n:
         raise ArgumentError(-101, f"src_rows and dst_rows differ in length: {s.n} vs {d.n}")
     return _runs_out(lambda out, cap, n: lib.pdxfer_coalesce_runs(s.ptr, d.ptr, s.n, out, cap, n),
-                     _is_np(src_rows, dst_rows))
+                     _is_np(src_rows, dst_rows), s.n)
 
 
 def dcp_pack_buffer_bytes(kv_item_lens: Sequence[int], page_size: int, max_tokens: int, dcp_size: int) -> int:
