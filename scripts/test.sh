@@ -16,6 +16,9 @@ cargo fmt --all -- --check
 step "cargo clippy --all-targets -- -D warnings"
 cargo clippy --all-targets -- -D warnings
 
+step "host-only build (--no-default-features)"
+cargo check --no-default-features --all-targets
+
 step "cargo build (regenerates include/pdxfer.h)"
 cargo build --all-targets
 if git rev-parse --is-inside-work-tree >/dev/null 2>&1; then
