@@ -6,6 +6,7 @@
 #![warn(missing_docs)]
 
 pub mod cli;
+pub mod engine;
 pub mod error;
 pub mod ffi;
 pub mod layout;
