@@ -8,6 +8,21 @@
 #include <stddef.h>
 #include <stdint.h>
 
+// Version of the bootstrap JSON schema written and accepted by this build.
+#define SCHEMA_VERSION 1
+
+// Most endpoints one registration may carry.
+#define MAX_ENDPOINTS 32
+
+// Most region descriptors one registration may carry.
+#define MAX_REGIONS 65536
+
+// Longest cluster name (it is part of URLs and etcd keys).
+#define MAX_CLUSTER_LEN 64
+
+// Default largest request body (4 MiB: room for tens of thousands of region descriptors).
+#define DEFAULT_MAX_BODY (4 << 20)
+
 // Plan only the packed layout: source rows are indices into a staging buffer.
 #define PDXFER_PLAN_PACKED 1
 
@@ -100,6 +115,10 @@ enum PdxStatus
   PDX_STATUS_UNAUTHORIZED = -502,
   // The bootstrap has no entry for the requested rank.
   PDX_STATUS_NOT_REGISTERED = -503,
+  // A request body is larger than the bootstrap server accepts.
+  PDX_STATUS_PAYLOAD_TOO_LARGE = -504,
+  // The bootstrap does not yet list every rank of the peer's current epoch.
+  PDX_STATUS_NOT_READY = -505,
   // No CUDA driver library (libcuda) could be loaded.
   PDX_STATUS_NO_CUDA_DRIVER = -600,
   // A CUDA driver call failed.
