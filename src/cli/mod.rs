@@ -1,6 +1,9 @@
-//! The `pdxfer` command line: `info`, `plan` (more subcommands join as their layers land).
+//! The `pdxfer` command line: `info`, `plan`, `bootstrap`, `rank` (more
+//! subcommands join as their layers land).
 
+mod bootstrap;
 mod plan;
+mod rank;
 
 use clap::{Parser, Subcommand};
 
@@ -22,6 +25,10 @@ enum Cmd {
     },
     /// Show where each token of a request goes, per (prefill rank, decode rank).
     Plan(plan::PlanArgs),
+    /// Run the standalone bootstrap server (HTTP/JSON; /health, /metrics).
+    Bootstrap(bootstrap::BootstrapArgs),
+    /// A stand-in engine rank for bootstrap tests and demos (register, hello, pair).
+    Rank(rank::RankArgs),
 }
 
 /// Runs the CLI; returns the process exit code.
@@ -30,6 +37,8 @@ pub fn main() -> i32 {
     let r = match cli.cmd {
         Cmd::Info { json } => info(json),
         Cmd::Plan(a) => plan::run(&a),
+        Cmd::Bootstrap(a) => bootstrap::run(&a),
+        Cmd::Rank(a) => rank::run(&a),
     };
     match r {
         Ok(()) => 0,
