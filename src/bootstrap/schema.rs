@@ -13,13 +13,17 @@ use std::fmt;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 /// Version of the bootstrap JSON schema written and accepted by this build.
+/// cbindgen:ignore
 pub const SCHEMA_VERSION: u32 = 1;
 
 /// Most endpoints one registration may carry.
+/// cbindgen:ignore
 pub const MAX_ENDPOINTS: usize = 32;
 /// Most region descriptors one registration may carry.
+/// cbindgen:ignore
 pub const MAX_REGIONS: usize = 65_536;
 /// Longest cluster name (it is part of URLs and etcd keys).
+/// cbindgen:ignore
 pub const MAX_CLUSTER_LEN: usize = 64;
 
 /// Milliseconds since the Unix epoch (0 if the clock is before 1970).

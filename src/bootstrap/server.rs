@@ -30,6 +30,7 @@ use std::time::Duration;
 use subtle::ConstantTimeEq;
 
 /// Default largest request body (4 MiB: room for tens of thousands of region descriptors).
+/// cbindgen:ignore
 pub const DEFAULT_MAX_BODY: usize = 4 << 20;
 
 /// How to run a bootstrap server.

@@ -19,8 +19,11 @@
 // checks NULL, alignment and lengths first (the rustls-ffi convention).
 #![allow(clippy::not_unsafe_ptr_arg_deref)]
 
+pub mod bootstrap;
+pub mod bootstrap_client;
 pub mod plan;
 pub mod ptr;
+pub mod registration;
 pub mod status;
 pub mod topology;
 

@@ -176,3 +176,76 @@ pub fn fill<T: Copy>(
     out.copy_from_slice(items);
     Ok(Status::Ok)
 }
+
+// ---- strings and opaque handles (bootstrap ABI) ----
+
+/// A caller's NUL-terminated UTF-8 string; NULL is an error naming `what`.
+pub fn c_str<'a>(p: *const std::ffi::c_char, what: &str) -> Result<&'a str> {
+    if p.is_null() {
+        return Err(Error::new(Status::NullArgument, format!("{what} is NULL")));
+    }
+    // SAFETY: non-NULL; the caller promises a NUL-terminated string valid for the call.
+    let c = unsafe { std::ffi::CStr::from_ptr(p) };
+    c.to_str().map_err(|e| {
+        Error::new(
+            Status::InvalidUtf8,
+            format!("{what} is not valid UTF-8: {e}"),
+        )
+    })
+}
+
+/// Like [`c_str`], but NULL means "not given".
+pub fn opt_c_str<'a>(p: *const std::ffi::c_char, what: &str) -> Result<Option<&'a str>> {
+    if p.is_null() {
+        Ok(None)
+    } else {
+        c_str(p, what).map(Some)
+    }
+}
+
+/// Copies `s` and a terminating NUL into the caller's buffer of `capacity`
+/// bytes, writing the needed size (NUL included) to `out_len`. A NULL buffer
+/// with capacity 0 is a size query.
+pub fn fill_str(
+    s: &str,
+    dst: *mut std::ffi::c_char,
+    capacity: usize,
+    out_len: *mut usize,
+    what: &str,
+) -> Result<Status> {
+    let mut bytes: Vec<std::ffi::c_char> = s.bytes().map(|b| b as std::ffi::c_char).collect();
+    bytes.push(0);
+    fill(&bytes, dst, capacity, out_len, what)
+}
+
+/// Moves `v` to the heap and writes the handle to `out` (which must not be NULL).
+pub fn new_handle<T>(v: T, out: *mut *mut T, what: &str) -> Result<()> {
+    if out.is_null() {
+        return Err(Error::new(Status::NullArgument, format!("{what} is NULL")));
+    }
+    write_out(out, Box::into_raw(Box::new(v)), what)
+}
+
+/// Borrows a handle created by [`new_handle`]; NULL is an error naming `what`.
+pub fn handle<'a, T>(p: *const T, what: &str) -> Result<&'a T> {
+    if p.is_null() {
+        return Err(Error::new(Status::NullArgument, format!("{what} is NULL")));
+    }
+    if !(p as usize).is_multiple_of(align_of::<T>()) {
+        return Err(Error::invalid(format!(
+            "{what} is not a pdxfer handle (misaligned)"
+        )));
+    }
+    // SAFETY: non-NULL and aligned; the caller passes a live handle from new_handle, not yet destroyed.
+    Ok(unsafe { &*p })
+}
+
+/// Takes back ownership of a handle for destruction; NULL gives `None`.
+pub fn take_handle<T>(p: *mut T) -> Option<Box<T>> {
+    if p.is_null() {
+        None
+    } else {
+        // SAFETY: the caller passes a handle from new_handle exactly once (destroy contract).
+        Some(unsafe { Box::from_raw(p) })
+    }
+}
