@@ -54,7 +54,8 @@ pub(crate) fn boundary(f: impl FnOnce() -> Result<Status>) -> PdxStatus {
     match catch_unwind(AssertUnwindSafe(f)) {
         Ok(Ok(s)) => s,
         Ok(Err(e)) => {
-            set_last_error(&e.to_string());
+            // The status already carries the kind; the text is the detail.
+            set_last_error(e.detail());
             e.status()
         }
         Err(payload) => {

@@ -5,6 +5,7 @@
 use super::ptr::{self, Versioned};
 use super::{boundary, non_negative, PdxStatus};
 use crate::error::{Error, Result, Status};
+use crate::layout::plan::RunMerger;
 use crate::layout::{self, DcpLayout, PairRequest, Run, SglangChunk, Side};
 
 /// Inputs of SGLang's per-chunk DCP plan (`pdxfer_dcp_token_plan`).
@@ -110,63 +111,100 @@ pub struct PdxRun {
     pub len: i64,
 }
 
-fn pages(p: *const i64, n: usize, what: &str) -> Result<Vec<u64>> {
+/// A caller page table as u64, refusing negative ids and ids whose rows
+/// (`page * page_size + slot`) would not fit int64.
+fn pages(p: *const i64, n: usize, page_size: u64, what: &str) -> Result<Vec<u64>> {
+    let limit = (i64::MAX as u64) / page_size.max(1);
     ptr::slice(p, n, what)?
         .iter()
         .enumerate()
-        .map(|(i, &v)| {
-            u64::try_from(v).map_err(|_| Error::invalid(format!("{what}[{i}] = {v} is negative")))
+        .map(|(i, &v)| match u64::try_from(v) {
+            Ok(u) if u < limit => Ok(u),
+            Ok(_) => Err(Error::invalid(format!(
+                "{what}[{i}] = {v} is too large for page_size {page_size}"
+            ))),
+            Err(_) => Err(Error::invalid(format!("{what}[{i}] = {v} is negative"))),
         })
         .collect()
 }
 
-fn to_i64(v: u64) -> Result<i64> {
-    i64::try_from(v).map_err(|_| Error::invalid(format!("row {v} does not fit int64")))
-}
-
-fn fill_rows(
-    plan: &layout::TokenPlan,
+/// Writes the pair's rows straight into the caller's arrays (no intermediate copy).
+fn plan_into(
+    req: &PairRequest<'_>,
     src: *mut i64,
     dst: *mut i64,
     cap: usize,
     out_len: *mut usize,
 ) -> Result<Status> {
-    ptr::write_out(out_len, plan.len(), "out_len")?;
+    req.validate()?;
+    let n = req.token_count() as usize;
+    ptr::write_out(out_len, n, "out_len")?;
     if src.is_null() && dst.is_null() && cap == 0 {
         return Ok(Status::Ok);
     }
-    if cap < plan.len() {
+    if cap < n {
         return Err(Error::new(
             Status::BufferTooSmall,
-            format!(
-                "row arrays hold {cap} items but {} are needed (written to out_len)",
-                plan.len()
-            ),
+            format!("row arrays hold {cap} items but {n} are needed (written to out_len)"),
         ));
     }
-    let s = ptr::slice_mut(src, plan.len(), "src_rows")?;
-    let d = ptr::slice_mut(dst, plan.len(), "dst_rows")?;
-    for (o, &v) in s.iter_mut().zip(&plan.src_rows) {
-        *o = to_i64(v)?;
-    }
-    for (o, &v) in d.iter_mut().zip(&plan.dst_rows) {
-        *o = to_i64(v)?;
-    }
+    let s = ptr::slice_mut(src, n, "src_rows")?;
+    let d = ptr::slice_mut(dst, n, "dst_rows")?;
+    let mut i = 0usize;
+    // Rows fit int64: `pages` bounded every page id by i64::MAX / page_size.
+    req.for_each_segment(|seg| {
+        for k in 0..seg.len {
+            s[i] = (seg.src_row + k) as i64;
+            d[i] = (seg.dst_row + k) as i64;
+            i += 1;
+        }
+    })?;
     Ok(Status::Ok)
 }
 
-fn fill_runs(runs: &[Run], out: *mut PdxRun, cap: usize, out_len: *mut usize) -> Result<Status> {
-    let conv: Result<Vec<PdxRun>> = runs
-        .iter()
-        .map(|r| {
-            Ok(PdxRun {
-                src: to_i64(r.src)?,
-                dst: to_i64(r.dst)?,
-                len: to_i64(r.len)?,
-            })
-        })
-        .collect();
-    ptr::fill(&conv?, out, cap, out_len, "runs")
+/// Counts runs and writes those that fit into the caller's array.
+struct RunSink<'a> {
+    out: &'a mut [PdxRun],
+    count: usize,
+}
+
+impl RunSink<'_> {
+    fn put(&mut self, r: Run) {
+        if let Some(slot) = self.out.get_mut(self.count) {
+            // Rows fit int64 (page ids bounded in `pages`, rows checked in coalesce).
+            *slot = PdxRun {
+                src: r.src as i64,
+                dst: r.dst as i64,
+                len: r.len as i64,
+            };
+        }
+        self.count += 1;
+    }
+
+    fn finish(self, out_len: *mut usize) -> Result<Status> {
+        ptr::write_out(out_len, self.count, "out_len")?;
+        if self.count > self.out.len() && !self.out.is_empty() {
+            return Err(Error::new(
+                Status::BufferTooSmall,
+                format!(
+                    "runs holds {} items but {} are needed (written to out_len)",
+                    self.out.len(),
+                    self.count
+                ),
+            ));
+        }
+        Ok(Status::Ok)
+    }
+}
+
+fn run_sink<'a>(out: *mut PdxRun, cap: usize, out_len: *mut usize) -> Result<RunSink<'a>> {
+    if out_len.is_null() {
+        return Err(Error::new(Status::NullArgument, "out_len is NULL"));
+    }
+    Ok(RunSink {
+        out: ptr::slice_mut(out, cap, "runs")?,
+        count: 0,
+    })
 }
 
 /// SGLang's per-chunk DCP token plan for one decode rank.
@@ -184,8 +222,8 @@ pub extern "C" fn pdxfer_dcp_token_plan(
 ) -> PdxStatus {
     boundary(|| {
         let a = ptr::read_versioned(args)?;
-        let src = pages(a.src_pages, a.num_src_pages, "src_pages")?;
-        let dst = pages(a.dst_pages, a.num_dst_pages, "dst_pages")?;
+        let src = pages(a.src_pages, a.num_src_pages, a.page_size, "src_pages")?;
+        let dst = pages(a.dst_pages, a.num_dst_pages, a.page_size, "dst_pages")?;
         let n = if a.num_tokens == -1 {
             None
         } else {
@@ -201,13 +239,7 @@ pub extern "C" fn pdxfer_dcp_token_plan(
             decode_prefix_len: a.decode_prefix_len,
             num_tokens: n,
         };
-        let req = chunk.to_pair()?;
-        req.validate()?;
-        if src_rows.is_null() && dst_rows.is_null() && capacity == 0 {
-            ptr::write_out(out_len, req.token_count() as usize, "out_len")?;
-            return Ok(Status::Ok);
-        }
-        fill_rows(&req.plan()?, src_rows, dst_rows, capacity, out_len)
+        plan_into(&chunk.to_pair()?, src_rows, dst_rows, capacity, out_len)
     })
 }
 
@@ -246,15 +278,25 @@ pub extern "C" fn pdxfer_pair_token_plan(
 ) -> PdxStatus {
     boundary(|| {
         let a = ptr::read_versioned(args)?;
-        let src = pages(a.src_pages, a.num_src_pages, "src_pages")?;
-        let dst = pages(a.dst_pages, a.num_dst_pages, "dst_pages")?;
-        let req = pair_request(&a, &src, &dst)?;
-        req.validate()?;
-        if src_rows.is_null() && dst_rows.is_null() && capacity == 0 {
-            ptr::write_out(out_len, req.token_count() as usize, "out_len")?;
-            return Ok(Status::Ok);
-        }
-        fill_rows(&req.plan()?, src_rows, dst_rows, capacity, out_len)
+        let src = pages(
+            a.src_pages,
+            a.num_src_pages,
+            a.src_layout.page_size,
+            "src_pages",
+        )?;
+        let dst = pages(
+            a.dst_pages,
+            a.num_dst_pages,
+            a.dst_layout.page_size,
+            "dst_pages",
+        )?;
+        plan_into(
+            &pair_request(&a, &src, &dst)?,
+            src_rows,
+            dst_rows,
+            capacity,
+            out_len,
+        )
     })
 }
 
@@ -272,15 +314,22 @@ pub extern "C" fn pdxfer_pair_runs(
         if a.flags & !PDXFER_PLAN_PACKED != 0 {
             return Err(Error::invalid(format!("unknown flags 0x{:x}", a.flags)));
         }
-        let src = pages(a.src_pages, a.num_src_pages, "src_pages")?;
-        let dst = pages(a.dst_pages, a.num_dst_pages, "dst_pages")?;
+        let src = pages(
+            a.src_pages,
+            a.num_src_pages,
+            a.src_layout.page_size,
+            "src_pages",
+        )?;
+        let dst = pages(
+            a.dst_pages,
+            a.num_dst_pages,
+            a.dst_layout.page_size,
+            "dst_pages",
+        )?;
         let req = pair_request(&a, &src, &dst)?;
-        fill_runs(
-            &req.runs(a.flags & PDXFER_PLAN_PACKED != 0)?,
-            runs,
-            capacity,
-            out_len,
-        )
+        let mut sink = run_sink(runs, capacity, out_len)?;
+        req.for_each_run(a.flags & PDXFER_PLAN_PACKED != 0, |r| sink.put(r))?;
+        sink.finish(out_len)
     })
 }
 
@@ -295,9 +344,21 @@ pub extern "C" fn pdxfer_coalesce_runs(
     out_len: *mut usize,
 ) -> PdxStatus {
     boundary(|| {
-        let s = pages(src_rows, num_rows, "src_rows")?;
-        let d = pages(dst_rows, num_rows, "dst_rows")?;
-        fill_runs(&layout::coalesce_runs(&s, &d)?, runs, capacity, out_len)
+        let s = ptr::slice(src_rows, num_rows, "src_rows")?;
+        let d = ptr::slice(dst_rows, num_rows, "dst_rows")?;
+        let mut sink = run_sink(runs, capacity, out_len)?;
+        let mut m = RunMerger::default();
+        let mut put = |r: Run| sink.put(r);
+        for (i, (&a, &b)) in s.iter().zip(d).enumerate() {
+            if a < 0 || b < 0 {
+                return Err(Error::invalid(format!(
+                    "row {i} is negative: src={a}, dst={b}"
+                )));
+            }
+            m.push(a as u64, b as u64, 1, &mut put);
+        }
+        m.finish(&mut put);
+        sink.finish(out_len)
     })
 }
 

@@ -196,6 +196,10 @@ impl PairRequest<'_> {
     /// Calls `f` for every segment of the pair, in sequence order.
     pub fn for_each_segment(&self, mut f: impl FnMut(Segment)) -> Result<()> {
         self.validate()?;
+        if self.src.layout.dcp_size == 1 {
+            segments_single_source(self, f);
+            return Ok(());
+        }
         walk_positions(self, |t, len| {
             // split at page boundaries of both sides
             let (mut t, mut left) = (t, len);
@@ -228,8 +232,13 @@ impl PairRequest<'_> {
             dst_rows: Vec::with_capacity(n),
         };
         self.for_each_segment(|s| {
-            plan.src_rows.extend(s.src_row..s.src_row + s.len);
-            plan.dst_rows.extend(s.dst_row..s.dst_row + s.len);
+            if s.len == 1 {
+                plan.src_rows.push(s.src_row);
+                plan.dst_rows.push(s.dst_row);
+            } else {
+                plan.src_rows.extend(s.src_row..s.src_row + s.len);
+                plan.dst_rows.extend(s.dst_row..s.dst_row + s.len);
+            }
         })?;
         Ok(plan)
     }
@@ -239,31 +248,140 @@ impl PairRequest<'_> {
     /// in sequence order). Adjacent runs merge when both sides continue.
     pub fn runs(&self, packed: bool) -> Result<Vec<Run>> {
         let mut runs: Vec<Run> = Vec::new();
+        if self.validate().is_ok() {
+            runs.reserve(self.max_runs(packed) as usize);
+        }
+        self.for_each_run(packed, |r| runs.push(r))?;
+        Ok(runs)
+    }
+
+    /// Calls `f` for every run (see [`runs`](Self::runs)), in order, without allocating.
+    pub fn for_each_run(&self, packed: bool, mut f: impl FnMut(Run)) -> Result<()> {
+        let mut m = RunMerger::default();
         if packed && self.src.layout.dcp_size == 1 {
             self.validate()?;
-            packed_runs_single_source(self, &mut runs);
-            return Ok(runs);
+            packed_runs_single_source(self, &mut m, &mut f);
+        } else {
+            let mut next_pack = 0u64;
+            self.for_each_segment(|s| {
+                let src = if packed { next_pack } else { s.src_row };
+                next_pack += s.len;
+                m.push(src, s.dst_row, s.len, &mut f);
+            })?;
         }
-        let mut next_pack = 0u64;
-        self.for_each_segment(|s| {
-            let src = if packed { next_pack } else { s.src_row };
-            next_pack += s.len;
-            push_run(&mut runs, src, s.dst_row, s.len);
-        })?;
-        Ok(runs)
+        m.finish(&mut f);
+        Ok(())
+    }
+
+    /// An upper bound on the number of runs (for sizing output buffers).
+    pub fn max_runs(&self, packed: bool) -> u64 {
+        let tokens = self.token_count();
+        if packed && self.src.layout.dcp_size == 1 {
+            tokens.min(self.dst.pages.len() as u64)
+        } else {
+            tokens
+        }
     }
 }
 
-/// Appends a run, merging it into the last one when both sides continue.
-#[inline]
-pub(crate) fn push_run(runs: &mut Vec<Run>, src: u64, dst: u64, len: u64) {
-    if let Some(last) = runs.last_mut() {
-        if last.src + last.len == src && last.dst + last.len == dst {
-            last.len += len;
-            return;
+/// Merges consecutive runs whose both sides continue, emitting finished ones
+/// (SGLang's `group_concurrent_contiguous`, streaming).
+#[derive(Default)]
+pub struct RunMerger {
+    pending: Option<Run>,
+}
+
+impl RunMerger {
+    /// Adds a run, merging it into the pending one when both sides continue.
+    #[inline]
+    pub fn push(&mut self, src: u64, dst: u64, len: u64, f: &mut impl FnMut(Run)) {
+        if let Some(p) = &mut self.pending {
+            if p.src + p.len == src && p.dst + p.len == dst {
+                p.len += len;
+                return;
+            }
+        }
+        if let Some(done) = self.pending.replace(Run { src, dst, len }) {
+            f(done);
         }
     }
-    runs.push(Run { src, dst, len });
+
+    /// Emits the pending run.
+    pub fn finish(&mut self, f: &mut impl FnMut(Run)) {
+        if let Some(done) = self.pending.take() {
+            f(done);
+        }
+    }
+}
+
+/// Segments when one source rank holds every token (prefill DCP 1, SGLang's
+/// case): walks the destination rank's contiguous local indices with running
+/// counters, so the loop does no division.
+fn segments_single_source(req: &PairRequest<'_>, mut f: impl FnMut(Segment)) {
+    let (s, d) = (&req.src, &req.dst);
+    let (dl, sl) = (&d.layout, &s.layout);
+    let end = req.start + req.num_tokens;
+    let lo = dl.count_owned(d.rank, d.origin, req.start);
+    let hi = dl.count_owned(d.rank, d.origin, end);
+    if lo == hi {
+        return;
+    }
+    let (pd, ps) = (dl.page_size, sl.page_size);
+    // interleave block of the destination (unbounded without DCP)
+    let (blk, gap) = if dl.dcp_size == 1 {
+        (u64::MAX, 0)
+    } else {
+        (dl.interleave, (dl.dcp_size - 1) * dl.interleave)
+    };
+    let abs_l = lo + dl.local(d.origin);
+    let mut t = if dl.dcp_size == 1 {
+        abs_l
+    } else {
+        (abs_l / dl.interleave) * dl.dcp_size * dl.interleave
+            + d.rank * dl.interleave
+            + abs_l % dl.interleave
+    };
+    let mut in_blk = if dl.dcp_size == 1 {
+        0
+    } else {
+        abs_l % dl.interleave
+    };
+    let (mut dpi, mut doff) = ((lo / pd) as usize, lo % pd);
+    let soff0 = t - s.origin;
+    let (mut spi, mut soff) = ((soff0 / ps) as usize, soff0 % ps);
+    let mut left = hi - lo;
+    while left > 0 {
+        let n = left.min(blk - in_blk).min(pd - doff).min(ps - soff);
+        f(Segment {
+            pos: t,
+            len: n,
+            src_row: s.pages[spi] * ps + soff,
+            dst_row: d.pages[dpi] * pd + doff,
+        });
+        left -= n;
+        doff += n;
+        if doff == pd {
+            doff = 0;
+            dpi += 1;
+        }
+        in_blk += n;
+        let mut step = n;
+        if in_blk == blk {
+            in_blk = 0;
+            step += gap;
+        }
+        t += step;
+        soff += step;
+        if soff >= ps {
+            if soff < 2 * ps {
+                soff -= ps;
+                spi += 1;
+            } else {
+                spi += (soff / ps) as usize;
+                soff %= ps;
+            }
+        }
+    }
 }
 
 /// Calls `f(t, len)` for each maximal stretch of positions in the chunk owned by
@@ -309,7 +427,7 @@ fn next_owned_block(l: &DcpLayout, rank: u64, t: u64) -> u64 {
 
 /// Packed runs when one source rank sends everything: the destination's local
 /// indices of its tokens are contiguous, so runs follow its pages only.
-fn packed_runs_single_source(req: &PairRequest<'_>, runs: &mut Vec<Run>) {
+fn packed_runs_single_source(req: &PairRequest<'_>, m: &mut RunMerger, f: &mut impl FnMut(Run)) {
     let d = &req.dst;
     let end = req.start + req.num_tokens;
     let lo = d.layout.count_owned(d.rank, d.origin, req.start);
@@ -319,7 +437,7 @@ fn packed_runs_single_source(req: &PairRequest<'_>, runs: &mut Vec<Run>) {
     while l < hi {
         let n = (p - l % p).min(hi - l);
         let row = d.pages[(l / p) as usize] * p + l % p;
-        push_run(runs, l - lo, row, n);
+        m.push(l - lo, row, n, f);
         l += n;
     }
 }

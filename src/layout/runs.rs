@@ -26,9 +26,12 @@ pub fn coalesce_runs(src_rows: &[u64], dst_rows: &[u64]) -> Result<Vec<Run>> {
         )));
     }
     let mut runs: Vec<Run> = Vec::new();
+    let mut m = super::plan::RunMerger::default();
+    let mut f = |r| runs.push(r);
     for (&s, &d) in src_rows.iter().zip(dst_rows) {
-        super::plan::push_run(&mut runs, s, d, 1);
+        m.push(s, d, 1, &mut f);
     }
+    m.finish(&mut f);
     Ok(runs)
 }
 

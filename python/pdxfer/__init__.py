@@ -1,0 +1,75 @@
+"""pdxfer: KV-cache transfer for prefill/decode disaggregated LLM serving.
+
+A ctypes binding of ``libpdxfer.so`` (found through ``PDXFER_LIB`` or the cargo
+target directory). Errors are :class:`PdxError` subclasses with ``.code`` (the
+stable status number shared with C) and ``.kind`` (its snake_case name).
+"""
+
+from ._lib import (
+    ABI_VERSION_MAJOR,
+    ArgumentError,
+    BootstrapError,
+    CompatError,
+    CudaError,
+    EngineError,
+    LayoutError,
+    MemoryError_,
+    NcclError,
+    PdxError,
+    PlanError,
+    RdmaError,
+    TransportError,
+    check,
+    error_class,
+    lib,
+    library_path,
+)
+from .layout import (
+    PeerCompat,
+    RankMapping,
+    Topology,
+    check_peer,
+    coalesce_runs,
+    dcp_pack_buffer_bytes,
+    dcp_token_plan,
+    pair_runs,
+    pair_token_plan,
+    rank_mapping,
+)
+
+
+def abi_version() -> tuple:
+    """The loaded library's ABI version as ``(major, minor)``."""
+    v = lib.pdxfer_abi_version()
+    return (v >> 16, v & 0xFFFF)
+
+
+__all__ = [
+    "ABI_VERSION_MAJOR",
+    "ArgumentError",
+    "BootstrapError",
+    "CompatError",
+    "CudaError",
+    "EngineError",
+    "LayoutError",
+    "MemoryError_",
+    "NcclError",
+    "PdxError",
+    "PlanError",
+    "RdmaError",
+    "TransportError",
+    "abi_version",
+    "check",
+    "error_class",
+    "library_path",
+    "PeerCompat",
+    "RankMapping",
+    "Topology",
+    "check_peer",
+    "coalesce_runs",
+    "dcp_pack_buffer_bytes",
+    "dcp_token_plan",
+    "pair_runs",
+    "pair_token_plan",
+    "rank_mapping",
+]

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Installs what pdxfer needs to build and test on a fresh Debian machine of our
+# kind (Rust toolchain already present). Idempotent: skips what is installed.
+set -euo pipefail
+
+APT_PACKAGES=(
+  cmake pkg-config libclang-dev         # ibverbs-sys build (bindgen + rdma-core CMake)
+  libnl-3-dev libnl-route-3-dev libibverbs-dev
+  valgrind                              # C tests under memcheck
+  python3-venv
+)
+
+missing=()
+for p in "${APT_PACKAGES[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if ((${#missing[@]})); then
+  echo "deps: apt-get install ${missing[*]}"
+  SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+
+PY_PACKAGES=(numpy pytest)
+for p in "${PY_PACKAGES[@]}"; do
+  python3 -c "import $p" 2>/dev/null || { echo "deps: pip install $p"; python3 -m pip install -q "$p"; }
+done

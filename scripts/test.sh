@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Runs every test of pdxfer (Rust, C, Python) after installing what they need.
+# This is the README's test command and what .ci/run calls.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export CARGO_TERM_COLOR=never
+
+step() { echo; echo "=== $*"; }
+
+step "dependencies"
+bash scripts/deps.sh
+
+step "cargo fmt --check"
+cargo fmt --all -- --check
+
+step "cargo clippy --all-targets -- -D warnings"
+cargo clippy --all-targets -- -D warnings
+
+step "host-only build (--no-default-features)"
+cargo check --no-default-features --all-targets
+
+step "cargo build (regenerates include/pdxfer.h)"
+cargo build --all-targets
+if git rev-parse --is-inside-work-tree >/dev/null 2>&1; then
+  if ! git diff --exit-code -- include/pdxfer.h; then
+    echo "include/pdxfer.h is stale: commit the regenerated header" >&2
+    exit 1
+  fi
+fi
+
+step "cargo test"
+cargo test --all-targets 2>&1 | tee target/cargo-test.log
+grep -q "test result:" target/cargo-test.log
+
+step "C tests (-Wall -Werror, valgrind)"
+make -s -C c_tests valgrind LIBDIR="$PWD/target/debug"
+
+step "Python tests"
+PDXFER_LIB="$PWD/target/debug/libpdxfer.so" python3 -m pytest -q python/tests
+
+echo
+echo "all tests passed"

@@ -1,0 +1,96 @@
+//! The `pdxfer` binary: `plan` (table and --json) and `info` on a machine
+//! without GPU or RDMA NIC (typed "absent" entries, exit 0, no panic).
+
+use std::process::Command;
+
+fn pdxfer(args: &[&str]) -> (i32, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_pdxfer"))
+        .args(args)
+        .output()
+        .expect("run pdxfer");
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn plan_worked_example_json() {
+    let (code, out, err) = pdxfer(&["plan", "--json"]);
+    assert_eq!(code, 0, "{err}");
+    let v: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+    let pairs = v["pairs"].as_array().unwrap();
+    assert_eq!(pairs.len(), 4);
+    for p in pairs {
+        assert_eq!(p["tokens"], 75);
+        assert_eq!(p["runs_unpacked"], 75);
+        assert_eq!(p["runs_packed"], 2);
+        assert_eq!(p["writes_unpacked"], 75 * 61);
+        assert_eq!(p["writes_packed"], 2 * 61);
+        assert_eq!(p["pack_bytes"], 5_270_400);
+    }
+    assert_eq!(v["total_tokens"], 300);
+    assert_eq!(v["writes_unpacked"], 18_300);
+}
+
+#[test]
+fn plan_rows_and_general_layouts() {
+    let (code, out, _) = pdxfer(&["plan", "--rank", "1", "--show-rows", "2"]);
+    assert_eq!(code, 0);
+    assert!(
+        out.contains("position      1: source row      449 -> destination row     2560"),
+        "{out}"
+    );
+    // prefill DCP 2 -> decode DCP 4: each decode rank has exactly one prefill peer
+    let (code, out, _) = pdxfer(&[
+        "plan",
+        "--tokens",
+        "4096",
+        "--src-dcp-size",
+        "2",
+        "--dcp-size",
+        "4",
+        "--json",
+    ]);
+    assert_eq!(code, 0);
+    let v: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+    let pairs = v["pairs"].as_array().unwrap();
+    assert_eq!(pairs.len(), 4);
+    assert_eq!(v["total_tokens"], 4096);
+    for p in pairs {
+        assert_eq!(
+            p["prefill_rank"].as_u64().unwrap(),
+            p["decode_rank"].as_u64().unwrap() % 2
+        );
+    }
+}
+
+#[test]
+fn plan_bad_input_is_a_clear_error() {
+    let (code, _, err) = pdxfer(&["plan", "--tokens", "300", "--prefix", "64"]);
+    assert_eq!(code, 2);
+    assert!(err.contains("prefix_misaligned"), "{err}");
+    let (code, _, err) = pdxfer(&["plan", "--interleave", "3"]);
+    assert_eq!(code, 2);
+    assert!(err.contains("invalid_layout"), "{err}");
+}
+
+#[test]
+fn info_reports_absent_hardware_as_typed_entries() {
+    let (code, out, err) = pdxfer(&["info", "--json"]);
+    assert_eq!(code, 0, "{err}");
+    let v: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+    for k in ["cuda", "nvrtc", "nccl", "rdma"] {
+        let e = &v[k];
+        if e["available"] == false {
+            assert!(
+                e["kind"].is_string() && e["code"].as_i64().unwrap() < 0,
+                "{k}: {e}"
+            );
+        }
+    }
+    if !std::path::Path::new("/sys/class/infiniband").exists() {
+        assert_eq!(v["rdma"]["kind"], "no_rdma_device");
+    }
+}
