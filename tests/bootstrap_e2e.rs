@@ -238,9 +238,8 @@ fn scenario2_prefill_restart_at_same_address_is_detected() {
 }
 
 /// Scenario 3: two clusters in one bootstrap namespace stay isolated.
-#[test]
-fn scenario3_two_clusters_share_a_namespace() {
-    let (_b, url) = embedded();
+fn two_clusters(url: &str) {
+    let url = url.to_string();
     let store = open_store(&url, None).unwrap();
     let mut prefill = Vec::new();
     let mut decode = Vec::new();
@@ -290,6 +289,18 @@ fn scenario3_two_clusters_share_a_namespace() {
         .is_none());
 }
 
+#[test]
+fn scenario3_two_clusters_share_a_namespace_embedded() {
+    let (_b, url) = embedded();
+    two_clusters(&url);
+}
+
+#[test]
+fn scenario3_two_clusters_share_a_namespace_etcd() {
+    let Some((_b, url)) = etcd("s3") else { return };
+    two_clusters(&url);
+}
+
 /// Scenario 4: a rank that dies stops being listed within its lease.
 fn dies_within_ttl(url: &str, ttl_ms: u64, slack: Duration) {
     let store = open_store(url, None).unwrap();
@@ -320,7 +331,7 @@ fn dies_within_ttl(url: &str, ttl_ms: u64, slack: Duration) {
 #[test]
 fn scenario4_dead_rank_expires_embedded() {
     let (_b, url) = embedded();
-    dies_within_ttl(&url, 600, Duration::from_millis(400));
+    dies_within_ttl(&url, 1000, Duration::from_millis(500));
 }
 
 #[test]

@@ -353,3 +353,33 @@ fn server_refuses_an_empty_token_and_a_busy_port() {
     .expect("second bind on the same port must fail");
     assert_eq!(e.status(), Status::Bootstrap);
 }
+
+#[test]
+fn prefill_leader_registers_in_process_and_remote_ranks_see_it() {
+    let srv = server(Some(TOKEN));
+    // The leader writes straight into the server's store (no HTTP, no token).
+    let local: Arc<dyn Store> = srv.store();
+    let leader = Registrar::start(
+        local,
+        reg("lead", Role::Prefill, 0, 2),
+        Duration::from_secs(5),
+    )
+    .unwrap();
+    // Another rank registers over HTTP.
+    let remote: Arc<dyn Store> = Arc::new(HttpStore::new(&srv.url(), Some(TOKEN)).unwrap());
+    let other = Registrar::start(
+        remote.clone(),
+        reg("lead", Role::Prefill, 1, 2),
+        Duration::from_secs(5),
+    )
+    .unwrap();
+    let s = remote.summary("lead", Role::Prefill).unwrap();
+    assert!(s.ready, "{s:?}");
+    assert!(other.registration().epoch > leader.registration().epoch);
+    assert_eq!(
+        remote
+            .lookup("lead", Role::Prefill, &leader.registration().key())
+            .unwrap(),
+        leader.registration()
+    );
+}

@@ -235,11 +235,13 @@ fn handle(shared: &Shared, mut req: tiny_http::Request) {
         let mut st = shared.stats.lock().unwrap_or_else(|p| p.into_inner());
         *st.by_code.entry(reply.code).or_default() += 1;
     }
-    let ct = tiny_http::Header::from_bytes(&b"Content-Type"[..], reply.content_type.as_bytes())
-        .expect("static header is valid");
-    let resp = tiny_http::Response::from_string(reply.body)
-        .with_status_code(reply.code)
-        .with_header(ct);
+    let mut resp = tiny_http::Response::from_string(reply.body).with_status_code(reply.code);
+    // Both parts are static ASCII, so this always succeeds.
+    if let Ok(ct) =
+        tiny_http::Header::from_bytes(&b"Content-Type"[..], reply.content_type.as_bytes())
+    {
+        resp = resp.with_header(ct);
+    }
     // The client may have gone away; nothing to do then.
     let _ = req.respond(resp);
 }
