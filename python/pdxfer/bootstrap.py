@@ -69,11 +69,12 @@ _sig("pdxfer_registration_deregister", [_vp])
 _sig("pdxfer_registration_destroy", [_vp])
 
 
-def _string(call: Callable[..., int]) -> str:
-    """Runs a string-returning export: size query, then a right-sized buffer
-    (again if the answer grew in between, as a network lookup may)."""
-    need = ctypes.c_size_t(0)
-    check(call(None, 0, ctypes.byref(need)))
+def _string(call: Callable[..., int], first: int = 16384) -> str:
+    """Runs a string-returning export into a ``first``-byte buffer, and again
+    with the size the library asked for when that was too small (each call of
+    a lookup is one request, so no separate size query)."""
+    need = ctypes.c_size_t(first)
+    st = _BUFFER_TOO_SMALL
     for _ in range(4):
         buf = ctypes.create_string_buffer(need.value)
         st = call(buf, need.value, ctypes.byref(need))

@@ -1,6 +1,7 @@
 """The bootstrap through the Python binding: server, client, registration
 with keep-alive, lookups, readiness, tokens and the handshake re-check."""
 
+import json
 import time
 
 import pytest
@@ -104,3 +105,14 @@ def test_bad_arguments_raise_typed_errors(server):
     with pytest.raises(pdxfer.BootstrapError) as e:
         BootstrapServer(listen=server.url[len("http://"):])
     assert e.value.kind == "bootstrap"
+
+
+def test_large_entries_round_trip_past_the_first_buffer(server):
+    regions = [{"id": i, "addr": (i + 1) << 20, "len": 4096, "kind": "kv", "keys": {"rkey": "x" * 16}}
+               for i in range(400)]
+    with BootstrapClient(server.url, token=TOKEN) as c:
+        r = c.register(make_registration("big", "decode", pdxfer.Topology.mla(layers=61), regions=regions))
+        got = c.lookup("big", "decode", "dp0-tp0-cp0-pp0")
+        assert len(got["regions"]) == 400 and got["regions"][399]["addr"] == 400 << 20
+        assert len(json.dumps(got)) > 16384
+        r.deregister()

@@ -87,12 +87,15 @@ impl BootstrapServer {
                 "token: an empty token would accept every request; omit it instead",
             ));
         }
-        let server = tiny_http::Server::http(&cfg.listen).map_err(|e| {
+        let cannot = |e: &dyn std::fmt::Display| {
             Error::new(
                 Status::Bootstrap,
                 format!("cannot listen on {}: {e}", cfg.listen),
             )
-        })?;
+        };
+        let listener = std::net::TcpListener::bind(&cfg.listen).map_err(|e| cannot(&e))?;
+        set_nodelay(&listener);
+        let server = tiny_http::Server::from_listener(listener, None).map_err(|e| cannot(&e))?;
         let addr = server.server_addr().to_ip().ok_or_else(|| {
             Error::new(Status::Bootstrap, "bootstrap server is not on an IP socket")
         })?;
@@ -168,6 +171,27 @@ impl Drop for BootstrapServer {
     fn drop(&mut self) {
         self.shutdown();
     }
+}
+
+/// Sets TCP_NODELAY on the listening socket; Linux copies it to every
+/// accepted connection. tiny_http writes a response's head and body
+/// separately, and without it a kept-alive connection stalls on Nagle's
+/// algorithm against the client's delayed ACK (~40 ms per request).
+fn set_nodelay(l: &std::net::TcpListener) {
+    use std::os::fd::AsRawFd;
+    let one: libc::c_int = 1;
+    // SAFETY: the fd is open for the lifetime of `l`; the option value is a c_int that outlives the call.
+    let rc = unsafe {
+        libc::setsockopt(
+            l.as_raw_fd(),
+            libc::IPPROTO_TCP,
+            libc::TCP_NODELAY,
+            (&one as *const libc::c_int).cast(),
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        )
+    };
+    // Failure only costs latency, never correctness.
+    let _ = rc;
 }
 
 /// HTTP status for a pdxfer status.
