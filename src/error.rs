@@ -105,6 +105,10 @@ pub enum PdxStatus {
     Unauthorized = -502,
     /// The bootstrap has no entry for the requested rank.
     NotRegistered = -503,
+    /// A request body is larger than the bootstrap server accepts.
+    PayloadTooLarge = -504,
+    /// The bootstrap does not yet list every rank of the peer's current epoch.
+    NotReady = -505,
 
     /// No CUDA driver library (libcuda) could be loaded.
     NoCudaDriver = -600,
@@ -217,6 +221,8 @@ status_table! {
     StaleMetadata => "stale_metadata", "bootstrap metadata is stale";
     Unauthorized => "unauthorized", "missing or wrong bootstrap token";
     NotRegistered => "not_registered", "rank not registered with the bootstrap";
+    PayloadTooLarge => "payload_too_large", "request body too large for the bootstrap server";
+    NotReady => "not_ready", "bootstrap does not yet list every rank of the current epoch";
     NoCudaDriver => "no_cuda_driver", "no CUDA driver library could be loaded";
     Cuda => "cuda", "CUDA driver call failed";
     Nvrtc => "nvrtc", "NVRTC missing or compilation failed";

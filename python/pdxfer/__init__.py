@@ -24,6 +24,7 @@ from ._lib import (
     lib,
     library_path,
 )
+from . import bootstrap
 from .layout import (
     PeerCompat,
     RankMapping,
@@ -59,6 +60,7 @@ __all__ = [
     "RdmaError",
     "TransportError",
     "abi_version",
+    "bootstrap",
     "check",
     "error_class",
     "library_path",

@@ -1,7 +1,10 @@
-//! The `pdxfer` command line: `info`, `plan` (more subcommands join as their layers land).
+//! The `pdxfer` command line: `info`, `plan`, `bootstrap`, `rank` (more
+//! subcommands join as their layers land).
 
 mod bench;
+mod bootstrap;
 mod plan;
+mod rank;
 mod target;
 
 use clap::{Parser, Subcommand};
@@ -28,6 +31,10 @@ enum Cmd {
     Target(target::TargetArgs),
     /// Measure a transport between two processes (initiator and target).
     Bench(bench::BenchArgs),
+    /// Run the standalone bootstrap server (HTTP/JSON; /health, /metrics).
+    Bootstrap(bootstrap::BootstrapArgs),
+    /// A stand-in engine rank for bootstrap tests and demos (register, hello, pair).
+    Rank(rank::RankArgs),
 }
 
 /// Runs the CLI; returns the process exit code.
@@ -38,6 +45,8 @@ pub fn main() -> i32 {
         Cmd::Plan(a) => plan::run(&a),
         Cmd::Target(a) => target::run(&a),
         Cmd::Bench(a) => bench::run(&a),
+        Cmd::Bootstrap(a) => bootstrap::run(&a),
+        Cmd::Rank(a) => rank::run(&a),
     };
     match r {
         Ok(()) => 0,
