@@ -1,0 +1,111 @@
+// pdxfer relayout kernels: gather one decode rank's token rows from paged KV
+// pools into an entry-major staging (pack) buffer, and scatter them back out.
+//
+// Both directions copy *spans*: `rows` consecutive rows from `src_row` of the
+// source to `dst_row` of the destination, for every entry (layer) of a table.
+// Row r of an entry lives at `base + r * row_bytes`. For a gather, the source
+// is a pool entry and the destination is that entry's block of the pack buffer
+// (reference 4.4: `pack + n * sum_{k<e} row_k`); for a scatter it is the other
+// way round. Spans come from the plan (`layout::Run`, host-split to bounded
+// length). The copy is bytes: no dtype conversion, any row size.
+//
+// Work split: one warp copies one (entry, span) pair. A span whose source and
+// destination agree modulo 16 is copied with 16-byte vectors (unrolled 4x so
+// each lane keeps 4 loads in flight), with byte head/tail; otherwise bytewise.
+// Grid: x strides over spans (8 warps per block), y over entries; both loops
+// are grid-stride, so any grid is correct.
+//
+// The kernels use no shared memory, barriers or warp intrinsics, so
+// cuda/host_harness.h can run this very file on the CPU by looping over the
+// grid, and compare it byte for byte with the Rust CPU relayout. The file
+// needs no headers (NVRTC has no libc).
+
+typedef unsigned long long pdx_u64;
+typedef unsigned int pdx_u32;
+typedef unsigned char pdx_u8;
+
+// One entry (layer) of a launch; `src`/`dst` are device addresses of row 0.
+// Matches `relayout::CopyEntry` (32 bytes).
+struct PdxCopyEntry {
+    pdx_u64 src;
+    pdx_u64 dst;
+    pdx_u64 row_bytes;
+    pdx_u64 reserved;
+};
+
+// `rows` rows from `src_row` to `dst_row`. Matches `layout::Run` (24 bytes).
+struct PdxSpan {
+    pdx_u64 src_row;
+    pdx_u64 dst_row;
+    pdx_u64 rows;
+};
+
+#define PDX_THREADS_PER_BLOCK 256
+#define PDX_WARP 32
+
+// One warp copies `n` bytes from `src` to `dst`; `lane` is 0..31.
+__device__ __forceinline__ void pdx_warp_copy(const pdx_u8* __restrict__ src,
+                                              pdx_u8* __restrict__ dst, pdx_u64 n,
+                                              pdx_u32 lane) {
+    if ((((pdx_u64)src ^ (pdx_u64)dst) & 15) == 0) {
+        // Same alignment: bytes up to the first 16-byte boundary, then vectors.
+        pdx_u64 head = (16 - ((pdx_u64)src & 15)) & 15;
+        if (head > n) head = n;
+        if (lane < head) dst[lane] = src[lane];
+        const uint4* __restrict__ s4 = (const uint4*)(src + head);
+        uint4* __restrict__ d4 = (uint4*)(dst + head);
+        const pdx_u64 n4 = (n - head) >> 4;
+        pdx_u64 i = lane;
+        for (; i + 3 * PDX_WARP < n4; i += 4 * PDX_WARP) {
+            const uint4 a = s4[i];
+            const uint4 b = s4[i + PDX_WARP];
+            const uint4 c = s4[i + 2 * PDX_WARP];
+            const uint4 d = s4[i + 3 * PDX_WARP];
+            d4[i] = a;
+            d4[i + PDX_WARP] = b;
+            d4[i + 2 * PDX_WARP] = c;
+            d4[i + 3 * PDX_WARP] = d;
+        }
+        for (; i < n4; i += PDX_WARP) d4[i] = s4[i];
+        const pdx_u64 done = head + (n4 << 4);
+        const pdx_u64 tail = n - done;
+        if (lane < tail) dst[done + lane] = src[done + lane];
+    } else {
+        for (pdx_u64 i = lane; i < n; i += PDX_WARP) dst[i] = src[i];
+    }
+}
+
+__device__ __forceinline__ void pdx_copy_spans(const PdxCopyEntry* __restrict__ entries,
+                                               pdx_u32 num_entries,
+                                               const PdxSpan* __restrict__ spans,
+                                               pdx_u64 num_spans) {
+    const pdx_u32 lane = threadIdx.x % PDX_WARP;
+    const pdx_u64 warps_per_block = blockDim.x / PDX_WARP;
+    const pdx_u64 warp = (pdx_u64)blockIdx.x * warps_per_block + threadIdx.x / PDX_WARP;
+    const pdx_u64 num_warps = (pdx_u64)gridDim.x * warps_per_block;
+    for (pdx_u32 e = blockIdx.y; e < num_entries; e += gridDim.y) {
+        const PdxCopyEntry ent = entries[e];
+        for (pdx_u64 s = warp; s < num_spans; s += num_warps) {
+            const PdxSpan sp = spans[s];
+            pdx_warp_copy((const pdx_u8*)(ent.src + sp.src_row * ent.row_bytes),
+                          (pdx_u8*)(ent.dst + sp.dst_row * ent.row_bytes),
+                          sp.rows * ent.row_bytes, lane);
+        }
+    }
+}
+
+// Gather: entries[e].src is pool entry e (row = pool token row), entries[e].dst
+// is the pack block of entry e (row = packed index).
+extern "C" __global__ void __launch_bounds__(PDX_THREADS_PER_BLOCK)
+    pdx_gather(const PdxCopyEntry* __restrict__ entries, pdx_u32 num_entries,
+               const PdxSpan* __restrict__ spans, pdx_u64 num_spans) {
+    pdx_copy_spans(entries, num_entries, spans, num_spans);
+}
+
+// Scatter: entries[e].src is the pack block of entry e (row = packed index),
+// entries[e].dst is pool entry e (row = pool token row).
+extern "C" __global__ void __launch_bounds__(PDX_THREADS_PER_BLOCK)
+    pdx_scatter(const PdxCopyEntry* __restrict__ entries, pdx_u32 num_entries,
+                const PdxSpan* __restrict__ spans, pdx_u64 num_spans) {
+    pdx_copy_spans(entries, num_entries, spans, num_spans);
+}
