@@ -20,9 +20,6 @@
 // Every prefill CP rank transfers its shard.
 #define PDXFER_MAP_ALL_CP_RANKS 1
 
-// Threads per block of the relayout kernels (8 warps; `__launch_bounds__`).
-#define THREADS_PER_BLOCK 256
-
 // Stable status codes shared by Rust, C (`PdxStatus`) and Python (`.code`).
 enum PdxStatus
 #if defined(__cplusplus) || __STDC_VERSION__ >= 202311L

@@ -79,7 +79,7 @@ pub fn rows_per_span(row_bytes: &[u64], target_bytes: u64) -> u64 {
 }
 
 /// Threads per block of the relayout kernels (8 warps; `__launch_bounds__`).
-pub const THREADS_PER_BLOCK: u32 = 256;
+pub(crate) const THREADS_PER_BLOCK: u32 = 256;
 
 /// Grid of a relayout launch as `(grid_x, grid_y, block_x)`: x covers the
 /// spans at one warp each, y the entries. The kernels' loops are grid-stride,
