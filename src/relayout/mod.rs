@@ -78,6 +78,29 @@ pub fn rows_per_span(row_bytes: &[u64], target_bytes: u64) -> u64 {
     (target_bytes / widest).max(1)
 }
 
+/// Cuts gather spans (pool row -> packed index `0..n`) into slices of at most
+/// `tokens_per_slice` packed tokens: `(first token, tokens, spans)` with packed
+/// indices rebased to the slice. Used to reuse a staging buffer that cannot
+/// hold all of a pair's tokens at once (reference 4.4, sliced packing).
+pub fn slice_gather_spans(spans: &[Run], tokens_per_slice: u64) -> Vec<(u64, u64, Vec<Run>)> {
+    let per = tokens_per_slice.max(1);
+    let total = spans.iter().map(|s| s.dst + s.len).max().unwrap_or(0);
+    let mut out: Vec<(u64, u64, Vec<Run>)> = (0..total.div_ceil(per))
+        .map(|k| (k * per, per.min(total - k * per), Vec::new()))
+        .collect();
+    for s in spans {
+        let mut done = 0;
+        while done < s.len {
+            let idx = s.dst + done;
+            let k = idx / per;
+            let n = (s.len - done).min((k + 1) * per - idx);
+            push_run(&mut out[k as usize].2, s.src + done, idx - k * per, n);
+            done += n;
+        }
+    }
+    out
+}
+
 /// Threads per block of the relayout kernels (8 warps; `__launch_bounds__`).
 pub(crate) const THREADS_PER_BLOCK: u32 = 256;
 
@@ -246,6 +269,44 @@ mod tests {
         assert_eq!(launch_dims(32_768, 61), (4096, 61, 256));
         assert_eq!(launch_dims(0, 0), (1, 1, 256));
         assert_eq!(launch_dims(u64::MAX, 100_000), (1 << 20, 65_535, 256));
+    }
+
+    #[test]
+    fn slices_rebase_packed_indices() {
+        let spans = [
+            Run {
+                src: 100,
+                dst: 0,
+                len: 5,
+            },
+            Run {
+                src: 300,
+                dst: 5,
+                len: 2,
+            },
+        ];
+        let s = slice_gather_spans(&spans, 3);
+        let flat: Vec<_> = s
+            .iter()
+            .map(|(f, n, r)| {
+                (
+                    *f,
+                    *n,
+                    r.iter().map(|x| (x.src, x.dst, x.len)).collect::<Vec<_>>(),
+                )
+            })
+            .collect();
+        assert_eq!(
+            flat,
+            vec![
+                (0, 3, vec![(100, 0, 3)]),
+                (3, 3, vec![(103, 0, 2), (300, 2, 1)]),
+                (6, 1, vec![(301, 0, 1)]),
+            ]
+        );
+        assert!(slice_gather_spans(&[], 4).is_empty());
+        // one slice holding everything is the plan itself
+        assert_eq!(slice_gather_spans(&spans, 100)[0].2, spans.to_vec());
     }
 
     #[test]
