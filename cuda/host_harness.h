@@ -23,6 +23,7 @@ static thread_local pdx_dim3 blockIdx, threadIdx, blockDim, gridDim;
 #define __device__
 #define __forceinline__ inline
 #define __launch_bounds__(...)
+#define PDX_UNROLL
 
 #include "relayout.cu"
 

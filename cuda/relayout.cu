@@ -11,7 +11,8 @@
 //
 // Work split: one warp copies one (entry, span) pair. A span whose source and
 // destination agree modulo 16 is copied with 16-byte vectors (unrolled 4x so
-// each lane keeps 4 loads in flight), with byte head/tail; otherwise bytewise.
+// each lane keeps up to 4 loads in flight), with byte head/tail; otherwise
+// bytewise.
 // Grid: x strides over spans (8 warps per block), y over entries; both loops
 // are grid-stride, so any grid is correct.
 //
@@ -42,6 +43,11 @@ struct PdxSpan {
 
 #define PDX_THREADS_PER_BLOCK 256
 #define PDX_WARP 32
+// 16-byte loads each lane keeps in flight.
+#define PDX_UNROLL_N 4
+#ifndef PDX_UNROLL
+#define PDX_UNROLL _Pragma("unroll")
+#endif
 
 // One warp copies `n` bytes from `src` to `dst`; `lane` is 0..31.
 __device__ __forceinline__ void pdx_warp_copy(const pdx_u8* __restrict__ src,
@@ -55,18 +61,19 @@ __device__ __forceinline__ void pdx_warp_copy(const pdx_u8* __restrict__ src,
         const uint4* __restrict__ s4 = (const uint4*)(src + head);
         uint4* __restrict__ d4 = (uint4*)(dst + head);
         const pdx_u64 n4 = (n - head) >> 4;
-        pdx_u64 i = lane;
-        for (; i + 3 * PDX_WARP < n4; i += 4 * PDX_WARP) {
-            const uint4 a = s4[i];
-            const uint4 b = s4[i + PDX_WARP];
-            const uint4 c = s4[i + 2 * PDX_WARP];
-            const uint4 d = s4[i + 3 * PDX_WARP];
-            d4[i] = a;
-            d4[i + PDX_WARP] = b;
-            d4[i + 2 * PDX_WARP] = c;
-            d4[i + 3 * PDX_WARP] = d;
+        // Each lane issues up to PDX_UNROLL_N loads before its first store, so
+        // a warp keeps a whole 2 KiB stretch (e.g. a 1152-byte MLA row) in flight.
+        for (pdx_u64 i = lane; i < n4; i += PDX_UNROLL_N * PDX_WARP) {
+            uint4 v[PDX_UNROLL_N];
+            PDX_UNROLL
+            for (int k = 0; k < PDX_UNROLL_N; ++k) {
+                if (i + k * PDX_WARP < n4) v[k] = s4[i + k * PDX_WARP];
+            }
+            PDX_UNROLL
+            for (int k = 0; k < PDX_UNROLL_N; ++k) {
+                if (i + k * PDX_WARP < n4) d4[i + k * PDX_WARP] = v[k];
+            }
         }
-        for (; i < n4; i += PDX_WARP) d4[i] = s4[i];
         const pdx_u64 done = head + (n4 << 4);
         const pdx_u64 tail = n - done;
         if (lane < tail) dst[done + lane] = src[done + lane];

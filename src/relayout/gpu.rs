@@ -28,7 +28,7 @@ pub mod kernels {
 #[cfg(feature = "cuda")]
 mod device;
 #[cfg(feature = "cuda")]
-pub use device::{DeviceBuffer, GatherSlice, GpuEvent, GpuRelayout, KernelOrigin};
+pub use device::{DeviceBuffer, GatherSlice, GpuEvent, GpuRelayout, KernelOrigin, PreparedCopy};
 
 /// What this process can see of CUDA.
 #[derive(Debug, Clone, Serialize)]

@@ -165,6 +165,18 @@ impl DeviceBuffer {
     pub fn ordinal(&self) -> usize {
         self.ctx.ordinal()
     }
+
+    /// Copies `out.len()` bytes from `offset` to the host with a synchronous
+    /// copy. It does not wait for the relayout stream: wait on the event of
+    /// the work that wrote the bytes first.
+    pub fn read(&self, offset: usize, out: &mut [u8]) -> Result<()> {
+        check_range(self, offset, out.len())?;
+        guard("cuMemcpyDtoH", || {
+            self.ctx.bind_to_thread()?;
+            // SAFETY: the range was checked against the allocation.
+            unsafe { result::memcpy_dtoh_sync(out, self.ptr + offset as u64) }
+        })
+    }
 }
 
 impl Drop for DeviceBuffer {
@@ -179,6 +191,22 @@ impl Drop for DeviceBuffer {
             // SAFETY: ptr came from cuMemAlloc in this context and is freed once.
             unsafe { result::free_sync(ptr) }
         }));
+    }
+}
+
+/// Relayout tables uploaded once ([`GpuRelayout::prepare`]).
+pub struct PreparedCopy {
+    entries: u64,
+    spans: u64,
+    num_entries: u32,
+    num_spans: u64,
+    _tables: DeviceBuffer,
+}
+
+impl PreparedCopy {
+    /// Spans after splitting (one warp each, per entry).
+    pub fn num_spans(&self) -> u64 {
+        self.num_spans
     }
 }
 
@@ -272,28 +300,29 @@ impl GpuRelayout {
         })
     }
 
-    /// Copies `data` into `buf` at `offset`, ordered on the stream; returns
-    /// once the host bytes have been taken.
+    /// Copies `data` into `buf` at `offset`, ordered on the relayout stream
+    /// (later launches see it); returns once the host bytes have been taken.
     pub fn upload(&self, buf: &DeviceBuffer, offset: usize, data: &[u8]) -> Result<()> {
         check_range(buf, offset, data.len())?;
         self.bind()?;
-        // SAFETY: the range was checked against the allocation; the synchronous
-        // copy orders after earlier stream work because the stream is synchronised first.
-        guard("cuMemcpyHtoD", || unsafe {
-            result::stream::synchronize(self.stream.cu_stream())?;
-            result::memcpy_htod_sync(buf.ptr + offset as u64, data)
+        // SAFETY: the range was checked against the allocation; an async copy
+        // from pageable memory has staged the host bytes when it returns.
+        guard("cuMemcpyHtoDAsync", || unsafe {
+            result::memcpy_htod_async(buf.ptr + offset as u64, data, self.stream.cu_stream())
         })
     }
 
-    /// Copies `out.len()` bytes from `buf` at `offset` after all stream work
-    /// (blocks; for checks and tests).
+    /// Copies `out.len()` bytes from `buf` at `offset` after all work enqueued
+    /// on the relayout stream (blocks; for checks and tests).
     pub fn download(&self, buf: &DeviceBuffer, offset: usize, out: &mut [u8]) -> Result<()> {
         check_range(buf, offset, out.len())?;
         self.bind()?;
-        // SAFETY: as in upload.
-        guard("cuMemcpyDtoH", || unsafe {
-            result::stream::synchronize(self.stream.cu_stream())?;
-            result::memcpy_dtoh_sync(out, buf.ptr + offset as u64)
+        let stream = self.stream.cu_stream();
+        // SAFETY: the range was checked; the stream is synchronised before the
+        // host buffer is released.
+        guard("cuMemcpyDtoHAsync", || unsafe {
+            result::memcpy_dtoh_async(out, buf.ptr + offset as u64, stream)?;
+            result::stream::synchronize(stream)
         })
     }
 
@@ -392,6 +421,47 @@ impl GpuRelayout {
         // SAFETY: the argument list matches the kernel signature in cuda/relayout.cu;
         // the caller of gather/scatter guarantees the addresses.
         guard("cuLaunchKernel", || unsafe { b.launch(cfg) }).map(|_| ())
+    }
+
+    /// Uploads the tables of a gather or scatter once, for repeated launches
+    /// with [`launch_prepared`](Self::launch_prepared) (a plan reused across
+    /// steps, or a benchmark of the kernel alone). Spans are split as for
+    /// [`gather`](Self::gather).
+    pub fn prepare(&self, entries: &[CopyEntry], spans: &[Run]) -> Result<PreparedCopy> {
+        let rows: Vec<u64> = entries.iter().map(|e| e.row_bytes).collect();
+        let spans = split_spans(spans, rows_per_span(&rows, SPAN_TARGET_BYTES));
+        let num_entries = u32::try_from(entries.len())
+            .map_err(|_| Error::invalid("more than u32::MAX relayout entries"))?;
+        let eb = std::mem::size_of_val(entries);
+        let tables = self.alloc(eb + std::mem::size_of_val(spans.as_slice()))?;
+        let stream = self.stream.cu_stream();
+        // SAFETY: both copies fit in `tables`, sized for them above.
+        guard("cuMemcpyHtoDAsync(tables)", || unsafe {
+            result::memcpy_htod_async(tables.ptr, entries, stream)?;
+            result::memcpy_htod_async(tables.ptr + eb as u64, spans.as_slice(), stream)
+        })?;
+        Ok(PreparedCopy {
+            entries: tables.ptr,
+            spans: tables.ptr + eb as u64,
+            num_entries,
+            num_spans: spans.len() as u64,
+            _tables: tables,
+        })
+    }
+
+    /// Launches a prepared gather (`scatter` false) or scatter and returns
+    /// its event.
+    ///
+    /// # Safety
+    /// As for [`gather`](Self::gather), for the tables `p` was prepared from.
+    pub unsafe fn launch_prepared(&self, p: &PreparedCopy, scatter: bool) -> Result<GpuEvent> {
+        let f = if scatter {
+            &self.scatter_fn
+        } else {
+            &self.gather_fn
+        };
+        self.launch(f, p.entries, p.num_entries, p.spans, p.num_spans)?;
+        self.record(false)
     }
 
     fn copy(&mut self, scatter: bool, entries: &[CopyEntry], spans: &[Run]) -> Result<GpuEvent> {
