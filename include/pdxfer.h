@@ -116,6 +116,8 @@ enum PdxStatus
   PDX_STATUS_NO_NCCL = -800,
   // An NCCL call failed.
   PDX_STATUS_NCCL = -801,
+  // The two sides of an NCCL pair derived different send/recv plans.
+  PDX_STATUS_NCCL_PLAN_MISMATCH = -802,
   // The room id is unknown to this engine.
   PDX_STATUS_UNKNOWN_ROOM = -900,
   // The room has failed; its reason is kept on the room.
