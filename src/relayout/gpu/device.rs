@@ -138,7 +138,8 @@ impl GpuEvent {
 }
 
 /// Device memory owned by this crate (pools in tests, staging buffers).
-/// Its address and length are what transports register.
+/// Its address and length are what transports register. Dropping it frees
+/// the memory: keep it alive until the work that uses it has completed.
 pub struct DeviceBuffer {
     ctx: Arc<CudaContext>,
     ptr: u64,
@@ -194,7 +195,8 @@ impl Drop for DeviceBuffer {
     }
 }
 
-/// Relayout tables uploaded once ([`GpuRelayout::prepare`]).
+/// Relayout tables uploaded once ([`GpuRelayout::prepare`]). Keep it alive
+/// until the event of its last launch has completed.
 pub struct PreparedCopy {
     entries: u64,
     spans: u64,
@@ -232,6 +234,15 @@ pub struct GpuRelayout {
     origin: KernelOrigin,
     cc: (i32, i32),
     tables: Option<DeviceBuffer>,
+    retired: Vec<(DeviceBuffer, GpuEvent)>,
+}
+
+impl Drop for GpuRelayout {
+    fn drop(&mut self) {
+        // Enqueued kernels may still read the tables: let them finish before
+        // the buffers are freed. Errors cannot be reported from Drop.
+        let _ = catch_unwind(AssertUnwindSafe(|| self.stream.synchronize()));
+    }
 }
 
 impl GpuRelayout {
@@ -261,6 +272,7 @@ impl GpuRelayout {
             origin,
             cc,
             tables: None,
+            retired: Vec::new(),
         })
     }
 
@@ -365,14 +377,17 @@ impl GpuRelayout {
         guard("cuStreamWaitEvent", || self.stream.wait(&ev.ev))
     }
 
-    /// Ensures the table buffer holds at least `bytes`.
+    /// Ensures the table buffer holds at least `bytes`, without waiting: a
+    /// buffer that is too small retires with an event recorded after its last
+    /// use, and is freed once that event has completed.
     fn tables(&mut self, bytes: usize) -> Result<u64> {
+        self.retired
+            .retain(|(_, ev)| !matches!(ev.is_complete(), Ok(true)));
         if self.tables.as_ref().is_none_or(|t| t.len < bytes) {
-            // The old buffer may still be read by enqueued kernels: wait for them.
-            if self.tables.is_some() {
-                guard("cuStreamSynchronize", || self.stream.synchronize())?;
+            if let Some(old) = self.tables.take() {
+                let ev = self.record(false)?;
+                self.retired.push((old, ev));
             }
-            self.tables = None;
             self.tables = Some(self.alloc(bytes.next_power_of_two().max(4096))?);
         }
         Ok(self.tables.as_ref().map_or(0, |t| t.ptr))
