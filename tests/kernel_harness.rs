@@ -5,7 +5,7 @@
 //! The harness is built with `g++` (or `$CXX`) into a shared library in the
 //! test's temp dir and loaded with `dlopen`.
 
-use pdxfer::layout::{PackLayout, Run, SglangChunk};
+use pdxfer::layout::{DcpLayout, PackLayout, PairRequest, Run, SglangChunk, Side};
 use pdxfer::relayout::{self, cpu, CopyEntry};
 use std::ffi::CString;
 use std::path::PathBuf;
@@ -138,6 +138,9 @@ struct Case {
 }
 
 fn random_case(rng: &mut Rng) -> Case {
+    if rng.below(3) == 0 {
+        return random_general_case(rng);
+    }
     let p = rng.pick(&[1u64, 2, 4, 16, 64]);
     let d = rng.pick(&[1u64, 2, 3, 4, 8]);
     let r = rng.below(d);
@@ -159,8 +162,45 @@ fn random_case(rng: &mut Rng) -> Case {
         num_tokens: Some(n),
     };
     let req = chunk.to_pair().unwrap();
-    let gather = relayout::gather_spans(&req).unwrap();
-    let scatter = relayout::scatter_spans(&req).unwrap();
+    finish_case(rng, &req, src_pool_pages * p, dst_pool_pages * p)
+}
+
+/// General planner: DCP and interleave on both sides, different page sizes.
+fn random_general_case(rng: &mut Rng) -> Case {
+    let (ps, pd) = (rng.pick(&[2u64, 4, 8]), rng.pick(&[1u64, 2, 4, 8]));
+    let (ws, wd) = (1 + rng.below(3), 1 + rng.below(4));
+    let is = rng.pick(&[1u64, 2]).min(ps);
+    let id = if pd % 2 == 0 { rng.pick(&[1u64, 2]) } else { 1 };
+    let src = DcpLayout::new(ps, ws, is).unwrap();
+    let dst = DcpLayout::new(pd, wd, id).unwrap();
+    let n = 1 + rng.below(150);
+    let sn = n.div_ceil(ps * ws) as usize + 1;
+    let dn = n.div_ceil(pd * wd) as usize + 1;
+    let (spool, dpool) = (sn as u64 + rng.below(3), dn as u64 + rng.below(3));
+    let spages = rng.pages(sn, spool);
+    let dpages = rng.pages(dn, dpool);
+    let req = PairRequest {
+        src: Side {
+            layout: src,
+            rank: rng.below(ws),
+            pages: &spages,
+            origin: 0,
+        },
+        dst: Side {
+            layout: dst,
+            rank: rng.below(wd),
+            pages: &dpages,
+            origin: 0,
+        },
+        start: 0,
+        num_tokens: n,
+    };
+    finish_case(rng, &req, spool * ps, dpool * pd)
+}
+
+fn finish_case(rng: &mut Rng, req: &PairRequest<'_>, src_rows: u64, dst_rows: u64) -> Case {
+    let gather = relayout::gather_spans(req).unwrap();
+    let scatter = relayout::scatter_spans(req).unwrap();
     let tokens = req.token_count();
     let entries = 1 + rng.below(5) as usize;
     let row_bytes: Vec<u64> = (0..entries)
@@ -168,11 +208,11 @@ fn random_case(rng: &mut Rng) -> Case {
         .collect();
     let pools = row_bytes
         .iter()
-        .map(|&rb| rng.bytes((src_pool_pages * p * rb) as usize))
+        .map(|&rb| rng.bytes((src_rows * rb) as usize))
         .collect();
     let dst_pool_bytes = row_bytes
         .iter()
-        .map(|&rb| (dst_pool_pages * p * rb) as usize)
+        .map(|&rb| (dst_rows * rb) as usize)
         .collect();
     Case {
         row_bytes,
@@ -188,7 +228,7 @@ fn random_case(rng: &mut Rng) -> Case {
 fn kernel_source_matches_cpu_relayout_on_random_plans() {
     let h = build_harness();
     let mut rng = Rng(0x5eed_0f9d_7fe2);
-    for case_no in 0..60 {
+    for case_no in 0..90 {
         let c = random_case(&mut rng);
         let pack = PackLayout::new(c.tokens, &c.row_bytes).unwrap();
         let junk = rng.bytes(pack.total_bytes as usize);
