@@ -26,6 +26,8 @@ pub mod kernels {
 }
 
 #[cfg(feature = "cuda")]
+pub mod check;
+#[cfg(feature = "cuda")]
 mod device;
 #[cfg(feature = "cuda")]
 pub use device::{DeviceBuffer, GatherSlice, GpuEvent, GpuRelayout, KernelOrigin, PreparedCopy};
