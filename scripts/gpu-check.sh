@@ -39,7 +39,14 @@ limit=${GPU_CHECK_TIMEOUT:-420}
 say() { echo "$@" | tee -a "$log"; }
 
 say "gpu-check: $(date -u +%FT%TZ) binary $bin"
-nvidia-smi --query-gpu=name,driver_version,compute_cap,memory.total --format=csv,noheader 2>&1 | tee -a "$log" || true
+if command -v nvidia-smi >/dev/null; then
+    nvidia-smi --query-gpu=name,driver_version,compute_cap,memory.total --format=csv,noheader 2>&1 | tee -a "$log"
+fi
+
+# NVRTC fallback: a toolkit's lib64 has the libnvrtc.so name cudarc looks for.
+for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib; do
+    [ -e "$d/libnvrtc.so" ] && export LD_LIBRARY_PATH="${LD_LIBRARY_PATH:+$LD_LIBRARY_PATH:}$d" && break
+done
 
 nvcc_bin=$(command -v nvcc || true)
 [ -z "$nvcc_bin" ] && [ -x /usr/local/cuda/bin/nvcc ] && nvcc_bin=/usr/local/cuda/bin/nvcc
