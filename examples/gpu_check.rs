@@ -42,6 +42,9 @@ struct Args {
     /// Timed iterations per measurement (after 3 warm-ups).
     #[arg(long, default_value_t = 20)]
     iters: u32,
+    /// Spans per warp to try in the benchmark (the fastest is reported).
+    #[arg(long, value_delimiter = ',', default_values_t = [1u32, 2, 4, 8, 16])]
+    spans_per_warp: Vec<u32>,
     /// Fail (exit 1) when gather/memcpy falls below this ratio.
     #[arg(long)]
     min_ratio: Option<f64>,
@@ -89,6 +92,7 @@ fn main() {
             page_size: a.page_size,
             dcp: a.dcp.clone(),
             iters: a.iters,
+            spans_per_warp: a.spans_per_warp.clone(),
         };
         match bench(&mut g, &params) {
             Ok(rows) => {
@@ -96,7 +100,7 @@ fn main() {
                     .iter()
                     .map(|r| {
                         serde_json::json!({"dcp": r.dcp, "bytes": r.bytes, "spans": r.spans,
-                        "gather_ms": r.gather_ms, "gather_upload_ms": r.gather_upload_ms,
+                        "gather_ms": r.gather_ms, "spans_per_warp": r.spans_per_warp, "sweep": r.sweep, "gather_upload_ms": r.gather_upload_ms,
                         "memcpy_ms": r.memcpy_ms, "ratio": r.ratio(),
                         "ratio_with_upload": r.memcpy_ms / r.gather_upload_ms})
                     })

@@ -20,6 +20,9 @@
 // Every prefill CP rank transfers its shard.
 #define PDXFER_MAP_ALL_CP_RANKS 1
 
+// Spans each warp copies per entry by default (see [`launch_dims`]).
+#define DEFAULT_SPANS_PER_WARP 4
+
 // Stable status codes shared by Rust, C (`PdxStatus`) and Python (`.code`).
 enum PdxStatus
 #if defined(__cplusplus) || __STDC_VERSION__ >= 202311L

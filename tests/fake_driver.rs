@@ -96,6 +96,7 @@ fn child_device_path_on_fake_driver() {
             page_size: 64,
             dcp: vec![4, 16],
             iters: 2,
+            spans_per_warp: vec![1, 4],
         },
     )
     .expect("bench");
@@ -103,6 +104,14 @@ fn child_device_path_on_fake_driver() {
     assert_eq!(rows[0].bytes, 1024 / 4 * 3 * 1152);
     assert_eq!(rows[0].spans, 256);
     assert_eq!(rows[1].bytes, 1024 / 16 * 3 * 1152);
+    assert_eq!(
+        rows[0].sweep.iter().map(|x| x.0).collect::<Vec<_>>(),
+        vec![1, 4]
+    );
+    assert!(rows
+        .iter()
+        .all(|r| r.sweep.iter().any(|x| x.0 == r.spans_per_warp)));
+    assert_eq!(g.spans_per_warp(), 4, "the benchmark restores the setting");
 
     // Driver errors are typed, and bounds are checked before the driver.
     assert_eq!(GpuRelayout::new(1).unwrap_err().status(), Status::Cuda);

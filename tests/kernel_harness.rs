@@ -258,7 +258,9 @@ fn kernel_source_matches_cpu_relayout_on_random_plans() {
         let entries =
             relayout::gather_entries(&bases, &c.row_bytes, pack_buf.addr(), &pack).unwrap();
         let spans = relayout::split_spans(&c.gather, 1 + rng.below(8));
-        let (mut gx, mut gy, bx) = relayout::launch_dims(spans.len() as u64, entries.len() as u32);
+        let spw = 1 + rng.below(8) as u32;
+        let (mut gx, mut gy, bx) =
+            relayout::launch_dims(spans.len() as u64, entries.len() as u32, spw);
         if rng.below(2) == 0 {
             // small grids exercise the grid-stride loops
             gx = 1 + rng.below(2) as u32;
@@ -299,7 +301,11 @@ fn kernel_source_matches_cpu_relayout_on_random_plans() {
         let entries =
             relayout::scatter_entries(&dbases, &c.row_bytes, pack_buf.addr(), &pack).unwrap();
         let spans = relayout::split_spans(&c.scatter, 1 + rng.below(100));
-        let (gx, gy, bx) = relayout::launch_dims(spans.len() as u64, entries.len() as u32);
+        let (gx, gy, bx) = relayout::launch_dims(
+            spans.len() as u64,
+            entries.len() as u32,
+            relayout::DEFAULT_SPANS_PER_WARP,
+        );
         // SAFETY: as above, for the scatter plan.
         let rc = unsafe {
             (h.launch)(

@@ -104,12 +104,16 @@ pub fn slice_gather_spans(spans: &[Run], tokens_per_slice: u64) -> Vec<(u64, u64
 /// Threads per block of the relayout kernels (8 warps; `__launch_bounds__`).
 pub(crate) const THREADS_PER_BLOCK: u32 = 256;
 
+/// Spans each warp copies per entry by default (see [`launch_dims`]).
+pub const DEFAULT_SPANS_PER_WARP: u32 = 4;
+
 /// Grid of a relayout launch as `(grid_x, grid_y, block_x)`: x covers the
-/// spans at one warp each, y the entries. The kernels' loops are grid-stride,
-/// so the caps only bound the launch, never the work.
-pub fn launch_dims(num_spans: u64, num_entries: u32) -> (u32, u32, u32) {
-    let warps = u64::from(THREADS_PER_BLOCK / 32);
-    let gx = num_spans.div_ceil(warps).clamp(1, 1 << 20) as u32;
+/// spans, `spans_per_warp` per warp (more per warp means fewer, longer-lived
+/// blocks; 1 means one span each), y the entries. The kernels' loops are
+/// grid-stride, so the caps only bound the launch, never the work.
+pub fn launch_dims(num_spans: u64, num_entries: u32, spans_per_warp: u32) -> (u32, u32, u32) {
+    let per_block = u64::from(THREADS_PER_BLOCK / 32) * u64::from(spans_per_warp.max(1));
+    let gx = num_spans.div_ceil(per_block).clamp(1, 1 << 20) as u32;
     let gy = num_entries.clamp(1, 65_535);
     (gx, gy, THREADS_PER_BLOCK)
 }
@@ -266,9 +270,11 @@ mod tests {
         assert_eq!(split_spans(&spans, 0).len(), 9);
         assert_eq!(rows_per_span(&[1152, 576], 16384), 14);
         assert_eq!(rows_per_span(&[], 100), 100);
-        assert_eq!(launch_dims(32_768, 61), (4096, 61, 256));
-        assert_eq!(launch_dims(0, 0), (1, 1, 256));
-        assert_eq!(launch_dims(u64::MAX, 100_000), (1 << 20, 65_535, 256));
+        assert_eq!(launch_dims(32_768, 61, 1), (4096, 61, 256));
+        assert_eq!(launch_dims(32_768, 61, 4), (1024, 61, 256));
+        assert_eq!(launch_dims(32_769, 61, 0), (4097, 61, 256));
+        assert_eq!(launch_dims(0, 0, 4), (1, 1, 256));
+        assert_eq!(launch_dims(u64::MAX, 100_000, 1), (1 << 20, 65_535, 256));
     }
 
     #[test]

@@ -205,8 +205,12 @@ pub struct BenchRow {
     pub bytes: u64,
     /// Spans (rows runs) of the plan.
     pub spans: usize,
-    /// Gather kernel, ms per call.
+    /// Gather kernel, ms per call, at the fastest spans-per-warp setting.
     pub gather_ms: f64,
+    /// That setting.
+    pub spans_per_warp: u32,
+    /// Gather kernel ms per call for every setting tried.
+    pub sweep: Vec<(u32, f64)>,
     /// Gather with table upload, ms per call.
     pub gather_upload_ms: f64,
     /// Device memcpy of the same bytes, ms per call.
@@ -249,6 +253,8 @@ pub struct BenchParams {
     pub dcp: Vec<u64>,
     /// Timed iterations (after 3 warm-ups).
     pub iters: u32,
+    /// Spans-per-warp settings to try (empty: the engine's current one).
+    pub spans_per_warp: Vec<u32>,
 }
 
 /// Times the gather kernel (tables prepared once), the gather with a table
@@ -315,24 +321,47 @@ pub fn bench(g: &mut GpuRelayout, a: &BenchParams) -> Result<Vec<BenchRow>> {
             end.wait()?;
             Ok(start.elapsed_ms(&end)? as f64 / a.iters as f64)
         };
-        let gather_ms = time(g, Op::Gather)?;
+        let before = g.spans_per_warp();
+        let settings = if a.spans_per_warp.is_empty() {
+            vec![before]
+        } else {
+            a.spans_per_warp.clone()
+        };
+        let mut sweep = Vec::new();
+        for &spw in &settings {
+            g.set_spans_per_warp(spw);
+            sweep.push((g.spans_per_warp(), time(g, Op::Gather)?));
+        }
+        let (spans_per_warp, gather_ms) = sweep.iter().copied().fold(
+            (before, f64::INFINITY),
+            |b, x| if x.1 < b.1 { x } else { b },
+        );
+        g.set_spans_per_warp(spans_per_warp);
         let gather_upload_ms = time(g, Op::GatherUpload)?;
+        g.set_spans_per_warp(before);
         let memcpy_ms = time(g, Op::Memcpy)?;
         rows.push(BenchRow {
             dcp: d,
             bytes: pack.total_bytes,
             spans: spans.len(),
             gather_ms,
+            spans_per_warp,
+            sweep: sweep.clone(),
             gather_upload_ms,
             memcpy_ms,
         });
         let r = rows.last().map_or(0.0, BenchRow::ratio);
         println!(
-            "bench: DCP {d}: {} spans, {:.1} MiB per rank: gather {:.3} ms ({:.0} GB/s; {:.3} ms with table upload), memcpy {:.3} ms ({:.0} GB/s), gather/memcpy {:.3}x",
+            "bench: DCP {d}: {} spans, {:.1} MiB per rank: gather {:.3} ms ({:.0} GB/s, {spans_per_warp} spans/warp; sweep {}; {:.3} ms with table upload), memcpy {:.3} ms ({:.0} GB/s), gather/memcpy {:.3}x",
             spans.len(),
             n as f64 / (1 << 20) as f64,
             gather_ms,
             n as f64 / gather_ms / 1e6,
+            sweep
+                .iter()
+                .map(|(k, ms)| format!("{k}:{ms:.3}ms"))
+                .collect::<Vec<_>>()
+                .join(" "),
             gather_upload_ms,
             memcpy_ms,
             n as f64 / memcpy_ms / 1e6,

@@ -235,6 +235,7 @@ pub struct GpuRelayout {
     cc: (i32, i32),
     tables: Option<DeviceBuffer>,
     retired: Vec<(DeviceBuffer, GpuEvent)>,
+    spans_per_warp: u32,
 }
 
 impl Drop for GpuRelayout {
@@ -273,7 +274,19 @@ impl GpuRelayout {
             cc,
             tables: None,
             retired: Vec::new(),
+            spans_per_warp: crate::relayout::DEFAULT_SPANS_PER_WARP,
         })
+    }
+
+    /// Sets how many spans each warp copies per entry (launch shape only;
+    /// results are the same). `scripts/gpu-check.sh` measures the choices.
+    pub fn set_spans_per_warp(&mut self, n: u32) {
+        self.spans_per_warp = n.max(1);
+    }
+
+    /// Spans each warp copies per entry.
+    pub fn spans_per_warp(&self) -> u32 {
+        self.spans_per_warp
     }
 
     /// Where the kernels came from.
@@ -422,7 +435,7 @@ impl GpuRelayout {
         if num_entries == 0 || num_spans == 0 {
             return Ok(());
         }
-        let (gx, gy, bx) = launch_dims(num_spans, num_entries);
+        let (gx, gy, bx) = launch_dims(num_spans, num_entries, self.spans_per_warp);
         let cfg = LaunchConfig {
             grid_dim: (gx, gy, 1),
             block_dim: (bx, 1, 1),
