@@ -25,6 +25,10 @@ static thread_local pdx_dim3 blockIdx, threadIdx, blockDim, gridDim;
 #define __launch_bounds__(...)
 #define PDX_UNROLL
 
+// Global-memory load/store intrinsics the kernels use.
+static inline uint4 __ldg(const uint4* p) { return *p; }
+static inline void __stwb(uint4* p, uint4 v) { *p = v; }
+
 #include "relayout.cu"
 
 // Calls `kernel(args...)` once per (block, thread) of the grid.

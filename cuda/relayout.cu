@@ -58,20 +58,26 @@ __device__ __forceinline__ void pdx_warp_copy(const pdx_u8* __restrict__ src,
         pdx_u64 head = (16 - ((pdx_u64)src & 15)) & 15;
         if (head > n) head = n;
         if (lane < head) dst[lane] = src[lane];
-        const uint4* __restrict__ s4 = (const uint4*)(src + head);
-        uint4* __restrict__ d4 = (uint4*)(dst + head);
         const pdx_u64 n4 = (n - head) >> 4;
         // Each lane issues up to PDX_UNROLL_N loads before its first store, so
-        // a warp keeps a whole 2 KiB stretch (e.g. a 1152-byte MLA row) in flight.
-        for (pdx_u64 i = lane; i < n4; i += PDX_UNROLL_N * PDX_WARP) {
+        // a warp keeps a whole 2 KiB stretch (e.g. a 1152-byte MLA row) in
+        // flight. __ldg/__stwb name the global space (ld.global.nc.v4 /
+        // st.global.wb.v4, not generic ld/st); integer addresses keep the
+        // kernel at 63 registers, i.e. 4 blocks of 256 threads per SM.
+        const pdx_u64 lane_step = 16 * PDX_WARP;
+        const pdx_u64 end = (pdx_u64)(src + head) + (n4 << 4);
+        pdx_u64 sa = (pdx_u64)(src + head) + 16 * lane;
+        pdx_u64 da = (pdx_u64)(dst + head) + 16 * lane;
+        for (; sa < end; sa += PDX_UNROLL_N * lane_step, da += PDX_UNROLL_N * lane_step) {
+            const pdx_u64 left = end - sa;
             uint4 v[PDX_UNROLL_N];
             PDX_UNROLL
             for (int k = 0; k < PDX_UNROLL_N; ++k) {
-                if (i + k * PDX_WARP < n4) v[k] = s4[i + k * PDX_WARP];
+                if (k * lane_step < left) v[k] = __ldg((const uint4*)(sa + k * lane_step));
             }
             PDX_UNROLL
             for (int k = 0; k < PDX_UNROLL_N; ++k) {
-                if (i + k * PDX_WARP < n4) d4[i + k * PDX_WARP] = v[k];
+                if (k * lane_step < left) __stwb((uint4*)(da + k * lane_step), v[k]);
             }
         }
         const pdx_u64 done = head + (n4 << 4);
