@@ -1,7 +1,9 @@
 //! Runs the device code path (`relayout::gpu`: context, stream, module load,
 //! table uploads, launches, events, sliced gather, the self-check and the
 //! benchmark loop) against `cuda/fake_driver.cpp`, a CPU stand-in for
-//! libcuda that executes the kernels with the host harness. cudarc loads
+//! libcuda that executes the kernels with the host harness, and NCCL pair
+//! transfers (`transport::nccl`, Direct and Staged) against
+//! `cuda/fake_nccl.cpp`, two ranks in one process. cudarc loads
 //! libcuda once per process and glibc reads LD_LIBRARY_PATH at start-up, so
 //! the checks run in a child process (this test binary, `--ignored --exact
 //! child_device_path_on_fake_driver`) whose LD_LIBRARY_PATH holds the fake.
@@ -16,23 +18,29 @@ fn device_path_runs_on_fake_driver() {
     let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("fake-cuda");
     std::fs::create_dir_all(&dir).unwrap();
     let cxx = std::env::var("CXX").unwrap_or_else(|_| "g++".into());
-    let ok = Command::new(&cxx)
-        .args([
-            "-std=c++17",
-            "-O2",
-            "-Wall",
-            "-Wextra",
-            "-Werror",
-            "-fno-strict-aliasing",
-            "-shared",
-            "-fPIC",
-            "-o",
-        ])
-        .arg(dir.join("libcuda.so"))
-        .arg(root.join("cuda/fake_driver.cpp"))
-        .status()
-        .unwrap_or_else(|e| panic!("cannot run {cxx} (a C++ compiler is required): {e}"));
-    assert!(ok.success(), "building the fake libcuda failed");
+    for (lib, src) in [
+        ("libcuda.so", "cuda/fake_driver.cpp"),
+        ("libnccl.so", "cuda/fake_nccl.cpp"),
+    ] {
+        let ok = Command::new(&cxx)
+            .args([
+                "-std=c++17",
+                "-O1",
+                "-Wall",
+                "-Wextra",
+                "-Werror",
+                "-fno-strict-aliasing",
+                "-shared",
+                "-fPIC",
+                "-o",
+            ])
+            .arg(dir.join(lib))
+            .arg(root.join(src))
+            .arg("-lpthread")
+            .status()
+            .unwrap_or_else(|e| panic!("cannot run {cxx} (a C++ compiler is required): {e}"));
+        assert!(ok.success(), "building the fake {lib} failed");
+    }
     // Any module image will do: the fake maps function names to the harness.
     std::fs::write(dir.join("module.ptx"), "// fake module\n").unwrap();
     let ld = match std::env::var("LD_LIBRARY_PATH") {
@@ -59,6 +67,10 @@ fn device_path_runs_on_fake_driver() {
         text.contains("fake-driver child: all checks passed"),
         "child did not run:\n{text}"
     );
+    for mode in ["Direct", "Staged"] {
+        let line = format!("NCCL {mode} transfer matches the CPU relayout");
+        assert!(text.contains(&line), "no {mode} transfer:\n{text}");
+    }
 }
 
 #[test]
@@ -131,5 +143,167 @@ fn child_device_path_on_fake_driver() {
     // SAFETY: the fake driver checks the ranges and refuses this one (not its memory).
     let e = unsafe { g.memcpy_dtod(b.ptr(), 16, 8) }.unwrap_err();
     assert_eq!(e.status(), Status::Cuda, "{e}");
+    nccl_transfers();
     println!("fake-driver child: all checks passed");
+}
+
+/// A prefill thread gathers one decode rank's tokens on its device and sends
+/// them over an NCCL pair; a decode thread receives them into its pool rows
+/// (Direct) or its staging buffer and scatters (Staged). The decode pools
+/// must equal the CPU relayout of the same plan; mismatched plans are refused
+/// on both sides before anything is posted.
+fn nccl_transfers() {
+    use pdxfer::layout::{PackLayout, SglangChunk};
+    use pdxfer::relayout::gpu::GpuRelayout;
+    use pdxfer::relayout::{self, cpu};
+    use pdxfer::transport::nccl::{
+        check_mirror, NcclId, NcclMode, NcclPair, NcclPlan, NcclPlanOptions, NcclRole,
+    };
+    use pdxfer::Status;
+    use std::sync::mpsc;
+
+    let (p, d, n) = (16u64, 4u64, 300u64);
+    let src_pages: Vec<u64> = vec![
+        9, 2, 14, 0, 7, 11, 3, 5, 12, 1, 8, 13, 4, 6, 10, 15, 16, 17, 18,
+    ];
+    let dst_pages: Vec<u64> = vec![3, 0, 4, 1, 2];
+    let req = SglangChunk {
+        src_pages: &src_pages,
+        dst_pages: &dst_pages,
+        page_size: p,
+        dcp_size: d,
+        dcp_rank: 1,
+        src_page_offset: 0,
+        decode_prefix_len: 0,
+        num_tokens: Some(n),
+    }
+    .to_pair()
+    .unwrap();
+    let rows = vec![48u64, 100, 1152];
+    let src_rows = 19 * p;
+    let dst_rows = 5 * p;
+    let pools: Vec<Vec<u8>> = rows
+        .iter()
+        .enumerate()
+        .map(|(e, &rb)| {
+            (0..src_rows * rb)
+                .map(|i| (i * 31 + e as u64 * 7) as u8)
+                .collect()
+        })
+        .collect();
+    // CPU reference: gather then scatter into zeroed destination pools.
+    let pack = PackLayout::new(req.token_count(), &rows).unwrap();
+    let mut packed = vec![0u8; pack.total_bytes as usize];
+    let refs: Vec<&[u8]> = pools.iter().map(|v| v.as_slice()).collect();
+    cpu::gather(
+        &refs,
+        &rows,
+        &relayout::gather_spans(&req).unwrap(),
+        &pack,
+        &mut packed,
+    )
+    .unwrap();
+    let mut want: Vec<Vec<u8>> = rows
+        .iter()
+        .map(|&rb| vec![0u8; (dst_rows * rb) as usize])
+        .collect();
+    {
+        let mut w: Vec<&mut [u8]> = want.iter_mut().map(|v| v.as_mut_slice()).collect();
+        cpu::scatter(
+            &packed,
+            &pack,
+            &rows,
+            &relayout::scatter_spans(&req).unwrap(),
+            &mut w,
+        )
+        .unwrap();
+    }
+
+    let direct = NcclPlanOptions::default();
+    let staged = NcclPlanOptions {
+        max_direct_ops: 0,
+        chunk_bytes: 4000,
+        max_group_ops: 3,
+        ..Default::default()
+    };
+    for (opts, mode, rx_rows) in [
+        (direct, NcclMode::Direct, rows.clone()),
+        (staged, NcclMode::Staged, rows.clone()),
+        (direct, NcclMode::Direct, vec![48u64, 100, 576]),
+    ] {
+        let mismatch = rx_rows != rows;
+        let id = NcclId::new().unwrap();
+        let (to_rx, from_tx) = mpsc::channel::<u64>();
+        let (to_tx, from_rx) = mpsc::channel::<u64>();
+        let (pools, rows, pack, id, rx_rows) = (&pools, &rows, &pack, &id, &rx_rows);
+        let (sent, got) = std::thread::scope(|s| {
+            let sender = s.spawn(move || -> pdxfer::Result<()> {
+                let mut g = GpuRelayout::new(0)?;
+                let mut bufs = Vec::new();
+                for v in pools {
+                    let b = g.alloc(v.len())?;
+                    g.upload(&b, 0, v)?;
+                    bufs.push(b);
+                }
+                let staging = g.alloc(pack.total_bytes as usize)?;
+                let bases: Vec<u64> = bufs.iter().map(|b| b.ptr()).collect();
+                let ents = relayout::gather_entries(&bases, rows, staging.ptr(), pack)?;
+                // SAFETY: spans checked by the CPU gather above on the same shapes.
+                unsafe { g.gather(&ents, &relayout::gather_spans(&req)?)? }.wait()?;
+                let tx = NcclPlan::build(&req, rows, NcclRole::Sender, &opts)?;
+                assert_eq!(tx.mode, mode);
+                to_rx.send(tx.digest).unwrap();
+                check_mirror(&tx, from_rx.recv().unwrap())?;
+                let mut pair = NcclPair::connect(id, NcclRole::Sender, 0, g.stream_handle())?;
+                // SAFETY: staging holds the whole pack; the peer posts the mirrored plan.
+                unsafe { pair.post(&tx, staging.ptr(), &[]) }
+            });
+            let receiver = s.spawn(move || -> pdxfer::Result<Vec<Vec<u8>>> {
+                let mut g = GpuRelayout::new(0)?;
+                let rx = NcclPlan::build(&req, rx_rows, NcclRole::Receiver, &opts)?;
+                to_tx.send(rx.digest).unwrap();
+                check_mirror(&rx, from_tx.recv().unwrap())?;
+                let mut bufs = Vec::new();
+                for &rb in rx_rows {
+                    let b = g.alloc((dst_rows * rb) as usize)?;
+                    g.memset(&b, 0)?;
+                    bufs.push(b);
+                }
+                let staging = g.alloc(rx.pack.total_bytes as usize)?;
+                let bases: Vec<u64> = bufs.iter().map(|b| b.ptr()).collect();
+                let mut pair = NcclPair::connect(id, NcclRole::Receiver, 0, g.stream_handle())?;
+                // SAFETY: every op lands in the staging buffer or a destination pool
+                // sized for the plan (checked by the CPU scatter above).
+                unsafe { pair.post(&rx, staging.ptr(), &bases)? };
+                if rx.needs_scatter() {
+                    let ents =
+                        relayout::scatter_entries(&bases, &rx_rows, staging.ptr(), &rx.pack)?;
+                    // SAFETY: as above.
+                    unsafe { g.scatter(&ents, &relayout::scatter_spans(&req)?)? }.wait()?;
+                }
+                let mut out = Vec::new();
+                for b in &bufs {
+                    let mut v = vec![0u8; b.len()];
+                    g.download(b, 0, &mut v)?;
+                    out.push(v);
+                }
+                Ok(out)
+            });
+            (sender.join().unwrap(), receiver.join().unwrap())
+        });
+        if mismatch {
+            assert_eq!(sent.unwrap_err().status(), Status::NcclPlanMismatch);
+            assert_eq!(got.unwrap_err().status(), Status::NcclPlanMismatch);
+            continue;
+        }
+        sent.unwrap_or_else(|e| panic!("{mode:?} sender: {e}"));
+        let got = got.unwrap_or_else(|e| panic!("{mode:?} receiver: {e}"));
+        for (e, (g, w)) in got.iter().zip(&want).enumerate() {
+            assert!(
+                g == w,
+                "{mode:?}: decode pool entry {e} differs from the CPU relayout"
+            );
+        }
+        println!("fake-driver child: NCCL {mode:?} transfer matches the CPU relayout");
+    }
 }
