@@ -276,8 +276,7 @@ fn nccl_transfers() {
                 // sized for the plan (checked by the CPU scatter above).
                 unsafe { pair.post(&rx, staging.ptr(), &bases)? };
                 if rx.needs_scatter() {
-                    let ents =
-                        relayout::scatter_entries(&bases, &rx_rows, staging.ptr(), &rx.pack)?;
+                    let ents = relayout::scatter_entries(&bases, rx_rows, staging.ptr(), &rx.pack)?;
                     // SAFETY: as above.
                     unsafe { g.scatter(&ents, &relayout::scatter_spans(&req)?)? }.wait()?;
                 }
