@@ -47,6 +47,9 @@
 // Every prefill CP rank transfers its shard.
 #define PDXFER_MAP_ALL_CP_RANKS 1
 
+// Spans each warp copies per entry by default (see [`launch_dims`]).
+#define DEFAULT_SPANS_PER_WARP 4
+
 // Wire protocol version; peers with another version are refused at the handshake.
 #define VERSION 1
 
@@ -159,6 +162,8 @@ enum PdxStatus
   PDX_STATUS_NO_NCCL = -800,
   // An NCCL call failed.
   PDX_STATUS_NCCL = -801,
+  // The two sides of an NCCL pair derived different send/recv plans.
+  PDX_STATUS_NCCL_PLAN_MISMATCH = -802,
   // The room id is unknown to this engine.
   PDX_STATUS_UNKNOWN_ROOM = -900,
   // The room has failed; its reason is kept on the room.

@@ -128,6 +128,8 @@ pub enum PdxStatus {
     NoNccl = -800,
     /// An NCCL call failed.
     Nccl = -801,
+    /// The two sides of an NCCL pair derived different send/recv plans.
+    NcclPlanMismatch = -802,
 
     /// The room id is unknown to this engine.
     UnknownRoom = -900,
@@ -231,6 +233,7 @@ status_table! {
     Rdma => "rdma", "RDMA verbs call failed";
     NoNccl => "no_nccl", "no NCCL library could be loaded";
     Nccl => "nccl", "NCCL call failed";
+    NcclPlanMismatch => "nccl_plan_mismatch", "NCCL sender and receiver plans differ";
     UnknownRoom => "unknown_room", "unknown room";
     RoomFailed => "room_failed", "room failed";
     Aborted => "aborted", "room aborted";
