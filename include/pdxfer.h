@@ -20,6 +20,78 @@
 // Every prefill CP rank transfers its shard.
 #define PDXFER_MAP_ALL_CP_RANKS 1
 
+// The handshake encoding this build writes (and the newest it reads).
+#define HANDSHAKE_VERSION 1
+
+// Largest valid QP number / PSN (both are 24-bit on the wire).
+#define MAX_24BIT 16777215
+
+// Most rails (NICs) one handshake may carry.
+#define MAX_RAILS 64
+
+// Most regions one rail may advertise.
+#define MAX_REGIONS (1 << 20)
+
+// `IBV_ACCESS_LOCAL_WRITE`.
+#define ACCESS_LOCAL_WRITE 1
+
+// `IBV_ACCESS_REMOTE_WRITE`.
+#define ACCESS_REMOTE_WRITE 2
+
+// `IBV_ACCESS_REMOTE_READ`.
+#define ACCESS_REMOTE_READ 4
+
+// `IBV_QP_STATE`.
+#define STATE 1
+
+// `IBV_QP_ACCESS_FLAGS`.
+#define ACCESS_FLAGS (1 << 3)
+
+// `IBV_QP_PKEY_INDEX`.
+#define PKEY_INDEX (1 << 4)
+
+// `IBV_QP_PORT`.
+#define PORT (1 << 5)
+
+// `IBV_QP_AV`.
+#define AV (1 << 7)
+
+// `IBV_QP_PATH_MTU`.
+#define PATH_MTU (1 << 8)
+
+// `IBV_QP_TIMEOUT`.
+#define TIMEOUT (1 << 9)
+
+// `IBV_QP_RETRY_CNT`.
+#define RETRY_CNT (1 << 10)
+
+// `IBV_QP_RNR_RETRY`.
+#define RNR_RETRY (1 << 11)
+
+// `IBV_QP_RQ_PSN`.
+#define RQ_PSN (1 << 12)
+
+// `IBV_QP_MAX_QP_RD_ATOMIC`.
+#define MAX_QP_RD_ATOMIC (1 << 13)
+
+// `IBV_QP_MIN_RNR_TIMER`.
+#define MIN_RNR_TIMER (1 << 15)
+
+// `IBV_QP_SQ_PSN`.
+#define SQ_PSN (1 << 16)
+
+// `IBV_QP_MAX_DEST_RD_ATOMIC`.
+#define MAX_DEST_RD_ATOMIC (1 << 17)
+
+// `IBV_QP_DEST_QPN`.
+#define DEST_QPN (1 << 20)
+
+// `IBV_WC_SUCCESS`.
+#define WC_SUCCESS 0
+
+// `IBV_WC_WR_FLUSH_ERR`.
+#define WC_WR_FLUSH_ERR 5
+
 // Stable status codes shared by Rust, C (`PdxStatus`) and Python (`.code`).
 enum PdxStatus
 #if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
@@ -112,6 +184,10 @@ enum PdxStatus
   PDX_STATUS_NO_RDMA_DEVICE = -700,
   // An RDMA verbs call failed.
   PDX_STATUS_RDMA = -701,
+  // The RDMA handshake failed; the detail names the field (mtu, gid, lid, qpn, psn, ...).
+  PDX_STATUS_RDMA_HANDSHAKE = -702,
+  // An RDMA work request completed with an error; the batch failed and was not retried.
+  PDX_STATUS_RDMA_COMPLETION = -703,
   // No NCCL library could be loaded.
   PDX_STATUS_NO_NCCL = -800,
   // An NCCL call failed.
