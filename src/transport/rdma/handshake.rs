@@ -15,16 +15,12 @@ use crate::error::{Error, Status};
 use serde::Serialize;
 use std::fmt;
 
-/// First bytes of every encoded handshake.
-pub const HANDSHAKE_MAGIC: [u8; 4] = *b"PDXR";
-/// The handshake encoding this build writes (and the newest it reads).
-pub const HANDSHAKE_VERSION: u16 = 1;
-/// Largest valid QP number / PSN (both are 24-bit on the wire).
-pub const MAX_24BIT: u32 = 0x00ff_ffff;
-/// Most rails (NICs) one handshake may carry.
-pub const MAX_RAILS: usize = 64;
-/// Most regions one rail may advertise.
-pub const MAX_REGIONS: usize = 1 << 20;
+// Not `pub const` at module level: cbindgen would export them into pdxfer.h.
+const HANDSHAKE_MAGIC: [u8; 4] = Handshake::MAGIC;
+const HANDSHAKE_VERSION: u16 = Handshake::VERSION;
+const MAX_24BIT: u32 = Handshake::MAX_24BIT;
+const MAX_RAILS: usize = Handshake::MAX_RAILS;
+const MAX_REGIONS: usize = Handshake::MAX_REGIONS;
 
 /// A path MTU, with the numeric values of `enum ibv_mtu`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
@@ -375,7 +371,18 @@ impl<'a> Reader<'a> {
 }
 
 impl Handshake {
-    /// Encodes the handshake (little-endian, version [`HANDSHAKE_VERSION`]).
+    /// First bytes of every encoded handshake.
+    pub const MAGIC: [u8; 4] = *b"PDXR";
+    /// The handshake encoding this build writes (and the newest it reads).
+    pub const VERSION: u16 = 1;
+    /// Largest valid QP number / PSN (both are 24-bit on the wire).
+    pub const MAX_24BIT: u32 = 0x00ff_ffff;
+    /// Most rails (NICs) one handshake may carry.
+    pub const MAX_RAILS: usize = 64;
+    /// Most regions one rail may advertise.
+    pub const MAX_REGIONS: usize = 1 << 20;
+
+    /// Encodes the handshake (little-endian, version [`Handshake::VERSION`]).
     ///
     /// Layout: magic `PDXR`, u16 version, u16 flags (0), u64 instance id, u16 rail
     /// count, then per rail: u8 name length + name, u8 port, u8 link layer, u8 GID

@@ -18,13 +18,20 @@
 //! Without a device every entry point returns [`Status::NoRdmaDevice`] with the
 //! reason (e.g. no `/sys/class/infiniband`), never a panic.
 
+/// cbindgen:ignore
 pub mod device;
+/// cbindgen:ignore
 pub mod handshake;
+/// cbindgen:ignore
 pub mod qp;
+/// cbindgen:ignore
 pub mod slice;
+/// cbindgen:ignore
 pub mod tracker;
 #[cfg(feature = "rdma")]
+/// cbindgen:ignore
 pub mod verbs;
+/// cbindgen:ignore
 pub mod wr;
 
 pub use device::{RdmaDevice, RdmaPort};

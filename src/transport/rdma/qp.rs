@@ -10,44 +10,44 @@ use super::handshake::{Gid, Mtu, Negotiated};
 use serde::Serialize;
 
 /// `IBV_ACCESS_LOCAL_WRITE`.
-pub const ACCESS_LOCAL_WRITE: u32 = 1;
+pub(crate) const ACCESS_LOCAL_WRITE: u32 = 1;
 /// `IBV_ACCESS_REMOTE_WRITE`.
-pub const ACCESS_REMOTE_WRITE: u32 = 2;
+pub(crate) const ACCESS_REMOTE_WRITE: u32 = 2;
 /// `IBV_ACCESS_REMOTE_READ`.
-pub const ACCESS_REMOTE_READ: u32 = 4;
+pub(crate) const ACCESS_REMOTE_READ: u32 = 4;
 
 /// `ibv_qp_attr_mask` bits (values from verbs.h).
-pub mod mask {
+pub(crate) mod mask {
     /// `IBV_QP_STATE`.
-    pub const STATE: u32 = 1;
+    pub(crate) const STATE: u32 = 1;
     /// `IBV_QP_ACCESS_FLAGS`.
-    pub const ACCESS_FLAGS: u32 = 1 << 3;
+    pub(crate) const ACCESS_FLAGS: u32 = 1 << 3;
     /// `IBV_QP_PKEY_INDEX`.
-    pub const PKEY_INDEX: u32 = 1 << 4;
+    pub(crate) const PKEY_INDEX: u32 = 1 << 4;
     /// `IBV_QP_PORT`.
-    pub const PORT: u32 = 1 << 5;
+    pub(crate) const PORT: u32 = 1 << 5;
     /// `IBV_QP_AV`.
-    pub const AV: u32 = 1 << 7;
+    pub(crate) const AV: u32 = 1 << 7;
     /// `IBV_QP_PATH_MTU`.
-    pub const PATH_MTU: u32 = 1 << 8;
+    pub(crate) const PATH_MTU: u32 = 1 << 8;
     /// `IBV_QP_TIMEOUT`.
-    pub const TIMEOUT: u32 = 1 << 9;
+    pub(crate) const TIMEOUT: u32 = 1 << 9;
     /// `IBV_QP_RETRY_CNT`.
-    pub const RETRY_CNT: u32 = 1 << 10;
+    pub(crate) const RETRY_CNT: u32 = 1 << 10;
     /// `IBV_QP_RNR_RETRY`.
-    pub const RNR_RETRY: u32 = 1 << 11;
+    pub(crate) const RNR_RETRY: u32 = 1 << 11;
     /// `IBV_QP_RQ_PSN`.
-    pub const RQ_PSN: u32 = 1 << 12;
+    pub(crate) const RQ_PSN: u32 = 1 << 12;
     /// `IBV_QP_MAX_QP_RD_ATOMIC`.
-    pub const MAX_QP_RD_ATOMIC: u32 = 1 << 13;
+    pub(crate) const MAX_QP_RD_ATOMIC: u32 = 1 << 13;
     /// `IBV_QP_MIN_RNR_TIMER`.
-    pub const MIN_RNR_TIMER: u32 = 1 << 15;
+    pub(crate) const MIN_RNR_TIMER: u32 = 1 << 15;
     /// `IBV_QP_SQ_PSN`.
-    pub const SQ_PSN: u32 = 1 << 16;
+    pub(crate) const SQ_PSN: u32 = 1 << 16;
     /// `IBV_QP_MAX_DEST_RD_ATOMIC`.
-    pub const MAX_DEST_RD_ATOMIC: u32 = 1 << 17;
+    pub(crate) const MAX_DEST_RD_ATOMIC: u32 = 1 << 17;
     /// `IBV_QP_DEST_QPN`.
-    pub const DEST_QPN: u32 = 1 << 20;
+    pub(crate) const DEST_QPN: u32 = 1 << 20;
 }
 
 /// QP states (values of `enum ibv_qp_state`).

@@ -14,9 +14,9 @@ use crate::error::{Error, Status};
 use std::collections::{HashMap, HashSet, VecDeque};
 
 /// `IBV_WC_SUCCESS`.
-pub const WC_SUCCESS: u32 = 0;
+pub(crate) const WC_SUCCESS: u32 = 0;
 /// `IBV_WC_WR_FLUSH_ERR`.
-pub const WC_WR_FLUSH_ERR: u32 = 5;
+pub(crate) const WC_WR_FLUSH_ERR: u32 = 5;
 
 /// The name of an `ibv_wc_status` and what it usually means.
 pub fn wc_status_text(status: u32) -> (&'static str, &'static str) {
