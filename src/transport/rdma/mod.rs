@@ -12,14 +12,22 @@
 //! - [`qp`]: the INIT/RTR/RTS attribute sets;
 //! - [`tracker`]: completion bookkeeping, failure reasons, no retries;
 //! - [`device`]: sysfs discovery and NUMA/PCIe-aware NIC selection;
-//! - `verbs` (feature `rdma`): RAII wrappers over `ibverbs-sys` and the
-//!   [`RdmaTransport`] / [`RdmaEndpoint`] that drive real NICs.
+//! - [`config`]: settings and their `PDXFER_RDMA_*` environment variables;
+//! - `verbs` (feature `rdma`): RAII wrappers over `ibverbs-sys`;
+//! - `endpoint` (feature `rdma`): `RdmaTransport` (rails, parallel timed
+//!   registration of host and GPU memory) and `RdmaEndpoint` (`connect`,
+//!   `post_batch`, `poll`/`wait`, the completion poller thread).
 //!
 //! Without a device every entry point returns [`Status::NoRdmaDevice`] with the
 //! reason (e.g. no `/sys/class/infiniband`), never a panic.
 
 /// cbindgen:ignore
+pub mod config;
+/// cbindgen:ignore
 pub mod device;
+/// cbindgen:ignore
+#[cfg(feature = "rdma")]
+pub mod endpoint;
 /// cbindgen:ignore
 pub mod handshake;
 /// cbindgen:ignore
@@ -34,8 +42,16 @@ pub mod verbs;
 /// cbindgen:ignore
 pub mod wr;
 
+pub use config::{RdmaConfig, RecordMode};
 pub use device::{RdmaDevice, RdmaPort};
+#[cfg(feature = "rdma")]
+pub use endpoint::{MemoryKind, RdmaEndpoint, RdmaTransport, RegistrationReport};
+pub use handshake::{Handshake, HandshakeField, Negotiated};
+pub use slice::Span;
+pub use tracker::BatchState;
+pub use wr::Direction;
 
+#[allow(unused_imports)] // Error and Status are used only without the `rdma` feature.
 use crate::error::{Error, Result, Status};
 use std::path::Path;
 
@@ -58,6 +74,24 @@ pub fn list_devices_at(sys_root: &Path) -> Result<Vec<RdmaDevice>> {
     Ok(devs)
 }
 
+/// Opens the RDMA transport the way an engine created with `transport=rdma` does:
+/// [`Status::NoRdmaDevice`] with the reason when there is no usable NIC,
+/// [`Status::Unsupported`] when built without the `rdma` feature.
+#[cfg(feature = "rdma")]
+pub fn open(cfg: RdmaConfig) -> Result<RdmaTransport> {
+    RdmaTransport::new(cfg)
+}
+
+/// Without the `rdma` feature there is no RDMA transport.
+#[cfg(not(feature = "rdma"))]
+pub fn open(cfg: RdmaConfig) -> Result<()> {
+    let _ = cfg;
+    Err(Error::new(
+        Status::Unsupported,
+        "built without the `rdma` feature",
+    ))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -77,6 +111,44 @@ mod tests {
         assert_eq!(d.len(), 4);
         // The fake devices are unknown to libibverbs: each says why.
         assert!(d.iter().all(|x| x.verbs_error.is_some()));
-        let _ = Error::new(Status::Rdma, "");
+    }
+
+    #[test]
+    fn opening_without_devices_is_a_typed_error_never_a_panic() {
+        // This machine's real /sys (no RDMA here; with NICs it opens).
+        match open(RdmaConfig::default()) {
+            Ok(_) => {}
+            Err(e) => assert!(
+                matches!(e.status(), Status::NoRdmaDevice | Status::Unsupported),
+                "{e}"
+            ),
+        }
+        // No /sys/class/infiniband at all: the reason names it.
+        let empty = device::tests::FakeSys::new("open-empty");
+        let e = open(RdmaConfig {
+            sys_root: empty.0.clone(),
+            ..RdmaConfig::default()
+        })
+        .err()
+        .expect("no devices");
+        assert!(
+            matches!(e.status(), Status::NoRdmaDevice | Status::Unsupported),
+            "{e}"
+        );
+        if e.status() == Status::NoRdmaDevice {
+            assert!(e.detail().contains("class/infiniband"), "{e}");
+        }
+        // Devices in sysfs that libibverbs cannot open: still NoRdmaDevice, with why.
+        let fake = device::tests::four_nics();
+        let e = open(RdmaConfig {
+            sys_root: fake.0.clone(),
+            ..RdmaConfig::default()
+        })
+        .err()
+        .expect("fake devices cannot be opened");
+        assert!(
+            matches!(e.status(), Status::NoRdmaDevice | Status::Unsupported),
+            "{e}"
+        );
     }
 }

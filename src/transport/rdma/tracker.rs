@@ -70,8 +70,10 @@ pub struct Tracker {
     credits: Vec<u32>,
     /// Why a rail's QP is dead (it went to the error state).
     dead: Vec<Option<String>>,
-    /// Batch ids the peer announced with WRITE_WITH_IMM, in arrival order.
+    /// Batch ids the peer announced with WRITE_WITH_IMM, in completion order.
     incoming: VecDeque<u32>,
+    /// Records seen so far per incoming batch (a batch over k rails sends k).
+    partial: HashMap<u32, usize>,
 }
 
 /// One signalled work request of a batch, as posted on a rail.
@@ -154,6 +156,20 @@ impl Tracker {
         }
         if let Some(e) = self.batches.get_mut(&batch) {
             e.pending += signalled.len();
+        }
+    }
+
+    /// Withdraws signalled WRs recorded by [`posted`](Self::posted) that the NIC
+    /// refused (they will never complete).
+    pub fn unpost(&mut self, batch: u32, signalled: &[Posted]) {
+        let mut n = 0;
+        for p in signalled {
+            if self.inflight.remove(&(p.rail, p.wr_id)).is_some() {
+                n += 1;
+            }
+        }
+        if let Some(e) = self.batches.get_mut(&batch) {
+            e.pending = e.pending.saturating_sub(n);
         }
     }
 
@@ -250,9 +266,17 @@ impl Tracker {
         }
     }
 
-    /// A receive completion carrying the immediate of the peer's last WRITE_WITH_IMM.
+    /// A receive completion carrying the immediate of one of the peer's
+    /// WRITE_WITH_IMM records ([`super::wr::imm_encode`]); the batch counts as
+    /// arrived once the records of all its rails are in.
     pub fn on_recv_imm(&mut self, imm: u32) {
-        self.incoming.push_back(imm);
+        let (batch, rails) = super::wr::imm_decode(imm);
+        let seen = self.partial.entry(batch).or_insert(0);
+        *seen += 1;
+        if *seen >= rails.max(1) {
+            self.partial.remove(&batch);
+            self.incoming.push_back(batch);
+        }
     }
 
     /// The next batch id the peer announced as fully written, if any.
@@ -369,6 +393,9 @@ mod tests {
         t.begin(2, &[0], 10).unwrap();
         assert!(t.take_credits(0, 8));
         t.posted(2, &[posted(0, 2, 3, 4)]);
+        // The second group is refused outright: withdrawn, its slots refunded.
+        t.posted(2, &[posted(0, 2, 7, 4)]);
+        t.unpost(2, &[posted(0, 2, 7, 4)]);
         t.post_failed(2, 0, 4, 8, "ENOMEM", 4);
         assert_eq!(t.credits(0), 4);
         match t.state(2).unwrap() {
@@ -386,11 +413,15 @@ mod tests {
 
     #[test]
     fn incoming_immediates_queue_in_order_and_unknown_wrs_are_ignored() {
+        use super::super::wr::imm_encode;
         let mut t = Tracker::new(1, 8);
-        t.on_recv_imm(3);
-        t.on_recv_imm(1);
-        assert_eq!(t.next_incoming(), Some(3));
+        // Batch 3 over two rails needs both records; batch 1 over one rail needs one.
+        t.on_recv_imm(imm_encode(3, 2).unwrap());
+        assert_eq!(t.next_incoming(), None);
+        t.on_recv_imm(imm_encode(1, 1).unwrap());
+        t.on_recv_imm(imm_encode(3, 2).unwrap());
         assert_eq!(t.next_incoming(), Some(1));
+        assert_eq!(t.next_incoming(), Some(3));
         assert_eq!(t.next_incoming(), None);
         assert_eq!(t.on_send_completion(0, 42, WC_SUCCESS, 0), None);
         assert_eq!(t.on_send_completion(9, 42, WC_SUCCESS, 0), None);

@@ -660,39 +660,50 @@ impl Qp {
                 lkey: w.lkey,
             })
             .collect();
-        // SAFETY: ibv_send_wr is plain data and pointers; zero is valid.
-        let mut list: Vec<ffi::ibv_send_wr> = (0..wrs.len())
-            .map(|_| unsafe { std::mem::zeroed() })
+        let mut list: Vec<ffi::ibv_send_wr> = wrs
+            .iter()
+            .map(|w| {
+                // SAFETY: ibv_send_wr is plain data and pointers; zero is valid.
+                let mut x: ffi::ibv_send_wr = unsafe { std::mem::zeroed() };
+                x.wr_id = w.wr_id;
+                x.opcode = match w.opcode {
+                    Opcode::Write => ffi::ibv_wr_opcode::IBV_WR_RDMA_WRITE,
+                    Opcode::WriteWithImm => ffi::ibv_wr_opcode::IBV_WR_RDMA_WRITE_WITH_IMM,
+                    Opcode::Read => ffi::ibv_wr_opcode::IBV_WR_RDMA_READ,
+                };
+                x.send_flags = if w.signaled {
+                    ffi::ibv_send_flags::IBV_SEND_SIGNALED.0
+                } else {
+                    0
+                };
+                if let Some(imm) = w.imm {
+                    x.__bindgen_anon_1.imm_data = imm.to_be();
+                }
+                x.wr.rdma.remote_addr = w.remote_addr;
+                x.wr.rdma.rkey = w.rkey;
+                x
+            })
             .collect();
+        // Link the list only through raw pointers taken after every safe access, so
+        // no later reference invalidates them.
+        let n = list.len();
         let base = list.as_mut_ptr();
+        let sge_base = sges.as_mut_ptr();
         for (i, w) in wrs.iter().enumerate() {
-            let x = &mut list[i];
-            x.wr_id = w.wr_id;
-            if w.len > 0 {
-                x.sg_list = &mut sges[i];
-                x.num_sge = 1;
+            // SAFETY: i < n, so base + i and sge_base + i are inside their vectors, which
+            // are not touched again until the post below returns.
+            unsafe {
+                let x = base.add(i);
+                if w.len > 0 {
+                    (*x).sg_list = sge_base.add(i);
+                    (*x).num_sge = 1;
+                }
+                (*x).next = if i + 1 < n {
+                    base.add(i + 1)
+                } else {
+                    std::ptr::null_mut()
+                };
             }
-            x.opcode = match w.opcode {
-                Opcode::Write => ffi::ibv_wr_opcode::IBV_WR_RDMA_WRITE,
-                Opcode::WriteWithImm => ffi::ibv_wr_opcode::IBV_WR_RDMA_WRITE_WITH_IMM,
-                Opcode::Read => ffi::ibv_wr_opcode::IBV_WR_RDMA_READ,
-            };
-            x.send_flags = if w.signaled {
-                ffi::ibv_send_flags::IBV_SEND_SIGNALED.0
-            } else {
-                0
-            };
-            if let Some(imm) = w.imm {
-                x.__bindgen_anon_1.imm_data = imm.to_be();
-            }
-            x.wr.rdma.remote_addr = w.remote_addr;
-            x.wr.rdma.rkey = w.rkey;
-            x.next = if i + 1 < wrs.len() {
-                // SAFETY: i + 1 < len, inside the allocation (which never moves below).
-                unsafe { base.add(i + 1) }
-            } else {
-                std::ptr::null_mut()
-            };
         }
         let mut bad: *mut ffi::ibv_send_wr = std::ptr::null_mut();
         // SAFETY: qp is live; the ops table is the provider's.
@@ -732,18 +743,18 @@ impl Qp {
         if n == 0 {
             return Ok(());
         }
-        // SAFETY: plain data; zero is valid.
-        let mut list: Vec<ffi::ibv_recv_wr> =
-            (0..n).map(|_| unsafe { std::mem::zeroed() }).collect();
+        let mut list: Vec<ffi::ibv_recv_wr> = (0..n)
+            .map(|_| ffi::ibv_recv_wr {
+                wr_id,
+                next: std::ptr::null_mut(),
+                sg_list: std::ptr::null_mut(),
+                num_sge: 0,
+            })
+            .collect();
         let base = list.as_mut_ptr();
-        for i in 0..n {
-            list[i].wr_id = wr_id;
-            list[i].next = if i + 1 < n {
-                // SAFETY: i + 1 < n, inside the allocation.
-                unsafe { base.add(i + 1) }
-            } else {
-                std::ptr::null_mut()
-            };
+        for i in 0..n.saturating_sub(1) {
+            // SAFETY: i + 1 < n: both are inside the vector, untouched until the post returns.
+            unsafe { (*base.add(i)).next = base.add(i + 1) };
         }
         let mut bad: *mut ffi::ibv_recv_wr = std::ptr::null_mut();
         // SAFETY: qp is live; the ops table is the provider's.

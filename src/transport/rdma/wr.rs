@@ -117,6 +117,33 @@ pub fn split_wr_id(id: u64) -> (u32, u32) {
     ((id >> 32) as u32, id as u32)
 }
 
+/// Largest batch id an immediate completion record can carry (24 bits).
+pub fn max_imm_batch() -> u32 {
+    0x00ff_ffff
+}
+
+/// The immediate of a WRITE_WITH_IMM record: `batch` (24 bits) and the number of
+/// rails (QPs) the batch was spread over (8 bits), so the receiver knows how many
+/// records complete the batch.
+pub fn imm_encode(batch: u32, rails: usize) -> Result<u32> {
+    if batch > max_imm_batch() {
+        return Err(Error::invalid(format!(
+            "batch id {batch} does not fit the 24 bits of an immediate completion record"
+        )));
+    }
+    if rails == 0 || rails > 255 {
+        return Err(Error::invalid(format!(
+            "{rails} rails; an immediate record counts 1..=255"
+        )));
+    }
+    Ok((batch << 8) | rails as u32)
+}
+
+/// Splits an immediate into (batch id, rails).
+pub fn imm_decode(imm: u32) -> (u32, usize) {
+    (imm >> 8, (imm & 0xff) as usize)
+}
+
 /// Builds the work requests of one batch on one QP.
 ///
 /// Every transfer must be non-empty and must not wrap the address space; a
@@ -278,6 +305,17 @@ mod tests {
             signal_every: k,
             sq_depth: 128,
         }
+    }
+
+    #[test]
+    fn imm_roundtrip_and_limits() {
+        assert_eq!(
+            imm_decode(imm_encode(0x12_3456, 3).unwrap()),
+            (0x12_3456, 3)
+        );
+        assert!(imm_encode(1 << 24, 1).is_err());
+        assert!(imm_encode(1, 0).is_err());
+        assert!(imm_encode(1, 256).is_err());
     }
 
     #[test]
