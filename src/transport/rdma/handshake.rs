@@ -23,7 +23,7 @@ const MAX_RAILS: usize = Handshake::MAX_RAILS;
 const MAX_REGIONS: usize = Handshake::MAX_REGIONS;
 
 /// A path MTU, with the numeric values of `enum ibv_mtu`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 #[repr(u8)]
 pub enum Mtu {
     /// 256 bytes.
@@ -72,6 +72,13 @@ impl Mtu {
         ]
         .into_iter()
         .find(|m| m.bytes() <= bytes)
+    }
+}
+
+impl Serialize for Mtu {
+    /// As the number of bytes (`4096`).
+    fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        s.serialize_u32(self.bytes())
     }
 }
 
