@@ -23,6 +23,7 @@ use super::tracker::{BatchState, Posted, Tracker};
 use super::verbs::{region_access, Context, Cq, DeviceAttr, Mr, Pd, PortAttr, Qp};
 use super::wr::{
     build_batch, imm_encode, post_groups, BatchParams, CompletionRecord, Direction, Transfer,
+    WorkRequest,
 };
 use crate::error::{Error, Result, Status};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -571,7 +572,7 @@ impl RdmaEndpoint {
             None
         };
         // Resolve and build everything before posting anything.
-        let mut plans: Vec<(usize, Vec<super::wr::WorkRequest>)> = Vec::with_capacity(used.len());
+        let mut plans: Vec<(usize, Vec<WorkRequest>)> = Vec::with_capacity(used.len());
         let mut bytes = 0u64;
         for &i in &used {
             let keys = lock(&rails[i].keys);
@@ -593,47 +594,23 @@ impl RdmaEndpoint {
             plans.push((i, build_batch(batch, dir, &transfers, record, &params)?));
         }
         lock(&self.shared.tracker).begin(batch, &used, bytes)?;
-        for (i, wrs) in &plans {
-            let total = wrs.len();
-            let mut done = 0usize;
-            for group in post_groups(wrs) {
+        // Post round-robin over the rails, one signalled group at a time, so every
+        // NIC works in parallel even when a batch is deeper than a send queue.
+        let groups: Vec<(usize, Vec<&[WorkRequest]>)> =
+            plans.iter().map(|(i, w)| (*i, post_groups(w))).collect();
+        let totals: Vec<usize> = plans.iter().map(|(_, w)| w.len()).collect();
+        let mut next = vec![0usize; groups.len()];
+        let mut done = vec![0usize; groups.len()];
+        let deadline = Instant::now() + self.cfg.post_timeout;
+        loop {
+            let mut progressed = false;
+            let mut remaining = false;
+            for (k, (i, gs)) in groups.iter().enumerate() {
+                let Some(group) = gs.get(next[k]) else {
+                    continue;
+                };
+                remaining = true;
                 let g = group.len() as u32;
-                let deadline = Instant::now() + self.cfg.post_timeout;
-                let mut t = lock(&self.shared.tracker);
-                while !t.take_credits(*i, g) {
-                    if let Some(why) = t.rail_dead(*i) {
-                        let why = why.to_string();
-                        t.post_failed(batch, *i, done, total, &format!("rail died: {why}"), 0);
-                        return Err(Error::new(
-                            Status::RdmaCompletion,
-                            format!(
-                                "batch {batch}: rail {i} failed while posting ({why}); not retried"
-                            ),
-                        ));
-                    }
-                    let now = Instant::now();
-                    if now >= deadline {
-                        t.post_failed(
-                            batch,
-                            *i,
-                            done,
-                            total,
-                            "no free send-queue slots before the post timeout",
-                            0,
-                        );
-                        return Err(Error::new(
-                            Status::Timeout,
-                            format!("batch {batch}: rail {i}'s send queue stayed full for {:?}; posted {done} of {total} WRs", self.cfg.post_timeout),
-                        ));
-                    }
-                    t = self
-                        .shared
-                        .cv
-                        .wait_timeout(t, deadline - now)
-                        .map(|(g, _)| g)
-                        .unwrap_or_else(|p| p.into_inner().0);
-                }
-                drop(t);
                 let signalled: Vec<Posted> = group
                     .iter()
                     .filter(|w| w.signaled)
@@ -643,9 +620,32 @@ impl RdmaEndpoint {
                         retires: w.retires,
                     })
                     .collect();
-                // Register the awaited completions before posting, so a fast completion
-                // always finds its entry.
-                lock(&self.shared.tracker).posted(batch, &signalled);
+                {
+                    let mut t = lock(&self.shared.tracker);
+                    if let Some(why) = t.rail_dead(*i) {
+                        let why = why.to_string();
+                        t.post_failed(
+                            batch,
+                            *i,
+                            done[k],
+                            totals[k],
+                            &format!("rail died: {why}"),
+                            0,
+                        );
+                        return Err(Error::new(
+                            Status::RdmaCompletion,
+                            format!(
+                                "batch {batch}: rail {i} failed while posting ({why}); not retried"
+                            ),
+                        ));
+                    }
+                    if !t.take_credits(*i, g) {
+                        continue;
+                    }
+                    // Register the awaited completions before posting, so a fast
+                    // completion always finds its entry.
+                    t.posted(batch, &signalled);
+                }
                 if let Err((accepted, e)) = rails[*i].qp.post_send(group) {
                     let mut t = lock(&self.shared.tracker);
                     // The refused WRs (including the signalled one) will never complete.
@@ -653,17 +653,61 @@ impl RdmaEndpoint {
                     t.post_failed(
                         batch,
                         *i,
-                        done + accepted,
-                        total,
+                        done[k] + accepted,
+                        totals[k],
                         e.detail(),
                         g - accepted as u32,
                     );
                     return Err(Error::new(
                         Status::RdmaCompletion,
-                        format!("batch {batch}: {}; {} of {total} WRs were posted on rail {i}; not retried", e.detail(), done + accepted),
+                        format!(
+                            "batch {batch}: {}; {} of {} WRs were posted on rail {i}; not retried",
+                            e.detail(),
+                            done[k] + accepted,
+                            totals[k]
+                        ),
                     ));
                 }
-                done += group.len();
+                done[k] += group.len();
+                next[k] += 1;
+                progressed = true;
+            }
+            if !remaining {
+                break;
+            }
+            if !progressed {
+                // Every rail with work left is out of send slots: wait for completions.
+                let t = lock(&self.shared.tracker);
+                let now = Instant::now();
+                if now >= deadline {
+                    let mut t = t;
+                    for (k, (i, _)) in groups.iter().enumerate() {
+                        if done[k] < totals[k] {
+                            t.post_failed(
+                                batch,
+                                *i,
+                                done[k],
+                                totals[k],
+                                "no free send-queue slots before the post timeout",
+                                0,
+                            );
+                        }
+                    }
+                    return Err(Error::new(
+                        Status::Timeout,
+                        format!(
+                            "batch {batch}: send queues stayed full for {:?}; posted {:?} of {totals:?} WRs per rail",
+                            self.cfg.post_timeout, done
+                        ),
+                    ));
+                }
+                let wait = (deadline - now).min(Duration::from_millis(10));
+                drop(
+                    self.shared
+                        .cv
+                        .wait_timeout(t, wait)
+                        .unwrap_or_else(|p| p.into_inner()),
+                );
             }
         }
         Ok(())
@@ -729,7 +773,12 @@ fn poll_loop(shared: &Shared, n: usize) {
         for (i, r) in shared.rails[..n].iter().enumerate() {
             wcs.clear();
             if let Err(e) = r.cq.poll(&mut wcs, 32) {
-                log::error!("rdma: rail {i}: {e}");
+                let mut t = lock(&shared.tracker);
+                if t.rail_dead(i).is_none() {
+                    log::error!("rdma: rail {i}: {e}");
+                    t.fail_rail(i, e.detail());
+                    shared.cv.notify_all();
+                }
                 continue;
             }
             if wcs.is_empty() {

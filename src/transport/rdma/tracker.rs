@@ -222,9 +222,6 @@ impl Tracker {
         if let Some(c) = self.credits.get_mut(rail) {
             *c += retires;
         }
-        if status != WC_SUCCESS {
-            self.kill_rail(rail, status, vendor_err, wr_id);
-        }
         if let Some(e) = self.batches.get_mut(&batch) {
             e.pending = e.pending.saturating_sub(1);
             if status != WC_SUCCESS && e.failed.is_none() {
@@ -238,24 +235,35 @@ impl Tracker {
                 ));
             }
         }
+        if status != WC_SUCCESS {
+            self.kill_rail(rail, status, vendor_err, wr_id);
+        }
         Some(batch)
     }
 
     fn kill_rail(&mut self, rail: usize, status: u32, vendor_err: u32, wr_id: u64) {
-        if rail >= self.dead.len() || self.dead[rail].is_some() || status == WC_WR_FLUSH_ERR {
-            // Flushes follow the real error; keep the first reason.
-            if let Some(d) = self.dead.get_mut(rail) {
-                d.get_or_insert_with(|| "QP flushed (error state)".to_string());
-            }
+        // Flushes follow the real error, whose reason (kept first) is the useful one.
+        let reason = if status == WC_WR_FLUSH_ERR {
+            "QP flushed (error state)".to_string()
+        } else {
+            let (name, _) = wc_status_text(status);
+            format!("{name} (vendor_err {vendor_err:#x}) on wr {wr_id:#x}")
+        };
+        self.fail_rail(rail, &reason);
+    }
+
+    /// Marks `rail` unusable (its QP or CQ failed) and fails every in-flight batch
+    /// on it with `reason`. The first reason is kept.
+    pub fn fail_rail(&mut self, rail: usize, reason: &str) {
+        let Some(d) = self.dead.get_mut(rail) else {
+            return;
+        };
+        if d.is_some() {
             return;
         }
-        let (name, _) = wc_status_text(status);
-        self.dead[rail] = Some(format!(
-            "{name} (vendor_err {vendor_err:#x}) on wr {wr_id:#x}"
-        ));
+        *d = Some(reason.to_string());
         // Every other in-flight batch on this rail will be flushed: fail them now
         // with the real cause rather than with "flushed".
-        let reason = self.dead[rail].clone().unwrap_or_default();
         for (id, e) in self.batches.iter_mut() {
             if e.rails.contains(&rail) && e.pending > 0 && e.failed.is_none() {
                 e.failed = Some(Error::new(
@@ -367,6 +375,8 @@ mod tests {
                 assert!(e.detail().contains("IBV_WC_RETRY_EXC_ERR"), "{e}");
                 assert!(e.detail().contains("not retried"), "{e}");
                 assert!(e.detail().contains("vendor_err 0x81"), "{e}");
+                assert!(e.detail().contains("work request 0 on rail 0"), "{e}");
+                assert!(e.detail().contains("no ACK from the peer"), "{e}");
             }
             s => panic!("{s:?}"),
         }
@@ -427,5 +437,15 @@ mod tests {
         assert_eq!(t.on_send_completion(9, 42, WC_SUCCESS, 0), None);
         assert!(t.begin(1, &[3], 1).is_err());
         assert_eq!(wc_status_text(10).0, "IBV_WC_REM_ACCESS_ERR");
+        // A failed CQ poll kills the rail and its batches with that reason.
+        t.begin(4, &[0], 1).unwrap();
+        t.posted(4, &[posted(0, 4, 0, 1)]);
+        t.fail_rail(0, "ibv_poll_cq failed: EIO");
+        t.fail_rail(0, "later reason is ignored");
+        assert_eq!(t.rail_dead(0), Some("ibv_poll_cq failed: EIO"));
+        match t.state(4).unwrap() {
+            BatchState::Failed(e) => assert!(e.detail().contains("EIO"), "{e}"),
+            s => panic!("{s:?}"),
+        }
     }
 }

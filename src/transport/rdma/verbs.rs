@@ -652,59 +652,8 @@ impl Qp {
         if wrs.is_empty() {
             return Ok(());
         }
-        let mut sges: Vec<ffi::ibv_sge> = wrs
-            .iter()
-            .map(|w| ffi::ibv_sge {
-                addr: w.local_addr,
-                length: w.len,
-                lkey: w.lkey,
-            })
-            .collect();
-        let mut list: Vec<ffi::ibv_send_wr> = wrs
-            .iter()
-            .map(|w| {
-                // SAFETY: ibv_send_wr is plain data and pointers; zero is valid.
-                let mut x: ffi::ibv_send_wr = unsafe { std::mem::zeroed() };
-                x.wr_id = w.wr_id;
-                x.opcode = match w.opcode {
-                    Opcode::Write => ffi::ibv_wr_opcode::IBV_WR_RDMA_WRITE,
-                    Opcode::WriteWithImm => ffi::ibv_wr_opcode::IBV_WR_RDMA_WRITE_WITH_IMM,
-                    Opcode::Read => ffi::ibv_wr_opcode::IBV_WR_RDMA_READ,
-                };
-                x.send_flags = if w.signaled {
-                    ffi::ibv_send_flags::IBV_SEND_SIGNALED.0
-                } else {
-                    0
-                };
-                if let Some(imm) = w.imm {
-                    x.__bindgen_anon_1.imm_data = imm.to_be();
-                }
-                x.wr.rdma.remote_addr = w.remote_addr;
-                x.wr.rdma.rkey = w.rkey;
-                x
-            })
-            .collect();
-        // Link the list only through raw pointers taken after every safe access, so
-        // no later reference invalidates them.
-        let n = list.len();
-        let base = list.as_mut_ptr();
-        let sge_base = sges.as_mut_ptr();
-        for (i, w) in wrs.iter().enumerate() {
-            // SAFETY: i < n, so base + i and sge_base + i are inside their vectors, which
-            // are not touched again until the post below returns.
-            unsafe {
-                let x = base.add(i);
-                if w.len > 0 {
-                    (*x).sg_list = sge_base.add(i);
-                    (*x).num_sge = 1;
-                }
-                (*x).next = if i + 1 < n {
-                    base.add(i + 1)
-                } else {
-                    std::ptr::null_mut()
-                };
-            }
-        }
+        let mut list = SendList::new(wrs);
+        let base = list.head();
         let mut bad: *mut ffi::ibv_send_wr = std::ptr::null_mut();
         // SAFETY: qp is live; the ops table is the provider's.
         let post = unsafe { (*(*self.qp).context).ops.post_send };
@@ -717,7 +666,7 @@ impl Qp {
                 ),
             ));
         };
-        // SAFETY: list and sges outlive the call; the chain ends with NULL.
+        // SAFETY: `list` (WRs and SGEs) outlives the call; the chain ends with NULL.
         let rc = unsafe { post(self.qp, base, &mut bad) };
         if rc != 0 {
             let accepted = if bad.is_null() {
@@ -778,6 +727,103 @@ impl Qp {
     }
 }
 
+/// Work requests converted to a linked `ibv_send_wr` list with one SGE each
+/// (none for a zero-length WRITE_WITH_IMM). The pointers point into the two
+/// heap buffers, which never move while the list lives.
+pub struct SendList {
+    sges: Vec<ffi::ibv_sge>,
+    wrs: Vec<ffi::ibv_send_wr>,
+}
+
+impl SendList {
+    /// Converts `wrs` (in order) into a linked list.
+    pub fn new(wrs: &[WorkRequest]) -> SendList {
+        let mut sges: Vec<ffi::ibv_sge> = wrs
+            .iter()
+            .map(|w| ffi::ibv_sge {
+                addr: w.local_addr,
+                length: w.len,
+                lkey: w.lkey,
+            })
+            .collect();
+        let mut list: Vec<ffi::ibv_send_wr> = wrs
+            .iter()
+            .map(|w| {
+                // SAFETY: ibv_send_wr is plain data and pointers; zero is valid.
+                let mut x: ffi::ibv_send_wr = unsafe { std::mem::zeroed() };
+                x.wr_id = w.wr_id;
+                x.opcode = match w.opcode {
+                    Opcode::Write => ffi::ibv_wr_opcode::IBV_WR_RDMA_WRITE,
+                    Opcode::WriteWithImm => ffi::ibv_wr_opcode::IBV_WR_RDMA_WRITE_WITH_IMM,
+                    Opcode::Read => ffi::ibv_wr_opcode::IBV_WR_RDMA_READ,
+                };
+                x.send_flags = if w.signaled {
+                    ffi::ibv_send_flags::IBV_SEND_SIGNALED.0
+                } else {
+                    0
+                };
+                if let Some(imm) = w.imm {
+                    x.__bindgen_anon_1.imm_data = imm.to_be();
+                }
+                x.wr.rdma.remote_addr = w.remote_addr;
+                x.wr.rdma.rkey = w.rkey;
+                x
+            })
+            .collect();
+        // Link the list only through raw pointers taken after every safe access, so
+        // no later reference invalidates them.
+        let n = list.len();
+        let base = list.as_mut_ptr();
+        let sge_base = sges.as_mut_ptr();
+        for (i, w) in wrs.iter().enumerate() {
+            // SAFETY: i < n, so base + i and sge_base + i are inside their vectors, which
+            // are not touched again until the post below returns.
+            unsafe {
+                let x = base.add(i);
+                if w.len > 0 {
+                    (*x).sg_list = sge_base.add(i);
+                    (*x).num_sge = 1;
+                }
+                (*x).next = if i + 1 < n {
+                    base.add(i + 1)
+                } else {
+                    std::ptr::null_mut()
+                };
+            }
+        }
+        SendList { sges, wrs: list }
+    }
+
+    /// The first WR of the chain (NULL when empty).
+    pub fn head(&mut self) -> *mut ffi::ibv_send_wr {
+        if self.wrs.is_empty() {
+            std::ptr::null_mut()
+        } else {
+            self.wrs.as_mut_ptr()
+        }
+    }
+
+    /// The converted WRs, in order.
+    pub fn wrs(&self) -> &[ffi::ibv_send_wr] {
+        &self.wrs
+    }
+
+    /// Number of WRs.
+    pub fn len(&self) -> usize {
+        self.wrs.len()
+    }
+
+    /// True when there is no WR.
+    pub fn is_empty(&self) -> bool {
+        self.wrs.is_empty()
+    }
+
+    /// The SGE buffer (for checks).
+    pub fn sges(&self) -> &[ffi::ibv_sge] {
+        &self.sges
+    }
+}
+
 impl Drop for Qp {
     fn drop(&mut self) {
         // SAFETY: qp came from ibv_create_qp and is destroyed once.
@@ -832,5 +878,161 @@ pub fn gpu_dmabuf(dptr: u64, len: u64) -> Result<(i32, u64, u64)> {
             ))
         }
         Err(_) => Err(Error::new(Status::NoCudaDriver, "libcuda lacks cuMemGetHandleForAddressRange")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::qp::{
+        mask, QpState, ACCESS_LOCAL_WRITE, ACCESS_REMOTE_READ, ACCESS_REMOTE_WRITE,
+    };
+    use super::super::tracker::{wc_status_text, WC_SUCCESS, WC_WR_FLUSH_ERR};
+    use super::super::wr::{build_batch, BatchParams, CompletionRecord, Direction, Transfer};
+    use super::*;
+
+    #[test]
+    fn mirrored_constants_match_the_bindings() {
+        use ffi::ibv_qp_attr_mask as M;
+        assert_eq!(mask::STATE, M::IBV_QP_STATE.0);
+        assert_eq!(mask::ACCESS_FLAGS, M::IBV_QP_ACCESS_FLAGS.0);
+        assert_eq!(mask::PKEY_INDEX, M::IBV_QP_PKEY_INDEX.0);
+        assert_eq!(mask::PORT, M::IBV_QP_PORT.0);
+        assert_eq!(mask::AV, M::IBV_QP_AV.0);
+        assert_eq!(mask::PATH_MTU, M::IBV_QP_PATH_MTU.0);
+        assert_eq!(mask::TIMEOUT, M::IBV_QP_TIMEOUT.0);
+        assert_eq!(mask::RETRY_CNT, M::IBV_QP_RETRY_CNT.0);
+        assert_eq!(mask::RNR_RETRY, M::IBV_QP_RNR_RETRY.0);
+        assert_eq!(mask::RQ_PSN, M::IBV_QP_RQ_PSN.0);
+        assert_eq!(mask::MAX_QP_RD_ATOMIC, M::IBV_QP_MAX_QP_RD_ATOMIC.0);
+        assert_eq!(mask::MIN_RNR_TIMER, M::IBV_QP_MIN_RNR_TIMER.0);
+        assert_eq!(mask::SQ_PSN, M::IBV_QP_SQ_PSN.0);
+        assert_eq!(mask::MAX_DEST_RD_ATOMIC, M::IBV_QP_MAX_DEST_RD_ATOMIC.0);
+        assert_eq!(mask::DEST_QPN, M::IBV_QP_DEST_QPN.0);
+        use ffi::ibv_access_flags as A;
+        assert_eq!(ACCESS_LOCAL_WRITE, A::IBV_ACCESS_LOCAL_WRITE.0);
+        assert_eq!(ACCESS_REMOTE_WRITE, A::IBV_ACCESS_REMOTE_WRITE.0);
+        assert_eq!(ACCESS_REMOTE_READ, A::IBV_ACCESS_REMOTE_READ.0);
+        assert_eq!(QpState::Init as u32, ffi::ibv_qp_state::IBV_QPS_INIT);
+        assert_eq!(QpState::Rtr as u32, ffi::ibv_qp_state::IBV_QPS_RTR);
+        assert_eq!(QpState::Rts as u32, ffi::ibv_qp_state::IBV_QPS_RTS);
+        assert_eq!(QpState::Err as u32, ffi::ibv_qp_state::IBV_QPS_ERR);
+        assert_eq!(Mtu::Mtu256.to_ibv(), ffi::IBV_MTU_256);
+        assert_eq!(Mtu::Mtu4096.to_ibv(), ffi::IBV_MTU_4096);
+        use ffi::ibv_wc_status as S;
+        assert_eq!(WC_SUCCESS, S::IBV_WC_SUCCESS);
+        assert_eq!(WC_WR_FLUSH_ERR, S::IBV_WC_WR_FLUSH_ERR);
+        for (code, name) in [
+            (S::IBV_WC_LOC_LEN_ERR, "IBV_WC_LOC_LEN_ERR"),
+            (S::IBV_WC_LOC_PROT_ERR, "IBV_WC_LOC_PROT_ERR"),
+            (S::IBV_WC_REM_INV_REQ_ERR, "IBV_WC_REM_INV_REQ_ERR"),
+            (S::IBV_WC_REM_ACCESS_ERR, "IBV_WC_REM_ACCESS_ERR"),
+            (S::IBV_WC_RETRY_EXC_ERR, "IBV_WC_RETRY_EXC_ERR"),
+            (S::IBV_WC_RNR_RETRY_EXC_ERR, "IBV_WC_RNR_RETRY_EXC_ERR"),
+            (S::IBV_WC_GENERAL_ERR, "IBV_WC_GENERAL_ERR"),
+        ] {
+            assert_eq!(wc_status_text(code).0, name);
+        }
+        assert_eq!(
+            LinkLayer::from_u8(ffi::IBV_LINK_LAYER_ETHERNET as u8),
+            Some(LinkLayer::Ethernet)
+        );
+    }
+
+    #[test]
+    fn send_list_links_wrs_with_opcodes_flags_and_immediate() {
+        let t = |l: u64, r: u64, len: u64| Transfer {
+            local_addr: l,
+            lkey: 5,
+            remote_addr: r,
+            rkey: 6,
+            len,
+        };
+        let p = BatchParams {
+            max_msg: 1000,
+            signal_every: 2,
+            sq_depth: 16,
+        };
+        let wrs = build_batch(
+            9,
+            Direction::Write,
+            &[t(0x1000, 0x8000, 2500)],
+            CompletionRecord::Immediate(0x0102_0304),
+            &p,
+        )
+        .unwrap();
+        let mut list = SendList::new(&wrs);
+        assert_eq!(list.len(), 3);
+        // Walk the chain from the head.
+        let mut cur = list.head();
+        let mut seen = Vec::new();
+        while !cur.is_null() && seen.len() < 10 {
+            // SAFETY: every link points into `list`, which is alive.
+            let w = unsafe { &*cur };
+            seen.push(*w);
+            cur = w.next;
+        }
+        assert_eq!(seen.len(), 3, "three linked WRs ending in NULL");
+        for (i, w) in seen.iter().enumerate() {
+            assert_eq!(w.wr_id, wrs[i].wr_id);
+            assert_eq!(w.num_sge, 1);
+            // SAFETY: sg_list points into the list's SGE buffer.
+            let sge = unsafe { *w.sg_list };
+            assert_eq!(
+                (sge.addr, sge.length, sge.lkey),
+                (0x1000 + 1000 * i as u64, wrs[i].len, 5)
+            );
+            // SAFETY: the rdma member is the one written for RDMA opcodes.
+            let (ra, rk) = unsafe { (w.wr.rdma.remote_addr, w.wr.rdma.rkey) };
+            assert_eq!((ra, rk), (0x8000 + 1000 * i as u64, 6));
+        }
+        let sig = ffi::ibv_send_flags::IBV_SEND_SIGNALED.0;
+        assert_eq!(seen[0].send_flags & sig, 0);
+        assert_eq!(seen[1].send_flags & sig, sig);
+        assert_eq!(seen[2].send_flags & sig, sig);
+        assert_eq!(seen[0].opcode, ffi::ibv_wr_opcode::IBV_WR_RDMA_WRITE);
+        assert_eq!(
+            seen[2].opcode,
+            ffi::ibv_wr_opcode::IBV_WR_RDMA_WRITE_WITH_IMM
+        );
+        // Immediate data is big-endian on the wire.
+        // SAFETY: imm_data is the member written for WRITE_WITH_IMM.
+        assert_eq!(
+            unsafe { seen[2].__bindgen_anon_1.imm_data },
+            0x0102_0304u32.to_be()
+        );
+        assert_eq!(list.sges().len(), 3);
+
+        // A zero-length immediate-only record carries no SGE; reads use RDMA_READ.
+        let w0 = build_batch(1, Direction::Write, &[], CompletionRecord::Immediate(1), &p).unwrap();
+        let l0 = SendList::new(&w0);
+        assert_eq!(l0.wrs()[0].num_sge, 0);
+        assert!(l0.wrs()[0].sg_list.is_null());
+        let r = build_batch(
+            2,
+            Direction::Read,
+            &[t(0, 0, 10)],
+            CompletionRecord::None,
+            &p,
+        )
+        .unwrap();
+        assert_eq!(
+            SendList::new(&r).wrs()[0].opcode,
+            ffi::ibv_wr_opcode::IBV_WR_RDMA_READ
+        );
+        let mut empty = SendList::new(&[]);
+        assert!(empty.is_empty() && empty.head().is_null());
+    }
+
+    #[test]
+    fn device_list_without_rdma_is_typed() {
+        match DeviceList::get() {
+            Ok(l) => {
+                let _ = l.names();
+            }
+            Err(e) => {
+                assert_eq!(e.status(), Status::NoRdmaDevice);
+                assert!(e.detail().contains("ibv_get_device_list"), "{e}");
+            }
+        }
     }
 }
