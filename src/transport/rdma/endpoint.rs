@@ -11,32 +11,25 @@
 //! ep.wait(7, timeout)?;                                        // Done / Failed(reason), never retried
 //! ```
 
-use super::config::{RdmaConfig, RecordMode};
+use super::config::RdmaConfig;
 use super::device::{select_rails, RailChoice};
 use super::handshake::{
     negotiate_all, random_psn, random_u64, Gid, Handshake, HandshakeField, LinkLayer, Mtu,
     Negotiated, RailInfo, RemoteRegion,
 };
 use super::qp::transitions;
-use super::slice::{slice_across, LocalRegion, RailKeys, Span};
-use super::tracker::{BatchState, Posted, Tracker};
+use super::session::{lock, RailIo, Session, SessionParams, SessionRail};
+use super::slice::{LocalRegion, RailKeys, Span};
+use super::tracker::{BatchState, Completion};
 use super::verbs::{region_access, Context, Cq, DeviceAttr, Mr, Pd, PortAttr, Qp};
-use super::wr::{
-    build_batch, imm_encode, post_groups, BatchParams, CompletionRecord, Direction, Transfer,
-    WorkRequest,
-};
+use super::wr::{Direction, WorkRequest};
 use crate::error::{Error, Result, Status};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
-use std::thread::JoinHandle;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 /// `wr_id` of the receives posted for incoming WRITE_WITH_IMM records.
 const RECV_WR_ID: u64 = u64::MAX;
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
-}
 
 /// One opened NIC port.
 pub struct Rail {
@@ -348,6 +341,7 @@ impl RdmaTransport {
         let depth = (self.cfg.sq_depth + self.cfg.recv_depth) as i32;
         let mut rails = Vec::with_capacity(self.rails.len());
         let mut infos = Vec::with_capacity(self.rails.len());
+        let mut info = Vec::with_capacity(self.rails.len());
         for (i, r) in self.rails.iter().enumerate() {
             let cq = Cq::create(&r.ctx, depth.min(r.device.max_cqe.max(1)))?;
             let sq = self.cfg.sq_depth.min(r.device.max_qp_wr.max(1) as u32);
@@ -380,58 +374,62 @@ impl RdmaTransport {
                     })
                     .collect(),
             });
-            rails.push(EpRail {
-                rail: r.clone(),
-                cq,
-                qp,
-                local,
-                keys: Mutex::new(None),
-                sq_depth: sq,
-                recv_depth: rq,
-            });
+            let max_msg = r.port.max_msg_sz.max(1) as u64;
+            rails.push(SessionRail::new(
+                VerbsRail { qp, cq },
+                r.choice.weight,
+                max_msg,
+                sq,
+                rq,
+            ));
+            info.push((r.clone(), local));
         }
         Ok(RdmaEndpoint {
-            shared: Arc::new(Shared {
+            session: Session::new(
                 rails,
-                tracker: Mutex::new(Tracker::new(0, 0)),
-                cv: Condvar::new(),
-                stop: AtomicBool::new(false),
-            }),
+                SessionParams {
+                    signal_every: self.cfg.signal_every,
+                    min_slice: self.cfg.min_slice,
+                    record: self.cfg.record,
+                    post_timeout: self.cfg.post_timeout,
+                },
+            ),
+            info,
             local: Handshake {
                 instance_id: self.instance_id,
                 rails: infos,
             },
             negotiated: Vec::new(),
-            poller: None,
             cfg: self.cfg.clone(),
             _regions: regions,
         })
     }
 }
 
-struct EpRail {
-    rail: Arc<Rail>,
-    cq: Arc<Cq>,
+/// The verbs queue pair and completion queue of one rail.
+pub struct VerbsRail {
     qp: Qp,
-    local: Vec<LocalRegion>,
-    keys: Mutex<Option<RailKeys>>,
-    sq_depth: u32,
-    recv_depth: u32,
+    cq: Arc<Cq>,
 }
 
-struct Shared {
-    rails: Vec<EpRail>,
-    tracker: Mutex<Tracker>,
-    cv: Condvar,
-    stop: AtomicBool,
+impl RailIo for VerbsRail {
+    fn post_send(&self, wrs: &[WorkRequest]) -> std::result::Result<(), (usize, Error)> {
+        self.qp.post_send(wrs)
+    }
+    fn post_recvs(&self, n: usize) -> Result<()> {
+        self.qp.post_recvs(n, RECV_WR_ID)
+    }
+    fn poll(&self, out: &mut Vec<Completion>, max: usize) -> Result<usize> {
+        self.cq.poll(out, max)
+    }
 }
 
 /// One connection to one peer: a QP per rail, a completion poller thread.
 pub struct RdmaEndpoint {
-    shared: Arc<Shared>,
+    session: Session<VerbsRail>,
+    info: Vec<(Arc<Rail>, Vec<LocalRegion>)>,
     local: Handshake,
     negotiated: Vec<Negotiated>,
-    poller: Option<JoinHandle<()>>,
     cfg: RdmaConfig,
     _regions: Vec<Arc<Region>>,
 }
@@ -451,13 +449,15 @@ impl RdmaEndpoint {
     /// GIDs, LIDs), moves each QP INIT -> RTR -> RTS, posts the receives for
     /// completion records and starts the completion poller.
     pub fn connect(&mut self, remote: &Handshake) -> Result<Vec<Negotiated>> {
-        if self.poller.is_some() {
+        if !self.negotiated.is_empty() {
             return Err(Error::invalid("endpoint is already connected"));
         }
         let negs = negotiate_all(&self.local, remote)?;
+        let mut keys = Vec::with_capacity(negs.len());
         for (i, n) in negs.iter().enumerate() {
-            let r = &self.shared.rails[i];
-            let gid_len = r.rail.port.gid_tbl_len;
+            let (rail, local) = &self.info[i];
+            let qp = &self.session.rails()[i].io.qp;
+            let gid_len = rail.port.gid_tbl_len;
             if n.use_grh && (n.sgid_index as i32) >= gid_len {
                 return Err(super::handshake::HandshakeError {
                     field: HandshakeField::GidIndex,
@@ -468,355 +468,66 @@ impl RdmaEndpoint {
                 }
                 .into());
             }
-            let rd = r.rail.device.max_qp_rd_atom.clamp(1, 255) as u8;
+            let rd = rail.device.max_qp_rd_atom.clamp(1, 255) as u8;
             for a in transitions(n, &self.cfg.tuning, rd, true) {
-                r.qp.modify(&a)
+                qp.modify(&a)
                     .map_err(|e| Error::new(e.status(), format!("rail {i}: {}", e.detail())))?;
             }
-            r.qp.post_recvs(r.recv_depth as usize, RECV_WR_ID)?;
-            *lock(&r.keys) = Some(RailKeys::new(
-                r.local.clone(),
+            keys.push(RailKeys::new(
+                local.clone(),
                 remote.rails[i].regions.clone(),
             ));
             log::info!(
                 "rdma: rail {i} connected: {} port {} -> {} qpn {:#x}, mtu {} (local {}, remote {}), {}",
-                r.rail.choice.device,
+                rail.choice.device,
                 n.port,
                 remote.rails[i].device,
                 n.remote_qpn,
                 n.mtu,
                 n.local_mtu,
                 n.remote_mtu,
-                if n.use_grh { format!("gid {}", n.dgid) } else { format!("lid {:#x}", n.dlid) }
+                if n.use_grh {
+                    format!("gid {}", n.dgid)
+                } else {
+                    format!("lid {:#x}", n.dlid)
+                }
             );
         }
-        let sq = self
-            .shared
-            .rails
-            .iter()
-            .map(|r| r.sq_depth)
-            .min()
-            .unwrap_or(1);
-        *lock(&self.shared.tracker) = Tracker::new(negs.len(), sq);
-        let shared = self.shared.clone();
-        let n = negs.len();
-        self.poller = Some(
-            std::thread::Builder::new()
-                .name("pdxfer-rdma-cq".into())
-                .spawn(move || poll_loop(&shared, n))
-                .map_err(|e| {
-                    Error::new(
-                        Status::Rdma,
-                        format!("cannot start the CQ poller thread: {e}"),
-                    )
-                })?,
-        );
+        self.session.start(keys)?;
         self.negotiated = negs.clone();
         Ok(negs)
     }
 
-    /// Posts one batch: the spans are sliced across the connected rails (a batch
-    /// with a final-write record stays on one rail so RC ordering holds), keys are
-    /// resolved and bounds-checked before anything is posted, and each rail posts
-    /// linked WR lists signalled every `signal_every`. With [`RecordMode::Immediate`]
-    /// each rail's last WRITE carries (batch id, rails) as immediate data.
+    /// Posts one batch: the spans are sliced across the connected rails by bytes
+    /// (weighted by link rate), keys are resolved and bounds-checked before
+    /// anything is posted, and each rail posts linked WR lists signalled every
+    /// `signal_every`, round-robin with the other rails. With
+    /// [`RecordMode::Immediate`](super::config::RecordMode::Immediate) each rail's last WRITE carries (batch id, rails)
+    /// as immediate data; the peer's [`next_incoming`](Self::next_incoming) reports
+    /// the batch once all of them arrived.
     pub fn post_batch(&self, batch: u32, dir: Direction, spans: &[Span]) -> Result<()> {
-        self.post_batch_with(batch, dir, spans, None)
+        self.session.post_batch(batch, dir, spans)
     }
 
-    /// [`post_batch`](Self::post_batch) followed, on the same rail, by an ordered
-    /// WRITE of `record` (a small completion record the peer polls for).
+    /// A write batch kept on one rail and followed there by an ordered WRITE of
+    /// `record` (a small completion record the peer polls for; RC keeps the order).
     pub fn post_batch_with_record(&self, batch: u32, spans: &[Span], record: Span) -> Result<()> {
-        self.post_batch_with(batch, Direction::Write, spans, Some(record))
-    }
-
-    fn post_batch_with(
-        &self,
-        batch: u32,
-        dir: Direction,
-        spans: &[Span],
-        final_write: Option<Span>,
-    ) -> Result<()> {
-        let n = self.negotiated.len();
-        if n == 0 {
-            return Err(Error::new(
-                Status::PeerUnreachable,
-                "RDMA endpoint is not connected",
-            ));
-        }
-        let rails = &self.shared.rails[..n];
-        let per_rail: Vec<Vec<Span>> = if final_write.is_some() {
-            let mut v = vec![Vec::new(); n];
-            v[batch as usize % n] = spans.to_vec();
-            v
-        } else {
-            let weights: Vec<u64> = rails.iter().map(|r| r.rail.choice.weight).collect();
-            slice_across(spans, &weights, self.cfg.min_slice)?
-        };
-        let imm_wanted = dir == Direction::Write
-            && final_write.is_none()
-            && self.cfg.record == RecordMode::Immediate;
-        let mut used: Vec<usize> = (0..n).filter(|i| !per_rail[*i].is_empty()).collect();
-        if used.is_empty() {
-            if final_write.is_some() {
-                used.push(batch as usize % n);
-            } else if imm_wanted {
-                used.push(0);
-            } else {
-                return Err(Error::invalid("empty batch"));
-            }
-        }
-        let imm = if imm_wanted {
-            Some(imm_encode(batch, used.len())?)
-        } else {
-            None
-        };
-        // Resolve and build everything before posting anything.
-        let mut plans: Vec<(usize, Vec<WorkRequest>)> = Vec::with_capacity(used.len());
-        let mut bytes = 0u64;
-        for &i in &used {
-            let keys = lock(&rails[i].keys);
-            let keys = keys
-                .as_ref()
-                .ok_or_else(|| Error::new(Status::PeerUnreachable, "rail not connected"))?;
-            let transfers: Vec<Transfer> = keys.resolve_all(&per_rail[i])?;
-            bytes += transfers.iter().map(|t| t.len).sum::<u64>();
-            let record = match (imm, final_write) {
-                (Some(v), _) => CompletionRecord::Immediate(v),
-                (None, Some(s)) => CompletionRecord::FinalWrite(keys.resolve(&s)?),
-                (None, None) => CompletionRecord::None,
-            };
-            let params = BatchParams {
-                max_msg: rails[i].rail.port.max_msg_sz.max(1) as u64,
-                signal_every: self.cfg.signal_every.min(rails[i].sq_depth),
-                sq_depth: rails[i].sq_depth,
-            };
-            plans.push((i, build_batch(batch, dir, &transfers, record, &params)?));
-        }
-        lock(&self.shared.tracker).begin(batch, &used, bytes)?;
-        // Post round-robin over the rails, one signalled group at a time, so every
-        // NIC works in parallel even when a batch is deeper than a send queue.
-        let groups: Vec<(usize, Vec<&[WorkRequest]>)> =
-            plans.iter().map(|(i, w)| (*i, post_groups(w))).collect();
-        let totals: Vec<usize> = plans.iter().map(|(_, w)| w.len()).collect();
-        let mut next = vec![0usize; groups.len()];
-        let mut done = vec![0usize; groups.len()];
-        let deadline = Instant::now() + self.cfg.post_timeout;
-        loop {
-            let mut progressed = false;
-            let mut remaining = false;
-            for (k, (i, gs)) in groups.iter().enumerate() {
-                let Some(group) = gs.get(next[k]) else {
-                    continue;
-                };
-                remaining = true;
-                let g = group.len() as u32;
-                let signalled: Vec<Posted> = group
-                    .iter()
-                    .filter(|w| w.signaled)
-                    .map(|w| Posted {
-                        rail: *i,
-                        wr_id: w.wr_id,
-                        retires: w.retires,
-                    })
-                    .collect();
-                {
-                    let mut t = lock(&self.shared.tracker);
-                    if let Some(why) = t.rail_dead(*i) {
-                        let why = why.to_string();
-                        t.post_failed(
-                            batch,
-                            *i,
-                            done[k],
-                            totals[k],
-                            &format!("rail died: {why}"),
-                            0,
-                        );
-                        return Err(Error::new(
-                            Status::RdmaCompletion,
-                            format!(
-                                "batch {batch}: rail {i} failed while posting ({why}); not retried"
-                            ),
-                        ));
-                    }
-                    if !t.take_credits(*i, g) {
-                        continue;
-                    }
-                    // Register the awaited completions before posting, so a fast
-                    // completion always finds its entry.
-                    t.posted(batch, &signalled);
-                }
-                if let Err((accepted, e)) = rails[*i].qp.post_send(group) {
-                    let mut t = lock(&self.shared.tracker);
-                    // The refused WRs (including the signalled one) will never complete.
-                    t.unpost(batch, &signalled);
-                    t.post_failed(
-                        batch,
-                        *i,
-                        done[k] + accepted,
-                        totals[k],
-                        e.detail(),
-                        g - accepted as u32,
-                    );
-                    return Err(Error::new(
-                        Status::RdmaCompletion,
-                        format!(
-                            "batch {batch}: {}; {} of {} WRs were posted on rail {i}; not retried",
-                            e.detail(),
-                            done[k] + accepted,
-                            totals[k]
-                        ),
-                    ));
-                }
-                done[k] += group.len();
-                next[k] += 1;
-                progressed = true;
-            }
-            if !remaining {
-                break;
-            }
-            if !progressed {
-                // Every rail with work left is out of send slots: wait for completions.
-                let t = lock(&self.shared.tracker);
-                let now = Instant::now();
-                if now >= deadline {
-                    let mut t = t;
-                    for (k, (i, _)) in groups.iter().enumerate() {
-                        if done[k] < totals[k] {
-                            t.post_failed(
-                                batch,
-                                *i,
-                                done[k],
-                                totals[k],
-                                "no free send-queue slots before the post timeout",
-                                0,
-                            );
-                        }
-                    }
-                    return Err(Error::new(
-                        Status::Timeout,
-                        format!(
-                            "batch {batch}: send queues stayed full for {:?}; posted {:?} of {totals:?} WRs per rail",
-                            self.cfg.post_timeout, done
-                        ),
-                    ));
-                }
-                let wait = (deadline - now).min(Duration::from_millis(10));
-                drop(
-                    self.shared
-                        .cv
-                        .wait_timeout(t, wait)
-                        .unwrap_or_else(|p| p.into_inner()),
-                );
-            }
-        }
-        Ok(())
+        self.session.post_batch_with_record(batch, spans, record)
     }
 
     /// The batch's state; a finished batch is forgotten after it is reported once.
     pub fn poll(&self, batch: u32) -> Result<BatchState> {
-        lock(&self.shared.tracker)
-            .finish(batch)
-            .ok_or_else(|| Error::invalid(format!("unknown RDMA batch {batch}")))
+        self.session.poll(batch)
     }
 
     /// Waits until the batch is done or failed, at most `timeout`
     /// ([`Status::Timeout`] then; the batch keeps running and can be polled again).
     pub fn wait(&self, batch: u32, timeout: Duration) -> Result<BatchState> {
-        let deadline = Instant::now() + timeout;
-        let mut t = lock(&self.shared.tracker);
-        loop {
-            match t.finish(batch) {
-                None => return Err(Error::invalid(format!("unknown RDMA batch {batch}"))),
-                Some(BatchState::InProgress) => {}
-                Some(s) => return Ok(s),
-            }
-            let now = Instant::now();
-            if now >= deadline {
-                return Err(Error::new(
-                    Status::Timeout,
-                    format!("RDMA batch {batch} still in flight after {timeout:?}"),
-                ));
-            }
-            t = self
-                .shared
-                .cv
-                .wait_timeout(t, deadline - now)
-                .map(|(g, _)| g)
-                .unwrap_or_else(|p| p.into_inner().0);
-        }
+        self.session.wait(batch, timeout)
     }
 
-    /// The next batch the peer announced as fully written (WRITE_WITH_IMM records
-    /// of all its rails arrived), if any.
+    /// The next batch the peer announced as fully written, if any.
     pub fn next_incoming(&self) -> Option<u32> {
-        lock(&self.shared.tracker).next_incoming()
-    }
-}
-
-impl Drop for RdmaEndpoint {
-    fn drop(&mut self) {
-        self.shared.stop.store(true, Ordering::Release);
-        if let Some(h) = self.poller.take() {
-            if h.join().is_err() {
-                log::error!("rdma: the CQ poller thread panicked");
-            }
-        }
-    }
-}
-
-fn poll_loop(shared: &Shared, n: usize) {
-    let mut wcs = Vec::with_capacity(32);
-    let mut idle = 0u32;
-    while !shared.stop.load(Ordering::Acquire) {
-        let mut any = false;
-        for (i, r) in shared.rails[..n].iter().enumerate() {
-            wcs.clear();
-            if let Err(e) = r.cq.poll(&mut wcs, 32) {
-                let mut t = lock(&shared.tracker);
-                if t.rail_dead(i).is_none() {
-                    log::error!("rdma: rail {i}: {e}");
-                    t.fail_rail(i, e.detail());
-                    shared.cv.notify_all();
-                }
-                continue;
-            }
-            if wcs.is_empty() {
-                continue;
-            }
-            any = true;
-            let mut reposts = 0;
-            {
-                let mut t = lock(&shared.tracker);
-                for wc in &wcs {
-                    if wc.is_recv() {
-                        if wc.status == 0 {
-                            if let Some(imm) = wc.imm {
-                                t.on_recv_imm(imm);
-                            }
-                            reposts += 1;
-                        }
-                    } else {
-                        t.on_send_completion(i, wc.wr_id, wc.status, wc.vendor_err);
-                    }
-                }
-            }
-            if reposts > 0 {
-                if let Err(e) = r.qp.post_recvs(reposts, RECV_WR_ID) {
-                    log::error!("rdma: rail {i}: re-posting {reposts} receive(s): {e}");
-                }
-            }
-            shared.cv.notify_all();
-        }
-        if any {
-            idle = 0;
-        } else {
-            idle = idle.saturating_add(1);
-            if idle > 1024 {
-                std::thread::sleep(Duration::from_micros(50));
-            } else {
-                std::hint::spin_loop();
-            }
-        }
+        self.session.next_incoming()
     }
 }

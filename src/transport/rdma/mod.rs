@@ -33,6 +33,8 @@ pub mod handshake;
 /// cbindgen:ignore
 pub mod qp;
 /// cbindgen:ignore
+pub mod session;
+/// cbindgen:ignore
 pub mod slice;
 /// cbindgen:ignore
 pub mod tracker;

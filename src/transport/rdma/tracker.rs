@@ -18,6 +18,37 @@ pub(crate) const WC_SUCCESS: u32 = 0;
 /// `IBV_WC_WR_FLUSH_ERR`.
 pub(crate) const WC_WR_FLUSH_ERR: u32 = 5;
 
+/// One work completion, copied out of `ibv_wc`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Completion {
+    /// The WR's id.
+    pub wr_id: u64,
+    /// `ibv_wc_status` (0 = success).
+    pub status: u32,
+    /// Vendor syndrome.
+    pub vendor_err: u32,
+    /// `ibv_wc_opcode`.
+    pub opcode: u32,
+    /// Immediate data (host order) when present.
+    pub imm: Option<u32>,
+}
+
+/// `IBV_WC_RECV`: the bit set on every receive-queue completion opcode.
+pub(crate) const WC_RECV: u32 = 128;
+/// `IBV_WC_RDMA_WRITE` (used by the fake NIC in tests).
+#[allow(dead_code)]
+pub(crate) const WC_OP_RDMA_WRITE: u32 = 1;
+/// `IBV_WC_RECV_RDMA_WITH_IMM` (used by the fake NIC in tests).
+#[allow(dead_code)]
+pub(crate) const WC_OP_RECV_RDMA_WITH_IMM: u32 = 129;
+
+impl Completion {
+    /// True for a receive-queue completion.
+    pub fn is_recv(&self) -> bool {
+        self.opcode & WC_RECV != 0
+    }
+}
+
 /// The name of an `ibv_wc_status` and what it usually means.
 pub fn wc_status_text(status: u32) -> (&'static str, &'static str) {
     match status {

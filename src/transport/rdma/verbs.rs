@@ -12,6 +12,7 @@
 use super::device::RdmaDevice;
 use super::handshake::{Gid, LinkLayer, Mtu};
 use super::qp::QpAttrs;
+use super::tracker::Completion;
 use super::wr::{Opcode, WorkRequest};
 use crate::error::{Error, Result, Status};
 use ibverbs_sys as ffi;
@@ -452,28 +453,6 @@ unsafe impl Send for Cq {}
 // SAFETY: as above.
 unsafe impl Sync for Cq {}
 
-/// One work completion, copied out of `ibv_wc`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Wc {
-    /// The WR's id.
-    pub wr_id: u64,
-    /// `ibv_wc_status` (0 = success).
-    pub status: u32,
-    /// Vendor syndrome.
-    pub vendor_err: u32,
-    /// `ibv_wc_opcode`.
-    pub opcode: u32,
-    /// Immediate data (host order) when present.
-    pub imm: Option<u32>,
-}
-
-impl Wc {
-    /// True for a receive-queue completion.
-    pub fn is_recv(&self) -> bool {
-        self.opcode & ffi::ibv_wc_opcode::IBV_WC_RECV != 0
-    }
-}
-
 impl Cq {
     /// `ibv_create_cq` with at least `depth` entries.
     pub fn create(ctx: &Arc<Context>, depth: i32) -> Result<Arc<Cq>> {
@@ -501,7 +480,7 @@ impl Cq {
     }
 
     /// Polls up to `out.len()` completions; returns how many were written.
-    pub fn poll(&self, out: &mut Vec<Wc>, max: usize) -> Result<usize> {
+    pub fn poll(&self, out: &mut Vec<Completion>, max: usize) -> Result<usize> {
         // SAFETY: ibv_wc is plain data (integers); zero is valid.
         let mut raw: [ffi::ibv_wc; 32] = unsafe { std::mem::zeroed() };
         let n = max.min(raw.len()) as i32;
@@ -520,7 +499,7 @@ impl Cq {
         }
         for w in &raw[..got as usize] {
             let (status, vendor_err) = w.error().unwrap_or((0, 0));
-            out.push(Wc {
+            out.push(Completion {
                 wr_id: w.wr_id(),
                 status,
                 vendor_err,
@@ -886,7 +865,10 @@ mod tests {
     use super::super::qp::{
         mask, QpState, ACCESS_LOCAL_WRITE, ACCESS_REMOTE_READ, ACCESS_REMOTE_WRITE,
     };
-    use super::super::tracker::{wc_status_text, WC_SUCCESS, WC_WR_FLUSH_ERR};
+    use super::super::tracker::{
+        wc_status_text, WC_OP_RDMA_WRITE, WC_OP_RECV_RDMA_WITH_IMM, WC_RECV, WC_SUCCESS,
+        WC_WR_FLUSH_ERR,
+    };
     use super::super::wr::{build_batch, BatchParams, CompletionRecord, Direction, Transfer};
     use super::*;
 
@@ -921,6 +903,12 @@ mod tests {
         use ffi::ibv_wc_status as S;
         assert_eq!(WC_SUCCESS, S::IBV_WC_SUCCESS);
         assert_eq!(WC_WR_FLUSH_ERR, S::IBV_WC_WR_FLUSH_ERR);
+        assert_eq!(WC_RECV, ffi::ibv_wc_opcode::IBV_WC_RECV);
+        assert_eq!(WC_OP_RDMA_WRITE, ffi::ibv_wc_opcode::IBV_WC_RDMA_WRITE);
+        assert_eq!(
+            WC_OP_RECV_RDMA_WITH_IMM,
+            ffi::ibv_wc_opcode::IBV_WC_RECV_RDMA_WITH_IMM
+        );
         for (code, name) in [
             (S::IBV_WC_LOC_LEN_ERR, "IBV_WC_LOC_LEN_ERR"),
             (S::IBV_WC_LOC_PROT_ERR, "IBV_WC_LOC_PROT_ERR"),
