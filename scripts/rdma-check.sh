@@ -10,10 +10,12 @@
 #   hostB$ scripts/rdma-check.sh --serve [--device mlx5_0] ...
 #   hostA$ scripts/rdma-check.sh --peer hostB [--device mlx5_0] ...
 #
-# The pdxfer half runs `pdxfer bench --transport rdma` when the binary has that
-# subcommand (the lead wires the data-plane bench to the RDMA transport at merge
-# time); extra bench arguments go in --bench-args "...". Otherwise it says so
-# and prints only `pdxfer info` plus the perftest figure.
+# The pdxfer half runs `pdxfer bench --transport rdma` when the binary has it
+# (the lead wires the data-plane bench to the RDMA transport at merge time; extra
+# arguments go in --bench-args "..."), else `pdxfer rdma-bench` (the RDMA
+# transport's own bench: the same message size, batches of 64 messages, 4
+# batches in flight, data checked on one host). Two hosts: the server side runs
+# `ib_write_bw` and then `pdxfer rdma-bench --serve 0.0.0.0:PDX_PORT`.
 set -euo pipefail
 
 PDXFER=""
@@ -26,6 +28,7 @@ PEER=""
 SERVE=0
 GPU=""
 PORT=18515
+PDX_PORT=18600
 BENCH_ARGS=""
 TIMEOUT=120
 
@@ -43,6 +46,7 @@ while [ $# -gt 0 ]; do
         --serve) SERVE=1; shift ;;
         --gpu) GPU="$2"; shift 2 ;;
         --port) PORT="$2"; shift 2 ;;
+        --pdx-port) PDX_PORT="$2"; shift 2 ;;
         --bench-args) BENCH_ARGS="$2"; shift 2 ;;
         --timeout) TIMEOUT="$2"; shift 2 ;;
         -h|--help) usage 0 ;;
@@ -83,9 +87,17 @@ fi
 # The result row of ib_write_bw: "#bytes #iterations BW peak BW average MsgRate".
 perf_row() { awk '/^ *[0-9]+ +[0-9]+ +[0-9.]+ +[0-9.]+ +[0-9.]+/ {row=$0} END {print row}'; }
 
+[ -n "$DEVICE" ] && export PDXFER_RDMA_DEVICES="$DEVICE"
+[ -n "$GID_INDEX" ] && export PDXFER_RDMA_GID_INDEX="$GID_INDEX"
+BATCH=64
+PDX_ITERS=$(( ITERS / BATCH > 0 ? ITERS / BATCH : 1 ))
+pdx_bench=("$PDXFER" rdma-bench --block-size "$SIZE" --batch-size "$BATCH" --iters "$PDX_ITERS" --depth 4)
+
 if [ "$SERVE" = 1 ]; then
-    echo "== ib_write_bw server (waiting for the client; pdxfer's RDMA bench server is started by 'pdxfer bench' itself)"
-    exec timeout "$TIMEOUT" ib_write_bw "${server_args[@]}"
+    echo "== ib_write_bw server (waiting for the client)"
+    timeout "$TIMEOUT" ib_write_bw "${server_args[@]}" || echo "rdma-check: ib_write_bw server failed" >&2
+    echo "== pdxfer rdma-bench server on 0.0.0.0:$PDX_PORT (waiting for the client)"
+    exec timeout "$TIMEOUT" "${pdx_bench[@]}" --serve "0.0.0.0:$PDX_PORT"
 fi
 
 tmp="$(mktemp -d)"
@@ -113,25 +125,36 @@ else
 fi
 if [ -n "${srv_pid:-}" ]; then wait "$srv_pid" 2>/dev/null || true; srv_pid=""; fi
 
-echo "== pdxfer bench --transport rdma"
 pdx=""
 if "$PDXFER" bench --help 2>/dev/null | grep -q -- '--transport'; then
     bench=("$PDXFER" bench --transport rdma)
     # shellcheck disable=SC2206 # word splitting of user-supplied bench args is intended
     [ -n "$BENCH_ARGS" ] && bench+=($BENCH_ARGS)
     [ -n "$PEER" ] && bench+=(--peer "$PEER")
-    [ -n "$DEVICE" ] && export PDXFER_RDMA_DEVICES="$DEVICE"
-    [ -n "$GID_INDEX" ] && export PDXFER_RDMA_GID_INDEX="$GID_INDEX"
-    echo "+ ${bench[*]}"
-    if timeout "$TIMEOUT" "${bench[@]}" >"$tmp/pdx.log" 2>&1; then
-        pdx="$(tail -n 5 "$tmp/pdx.log")"
-    else
-        pdx="FAILED (see log above)"
-        status=1
-    fi
-    cat "$tmp/pdx.log"
 else
-    pdx="not available: this pdxfer has no 'bench --transport' (wired by the lead at merge time)"
+    bench=("${pdx_bench[@]}")
+    [ -n "$PEER" ] && bench+=(--connect "$PEER:$PDX_PORT")
+fi
+echo "== ${bench[*]}"
+ok=0
+for attempt in 1 2 3 4 5 6 7 8 9 10; do
+    if timeout "$TIMEOUT" "${bench[@]}" >"$tmp/pdx.log" 2>&1; then
+        ok=1
+        break
+    fi
+    # Two hosts: the server may still be finishing ib_write_bw; retry a refused connect.
+    if [ -n "$PEER" ] && grep -q 'peer_unreachable' "$tmp/pdx.log" && [ "$attempt" -lt 10 ]; then
+        sleep 1
+        continue
+    fi
+    break
+done
+cat "$tmp/pdx.log"
+if [ "$ok" = 1 ]; then
+    pdx="$(tail -n 1 "$tmp/pdx.log")"
+else
+    pdx="FAILED (see log above)"
+    status=1
 fi
 
 echo

@@ -1,6 +1,7 @@
 //! The `pdxfer` command line: `info`, `plan` (more subcommands join as their layers land).
 
 mod plan;
+mod rdma_bench;
 
 use clap::{Parser, Subcommand};
 
@@ -22,6 +23,8 @@ enum Cmd {
     },
     /// Show where each token of a request goes, per (prefill rank, decode rank).
     Plan(plan::PlanArgs),
+    /// RDMA bandwidth through pdxfer's RDMA transport (one host, or --serve/--connect).
+    RdmaBench(rdma_bench::RdmaBenchArgs),
 }
 
 /// Runs the CLI; returns the process exit code.
@@ -30,6 +33,7 @@ pub fn main() -> i32 {
     let r = match cli.cmd {
         Cmd::Info { json } => info(json),
         Cmd::Plan(a) => plan::run(&a),
+        Cmd::RdmaBench(a) => rdma_bench::run(&a),
     };
     match r {
         Ok(()) => 0,

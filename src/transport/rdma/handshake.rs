@@ -569,6 +569,54 @@ impl Handshake {
     }
 }
 
+/// Largest encoded handshake [`read_handshake`] accepts (64 MiB).
+const MAX_ENCODED: u32 = 64 << 20;
+
+/// Sends `h` over a control channel (any byte stream): a little-endian u32 length,
+/// then [`Handshake::encode`]'s bytes.
+pub fn write_handshake(w: &mut impl std::io::Write, h: &Handshake) -> crate::error::Result<()> {
+    let b = h.encode()?;
+    let n = u32::try_from(b.len())
+        .ok()
+        .filter(|n| *n <= MAX_ENCODED)
+        .ok_or_else(|| Error::invalid(format!("handshake of {} bytes is too large", b.len())))?;
+    w.write_all(&n.to_le_bytes())?;
+    w.write_all(&b)?;
+    w.flush()?;
+    Ok(())
+}
+
+/// Receives a handshake written by [`write_handshake`]; a malformed one is
+/// [`Status::RdmaHandshake`] naming the field, a closed stream
+/// [`Status::PeerUnreachable`].
+pub fn read_handshake(r: &mut impl std::io::Read) -> crate::error::Result<Handshake> {
+    let mut len = [0u8; 4];
+    r.read_exact(&mut len)?;
+    let n = u32::from_le_bytes(len);
+    if n > MAX_ENCODED {
+        return Err(HandshakeError::new(
+            HandshakeField::Length,
+            format!(
+                "peer announced a {n}-byte handshake (max {MAX_ENCODED}): not a pdxfer RDMA peer?"
+            ),
+        )
+        .into());
+    }
+    let mut b = vec![0u8; n as usize];
+    r.read_exact(&mut b)?;
+    Ok(Handshake::decode(&b)?)
+}
+
+/// Exchanges handshakes over a control channel: sends ours, then reads theirs
+/// (both sides may call it at the same time: the stream buffers our message).
+pub fn exchange<S: std::io::Read + std::io::Write>(
+    s: &mut S,
+    local: &Handshake,
+) -> crate::error::Result<Handshake> {
+    write_handshake(s, local)?;
+    read_handshake(s)
+}
+
 fn check_ranges(i: usize, r: &RailInfo) -> Result<(), HandshakeError> {
     if r.qpn == 0 || r.qpn > MAX_24BIT {
         return Err(HandshakeError::new(
@@ -1018,6 +1066,43 @@ mod tests {
         let e = negotiate_all(&local, &hs(vec![r, bad])).unwrap_err();
         assert!(e.detail.starts_with("rail 1:"), "{e}");
         assert_eq!(e.field, HandshakeField::Gid);
+    }
+
+    #[test]
+    fn exchange_over_a_stream_pair() {
+        let (mut a, mut b) = std::os::unix::net::UnixStream::pair().unwrap();
+        for s in [&a, &b] {
+            s.set_read_timeout(Some(std::time::Duration::from_secs(5)))
+                .unwrap();
+        }
+        let ha = hs(vec![rail(LinkLayer::Ethernet, Mtu::Mtu4096)]);
+        let mut hb = ha.clone();
+        hb.instance_id = 99;
+        hb.rails[0].mtu = Mtu::Mtu1024;
+        let hb2 = hb.clone();
+        let t = std::thread::spawn(move || exchange(&mut b, &hb2));
+        let got_b = exchange(&mut a, &ha).unwrap();
+        let got_a = t.join().unwrap().unwrap();
+        assert_eq!(got_b, hb);
+        assert_eq!(got_a, ha);
+        assert_eq!(negotiate_all(&ha, &got_b).unwrap()[0].mtu, Mtu::Mtu1024);
+
+        // A closed stream is PeerUnreachable; garbage names the field.
+        let (mut c, d) = std::os::unix::net::UnixStream::pair().unwrap();
+        drop(d);
+        assert_eq!(
+            read_handshake(&mut c).unwrap_err().status(),
+            Status::PeerUnreachable
+        );
+        let mut junk: &[u8] = &[4, 0, 0, 0, b'H', b'T', b'T', b'P'];
+        let e = read_handshake(&mut junk).unwrap_err();
+        assert_eq!(e.status(), Status::RdmaHandshake);
+        assert!(e.detail().contains("field `version`"), "{e}");
+        let mut huge: &[u8] = &[0xff, 0xff, 0xff, 0xff];
+        assert!(read_handshake(&mut huge)
+            .unwrap_err()
+            .detail()
+            .contains("field `length`"));
     }
 
     #[test]
