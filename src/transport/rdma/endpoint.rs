@@ -19,7 +19,7 @@ use super::handshake::{
 };
 use super::qp::transitions;
 use super::session::{lock, RailIo, Session, SessionParams, SessionRail};
-use super::slice::{LocalRegion, RailKeys, Span};
+use super::slice::{check_new_regions, LocalRegion, RailKeys, Span};
 use super::tracker::{BatchState, Completion};
 use super::verbs::{region_access, Context, Cq, DeviceAttr, Mr, Pd, PortAttr, Qp};
 use super::wr::{Direction, WorkRequest};
@@ -249,11 +249,11 @@ impl RdmaTransport {
         kind: MemoryKind,
         reg: impl Fn(&Arc<Pd>, u64, u64) -> Result<Mr> + Sync,
     ) -> Result<RegistrationReport> {
-        for (a, l) in ranges {
-            if *l == 0 || a.checked_add(*l).is_none() {
-                return Err(Error::invalid(format!("cannot register {a:#x}+{l}")));
-            }
-        }
+        // Held for the whole call, so concurrent registrations cannot both pass the
+        // overlap check (registration is rare: at startup).
+        let mut regs = lock(&self.regions);
+        let have: Vec<(u64, u64)> = regs.iter().map(|r| (r.addr, r.len)).collect();
+        check_new_regions(&have, ranges)?;
         let start = Instant::now();
         let nr = self.rails.len();
         let jobs = ranges.len() * nr;
@@ -291,7 +291,6 @@ impl RdmaTransport {
             return Err(e);
         }
         let mut it = mrs.into_iter();
-        let mut regs = lock(&self.regions);
         for (addr, len) in ranges {
             let mrs: Vec<Mr> = it.by_ref().take(nr).collect();
             regs.push(Arc::new(Region {

@@ -102,6 +102,43 @@ pub fn slice_across(spans: &[Span], weights: &[u64], min_split: u64) -> Result<V
     Ok(out)
 }
 
+/// Checks that `new` ranges `(addr, len)` are non-empty, do not wrap, and overlap
+/// neither each other nor `existing` ones: memory is registered once
+/// ([`Status::RegionOverlap`] names both ranges otherwise).
+pub fn check_new_regions(existing: &[(u64, u64)], new: &[(u64, u64)]) -> Result<()> {
+    let mut all: Vec<(u64, u64, bool)> = existing.iter().map(|(a, l)| (*a, *l, false)).collect();
+    for (a, l) in new {
+        if *l == 0 || a.checked_add(*l).is_none() {
+            return Err(Error::invalid(format!(
+                "cannot register {a:#x}+{l}: empty or wraps the address space"
+            )));
+        }
+        all.push((*a, *l, true));
+    }
+    all.sort_by_key(|r| r.0);
+    for w in all.windows(2) {
+        let (a, b) = (w[0], w[1]);
+        if a.0 + a.1 > b.0 && (a.2 || b.2) {
+            return Err(Error::new(
+                Status::RegionOverlap,
+                format!(
+                    "{:#x}+{} overlaps {:#x}+{}{}: register each range once",
+                    b.0,
+                    b.1,
+                    a.0,
+                    a.1,
+                    if a.2 && b.2 {
+                        " (both in this call)"
+                    } else {
+                        " (already registered)"
+                    }
+                ),
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// A registered local region on one rail.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
 pub struct LocalRegion {
@@ -303,6 +340,24 @@ mod tests {
                 Err(_) => assert!(weights.iter().all(|w| *w == 0)),
             }
         }
+    }
+
+    #[test]
+    fn new_regions_must_not_overlap() {
+        let have = [(0x1000, 0x1000)];
+        assert!(check_new_regions(&have, &[(0x2000, 0x100), (0x3000, 0x10)]).is_ok());
+        let e = check_new_regions(&have, &[(0x1fff, 2)]).unwrap_err();
+        assert_eq!(e.status(), Status::RegionOverlap);
+        assert!(e.detail().contains("already registered"), "{e}");
+        let e = check_new_regions(&[], &[(0x10, 0x10), (0x1f, 1)]).unwrap_err();
+        assert!(e.detail().contains("both in this call"), "{e}");
+        assert_eq!(
+            check_new_regions(&[], &[(0x10, 0)]).unwrap_err().status(),
+            Status::InvalidArgument
+        );
+        assert!(check_new_regions(&[], &[(u64::MAX, 2)]).is_err());
+        // Two existing overlapping ranges are not this call's problem.
+        assert!(check_new_regions(&[(0, 10), (5, 10)], &[(100, 1)]).is_ok());
     }
 
     #[test]
