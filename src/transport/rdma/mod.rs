@@ -3,45 +3,35 @@
 //! and batches sliced across several NICs.
 //!
 //! Layers, pure first:
-//! - [`handshake`]: the versioned wire format of what each side sends (QPN, LID,
-//!   GID, PSN, MTU, regions with rkeys) and [`handshake::negotiate`] (min MTU,
+//! - `handshake`: the versioned wire format of what each side sends (QPN, LID,
+//!   GID, PSN, MTU, regions with rkeys) and `handshake::negotiate` (min MTU,
 //!   zero-GID detection, errors naming the failing field);
-//! - [`wr`]: work-request lists for a batch (splitting, signalling every k, the
+//! - `wr`: work-request lists for a batch (splitting, signalling every k, the
 //!   WRITE_WITH_IMM or final-write completion record);
-//! - [`slice`]: spreading a batch across rails and resolving keys with bounds checks;
-//! - [`qp`]: the INIT/RTR/RTS attribute sets;
-//! - [`tracker`]: completion bookkeeping, failure reasons, no retries;
-//! - [`device`]: sysfs discovery and NUMA/PCIe-aware NIC selection;
-//! - [`config`]: settings and their `PDXFER_RDMA_*` environment variables;
+//! - `slice`: spreading a batch across rails and resolving keys with bounds checks;
+//! - `qp`: the INIT/RTR/RTS attribute sets;
+//! - `tracker`: completion bookkeeping, failure reasons, no retries;
+//! - `device`: sysfs discovery and NUMA/PCIe-aware NIC selection;
+//! - `config`: settings and their `PDXFER_RDMA_*` environment variables;
 //! - `verbs` (feature `rdma`): RAII wrappers over `ibverbs-sys`;
 //! - `endpoint` (feature `rdma`): `RdmaTransport` (rails, parallel timed
 //!   registration of host and GPU memory) and `RdmaEndpoint` (`connect`,
 //!   `post_batch`, `poll`/`wait`, the completion poller thread).
 //!
-//! Without a device every entry point returns [`Status::NoRdmaDevice`] with the
+//! Without a device every entry point returns `Status::NoRdmaDevice` with the
 //! reason (e.g. no `/sys/class/infiniband`), never a panic.
 
-/// cbindgen:ignore
 pub mod config;
-/// cbindgen:ignore
 pub mod device;
-/// cbindgen:ignore
 #[cfg(feature = "rdma")]
 pub mod endpoint;
-/// cbindgen:ignore
 pub mod handshake;
-/// cbindgen:ignore
 pub mod qp;
-/// cbindgen:ignore
 pub mod session;
-/// cbindgen:ignore
 pub mod slice;
-/// cbindgen:ignore
 pub mod tracker;
 #[cfg(feature = "rdma")]
-/// cbindgen:ignore
 pub mod verbs;
-/// cbindgen:ignore
 pub mod wr;
 
 pub use config::{RdmaConfig, RecordMode};

@@ -113,7 +113,7 @@ impl<R: RailIo> Session<R> {
         &self.shared.rails
     }
 
-    /// Starts the first `connected` rails with their keys: posts the receives and
+    /// Starts the first `keys.len()` rails with their keys: posts the receives and
     /// starts the completion poller thread.
     pub fn start(&mut self, keys: Vec<RailKeys>) -> Result<()> {
         if self.poller.is_some() {
