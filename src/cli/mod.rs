@@ -134,12 +134,22 @@ fn rdma_info(r: &crate::Result<Vec<crate::transport::rdma::RdmaDevice>>) -> serd
                 serde_json::json!({"available": true, "detail": format!("{} usable: {summary}", usable.join(","))})
             };
             v["devices"] = serde_json::to_value(devs).unwrap_or_default();
+            v["gpudirect"] = serde_json::to_value(crate::transport::rdma::device::gpudirect(
+                std::path::Path::new("/sys"),
+            ))
+            .unwrap_or_default();
             v
         }
     }
 }
 
 fn print_rdma_devices(devs: &[crate::transport::rdma::RdmaDevice]) {
+    let g = crate::transport::rdma::device::gpudirect(std::path::Path::new("/sys"));
+    println!(
+        "         GPUDirect RDMA: nvidia_peermem {}, nvidia driver {}",
+        if g.peermem { "loaded" } else { "not loaded" },
+        if g.nvidia { "loaded" } else { "not loaded" }
+    );
     for d in devs {
         println!(
             "         {}  pci {}  numa {}  fw {}{}",

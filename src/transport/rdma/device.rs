@@ -241,6 +241,27 @@ pub fn default_gid_index(port: &RdmaPort) -> Option<u8> {
     }
 }
 
+/// The kernel modules that let a NIC reach GPU memory directly (GPUDirect RDMA),
+/// as `<root>/module` shows them.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct GpuDirect {
+    /// `nvidia_peermem` (or the older `nv_peer_mem`) is loaded: `ibv_reg_mr` accepts
+    /// device pointers.
+    pub peermem: bool,
+    /// The NVIDIA driver is loaded (`nvidia`); with CUDA 11.7+ and an open kernel
+    /// module, dma-buf export (`cuMemGetHandleForAddressRange`) may work without peermem.
+    pub nvidia: bool,
+}
+
+/// Reads which GPUDirect RDMA routes the kernel offers.
+pub fn gpudirect(root: &Path) -> GpuDirect {
+    let m = root.join("module");
+    GpuDirect {
+        peermem: m.join("nvidia_peermem").exists() || m.join("nv_peer_mem").exists(),
+        nvidia: m.join("nvidia").exists(),
+    }
+}
+
 /// Where the memory a transport serves lives, for choosing the nearest NICs.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Affinity {
@@ -722,6 +743,27 @@ pub(crate) mod tests {
             e.detail()
                 .contains("3=0000:0000:0000:0000:0000:ffff:0a00:0001 RoCE v2"),
             "{e}"
+        );
+    }
+
+    #[test]
+    fn gpudirect_modules_are_detected() {
+        let s = FakeSys::new("gdr");
+        assert_eq!(
+            gpudirect(&s.0),
+            GpuDirect {
+                peermem: false,
+                nvidia: false
+            }
+        );
+        fs::create_dir_all(s.0.join("module/nvidia")).unwrap();
+        fs::create_dir_all(s.0.join("module/nvidia_peermem")).unwrap();
+        assert_eq!(
+            gpudirect(&s.0),
+            GpuDirect {
+                peermem: true,
+                nvidia: true
+            }
         );
     }
 
