@@ -158,6 +158,10 @@ enum PdxStatus
   PDX_STATUS_NO_RDMA_DEVICE = -700,
   // An RDMA verbs call failed.
   PDX_STATUS_RDMA = -701,
+  // The RDMA handshake failed; the detail names the field (mtu, gid, lid, qpn, psn, ...).
+  PDX_STATUS_RDMA_HANDSHAKE = -702,
+  // An RDMA work request completed with an error; the batch failed and was not retried.
+  PDX_STATUS_RDMA_COMPLETION = -703,
   // No NCCL library could be loaded.
   PDX_STATUS_NO_NCCL = -800,
   // An NCCL call failed.
