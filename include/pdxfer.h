@@ -8,6 +8,12 @@
 #include <stddef.h>
 #include <stdint.h>
 
+// Version of the control protocol; a peer with another version is refused.
+#define CONTROL_VERSION 1
+
+// Largest accepted control line (a page list of a very long request fits).
+#define MAX_LINE (64 << 20)
+
 // Compute a checksum; the receiver verifies it over the landed bytes.
 #define PDXFER_BATCH_CHECKSUM 1
 

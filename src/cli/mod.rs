@@ -5,8 +5,8 @@ mod bench;
 mod bootstrap;
 mod plan;
 mod rank;
-mod target;
 mod rdma_bench;
+mod target;
 
 use clap::{Parser, Subcommand};
 
