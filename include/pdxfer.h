@@ -8,8 +8,38 @@
 #include <stddef.h>
 #include <stdint.h>
 
+// Version of the control protocol; a peer with another version is refused.
+#define CONTROL_VERSION 1
+
+// Largest accepted control line (a page list of a very long request fits).
+#define MAX_LINE (64 << 20)
+
+// Compute a checksum; the receiver verifies it over the landed bytes.
+#define PDXFER_BATCH_CHECKSUM 1
+
 // Version of the bootstrap JSON schema (registrations, hellos) this library speaks.
 #define PDXFER_BOOTSTRAP_SCHEMA_VERSION 1
+
+// Host memory.
+#define PDXFER_REGION_HOST 0
+
+// CUDA device memory.
+#define PDXFER_REGION_DEVICE 1
+
+// Choose automatically (cma on this host, else tcp).
+#define PDXFER_TRANSPORT_AUTO 0
+
+// Same process (`pdxfer_peer_open_local`).
+#define PDXFER_TRANSPORT_LOCAL 1
+
+// Same host, `process_vm_writev`.
+#define PDXFER_TRANSPORT_CMA 2
+
+// TCP streams.
+#define PDXFER_TRANSPORT_TCP 3
+
+// RDMA (not available in this layer yet: `PDX_STATUS_TRANSPORT_UNAVAILABLE`).
+#define PDXFER_TRANSPORT_RDMA 4
 
 // Plan only the packed layout: source rows are indices into a staging buffer.
 #define PDXFER_PLAN_PACKED 1
@@ -22,6 +52,21 @@
 
 // Every prefill CP rank transfers its shard.
 #define PDXFER_MAP_ALL_CP_RANKS 1
+
+// Spans each warp copies per entry by default (see [`launch_dims`]).
+#define DEFAULT_SPANS_PER_WARP 4
+
+// Wire protocol version; peers with another version are refused at the handshake.
+#define VERSION 1
+
+// Largest control payload accepted (descriptor lists, write intents).
+#define MAX_CONTROL_PAYLOAD (64 << 20)
+
+// Size of a data frame header.
+#define DATA_HEADER_LEN 48
+
+// Data frame flag: the receiver sums piece checksums for this batch.
+#define DATA_FLAG_CHECKSUM 1
 
 // Stable status codes shared by Rust, C (`PdxStatus`) and Python (`.code`).
 enum PdxStatus
@@ -119,10 +164,16 @@ enum PdxStatus
   PDX_STATUS_NO_RDMA_DEVICE = -700,
   // An RDMA verbs call failed.
   PDX_STATUS_RDMA = -701,
+  // The RDMA handshake failed; the detail names the field (mtu, gid, lid, qpn, psn, ...).
+  PDX_STATUS_RDMA_HANDSHAKE = -702,
+  // An RDMA work request completed with an error; the batch failed and was not retried.
+  PDX_STATUS_RDMA_COMPLETION = -703,
   // No NCCL library could be loaded.
   PDX_STATUS_NO_NCCL = -800,
   // An NCCL call failed.
   PDX_STATUS_NCCL = -801,
+  // The two sides of an NCCL pair derived different send/recv plans.
+  PDX_STATUS_NCCL_PLAN_MISMATCH = -802,
   // The room id is unknown to this engine.
   PDX_STATUS_UNKNOWN_ROOM = -900,
   // The room has failed; its reason is kept on the room.
@@ -140,14 +191,80 @@ typedef int32_t PdxStatus;
 #endif // __STDC_VERSION__ >= 202311L
 #endif // __cplusplus
 
+// Opaque agent handle (`pdxfer_agent_create` / `pdxfer_agent_destroy`).
+typedef struct PdxAgent PdxAgent;
+
 // Opaque handle of a bootstrap client (thread-safe: calls may run concurrently).
 typedef struct PdxBootstrapClient PdxBootstrapClient;
 
 // Opaque handle of a running bootstrap server.
 typedef struct PdxBootstrapServer PdxBootstrapServer;
 
+// Opaque peer handle (`pdxfer_peer_open` / `pdxfer_peer_close`).
+typedef struct PdxPeer PdxPeer;
+
 // Opaque handle of a registered rank.
 typedef struct PdxRegistration PdxRegistration;
+
+// Options of `pdxfer_agent_create`.
+typedef struct PdxAgentOptions {
+  // `sizeof(PdxAgentOptions)`, set by the caller.
+  uint64_t struct_size;
+  // Address to accept peers on (`"127.0.0.1:0"` picks a port); NULL: send-only agent.
+  const char *listen;
+} PdxAgentOptions;
+
+// A completion record (sender: the batch finished; receiver: a batch landed).
+typedef struct PdxCompletion {
+  // `sizeof(PdxCompletion)`, set by the caller before the call.
+  uint64_t struct_size;
+  // Batch id (unique per sending connection).
+  uint64_t batch_id;
+  // Bytes written.
+  uint64_t bytes;
+  // Checksum, valid when `has_checksum` is 1.
+  uint64_t checksum;
+  // 1 when the batch carried a checksum (verified by the receiver).
+  uint32_t has_checksum;
+  // Receiver side: pid of the sending process; 0 on the sender side.
+  uint32_t peer_pid;
+  // Caller tag (room id).
+  uint64_t room;
+  // Caller epoch.
+  uint64_t epoch;
+  // Receiver side: session (sending connection) id; 0 on the sender side.
+  uint64_t session;
+} PdxCompletion;
+
+// One write of a batch: `len` bytes from a local region to a peer region.
+typedef struct PdxWriteOp {
+  // Source region id (this agent's registry).
+  uint64_t local_region;
+  // Offset in the source region.
+  uint64_t local_offset;
+  // Destination region id (the peer's registry).
+  uint64_t remote_region;
+  // Offset in the destination region.
+  uint64_t remote_offset;
+  // Bytes.
+  uint64_t len;
+} PdxWriteOp;
+
+// Options of `pdxfer_submit`.
+typedef struct PdxBatchOptions {
+  // `sizeof(PdxBatchOptions)`, set by the caller.
+  uint64_t struct_size;
+  // The batch fails with `PDX_STATUS_TIMEOUT` this long after submission (0 means 30 s).
+  uint64_t timeout_ms;
+  // Caller tag carried to the receiver's completion (room id).
+  uint64_t room;
+  // Caller epoch carried to the receiver's completion.
+  uint64_t epoch;
+  // `PDXFER_BATCH_*` flags.
+  uint32_t flags;
+  // Reserved, zero.
+  uint32_t reserved;
+} PdxBatchOptions;
 
 // How to start a bootstrap server (`pdxfer_bootstrap_server_start`).
 typedef struct PdxBootstrapServerConfig {
@@ -164,6 +281,38 @@ typedef struct PdxBootstrapServerConfig {
   // Reserved, zero.
   uint32_t reserved;
 } PdxBootstrapServerConfig;
+
+// A registered region's descriptor.
+typedef struct PdxRegion {
+  // `sizeof(PdxRegion)`, set by the caller before the call.
+  uint64_t struct_size;
+  // Region id in the owner's registry.
+  uint64_t id;
+  // Start address in the owner's address space.
+  uint64_t addr;
+  // Length in bytes.
+  uint64_t len;
+  // `PDXFER_REGION_HOST` or `PDXFER_REGION_DEVICE`.
+  uint32_t kind;
+  // CUDA device ordinal for device regions, else 0.
+  uint32_t device_ordinal;
+} PdxRegion;
+
+// Options of `pdxfer_peer_open`.
+typedef struct PdxPeerOptions {
+  // `sizeof(PdxPeerOptions)`, set by the caller.
+  uint64_t struct_size;
+  // `PDXFER_TRANSPORT_*`.
+  uint32_t transport;
+  // tcp data streams (0 means 1).
+  uint32_t streams;
+  // cma writer threads (0 means 1).
+  uint32_t threads;
+  // Reserved, zero.
+  uint32_t reserved;
+  // Connect and handshake deadline in ms (0 means 10 s).
+  uint64_t timeout_ms;
+} PdxPeerOptions;
 
 // Inputs of SGLang's per-chunk DCP plan (`pdxfer_dcp_token_plan`).
 typedef struct PdxDcpPlanArgs {
@@ -328,6 +477,51 @@ typedef struct PdxRankMapping {
 extern "C" {
 #endif // __cplusplus
 
+// Creates an agent. `options` may be NULL (send-only agent).
+// Destroy it with `pdxfer_agent_destroy` after closing its peers.
+PdxStatus pdxfer_agent_create(const struct PdxAgentOptions *options, struct PdxAgent **out);
+
+// Destroys an agent: stops listening and closes its receiver sessions.
+// NULL is a no-op. The handle must not be used afterwards.
+void pdxfer_agent_destroy(struct PdxAgent *agent);
+
+// Writes the `host:port` the agent listens on (NUL-terminated) into `buf`
+// of `capacity` bytes; the needed size goes to `out_len`. Fails with
+// `PDX_STATUS_INVALID_ARGUMENT` for a send-only agent.
+PdxStatus pdxfer_agent_listen_addr(const struct PdxAgent *agent,
+                                   char *buf,
+                                   size_t capacity,
+                                   size_t *out_len);
+
+// Takes the next completion record received by this agent, waiting up to
+// `timeout_ms`. `PDX_STATUS_TIMEOUT` when none arrived.
+PdxStatus pdxfer_agent_next_completion(const struct PdxAgent *agent,
+                                       uint64_t timeout_ms,
+                                       struct PdxCompletion *out);
+
+// Submits `num_ops` writes to the peer as one batch; its id goes to
+// `out_batch`. `options` may be NULL. An op outside the local or the
+// peer's regions fails the call (`PDX_STATUS_OUT_OF_BOUNDS`,
+// `PDX_STATUS_REGION_NOT_FOUND`) and nothing is sent. `ops` is not retained.
+PdxStatus pdxfer_submit(const struct PdxPeer *peer,
+                        const struct PdxWriteOp *ops,
+                        size_t num_ops,
+                        const struct PdxBatchOptions *options,
+                        uint64_t *out_batch);
+
+// Polls a batch: `PDX_STATUS_OK` (done; `out` filled, may be NULL),
+// `PDX_STATUS_IN_PROGRESS`, or the batch's failure (reason in
+// `pdxfer_last_error()`). A finished batch is reported once.
+PdxStatus pdxfer_poll(const struct PdxPeer *peer, uint64_t batch, struct PdxCompletion *out);
+
+// Waits up to `timeout_ms` for a batch: `PDX_STATUS_OK` (`out` filled, may
+// be NULL), the batch's failure, or `PDX_STATUS_TIMEOUT` when the wait
+// ended first (the batch keeps its own deadline).
+PdxStatus pdxfer_wait(const struct PdxPeer *peer,
+                      uint64_t batch,
+                      uint64_t timeout_ms,
+                      struct PdxCompletion *out);
+
 // Starts a bootstrap server; `*out` receives the handle (stop it with
 // `pdxfer_bootstrap_server_stop`).
 PdxStatus pdxfer_bootstrap_server_start(const struct PdxBootstrapServerConfig *config,
@@ -386,6 +580,63 @@ PdxStatus pdxfer_bootstrap_verify_peer(const char *advertised_json,
                                        char *buf,
                                        size_t capacity,
                                        size_t *out_len);
+
+// Registers `len` bytes of host memory at `ptr` with the agent; the
+// descriptor goes to `out` (may be NULL). The memory must stay valid until
+// `pdxfer_unregister_memory` returns for it. Overlapping an existing region
+// is `PDX_STATUS_REGION_OVERLAP`.
+PdxStatus pdxfer_register_memory(const struct PdxAgent *agent,
+                                 void *addr,
+                                 size_t len,
+                                 struct PdxRegion *out);
+
+// Registers `len` bytes of CUDA device memory at device address `dptr` on
+// device `ordinal`. `PDX_STATUS_NO_CUDA_DRIVER` without a driver,
+// `PDX_STATUS_UNSUPPORTED` without the `cuda` feature.
+PdxStatus pdxfer_register_device_memory(const struct PdxAgent *agent,
+                                        uint64_t dptr,
+                                        size_t len,
+                                        uint32_t ordinal,
+                                        struct PdxRegion *out);
+
+// Unregisters a region, waiting up to `timeout_ms` for in-flight transfers
+// that touch it; `PDX_STATUS_REGION_BUSY` (region kept) when they do not finish.
+PdxStatus pdxfer_unregister_memory(const struct PdxAgent *agent,
+                                   uint64_t region_id,
+                                   uint64_t timeout_ms);
+
+// Copies the agent's own region descriptors into `out` (of `capacity`);
+// the count goes to `out_len`. Entries are written with the full
+// `sizeof(PdxRegion)`.
+PdxStatus pdxfer_agent_regions(const struct PdxAgent *agent,
+                               struct PdxRegion *out,
+                               size_t capacity,
+                               size_t *out_len);
+
+// Connects `agent` to the agent listening at `addr` (`host:port`) and
+// performs the handshake. `options` may be NULL (auto, 1 stream, 10 s).
+// Close the peer with `pdxfer_peer_close` before destroying the agent.
+PdxStatus pdxfer_peer_open(const struct PdxAgent *agent,
+                           const char *addr,
+                           const struct PdxPeerOptions *options,
+                           struct PdxPeer **out);
+
+// Opens a same-process (`local`) peer from `agent` into `target`.
+PdxStatus pdxfer_peer_open_local(const struct PdxAgent *agent,
+                                 const struct PdxAgent *target,
+                                 struct PdxPeer **out);
+
+// Closes and frees a peer; its pending batches fail. NULL is a no-op.
+void pdxfer_peer_close(struct PdxPeer *peer);
+
+// The transport the peer uses (`PDXFER_TRANSPORT_*`), written to `out`.
+PdxStatus pdxfer_peer_transport(const struct PdxPeer *peer, uint32_t *out);
+
+// The peer's region descriptors (as of the handshake) into `out`.
+PdxStatus pdxfer_peer_regions(const struct PdxPeer *peer,
+                              struct PdxRegion *out,
+                              size_t capacity,
+                              size_t *out_len);
 
 // SGLang's per-chunk DCP token plan for one decode rank.
 //

@@ -123,11 +123,17 @@ pub enum PdxStatus {
     NoRdmaDevice = -700,
     /// An RDMA verbs call failed.
     Rdma = -701,
+    /// The RDMA handshake failed; the detail names the field (mtu, gid, lid, qpn, psn, ...).
+    RdmaHandshake = -702,
+    /// An RDMA work request completed with an error; the batch failed and was not retried.
+    RdmaCompletion = -703,
 
     /// No NCCL library could be loaded.
     NoNccl = -800,
     /// An NCCL call failed.
     Nccl = -801,
+    /// The two sides of an NCCL pair derived different send/recv plans.
+    NcclPlanMismatch = -802,
 
     /// The room id is unknown to this engine.
     UnknownRoom = -900,
@@ -229,8 +235,11 @@ status_table! {
     Relayout => "relayout", "relayout (gather/scatter) failed";
     NoRdmaDevice => "no_rdma_device", "no usable RDMA device";
     Rdma => "rdma", "RDMA verbs call failed";
+    RdmaHandshake => "rdma_handshake", "RDMA handshake failed (the detail names the field)";
+    RdmaCompletion => "rdma_completion", "RDMA work request completed with an error; not retried";
     NoNccl => "no_nccl", "no NCCL library could be loaded";
     Nccl => "nccl", "NCCL call failed";
+    NcclPlanMismatch => "nccl_plan_mismatch", "NCCL sender and receiver plans differ";
     UnknownRoom => "unknown_room", "unknown room";
     RoomFailed => "room_failed", "room failed";
     Aborted => "aborted", "room aborted";
@@ -334,7 +343,7 @@ mod tests {
                 "prefix_misaligned" | "tokens_exceed_source" | "dcp_rank_mismatch" => -299..=-200,
                 "null_argument" | "panic" | "buffer_too_small" => -199..=-100,
                 "no_cuda_driver" => -699..=-600,
-                "no_rdma_device" => -799..=-700,
+                "no_rdma_device" | "rdma" | "rdma_handshake" | "rdma_completion" => -799..=-700,
                 _ => -999..=1,
             };
             assert!(range.contains(&c), "{} = {c} outside {range:?}", s.kind());

@@ -7,9 +7,11 @@
 
 pub mod bootstrap;
 pub mod cli;
+pub mod engine;
 pub mod error;
 pub mod ffi;
 pub mod layout;
+pub mod memory;
 pub mod relayout;
 pub mod transport;
 

@@ -19,8 +19,12 @@
 // checks NULL, alignment and lengths first (the rustls-ffi convention).
 #![allow(clippy::not_unsafe_ptr_arg_deref)]
 
+pub mod agent;
+pub mod batch;
 pub mod bootstrap;
 pub mod bootstrap_client;
+pub mod memory;
+pub mod peer;
 pub mod plan;
 pub mod ptr;
 pub mod registration;

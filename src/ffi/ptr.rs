@@ -177,21 +177,44 @@ pub fn fill<T: Copy>(
     Ok(Status::Ok)
 }
 
-// ---- strings and opaque handles (bootstrap ABI) ----
+/// Destroys a handle created by [`new_handle`]; NULL is a no-op.
+pub fn drop_handle<T>(p: *mut T) {
+    drop(take_handle(p));
+}
 
-/// A caller's NUL-terminated UTF-8 string; NULL is an error naming `what`.
+/// A NUL-terminated UTF-8 string argument.
 pub fn c_str<'a>(p: *const std::ffi::c_char, what: &str) -> Result<&'a str> {
     if p.is_null() {
         return Err(Error::new(Status::NullArgument, format!("{what} is NULL")));
     }
     // SAFETY: non-NULL; the caller promises a NUL-terminated string valid for the call.
-    let c = unsafe { std::ffi::CStr::from_ptr(p) };
-    c.to_str().map_err(|e| {
-        Error::new(
-            Status::InvalidUtf8,
-            format!("{what} is not valid UTF-8: {e}"),
-        )
-    })
+    unsafe { std::ffi::CStr::from_ptr(p) }
+        .to_str()
+        .map_err(|_| Error::new(Status::InvalidUtf8, format!("{what} is not valid UTF-8")))
+}
+
+/// Copies `s` plus a NUL into `buf` of `cap` bytes; the needed size (with
+/// the NUL) goes to `out_len`. A NULL buffer with capacity 0 is a size query.
+pub fn write_c_str(
+    s: &str,
+    buf: *mut std::ffi::c_char,
+    cap: usize,
+    out_len: *mut usize,
+) -> Result<Status> {
+    fill_str(s, buf, cap, out_len, "string buffer")
+}
+
+/// A caller's raw memory range as an address for registration (no access made here).
+pub fn raw_range(p: *mut std::ffi::c_void, len: usize, what: &str) -> Result<*mut u8> {
+    if p.is_null() {
+        return Err(Error::new(Status::NullArgument, format!("{what} is NULL")));
+    }
+    if len == 0 || (p as usize).checked_add(len).is_none() {
+        return Err(Error::invalid(format!(
+            "{what} length {len} is 0 or wraps the address space"
+        )));
+    }
+    Ok(p as *mut u8)
 }
 
 /// Like [`c_str`], but NULL means "not given".
@@ -218,10 +241,13 @@ pub fn fill_str(
     fill(&bytes, dst, capacity, out_len, what)
 }
 
-/// Moves `v` to the heap and writes the handle to `out` (which must not be NULL).
+/// Moves `v` to the heap and writes the new handle to `out` (which must not be NULL).
 pub fn new_handle<T>(v: T, out: *mut *mut T, what: &str) -> Result<()> {
     if out.is_null() {
-        return Err(Error::new(Status::NullArgument, format!("{what} is NULL")));
+        return Err(Error::new(
+            Status::NullArgument,
+            format!("{what} output pointer is NULL"),
+        ));
     }
     write_out(out, Box::into_raw(Box::new(v)), what)
 }
@@ -229,11 +255,14 @@ pub fn new_handle<T>(v: T, out: *mut *mut T, what: &str) -> Result<()> {
 /// Borrows a handle created by [`new_handle`]; NULL is an error naming `what`.
 pub fn handle<'a, T>(p: *const T, what: &str) -> Result<&'a T> {
     if p.is_null() {
-        return Err(Error::new(Status::NullArgument, format!("{what} is NULL")));
+        return Err(Error::new(
+            Status::NullArgument,
+            format!("{what} handle is NULL"),
+        ));
     }
     if !(p as usize).is_multiple_of(align_of::<T>()) {
         return Err(Error::invalid(format!(
-            "{what} is not a pdxfer handle (misaligned)"
+            "{what} handle is not aligned (not a pdxfer handle?)"
         )));
     }
     // SAFETY: non-NULL and aligned; the caller passes a live handle from new_handle, not yet destroyed.

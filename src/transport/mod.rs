@@ -1,4 +1,197 @@
 //! Moves bytes between registered regions.
+//!
+//! One [`Transport`] trait for every byte mover: submit a batch of
+//! [`WriteOp`]s, poll or wait for it with a deadline, and get a
+//! [`Completion`] (batch id, bytes, optional checksum, room, epoch). The
+//! receiving [`Agent`] sees the same completion record only after every byte
+//! of the batch has landed, and validates every incoming write against its
+//! [`Registry`](crate::memory::Registry) before touching memory.
+//!
+//! Implementations: [`local`] (same process), [`cma`] (same host, one-sided
+//! `process_vm_writev`), [`tcp`] (several streams, no intermediate copy).
+//! [`Agent::connect`] chooses one automatically (cma when the peer is on
+//! this host and proves it, else tcp) or takes an explicit
+//! [`TransportKind`]. `rdma` and `nccl` are probes so far.
 
+mod agent;
+mod batch;
+pub mod checksum;
+pub mod cma;
+mod conn;
+mod handshake;
+pub mod identity;
+pub mod local;
 pub mod nccl;
+// Nothing in the RDMA transport crosses the C ABI: keep its items out of pdxfer.h.
+/// cbindgen:ignore
 pub mod rdma;
+pub mod tcp;
+pub mod wire;
+
+pub use agent::{Agent, AgentOptions, ConnectOptions, Incoming};
+pub use identity::ProcIdentity;
+
+use crate::error::Result;
+use crate::memory::RegionDesc;
+use serde::{Deserialize, Serialize};
+use std::time::Duration;
+
+/// One write: `len` bytes from `local_offset` of local region `local_region`
+/// to `remote_offset` of the peer's region `remote_region`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct WriteOp {
+    /// Source region id in this process's registry.
+    pub local_region: u64,
+    /// Offset inside the source region.
+    pub local_offset: u64,
+    /// Destination region id in the peer's registry.
+    pub remote_region: u64,
+    /// Offset inside the destination region.
+    pub remote_offset: u64,
+    /// Bytes to write.
+    pub len: u64,
+}
+
+/// Identifies a submitted batch on the peer connection that accepted it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct BatchId(pub u64);
+
+/// Per-batch options.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BatchOptions {
+    /// The batch fails with `Timeout` when it has not completed this long after submission.
+    pub timeout: Duration,
+    /// Compute a checksum over the written bytes; the receiver recomputes it
+    /// over the landed bytes and fails the batch on a mismatch.
+    pub checksum: bool,
+    /// Caller tag carried to the receiver's completion (the engine's room id).
+    pub room: u64,
+    /// Caller epoch carried to the receiver's completion.
+    pub epoch: u64,
+}
+
+impl Default for BatchOptions {
+    fn default() -> Self {
+        BatchOptions {
+            timeout: Duration::from_secs(30),
+            checksum: false,
+            room: 0,
+            epoch: 0,
+        }
+    }
+}
+
+/// The completion record of a batch, identical on both sides.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Completion {
+    /// The batch.
+    pub batch_id: BatchId,
+    /// Bytes written.
+    pub bytes: u64,
+    /// Checksum over the written pieces, when requested.
+    pub checksum: Option<u64>,
+    /// Caller tag (room id).
+    pub room: u64,
+    /// Caller epoch.
+    pub epoch: u64,
+}
+
+/// Where a batch stands.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum BatchStatus {
+    /// Still moving.
+    Pending,
+    /// Every byte landed and the receiver accepted the completion.
+    Done(Completion),
+    /// The batch failed; the error names the reason (peer died, refused,
+    /// deadline passed, checksum mismatch).
+    Failed(crate::Error),
+}
+
+/// Which byte mover to use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum TransportKind {
+    /// Choose: rdma when it exists and a NIC is usable, cma when the peer is on this host, else tcp.
+    Auto,
+    /// Same process.
+    Local,
+    /// Same host, `process_vm_writev`.
+    Cma,
+    /// TCP streams.
+    Tcp,
+    /// RDMA (not implemented yet in this layer).
+    Rdma,
+}
+
+impl TransportKind {
+    /// The lower-case name.
+    pub fn name(self) -> &'static str {
+        match self {
+            TransportKind::Auto => "auto",
+            TransportKind::Local => "local",
+            TransportKind::Cma => "cma",
+            TransportKind::Tcp => "tcp",
+            TransportKind::Rdma => "rdma",
+        }
+    }
+
+    /// Parses a name (`auto`, `local`, `cma`, `tcp`, `rdma`).
+    pub fn parse(s: &str) -> Result<TransportKind> {
+        Ok(match s {
+            "auto" => TransportKind::Auto,
+            "local" => TransportKind::Local,
+            "cma" => TransportKind::Cma,
+            "tcp" => TransportKind::Tcp,
+            "rdma" => TransportKind::Rdma,
+            _ => {
+                return Err(crate::Error::invalid(format!(
+                    "unknown transport {s:?} (auto, local, cma, tcp, rdma)"
+                )))
+            }
+        })
+    }
+}
+
+/// A connection to one peer over one byte mover.
+///
+/// Every method is thread-safe. Batches are independent: a failed batch
+/// never blocks later ones, and a dead peer fails its batches (with the
+/// reason) within their deadlines.
+pub trait Transport: Send + Sync {
+    /// The byte mover in use.
+    fn kind(&self) -> TransportKind;
+
+    /// The peer's region descriptors (as of the handshake).
+    fn remote_regions(&self) -> Vec<RegionDesc>;
+
+    /// Submits a batch of writes. Every op is checked against the local
+    /// registry and the peer's descriptors first; an out-of-bounds op fails
+    /// the call with `OutOfBounds` and nothing is sent.
+    fn submit(&self, ops: &[WriteOp], opts: &BatchOptions) -> Result<BatchId>;
+
+    /// The current status of a batch. A terminal status (`Done`, `Failed`)
+    /// is returned once; the batch id is then forgotten.
+    fn poll(&self, id: BatchId) -> Result<BatchStatus>;
+
+    /// Waits up to `timeout` (and at most until the batch deadline) for the
+    /// batch; `Ok` when every byte landed, else the batch's failure. A wait
+    /// that times out before the batch deadline returns `Timeout` and the
+    /// batch stays pending.
+    fn wait(&self, id: BatchId, timeout: Duration) -> Result<Completion>;
+
+    /// Closes the connection; pending batches fail with `PeerUnreachable`.
+    fn close(&self);
+
+    /// Whether the connection still works.
+    fn is_alive(&self) -> bool;
+}
+
+impl std::fmt::Debug for dyn Transport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Transport")
+            .field("kind", &self.kind())
+            .field("alive", &self.is_alive())
+            .finish()
+    }
+}

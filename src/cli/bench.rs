@@ -1,0 +1,482 @@
+//! `pdxfer bench`: nixlbench-like sweeps between two processes.
+//!
+//! The initiator (this process) writes batches of `batch` blocks of
+//! `block` bytes into a target (`pdxfer target`, spawned here unless
+//! `--connect` names one) over the chosen transport, for every point of the
+//! sweep (block sizes x batch sizes x threads/streams). Per point it
+//! reports GB/s (decimal), operations/s, batch latency p50/p99, and a plain
+//! `memcpy` of the same bytes measured in the same run (for the ratio).
+
+use crate::error::{Error, Result};
+use crate::transport::{
+    Agent, AgentOptions, BatchId, BatchOptions, ConnectOptions, Transport, TransportKind, WriteOp,
+};
+use clap::Args;
+use serde::Serialize;
+use std::collections::VecDeque;
+use std::io::{BufRead, BufReader, Write};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// Arguments of `pdxfer bench`.
+#[derive(Args, Debug, Clone)]
+pub struct BenchArgs {
+    /// Transport: cma, tcp, local or auto.
+    #[arg(long, default_value = "cma")]
+    pub transport: String,
+    /// Use an already running target at this address instead of spawning one.
+    #[arg(long)]
+    pub connect: Option<String>,
+    /// Block sizes to sweep (suffixes K, M, G: binary).
+    #[arg(long, value_delimiter = ',', default_value = "4K,64K,1M")]
+    pub block_sizes: Vec<String>,
+    /// Blocks per batch to sweep.
+    #[arg(long, value_delimiter = ',', default_value = "16")]
+    pub batch_sizes: Vec<usize>,
+    /// cma writer threads or tcp streams to sweep.
+    #[arg(long, value_delimiter = ',', default_value = "1")]
+    pub threads: Vec<u32>,
+    /// Batches kept in flight.
+    #[arg(long, default_value_t = 2)]
+    pub depth: usize,
+    /// Measured batches per point (at most; see --max-ms).
+    #[arg(long, default_value_t = 2000)]
+    pub iters: usize,
+    /// Time budget per point in milliseconds.
+    #[arg(long, default_value_t = 1000)]
+    pub max_ms: u64,
+    /// Ask the receiver to verify a checksum of every batch.
+    #[arg(long)]
+    pub checksum: bool,
+    /// Print one JSON object as the last line.
+    #[arg(long)]
+    pub json: bool,
+    /// Draw GB/s against block size into this PNG.
+    #[arg(long)]
+    pub plot: Option<String>,
+}
+
+/// One measured point.
+#[derive(Debug, Clone, Serialize)]
+pub struct Point {
+    /// Transport actually used.
+    pub transport: String,
+    /// Bytes per block (one write op).
+    pub block_size: u64,
+    /// Blocks per batch.
+    pub batch_size: usize,
+    /// cma writer threads or tcp streams.
+    pub threads: u32,
+    /// Batches measured.
+    pub batches: usize,
+    /// Decimal GB/s of the transport.
+    pub gb_per_s: f64,
+    /// Decimal GB/s of a plain memcpy of the same bytes in the same run.
+    pub memcpy_gb_per_s: f64,
+    /// `gb_per_s / memcpy_gb_per_s`.
+    pub ratio_vs_memcpy: f64,
+    /// Write operations (blocks) per second.
+    pub ops_per_s: f64,
+    /// Median batch latency (submit to completion), microseconds.
+    pub p50_us: f64,
+    /// 99th percentile batch latency, microseconds.
+    pub p99_us: f64,
+}
+
+/// Parses `4K`, `1M`, `123` (binary suffixes).
+pub fn parse_size(s: &str) -> Result<u64> {
+    let s = s.trim();
+    let (num, mult) = match s.chars().last() {
+        Some('K' | 'k') => (&s[..s.len() - 1], 1u64 << 10),
+        Some('M' | 'm') => (&s[..s.len() - 1], 1 << 20),
+        Some('G' | 'g') => (&s[..s.len() - 1], 1 << 30),
+        _ => (s, 1),
+    };
+    num.parse::<u64>()
+        .ok()
+        .and_then(|n| n.checked_mul(mult))
+        .filter(|&n| n > 0)
+        .ok_or_else(|| Error::invalid(format!("bad size {s:?} (e.g. 4K, 1M)")))
+}
+
+struct Target {
+    child: Option<Child>,
+    addr: String,
+    local: Option<Agent>,
+    _local_buf: Vec<u8>,
+}
+
+impl Drop for Target {
+    fn drop(&mut self) {
+        if let Some(c) = &mut self.child {
+            drop(c.stdin.take());
+            let t0 = Instant::now();
+            while t0.elapsed() < Duration::from_secs(2) {
+                if let Ok(Some(_)) = c.try_wait() {
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+fn spawn_target(size: u64) -> Result<Target> {
+    let exe = std::env::current_exe()?;
+    let mut child = Command::new(exe)
+        .args([
+            "target",
+            "--listen",
+            "127.0.0.1:0",
+            "--quiet",
+            "--size",
+            &size.to_string(),
+        ])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()?;
+    let out = child
+        .stdout
+        .take()
+        .ok_or_else(|| Error::invalid("no target stdout"))?;
+    let mut line = String::new();
+    BufReader::new(out).read_line(&mut line)?;
+    let v: serde_json::Value = serde_json::from_str(line.trim())
+        .map_err(|e| Error::invalid(format!("target did not start: {e}: {line:?}")))?;
+    let addr = v["addr"].as_str().unwrap_or_default().to_string();
+    Ok(Target {
+        child: Some(child),
+        addr,
+        local: None,
+        _local_buf: Vec::new(),
+    })
+}
+
+fn percentile(sorted: &[f64], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return 0.0;
+    }
+    let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
+    sorted[i.min(sorted.len() - 1)]
+}
+
+/// A plain memcpy of `batch` blocks of `block` bytes, `iters` times; GB/s.
+fn memcpy_gbps(src: &[u8], dst: &mut [u8], block: usize, batch: usize, iters: usize) -> f64 {
+    let t0 = Instant::now();
+    for _ in 0..iters {
+        for i in 0..batch {
+            dst[i * block..(i + 1) * block].copy_from_slice(&src[i * block..(i + 1) * block]);
+        }
+        std::hint::black_box(&mut *dst);
+    }
+    let s = t0.elapsed().as_secs_f64();
+    (block * batch * iters) as f64 / s / 1e9
+}
+
+#[allow(clippy::too_many_arguments)]
+fn measure(
+    t: &dyn Transport,
+    src_region: u64,
+    dst_region: u64,
+    block: u64,
+    batch: usize,
+    a: &BenchArgs,
+) -> Result<(usize, f64, Vec<f64>)> {
+    let ops: Vec<WriteOp> = (0..batch as u64)
+        .map(|i| WriteOp {
+            local_region: src_region,
+            local_offset: i * block,
+            remote_region: dst_region,
+            remote_offset: i * block,
+            len: block,
+        })
+        .collect();
+    let opts = BatchOptions {
+        timeout: Duration::from_secs(30),
+        checksum: a.checksum,
+        ..Default::default()
+    };
+    let run = |n: usize, budget: Duration, lat: &mut Vec<f64>| -> Result<usize> {
+        let t0 = Instant::now();
+        let mut inflight: VecDeque<(BatchId, Instant)> = VecDeque::new();
+        let mut done = 0usize;
+        let mut submitted = 0usize;
+        while done < n {
+            while inflight.len() < a.depth.max(1) && submitted < n && t0.elapsed() < budget {
+                inflight.push_back((t.submit(&ops, &opts)?, Instant::now()));
+                submitted += 1;
+            }
+            let Some((id, s)) = inflight.pop_front() else {
+                break;
+            };
+            t.wait(id, Duration::from_secs(30))?;
+            lat.push(s.elapsed().as_secs_f64() * 1e6);
+            done += 1;
+        }
+        Ok(done)
+    };
+    let mut warm = Vec::new();
+    run(3, Duration::from_secs(10), &mut warm)?;
+    let mut lat = Vec::with_capacity(a.iters);
+    let t0 = Instant::now();
+    let n = run(a.iters.max(1), Duration::from_millis(a.max_ms), &mut lat)?;
+    let secs = t0.elapsed().as_secs_f64();
+    Ok((n, secs, lat))
+}
+
+/// Runs the benchmark.
+pub fn run(a: &BenchArgs) -> Result<()> {
+    let kind = TransportKind::parse(&a.transport)?;
+    let blocks: Vec<u64> = a
+        .block_sizes
+        .iter()
+        .map(|s| parse_size(s))
+        .collect::<Result<_>>()?;
+    let max_bytes = blocks.iter().max().copied().unwrap_or(0)
+        * a.batch_sizes.iter().max().copied().unwrap_or(1) as u64;
+    if max_bytes == 0 || max_bytes > (8u64 << 30) {
+        return Err(Error::invalid(format!(
+            "block x batch = {max_bytes} bytes: need 1..=8 GiB"
+        )));
+    }
+    let me = Agent::new(&AgentOptions::default())?;
+    let mut src: Vec<u8> = (0..max_bytes).map(|i| (i * 31 + 7) as u8).collect();
+    // SAFETY: src outlives every transport below (dropped at the end of this function, after them).
+    let s_desc = unsafe { me.register_host(src.as_mut_ptr(), src.len()) }?;
+    let mut target = if kind == TransportKind::Local {
+        let ag = Agent::new(&AgentOptions::default())?;
+        let mut buf = vec![0u8; max_bytes as usize];
+        super::target::prefault(&mut buf);
+        // SAFETY: buf is kept in the Target next to the agent and outlives it.
+        unsafe { ag.register_host(buf.as_mut_ptr(), buf.len()) }?;
+        Target {
+            child: None,
+            addr: String::new(),
+            local: Some(ag),
+            _local_buf: buf,
+        }
+    } else if let Some(addr) = &a.connect {
+        Target {
+            child: None,
+            addr: addr.clone(),
+            local: None,
+            _local_buf: Vec::new(),
+        }
+    } else {
+        spawn_target(max_bytes)?
+    };
+    let mut memsrc = vec![1u8; max_bytes as usize];
+    let mut memdst = vec![0u8; max_bytes as usize];
+    memsrc[0] = 2;
+    super::target::prefault(&mut memdst);
+    let total = blocks.len() * a.batch_sizes.len() * a.threads.len();
+    let bar = indicatif::ProgressBar::new(total as u64);
+    bar.set_style(
+        indicatif::ProgressStyle::with_template("{bar:30} {pos}/{len} points {msg}")
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+    );
+    if total < 4 {
+        bar.set_draw_target(indicatif::ProgressDrawTarget::hidden());
+    }
+    let mut points = Vec::new();
+    for &threads in &a.threads {
+        let t: Box<dyn Transport> = match &target.local {
+            Some(ag) => me.connect_local(ag),
+            None => me.connect(
+                &target.addr,
+                &ConnectOptions {
+                    transport: kind,
+                    streams: threads,
+                    threads,
+                    ..Default::default()
+                },
+            )?,
+        };
+        let d_region = t
+            .remote_regions()
+            .iter()
+            .find(|d| d.len >= max_bytes)
+            .map(|d| d.id)
+            .ok_or_else(|| {
+                Error::invalid(format!("the target has no region of {max_bytes} bytes"))
+            })?;
+        for &batch in &a.batch_sizes {
+            for &block in &blocks {
+                bar.set_message(format!(
+                    "{} block={block} batch={batch} threads={threads}",
+                    t.kind().name()
+                ));
+                let (n, secs, mut lat) = measure(&*t, s_desc.id, d_region, block, batch, a)?;
+                lat.sort_by(|x, y| x.total_cmp(y));
+                let bytes = block as f64 * batch as f64 * n as f64;
+                let gbps = bytes / secs / 1e9;
+                memcpy_gbps(&memsrc, &mut memdst, block as usize, batch, 1);
+                let mc = memcpy_gbps(&memsrc, &mut memdst, block as usize, batch, n.max(1));
+                let p = Point {
+                    transport: t.kind().name().to_string(),
+                    block_size: block,
+                    batch_size: batch,
+                    threads,
+                    batches: n,
+                    gb_per_s: gbps,
+                    memcpy_gb_per_s: mc,
+                    ratio_vs_memcpy: if mc > 0.0 { gbps / mc } else { 0.0 },
+                    ops_per_s: (batch * n) as f64 / secs,
+                    p50_us: percentile(&lat, 0.50),
+                    p99_us: percentile(&lat, 0.99),
+                };
+                bar.suspend(|| {
+                    if !a.json {
+                        println!(
+                            "{:<5} block={:>9} batch={:>4} thr={:>2}  {:>7.3} GB/s  memcpy {:>7.3} GB/s  ratio {:>5.2}  {:>10.0} ops/s  p50 {:>9.1} us  p99 {:>9.1} us",
+                            p.transport, p.block_size, p.batch_size, p.threads, p.gb_per_s,
+                            p.memcpy_gb_per_s, p.ratio_vs_memcpy, p.ops_per_s, p.p50_us, p.p99_us
+                        );
+                    }
+                });
+                points.push(p);
+                bar.inc(1);
+            }
+        }
+        t.close();
+    }
+    bar.finish_and_clear();
+    if let Some(path) = &a.plot {
+        plot(path, &points)?;
+    }
+    if a.json {
+        let last = points.last().cloned();
+        let mut v = serde_json::to_value(&last).unwrap_or_default();
+        if let Some(o) = v.as_object_mut() {
+            o.insert(
+                "points".into(),
+                serde_json::to_value(&points).unwrap_or_default(),
+            );
+        }
+        println!("{v}");
+    }
+    std::io::stdout().flush()?;
+    drop(target.local.take());
+    drop(target);
+    drop(me);
+    drop(src);
+    Ok(())
+}
+
+/// Draws GB/s (and memcpy GB/s) against block size, log2 x axis.
+fn plot(path: &str, points: &[Point]) -> Result<()> {
+    use plotters::prelude::*;
+    let err = |e: String| Error::new(crate::Status::Io, format!("plot {path}: {e}"));
+    let root = BitMapBackend::new(path, (900, 600)).into_drawing_area();
+    root.fill(&WHITE).map_err(|e| err(e.to_string()))?;
+    let xs: Vec<f64> = points
+        .iter()
+        .map(|p| (p.block_size as f64).log2())
+        .collect();
+    let (x0, x1) = xs
+        .iter()
+        .fold((f64::MAX, f64::MIN), |(a, b), &x| (a.min(x), b.max(x)));
+    let ymax = points
+        .iter()
+        .map(|p| p.gb_per_s.max(p.memcpy_gb_per_s))
+        .fold(0.0, f64::max)
+        * 1.1;
+    // No font is compiled in (plotters' text needs system fonts), so the
+    // chart has no text: grid lines mark each block size (x, log2) and each
+    // 1 GB/s (y); the scale is printed on stdout.
+    let mut chart = ChartBuilder::on(&root)
+        .margin(30)
+        .build_cartesian_2d((x0 - 0.5)..(x1 + 0.5), 0.0..ymax.max(0.1))
+        .map_err(|e| err(e.to_string()))?;
+    let grey = RGBColor(220, 220, 220);
+    let mut xs_sorted = xs.clone();
+    xs_sorted.sort_by(|a, b| a.total_cmp(b));
+    xs_sorted.dedup();
+    for &x in &xs_sorted {
+        chart
+            .draw_series(LineSeries::new(vec![(x, 0.0), (x, ymax)], grey))
+            .map_err(|e| err(e.to_string()))?;
+    }
+    let mut y = 0.0;
+    while y <= ymax {
+        chart
+            .draw_series(LineSeries::new(vec![(x0 - 0.5, y), (x1 + 0.5, y)], grey))
+            .map_err(|e| err(e.to_string()))?;
+        y += 1.0;
+    }
+    println!(
+        "plot {path}: x = block size, log2 from {} to {} (a grey line per block size); y = 0..{ymax:.1} GB/s (a grey line per GB/s); lines = transport GB/s per (batch, threads), dots = memcpy",
+        1u64 << x0.round() as u32,
+        1u64 << x1.round() as u32
+    );
+    let mut series: Vec<(String, Vec<(f64, f64)>)> = Vec::new();
+    for p in points {
+        let key = format!("{} batch={} thr={}", p.transport, p.batch_size, p.threads);
+        let x = (p.block_size as f64).log2();
+        match series.iter_mut().find(|(k, _)| *k == key) {
+            Some((_, v)) => v.push((x, p.gb_per_s)),
+            None => series.push((key, vec![(x, p.gb_per_s)])),
+        }
+    }
+    let colors = [RED, BLUE, GREEN, MAGENTA, CYAN, BLACK];
+    for (i, (_, v)) in series.iter().enumerate() {
+        let c = colors[i % colors.len()];
+        chart
+            .draw_series(LineSeries::new(v.clone(), c.stroke_width(2)))
+            .map_err(|e| err(e.to_string()))?;
+    }
+    let mem: Vec<(f64, f64)> = points
+        .iter()
+        .map(|p| ((p.block_size as f64).log2(), p.memcpy_gb_per_s))
+        .collect();
+    chart
+        .draw_series(
+            mem.iter()
+                .map(|&(x, y)| Circle::new((x, y), 4, BLACK.filled())),
+        )
+        .map_err(|e| err(e.to_string()))?;
+    root.present().map_err(|e| err(e.to_string()))?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_parse() {
+        assert_eq!(parse_size("4K").unwrap(), 4096);
+        assert_eq!(parse_size("1M").unwrap(), 1 << 20);
+        assert_eq!(parse_size("123").unwrap(), 123);
+        assert!(parse_size("0").is_err());
+        assert!(parse_size("x").is_err());
+        assert_eq!(percentile(&[1.0, 2.0, 3.0], 0.5), 2.0);
+    }
+
+    #[test]
+    fn plot_writes_a_png() {
+        let p = |b: u64, g: f64| Point {
+            transport: "cma".into(),
+            block_size: b,
+            batch_size: 1,
+            threads: 1,
+            batches: 1,
+            gb_per_s: g,
+            memcpy_gb_per_s: g * 1.2,
+            ratio_vs_memcpy: 0.8,
+            ops_per_s: 1.0,
+            p50_us: 1.0,
+            p99_us: 2.0,
+        };
+        let dir = std::env::temp_dir().join(format!("pdxfer-plot-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let f = dir.join("x.png");
+        plot(f.to_str().unwrap(), &[p(4096, 1.0), p(1 << 20, 5.0)]).unwrap();
+        let b = std::fs::read(&f).unwrap();
+        assert_eq!(&b[..8], b"\x89PNG\r\n\x1a\n");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}

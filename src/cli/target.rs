@@ -1,0 +1,111 @@
+//! `pdxfer target`: a receiving peer for tests and `pdxfer bench`.
+//!
+//! Registers `--regions` zero-filled host regions of `--size` bytes each,
+//! listens, prints one JSON line `{"ready":true,"addr":..,"pid":..,"regions":[..]}`,
+//! then one JSON line per completion record received. Commands on stdin:
+//! `dump PATH` (write every region, in id order, to PATH), `quit`; end of
+//! stdin also quits.
+
+use crate::transport::{Agent, AgentOptions};
+use clap::Args;
+use std::io::{BufRead, Write};
+use std::time::Duration;
+
+/// Arguments of `pdxfer target`.
+#[derive(Args, Debug)]
+pub struct TargetArgs {
+    /// Address to listen on.
+    #[arg(long, default_value = "127.0.0.1:0")]
+    pub listen: String,
+    /// Bytes per region.
+    #[arg(long, default_value_t = 64 << 20)]
+    pub size: usize,
+    /// Number of regions.
+    #[arg(long, default_value_t = 1)]
+    pub regions: usize,
+    /// Test knob: sleep this many ms before validating each new batch (a stalled peer).
+    #[arg(long, default_value_t = 0)]
+    pub stall_ms: u64,
+    /// Do not print a line per completion (benchmarks).
+    #[arg(long)]
+    pub quiet: bool,
+}
+
+/// Touches every page so the first transfer does not pay the page faults.
+pub fn prefault(b: &mut [u8]) {
+    for i in (0..b.len()).step_by(4096) {
+        // SAFETY: i < b.len(); a volatile write of the value already there (zero) only faults the page in.
+        unsafe { std::ptr::write_volatile(b.as_mut_ptr().add(i), 0) };
+    }
+}
+
+/// Runs the target until `quit` or end of stdin.
+pub fn run(a: &TargetArgs) -> crate::Result<()> {
+    let agent = Agent::new(&AgentOptions {
+        listen: Some(a.listen.clone()),
+        stall: Duration::from_millis(a.stall_ms),
+    })?;
+    let mut bufs: Vec<Vec<u8>> = (0..a.regions.max(1)).map(|_| vec![0u8; a.size]).collect();
+    for b in &mut bufs {
+        prefault(b);
+    }
+    let mut descs = Vec::new();
+    for b in &mut bufs {
+        // SAFETY: the buffers live until this function returns, after the agent is shut down.
+        descs.push(unsafe { agent.register_host(b.as_mut_ptr(), b.len()) }?);
+    }
+    let ready = serde_json::json!({
+        "ready": true,
+        "addr": agent.local_addr().map(|s| s.to_string()),
+        "pid": std::process::id(),
+        "regions": descs,
+    });
+    println!("{ready}");
+    std::io::stdout().flush()?;
+    let quiet = a.quiet;
+    let agent = std::sync::Arc::new(agent);
+    let ag = agent.clone();
+    std::thread::spawn(move || loop {
+        if let Some(inc) = ag.next_completion(Duration::from_millis(200)) {
+            if !quiet {
+                let line = serde_json::json!({
+                    "completion": inc.completion,
+                    "peer_pid": inc.peer.pid,
+                    "session": inc.session,
+                });
+                let mut o = std::io::stdout().lock();
+                let _ = writeln!(o, "{line}");
+                let _ = o.flush();
+            }
+        } else if std::sync::Arc::strong_count(&ag) == 1 {
+            return;
+        }
+    });
+    let stdin = std::io::stdin();
+    for line in stdin.lock().lines() {
+        let line = line?;
+        let mut it = line.split_whitespace();
+        match (it.next(), it.next()) {
+            (Some("dump"), Some(path)) => {
+                let mut f = std::fs::File::create(path)?;
+                for b in &bufs {
+                    f.write_all(b)?;
+                }
+                f.sync_all()?;
+                println!("{}", serde_json::json!({"dumped": path}));
+            }
+            (Some("quit"), _) => break,
+            (None, _) => {}
+            _ => println!(
+                "{}",
+                serde_json::json!({"error": format!("unknown command {line:?}")})
+            ),
+        }
+        std::io::stdout().flush()?;
+    }
+    agent.shutdown();
+    for d in descs {
+        let _ = agent.registry().unregister(d.id, Duration::from_secs(5));
+    }
+    Ok(())
+}

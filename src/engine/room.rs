@@ -1,0 +1,404 @@
+//! Rooms (one per request) and the `KVPoll` state machine.
+//!
+//! Values and order are SGLang's: Failed=0, Bootstrapping=1, WaitingForInput=2,
+//! Transferring=3, Success=4. Updates are monotonic; Failed and Success are
+//! terminal; a failure keeps its reason. Beyond SGLang:
+//! - every room has an *attempt* number; a message for an older attempt of a
+//!   reused room id is dropped, never applied to the new request;
+//! - cleared rooms leave a tombstone so a late status cannot resurrect them;
+//! - deadlines per room, checked by [`RoomTable::expire`];
+//! - a *fenced* abort: writes are counted per room, and an abort is
+//!   acknowledged only when no write for the room can still land.
+
+use crate::error::{Error, Result, Status};
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+/// SGLang's `KVPoll` values.
+#[repr(i32)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum KvPoll {
+    /// The transfer failed; the room keeps the reason.
+    Failed = 0,
+    /// Waiting for the peers' metadata.
+    Bootstrapping = 1,
+    /// Peers known; waiting for the KV to be ready (prefill) or to arrive (decode).
+    WaitingForInput = 2,
+    /// Data is moving.
+    Transferring = 3,
+    /// Every byte landed and was acknowledged.
+    Success = 4,
+}
+
+impl KvPoll {
+    /// The state with this numeric value.
+    pub fn from_i32(v: i32) -> Option<KvPoll> {
+        Some(match v {
+            0 => KvPoll::Failed,
+            1 => KvPoll::Bootstrapping,
+            2 => KvPoll::WaitingForInput,
+            3 => KvPoll::Transferring,
+            4 => KvPoll::Success,
+            _ => return None,
+        })
+    }
+
+    /// True for Failed and Success.
+    pub fn is_terminal(self) -> bool {
+        matches!(self, KvPoll::Failed | KvPoll::Success)
+    }
+}
+
+/// One request's state.
+#[derive(Debug, Clone)]
+pub struct Room {
+    /// The caller's room id (SGLang's `bootstrap_room`).
+    pub id: u64,
+    /// Incarnation of this room id in this table (1, 2, ... on reuse).
+    pub attempt: u64,
+    /// Current state.
+    pub poll: KvPoll,
+    /// Why it failed, when it did.
+    pub failure: Option<Error>,
+    /// When the room fails unless it reached a terminal state.
+    pub deadline: Option<Instant>,
+    /// Writes submitted for the room that have not completed or failed.
+    pub inflight: u64,
+    /// An abort was requested.
+    pub aborted: bool,
+    /// When the room was created.
+    pub created: Instant,
+}
+
+impl Room {
+    fn fail(&mut self, e: Error) {
+        if !self.poll.is_terminal() {
+            self.poll = KvPoll::Failed;
+            self.failure = Some(e);
+        }
+    }
+}
+
+/// The rooms of one engine.
+#[derive(Debug, Default)]
+pub struct RoomTable {
+    rooms: HashMap<u64, Room>,
+    /// Cleared rooms: id -> last attempt, so late messages are recognised.
+    tombstones: HashMap<u64, u64>,
+}
+
+impl RoomTable {
+    /// An empty table.
+    pub fn new() -> RoomTable {
+        RoomTable::default()
+    }
+
+    /// Creates room `id` in `initial` (Bootstrapping or WaitingForInput) with an
+    /// optional timeout; returns its attempt number. An id that is still live is refused.
+    pub fn create(
+        &mut self,
+        id: u64,
+        initial: KvPoll,
+        timeout: Option<Duration>,
+        now: Instant,
+    ) -> Result<u64> {
+        if !matches!(initial, KvPoll::Bootstrapping | KvPoll::WaitingForInput) {
+            return Err(Error::invalid(format!(
+                "a room starts in Bootstrapping or WaitingForInput, not {initial:?}"
+            )));
+        }
+        if let Some(r) = self.rooms.get(&id) {
+            return Err(Error::invalid(format!(
+                "room {id} is still live (attempt {}, state {:?}); clear it before reusing the id",
+                r.attempt, r.poll
+            )));
+        }
+        let attempt = self.tombstones.remove(&id).unwrap_or(0) + 1;
+        self.rooms.insert(
+            id,
+            Room {
+                id,
+                attempt,
+                poll: initial,
+                failure: None,
+                deadline: timeout.map(|t| now + t),
+                inflight: 0,
+                aborted: false,
+                created: now,
+            },
+        );
+        Ok(attempt)
+    }
+
+    /// The room, if live.
+    pub fn get(&self, id: u64) -> Result<&Room> {
+        self.rooms.get(&id).ok_or_else(|| self.unknown(id))
+    }
+
+    fn unknown(&self, id: u64) -> Error {
+        match self.tombstones.get(&id) {
+            Some(a) => Error::new(
+                Status::UnknownRoom,
+                format!("room {id} was cleared (last attempt {a})"),
+            ),
+            None => Error::new(
+                Status::UnknownRoom,
+                format!("room {id} is unknown to this engine"),
+            ),
+        }
+    }
+
+    fn live(&mut self, id: u64, attempt: u64) -> Option<&mut Room> {
+        self.rooms.get_mut(&id).filter(|r| r.attempt == attempt)
+    }
+
+    /// Moves room `id` (of `attempt`) forward to `poll`. Lower states are
+    /// ignored; terminal states stay. Returns false when the message was stale
+    /// (older attempt, cleared room) and dropped.
+    pub fn update(&mut self, id: u64, attempt: u64, poll: KvPoll) -> bool {
+        let Some(r) = self.live(id, attempt) else {
+            return false;
+        };
+        if r.poll.is_terminal() || poll == KvPoll::Failed {
+            if poll == KvPoll::Failed {
+                r.fail(Error::new(Status::RoomFailed, "failed without a reason"));
+            }
+            return true;
+        }
+        if poll > r.poll {
+            r.poll = poll;
+        }
+        true
+    }
+
+    /// Fails room `id` (of `attempt`) with `reason`, unless already terminal.
+    pub fn fail(&mut self, id: u64, attempt: u64, reason: Error) -> bool {
+        match self.live(id, attempt) {
+            Some(r) => {
+                r.fail(reason);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Counts a write about to be submitted for the room; refused once the room
+    /// is terminal or aborted, so nothing new starts after an abort.
+    pub fn begin_write(&mut self, id: u64, attempt: u64) -> Result<()> {
+        let e = self.unknown(id);
+        let r = self.live(id, attempt).ok_or(e)?;
+        if r.aborted {
+            return Err(Error::new(
+                Status::Aborted,
+                format!("room {id} was aborted"),
+            ));
+        }
+        if r.poll.is_terminal() {
+            return Err(Error::new(
+                Status::RoomFailed,
+                format!("room {id} is {:?}; no new writes", r.poll),
+            ));
+        }
+        r.inflight += 1;
+        Ok(())
+    }
+
+    /// Marks one write of the room as completed (landed or failed).
+    pub fn end_write(&mut self, id: u64, attempt: u64) {
+        if let Some(r) = self.live(id, attempt) {
+            r.inflight = r.inflight.saturating_sub(1);
+        }
+    }
+
+    /// Requests an abort: the room fails with `Aborted` and takes no new writes.
+    /// Returns whether the abort is already fenced (no write in flight).
+    pub fn abort(&mut self, id: u64, attempt: u64) -> Result<bool> {
+        let e = self.unknown(id);
+        let r = self.live(id, attempt).ok_or(e)?;
+        r.aborted = true;
+        r.fail(Error::new(
+            Status::Aborted,
+            format!("room {id} aborted by the caller"),
+        ));
+        Ok(r.inflight == 0)
+    }
+
+    /// True when an aborted room has no write in flight: its pages may be reused.
+    pub fn is_fenced(&self, id: u64) -> bool {
+        self.rooms.get(&id).is_none_or(|r| r.inflight == 0)
+    }
+
+    /// Fails every non-terminal room whose deadline passed; returns their ids.
+    pub fn expire(&mut self, now: Instant) -> Vec<u64> {
+        let mut out = Vec::new();
+        for r in self.rooms.values_mut() {
+            if let Some(d) = r.deadline {
+                if now >= d && !r.poll.is_terminal() {
+                    let waited = now.duration_since(r.created);
+                    let state = r.poll;
+                    r.fail(Error::new(
+                        Status::Timeout,
+                        format!(
+                            "room {} exceeded its deadline after {:.1}s in state {state:?}",
+                            r.id,
+                            waited.as_secs_f64()
+                        ),
+                    ));
+                    out.push(r.id);
+                }
+            }
+        }
+        out.sort_unstable();
+        out
+    }
+
+    /// Removes a room, leaving a tombstone. Refused while writes are in flight
+    /// (the pages are still targets); abort and wait for the fence first.
+    pub fn clear(&mut self, id: u64) -> Result<()> {
+        let r = self.rooms.get(&id).ok_or_else(|| self.unknown(id))?;
+        if r.inflight > 0 {
+            return Err(Error::new(
+                Status::RegionBusy,
+                format!(
+                    "room {id} still has {} writes in flight; abort and wait for the fence",
+                    r.inflight
+                ),
+            ));
+        }
+        let attempt = r.attempt;
+        self.rooms.remove(&id);
+        self.tombstones.insert(id, attempt);
+        Ok(())
+    }
+
+    /// Number of live rooms.
+    pub fn len(&self) -> usize {
+        self.rooms.len()
+    }
+
+    /// True when no room is live.
+    pub fn is_empty(&self) -> bool {
+        self.rooms.is_empty()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn values_are_sglangs() {
+        assert_eq!(KvPoll::Failed as i32, 0);
+        assert_eq!(KvPoll::Bootstrapping as i32, 1);
+        assert_eq!(KvPoll::WaitingForInput as i32, 2);
+        assert_eq!(KvPoll::Transferring as i32, 3);
+        assert_eq!(KvPoll::Success as i32, 4);
+        for v in 0..5 {
+            assert_eq!(KvPoll::from_i32(v).unwrap() as i32, v);
+        }
+        assert_eq!(KvPoll::from_i32(5), None);
+    }
+
+    #[test]
+    fn monotonic_and_terminal() {
+        let now = Instant::now();
+        let mut t = RoomTable::new();
+        let a = t.create(7, KvPoll::Bootstrapping, None, now).unwrap();
+        assert!(t.update(7, a, KvPoll::Transferring));
+        assert!(t.update(7, a, KvPoll::WaitingForInput));
+        assert_eq!(t.get(7).unwrap().poll, KvPoll::Transferring);
+        assert!(t.update(7, a, KvPoll::Success));
+        assert!(t.update(7, a, KvPoll::Failed));
+        assert_eq!(
+            t.get(7).unwrap().poll,
+            KvPoll::Success,
+            "success is terminal"
+        );
+        assert!(
+            t.create(7, KvPoll::Bootstrapping, None, now).is_err(),
+            "live id refused"
+        );
+        assert!(t.create(8, KvPoll::Success, None, now).is_err());
+        let b = t.create(9, KvPoll::WaitingForInput, None, now).unwrap();
+        t.fail(
+            9,
+            b,
+            Error::new(Status::PeerUnreachable, "decode 10.0.0.2 died"),
+        );
+        assert!(t.update(9, b, KvPoll::Success));
+        let r = t.get(9).unwrap();
+        assert_eq!(r.poll, KvPoll::Failed);
+        assert!(r.failure.as_ref().unwrap().detail().contains("died"));
+    }
+
+    #[test]
+    fn reused_room_ids_ignore_late_messages() {
+        let now = Instant::now();
+        let mut t = RoomTable::new();
+        let a1 = t.create(1, KvPoll::Bootstrapping, None, now).unwrap();
+        t.update(1, a1, KvPoll::Success);
+        t.clear(1).unwrap();
+        assert!(
+            !t.update(1, a1, KvPoll::Failed),
+            "late message for a cleared room dropped"
+        );
+        assert!(t.get(1).unwrap_err().detail().contains("cleared"));
+        let a2 = t.create(1, KvPoll::Bootstrapping, None, now).unwrap();
+        assert_eq!(a2, a1 + 1);
+        assert!(
+            !t.update(1, a1, KvPoll::Success),
+            "old attempt cannot complete the new request"
+        );
+        assert_eq!(t.get(1).unwrap().poll, KvPoll::Bootstrapping);
+    }
+
+    #[test]
+    fn fenced_abort() {
+        let now = Instant::now();
+        let mut t = RoomTable::new();
+        let a = t.create(3, KvPoll::WaitingForInput, None, now).unwrap();
+        t.begin_write(3, a).unwrap();
+        t.begin_write(3, a).unwrap();
+        assert!(!t.abort(3, a).unwrap(), "two writes in flight: not fenced");
+        assert_eq!(t.begin_write(3, a).unwrap_err().status(), Status::Aborted);
+        assert_eq!(t.clear(3).unwrap_err().status(), Status::RegionBusy);
+        t.end_write(3, a);
+        assert!(!t.is_fenced(3));
+        t.end_write(3, a);
+        assert!(t.is_fenced(3));
+        assert_eq!(t.get(3).unwrap().poll, KvPoll::Failed);
+        assert_eq!(
+            t.get(3).unwrap().failure.as_ref().unwrap().status(),
+            Status::Aborted
+        );
+        t.clear(3).unwrap();
+    }
+
+    #[test]
+    fn deadlines_fail_only_unfinished_rooms() {
+        let now = Instant::now();
+        let mut t = RoomTable::new();
+        let a = t
+            .create(1, KvPoll::Bootstrapping, Some(Duration::from_secs(5)), now)
+            .unwrap();
+        let b = t
+            .create(2, KvPoll::Bootstrapping, Some(Duration::from_secs(5)), now)
+            .unwrap();
+        t.create(3, KvPoll::Bootstrapping, Some(Duration::from_secs(50)), now)
+            .unwrap();
+        t.update(2, b, KvPoll::Success);
+        assert!(t.expire(now + Duration::from_secs(1)).is_empty());
+        assert_eq!(t.expire(now + Duration::from_secs(6)), vec![1]);
+        let r = t.get(1).unwrap();
+        assert_eq!(r.failure.as_ref().unwrap().status(), Status::Timeout);
+        assert!(r
+            .failure
+            .as_ref()
+            .unwrap()
+            .detail()
+            .contains("Bootstrapping"));
+        assert_eq!(t.get(2).unwrap().poll, KvPoll::Success);
+        assert!(t.update(1, a, KvPoll::Transferring));
+        assert_eq!(t.get(1).unwrap().poll, KvPoll::Failed);
+    }
+}

@@ -1,0 +1,139 @@
+//! Memory registration over the C ABI (`pdxfer_register_memory` and friends).
+
+use super::agent::PdxAgent;
+use super::ptr::{self, Versioned};
+use super::{boundary, PdxStatus};
+use crate::memory::{RegionDesc, RegionKind};
+use std::ffi::c_void;
+use std::time::Duration;
+
+/// Host memory.
+pub const PDXFER_REGION_HOST: u32 = 0;
+/// CUDA device memory.
+pub const PDXFER_REGION_DEVICE: u32 = 1;
+
+/// A registered region's descriptor.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PdxRegion {
+    /// `sizeof(PdxRegion)`, set by the caller before the call.
+    pub struct_size: u64,
+    /// Region id in the owner's registry.
+    pub id: u64,
+    /// Start address in the owner's address space.
+    pub addr: u64,
+    /// Length in bytes.
+    pub len: u64,
+    /// `PDXFER_REGION_HOST` or `PDXFER_REGION_DEVICE`.
+    pub kind: u32,
+    /// CUDA device ordinal for device regions, else 0.
+    pub device_ordinal: u32,
+}
+
+// SAFETY: repr(C), starts with u64 struct_size, integers only.
+unsafe impl Versioned for PdxRegion {
+    const MIN_SIZE: usize = std::mem::size_of::<PdxRegion>();
+    const NAME: &'static str = "PdxRegion";
+}
+
+impl PdxRegion {
+    pub(crate) fn from_desc(d: &RegionDesc) -> Self {
+        let (kind, ord) = match d.kind {
+            RegionKind::Host => (PDXFER_REGION_HOST, 0),
+            RegionKind::Device { ordinal } => (PDXFER_REGION_DEVICE, ordinal),
+        };
+        PdxRegion {
+            struct_size: std::mem::size_of::<PdxRegion>() as u64,
+            id: d.id,
+            addr: d.addr,
+            len: d.len,
+            kind,
+            device_ordinal: ord,
+        }
+    }
+}
+
+/// Registers `len` bytes of host memory at `ptr` with the agent; the
+/// descriptor goes to `out` (may be NULL). The memory must stay valid until
+/// `pdxfer_unregister_memory` returns for it. Overlapping an existing region
+/// is `PDX_STATUS_REGION_OVERLAP`.
+#[no_mangle]
+pub extern "C" fn pdxfer_register_memory(
+    agent: *const PdxAgent,
+    addr: *mut c_void,
+    len: usize,
+    out: *mut PdxRegion,
+) -> PdxStatus {
+    boundary(|| {
+        let a = ptr::handle(agent, "agent")?;
+        let p = ptr::raw_range(addr, len, "addr")?;
+        // SAFETY: the C contract (documented above) keeps the memory valid until unregistered.
+        let d = unsafe { a.agent.registry().register_host(p, len) }?;
+        if !out.is_null() {
+            ptr::write_versioned(out, &PdxRegion::from_desc(&d))?;
+        }
+        super::ok()
+    })
+}
+
+/// Registers `len` bytes of CUDA device memory at device address `dptr` on
+/// device `ordinal`. `PDX_STATUS_NO_CUDA_DRIVER` without a driver,
+/// `PDX_STATUS_UNSUPPORTED` without the `cuda` feature.
+#[no_mangle]
+pub extern "C" fn pdxfer_register_device_memory(
+    agent: *const PdxAgent,
+    dptr: u64,
+    len: usize,
+    ordinal: u32,
+    out: *mut PdxRegion,
+) -> PdxStatus {
+    boundary(|| {
+        let a = ptr::handle(agent, "agent")?;
+        // SAFETY: the C contract keeps the allocation valid until unregistered.
+        let d = unsafe { a.agent.registry().register_device(dptr, len, ordinal) }?;
+        if !out.is_null() {
+            ptr::write_versioned(out, &PdxRegion::from_desc(&d))?;
+        }
+        super::ok()
+    })
+}
+
+/// Unregisters a region, waiting up to `timeout_ms` for in-flight transfers
+/// that touch it; `PDX_STATUS_REGION_BUSY` (region kept) when they do not finish.
+#[no_mangle]
+pub extern "C" fn pdxfer_unregister_memory(
+    agent: *const PdxAgent,
+    region_id: u64,
+    timeout_ms: u64,
+) -> PdxStatus {
+    boundary(|| {
+        let a = ptr::handle(agent, "agent")?;
+        a.agent
+            .registry()
+            .unregister(region_id, Duration::from_millis(timeout_ms))?;
+        super::ok()
+    })
+}
+
+/// Copies the agent's own region descriptors into `out` (of `capacity`);
+/// the count goes to `out_len`. Entries are written with the full
+/// `sizeof(PdxRegion)`.
+#[no_mangle]
+pub extern "C" fn pdxfer_agent_regions(
+    agent: *const PdxAgent,
+    out: *mut PdxRegion,
+    capacity: usize,
+    out_len: *mut usize,
+) -> PdxStatus {
+    boundary(|| {
+        let a = ptr::handle(agent, "agent")?;
+        let v: Vec<PdxRegion> = a
+            .agent
+            .registry()
+            .descriptors()
+            .iter()
+            .map(PdxRegion::from_desc)
+            .collect();
+        ptr::fill(&v, out, capacity, out_len, "regions")
+    })
+}

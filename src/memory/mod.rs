@@ -1,0 +1,14 @@
+//! Registration of host and device memory regions, the descriptors peers
+//! receive, and bounds checks on every remote access.
+//!
+//! A [`Registry`] owns the regions of one process. Every access (a local
+//! source range or a remote destination range) is checked against it
+//! ([`Registry::check_access`]) and pinned while the bytes move
+//! ([`Registry::acquire`] returns an [`AccessGuard`]); unregistering waits
+//! for pinned accesses to finish, so nothing writes into freed memory.
+
+mod region;
+mod registry;
+
+pub use region::{RegionDesc, RegionKind};
+pub use registry::{AccessGuard, Registry};

@@ -1,0 +1,466 @@
+//! The per-process region registry: registration, bounds checks, and
+//! in-flight accounting so unregistering never frees memory under a transfer.
+
+use super::region::{RegionDesc, RegionKind};
+use crate::error::{Error, Result, Status};
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+struct Entry {
+    desc: RegionDesc,
+    inflight: u64,
+    closing: bool,
+}
+
+#[derive(Default)]
+struct State {
+    regions: HashMap<u64, Entry>,
+    next_id: u64,
+}
+
+struct Inner {
+    state: Mutex<State>,
+    idle: Condvar,
+}
+
+/// The registered regions of one process (cheap to clone; clones share state).
+#[derive(Clone)]
+pub struct Registry {
+    inner: Arc<Inner>,
+}
+
+impl Default for Registry {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl std::fmt::Debug for Registry {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Registry")
+            .field("regions", &self.descriptors().len())
+            .finish()
+    }
+}
+
+/// A pinned access to `[addr, addr + len)` of one region; while it lives the
+/// region cannot be unregistered. Dropping it releases the pin.
+#[derive(Debug)]
+pub struct AccessGuard {
+    registry: Registry,
+    region: u64,
+    addr: u64,
+    len: u64,
+}
+
+impl AccessGuard {
+    /// Absolute start address of the access in this process.
+    pub fn addr(&self) -> u64 {
+        self.addr
+    }
+
+    /// Length of the access in bytes.
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+
+    /// True for a zero-length access.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The region this access pins.
+    pub fn region(&self) -> u64 {
+        self.region
+    }
+}
+
+impl Drop for AccessGuard {
+    fn drop(&mut self) {
+        self.registry.release(self.region);
+    }
+}
+
+impl Registry {
+    /// An empty registry.
+    pub fn new() -> Self {
+        Registry {
+            inner: Arc::new(Inner {
+                state: Mutex::new(State {
+                    regions: HashMap::new(),
+                    next_id: 1,
+                }),
+                idle: Condvar::new(),
+            }),
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        // A poisoned lock only means another thread panicked while holding it;
+        // the map itself is always consistent, so keep going.
+        self.inner.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Registers `len` bytes of host memory at `ptr`.
+    ///
+    /// # Safety
+    /// `[ptr, ptr + len)` must be valid, writable memory of this process and
+    /// stay so until [`unregister`](Self::unregister) returns for it: peers
+    /// write into it with no further synchronisation.
+    pub unsafe fn register_host(&self, ptr: *mut u8, len: usize) -> Result<RegionDesc> {
+        if ptr.is_null() {
+            return Err(Error::new(Status::NullArgument, "region pointer is NULL"));
+        }
+        self.insert(ptr as u64, len as u64, RegionKind::Host)
+    }
+
+    /// Registers `len` bytes of CUDA device memory at device address `dptr`
+    /// on device `ordinal`; the driver is asked whether it really is device
+    /// memory. Without a CUDA driver this is `NoCudaDriver`; without the
+    /// `cuda` feature, `Unsupported`.
+    ///
+    /// # Safety
+    /// The allocation must stay valid until [`unregister`](Self::unregister)
+    /// returns for it.
+    pub unsafe fn register_device(
+        &self,
+        dptr: u64,
+        len: usize,
+        ordinal: u32,
+    ) -> Result<RegionDesc> {
+        if dptr == 0 {
+            return Err(Error::new(Status::NullArgument, "device pointer is 0"));
+        }
+        check_device_pointer(dptr, ordinal)?;
+        self.insert(dptr, len as u64, RegionKind::Device { ordinal })
+    }
+
+    fn insert(&self, addr: u64, len: u64, kind: RegionKind) -> Result<RegionDesc> {
+        if len == 0 {
+            return Err(Error::invalid("region length must be > 0"));
+        }
+        let end = addr
+            .checked_add(len)
+            .ok_or_else(|| Error::invalid(format!("region 0x{addr:x}+{len} overflows")))?;
+        let mut st = self.lock();
+        for e in st.regions.values() {
+            let d = &e.desc;
+            let same_space = matches!(
+                (d.kind, kind),
+                (RegionKind::Host, RegionKind::Host)
+                    | (RegionKind::Device { .. }, RegionKind::Device { .. })
+            );
+            if same_space && addr < d.addr + d.len && d.addr < end {
+                return Err(Error::new(
+                    Status::RegionOverlap,
+                    format!(
+                        "region 0x{addr:x}+{len} overlaps region {} (0x{:x}+{}); unregister it first or register one region covering both",
+                        d.id, d.addr, d.len
+                    ),
+                ));
+            }
+        }
+        let id = st.next_id;
+        st.next_id += 1;
+        let desc = RegionDesc {
+            id,
+            addr,
+            len,
+            kind,
+            keys: BTreeMap::new(),
+        };
+        st.regions.insert(
+            id,
+            Entry {
+                desc: desc.clone(),
+                inflight: 0,
+                closing: false,
+            },
+        );
+        Ok(desc)
+    }
+
+    /// Sets a per-transport key on a region's descriptor (e.g. an RDMA rkey).
+    pub fn set_key(&self, region: u64, transport: &str, key: u64) -> Result<()> {
+        let mut st = self.lock();
+        let e = st
+            .regions
+            .get_mut(&region)
+            .ok_or_else(|| not_found(region))?;
+        e.desc.keys.insert(transport.to_string(), key);
+        Ok(())
+    }
+
+    /// Unregisters a region, first waiting up to `timeout` for in-flight
+    /// accesses to finish. New accesses are refused while it waits. When they
+    /// do not finish in time the region stays registered and the call fails
+    /// with `RegionBusy`.
+    pub fn unregister(&self, region: u64, timeout: Duration) -> Result<()> {
+        let deadline = Instant::now() + timeout;
+        let mut st = self.lock();
+        match st.regions.get_mut(&region) {
+            None => return Err(not_found(region)),
+            Some(e) => e.closing = true,
+        }
+        loop {
+            let inflight = st.regions.get(&region).map_or(0, |e| e.inflight);
+            if inflight == 0 {
+                st.regions.remove(&region);
+                return Ok(());
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                if let Some(e) = st.regions.get_mut(&region) {
+                    e.closing = false;
+                }
+                return Err(Error::new(
+                    Status::RegionBusy,
+                    format!(
+                        "region {region} still has {inflight} in-flight access(es) after {timeout:?}; it stays registered (wait for or fail the batches using it, then retry)"
+                    ),
+                ));
+            }
+            st = self
+                .inner
+                .idle
+                .wait_timeout(st, deadline - now)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+    }
+
+    /// The descriptor of one region.
+    pub fn get(&self, region: u64) -> Result<RegionDesc> {
+        self.lock()
+            .regions
+            .get(&region)
+            .map(|e| e.desc.clone())
+            .ok_or_else(|| not_found(region))
+    }
+
+    /// Descriptors of every registered region, by id.
+    pub fn descriptors(&self) -> Vec<RegionDesc> {
+        let st = self.lock();
+        let mut v: Vec<RegionDesc> = st.regions.values().map(|e| e.desc.clone()).collect();
+        v.sort_by_key(|d| d.id);
+        v
+    }
+
+    /// Number of in-flight accesses pinning `region`.
+    pub fn inflight(&self, region: u64) -> Result<u64> {
+        self.lock()
+            .regions
+            .get(&region)
+            .map(|e| e.inflight)
+            .ok_or_else(|| not_found(region))
+    }
+
+    /// Checks `[offset, offset + len)` of `region` and returns its absolute
+    /// start address; `RegionNotFound` or `OutOfBounds` otherwise.
+    pub fn check_access(&self, region: u64, offset: u64, len: u64) -> Result<u64> {
+        let st = self.lock();
+        let e = st.regions.get(&region).ok_or_else(|| not_found(region))?;
+        e.desc.check(offset, len)?;
+        Ok(e.desc.addr + offset)
+    }
+
+    /// Checks an access like [`check_access`](Self::check_access) and pins
+    /// the region until the returned guard drops. Refused with `RegionBusy`
+    /// while the region is being unregistered.
+    pub fn acquire(&self, region: u64, offset: u64, len: u64) -> Result<AccessGuard> {
+        let mut st = self.lock();
+        let e = st
+            .regions
+            .get_mut(&region)
+            .ok_or_else(|| not_found(region))?;
+        if e.closing {
+            return Err(Error::new(
+                Status::RegionBusy,
+                format!("region {region} is being unregistered; no new accesses"),
+            ));
+        }
+        e.desc.check(offset, len)?;
+        e.inflight += 1;
+        let addr = e.desc.addr + offset;
+        drop(st);
+        Ok(AccessGuard {
+            registry: self.clone(),
+            region,
+            addr,
+            len,
+        })
+    }
+
+    /// The kind of a region.
+    pub fn kind(&self, region: u64) -> Result<RegionKind> {
+        Ok(self.get(region)?.kind)
+    }
+
+    fn release(&self, region: u64) {
+        let mut st = self.lock();
+        if let Some(e) = st.regions.get_mut(&region) {
+            e.inflight = e.inflight.saturating_sub(1);
+            if e.inflight == 0 {
+                self.inner.idle.notify_all();
+            }
+        }
+    }
+}
+
+fn not_found(region: u64) -> Error {
+    Error::new(
+        Status::RegionNotFound,
+        format!("region {region} is not registered here (unregistered, or a descriptor from another process)"),
+    )
+}
+
+#[cfg(feature = "cuda")]
+fn check_device_pointer(dptr: u64, ordinal: u32) -> Result<()> {
+    use cudarc::driver::sys;
+    // SAFETY: is_culib_present only tries to dlopen the library.
+    if !unsafe { sys::is_culib_present() } {
+        return Err(Error::new(
+            Status::NoCudaDriver,
+            "cannot register device memory: libcuda could not be loaded (no NVIDIA driver here)",
+        ));
+    }
+    let r = std::panic::catch_unwind(|| {
+        cudarc::driver::result::init()?;
+        let mut mem_type: u32 = 0;
+        let mut dev: i32 = -1;
+        // SAFETY: the out-pointers are valid u32/i32 locals; the attribute sizes match (CUmemorytype is a 4-byte enum, the ordinal an int).
+        unsafe {
+            sys::cuPointerGetAttribute(
+                &mut mem_type as *mut u32 as *mut std::ffi::c_void,
+                sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
+                dptr,
+            )
+            .result()?;
+            sys::cuPointerGetAttribute(
+                &mut dev as *mut i32 as *mut std::ffi::c_void,
+                sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+                dptr,
+            )
+            .result()?;
+        }
+        Ok::<(u32, i32), cudarc::driver::DriverError>((mem_type, dev))
+    });
+    match r {
+        Ok(Ok((t, dev))) => {
+            if t != sys::CUmemorytype::CU_MEMORYTYPE_DEVICE as u32 {
+                return Err(Error::invalid(format!(
+                    "0x{dptr:x} is not device memory (CUmemorytype {t})"
+                )));
+            }
+            if dev != ordinal as i32 {
+                return Err(Error::invalid(format!(
+                    "0x{dptr:x} lives on device {dev}, not on device {ordinal}"
+                )));
+            }
+            Ok(())
+        }
+        Ok(Err(e)) => Err(Error::new(
+            Status::Cuda,
+            format!("cuPointerGetAttribute(0x{dptr:x}) failed: {e} (not a CUDA allocation?)"),
+        )),
+        Err(_) => Err(Error::new(
+            Status::NoCudaDriver,
+            "the CUDA driver library is missing a required symbol",
+        )),
+    }
+}
+
+#[cfg(not(feature = "cuda"))]
+fn check_device_pointer(_dptr: u64, _ordinal: u32) -> Result<()> {
+    Err(Error::new(
+        Status::Unsupported,
+        "device regions need the `cuda` feature",
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn reg_buf(r: &Registry, b: &mut [u8]) -> RegionDesc {
+        // SAFETY: the test buffers outlive the registry use in each test.
+        unsafe { r.register_host(b.as_mut_ptr(), b.len()) }.unwrap()
+    }
+
+    #[test]
+    fn bounds_and_not_found_are_typed() {
+        let r = Registry::new();
+        let mut buf = vec![0u8; 4096];
+        let d = reg_buf(&r, &mut buf);
+        assert_eq!(r.check_access(d.id, 0, 4096).unwrap(), d.addr);
+        assert_eq!(r.check_access(d.id, 4000, 96).unwrap(), d.addr + 4000);
+        let e = r.check_access(d.id, 4000, 97).unwrap_err();
+        assert_eq!(e.status(), Status::OutOfBounds);
+        assert_eq!(e.status() as i32, -301);
+        let e = r.check_access(d.id, u64::MAX, 1).unwrap_err();
+        assert_eq!(e.status(), Status::OutOfBounds);
+        let e = r.check_access(d.id + 1, 0, 1).unwrap_err();
+        assert_eq!(e.status(), Status::RegionNotFound);
+        assert_eq!(e.status() as i32, -300);
+    }
+
+    #[test]
+    fn overlap_refused_and_null_refused() {
+        let r = Registry::new();
+        let mut buf = vec![0u8; 4096];
+        let _ = reg_buf(&r, &mut buf[..2048]);
+        // SAFETY: inside the live test buffer.
+        let e = unsafe { r.register_host(buf.as_mut_ptr().add(2047), 10) }.unwrap_err();
+        assert_eq!(e.status(), Status::RegionOverlap);
+        // SAFETY: inside the live test buffer, adjacent, no overlap.
+        let d2 = unsafe { r.register_host(buf.as_mut_ptr().add(2048), 2048) }.unwrap();
+        assert_eq!(d2.len, 2048);
+        // SAFETY: NULL is refused before any use.
+        let e = unsafe { r.register_host(std::ptr::null_mut(), 8) }.unwrap_err();
+        assert_eq!(e.status(), Status::NullArgument);
+        assert_eq!(r.descriptors().len(), 2);
+    }
+
+    #[test]
+    fn unregister_waits_for_inflight_then_succeeds() {
+        let r = Registry::new();
+        let mut buf = vec![0u8; 64];
+        let d = reg_buf(&r, &mut buf);
+        let g = r.acquire(d.id, 0, 64).unwrap();
+        assert_eq!(r.inflight(d.id).unwrap(), 1);
+        // Times out while the guard lives; region stays usable afterwards.
+        let e = r.unregister(d.id, Duration::from_millis(20)).unwrap_err();
+        assert_eq!(e.status(), Status::RegionBusy);
+        assert!(r.acquire(d.id, 0, 1).is_ok());
+        let r2 = r.clone();
+        let t = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(30));
+            drop(g);
+        });
+        let t0 = Instant::now();
+        r2.unregister(d.id, Duration::from_secs(5)).unwrap();
+        assert!(t0.elapsed() >= Duration::from_millis(20));
+        t.join().unwrap();
+        assert_eq!(r.get(d.id).unwrap_err().status(), Status::RegionNotFound);
+    }
+
+    #[test]
+    fn device_registration_without_driver_is_typed() {
+        let r = Registry::new();
+        // SAFETY: the address is only passed to the driver query, never dereferenced.
+        match unsafe { r.register_device(0x7000_0000, 1024, 0) } {
+            Ok(_) => panic!("0x70000000 cannot be a device allocation"),
+            Err(e) => assert!(
+                matches!(
+                    e.status(),
+                    Status::NoCudaDriver
+                        | Status::Unsupported
+                        | Status::Cuda
+                        | Status::InvalidArgument
+                ),
+                "{e}"
+            ),
+        }
+    }
+}

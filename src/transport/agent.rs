@@ -1,0 +1,999 @@
+//! The [`Agent`]: one per process. It owns the region registry, listens for
+//! peers (receiver side: validates every write against the registry before
+//! touching memory, delivers completion records after the data landed), and
+//! opens connections to peers (sender side).
+
+use super::conn::Conn;
+use super::handshake::{random_u64, Attach, Hello, HelloAck, Select};
+use super::identity::ProcIdentity;
+use super::wire::{self, Commit, DataHeader, FrameType, Range, DATA_HEADER_LEN};
+use super::{checksum, BatchId, Completion, Transport, TransportKind};
+use crate::error::{Error, Result, Status};
+use crate::memory::{AccessGuard, RegionDesc, RegionKind, Registry};
+use crossbeam::channel::{unbounded, Receiver, Sender};
+use std::collections::{HashMap, HashSet};
+use std::io::Read;
+use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::os::fd::AsRawFd;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+/// Options of an [`Agent`].
+#[derive(Debug, Clone, Default)]
+pub struct AgentOptions {
+    /// Address to accept peers on (`"127.0.0.1:0"` picks a port); `None`
+    /// makes a send-only agent.
+    pub listen: Option<String>,
+    /// Test knob: the receiver sleeps this long before validating each new
+    /// batch (simulates a stalled peer). Zero in production.
+    pub stall: Duration,
+}
+
+/// Options of [`Agent::connect`].
+#[derive(Debug, Clone)]
+pub struct ConnectOptions {
+    /// Transport to use (`Auto` chooses).
+    pub transport: TransportKind,
+    /// tcp: parallel data streams (>= 1).
+    pub streams: u32,
+    /// cma: writer threads per batch (>= 1).
+    pub threads: u32,
+    /// Deadline for connecting and the handshake.
+    pub timeout: Duration,
+}
+
+impl Default for ConnectOptions {
+    fn default() -> Self {
+        ConnectOptions {
+            transport: TransportKind::Auto,
+            streams: 1,
+            threads: 1,
+            timeout: Duration::from_secs(10),
+        }
+    }
+}
+
+/// A completion record seen by the receiver: every byte of the batch landed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Incoming {
+    /// The sending process.
+    pub peer: ProcIdentity,
+    /// The session (one per sender connection).
+    pub session: u64,
+    /// The record.
+    pub completion: Completion,
+}
+
+#[derive(Default)]
+struct RecvBatch {
+    received: u64,
+    sum: u64,
+    failed: Option<Error>,
+    commit: Option<Commit>,
+}
+
+#[derive(Default)]
+struct TcpRecv {
+    batches: HashMap<u64, RecvBatch>,
+    finished: HashSet<u64>,
+    /// Batches the test stall knob already delayed.
+    stalled: HashSet<u64>,
+}
+
+struct Granted {
+    ranges: Vec<Range>,
+    guards: Vec<AccessGuard>,
+}
+
+struct Session {
+    id: u64,
+    token: u64,
+    nonce: Box<u64>,
+    peer: Mutex<Option<ProcIdentity>>,
+    writer: Mutex<Option<TcpStream>>,
+    granted: Mutex<HashMap<u64, Granted>>,
+    tcp: Mutex<TcpRecv>,
+    sockets: Mutex<Vec<TcpStream>>,
+    closed: AtomicBool,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl Session {
+    fn close(&self) {
+        self.closed.store(true, Ordering::SeqCst);
+        for s in lock(&self.sockets).iter() {
+            let _ = s.shutdown(Shutdown::Both);
+        }
+        lock(&self.granted).clear();
+        lock(&self.tcp).batches.clear();
+    }
+
+    fn send(&self, ty: FrameType, p: &[u8]) {
+        if let Some(w) = lock(&self.writer).as_mut() {
+            if wire::write_frame(w, ty, p).is_err() {
+                let _ = w.shutdown(Shutdown::Both);
+            }
+        }
+    }
+}
+
+pub(crate) struct AgentInner {
+    pub registry: Registry,
+    pub identity: ProcIdentity,
+    addr: Option<SocketAddr>,
+    shutdown: AtomicBool,
+    tx: Sender<Incoming>,
+    rx: Receiver<Incoming>,
+    sessions: Mutex<HashMap<u64, Arc<Session>>>,
+    next_session: AtomicU64,
+    stall: Duration,
+}
+
+impl AgentInner {
+    pub(crate) fn deliver(&self, peer: ProcIdentity, session: u64, completion: Completion) {
+        let _ = self.tx.send(Incoming {
+            peer,
+            session,
+            completion,
+        });
+    }
+}
+
+/// One process's endpoint: registry, listener, connections, completions.
+pub struct Agent {
+    pub(crate) inner: Arc<AgentInner>,
+}
+
+impl std::fmt::Debug for Agent {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Agent")
+            .field("addr", &self.inner.addr)
+            .field("pid", &self.inner.identity.pid)
+            .finish()
+    }
+}
+
+impl Agent {
+    /// Creates an agent, listening when `opts.listen` is set.
+    pub fn new(opts: &AgentOptions) -> Result<Agent> {
+        let identity = ProcIdentity::current()?;
+        let listener = match &opts.listen {
+            Some(a) => Some(
+                TcpListener::bind(a.as_str())
+                    .map_err(|e| Error::new(Status::Io, format!("cannot listen on {a}: {e}")))?,
+            ),
+            None => None,
+        };
+        let addr = listener.as_ref().map(|l| l.local_addr()).transpose()?;
+        let (tx, rx) = unbounded();
+        let inner = Arc::new(AgentInner {
+            registry: Registry::new(),
+            identity,
+            addr,
+            shutdown: AtomicBool::new(false),
+            tx,
+            rx,
+            sessions: Mutex::new(HashMap::new()),
+            next_session: AtomicU64::new(1),
+            stall: opts.stall,
+        });
+        if let Some(l) = listener {
+            let weak = Arc::downgrade(&inner);
+            std::thread::Builder::new()
+                .name("pdxfer-accept".into())
+                .spawn(move || accept_loop(l, weak))?;
+        }
+        Ok(Agent { inner })
+    }
+
+    /// The region registry of this agent.
+    pub fn registry(&self) -> &Registry {
+        &self.inner.registry
+    }
+
+    /// This process's identity.
+    pub fn identity(&self) -> &ProcIdentity {
+        &self.inner.identity
+    }
+
+    /// The address peers connect to, when listening.
+    pub fn local_addr(&self) -> Option<SocketAddr> {
+        self.inner.addr
+    }
+
+    /// Registers host memory (see [`Registry::register_host`]).
+    ///
+    /// # Safety
+    /// As [`Registry::register_host`]: the memory must stay valid until unregistered.
+    pub unsafe fn register_host(&self, ptr: *mut u8, len: usize) -> Result<RegionDesc> {
+        // SAFETY: forwarded contract.
+        unsafe { self.inner.registry.register_host(ptr, len) }
+    }
+
+    /// The next completion record received, waiting up to `timeout`.
+    pub fn next_completion(&self, timeout: Duration) -> Option<Incoming> {
+        self.inner.rx.recv_timeout(timeout).ok()
+    }
+
+    /// A completion record if one is ready.
+    pub fn try_completion(&self) -> Option<Incoming> {
+        self.inner.rx.try_recv().ok()
+    }
+
+    /// Number of sender sessions currently connected.
+    pub fn sessions(&self) -> usize {
+        lock(&self.inner.sessions).len()
+    }
+
+    /// A transport into another agent of this process (`local`).
+    pub fn connect_local(&self, target: &Agent) -> Box<dyn Transport> {
+        Box::new(super::local::LocalTransport::new(
+            self.inner.registry.clone(),
+            self.inner.identity.clone(),
+            target.inner.clone(),
+        ))
+    }
+
+    /// Connects to the agent listening at `addr` and performs the handshake.
+    pub fn connect(&self, addr: &str, opts: &ConnectOptions) -> Result<Box<dyn Transport>> {
+        if opts.transport == TransportKind::Local {
+            return Err(Error::invalid(
+                "the local transport connects two agents of one process: use Agent::connect_local",
+            ));
+        }
+        if opts.transport == TransportKind::Rdma {
+            let why = match super::rdma::list_devices() {
+                Ok(d) => format!("{} RDMA device(s) present", d.len()),
+                Err(e) => e.detail().to_string(),
+            };
+            return Err(Error::new(
+                Status::TransportUnavailable,
+                format!(
+                    "the rdma data path is not built into this layer yet ({why}); use cma or tcp"
+                ),
+            ));
+        }
+        let sa = resolve(addr)?;
+        let mut s = TcpStream::connect_timeout(&sa, opts.timeout)
+            .map_err(|e| Error::new(Status::PeerUnreachable, format!("connect to {addr}: {e}")))?;
+        s.set_nodelay(true)?;
+        s.set_read_timeout(Some(opts.timeout))?;
+        s.set_write_timeout(Some(opts.timeout))?;
+        wire::write_json(
+            &mut s,
+            FrameType::Hello,
+            &Hello {
+                version: wire::VERSION,
+                identity: self.inner.identity.clone(),
+            },
+        )?;
+        let ack: HelloAck = wire::read_json(&mut s, FrameType::HelloAck).map_err(|e| {
+            Error::new(e.status(), format!("handshake with {addr}: {}", e.detail()))
+        })?;
+        let me = &self.inner.identity;
+        let kind = match opts.transport {
+            TransportKind::Auto => {
+                // rdma would win here once its data path exists; cma when the
+                // peer proves it is on this host, else tcp.
+                if me.same_host(&ack.identity) && me.verify_local_peer(&ack.identity).is_ok() {
+                    TransportKind::Cma
+                } else {
+                    TransportKind::Tcp
+                }
+            }
+            k => k,
+        };
+        let regions = ack.regions.clone();
+        match kind {
+            TransportKind::Cma => {
+                let pidfd = super::cma::PeerProcess::open(me, &ack.identity)?;
+                let proof = pidfd.read_u64(ack.nonce_addr)?;
+                wire::write_json(
+                    &mut s,
+                    FrameType::Select,
+                    &Select {
+                        transport: TransportKind::Cma,
+                        streams: 0,
+                        proof,
+                    },
+                )?;
+                let _: serde_json::Value = wire::read_json(&mut s, FrameType::SelectOk)?;
+                s.set_read_timeout(None)?;
+                let conn = Conn::start(
+                    s,
+                    ack.identity,
+                    regions,
+                    self.inner.registry.clone(),
+                    ack.session,
+                    addr.to_string(),
+                )?;
+                Ok(Box::new(super::cma::CmaTransport::new(
+                    conn,
+                    pidfd,
+                    opts.threads.max(1) as usize,
+                )?))
+            }
+            TransportKind::Tcp => {
+                let n = opts.streams.clamp(1, 64);
+                wire::write_json(
+                    &mut s,
+                    FrameType::Select,
+                    &Select {
+                        transport: TransportKind::Tcp,
+                        streams: n,
+                        proof: 0,
+                    },
+                )?;
+                let _: serde_json::Value = wire::read_json(&mut s, FrameType::SelectOk)?;
+                let mut streams = Vec::new();
+                for index in 0..n {
+                    let mut d = TcpStream::connect_timeout(&sa, opts.timeout).map_err(|e| {
+                        Error::new(
+                            Status::PeerUnreachable,
+                            format!("data stream {index} to {addr}: {e}"),
+                        )
+                    })?;
+                    d.set_nodelay(true)?;
+                    d.set_read_timeout(Some(opts.timeout))?;
+                    wire::write_json(
+                        &mut d,
+                        FrameType::Attach,
+                        &Attach {
+                            session: ack.session,
+                            token: ack.token,
+                            index,
+                        },
+                    )?;
+                    let _: serde_json::Value = wire::read_json(&mut d, FrameType::AttachOk)?;
+                    streams.push(d);
+                }
+                s.set_read_timeout(None)?;
+                let conn = Conn::start(
+                    s,
+                    ack.identity,
+                    regions,
+                    self.inner.registry.clone(),
+                    ack.session,
+                    addr.to_string(),
+                )?;
+                Ok(Box::new(super::tcp::TcpTransport::new(conn, streams)?))
+            }
+            _ => Err(Error::new(
+                Status::TransportUnavailable,
+                format!("transport {} cannot be used here", kind.name()),
+            )),
+        }
+    }
+
+    /// Stops accepting peers and closes every receiver session.
+    pub fn shutdown(&self) {
+        self.inner.shutdown.store(true, Ordering::SeqCst);
+        let sessions: Vec<Arc<Session>> =
+            lock(&self.inner.sessions).drain().map(|(_, s)| s).collect();
+        for s in sessions {
+            s.close();
+        }
+    }
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+fn resolve(addr: &str) -> Result<SocketAddr> {
+    addr.to_socket_addrs()
+        .map_err(|e| Error::invalid(format!("bad peer address {addr:?}: {e}")))?
+        .next()
+        .ok_or_else(|| Error::invalid(format!("peer address {addr:?} resolves to nothing")))
+}
+
+fn accept_loop(l: TcpListener, agent: std::sync::Weak<AgentInner>) {
+    let fd = l.as_raw_fd();
+    loop {
+        let Some(a) = agent.upgrade() else { return };
+        if a.shutdown.load(Ordering::SeqCst) {
+            return;
+        }
+        drop(a);
+        let mut pfd = libc::pollfd {
+            fd,
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: pfd is one valid pollfd for the duration of the call.
+        let n = unsafe { libc::poll(&mut pfd, 1, 100) };
+        if n <= 0 {
+            continue;
+        }
+        let Ok((s, _)) = l.accept() else { continue };
+        let Some(a) = agent.upgrade() else { return };
+        let _ = std::thread::Builder::new()
+            .name("pdxfer-rx".into())
+            .spawn(move || serve_connection(a, s));
+    }
+}
+
+fn serve_connection(a: Arc<AgentInner>, mut s: TcpStream) {
+    let _ = s.set_nodelay(true);
+    let _ = s.set_read_timeout(Some(Duration::from_secs(10)));
+    let (ty, p) = match wire::read_frame(&mut s) {
+        Ok(f) => f,
+        Err(_) => return,
+    };
+    match ty {
+        FrameType::Hello => serve_control(a, s, &p),
+        FrameType::Attach => serve_stream(a, s, &p),
+        _ => {
+            let e = Error::new(
+                Status::Protocol,
+                format!("first frame must be Hello or Attach, got {ty:?}"),
+            );
+            let _ = wire::write_frame(&mut s, FrameType::Error, &wire::encode_error(&e));
+        }
+    }
+}
+
+fn refuse(s: &mut TcpStream, e: Error) {
+    let _ = wire::write_frame(s, FrameType::Error, &wire::encode_error(&e));
+}
+
+fn serve_control(a: Arc<AgentInner>, mut s: TcpStream, hello: &[u8]) {
+    let hello: Hello = match serde_json::from_slice(hello) {
+        Ok(h) => h,
+        Err(e) => {
+            return refuse(
+                &mut s,
+                Error::new(Status::Protocol, format!("malformed Hello: {e}")),
+            );
+        }
+    };
+    if hello.version != wire::VERSION {
+        return refuse(
+            &mut s,
+            Error::new(
+                Status::Protocol,
+                format!(
+                    "client speaks wire version {}, server {}",
+                    hello.version,
+                    wire::VERSION
+                ),
+            ),
+        );
+    }
+    let id = a.next_session.fetch_add(1, Ordering::SeqCst);
+    let session = Arc::new(Session {
+        id,
+        token: random_u64(),
+        nonce: Box::new(random_u64()),
+        peer: Mutex::new(Some(hello.identity.clone())),
+        writer: Mutex::new(s.try_clone().ok()),
+        granted: Mutex::new(HashMap::new()),
+        tcp: Mutex::new(TcpRecv::default()),
+        sockets: Mutex::new(s.try_clone().into_iter().collect()),
+        closed: AtomicBool::new(false),
+    });
+    let ack = HelloAck {
+        version: wire::VERSION,
+        identity: a.identity.clone(),
+        regions: a.registry.descriptors(),
+        session: id,
+        token: session.token,
+        nonce_addr: &*session.nonce as *const u64 as u64,
+    };
+    lock(&a.sessions).insert(id, session.clone());
+    let mut run = || -> Result<()> {
+        wire::write_json(&mut s, FrameType::HelloAck, &ack)?;
+        let sel: Select = wire::read_json(&mut s, FrameType::Select)?;
+        match sel.transport {
+            TransportKind::Cma => {
+                if sel.proof != *session.nonce {
+                    return Err(Error::new(
+                        Status::PeerIdentity,
+                        "cma proof mismatch: the client read another process's memory (pid namespace or pid mix-up); use tcp",
+                    ));
+                }
+            }
+            TransportKind::Tcp => {}
+            k => {
+                return Err(Error::new(
+                    Status::TransportUnavailable,
+                    format!("this receiver serves cma and tcp, not {}", k.name()),
+                ))
+            }
+        }
+        wire::write_json(&mut s, FrameType::SelectOk, &serde_json::json!({}))?;
+        s.set_read_timeout(None)?;
+        control_loop(&a, &session, &mut s, hello.identity.clone())
+    };
+    if let Err(e) = run() {
+        if e.status() != Status::PeerUnreachable {
+            refuse(&mut s, e);
+        }
+    }
+    session.close();
+    lock(&a.sessions).remove(&id);
+}
+
+fn control_loop(
+    a: &AgentInner,
+    sess: &Session,
+    s: &mut TcpStream,
+    peer: ProcIdentity,
+) -> Result<()> {
+    loop {
+        let (ty, p) = wire::read_frame(s)?;
+        match ty {
+            FrameType::Intent => {
+                let (batch, ranges) = wire::decode_intent(&p)?;
+                if !a.stall.is_zero() {
+                    std::thread::sleep(a.stall);
+                }
+                match grant(&a.registry, &ranges) {
+                    Ok(guards) => {
+                        lock(&sess.granted).insert(batch, Granted { ranges, guards });
+                        sess.send(FrameType::Grant, &batch.to_le_bytes());
+                    }
+                    Err(e) => sess.send(FrameType::Refuse, &wire::encode_reason(batch, &e)),
+                }
+            }
+            FrameType::Abort => {
+                let batch = wire::decode_batch(&p)?;
+                lock(&sess.granted).remove(&batch);
+            }
+            FrameType::Commit => {
+                let c = wire::decode_commit(&p)?;
+                let g = lock(&sess.granted).remove(&c.batch);
+                match g {
+                    Some(g) => {
+                        let r = finish_cma(&g, &c);
+                        drop(g);
+                        match r {
+                            Ok(()) => {
+                                a.deliver(peer.clone(), sess.id, completion(&c));
+                                sess.send(FrameType::Ack, &c.batch.to_le_bytes());
+                            }
+                            Err(e) => sess.send(FrameType::Nack, &wire::encode_reason(c.batch, &e)),
+                        }
+                    }
+                    None => {
+                        let mut t = lock(&sess.tcp);
+                        if t.finished.contains(&c.batch) {
+                            continue;
+                        }
+                        t.batches.entry(c.batch).or_default().commit = Some(c);
+                        finalize_tcp(a, sess, &mut t, c.batch, &peer);
+                    }
+                }
+            }
+            other => {
+                return Err(Error::new(
+                    Status::Protocol,
+                    format!("unexpected {other:?} frame on a control connection"),
+                ))
+            }
+        }
+    }
+}
+
+fn completion(c: &Commit) -> Completion {
+    Completion {
+        batch_id: BatchId(c.batch),
+        bytes: c.bytes,
+        checksum: c.checksum,
+        room: c.room,
+        epoch: c.epoch,
+    }
+}
+
+/// Validates and pins every range of a cma intent; all or nothing.
+fn grant(reg: &Registry, ranges: &[Range]) -> Result<Vec<AccessGuard>> {
+    let mut guards: Vec<AccessGuard> = Vec::new();
+    let mut descs: HashMap<u64, RegionDesc> = HashMap::new();
+    for (i, r) in ranges.iter().enumerate() {
+        let ctx = |e: Error| Error::new(e.status(), format!("range {i}: {}", e.detail()));
+        let d = match descs.entry(r.region) {
+            std::collections::hash_map::Entry::Occupied(o) => o.into_mut(),
+            std::collections::hash_map::Entry::Vacant(v) => {
+                let d = reg.get(r.region).map_err(ctx)?;
+                if d.kind != RegionKind::Host {
+                    return Err(ctx(Error::new(
+                        Status::Unsupported,
+                        format!(
+                            "region {} is device memory; cma writes host memory only",
+                            r.region
+                        ),
+                    )));
+                }
+                guards.push(reg.acquire(r.region, 0, 0).map_err(ctx)?);
+                v.insert(d)
+            }
+        };
+        d.check(r.offset, r.len).map_err(ctx)?;
+    }
+    Ok(guards)
+}
+
+fn finish_cma(g: &Granted, c: &Commit) -> Result<()> {
+    let total: u64 = g.ranges.iter().map(|r| r.len).sum();
+    if total != c.bytes {
+        return Err(Error::new(
+            Status::Protocol,
+            format!("commit says {} bytes but {} were granted", c.bytes, total),
+        ));
+    }
+    if let Some(want) = c.checksum {
+        let mut got = 0u64;
+        for (r, addr) in g.ranges.iter().zip(range_addrs(g)) {
+            // SAFETY: the range was bounds-checked at grant and its region is pinned by g.guards.
+            let d = unsafe { std::slice::from_raw_parts(addr as *const u8, r.len as usize) };
+            got = checksum::combine(got, checksum::piece(r.region, r.offset, d));
+        }
+        if got != want {
+            return Err(Error::new(
+                Status::BatchFailed,
+                format!("checksum mismatch: sender 0x{want:016x}, landed bytes 0x{got:016x}"),
+            ));
+        }
+    }
+    Ok(())
+}
+
+fn range_addrs(g: &Granted) -> Vec<u64> {
+    // Guards are per region (offset 0): region base = guard addr.
+    let base: HashMap<u64, u64> = g.guards.iter().map(|x| (x.region(), x.addr())).collect();
+    g.ranges
+        .iter()
+        .map(|r| base.get(&r.region).copied().unwrap_or(0) + r.offset)
+        .collect()
+}
+
+fn finalize_tcp(a: &AgentInner, sess: &Session, t: &mut TcpRecv, batch: u64, peer: &ProcIdentity) {
+    let Some(b) = t.batches.get(&batch) else {
+        return;
+    };
+    let Some(c) = b.commit else { return };
+    let verdict = if let Some(e) = &b.failed {
+        Some(Err(e.clone()))
+    } else if b.received > c.bytes {
+        Some(Err(Error::new(
+            Status::Protocol,
+            format!(
+                "received {} bytes for a batch committed with {}",
+                b.received, c.bytes
+            ),
+        )))
+    } else if b.received == c.bytes {
+        match c.checksum {
+            Some(want) if want != b.sum => Some(Err(Error::new(
+                Status::BatchFailed,
+                format!(
+                    "checksum mismatch: sender 0x{want:016x}, landed bytes 0x{:016x}",
+                    b.sum
+                ),
+            ))),
+            _ => Some(Ok(())),
+        }
+    } else {
+        None
+    };
+    match verdict {
+        None => {}
+        Some(Ok(())) => {
+            t.batches.remove(&batch);
+            t.finished.insert(batch);
+            a.deliver(peer.clone(), sess.id, completion(&c));
+            sess.send(FrameType::Ack, &batch.to_le_bytes());
+        }
+        Some(Err(e)) => {
+            t.batches.remove(&batch);
+            t.finished.insert(batch);
+            sess.send(FrameType::Nack, &wire::encode_reason(batch, &e));
+        }
+    }
+}
+
+fn serve_stream(a: Arc<AgentInner>, mut s: TcpStream, p: &[u8]) {
+    let att: Attach = match serde_json::from_slice(p) {
+        Ok(x) => x,
+        Err(e) => {
+            return refuse(
+                &mut s,
+                Error::new(Status::Protocol, format!("malformed Attach: {e}")),
+            )
+        }
+    };
+    let sess = lock(&a.sessions).get(&att.session).cloned();
+    let Some(sess) = sess.filter(|x| x.token == att.token) else {
+        return refuse(
+            &mut s,
+            Error::new(
+                Status::Unauthorized,
+                format!("no session {} with that token", att.session),
+            ),
+        );
+    };
+    if wire::write_json(&mut s, FrameType::AttachOk, &serde_json::json!({})).is_err() {
+        return;
+    }
+    let _ = s.set_read_timeout(None);
+    if let Ok(c) = s.try_clone() {
+        lock(&sess.sockets).push(c);
+    }
+    let peer = lock(&sess.peer)
+        .clone()
+        .unwrap_or_else(|| a.identity.clone());
+    if let Err(e) = stream_loop(&a, &sess, &mut s, &peer) {
+        if e.status() == Status::Protocol {
+            // A desynchronised stream cannot be trusted: end the session.
+            sess.close();
+        }
+    }
+}
+
+fn stream_loop(
+    a: &AgentInner,
+    sess: &Session,
+    s: &mut TcpStream,
+    peer: &ProcIdentity,
+) -> Result<()> {
+    let mut scratch = vec![0u8; 64 << 10];
+    let mut hb = [0u8; DATA_HEADER_LEN];
+    loop {
+        if sess.closed.load(Ordering::SeqCst) {
+            return Ok(());
+        }
+        s.read_exact(&mut hb)?;
+        let h = DataHeader::decode(&hb)?;
+        if !a.stall.is_zero() {
+            let new = lock(&sess.tcp).stalled.insert(h.batch);
+            if new {
+                std::thread::sleep(a.stall);
+            }
+        }
+        let access = a.registry.acquire(h.region, h.offset, h.len).and_then(|g| {
+            match a.registry.kind(h.region)? {
+                RegionKind::Host => Ok(g),
+                RegionKind::Device { .. } => Err(Error::new(
+                    Status::Unsupported,
+                    format!(
+                        "region {} is device memory; tcp writes host memory only",
+                        h.region
+                    ),
+                )),
+            }
+        });
+        let outcome = match access {
+            Ok(g) => {
+                // SAFETY: the guard proves [addr, addr+len) lies in a registered host region, pinned until g drops.
+                let dst =
+                    unsafe { std::slice::from_raw_parts_mut(g.addr() as *mut u8, h.len as usize) };
+                s.read_exact(dst)?;
+                let sum = if h.flags & wire::DATA_FLAG_CHECKSUM != 0 {
+                    checksum::piece(h.region, h.offset, dst)
+                } else {
+                    0
+                };
+                drop(g);
+                Ok(sum)
+            }
+            Err(e) => {
+                // Nothing is written: drain the payload into scratch to stay in sync.
+                let mut left = h.len;
+                while left > 0 {
+                    let n = left.min(scratch.len() as u64) as usize;
+                    s.read_exact(&mut scratch[..n])?;
+                    left -= n as u64;
+                }
+                Err(Error::new(
+                    e.status(),
+                    format!(
+                        "write of {} bytes to region {} offset {} refused: {}",
+                        h.len,
+                        h.region,
+                        h.offset,
+                        e.detail()
+                    ),
+                ))
+            }
+        };
+        let mut t = lock(&sess.tcp);
+        if t.finished.contains(&h.batch) {
+            continue;
+        }
+        let b = t.batches.entry(h.batch).or_default();
+        match outcome {
+            Ok(sum) => {
+                b.received += h.len;
+                b.sum = checksum::combine(b.sum, sum);
+            }
+            Err(e) => {
+                if b.failed.is_none() {
+                    b.failed = Some(e);
+                }
+            }
+        }
+        finalize_tcp(a, sess, &mut t, h.batch, peer);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::transport::{BatchOptions, BatchStatus, WriteOp};
+
+    type Pair = (
+        Agent,
+        Agent,
+        Vec<u8>,
+        Vec<u8>,
+        Box<dyn Transport>,
+        RegionDesc,
+        RegionDesc,
+    );
+
+    fn pair(kind: TransportKind, streams: u32) -> Pair {
+        let rx = Agent::new(&AgentOptions {
+            listen: Some("127.0.0.1:0".into()),
+            ..Default::default()
+        })
+        .unwrap();
+        let tx = Agent::new(&AgentOptions::default()).unwrap();
+        let mut dst = vec![0u8; 1 << 20];
+        let mut src: Vec<u8> = (0..(1u32 << 20)).map(|i| (i * 7 + 3) as u8).collect();
+        // SAFETY: the buffers are returned to the caller and outlive the agents' use.
+        let d = unsafe { rx.register_host(dst.as_mut_ptr(), dst.len()) }.unwrap();
+        // SAFETY: as above.
+        let s = unsafe { tx.register_host(src.as_mut_ptr(), src.len()) }.unwrap();
+        let addr = rx.local_addr().unwrap().to_string();
+        let t = if kind == TransportKind::Local {
+            tx.connect_local(&rx)
+        } else {
+            tx.connect(
+                &addr,
+                &ConnectOptions {
+                    transport: kind,
+                    streams,
+                    threads: 2,
+                    ..Default::default()
+                },
+            )
+            .unwrap()
+        };
+        (rx, tx, dst, src, t, d, s)
+    }
+
+    fn roundtrip(kind: TransportKind, streams: u32) {
+        let (rx, _tx, dst, src, t, d, s) = pair(kind, streams);
+        assert_eq!(t.kind(), kind);
+        assert_eq!(t.remote_regions(), vec![d.clone()]);
+        let ops = vec![
+            WriteOp {
+                local_region: s.id,
+                local_offset: 0,
+                remote_region: d.id,
+                remote_offset: 100,
+                len: 4096,
+            },
+            WriteOp {
+                local_region: s.id,
+                local_offset: 5000,
+                remote_region: d.id,
+                remote_offset: 300_000,
+                len: 700_000,
+            },
+            WriteOp {
+                local_region: s.id,
+                local_offset: 17,
+                remote_region: d.id,
+                remote_offset: 0,
+                len: 1,
+            },
+        ];
+        let opts = BatchOptions {
+            checksum: true,
+            room: 42,
+            epoch: 3,
+            ..Default::default()
+        };
+        let id = t.submit(&ops, &opts).unwrap();
+        let c = t.wait(id, Duration::from_secs(10)).unwrap();
+        assert_eq!(c.bytes, 4096 + 700_000 + 1);
+        assert_eq!((c.room, c.epoch), (42, 3));
+        assert!(c.checksum.is_some());
+        let inc = rx
+            .next_completion(Duration::from_secs(5))
+            .expect("receiver completion");
+        assert_eq!(inc.completion, c);
+        assert_eq!(&dst[100..4196], &src[..4096]);
+        assert_eq!(&dst[300_000..1_000_000], &src[5000..705_000]);
+        assert_eq!(dst[0], src[17]);
+        assert!(dst[4196..300_000].iter().all(|&b| b == 0));
+        // Out of bounds: refused before anything is sent.
+        let bad = [WriteOp {
+            remote_offset: (1 << 20) - 10,
+            len: 11,
+            ..ops[0]
+        }];
+        let e = t.submit(&bad, &opts).unwrap_err();
+        assert_eq!(e.status(), Status::OutOfBounds, "{e}");
+        let bad = [WriteOp {
+            remote_region: 99,
+            ..ops[0]
+        }];
+        assert_eq!(
+            t.submit(&bad, &opts).unwrap_err().status(),
+            Status::RegionNotFound
+        );
+        // Polling: once terminal, the id is forgotten.
+        let id = t.submit(&ops[..1], &BatchOptions::default()).unwrap();
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        loop {
+            match t.poll(id).unwrap() {
+                BatchStatus::Pending => assert!(std::time::Instant::now() < deadline),
+                BatchStatus::Done(c) => {
+                    assert_eq!(c.bytes, 4096);
+                    break;
+                }
+                BatchStatus::Failed(e) => panic!("{e}"),
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        assert_eq!(t.poll(id).unwrap_err().status(), Status::InvalidArgument);
+        // The receiver's region stays pinned-free afterwards and can be unregistered.
+        std::thread::sleep(Duration::from_millis(20));
+        rx.registry()
+            .unregister(d.id, Duration::from_secs(2))
+            .unwrap();
+        t.close();
+        assert!(!t.is_alive());
+    }
+
+    #[test]
+    fn local_roundtrip() {
+        roundtrip(TransportKind::Local, 1);
+    }
+
+    #[test]
+    fn cma_roundtrip_in_process() {
+        roundtrip(TransportKind::Cma, 1);
+    }
+
+    #[test]
+    fn tcp_roundtrip_in_process() {
+        roundtrip(TransportKind::Tcp, 1);
+        roundtrip(TransportKind::Tcp, 3);
+    }
+
+    #[test]
+    fn auto_picks_cma_on_this_host_and_rdma_is_typed() {
+        let (_rx, _tx, _d, _s, t, _, _) = pair(TransportKind::Auto, 1);
+        assert_eq!(t.kind(), TransportKind::Cma);
+        let tx = Agent::new(&AgentOptions::default()).unwrap();
+        let e = tx
+            .connect(
+                "127.0.0.1:1",
+                &ConnectOptions {
+                    transport: TransportKind::Rdma,
+                    ..Default::default()
+                },
+            )
+            .unwrap_err();
+        assert_eq!(e.status(), Status::TransportUnavailable);
+        let e = tx
+            .connect(
+                "127.0.0.1:1",
+                &ConnectOptions {
+                    transport: TransportKind::Tcp,
+                    ..Default::default()
+                },
+            )
+            .unwrap_err();
+        assert_eq!(e.status(), Status::PeerUnreachable);
+    }
+}

@@ -1,0 +1,469 @@
+//! Same-host one-sided writes with `process_vm_writev` (cross-memory attach).
+//!
+//! Protocol per batch: the sender validates every op against the
+//! receiver's descriptors, sends the write intent (destination ranges); the
+//! receiver validates it against its registry and pins the regions (Grant)
+//! or refuses it (Refuse, nothing written); only then the sender writes, in
+//! batched iovecs (IOV_MAX per call, partial writes resumed, optionally
+//! split over several threads), and sends the commit record; the receiver
+//! delivers the completion and acknowledges (Ack). An out-of-bounds range
+//! is never written: the sender checks it, and the receiver's grant is
+//! required before the first byte moves.
+//!
+//! The peer is checked to be the process it claims: same boot id, the
+//! claimed start time in `/proc/<pid>/stat`, a pidfd opened before the
+//! proof, and a nonce read from the peer's memory and echoed back over the
+//! control connection. The pidfd is polled before each batch: a peer that
+//! exited (and whose pid might be reused) is never written to.
+
+use super::batch::Stage;
+use super::conn::{checksum_pieces, Conn, Piece};
+use super::identity::ProcIdentity;
+use super::wire::{self, Commit, FrameType, Range};
+use super::{BatchId, BatchOptions, BatchStatus, Completion, Transport, TransportKind, WriteOp};
+use crate::error::{Error, Result, Status};
+use crate::memory::{AccessGuard, RegionDesc};
+use crossbeam::channel::{unbounded, Sender};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Most iovecs per `process_vm_writev` call (Linux IOV_MAX).
+const IOV_MAX: usize = 1024;
+
+/// A verified same-host peer process.
+pub(crate) struct PeerProcess {
+    pid: libc::pid_t,
+    pidfd: Option<OwnedFd>,
+    claimed: ProcIdentity,
+}
+
+fn cma_error(op: &str, pid: libc::pid_t, e: std::io::Error) -> Error {
+    match e.raw_os_error() {
+        Some(libc::ESRCH) => Error::new(
+            Status::PeerUnreachable,
+            format!("{op}: peer process {pid} no longer exists"),
+        ),
+        Some(libc::EPERM) => Error::new(
+            Status::PeerIdentity,
+            format!("{op} into pid {pid}: permission denied (needs the same uid and ptrace permission, or CAP_SYS_PTRACE; check /proc/sys/kernel/yama/ptrace_scope); use tcp"),
+        ),
+        Some(libc::EFAULT) => Error::new(
+            Status::BatchFailed,
+            format!("{op} into pid {pid}: address not mapped in the peer (it freed memory it had registered?)"),
+        ),
+        Some(libc::ENOSYS) => Error::new(
+            Status::TransportUnavailable,
+            format!("{op}: the kernel has no cross-memory attach"),
+        ),
+        _ => Error::new(Status::Io, format!("{op} into pid {pid}: {e}")),
+    }
+}
+
+impl PeerProcess {
+    /// Opens a pidfd for the claimed peer and verifies the claim.
+    pub fn open(me: &ProcIdentity, claimed: &ProcIdentity) -> Result<PeerProcess> {
+        let pid = claimed.pid as libc::pid_t;
+        // SAFETY: pidfd_open takes a pid and flags and returns a new fd or -1.
+        let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
+        let pidfd = if fd >= 0 {
+            // SAFETY: fd is a fresh descriptor we own.
+            Some(unsafe { OwnedFd::from_raw_fd(fd as i32) })
+        } else {
+            None
+        };
+        // Verify after opening the pidfd: the fd then refers to the verified process.
+        me.verify_local_peer(claimed)?;
+        Ok(PeerProcess {
+            pid,
+            pidfd,
+            claimed: claimed.clone(),
+        })
+    }
+
+    /// Reads 8 bytes at `addr` in the peer (the handshake proof).
+    pub fn read_u64(&self, addr: u64) -> Result<u64> {
+        let mut v = 0u64;
+        let local = libc::iovec {
+            iov_base: &mut v as *mut u64 as *mut libc::c_void,
+            iov_len: 8,
+        };
+        let remote = libc::iovec {
+            iov_base: addr as *mut libc::c_void,
+            iov_len: 8,
+        };
+        // SAFETY: local points at a live u64; the remote address is only interpreted by the kernel in the peer.
+        let n = unsafe { libc::process_vm_readv(self.pid, &local, 1, &remote, 1, 0) };
+        if n != 8 {
+            return Err(cma_error(
+                "process_vm_readv (handshake proof)",
+                self.pid,
+                std::io::Error::last_os_error(),
+            ));
+        }
+        Ok(v)
+    }
+
+    /// Fails when the peer exited since the handshake.
+    pub fn check_alive(&self) -> Result<()> {
+        match &self.pidfd {
+            Some(fd) => {
+                let mut p = libc::pollfd {
+                    fd: fd.as_raw_fd(),
+                    events: libc::POLLIN,
+                    revents: 0,
+                };
+                // SAFETY: one valid pollfd, zero timeout.
+                let n = unsafe { libc::poll(&mut p, 1, 0) };
+                if n > 0 {
+                    return Err(Error::new(
+                        Status::PeerUnreachable,
+                        format!("peer process {} exited; not writing to its pid", self.pid),
+                    ));
+                }
+                Ok(())
+            }
+            None => {
+                let st = super::identity::start_time_of(self.claimed.pid)?;
+                if st != self.claimed.start_time {
+                    return Err(Error::new(
+                        Status::PeerIdentity,
+                        format!(
+                            "pid {} now belongs to another process (start tick {st} != {})",
+                            self.pid, self.claimed.start_time
+                        ),
+                    ));
+                }
+                Ok(())
+            }
+        }
+    }
+
+    /// Writes every piece; returns the bytes written.
+    pub fn write(&self, pieces: &[Piece]) -> Result<u64> {
+        let mut total = 0u64;
+        let mut i = 0usize; // current piece
+        let mut off = 0u64; // bytes of piece i already written
+        while i < pieces.len() {
+            let mut local = Vec::with_capacity(IOV_MAX.min(pieces.len() - i));
+            let mut remote = Vec::with_capacity(local.capacity());
+            let mut want = 0u64;
+            for (k, p) in pieces[i..].iter().enumerate().take(IOV_MAX) {
+                let skip = if k == 0 { off } else { 0 };
+                if p.len == skip {
+                    continue;
+                }
+                local.push(libc::iovec {
+                    iov_base: (p.src + skip) as *mut libc::c_void,
+                    iov_len: (p.len - skip) as usize,
+                });
+                remote.push(libc::iovec {
+                    iov_base: (p.dst + skip) as *mut libc::c_void,
+                    iov_len: (p.len - skip) as usize,
+                });
+                want += p.len - skip;
+            }
+            if local.is_empty() {
+                i += 1;
+                off = 0;
+                continue;
+            }
+            // SAFETY: local iovecs lie in registered, pinned regions of this process; remote ones were granted by the peer.
+            let n = unsafe {
+                libc::process_vm_writev(
+                    self.pid,
+                    local.as_ptr(),
+                    local.len() as libc::c_ulong,
+                    remote.as_ptr(),
+                    remote.len() as libc::c_ulong,
+                    0,
+                )
+            };
+            if n < 0 {
+                return Err(cma_error(
+                    "process_vm_writev",
+                    self.pid,
+                    std::io::Error::last_os_error(),
+                ));
+            }
+            if n == 0 && want > 0 {
+                return Err(Error::new(
+                    Status::BatchFailed,
+                    "process_vm_writev wrote 0 bytes",
+                ));
+            }
+            total += n as u64;
+            // Advance (i, off) by n bytes; partial writes resume mid-piece.
+            let mut n = n as u64;
+            while n > 0 && i < pieces.len() {
+                let left = pieces[i].len - off;
+                if n >= left {
+                    n -= left;
+                    i += 1;
+                    off = 0;
+                } else {
+                    off += n;
+                    n = 0;
+                }
+            }
+            while i < pieces.len() && pieces[i].len == off {
+                i += 1;
+                off = 0;
+            }
+        }
+        Ok(total)
+    }
+}
+
+/// Splits pieces into `n` groups of about equal bytes (splitting large pieces).
+pub(crate) fn split_even(pieces: &[Piece], n: usize) -> Vec<Vec<Piece>> {
+    let total: u64 = pieces.iter().map(|p| p.len).sum();
+    let n = n.max(1);
+    let share = total.div_ceil(n as u64).max(1);
+    let mut out = vec![Vec::new()];
+    let mut cur = 0u64;
+    for p in pieces {
+        let mut p = *p;
+        while p.len > 0 {
+            if cur >= share && out.len() < n {
+                out.push(Vec::new());
+                cur = 0;
+            }
+            let take = if out.len() < n {
+                p.len.min(share - cur)
+            } else {
+                p.len
+            };
+            let mut part = p;
+            part.len = take;
+            if let Some(v) = out.last_mut() {
+                v.push(part);
+            }
+            cur += take;
+            p.src += take;
+            p.dst += take;
+            p.offset += take;
+            p.len -= take;
+        }
+    }
+    out
+}
+
+struct Job {
+    id: u64,
+    pieces: Vec<Piece>,
+    commit: Commit,
+    _guards: Arc<Vec<AccessGuard>>,
+}
+
+/// The cma transport (sender side).
+pub struct CmaTransport {
+    conn: Arc<Conn>,
+    tx: Sender<Job>,
+}
+
+impl CmaTransport {
+    pub(crate) fn new(conn: Arc<Conn>, peer: PeerProcess, threads: usize) -> Result<CmaTransport> {
+        let (tx, rx) = unbounded::<Job>();
+        let c = conn.clone();
+        std::thread::Builder::new()
+            .name("pdxfer-cma-tx".into())
+            .spawn(move || {
+                for job in rx {
+                    c.run_job(&peer, threads, job);
+                }
+            })?;
+        Ok(CmaTransport { conn, tx })
+    }
+}
+
+impl Conn {
+    fn run_job(&self, peer: &PeerProcess, threads: usize, job: Job) {
+        let abort = |c: &Conn| {
+            let _ = c.send(FrameType::Abort, &job.id.to_le_bytes());
+        };
+        if self.table.wait_granted(job.id).is_err() {
+            return abort(self);
+        }
+        if let Err(e) = peer.check_alive() {
+            self.table.fail_all(e);
+            return;
+        }
+        if self.table.finished(job.id) {
+            return abort(self);
+        }
+        let r = if threads <= 1 || job.pieces.is_empty() || job.commit.bytes < (256 << 10) {
+            peer.write(&job.pieces)
+        } else {
+            let groups = split_even(&job.pieces, threads);
+            std::thread::scope(|s| {
+                let hs: Vec<_> = groups
+                    .iter()
+                    .map(|g| s.spawn(move || peer.write(g)))
+                    .collect();
+                let mut sum = 0u64;
+                let mut err = None;
+                for h in hs {
+                    match h.join() {
+                        Ok(Ok(n)) => sum += n,
+                        Ok(Err(e)) => err = Some(e),
+                        Err(_) => {
+                            err = Some(Error::new(
+                                Status::BatchFailed,
+                                "a cma writer thread panicked",
+                            ))
+                        }
+                    }
+                }
+                err.map_or(Ok(sum), Err)
+            })
+        };
+        match r {
+            Ok(n) if n == job.commit.bytes => {
+                self.table.set(job.id, Stage::Written);
+                if self.table.finished(job.id) {
+                    // Deadline passed while writing: no completion for the receiver.
+                    return abort(self);
+                }
+                let _ = self.send(FrameType::Commit, &wire::encode_commit(&job.commit));
+            }
+            Ok(n) => {
+                self.table.fail(
+                    job.id,
+                    Error::new(
+                        Status::BatchFailed,
+                        format!("wrote {n} of {} bytes", job.commit.bytes),
+                    ),
+                );
+                abort(self);
+            }
+            Err(e) => {
+                let fatal = e.status() == Status::PeerUnreachable;
+                self.table.fail(job.id, e.clone());
+                abort(self);
+                if fatal {
+                    self.table.fail_all(e);
+                }
+            }
+        }
+    }
+}
+
+impl Transport for CmaTransport {
+    fn kind(&self) -> TransportKind {
+        TransportKind::Cma
+    }
+
+    fn remote_regions(&self) -> Vec<RegionDesc> {
+        let mut v: Vec<RegionDesc> = self.conn.regions.values().cloned().collect();
+        v.sort_by_key(|d| d.id);
+        v
+    }
+
+    fn submit(&self, ops: &[WriteOp], opts: &BatchOptions) -> Result<BatchId> {
+        let (pieces, guards, bytes) = self.conn.validate(ops)?;
+        let checksum = opts.checksum.then(|| checksum_pieces(&pieces));
+        let template = Completion {
+            batch_id: BatchId(0),
+            bytes,
+            checksum,
+            room: opts.room,
+            epoch: opts.epoch,
+        };
+        let id = self
+            .conn
+            .table
+            .insert(opts.timeout, template, guards.clone())?;
+        let ranges: Vec<Range> = pieces
+            .iter()
+            .map(|p| Range {
+                region: p.region,
+                offset: p.offset,
+                len: p.len,
+            })
+            .collect();
+        self.conn
+            .send(FrameType::Intent, &wire::encode_intent(id, &ranges))?;
+        let job = Job {
+            id,
+            pieces,
+            commit: Commit {
+                batch: id,
+                bytes,
+                checksum,
+                room: opts.room,
+                epoch: opts.epoch,
+            },
+            _guards: guards,
+        };
+        if self.tx.send(job).is_err() {
+            self.conn.table.fail(
+                id,
+                Error::new(Status::PeerUnreachable, "cma writer thread is gone"),
+            );
+        }
+        Ok(BatchId(id))
+    }
+
+    fn poll(&self, id: BatchId) -> Result<BatchStatus> {
+        self.conn.table.poll(id)
+    }
+
+    fn wait(&self, id: BatchId, timeout: Duration) -> Result<Completion> {
+        self.conn.table.wait(id, timeout)
+    }
+
+    fn close(&self) {
+        self.conn.close();
+    }
+
+    fn is_alive(&self) -> bool {
+        self.conn.alive()
+    }
+}
+
+impl Drop for CmaTransport {
+    fn drop(&mut self) {
+        self.conn.close();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn split_even_covers_every_byte_once() {
+        let pieces = vec![
+            Piece {
+                src: 0,
+                region: 1,
+                offset: 0,
+                dst: 1000,
+                len: 10,
+            },
+            Piece {
+                src: 100,
+                region: 1,
+                offset: 50,
+                dst: 1050,
+                len: 7,
+            },
+        ];
+        for n in 1..5 {
+            let g = split_even(&pieces, n);
+            assert!(g.len() <= n);
+            let mut bytes: Vec<(u64, u64)> = g
+                .iter()
+                .flatten()
+                .flat_map(|p| (0..p.len).map(move |k| (p.src + k, p.dst + k)))
+                .collect();
+            bytes.sort();
+            let want: Vec<(u64, u64)> = (0..10)
+                .map(|k| (k, 1000 + k))
+                .chain((0..7).map(|k| (100 + k, 1050 + k)))
+                .collect();
+            assert_eq!(bytes, want, "n={n}");
+        }
+    }
+}

@@ -1,0 +1,225 @@
+//! The sender side of a control connection (cma and tcp): the batch table,
+//! the control writer, the reader thread that turns Grant/Refuse/Ack/Nack
+//! into batch states, and local validation of every op before it is sent.
+
+use super::batch::{BatchTable, Stage};
+use super::identity::ProcIdentity;
+use super::wire::{self, FrameType};
+use super::WriteOp;
+use crate::error::{Error, Result, Status};
+use crate::memory::{AccessGuard, RegionDesc, RegionKind, Registry};
+use std::collections::HashMap;
+use std::net::{Shutdown, TcpStream};
+use std::sync::{Arc, Mutex};
+
+/// One op after validation: absolute source address, destination region,
+/// offset and absolute destination address in the peer.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Piece {
+    pub src: u64,
+    pub region: u64,
+    pub offset: u64,
+    pub dst: u64,
+    pub len: u64,
+}
+
+pub(crate) struct Conn {
+    pub table: BatchTable,
+    writer: Mutex<TcpStream>,
+    shut: TcpStream,
+    pub peer: ProcIdentity,
+    pub regions: HashMap<u64, RegionDesc>,
+    pub registry: Registry,
+    pub session: u64,
+    pub addr: String,
+}
+
+impl Conn {
+    pub fn start(
+        stream: TcpStream,
+        peer: ProcIdentity,
+        regions: Vec<RegionDesc>,
+        registry: Registry,
+        session: u64,
+        addr: String,
+    ) -> Result<Arc<Conn>> {
+        let reader = stream.try_clone()?;
+        let shut = stream.try_clone()?;
+        let conn = Arc::new(Conn {
+            table: BatchTable::default(),
+            writer: Mutex::new(stream),
+            shut,
+            peer,
+            regions: regions.into_iter().map(|d| (d.id, d)).collect(),
+            registry,
+            session,
+            addr,
+        });
+        let c = conn.clone();
+        std::thread::Builder::new()
+            .name("pdxfer-ctrl-rx".into())
+            .spawn(move || c.reader(reader))?;
+        Ok(conn)
+    }
+
+    fn reader(self: Arc<Self>, mut r: TcpStream) {
+        let err = loop {
+            let (ty, p) = match wire::read_frame(&mut r) {
+                Ok(f) => f,
+                Err(e) => break e,
+            };
+            let r = match ty {
+                FrameType::Grant => {
+                    wire::decode_batch(&p).map(|b| self.table.set(b, Stage::Granted))
+                }
+                FrameType::Ack => wire::decode_batch(&p).map(|b| self.table.set(b, Stage::Done)),
+                FrameType::Refuse | FrameType::Nack => {
+                    wire::decode_reason(&p).map(|(b, e)| self.table.fail(b, e))
+                }
+                other => Err(Error::new(
+                    Status::Protocol,
+                    format!("unexpected {other:?} frame from the receiver"),
+                )),
+            };
+            if let Err(e) = r {
+                break e;
+            }
+        };
+        let detail = format!(
+            "control connection (session {}) to peer pid {} ({}) at {} lost: {} (the peer process died, closed the connection, or sent garbage)",
+            self.session,
+            self.peer.pid,
+            self.peer.hostname,
+            self.addr,
+            err.detail()
+        );
+        let status = if err.status() == Status::Protocol {
+            Status::Protocol
+        } else {
+            Status::PeerUnreachable
+        };
+        self.table.fail_all(Error::new(status, detail));
+        let _ = self.shut.shutdown(Shutdown::Both);
+    }
+
+    /// Sends a control frame; a failure kills the connection.
+    pub fn send(&self, ty: FrameType, payload: &[u8]) -> Result<()> {
+        let r = {
+            let mut w = self.writer.lock().unwrap_or_else(|p| p.into_inner());
+            wire::write_frame(&mut *w, ty, payload)
+        };
+        if let Err(e) = &r {
+            self.table.fail_all(Error::new(
+                Status::PeerUnreachable,
+                format!(
+                    "sending to peer pid {} at {} failed: {}",
+                    self.peer.pid,
+                    self.addr,
+                    e.detail()
+                ),
+            ));
+        }
+        r
+    }
+
+    pub fn close(&self) {
+        self.table.fail_all(Error::new(
+            Status::PeerUnreachable,
+            "the connection was closed by this side",
+        ));
+        let _ = self.shut.shutdown(Shutdown::Both);
+    }
+
+    pub fn alive(&self) -> bool {
+        self.table.dead().is_none()
+    }
+
+    /// Validates every op (local source against our registry, destination
+    /// against the peer's descriptors) and pins the local sources.
+    pub fn validate(&self, ops: &[WriteOp]) -> Result<(Vec<Piece>, Arc<Vec<AccessGuard>>, u64)> {
+        if let Some(e) = self.table.dead() {
+            return Err(e);
+        }
+        validate_ops(&self.registry, |id| self.regions.get(&id).cloned(), ops)
+    }
+}
+
+/// Shared by every transport: checks ops, pins the local sources, returns pieces.
+pub(crate) fn validate_ops(
+    registry: &Registry,
+    remote: impl Fn(u64) -> Option<RegionDesc>,
+    ops: &[WriteOp],
+) -> Result<(Vec<Piece>, Arc<Vec<AccessGuard>>, u64)> {
+    let mut pieces = Vec::with_capacity(ops.len());
+    let mut total = 0u64;
+    let mut pinned: HashMap<u64, AccessGuard> = HashMap::new();
+    let mut locals: HashMap<u64, RegionDesc> = HashMap::new();
+    let mut remotes: HashMap<u64, Option<RegionDesc>> = HashMap::new();
+    for (i, op) in ops.iter().enumerate() {
+        let ctx = |e: Error| {
+            Error::new(
+                e.status(),
+                format!("op {i} of the batch: {}; nothing was sent", e.detail()),
+            )
+        };
+        let ldesc = match locals.entry(op.local_region) {
+            std::collections::hash_map::Entry::Occupied(o) => o.into_mut(),
+            std::collections::hash_map::Entry::Vacant(v) => {
+                v.insert(registry.get(op.local_region).map_err(ctx)?)
+            }
+        };
+        ldesc.check(op.local_offset, op.len).map_err(ctx)?;
+        if ldesc.kind != RegionKind::Host {
+            return Err(ctx(Error::new(
+                Status::Unsupported,
+                format!(
+                    "local region {} is device memory; this transport moves host memory only",
+                    op.local_region
+                ),
+            )));
+        }
+        let rdesc = remotes
+            .entry(op.remote_region)
+            .or_insert_with(|| remote(op.remote_region))
+            .as_ref()
+            .ok_or_else(|| {
+                ctx(Error::new(
+                    Status::RegionNotFound,
+                    format!("the peer exported no region {}", op.remote_region),
+                ))
+            })?;
+        rdesc.check(op.remote_offset, op.len).map_err(ctx)?;
+        if rdesc.kind != RegionKind::Host {
+            return Err(ctx(Error::new(
+                Status::Unsupported,
+                format!(
+                    "remote region {} is device memory; this transport moves host memory only",
+                    op.remote_region
+                ),
+            )));
+        }
+        if let std::collections::hash_map::Entry::Vacant(v) = pinned.entry(op.local_region) {
+            v.insert(registry.acquire(op.local_region, 0, 0).map_err(ctx)?);
+        }
+        total = total
+            .checked_add(op.len)
+            .ok_or_else(|| Error::invalid("batch size overflows"))?;
+        pieces.push(Piece {
+            src: ldesc.addr + op.local_offset,
+            region: op.remote_region,
+            offset: op.remote_offset,
+            dst: rdesc.addr + op.remote_offset,
+            len: op.len,
+        });
+    }
+    Ok((pieces, Arc::new(pinned.into_values().collect()), total))
+}
+
+/// Checksum of the pieces' source bytes.
+pub(crate) fn checksum_pieces(pieces: &[Piece]) -> u64 {
+    pieces.iter().fold(0u64, |acc, p| {
+        // SAFETY: validate_ops checked [src, src+len) lies in a registered local region, pinned by the batch's guards.
+        let data = unsafe { std::slice::from_raw_parts(p.src as *const u8, p.len as usize) };
+        super::checksum::combine(acc, super::checksum::piece(p.region, p.offset, data))
+    })
+}

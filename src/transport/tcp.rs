@@ -1,0 +1,321 @@
+//! TCP: several data streams per peer plus the control connection.
+//!
+//! The sender writes each piece as a 48-byte header followed by the bytes,
+//! gathered straight from registered memory with `writev` (many pieces per
+//! call, partial writes resumed). The receiver reads the header, validates
+//! the destination against its registry, and reads the payload straight into
+//! it (an invalid destination is drained into scratch: nothing is written).
+//! After its last piece, the last stream of a batch sends the commit record
+//! on the control connection; the receiver delivers the completion once all
+//! bytes counted across streams have landed and answers Ack (or Nack with
+//! the reason). A dead peer resets the sockets: every pending batch fails
+//! with the reason, never hangs (write timeouts and batch deadlines bound a
+//! stalled one).
+
+use super::batch::Stage;
+use super::conn::{checksum_pieces, Conn, Piece};
+use super::wire::{self, Commit, DataHeader, FrameType, DATA_HEADER_LEN};
+use super::{BatchId, BatchOptions, BatchStatus, Completion, Transport, TransportKind, WriteOp};
+use crate::error::{Error, Result, Status};
+use crate::memory::{AccessGuard, RegionDesc};
+use crossbeam::channel::{unbounded, Sender};
+use std::net::{Shutdown, TcpStream};
+use std::os::fd::AsRawFd;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Pieces larger than this are split across streams when there are several.
+const SPLIT: u64 = 512 << 10;
+/// Most pieces gathered into one `writev` (2 iovecs each).
+const GATHER: usize = 256;
+/// A write blocked this long fails the connection.
+const WRITE_TIMEOUT: Duration = Duration::from_secs(30);
+
+struct BatchShared {
+    remaining: AtomicUsize,
+    commit: Commit,
+    _guards: Arc<Vec<AccessGuard>>,
+}
+
+struct Job {
+    pieces: Vec<Piece>,
+    flags: u32,
+    batch: Arc<BatchShared>,
+}
+
+/// The tcp transport (sender side).
+pub struct TcpTransport {
+    conn: Arc<Conn>,
+    streams: Vec<Sender<Job>>,
+    sockets: Vec<TcpStream>,
+}
+
+impl TcpTransport {
+    pub(crate) fn new(conn: Arc<Conn>, streams: Vec<TcpStream>) -> Result<TcpTransport> {
+        let mut txs = Vec::new();
+        let mut sockets = Vec::new();
+        for (i, s) in streams.into_iter().enumerate() {
+            s.set_write_timeout(Some(WRITE_TIMEOUT))?;
+            sockets.push(s.try_clone()?);
+            let (tx, rx) = unbounded::<Job>();
+            let c = conn.clone();
+            std::thread::Builder::new()
+                .name(format!("pdxfer-tcp-tx{i}"))
+                .spawn(move || {
+                    for job in rx {
+                        if let Err(e) = send_job(&c, &s, &job) {
+                            c.table.fail_all(Error::new(
+                                Status::PeerUnreachable,
+                                format!(
+                                    "data stream {i} to peer pid {} at {} failed: {}",
+                                    c.peer.pid,
+                                    c.addr,
+                                    e.detail()
+                                ),
+                            ));
+                            let _ = s.shutdown(Shutdown::Both);
+                            return;
+                        }
+                        finish_part(&c, &job.batch);
+                    }
+                })?;
+            txs.push(tx);
+        }
+        Ok(TcpTransport {
+            conn,
+            streams: txs,
+            sockets,
+        })
+    }
+}
+
+fn finish_part(c: &Conn, b: &BatchShared) {
+    if b.remaining.fetch_sub(1, Ordering::AcqRel) == 1 {
+        let id = b.commit.batch;
+        c.table.set(id, Stage::Written);
+        let _ = c.send(FrameType::Commit, &wire::encode_commit(&b.commit));
+    }
+}
+
+fn send_job(c: &Conn, s: &TcpStream, job: &Job) -> Result<()> {
+    if c.table.finished(job.batch.commit.batch) {
+        return Ok(()); // failed or expired: skip its bytes
+    }
+    for group in job.pieces.chunks(GATHER) {
+        let headers: Vec<[u8; DATA_HEADER_LEN]> = group
+            .iter()
+            .map(|p| {
+                DataHeader {
+                    flags: job.flags,
+                    batch: job.batch.commit.batch,
+                    region: p.region,
+                    offset: p.offset,
+                    len: p.len,
+                }
+                .encode()
+            })
+            .collect();
+        let mut iov: Vec<libc::iovec> = Vec::with_capacity(group.len() * 2);
+        for (h, p) in headers.iter().zip(group) {
+            iov.push(libc::iovec {
+                iov_base: h.as_ptr() as *mut libc::c_void,
+                iov_len: DATA_HEADER_LEN,
+            });
+            if p.len > 0 {
+                iov.push(libc::iovec {
+                    iov_base: p.src as *mut libc::c_void,
+                    iov_len: p.len as usize,
+                });
+            }
+        }
+        writev_all(s, &mut iov)?;
+    }
+    Ok(())
+}
+
+/// `writev` until every iovec is written, resuming partial writes.
+fn writev_all(s: &TcpStream, iov: &mut [libc::iovec]) -> Result<()> {
+    let fd = s.as_raw_fd();
+    let mut start = 0usize;
+    while start < iov.len() {
+        let cnt = (iov.len() - start).min(1024);
+        // SAFETY: every iovec points at a live header or a pinned registered source range.
+        let n = unsafe { libc::writev(fd, iov[start..].as_ptr(), cnt as i32) };
+        if n < 0 {
+            let e = std::io::Error::last_os_error();
+            if e.kind() == std::io::ErrorKind::Interrupted {
+                continue;
+            }
+            if e.kind() == std::io::ErrorKind::WouldBlock {
+                return Err(Error::new(
+                    Status::Timeout,
+                    format!("peer accepted no data for {WRITE_TIMEOUT:?} (stalled)"),
+                ));
+            }
+            return Err(e.into());
+        }
+        if n == 0 {
+            return Err(Error::new(Status::PeerUnreachable, "writev wrote 0 bytes"));
+        }
+        let mut n = n as usize;
+        while start < iov.len() && n >= iov[start].iov_len {
+            n -= iov[start].iov_len;
+            start += 1;
+        }
+        if n > 0 {
+            iov[start].iov_base = (iov[start].iov_base as usize + n) as *mut libc::c_void;
+            iov[start].iov_len -= n;
+        }
+    }
+    Ok(())
+}
+
+/// Splits large pieces (with several streams) and assigns them to the least loaded stream.
+fn assign(pieces: Vec<Piece>, n: usize) -> Vec<Vec<Piece>> {
+    let mut out = vec![Vec::new(); n];
+    let mut load = vec![0u64; n];
+    for p in pieces {
+        let mut p = p;
+        loop {
+            let take = if n > 1 { p.len.min(SPLIT) } else { p.len };
+            let mut part = p;
+            part.len = take;
+            let k = (0..n).min_by_key(|&k| load[k]).unwrap_or(0);
+            load[k] += take.max(1);
+            out[k].push(part);
+            p.src += take;
+            p.dst += take;
+            p.offset += take;
+            p.len -= take;
+            if p.len == 0 {
+                break;
+            }
+        }
+    }
+    out
+}
+
+impl Transport for TcpTransport {
+    fn kind(&self) -> TransportKind {
+        TransportKind::Tcp
+    }
+
+    fn remote_regions(&self) -> Vec<RegionDesc> {
+        let mut v: Vec<RegionDesc> = self.conn.regions.values().cloned().collect();
+        v.sort_by_key(|d| d.id);
+        v
+    }
+
+    fn submit(&self, ops: &[WriteOp], opts: &BatchOptions) -> Result<BatchId> {
+        let (pieces, guards, bytes) = self.conn.validate(ops)?;
+        let parts = assign(pieces, self.streams.len());
+        // The checksum is over the pieces as sent (the receiver sums the same pieces).
+        let checksum = opts.checksum.then(|| {
+            parts
+                .iter()
+                .map(|p| checksum_pieces(p))
+                .fold(0u64, u64::wrapping_add)
+        });
+        let template = Completion {
+            batch_id: BatchId(0),
+            bytes,
+            checksum,
+            room: opts.room,
+            epoch: opts.epoch,
+        };
+        let id = self
+            .conn
+            .table
+            .insert(opts.timeout, template, guards.clone())?;
+        self.conn.table.set(id, Stage::Granted);
+        let used: Vec<usize> = (0..parts.len()).filter(|&k| !parts[k].is_empty()).collect();
+        let shared = Arc::new(BatchShared {
+            remaining: AtomicUsize::new(used.len().max(1)),
+            commit: Commit {
+                batch: id,
+                bytes,
+                checksum,
+                room: opts.room,
+                epoch: opts.epoch,
+            },
+            _guards: guards,
+        });
+        if used.is_empty() {
+            finish_part(&self.conn, &shared);
+            return Ok(BatchId(id));
+        }
+        let flags = if checksum.is_some() {
+            wire::DATA_FLAG_CHECKSUM
+        } else {
+            0
+        };
+        for (k, pieces) in parts.into_iter().enumerate() {
+            if pieces.is_empty() {
+                continue;
+            }
+            let job = Job {
+                pieces,
+                flags,
+                batch: shared.clone(),
+            };
+            if self.streams[k].send(job).is_err() {
+                self.conn.table.fail(
+                    id,
+                    self.conn.table.dead().unwrap_or_else(|| {
+                        Error::new(Status::PeerUnreachable, format!("data stream {k} is gone"))
+                    }),
+                );
+                break;
+            }
+        }
+        Ok(BatchId(id))
+    }
+
+    fn poll(&self, id: BatchId) -> Result<BatchStatus> {
+        self.conn.table.poll(id)
+    }
+
+    fn wait(&self, id: BatchId, timeout: Duration) -> Result<Completion> {
+        self.conn.table.wait(id, timeout)
+    }
+
+    fn close(&self) {
+        self.conn.close();
+        for s in &self.sockets {
+            let _ = s.shutdown(Shutdown::Both);
+        }
+    }
+
+    fn is_alive(&self) -> bool {
+        self.conn.alive()
+    }
+}
+
+impl Drop for TcpTransport {
+    fn drop(&mut self) {
+        self.close();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn assign_balances_and_covers() {
+        let p = |src, len| Piece {
+            src,
+            region: 1,
+            offset: src,
+            dst: src,
+            len,
+        };
+        let parts = assign(vec![p(0, 3 * SPLIT + 5), p(10_000_000, 7)], 3);
+        let total: u64 = parts.iter().flatten().map(|x| x.len).sum();
+        assert_eq!(total, 3 * SPLIT + 12);
+        assert!(parts.iter().all(|v| !v.is_empty()));
+        let one = assign(vec![p(0, 3 * SPLIT)], 1);
+        assert_eq!(one[0].len(), 1);
+    }
+}

@@ -1,0 +1,506 @@
+//! Versioned framing of the control and data channels.
+//!
+//! Control frame: `magic u32 | version u16 | type u16 | len u32 | payload`.
+//! Handshake payloads are JSON; batch messages are fixed little-endian
+//! records. Data frame (tcp streams): a 48-byte header
+//! `magic u32 | version u16 | type u16 | flags u32 | reserved u32 |
+//! batch u64 | region u64 | offset u64 | len u64`, then `len` payload bytes
+//! that the receiver reads straight into the validated destination.
+
+use crate::error::{Error, Result, Status};
+use std::io::{Read, Write};
+
+/// `"PDXF"` as a little-endian u32.
+pub const MAGIC: u32 = u32::from_le_bytes(*b"PDXF");
+/// Wire protocol version; peers with another version are refused at the handshake.
+pub const VERSION: u16 = 1;
+/// Largest control payload accepted (descriptor lists, write intents).
+pub const MAX_CONTROL_PAYLOAD: u32 = 64 << 20;
+/// Size of a data frame header.
+pub const DATA_HEADER_LEN: usize = 48;
+
+/// Control and data frame types.
+#[repr(u16)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FrameType {
+    /// Client hello (JSON [`super::handshake::Hello`]).
+    Hello = 1,
+    /// Server answer (JSON [`super::handshake::HelloAck`]).
+    HelloAck = 2,
+    /// Transport selection (JSON [`super::handshake::Select`]).
+    Select = 3,
+    /// Selection accepted (empty JSON object).
+    SelectOk = 4,
+    /// Attach a tcp data stream (JSON [`super::handshake::Attach`]).
+    Attach = 5,
+    /// Data stream attached.
+    AttachOk = 6,
+    /// A refusal of the handshake: JSON `{code, detail}`.
+    Error = 7,
+    /// Write intent (cma): batch id and the destination ranges.
+    Intent = 10,
+    /// The receiver validated and pinned an intent.
+    Grant = 11,
+    /// The receiver refused a batch: code and reason.
+    Refuse = 12,
+    /// Sender: all data of a batch was written.
+    Commit = 13,
+    /// Receiver: the batch landed and its completion was delivered.
+    Ack = 14,
+    /// Receiver: the batch did not land; code and reason.
+    Nack = 15,
+    /// Sender: the batch was abandoned; release its pins.
+    Abort = 16,
+    /// tcp data frame.
+    Data = 20,
+}
+
+impl FrameType {
+    fn from_u16(v: u16) -> Option<FrameType> {
+        use FrameType::*;
+        Some(match v {
+            1 => Hello,
+            2 => HelloAck,
+            3 => Select,
+            4 => SelectOk,
+            5 => Attach,
+            6 => AttachOk,
+            7 => Error,
+            10 => Intent,
+            11 => Grant,
+            12 => Refuse,
+            13 => Commit,
+            14 => Ack,
+            15 => Nack,
+            16 => Abort,
+            20 => Data,
+            _ => return None,
+        })
+    }
+}
+
+fn proto(detail: String) -> Error {
+    Error::new(Status::Protocol, detail)
+}
+
+fn check_magic_version(magic: u32, version: u16) -> Result<()> {
+    if magic != MAGIC {
+        return Err(proto(format!(
+            "bad frame magic 0x{magic:08x} (expected 0x{MAGIC:08x} \"PDXF\"): the peer is not pdxfer or the stream is out of sync"
+        )));
+    }
+    if version != VERSION {
+        return Err(proto(format!(
+            "peer speaks wire version {version}, this build speaks {VERSION}: upgrade one side"
+        )));
+    }
+    Ok(())
+}
+
+/// Writes one control frame.
+pub fn write_frame(w: &mut impl Write, ty: FrameType, payload: &[u8]) -> Result<()> {
+    let len = u32::try_from(payload.len())
+        .ok()
+        .filter(|&l| l <= MAX_CONTROL_PAYLOAD)
+        .ok_or_else(|| {
+            Error::invalid(format!(
+                "control payload of {} bytes is too large",
+                payload.len()
+            ))
+        })?;
+    let mut buf = Vec::with_capacity(12 + payload.len());
+    buf.extend_from_slice(&MAGIC.to_le_bytes());
+    buf.extend_from_slice(&VERSION.to_le_bytes());
+    buf.extend_from_slice(&(ty as u16).to_le_bytes());
+    buf.extend_from_slice(&len.to_le_bytes());
+    buf.extend_from_slice(payload);
+    w.write_all(&buf)?;
+    w.flush()?;
+    Ok(())
+}
+
+/// Reads one control frame: its type and payload.
+pub fn read_frame(r: &mut impl Read) -> Result<(FrameType, Vec<u8>)> {
+    let mut h = [0u8; 12];
+    r.read_exact(&mut h)?;
+    let magic = u32::from_le_bytes([h[0], h[1], h[2], h[3]]);
+    let version = u16::from_le_bytes([h[4], h[5]]);
+    check_magic_version(magic, version)?;
+    let ty = u16::from_le_bytes([h[6], h[7]]);
+    let len = u32::from_le_bytes([h[8], h[9], h[10], h[11]]);
+    let ty = FrameType::from_u16(ty).ok_or_else(|| proto(format!("unknown frame type {ty}")))?;
+    if len > MAX_CONTROL_PAYLOAD {
+        return Err(proto(format!(
+            "control frame of {len} bytes exceeds the {MAX_CONTROL_PAYLOAD}-byte limit"
+        )));
+    }
+    let mut payload = vec![0u8; len as usize];
+    r.read_exact(&mut payload)?;
+    Ok((ty, payload))
+}
+
+/// Serializes `v` as JSON into a control frame.
+pub fn write_json<T: serde::Serialize>(w: &mut impl Write, ty: FrameType, v: &T) -> Result<()> {
+    let b = serde_json::to_vec(v).map_err(|e| Error::invalid(format!("encode {ty:?}: {e}")))?;
+    write_frame(w, ty, &b)
+}
+
+/// Reads a control frame of type `want` and decodes its JSON payload; an
+/// `Error` frame becomes the error it carries.
+pub fn read_json<T: serde::de::DeserializeOwned>(r: &mut impl Read, want: FrameType) -> Result<T> {
+    let (ty, p) = read_frame(r)?;
+    if ty == FrameType::Error {
+        return Err(decode_error(&p));
+    }
+    if ty != want {
+        return Err(proto(format!("expected a {want:?} frame, got {ty:?}")));
+    }
+    serde_json::from_slice(&p).map_err(|e| proto(format!("malformed {want:?} payload: {e}")))
+}
+
+#[derive(serde::Serialize, serde::Deserialize)]
+struct WireError {
+    code: i32,
+    detail: String,
+}
+
+/// Encodes an error for an `Error` frame.
+pub fn encode_error(e: &Error) -> Vec<u8> {
+    serde_json::to_vec(&WireError {
+        code: e.status() as i32,
+        detail: e.detail().to_string(),
+    })
+    .unwrap_or_default()
+}
+
+/// Decodes the payload of an `Error` frame.
+pub fn decode_error(p: &[u8]) -> Error {
+    match serde_json::from_slice::<WireError>(p) {
+        Ok(w) => Error::new(
+            Status::from_code(w.code).unwrap_or(Status::Protocol),
+            format!("peer refused: {}", w.detail),
+        ),
+        Err(_) => proto("peer sent an undecodable error frame".into()),
+    }
+}
+
+/// A little-endian record reader over a payload.
+pub struct Cursor<'a> {
+    b: &'a [u8],
+    what: &'static str,
+}
+
+impl<'a> Cursor<'a> {
+    /// Reads fields of the `what` message from `b`.
+    pub fn new(b: &'a [u8], what: &'static str) -> Self {
+        Cursor { b, what }
+    }
+
+    fn take(&mut self, n: usize) -> Result<&'a [u8]> {
+        if self.b.len() < n {
+            return Err(proto(format!("truncated {} message", self.what)));
+        }
+        let (h, t) = self.b.split_at(n);
+        self.b = t;
+        Ok(h)
+    }
+
+    /// Next u64.
+    pub fn u64(&mut self) -> Result<u64> {
+        let s = self.take(8)?;
+        Ok(u64::from_le_bytes(s.try_into().unwrap_or([0; 8])))
+    }
+
+    /// Next u32.
+    pub fn u32(&mut self) -> Result<u32> {
+        let s = self.take(4)?;
+        Ok(u32::from_le_bytes(s.try_into().unwrap_or([0; 4])))
+    }
+
+    /// Next i32.
+    pub fn i32(&mut self) -> Result<i32> {
+        Ok(self.u32()? as i32)
+    }
+
+    /// The remaining bytes as UTF-8 text (lossy).
+    pub fn rest_str(&mut self) -> String {
+        let s = String::from_utf8_lossy(self.b).into_owned();
+        self.b = &[];
+        s
+    }
+
+    /// Fails unless every byte was consumed.
+    pub fn finish(&self) -> Result<()> {
+        if self.b.is_empty() {
+            Ok(())
+        } else {
+            Err(proto(format!(
+                "{} trailing bytes in {} message",
+                self.b.len(),
+                self.what
+            )))
+        }
+    }
+}
+
+/// One destination range of a cma write intent.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Range {
+    /// Destination region id.
+    pub region: u64,
+    /// Offset inside the region.
+    pub offset: u64,
+    /// Bytes.
+    pub len: u64,
+}
+
+/// Encodes an intent: `batch u64 | n u32 | n x (region, offset, len)`.
+pub fn encode_intent(batch: u64, ranges: &[Range]) -> Vec<u8> {
+    let mut b = Vec::with_capacity(12 + 24 * ranges.len());
+    b.extend_from_slice(&batch.to_le_bytes());
+    b.extend_from_slice(&(ranges.len() as u32).to_le_bytes());
+    for r in ranges {
+        b.extend_from_slice(&r.region.to_le_bytes());
+        b.extend_from_slice(&r.offset.to_le_bytes());
+        b.extend_from_slice(&r.len.to_le_bytes());
+    }
+    b
+}
+
+/// Decodes an intent.
+pub fn decode_intent(p: &[u8]) -> Result<(u64, Vec<Range>)> {
+    let mut c = Cursor::new(p, "intent");
+    let batch = c.u64()?;
+    let n = c.u32()? as usize;
+    if p.len() != 12 + 24 * n {
+        return Err(proto(format!(
+            "intent says {n} ranges but carries {} bytes",
+            p.len()
+        )));
+    }
+    let mut v = Vec::with_capacity(n);
+    for _ in 0..n {
+        v.push(Range {
+            region: c.u64()?,
+            offset: c.u64()?,
+            len: c.u64()?,
+        });
+    }
+    Ok((batch, v))
+}
+
+/// The commit record: sent after the last byte of a batch was written.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Commit {
+    /// Batch id.
+    pub batch: u64,
+    /// Total bytes written.
+    pub bytes: u64,
+    /// Checksum over the written pieces, when requested.
+    pub checksum: Option<u64>,
+    /// Caller tag (room id).
+    pub room: u64,
+    /// Caller epoch.
+    pub epoch: u64,
+}
+
+/// Encodes a commit.
+pub fn encode_commit(c: &Commit) -> Vec<u8> {
+    let mut b = Vec::with_capacity(44);
+    b.extend_from_slice(&c.batch.to_le_bytes());
+    b.extend_from_slice(&c.bytes.to_le_bytes());
+    b.extend_from_slice(&u32::from(c.checksum.is_some()).to_le_bytes());
+    b.extend_from_slice(&c.checksum.unwrap_or(0).to_le_bytes());
+    b.extend_from_slice(&c.room.to_le_bytes());
+    b.extend_from_slice(&c.epoch.to_le_bytes());
+    b
+}
+
+/// Decodes a commit.
+pub fn decode_commit(p: &[u8]) -> Result<Commit> {
+    let mut c = Cursor::new(p, "commit");
+    let batch = c.u64()?;
+    let bytes = c.u64()?;
+    let has = c.u32()?;
+    let sum = c.u64()?;
+    let room = c.u64()?;
+    let epoch = c.u64()?;
+    c.finish()?;
+    Ok(Commit {
+        batch,
+        bytes,
+        checksum: (has != 0).then_some(sum),
+        room,
+        epoch,
+    })
+}
+
+/// Encodes `batch u64 | code i32 | reason` (Refuse, Nack).
+pub fn encode_reason(batch: u64, e: &Error) -> Vec<u8> {
+    let mut b = Vec::new();
+    b.extend_from_slice(&batch.to_le_bytes());
+    b.extend_from_slice(&(e.status() as i32).to_le_bytes());
+    b.extend_from_slice(e.detail().as_bytes());
+    b
+}
+
+/// Decodes a Refuse/Nack payload into the batch id and the error it names.
+pub fn decode_reason(p: &[u8]) -> Result<(u64, Error)> {
+    let mut c = Cursor::new(p, "refusal");
+    let batch = c.u64()?;
+    let code = c.i32()?;
+    let detail = c.rest_str();
+    Ok((
+        batch,
+        Error::new(
+            Status::from_code(code).unwrap_or(Status::BatchFailed),
+            format!("receiver refused: {detail}"),
+        ),
+    ))
+}
+
+/// Decodes a payload that is only a batch id (Grant, Ack, Abort).
+pub fn decode_batch(p: &[u8]) -> Result<u64> {
+    let mut c = Cursor::new(p, "batch id");
+    let b = c.u64()?;
+    c.finish()?;
+    Ok(b)
+}
+
+/// Data frame flag: the receiver sums piece checksums for this batch.
+pub const DATA_FLAG_CHECKSUM: u32 = 1;
+
+/// Header of one tcp data frame.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DataHeader {
+    /// `DATA_FLAG_*` bits.
+    pub flags: u32,
+    /// Batch id.
+    pub batch: u64,
+    /// Destination region.
+    pub region: u64,
+    /// Offset in the destination region.
+    pub offset: u64,
+    /// Payload bytes following the header.
+    pub len: u64,
+}
+
+impl DataHeader {
+    /// The 48 header bytes.
+    pub fn encode(&self) -> [u8; DATA_HEADER_LEN] {
+        let mut b = [0u8; DATA_HEADER_LEN];
+        b[0..4].copy_from_slice(&MAGIC.to_le_bytes());
+        b[4..6].copy_from_slice(&VERSION.to_le_bytes());
+        b[6..8].copy_from_slice(&(FrameType::Data as u16).to_le_bytes());
+        b[8..12].copy_from_slice(&self.flags.to_le_bytes());
+        b[16..24].copy_from_slice(&self.batch.to_le_bytes());
+        b[24..32].copy_from_slice(&self.region.to_le_bytes());
+        b[32..40].copy_from_slice(&self.offset.to_le_bytes());
+        b[40..48].copy_from_slice(&self.len.to_le_bytes());
+        b
+    }
+
+    /// Parses and checks magic, version and type.
+    pub fn decode(b: &[u8; DATA_HEADER_LEN]) -> Result<DataHeader> {
+        let u64at = |i: usize| u64::from_le_bytes(b[i..i + 8].try_into().unwrap_or([0; 8]));
+        check_magic_version(
+            u32::from_le_bytes([b[0], b[1], b[2], b[3]]),
+            u16::from_le_bytes([b[4], b[5]]),
+        )?;
+        let ty = u16::from_le_bytes([b[6], b[7]]);
+        if ty != FrameType::Data as u16 {
+            return Err(proto(format!(
+                "expected a data frame on a data stream, got type {ty}"
+            )));
+        }
+        Ok(DataHeader {
+            flags: u32::from_le_bytes([b[8], b[9], b[10], b[11]]),
+            batch: u64at(16),
+            region: u64at(24),
+            offset: u64at(32),
+            len: u64at(40),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn frames_roundtrip_and_bad_magic_version_refused() {
+        let mut buf = Vec::new();
+        write_frame(&mut buf, FrameType::Grant, &7u64.to_le_bytes()).unwrap();
+        let (ty, p) = read_frame(&mut buf.as_slice()).unwrap();
+        assert_eq!(ty, FrameType::Grant);
+        assert_eq!(decode_batch(&p).unwrap(), 7);
+        let mut bad = buf.clone();
+        bad[0] ^= 1;
+        assert_eq!(
+            read_frame(&mut bad.as_slice()).unwrap_err().status(),
+            Status::Protocol
+        );
+        let mut bad = buf.clone();
+        bad[4] = 9;
+        let e = read_frame(&mut bad.as_slice()).unwrap_err();
+        assert!(e.detail().contains("version 9"), "{e}");
+        let mut huge = buf.clone();
+        huge[8..12].copy_from_slice(&u32::MAX.to_le_bytes());
+        assert_eq!(
+            read_frame(&mut huge.as_slice()).unwrap_err().status(),
+            Status::Protocol
+        );
+        // Truncated stream: the peer went away.
+        let e = read_frame(&mut &buf[..5]).unwrap_err();
+        assert_eq!(e.status(), Status::PeerUnreachable);
+    }
+
+    #[test]
+    fn records_roundtrip_and_truncation_is_protocol() {
+        let r = vec![
+            Range {
+                region: 1,
+                offset: 2,
+                len: 3,
+            },
+            Range {
+                region: 4,
+                offset: 5,
+                len: 6,
+            },
+        ];
+        let p = encode_intent(9, &r);
+        assert_eq!(decode_intent(&p).unwrap(), (9, r));
+        assert_eq!(
+            decode_intent(&p[..p.len() - 1]).unwrap_err().status(),
+            Status::Protocol
+        );
+        let c = Commit {
+            batch: 1,
+            bytes: 2,
+            checksum: Some(3),
+            room: 4,
+            epoch: 5,
+        };
+        assert_eq!(decode_commit(&encode_commit(&c)).unwrap(), c);
+        let c2 = Commit {
+            checksum: None,
+            ..c
+        };
+        assert_eq!(decode_commit(&encode_commit(&c2)).unwrap(), c2);
+        let (b, e) =
+            decode_reason(&encode_reason(5, &Error::new(Status::OutOfBounds, "x"))).unwrap();
+        assert_eq!((b, e.status()), (5, Status::OutOfBounds));
+        let h = DataHeader {
+            flags: 1,
+            batch: 2,
+            region: 3,
+            offset: 4,
+            len: 5,
+        };
+        assert_eq!(DataHeader::decode(&h.encode()).unwrap(), h);
+        let mut bad = h.encode();
+        bad[6] = 3;
+        assert!(DataHeader::decode(&bad).is_err());
+    }
+}

@@ -1,0 +1,471 @@
+//! Multi-process data-plane tests: `pdxfer target` children as peers, this
+//! test process as the initiator, over cma and tcp.
+
+use pdxfer::transport::{
+    wire, Agent, AgentOptions, BatchOptions, ConnectOptions, Transport, TransportKind, WriteOp,
+};
+use pdxfer::Status;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::process::{Child, ChildStdin, Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+const REGION: usize = 4 << 20;
+
+struct Target {
+    child: Child,
+    stdin: Option<ChildStdin>,
+    lines: mpsc::Receiver<serde_json::Value>,
+    addr: String,
+    pid: u32,
+    region: u64,
+}
+
+impl Target {
+    fn spawn(stall_ms: u64) -> Target {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_pdxfer"))
+            .args([
+                "target",
+                "--listen",
+                "127.0.0.1:0",
+                "--size",
+                &REGION.to_string(),
+                "--stall-ms",
+                &stall_ms.to_string(),
+            ])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("spawn pdxfer target");
+        let stdin = child.stdin.take();
+        let out = child.stdout.take().unwrap();
+        let (tx, rx) = mpsc::channel();
+        std::thread::spawn(move || {
+            for l in BufReader::new(out).lines() {
+                let Ok(l) = l else { return };
+                if let Ok(v) = serde_json::from_str::<serde_json::Value>(&l) {
+                    if tx.send(v).is_err() {
+                        return;
+                    }
+                }
+            }
+        });
+        let ready = rx
+            .recv_timeout(Duration::from_secs(20))
+            .expect("target ready line");
+        assert_eq!(ready["ready"], true, "{ready}");
+        Target {
+            addr: ready["addr"].as_str().unwrap().to_string(),
+            pid: ready["pid"].as_u64().unwrap() as u32,
+            region: ready["regions"][0]["id"].as_u64().unwrap(),
+            child,
+            stdin,
+            lines: rx,
+        }
+    }
+
+    fn next_line(&self, key: &str) -> serde_json::Value {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let v = self
+                .lines
+                .recv_timeout(left)
+                .unwrap_or_else(|_| panic!("no {key} line from target"));
+            if v.get(key).is_some() {
+                return v;
+            }
+        }
+    }
+
+    /// Every byte of the target's region, read back through a file it writes.
+    fn dump(&mut self) -> Vec<u8> {
+        let path =
+            std::env::temp_dir().join(format!("pdxfer-dump-{}-{}", std::process::id(), self.pid));
+        let stdin = self.stdin.as_mut().unwrap();
+        writeln!(stdin, "dump {}", path.display()).unwrap();
+        stdin.flush().unwrap();
+        self.next_line("dumped");
+        let b = std::fs::read(&path).unwrap();
+        let _ = std::fs::remove_file(&path);
+        b
+    }
+
+    fn kill9(&mut self) {
+        let _ = self.child.kill(); // SIGKILL
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Target {
+    fn drop(&mut self) {
+        drop(self.stdin.take());
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// xorshift64*: a deterministic generator for the random batches.
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+}
+
+fn initiator(src_len: usize) -> (Agent, Vec<u8>, u64) {
+    let a = Agent::new(&AgentOptions::default()).unwrap();
+    let mut src = vec![0u8; src_len];
+    let mut r = Rng(0x1234_5678_9abc_def1);
+    for b in src.iter_mut() {
+        *b = r.next() as u8;
+    }
+    // SAFETY: the buffer is returned with the agent and outlives its use.
+    let d = unsafe { a.register_host(src.as_mut_ptr(), src.len()) }.unwrap();
+    (a, src, d.id)
+}
+
+fn connect(a: &Agent, t: &Target, kind: TransportKind, n: u32) -> Box<dyn Transport> {
+    a.connect(
+        &t.addr,
+        &ConnectOptions {
+            transport: kind,
+            streams: n,
+            threads: n,
+            ..Default::default()
+        },
+    )
+    .unwrap()
+}
+
+fn random_batches(kind: TransportKind, n: u32, seed: u64) {
+    let mut target = Target::spawn(0);
+    let (a, src, sreg) = initiator(2 << 20);
+    let t = connect(&a, &target, kind, n);
+    assert_eq!(t.kind(), kind);
+    let mut model = vec![0u8; REGION];
+    let mut r = Rng(seed);
+    let mut batches = 0;
+    for _ in 0..12 {
+        let nops = 1 + r.below(48) as usize;
+        let mut ops: Vec<WriteOp> = Vec::new();
+        while ops.len() < nops {
+            let big = r.below(4) == 0;
+            let len = 1 + r.below(if big { 700_000 } else { 9000 });
+            let lo = r.below(src.len() as u64 - len);
+            let ro = r.below(REGION as u64 - len);
+            // Destinations within one batch do not overlap (streams may land them in any order).
+            if ops
+                .iter()
+                .any(|o| ro < o.remote_offset + o.len && o.remote_offset < ro + len)
+            {
+                continue;
+            }
+            ops.push(WriteOp {
+                local_region: sreg,
+                local_offset: lo,
+                remote_region: target.region,
+                remote_offset: ro,
+                len,
+            });
+        }
+        for o in &ops {
+            model[o.remote_offset as usize..(o.remote_offset + o.len) as usize]
+                .copy_from_slice(&src[o.local_offset as usize..(o.local_offset + o.len) as usize]);
+        }
+        let opts = BatchOptions {
+            checksum: r.below(2) == 0,
+            room: batches,
+            ..Default::default()
+        };
+        let id = t.submit(&ops, &opts).unwrap();
+        let c = t.wait(id, Duration::from_secs(20)).unwrap();
+        assert_eq!(c.bytes, ops.iter().map(|o| o.len).sum::<u64>());
+        // The receiver saw the same completion record, after the data.
+        let line = target.next_line("completion");
+        assert_eq!(line["completion"]["bytes"], c.bytes, "{line}");
+        assert_eq!(line["completion"]["room"], batches, "{line}");
+        batches += 1;
+    }
+    let got = target.dump();
+    assert_eq!(got.len(), REGION);
+    if let Some(i) = (0..REGION).find(|&i| got[i] != model[i]) {
+        panic!(
+            "{kind:?}: byte {i} differs: target has {}, expected {}",
+            got[i], model[i]
+        );
+    }
+}
+
+#[test]
+fn cma_random_batches_every_byte_verified() {
+    random_batches(TransportKind::Cma, 1, 11);
+    random_batches(TransportKind::Cma, 2, 12);
+}
+
+#[test]
+fn tcp_random_batches_every_byte_verified() {
+    random_batches(TransportKind::Tcp, 1, 21);
+    random_batches(TransportKind::Tcp, 3, 22);
+}
+
+fn read_frame_timeout(s: &mut TcpStream) -> (wire::FrameType, Vec<u8>) {
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    wire::read_frame(s).unwrap()
+}
+
+/// Hand-crafted malformed requests over the raw wire: every one is refused
+/// and the target's memory stays all zero.
+#[test]
+fn malformed_requests_refused_nothing_written() {
+    let mut target = Target::spawn(0);
+    let me = pdxfer::transport::ProcIdentity::current().unwrap();
+    let mut s = TcpStream::connect(&target.addr).unwrap();
+    wire::write_json(
+        &mut s,
+        wire::FrameType::Hello,
+        &serde_json::json!({"version": wire::VERSION, "identity": me}),
+    )
+    .unwrap();
+    let (ty, p) = read_frame_timeout(&mut s);
+    assert_eq!(ty, wire::FrameType::HelloAck);
+    let ack: serde_json::Value = serde_json::from_slice(&p).unwrap();
+    let session = ack["session"].as_u64().unwrap();
+    let token = ack["token"].as_u64().unwrap();
+    let region = ack["regions"][0]["id"].as_u64().unwrap();
+    let len = ack["regions"][0]["len"].as_u64().unwrap();
+    wire::write_json(
+        &mut s,
+        wire::FrameType::Select,
+        &serde_json::json!({"transport": "tcp", "streams": 1, "proof": 0}),
+    )
+    .unwrap();
+    assert_eq!(read_frame_timeout(&mut s).0, wire::FrameType::SelectOk);
+
+    // cma-style intents: out of bounds, overflowing, unknown region.
+    let cases = [
+        (
+            1u64,
+            wire::Range {
+                region,
+                offset: len - 8,
+                len: 9,
+            },
+            Status::OutOfBounds,
+        ),
+        (
+            2,
+            wire::Range {
+                region,
+                offset: u64::MAX - 4,
+                len: 16,
+            },
+            Status::OutOfBounds,
+        ),
+        (
+            3,
+            wire::Range {
+                region: region + 100,
+                offset: 0,
+                len: 1,
+            },
+            Status::RegionNotFound,
+        ),
+    ];
+    for (batch, range, want) in cases {
+        let ok = wire::Range {
+            region,
+            offset: 0,
+            len: 16,
+        };
+        wire::write_frame(
+            &mut s,
+            wire::FrameType::Intent,
+            &wire::encode_intent(batch, &[ok, range]),
+        )
+        .unwrap();
+        let (ty, p) = read_frame_timeout(&mut s);
+        assert_eq!(ty, wire::FrameType::Refuse);
+        let (b, e) = wire::decode_reason(&p).unwrap();
+        assert_eq!((b, e.status()), (batch, want), "{e}");
+    }
+
+    // tcp data frames to bad destinations: drained, never written; the commit is refused.
+    let mut d = TcpStream::connect(&target.addr).unwrap();
+    wire::write_json(
+        &mut d,
+        wire::FrameType::Attach,
+        &serde_json::json!({"session": session, "token": token, "index": 0}),
+    )
+    .unwrap();
+    assert_eq!(read_frame_timeout(&mut d).0, wire::FrameType::AttachOk);
+    let payload = vec![0xABu8; 64];
+    for (batch, off, reg) in [
+        (10u64, len - 32, region),
+        (11, u64::MAX - 16, region),
+        (12, 0, region + 7),
+    ] {
+        let h = wire::DataHeader {
+            flags: 0,
+            batch,
+            region: reg,
+            offset: off,
+            len: payload.len() as u64,
+        };
+        d.write_all(&h.encode()).unwrap();
+        d.write_all(&payload).unwrap();
+        let c = wire::Commit {
+            batch,
+            bytes: payload.len() as u64,
+            checksum: None,
+            room: 0,
+            epoch: 0,
+        };
+        wire::write_frame(&mut s, wire::FrameType::Commit, &wire::encode_commit(&c)).unwrap();
+        let (ty, p) = read_frame_timeout(&mut s);
+        assert_eq!(ty, wire::FrameType::Nack);
+        let (b, e) = wire::decode_reason(&p).unwrap();
+        assert_eq!(b, batch);
+        assert!(
+            matches!(e.status(), Status::OutOfBounds | Status::RegionNotFound),
+            "{e}"
+        );
+    }
+    // A commit claiming more bytes than granted (cma path) is refused too.
+    wire::write_frame(
+        &mut s,
+        wire::FrameType::Intent,
+        &wire::encode_intent(
+            20,
+            &[wire::Range {
+                region,
+                offset: 0,
+                len: 8,
+            }],
+        ),
+    )
+    .unwrap();
+    assert_eq!(read_frame_timeout(&mut s).0, wire::FrameType::Grant);
+    let c = wire::Commit {
+        batch: 20,
+        bytes: 9,
+        checksum: None,
+        room: 0,
+        epoch: 0,
+    };
+    wire::write_frame(&mut s, wire::FrameType::Commit, &wire::encode_commit(&c)).unwrap();
+    let (ty, p) = read_frame_timeout(&mut s);
+    assert_eq!(ty, wire::FrameType::Nack, "{:?}", wire::decode_reason(&p));
+    // Garbage (bad magic) ends the session.
+    s.write_all(b"GARBAGE-GARBAGE-").unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let mut buf = [0u8; 64];
+    let n = s.read(&mut buf).unwrap_or(0);
+    assert!(
+        n == 0 || buf[..4] == wire::MAGIC.to_le_bytes(),
+        "the session should end"
+    );
+    // A wrong token cannot attach a data stream.
+    let mut d2 = TcpStream::connect(&target.addr).unwrap();
+    wire::write_json(
+        &mut d2,
+        wire::FrameType::Attach,
+        &serde_json::json!({"session": session, "token": token ^ 1, "index": 1}),
+    )
+    .unwrap();
+    let (ty, p) = read_frame_timeout(&mut d2);
+    assert_eq!(ty, wire::FrameType::Error);
+    assert_eq!(wire::decode_error(&p).status(), Status::Unauthorized);
+
+    let mem = target.dump();
+    assert!(
+        mem.iter().all(|&b| b == 0),
+        "a refused request wrote into the target"
+    );
+}
+
+/// A peer killed with SIGKILL in the middle of a batch fails that batch with
+/// a reason well within its deadline; another peer keeps working.
+#[test]
+fn killed_peer_fails_batch_within_deadline_others_keep_working() {
+    for kind in [TransportKind::Cma, TransportKind::Tcp] {
+        let mut a_t = Target::spawn(3000); // stalls before validating each batch
+        let mut b_t = Target::spawn(0);
+        let (a, src, sreg) = initiator(1 << 20);
+        let ta = connect(&a, &a_t, kind, 2);
+        let tb = connect(&a, &b_t, kind, 2);
+        let op = |t: &Target| WriteOp {
+            local_region: sreg,
+            local_offset: 0,
+            remote_region: t.region,
+            remote_offset: 4096,
+            len: 1 << 20,
+        };
+        let deadline = Duration::from_secs(10);
+        let opts = BatchOptions {
+            timeout: deadline,
+            ..Default::default()
+        };
+        let t0 = Instant::now();
+        let ida = ta.submit(&[op(&a_t)], &opts).unwrap();
+        std::thread::sleep(Duration::from_millis(300));
+        a_t.kill9();
+        let e = ta.wait(ida, Duration::from_secs(20)).unwrap_err();
+        let took = t0.elapsed();
+        assert_eq!(e.status(), Status::PeerUnreachable, "{kind:?}: {e}");
+        assert!(e.detail().contains("pid"), "the reason names the peer: {e}");
+        assert!(took < deadline / 2, "{kind:?}: failure took {took:?}");
+        assert!(!ta.is_alive());
+        assert_eq!(
+            ta.submit(&[op(&a_t)], &opts).unwrap_err().status(),
+            Status::PeerUnreachable
+        );
+        // The other peer is unaffected.
+        let idb = tb.submit(&[op(&b_t)], &opts).unwrap();
+        tb.wait(idb, Duration::from_secs(20)).unwrap();
+        let mem = b_t.dump();
+        assert_eq!(&mem[4096..4096 + (1 << 20)], &src[..1 << 20]);
+    }
+}
+
+/// A peer that is alive but stalled fails the batch at its deadline, not later.
+#[test]
+fn stalled_peer_times_out_at_batch_deadline() {
+    for kind in [TransportKind::Cma, TransportKind::Tcp] {
+        let t = Target::spawn(2500);
+        let (a, _src, sreg) = initiator(1 << 16);
+        let tr = connect(&a, &t, kind, 1);
+        let opts = BatchOptions {
+            timeout: Duration::from_millis(400),
+            ..Default::default()
+        };
+        let t0 = Instant::now();
+        let id = tr
+            .submit(
+                &[WriteOp {
+                    local_region: sreg,
+                    local_offset: 0,
+                    remote_region: t.region,
+                    remote_offset: 0,
+                    len: 4096,
+                }],
+                &opts,
+            )
+            .unwrap();
+        let e = tr.wait(id, Duration::from_secs(20)).unwrap_err();
+        let took = t0.elapsed();
+        assert_eq!(e.status(), Status::Timeout, "{kind:?}: {e}");
+        assert!(e.detail().contains("deadline"), "{e}");
+        assert!(
+            took >= Duration::from_millis(390) && took < Duration::from_millis(2000),
+            "{kind:?}: {took:?}"
+        );
+    }
+}
