@@ -51,6 +51,9 @@ pub struct DemoArgs {
     /// Seed of the request generator.
     #[arg(long, default_value_t = 7)]
     seed: u64,
+    /// Prefill staging (pack) buffer per worker, MiB; 0 writes unpacked rows.
+    #[arg(long, default_value_t = 64)]
+    staging_mib: u64,
     /// Print one JSON object as the last line.
     #[arg(long)]
     json: bool,
@@ -89,6 +92,9 @@ pub struct DemoRankArgs {
     /// Transport.
     #[arg(long, default_value = "auto")]
     transport: String,
+    /// Staging (pack) buffer per prefill worker, MiB (0: unpacked writes).
+    #[arg(long, default_value_t = 64)]
+    staging_mib: u64,
 }
 
 const AUX_ROWS: u64 = 64;
@@ -138,6 +144,7 @@ pub fn run_rank(a: &DemoRankArgs) -> Result<()> {
     cfg.aux = pools.aux_buffers();
     cfg.transport = TransportKind::parse(&a.transport)?;
     cfg.room_timeout = Duration::from_secs(60);
+    cfg.staging_bytes = a.staging_mib << 20;
     // SAFETY: `pools` lives until this function returns, after `engine.close()`.
     let engine = unsafe { Engine::new(cfg)? };
     let pools = Arc::new(Mutex::new(pools));
