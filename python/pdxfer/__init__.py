@@ -36,6 +36,7 @@ from .layout import (
     pair_token_plan,
     rank_mapping,
 )
+from .transfer import Agent, Completion, Peer, Region, WriteOp
 
 
 def abi_version() -> tuple:
@@ -46,6 +47,11 @@ def abi_version() -> tuple:
 
 __all__ = [
     "ABI_VERSION_MAJOR",
+    "Agent",
+    "Completion",
+    "Peer",
+    "Region",
+    "WriteOp",
     "ArgumentError",
     "BootstrapError",
     "CompatError",
