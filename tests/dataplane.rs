@@ -24,6 +24,10 @@ struct Target {
 
 impl Target {
     fn spawn(stall_ms: u64) -> Target {
+        Self::spawn_with(stall_ms, false)
+    }
+
+    fn spawn_with(stall_ms: u64, heap: bool) -> Target {
         let mut child = Command::new(env!("CARGO_BIN_EXE_pdxfer"))
             .args([
                 "target",
@@ -34,6 +38,7 @@ impl Target {
                 "--stall-ms",
                 &stall_ms.to_string(),
             ])
+            .args(heap.then_some("--heap"))
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .spawn()
@@ -145,11 +150,14 @@ fn connect(a: &Agent, t: &Target, kind: TransportKind, n: u32) -> Box<dyn Transp
     .unwrap()
 }
 
-fn random_batches(kind: TransportKind, n: u32, seed: u64) {
-    let mut target = Target::spawn(0);
+fn random_batches(kind: TransportKind, n: u32, seed: u64, heap: bool) {
+    let mut target = Target::spawn_with(0, heap);
     let (a, src, sreg) = initiator(2 << 20);
     let t = connect(&a, &target, kind, n);
     assert_eq!(t.kind(), kind);
+    if kind == TransportKind::Cma {
+        assert_eq!(t.data_path().contains("memcpy"), !heap, "{}", t.data_path());
+    }
     let mut model = vec![0u8; REGION];
     let mut r = Rng(seed);
     let mut batches = 0;
@@ -206,14 +214,16 @@ fn random_batches(kind: TransportKind, n: u32, seed: u64) {
 
 #[test]
 fn cma_random_batches_every_byte_verified() {
-    random_batches(TransportKind::Cma, 1, 11);
-    random_batches(TransportKind::Cma, 2, 12);
+    // Shared (memfd) target regions: written with memcpy through a mapping.
+    random_batches(TransportKind::Cma, 1, 11, false);
+    // Heap target regions: written with process_vm_writev.
+    random_batches(TransportKind::Cma, 2, 12, true);
 }
 
 #[test]
 fn tcp_random_batches_every_byte_verified() {
-    random_batches(TransportKind::Tcp, 1, 21);
-    random_batches(TransportKind::Tcp, 3, 22);
+    random_batches(TransportKind::Tcp, 1, 21, false);
+    random_batches(TransportKind::Tcp, 3, 22, true);
 }
 
 fn read_frame_timeout(s: &mut TcpStream) -> (wire::FrameType, Vec<u8>) {

@@ -61,6 +61,8 @@ pub struct BenchArgs {
 pub struct Point {
     /// Transport actually used.
     pub transport: String,
+    /// How the bytes moved (e.g. memcpy into mapped memfd regions, process_vm_writev).
+    pub data_path: String,
     /// Bytes per block (one write op).
     pub block_size: u64,
     /// Blocks per batch.
@@ -317,6 +319,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
                 let mc = memcpy_gbps(&memsrc, &mut memdst, block as usize, batch, n.max(1));
                 let p = Point {
                     transport: t.kind().name().to_string(),
+                    data_path: t.data_path().to_string(),
                     block_size: block,
                     batch_size: batch,
                     threads,
@@ -460,6 +463,7 @@ mod tests {
     fn plot_writes_a_png() {
         let p = |b: u64, g: f64| Point {
             transport: "cma".into(),
+            data_path: "cma".into(),
             block_size: b,
             batch_size: 1,
             threads: 1,

@@ -24,6 +24,7 @@ use super::{BatchId, BatchOptions, BatchStatus, Completion, Transport, Transport
 use crate::error::{Error, Result, Status};
 use crate::memory::{AccessGuard, RegionDesc};
 use crossbeam::channel::{unbounded, Sender};
+use std::collections::HashMap;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::Arc;
 use std::time::Duration;
@@ -36,6 +37,26 @@ pub(crate) struct PeerProcess {
     pid: libc::pid_t,
     pidfd: Option<OwnedFd>,
     claimed: ProcIdentity,
+    /// Peer regions backed by a memfd, mapped here: written with memcpy.
+    mapped: HashMap<u64, RemoteMap>,
+}
+
+/// The pages of a peer's shared region, mapped into this process.
+struct RemoteMap {
+    base: *mut u8,
+    len: usize,
+}
+
+// SAFETY: a shared mapping used only as a destination address by the writer threads.
+unsafe impl Send for RemoteMap {}
+// SAFETY: as above; concurrent writers touch disjoint granted ranges.
+unsafe impl Sync for RemoteMap {}
+
+impl Drop for RemoteMap {
+    fn drop(&mut self) {
+        // SAFETY: base/len are exactly the mapping made in map_shared.
+        unsafe { libc::munmap(self.base as *mut libc::c_void, self.len) };
+    }
 }
 
 fn cma_error(op: &str, pid: libc::pid_t, e: std::io::Error) -> Error {
@@ -78,7 +99,66 @@ impl PeerProcess {
             pid,
             pidfd,
             claimed: claimed.clone(),
+            mapped: HashMap::new(),
         })
+    }
+
+    /// Maps the peer's memfd-backed regions (`pidfd_getfd` + `mmap`) so
+    /// they are written with memcpy; a region that cannot be mapped (old
+    /// kernel, no permission, size mismatch) stays on `process_vm_writev`.
+    /// Returns the number of regions mapped.
+    pub fn map_shared(&mut self, regions: &[RegionDesc]) -> usize {
+        let Some(pidfd) = &self.pidfd else { return 0 };
+        for d in regions {
+            let Some(&remote_fd) = d.keys.get(crate::memory::MEMFD_KEY) else {
+                continue;
+            };
+            if d.kind != crate::memory::RegionKind::Host {
+                continue;
+            }
+            // SAFETY: pidfd_getfd duplicates the peer's descriptor into ours or returns -1.
+            let fd = unsafe {
+                libc::syscall(
+                    libc::SYS_pidfd_getfd,
+                    pidfd.as_raw_fd(),
+                    remote_fd as i32,
+                    0,
+                )
+            };
+            if fd < 0 {
+                continue;
+            }
+            // SAFETY: fd is a fresh descriptor we own.
+            let fd = unsafe { OwnedFd::from_raw_fd(fd as i32) };
+            // SAFETY: st is a valid out-struct for fstat.
+            let mut st: libc::stat = unsafe { std::mem::zeroed() };
+            // SAFETY: valid fd and out-pointer.
+            if unsafe { libc::fstat(fd.as_raw_fd(), &mut st) } != 0 || (st.st_size as u64) < d.len {
+                continue;
+            }
+            // SAFETY: maps d.len bytes of the shared file; MAP_FAILED is checked.
+            let p = unsafe {
+                libc::mmap(
+                    std::ptr::null_mut(),
+                    d.len as usize,
+                    libc::PROT_READ | libc::PROT_WRITE,
+                    libc::MAP_SHARED,
+                    fd.as_raw_fd(),
+                    0,
+                )
+            };
+            if p == libc::MAP_FAILED {
+                continue;
+            }
+            self.mapped.insert(
+                d.id,
+                RemoteMap {
+                    base: p as *mut u8,
+                    len: d.len as usize,
+                },
+            );
+        }
+        self.mapped.len()
     }
 
     /// Reads 8 bytes at `addr` in the peer (the handshake proof).
@@ -139,8 +219,39 @@ impl PeerProcess {
         }
     }
 
-    /// Writes every piece; returns the bytes written.
+    /// Writes every piece (memcpy into mapped regions, `process_vm_writev`
+    /// into the others); returns the bytes written.
     pub fn write(&self, pieces: &[Piece]) -> Result<u64> {
+        if self.mapped.is_empty() {
+            return self.writev(pieces);
+        }
+        let mut total = 0u64;
+        let mut rest = Vec::new();
+        for p in pieces {
+            match self.mapped.get(&p.region) {
+                Some(m)
+                    if p.offset
+                        .checked_add(p.len)
+                        .is_some_and(|e| e <= m.len as u64) =>
+                {
+                    // SAFETY: the source is pinned in our registry; the destination range was granted by the peer and lies inside the mapping (checked just above).
+                    unsafe {
+                        std::ptr::copy_nonoverlapping(
+                            p.src as *const u8,
+                            m.base.add(p.offset as usize),
+                            p.len as usize,
+                        )
+                    };
+                    total += p.len;
+                }
+                _ => rest.push(*p),
+            }
+        }
+        Ok(total + self.writev(&rest)?)
+    }
+
+    /// Writes pieces with `process_vm_writev`; returns the bytes written.
+    fn writev(&self, pieces: &[Piece]) -> Result<u64> {
         let mut total = 0u64;
         let mut i = 0usize; // current piece
         let mut off = 0u64; // bytes of piece i already written
@@ -260,10 +371,17 @@ struct Job {
 pub struct CmaTransport {
     conn: Arc<Conn>,
     tx: Sender<Job>,
+    mapped: usize,
 }
 
 impl CmaTransport {
-    pub(crate) fn new(conn: Arc<Conn>, peer: PeerProcess, threads: usize) -> Result<CmaTransport> {
+    pub(crate) fn new(
+        conn: Arc<Conn>,
+        mut peer: PeerProcess,
+        threads: usize,
+    ) -> Result<CmaTransport> {
+        let regions: Vec<RegionDesc> = conn.regions.values().cloned().collect();
+        let mapped = peer.map_shared(&regions);
         let (tx, rx) = unbounded::<Job>();
         let c = conn.clone();
         std::thread::Builder::new()
@@ -273,7 +391,7 @@ impl CmaTransport {
                     c.run_job(&peer, threads, job);
                 }
             })?;
-        Ok(CmaTransport { conn, tx })
+        Ok(CmaTransport { conn, tx, mapped })
     }
 }
 
@@ -352,6 +470,14 @@ impl Conn {
 impl Transport for CmaTransport {
     fn kind(&self) -> TransportKind {
         TransportKind::Cma
+    }
+
+    fn data_path(&self) -> &'static str {
+        if self.mapped > 0 {
+            "cma: memcpy into the peer's mapped memfd regions (process_vm_writev for others)"
+        } else {
+            "cma: process_vm_writev"
+        }
     }
 
     fn remote_regions(&self) -> Vec<RegionDesc> {

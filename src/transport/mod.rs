@@ -160,6 +160,11 @@ pub trait Transport: Send + Sync {
     /// The byte mover in use.
     fn kind(&self) -> TransportKind;
 
+    /// How bytes move on this connection, in words (for reports and benches).
+    fn data_path(&self) -> &'static str {
+        self.kind().name()
+    }
+
     /// The peer's region descriptors (as of the handshake).
     fn remote_regions(&self) -> Vec<RegionDesc>;
 
