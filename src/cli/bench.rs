@@ -51,6 +51,9 @@ pub struct BenchArgs {
     /// Print one JSON object as the last line.
     #[arg(long)]
     pub json: bool,
+    /// Spawned target registers heap buffers (cma then uses process_vm_writev, not memcpy into mapped memfd regions).
+    #[arg(long)]
+    pub heap_target: bool,
     /// Draw GB/s against block size into this PNG.
     #[arg(long)]
     pub plot: Option<String>,
@@ -125,7 +128,7 @@ impl Drop for Target {
     }
 }
 
-fn spawn_target(size: u64) -> Result<Target> {
+fn spawn_target(size: u64, heap: bool) -> Result<Target> {
     let exe = std::env::current_exe()?;
     let mut child = Command::new(exe)
         .args([
@@ -136,6 +139,7 @@ fn spawn_target(size: u64) -> Result<Target> {
             "--size",
             &size.to_string(),
         ])
+        .args(heap.then_some("--heap"))
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
@@ -268,7 +272,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
             _local_buf: Vec::new(),
         }
     } else {
-        spawn_target(max_bytes)?
+        spawn_target(max_bytes, a.heap_target)?
     };
     let mut memsrc = vec![1u8; max_bytes as usize];
     let mut memdst = vec![0u8; max_bytes as usize];
