@@ -401,6 +401,47 @@ fn malformed_requests_refused_nothing_written() {
     );
 }
 
+/// A cma client that cannot prove it reads the receiver's memory (wrong
+/// nonce: another process, another pid namespace) is refused by name.
+#[test]
+fn cma_identity_proof_mismatch_refused() {
+    let target = Target::spawn(0);
+    let me = pdxfer::transport::ProcIdentity::current().unwrap();
+    let mut s = TcpStream::connect(&target.addr).unwrap();
+    wire::write_json(
+        &mut s,
+        wire::FrameType::Hello,
+        &serde_json::json!({"version": wire::VERSION, "identity": me}),
+    )
+    .unwrap();
+    let (ty, p) = read_frame_timeout(&mut s);
+    assert_eq!(ty, wire::FrameType::HelloAck);
+    let ack: serde_json::Value = serde_json::from_slice(&p).unwrap();
+    assert_eq!(ack["identity"]["pid"].as_u64().unwrap() as u32, target.pid);
+    wire::write_json(
+        &mut s,
+        wire::FrameType::Select,
+        &serde_json::json!({"transport": "cma", "streams": 0, "proof": 12345}),
+    )
+    .unwrap();
+    let (ty, p) = read_frame_timeout(&mut s);
+    assert_eq!(ty, wire::FrameType::Error);
+    let e = wire::decode_error(&p);
+    assert_eq!(e.status(), Status::PeerIdentity, "{e}");
+    // A wire version from the future is refused at the hello, naming both versions.
+    let mut s = TcpStream::connect(&target.addr).unwrap();
+    wire::write_json(
+        &mut s,
+        wire::FrameType::Hello,
+        &serde_json::json!({"version": 99, "identity": me}),
+    )
+    .unwrap();
+    let (ty, p) = read_frame_timeout(&mut s);
+    assert_eq!(ty, wire::FrameType::Error);
+    let e = wire::decode_error(&p);
+    assert!(e.detail().contains("99"), "{e}");
+}
+
 /// A peer killed with SIGKILL in the middle of a batch fails that batch with
 /// a reason well within its deadline; another peer keeps working.
 #[test]
@@ -478,4 +519,81 @@ fn stalled_peer_times_out_at_batch_deadline() {
             "{kind:?}: {took:?}"
         );
     }
+}
+
+/// A granted (in-flight) batch pins the receiver's region: unregistering
+/// waits, then fails with `RegionBusy` and keeps the region; once the sender
+/// aborts (or commits), unregistering succeeds. A dropped connection
+/// releases its pins too.
+#[test]
+fn unregister_waits_for_granted_batches() {
+    let rx = Agent::new(&AgentOptions {
+        listen: Some("127.0.0.1:0".into()),
+        ..Default::default()
+    })
+    .unwrap();
+    let d = rx.registry().alloc_shared(1 << 16).unwrap();
+    let me = pdxfer::transport::ProcIdentity::current().unwrap();
+    let hello = |s: &mut TcpStream| {
+        wire::write_json(
+            s,
+            wire::FrameType::Hello,
+            &serde_json::json!({"version": wire::VERSION, "identity": me}),
+        )
+        .unwrap();
+        assert_eq!(read_frame_timeout(s).0, wire::FrameType::HelloAck);
+        wire::write_json(
+            s,
+            wire::FrameType::Select,
+            &serde_json::json!({"transport": "tcp", "streams": 1, "proof": 0}),
+        )
+        .unwrap();
+        assert_eq!(read_frame_timeout(s).0, wire::FrameType::SelectOk);
+    };
+    let addr = rx.local_addr().unwrap();
+    let mut s = TcpStream::connect(addr).unwrap();
+    hello(&mut s);
+    let range = wire::Range {
+        region: d.id,
+        offset: 0,
+        len: 4096,
+    };
+    wire::write_frame(
+        &mut s,
+        wire::FrameType::Intent,
+        &wire::encode_intent(1, &[range]),
+    )
+    .unwrap();
+    assert_eq!(read_frame_timeout(&mut s).0, wire::FrameType::Grant);
+    let t0 = Instant::now();
+    let e = rx
+        .registry()
+        .unregister(d.id, Duration::from_millis(150))
+        .unwrap_err();
+    assert_eq!(e.status(), Status::RegionBusy, "{e}");
+    assert!(t0.elapsed() >= Duration::from_millis(140));
+    wire::write_frame(&mut s, wire::FrameType::Abort, &1u64.to_le_bytes()).unwrap();
+    rx.registry()
+        .unregister(d.id, Duration::from_secs(5))
+        .unwrap();
+    // Pins of a connection that dies are released with it.
+    let d = rx.registry().alloc_shared(1 << 16).unwrap();
+    let mut s = TcpStream::connect(addr).unwrap();
+    hello(&mut s);
+    let range = wire::Range {
+        region: d.id,
+        offset: 0,
+        len: 4096,
+    };
+    wire::write_frame(
+        &mut s,
+        wire::FrameType::Intent,
+        &wire::encode_intent(1, &[range]),
+    )
+    .unwrap();
+    assert_eq!(read_frame_timeout(&mut s).0, wire::FrameType::Grant);
+    drop(s);
+    rx.registry()
+        .unregister(d.id, Duration::from_secs(5))
+        .unwrap();
 }

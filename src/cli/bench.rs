@@ -407,15 +407,16 @@ fn plot(path: &str, points: &[Point]) -> Result<()> {
             .draw_series(LineSeries::new(vec![(x, 0.0), (x, ymax)], grey))
             .map_err(|e| err(e.to_string()))?;
     }
+    let ystep = if ymax > 20.0 { 5.0 } else { 1.0 };
     let mut y = 0.0;
     while y <= ymax {
         chart
             .draw_series(LineSeries::new(vec![(x0 - 0.5, y), (x1 + 0.5, y)], grey))
             .map_err(|e| err(e.to_string()))?;
-        y += 1.0;
+        y += ystep;
     }
     println!(
-        "plot {path}: x = block size, log2 from {} to {} (a grey line per block size); y = 0..{ymax:.1} GB/s (a grey line per GB/s); lines = transport GB/s per (batch, threads), dots = memcpy",
+        "plot {path}: x = block size, log2 from {} to {} (a grey line per block size); y = 0..{ymax:.1} GB/s (a grey line every {ystep} GB/s); lines = transport GB/s per (batch, threads), dots = memcpy",
         1u64 << x0.round() as u32,
         1u64 << x1.round() as u32
     );
