@@ -90,6 +90,22 @@ static void roundtrip(uint32_t transport, uint32_t streams) {
     CHECK(pdxfer_poll(peer, b, &c) == PDX_STATUS_INVALID_ARGUMENT);
     CHECK(pdxfer_agent_next_completion(rx, 5000, &rc) == PDX_STATUS_OK);
 
+    /* one-sided reads where the transport can (local, cma); tcp says unsupported */
+    unsigned char *back = calloc(4096, 1);
+    PdxRegion bd = {.struct_size = sizeof bd};
+    CHECK(pdxfer_register_memory(tx, back, 4096, &bd) == PDX_STATUS_OK);
+    PdxWriteOp rop = {bd.id, 0, rd.id, 64, 4096};
+    st = pdxfer_submit_reads(peer, &rop, 1, &bo, &b);
+    if (transport == PDXFER_TRANSPORT_TCP) {
+        CHECK(st == PDX_STATUS_UNSUPPORTED);
+    } else {
+        CHECK(st == PDX_STATUS_OK);
+        CHECK(pdxfer_wait(peer, b, 5000, &c) == PDX_STATUS_OK && c.bytes == 4096);
+        CHECK(memcmp(back, src, 4096) == 0);
+    }
+    CHECK(pdxfer_unregister_memory(tx, bd.id, 1000) == PDX_STATUS_OK);
+    free(back);
+
     /* out of bounds and unknown regions: refused, nothing sent */
     unsigned char before = dst[N - 1];
     PdxWriteOp bad = {sd.id, 0, rd.id, N - 4, 5};

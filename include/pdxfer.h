@@ -462,6 +462,17 @@ PdxStatus pdxfer_submit(const struct PdxPeer *peer,
                         const struct PdxBatchOptions *options,
                         uint64_t *out_batch);
 
+// Submits `num_ops` one-sided reads as one batch: each op's `len` bytes go
+// from the peer's `remote_region` at `remote_offset` into this agent's
+// `local_region` at `local_offset` (the same `PdxWriteOp` fields, data
+// flowing the other way). The peer validates and pins the source ranges
+// first. `PDX_STATUS_UNSUPPORTED` on transports that cannot read (tcp).
+PdxStatus pdxfer_submit_reads(const struct PdxPeer *peer,
+                              const struct PdxWriteOp *ops,
+                              size_t num_ops,
+                              const struct PdxBatchOptions *options,
+                              uint64_t *out_batch);
+
 // Polls a batch: `PDX_STATUS_OK` (done; `out` filled, may be NULL),
 // `PDX_STATUS_IN_PROGRESS`, or the batch's failure (reason in
 // `pdxfer_last_error()`). A finished batch is reported once.

@@ -202,6 +202,34 @@ fn random_batches(kind: TransportKind, n: u32, seed: u64, heap: bool) {
         assert_eq!(line["completion"]["room"], batches, "{line}");
         batches += 1;
     }
+    if kind == TransportKind::Cma {
+        // Read a random slice back with one-sided reads and compare with the model.
+        let mut back = vec![0u8; 1 << 20];
+        // SAFETY: back outlives the read below (waited for).
+        let bk = unsafe { a.register_host(back.as_mut_ptr(), back.len()) }.unwrap();
+        let off = r.below((REGION - (1 << 20)) as u64);
+        let op = pdxfer::transport::ReadOp {
+            local_region: bk.id,
+            local_offset: 0,
+            remote_region: target.region,
+            remote_offset: off,
+            len: 1 << 20,
+        };
+        let id = t
+            .submit_reads(
+                &[op],
+                &BatchOptions {
+                    checksum: true,
+                    ..Default::default()
+                },
+            )
+            .unwrap();
+        t.wait(id, Duration::from_secs(20)).unwrap();
+        assert!(
+            back == model[off as usize..off as usize + (1 << 20)],
+            "read-back differs"
+        );
+    }
     let got = target.dump();
     assert_eq!(got.len(), REGION);
     if let Some(i) = (0..REGION).find(|&i| got[i] != model[i]) {
@@ -348,6 +376,26 @@ fn malformed_requests_refused_nothing_written() {
             "{e}"
         );
     }
+    // Read intents are validated the same way: nothing outside the regions is readable.
+    wire::write_frame(
+        &mut s,
+        wire::FrameType::ReadIntent,
+        &wire::encode_intent(
+            30,
+            &[wire::Range {
+                region,
+                offset: len - 1,
+                len: 2,
+            }],
+        ),
+    )
+    .unwrap();
+    let (ty, p) = read_frame_timeout(&mut s);
+    assert_eq!(ty, wire::FrameType::Refuse);
+    assert_eq!(
+        wire::decode_reason(&p).unwrap().1.status(),
+        Status::OutOfBounds
+    );
     // A commit claiming more bytes than granted (cma path) is refused too.
     wire::write_frame(
         &mut s,

@@ -135,6 +135,7 @@ _sig("pdxfer_peer_close", None, [_vp])
 _sig("pdxfer_peer_transport", _st, [_vp, ctypes.POINTER(ctypes.c_uint32)])
 _sig("pdxfer_peer_regions", _st, [_vp, ctypes.POINTER(_Region), _sz, ctypes.POINTER(_sz)])
 _sig("pdxfer_submit", _st, [_vp, ctypes.POINTER(_WriteOp), _sz, ctypes.POINTER(_BatchOptions), ctypes.POINTER(_u64)])
+_sig("pdxfer_submit_reads", _st, [_vp, ctypes.POINTER(_WriteOp), _sz, ctypes.POINTER(_BatchOptions), ctypes.POINTER(_u64)])
 _sig("pdxfer_poll", _st, [_vp, _u64, ctypes.POINTER(_Completion)])
 _sig("pdxfer_wait", _st, [_vp, _u64, _u64, ctypes.POINTER(_Completion)])
 
@@ -334,13 +335,21 @@ class Peer:
 
     def submit(self, ops: Sequence[Union[WriteOp, Tuple[int, int, int, int, int]]], timeout: float = 30.0, room: int = 0, epoch: int = 0, checksum: bool = False) -> int:
         """Submits a batch of writes; returns its id. Out-of-bounds ops raise and nothing is sent."""
+        return self._submit(lib.pdxfer_submit, ops, timeout, room, epoch, checksum)
+
+    def submit_reads(self, ops: Sequence[Union[WriteOp, Tuple[int, int, int, int, int]]], timeout: float = 30.0, room: int = 0, epoch: int = 0, checksum: bool = False) -> int:
+        """Submits one-sided reads (cma, local): each op's bytes go from the peer's
+        ``remote_region`` into ``local_region``. tcp raises ``ArgumentError`` kind ``unsupported``."""
+        return self._submit(lib.pdxfer_submit_reads, ops, timeout, room, epoch, checksum)
+
+    def _submit(self, fn, ops, timeout, room, epoch, checksum) -> int:
         arr = (_WriteOp * max(len(ops), 1))()
         for i, op in enumerate(ops):
             t = (op.local_region, op.local_offset, op.remote_region, op.remote_offset, op.len) if isinstance(op, WriteOp) else tuple(op)
             arr[i] = _WriteOp(*t)
         o = _BatchOptions(struct_size=ctypes.sizeof(_BatchOptions), timeout_ms=int(timeout * 1000), room=room, epoch=epoch, flags=_BATCH_CHECKSUM if checksum else 0)
         b = _u64()
-        check(lib.pdxfer_submit(self._handle(), arr, len(ops), ctypes.byref(o), ctypes.byref(b)))
+        check(fn(self._handle(), arr, len(ops), ctypes.byref(o), ctypes.byref(b)))
         return b.value
 
     def poll(self, batch: int) -> Optional[Completion]:

@@ -118,6 +118,16 @@ def test_target_process_over_cma_and_tcp():
                 peer.wait(peer.submit([(s.id, 0, region, i * 1000, 1000)], checksum=True))
                 rec = json.loads(proc.stdout.readline())
                 assert rec["completion"]["bytes"] == 1000 and rec["peer_pid"] == os.getpid()
+        # one-sided read back over cma; tcp cannot read
+        back = np.zeros(size, dtype=np.uint8)
+        bk = tx.register(back)
+        with tx.connect(ready["addr"], transport="cma") as peer:
+            peer.wait(peer.submit_reads([(bk.id, 0, region, 0, 4000)], checksum=True))
+        assert (back[:2000] == 0x5A).all() and not back[2000:].any()
+        with tx.connect(ready["addr"], transport="tcp") as peer:
+            with pytest.raises(pdxfer.ArgumentError) as e:
+                peer.submit_reads([(bk.id, 0, region, 0, 1)])
+            assert e.value.kind == "unsupported"
         dump = Path(f"/tmp/pdxfer-pytest-dump-{os.getpid()}")
         proc.stdin.write(f"dump {dump}\n")
         proc.stdin.flush()

@@ -20,7 +20,9 @@ use super::batch::Stage;
 use super::conn::{checksum_pieces, Conn, Piece};
 use super::identity::ProcIdentity;
 use super::wire::{self, Commit, FrameType, Range};
-use super::{BatchId, BatchOptions, BatchStatus, Completion, Transport, TransportKind, WriteOp};
+use super::{
+    BatchId, BatchOptions, BatchStatus, Completion, ReadOp, Transport, TransportKind, WriteOp,
+};
 use crate::error::{Error, Result, Status};
 use crate::memory::{AccessGuard, RegionDesc};
 use crossbeam::channel::{unbounded, Sender};
@@ -219,11 +221,11 @@ impl PeerProcess {
         }
     }
 
-    /// Writes every piece (memcpy into mapped regions, `process_vm_writev`
-    /// into the others); returns the bytes written.
-    pub fn write(&self, pieces: &[Piece]) -> Result<u64> {
+    /// Moves every piece: writes (`src` local, `dst` in the peer) or reads
+    /// (`src` in the peer, `dst` local). Mapped peer regions use memcpy.
+    pub fn xfer(&self, pieces: &[Piece], read: bool) -> Result<u64> {
         if self.mapped.is_empty() {
-            return self.writev(pieces);
+            return self.writev(pieces, read);
         }
         let mut total = 0u64;
         let mut rest = Vec::new();
@@ -234,24 +236,29 @@ impl PeerProcess {
                         .checked_add(p.len)
                         .is_some_and(|e| e <= m.len as u64) =>
                 {
-                    // SAFETY: the source is pinned in our registry; the destination range was granted by the peer and lies inside the mapping (checked just above).
+                    // SAFETY: the local range is pinned in our registry; the peer range was granted by the peer and lies inside the mapping (checked just above).
                     unsafe {
-                        std::ptr::copy_nonoverlapping(
-                            p.src as *const u8,
-                            m.base.add(p.offset as usize),
-                            p.len as usize,
-                        )
+                        let peer = m.base.add(p.offset as usize);
+                        if read {
+                            std::ptr::copy_nonoverlapping(
+                                peer as *const u8,
+                                p.dst as *mut u8,
+                                p.len as usize,
+                            )
+                        } else {
+                            std::ptr::copy_nonoverlapping(p.src as *const u8, peer, p.len as usize)
+                        }
                     };
                     total += p.len;
                 }
                 _ => rest.push(*p),
             }
         }
-        Ok(total + self.writev(&rest)?)
+        Ok(total + self.writev(&rest, read)?)
     }
 
-    /// Writes pieces with `process_vm_writev`; returns the bytes written.
-    fn writev(&self, pieces: &[Piece]) -> Result<u64> {
+    /// Moves pieces with `process_vm_writev` (or `_readv`); returns the bytes moved.
+    fn writev(&self, pieces: &[Piece], read: bool) -> Result<u64> {
         let mut total = 0u64;
         let mut i = 0usize; // current piece
         let mut off = 0u64; // bytes of piece i already written
@@ -264,12 +271,13 @@ impl PeerProcess {
                 if p.len == skip {
                     continue;
                 }
+                let (l, r) = if read { (p.dst, p.src) } else { (p.src, p.dst) };
                 local.push(libc::iovec {
-                    iov_base: (p.src + skip) as *mut libc::c_void,
+                    iov_base: (l + skip) as *mut libc::c_void,
                     iov_len: (p.len - skip) as usize,
                 });
                 remote.push(libc::iovec {
-                    iov_base: (p.dst + skip) as *mut libc::c_void,
+                    iov_base: (r + skip) as *mut libc::c_void,
                     iov_len: (p.len - skip) as usize,
                 });
                 want += p.len - skip;
@@ -280,8 +288,13 @@ impl PeerProcess {
                 continue;
             }
             // SAFETY: local iovecs lie in registered, pinned regions of this process; remote ones were granted by the peer.
+            let f = if read {
+                libc::process_vm_readv
+            } else {
+                libc::process_vm_writev
+            };
             let n = unsafe {
-                libc::process_vm_writev(
+                f(
                     self.pid,
                     local.as_ptr(),
                     local.len() as libc::c_ulong,
@@ -362,6 +375,7 @@ pub(crate) fn split_even(pieces: &[Piece], n: usize) -> Vec<Vec<Piece>> {
 
 struct Job {
     id: u64,
+    read: bool,
     pieces: Vec<Piece>,
     commit: Commit,
     _guards: Arc<Vec<AccessGuard>>,
@@ -411,13 +425,13 @@ impl Conn {
             return abort(self);
         }
         let r = if threads <= 1 || job.pieces.is_empty() || job.commit.bytes < (256 << 10) {
-            peer.write(&job.pieces)
+            peer.xfer(&job.pieces, job.read)
         } else {
             let groups = split_even(&job.pieces, threads);
             std::thread::scope(|s| {
                 let hs: Vec<_> = groups
                     .iter()
-                    .map(|g| s.spawn(move || peer.write(g)))
+                    .map(|g| s.spawn(move || peer.xfer(g, job.read)))
                     .collect();
                 let mut sum = 0u64;
                 let mut err = None;
@@ -438,12 +452,18 @@ impl Conn {
         };
         match r {
             Ok(n) if n == job.commit.bytes => {
+                let mut commit = job.commit;
+                if job.read && commit.checksum.is_some() {
+                    let sum = read_checksum(&job.pieces);
+                    commit.checksum = Some(sum);
+                    self.table.set_checksum(job.id, sum);
+                }
                 self.table.set(job.id, Stage::Written);
                 if self.table.finished(job.id) {
                     // Deadline passed while writing: no completion for the receiver.
                     return abort(self);
                 }
-                let _ = self.send(FrameType::Commit, &wire::encode_commit(&job.commit));
+                let _ = self.send(FrameType::Commit, &wire::encode_commit(&commit));
             }
             Ok(n) => {
                 self.table.fail(
@@ -467,6 +487,75 @@ impl Conn {
     }
 }
 
+/// Checksum of the bytes a read landed locally (same pieces as the peer's ranges).
+fn read_checksum(pieces: &[Piece]) -> u64 {
+    pieces.iter().fold(0u64, |acc, p| {
+        // SAFETY: dst is a pinned local registered range the read just filled.
+        let d = unsafe { std::slice::from_raw_parts(p.dst as *const u8, p.len as usize) };
+        super::checksum::combine(acc, super::checksum::piece(p.region, p.offset, d))
+    })
+}
+
+impl CmaTransport {
+    fn submit_dir(&self, ops: &[WriteOp], opts: &BatchOptions, read: bool) -> Result<BatchId> {
+        let (mut pieces, guards, bytes) = self.conn.validate(ops)?;
+        if read {
+            for p in &mut pieces {
+                std::mem::swap(&mut p.src, &mut p.dst);
+            }
+        }
+        // Writes: checksum of the source now. Reads: a placeholder, computed after the read.
+        let checksum = opts
+            .checksum
+            .then(|| if read { 0 } else { checksum_pieces(&pieces) });
+        let template = Completion {
+            batch_id: BatchId(0),
+            bytes,
+            checksum,
+            room: opts.room,
+            epoch: opts.epoch,
+        };
+        let id = self
+            .conn
+            .table
+            .insert(opts.timeout, template, guards.clone())?;
+        let ranges: Vec<Range> = pieces
+            .iter()
+            .map(|p| Range {
+                region: p.region,
+                offset: p.offset,
+                len: p.len,
+            })
+            .collect();
+        let ty = if read {
+            FrameType::ReadIntent
+        } else {
+            FrameType::Intent
+        };
+        self.conn.send(ty, &wire::encode_intent(id, &ranges))?;
+        let job = Job {
+            id,
+            read,
+            pieces,
+            commit: Commit {
+                batch: id,
+                bytes,
+                checksum,
+                room: opts.room,
+                epoch: opts.epoch,
+            },
+            _guards: guards,
+        };
+        if self.tx.send(job).is_err() {
+            self.conn.table.fail(
+                id,
+                Error::new(Status::PeerUnreachable, "cma writer thread is gone"),
+            );
+        }
+        Ok(BatchId(id))
+    }
+}
+
 impl Transport for CmaTransport {
     fn kind(&self) -> TransportKind {
         TransportKind::Cma
@@ -487,48 +576,12 @@ impl Transport for CmaTransport {
     }
 
     fn submit(&self, ops: &[WriteOp], opts: &BatchOptions) -> Result<BatchId> {
-        let (pieces, guards, bytes) = self.conn.validate(ops)?;
-        let checksum = opts.checksum.then(|| checksum_pieces(&pieces));
-        let template = Completion {
-            batch_id: BatchId(0),
-            bytes,
-            checksum,
-            room: opts.room,
-            epoch: opts.epoch,
-        };
-        let id = self
-            .conn
-            .table
-            .insert(opts.timeout, template, guards.clone())?;
-        let ranges: Vec<Range> = pieces
-            .iter()
-            .map(|p| Range {
-                region: p.region,
-                offset: p.offset,
-                len: p.len,
-            })
-            .collect();
-        self.conn
-            .send(FrameType::Intent, &wire::encode_intent(id, &ranges))?;
-        let job = Job {
-            id,
-            pieces,
-            commit: Commit {
-                batch: id,
-                bytes,
-                checksum,
-                room: opts.room,
-                epoch: opts.epoch,
-            },
-            _guards: guards,
-        };
-        if self.tx.send(job).is_err() {
-            self.conn.table.fail(
-                id,
-                Error::new(Status::PeerUnreachable, "cma writer thread is gone"),
-            );
-        }
-        Ok(BatchId(id))
+        self.submit_dir(ops, opts, false)
+    }
+
+    fn submit_reads(&self, ops: &[ReadOp], opts: &BatchOptions) -> Result<BatchId> {
+        let w: Vec<WriteOp> = ops.iter().map(ReadOp::as_write).collect();
+        self.submit_dir(&w, opts, true)
     }
 
     fn poll(&self, id: BatchId) -> Result<BatchStatus> {
