@@ -18,9 +18,10 @@ bench() { # name args...
   echo "+ pdxfer bench $* --json" >>"$OUT/commands.txt"
   $B bench "$@" --json | tail -1 >"$OUT/$name.json"
 }
-bench cma_1m     --transport cma --block-sizes 1M --batch-sizes 16 --depth 4 --max-ms 2000
-bench cma_1m_b1  --transport cma --block-sizes 1M --batch-sizes 1 --depth 4 --max-ms 2000
-bench cma_1m_vm  --transport cma --block-sizes 1M --batch-sizes 16 --depth 4 --max-ms 2000 --heap-target
+bench cma_1m_b1  --transport cma --block-sizes 1M --batch-sizes 1 --depth 8 --max-ms 2000
+bench cma_1m_b4  --transport cma --block-sizes 1M --batch-sizes 4 --depth 8 --max-ms 2000
+bench cma_1m     --transport cma --block-sizes 1M --batch-sizes 16 --depth 8 --max-ms 2000
+bench cma_1m_vm  --transport cma --block-sizes 1M --batch-sizes 16 --depth 8 --max-ms 2000 --heap-target
 bench cma_4k     --transport cma --block-sizes 4K --batch-sizes 256 --depth 4 --max-ms 2000
 bench cma_4k_vm  --transport cma --block-sizes 4K --batch-sizes 256 --depth 4 --max-ms 2000 --heap-target
 bench tcp_1m     --transport tcp --block-sizes 1M --batch-sizes 16 --threads 1 --depth 4 --max-ms 3000
@@ -64,8 +65,9 @@ ip = json.loads((out / "iperf3.json").read_text())["end"]["sum_received"]["bits_
 rows = []
 def row(what, gb, ops=None, lat=None, ref=None, note=""):
     rows.append(f"| {what} | {gb:.2f} | {'' if ops is None else f'{ops/1e6:.2f}'} | {'' if lat is None else f'{lat:.1f}'} | {ref or ''} | {note} |")
-for n, what in [("cma_1m", "pdxfer cma, 1 MiB blocks, batch 16 (shared target regions: memcpy)"),
-                ("cma_1m_b1", "pdxfer cma, 1 MiB blocks, batch 1 (shared target regions)"),
+for n, what in [("cma_1m_b1", "pdxfer cma, 1 MiB blocks, batch 1 (shared target regions: memcpy)"),
+                ("cma_1m_b4", "pdxfer cma, 1 MiB blocks, batch 4 (shared target regions: memcpy)"),
+                ("cma_1m", "pdxfer cma, 1 MiB blocks, batch 16 (shared target regions: memcpy)"),
                 ("cma_1m_vm", "pdxfer cma, 1 MiB blocks, batch 16 (heap target: process_vm_writev)"),
                 ("cma_4k", "pdxfer cma, 4 KiB writes, batch 256 (shared)"),
                 ("cma_4k_vm", "pdxfer cma, 4 KiB writes, batch 256 (heap: process_vm_writev)"),
