@@ -576,3 +576,59 @@ mod shared_tests {
         );
     }
 }
+
+/// Runs only where a CUDA device is usable (skips with a printed reason elsewhere).
+#[cfg(all(test, feature = "cuda"))]
+mod device_tests {
+    use super::*;
+    use cudarc::driver::result;
+
+    #[test]
+    fn device_region_registers_and_host_transports_refuse_it() {
+        // SAFETY: only dlopens the library.
+        if !unsafe { cudarc::driver::sys::is_culib_present() } {
+            println!("SKIPPED device_region_registers: no CUDA driver");
+            return;
+        }
+        let setup = std::panic::catch_unwind(|| -> std::result::Result<u64, String> {
+            result::init().map_err(|e| e.to_string())?;
+            let dev = result::device::get(0).map_err(|e| e.to_string())?;
+            // SAFETY: dev comes from device::get; the context is made current before allocating.
+            unsafe {
+                let ctx = result::primary_ctx::retain(dev).map_err(|e| e.to_string())?;
+                result::ctx::set_current(ctx).map_err(|e| e.to_string())?;
+                result::malloc_sync(1 << 20).map_err(|e| e.to_string())
+            }
+        });
+        let dptr = match setup {
+            Ok(Ok(p)) => p,
+            other => {
+                println!("SKIPPED device_region_registers: no usable CUDA device ({other:?})");
+                return;
+            }
+        };
+        let r = Registry::new();
+        // SAFETY: dptr is a live 1 MiB device allocation, freed below after unregistering.
+        let d = unsafe { r.register_device(dptr, 1 << 20, 0) }.unwrap();
+        assert_eq!(d.kind, RegionKind::Device { ordinal: 0 });
+        assert_eq!(r.check_access(d.id, 0, 1 << 20).unwrap(), dptr);
+        // SAFETY: as above.
+        let e = unsafe { r.register_device(dptr, 1 << 20, 1) }.unwrap_err();
+        assert!(
+            matches!(e.status(), Status::RegionOverlap | Status::InvalidArgument),
+            "{e}"
+        );
+        // Host memory is not device memory.
+        let host = vec![0u8; 64];
+        // SAFETY: the address is only queried, never dereferenced.
+        let e =
+            unsafe { Registry::new().register_device(host.as_ptr() as u64, 64, 0) }.unwrap_err();
+        assert!(
+            matches!(e.status(), Status::Cuda | Status::InvalidArgument),
+            "{e}"
+        );
+        r.unregister(d.id, Duration::from_secs(1)).unwrap();
+        // SAFETY: dptr came from malloc_sync and is no longer registered.
+        let _ = unsafe { result::free_sync(dptr) };
+    }
+}
