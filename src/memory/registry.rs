@@ -619,7 +619,7 @@ mod device_tests {
             "{e}"
         );
         // Host memory is not device memory.
-        let host = vec![0u8; 64];
+        let host = [0u8; 64];
         // SAFETY: the address is only queried, never dereferenced.
         let e =
             unsafe { Registry::new().register_device(host.as_ptr() as u64, 64, 0) }.unwrap_err();
