@@ -8,8 +8,17 @@
 #include <stddef.h>
 #include <stdint.h>
 
+// Version of the control protocol; a peer with another version is refused.
+#define CONTROL_VERSION 1
+
+// Largest accepted control line (a page list of a very long request fits).
+#define MAX_LINE (64 << 20)
+
 // Compute a checksum; the receiver verifies it over the landed bytes.
 #define PDXFER_BATCH_CHECKSUM 1
+
+// Version of the bootstrap JSON schema (registrations, hellos) this library speaks.
+#define PDXFER_BOOTSTRAP_SCHEMA_VERSION 1
 
 // Host memory.
 #define PDXFER_REGION_HOST 0
@@ -43,6 +52,9 @@
 
 // Every prefill CP rank transfers its shard.
 #define PDXFER_MAP_ALL_CP_RANKS 1
+
+// Spans each warp copies per entry by default (see [`launch_dims`]).
+#define DEFAULT_SPANS_PER_WARP 4
 
 // Wire protocol version; peers with another version are refused at the handshake.
 #define VERSION 1
@@ -136,6 +148,10 @@ enum PdxStatus
   PDX_STATUS_UNAUTHORIZED = -502,
   // The bootstrap has no entry for the requested rank.
   PDX_STATUS_NOT_REGISTERED = -503,
+  // A request body is larger than the bootstrap server accepts.
+  PDX_STATUS_PAYLOAD_TOO_LARGE = -504,
+  // The bootstrap does not yet list every rank of the peer's current epoch.
+  PDX_STATUS_NOT_READY = -505,
   // No CUDA driver library (libcuda) could be loaded.
   PDX_STATUS_NO_CUDA_DRIVER = -600,
   // A CUDA driver call failed.
@@ -148,10 +164,16 @@ enum PdxStatus
   PDX_STATUS_NO_RDMA_DEVICE = -700,
   // An RDMA verbs call failed.
   PDX_STATUS_RDMA = -701,
+  // The RDMA handshake failed; the detail names the field (mtu, gid, lid, qpn, psn, ...).
+  PDX_STATUS_RDMA_HANDSHAKE = -702,
+  // An RDMA work request completed with an error; the batch failed and was not retried.
+  PDX_STATUS_RDMA_COMPLETION = -703,
   // No NCCL library could be loaded.
   PDX_STATUS_NO_NCCL = -800,
   // An NCCL call failed.
   PDX_STATUS_NCCL = -801,
+  // The two sides of an NCCL pair derived different send/recv plans.
+  PDX_STATUS_NCCL_PLAN_MISMATCH = -802,
   // The room id is unknown to this engine.
   PDX_STATUS_UNKNOWN_ROOM = -900,
   // The room has failed; its reason is kept on the room.
@@ -172,8 +194,17 @@ typedef int32_t PdxStatus;
 // Opaque agent handle (`pdxfer_agent_create` / `pdxfer_agent_destroy`).
 typedef struct PdxAgent PdxAgent;
 
+// Opaque handle of a bootstrap client (thread-safe: calls may run concurrently).
+typedef struct PdxBootstrapClient PdxBootstrapClient;
+
+// Opaque handle of a running bootstrap server.
+typedef struct PdxBootstrapServer PdxBootstrapServer;
+
 // Opaque peer handle (`pdxfer_peer_open` / `pdxfer_peer_close`).
 typedef struct PdxPeer PdxPeer;
+
+// Opaque handle of a registered rank.
+typedef struct PdxRegistration PdxRegistration;
 
 // Options of `pdxfer_agent_create`.
 typedef struct PdxAgentOptions {
@@ -234,6 +265,22 @@ typedef struct PdxBatchOptions {
   // Reserved, zero.
   uint32_t reserved;
 } PdxBatchOptions;
+
+// How to start a bootstrap server (`pdxfer_bootstrap_server_start`).
+typedef struct PdxBootstrapServerConfig {
+  // `sizeof(PdxBootstrapServerConfig)`, set by the caller.
+  uint64_t struct_size;
+  // Listen address, e.g. `"127.0.0.1:0"` (port 0 picks a free port); NULL means `127.0.0.1:0`.
+  const char *listen;
+  // Shared token for writes and endpoint reads; NULL for none. Copied.
+  const char *token;
+  // Largest accepted request body in bytes; 0 for the default (4 MiB).
+  uint64_t max_body_bytes;
+  // Worker threads; 0 for the default (4).
+  uint32_t workers;
+  // Reserved, zero.
+  uint32_t reserved;
+} PdxBootstrapServerConfig;
 
 // A registered region's descriptor.
 typedef struct PdxRegion {
@@ -486,6 +533,65 @@ PdxStatus pdxfer_wait(const struct PdxPeer *peer,
                       uint64_t timeout_ms,
                       struct PdxCompletion *out);
 
+// Starts a bootstrap server; `*out` receives the handle (stop it with
+// `pdxfer_bootstrap_server_stop`).
+PdxStatus pdxfer_bootstrap_server_start(const struct PdxBootstrapServerConfig *config,
+                                        struct PdxBootstrapServer **out);
+
+// Writes the server's URL (`"http://127.0.0.1:PORT"`, NUL-terminated) into
+// `buf` of `capacity` bytes; the needed size goes to `out_len` (NULL buffer
+// and capacity 0: size query).
+PdxStatus pdxfer_bootstrap_server_url(const struct PdxBootstrapServer *server,
+                                      char *buf,
+                                      size_t capacity,
+                                      size_t *out_len);
+
+// Stops the server, joins its threads and frees the handle. NULL is a no-op.
+PdxStatus pdxfer_bootstrap_server_stop(struct PdxBootstrapServer *server);
+
+// Opens a client for `url`: `http://HOST:PORT` (a bootstrap server) or
+// `etcd://HOST:PORT/NAMESPACE`. `token` may be NULL. Nothing is contacted yet.
+PdxStatus pdxfer_bootstrap_client_open(const char *url,
+                                       const char *token,
+                                       struct PdxBootstrapClient **out);
+
+// Frees a client. NULL is a no-op. Registrations made through it keep working.
+PdxStatus pdxfer_bootstrap_client_close(struct PdxBootstrapClient *client);
+
+// The current entry of one rank as JSON. `role` is `"prefill"` or
+// `"decode"`, `rank_key` like `"dp0-tp1-cp0-pp0"`. Errors:
+// `PDX_STATUS_NOT_REGISTERED`, `PDX_STATUS_STALE_METADATA` (the only entry
+// there belongs to an older layout), `PDX_STATUS_UNAUTHORIZED`.
+PdxStatus pdxfer_bootstrap_lookup(const struct PdxBootstrapClient *client,
+                                  const char *cluster,
+                                  const char *role,
+                                  const char *rank_key,
+                                  char *buf,
+                                  size_t capacity,
+                                  size_t *out_len);
+
+// Topology and readiness of one (cluster, role) as JSON.
+PdxStatus pdxfer_bootstrap_summary(const struct PdxBootstrapClient *client,
+                                   const char *cluster,
+                                   const char *role,
+                                   char *buf,
+                                   size_t capacity,
+                                   size_t *out_len);
+
+// Re-checks a direct handshake: `advertised_json` (the entry the bootstrap
+// gave), `hello_json` (what the peer said on the connection) and
+// `local_json` (this rank's registration). On success writes the pair's
+// compatibility (mode, entry pairs, decode ranks served) as JSON; on a
+// mismatch returns `PDX_STATUS_STALE_METADATA`, `PDX_STATUS_PEER_IDENTITY`
+// or the layout error (`PDX_STATUS_DCP_RANK_MISMATCH`, ...), with both
+// entries named in `pdxfer_last_error()`.
+PdxStatus pdxfer_bootstrap_verify_peer(const char *advertised_json,
+                                       const char *hello_json,
+                                       const char *local_json,
+                                       char *buf,
+                                       size_t capacity,
+                                       size_t *out_len);
+
 // Registers `len` bytes of host memory at `ptr` with the agent; the
 // descriptor goes to `out` (may be NULL). The memory must stay valid until
 // `pdxfer_unregister_memory` returns for it. Overlapping an existing region
@@ -583,6 +689,36 @@ PdxStatus pdxfer_dcp_pack_buffer_bytes(const uint64_t *kv_item_lens,
                                        uint64_t max_tokens,
                                        uint64_t dcp_size,
                                        uint64_t *out_bytes);
+
+// Registers a rank. `registration_json` is a registration (see the schema);
+// an `instance_id` of 32 zeros, or none at all, is replaced by a fresh random
+// one; `epoch` and `registered_at_ms` are assigned by the store. The lease of
+// `ttl_ms` is kept alive by a background thread. `*out` receives the handle.
+PdxStatus pdxfer_bootstrap_register(const struct PdxBootstrapClient *client,
+                                    const char *registration_json,
+                                    uint64_t ttl_ms,
+                                    struct PdxRegistration **out);
+
+// The registration as the store holds it now (with instance id, epoch and
+// registration time) as JSON.
+PdxStatus pdxfer_registration_json(const struct PdxRegistration *registration,
+                                   char *buf,
+                                   size_t capacity,
+                                   size_t *out_len);
+
+// What this rank says about itself on a direct connection (its `PeerHello`) as JSON.
+PdxStatus pdxfer_registration_hello_json(const struct PdxRegistration *registration,
+                                         char *buf,
+                                         size_t capacity,
+                                         size_t *out_len);
+
+// Removes the entry from the store at once, stops the keep-alive thread and
+// frees the handle (also when removal fails). NULL is a no-op.
+PdxStatus pdxfer_registration_deregister(struct PdxRegistration *registration);
+
+// Stops the keep-alive thread and frees the handle; the entry expires with
+// its lease. NULL is a no-op.
+PdxStatus pdxfer_registration_destroy(struct PdxRegistration *registration);
 
 // The library's ABI version: `(major << 16) | minor`.
 uint32_t pdxfer_abi_version(void);

@@ -8,6 +8,7 @@ APT_PACKAGES=(
   libnl-3-dev libnl-route-3-dev libibverbs-dev
   valgrind                              # C tests under memcheck
   python3-venv
+  etcd-server                           # bootstrap tests start a private etcd (/usr/bin/etcd)
 )
 
 missing=()

@@ -105,6 +105,10 @@ pub enum PdxStatus {
     Unauthorized = -502,
     /// The bootstrap has no entry for the requested rank.
     NotRegistered = -503,
+    /// A request body is larger than the bootstrap server accepts.
+    PayloadTooLarge = -504,
+    /// The bootstrap does not yet list every rank of the peer's current epoch.
+    NotReady = -505,
 
     /// No CUDA driver library (libcuda) could be loaded.
     NoCudaDriver = -600,
@@ -119,11 +123,17 @@ pub enum PdxStatus {
     NoRdmaDevice = -700,
     /// An RDMA verbs call failed.
     Rdma = -701,
+    /// The RDMA handshake failed; the detail names the field (mtu, gid, lid, qpn, psn, ...).
+    RdmaHandshake = -702,
+    /// An RDMA work request completed with an error; the batch failed and was not retried.
+    RdmaCompletion = -703,
 
     /// No NCCL library could be loaded.
     NoNccl = -800,
     /// An NCCL call failed.
     Nccl = -801,
+    /// The two sides of an NCCL pair derived different send/recv plans.
+    NcclPlanMismatch = -802,
 
     /// The room id is unknown to this engine.
     UnknownRoom = -900,
@@ -217,14 +227,19 @@ status_table! {
     StaleMetadata => "stale_metadata", "bootstrap metadata is stale";
     Unauthorized => "unauthorized", "missing or wrong bootstrap token";
     NotRegistered => "not_registered", "rank not registered with the bootstrap";
+    PayloadTooLarge => "payload_too_large", "request body too large for the bootstrap server";
+    NotReady => "not_ready", "bootstrap does not yet list every rank of the current epoch";
     NoCudaDriver => "no_cuda_driver", "no CUDA driver library could be loaded";
     Cuda => "cuda", "CUDA driver call failed";
     Nvrtc => "nvrtc", "NVRTC missing or compilation failed";
     Relayout => "relayout", "relayout (gather/scatter) failed";
     NoRdmaDevice => "no_rdma_device", "no usable RDMA device";
     Rdma => "rdma", "RDMA verbs call failed";
+    RdmaHandshake => "rdma_handshake", "RDMA handshake failed (the detail names the field)";
+    RdmaCompletion => "rdma_completion", "RDMA work request completed with an error; not retried";
     NoNccl => "no_nccl", "no NCCL library could be loaded";
     Nccl => "nccl", "NCCL call failed";
+    NcclPlanMismatch => "nccl_plan_mismatch", "NCCL sender and receiver plans differ";
     UnknownRoom => "unknown_room", "unknown room";
     RoomFailed => "room_failed", "room failed";
     Aborted => "aborted", "room aborted";
@@ -328,7 +343,7 @@ mod tests {
                 "prefix_misaligned" | "tokens_exceed_source" | "dcp_rank_mismatch" => -299..=-200,
                 "null_argument" | "panic" | "buffer_too_small" => -199..=-100,
                 "no_cuda_driver" => -699..=-600,
-                "no_rdma_device" => -799..=-700,
+                "no_rdma_device" | "rdma" | "rdma_handshake" | "rdma_completion" => -799..=-700,
                 _ => -999..=1,
             };
             assert!(range.contains(&c), "{} = {c} outside {range:?}", s.kind());

@@ -24,6 +24,7 @@ from ._lib import (
     lib,
     library_path,
 )
+from . import bootstrap
 from .layout import (
     PeerCompat,
     RankMapping,
@@ -65,6 +66,7 @@ __all__ = [
     "RdmaError",
     "TransportError",
     "abi_version",
+    "bootstrap",
     "check",
     "error_class",
     "library_path",

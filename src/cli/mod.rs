@@ -1,7 +1,11 @@
-//! The `pdxfer` command line: `info`, `plan` (more subcommands join as their layers land).
+//! The `pdxfer` command line: `info`, `plan`, `bootstrap`, `rank` (more
+//! subcommands join as their layers land).
 
 mod bench;
+mod bootstrap;
 mod plan;
+mod rank;
+mod rdma_bench;
 mod target;
 
 use clap::{Parser, Subcommand};
@@ -28,6 +32,12 @@ enum Cmd {
     Target(target::TargetArgs),
     /// Measure a transport between two processes (initiator and target).
     Bench(bench::BenchArgs),
+    /// Run the standalone bootstrap server (HTTP/JSON; /health, /metrics).
+    Bootstrap(bootstrap::BootstrapArgs),
+    /// A stand-in engine rank for bootstrap tests and demos (register, hello, pair).
+    Rank(rank::RankArgs),
+    /// RDMA bandwidth through pdxfer's RDMA transport (one host, or --serve/--connect).
+    RdmaBench(rdma_bench::RdmaBenchArgs),
 }
 
 /// Runs the CLI; returns the process exit code.
@@ -38,6 +48,9 @@ pub fn main() -> i32 {
         Cmd::Plan(a) => plan::run(&a),
         Cmd::Target(a) => target::run(&a),
         Cmd::Bench(a) => bench::run(&a),
+        Cmd::Bootstrap(a) => bootstrap::run(&a),
+        Cmd::Rank(a) => rank::run(&a),
+        Cmd::RdmaBench(a) => rdma_bench::run(&a),
     };
     match r {
         Ok(()) => 0,
@@ -53,6 +66,7 @@ fn info(json: bool) -> crate::Result<()> {
     let nvrtc = crate::relayout::gpu::probe_nvrtc();
     let nccl = crate::transport::nccl::probe();
     let rdma = crate::transport::rdma::list_devices();
+    let rdma_json = rdma_info(&rdma);
     let show = |r: std::result::Result<String, crate::Error>| match r {
         Ok(s) => serde_json::json!({"available": true, "detail": s}),
         Err(e) => {
@@ -66,7 +80,7 @@ fn info(json: bool) -> crate::Result<()> {
         "cuda": show(cuda.map(|i| format!("{} device(s)", i.device_count))),
         "nvrtc": show(nvrtc.map(|_| "loaded".to_string())),
         "nccl": show(nccl.map(|v| format!("version {v}"))),
-        "rdma": show(rdma.map(|d| d.iter().map(|x| x.name.clone()).collect::<Vec<_>>().join(","))),
+        "rdma": rdma_json,
     });
     if json {
         println!("{v}");
@@ -92,6 +106,136 @@ fn info(json: bool) -> crate::Result<()> {
                 e["detail"].as_str().unwrap_or("")
             );
         }
+        if let Ok(devs) = &rdma {
+            print_rdma_devices(devs);
+        }
     }
     Ok(())
+}
+
+/// The `rdma` object of `pdxfer info --json`: availability plus every device,
+/// port (state, link layer, rate, active MTU, LID) and populated GID.
+fn rdma_info(r: &crate::Result<Vec<crate::transport::rdma::RdmaDevice>>) -> serde_json::Value {
+    match r {
+        Err(e) => {
+            serde_json::json!({"available": false, "kind": e.kind(), "code": e.status() as i32, "detail": e.detail(), "devices": []})
+        }
+        Ok(devs) => {
+            let usable: Vec<&str> = devs
+                .iter()
+                .filter(|d| d.verbs_error.is_none() && d.ports.iter().any(|p| p.active))
+                .map(|d| d.name.as_str())
+                .collect();
+            let summary = devs
+                .iter()
+                .map(|d| {
+                    let ports = d
+                        .ports
+                        .iter()
+                        .map(|p| format!("port {} {} {}", p.num, p.state, p.link_layer))
+                        .collect::<Vec<_>>()
+                        .join(", ");
+                    format!("{} ({ports})", d.name)
+                })
+                .collect::<Vec<_>>()
+                .join("; ");
+            let mut v = if usable.is_empty() {
+                let why = devs
+                    .iter()
+                    .find_map(|d| d.verbs_error.clone())
+                    .unwrap_or_else(|| "no port is ACTIVE".to_string());
+                let st = crate::Status::NoRdmaDevice;
+                serde_json::json!({"available": false, "kind": st.kind(), "code": st as i32,
+                    "detail": format!("no usable RDMA device: {summary}: {why}")})
+            } else {
+                serde_json::json!({"available": true, "detail": format!("{} usable: {summary}", usable.join(","))})
+            };
+            v["devices"] = serde_json::to_value(devs).unwrap_or_default();
+            v["gpudirect"] = serde_json::to_value(crate::transport::rdma::device::gpudirect(
+                std::path::Path::new("/sys"),
+            ))
+            .unwrap_or_default();
+            v
+        }
+    }
+}
+
+fn print_rdma_devices(devs: &[crate::transport::rdma::RdmaDevice]) {
+    let g = crate::transport::rdma::device::gpudirect(std::path::Path::new("/sys"));
+    println!(
+        "         GPUDirect RDMA: nvidia_peermem {}, nvidia driver {}",
+        if g.peermem { "loaded" } else { "not loaded" },
+        if g.nvidia { "loaded" } else { "not loaded" }
+    );
+    for d in devs {
+        println!(
+            "         {}  pci {}  numa {}  fw {}{}",
+            d.name,
+            d.pci_addr.as_deref().unwrap_or("?"),
+            d.numa_node
+                .map(|n| n.to_string())
+                .unwrap_or_else(|| "?".into()),
+            d.fw_ver.as_deref().unwrap_or("?"),
+            d.verbs_error
+                .as_deref()
+                .map(|e| format!("  (verbs: {e})"))
+                .unwrap_or_default()
+        );
+        for p in &d.ports {
+            println!(
+                "           port {} {} ({}) {}  {}  mtu {}  lid {:#x}",
+                p.num,
+                p.state,
+                p.phys_state,
+                p.link_layer,
+                p.rate,
+                p.active_mtu
+                    .map(|m| m.to_string())
+                    .unwrap_or_else(|| "?".into()),
+                p.lid
+            );
+            for g in &p.gids {
+                println!(
+                    "             gid[{}] {} {} {}",
+                    g.index,
+                    g.gid,
+                    g.kind.as_deref().unwrap_or(""),
+                    g.netdev.as_deref().unwrap_or("")
+                );
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn rdma_info_lists_devices_ports_gids_and_reasons() {
+        let fake = crate::transport::rdma::device::tests::four_nics();
+        let r = crate::transport::rdma::list_devices_at(&fake.0);
+        let v = super::rdma_info(&r);
+        // The fake NICs are not openable by libibverbs: listed, but not available.
+        assert_eq!(v["available"], false);
+        assert_eq!(v["kind"], "no_rdma_device");
+        assert_eq!(v["code"], -700);
+        let devs = v["devices"].as_array().unwrap();
+        assert_eq!(devs.len(), 4);
+        assert_eq!(devs[0]["name"], "mlx5_0");
+        assert_eq!(devs[0]["numa_node"], 0);
+        assert_eq!(devs[0]["ports"][0]["state"], "ACTIVE");
+        assert_eq!(devs[0]["ports"][0]["active_mtu"], 4096);
+        assert_eq!(devs[0]["ports"][0]["link_layer"], "Ethernet");
+        assert_eq!(devs[0]["ports"][0]["gids"][3]["kind"], "RoCE v2");
+        assert_eq!(devs[3]["ports"][0]["state"], "DOWN");
+        assert!(v["detail"]
+            .as_str()
+            .unwrap()
+            .contains("mlx5_3 (port 1 DOWN Ethernet)"));
+
+        let empty = crate::transport::rdma::device::tests::FakeSys::new("info-empty");
+        let v = super::rdma_info(&crate::transport::rdma::list_devices_at(&empty.0));
+        assert_eq!(v["available"], false);
+        assert_eq!(v["code"], -700);
+        assert!(v["detail"].as_str().unwrap().contains("class/infiniband"));
+    }
 }

@@ -21,10 +21,13 @@
 
 pub mod agent;
 pub mod batch;
+pub mod bootstrap;
+pub mod bootstrap_client;
 pub mod memory;
 pub mod peer;
 pub mod plan;
 pub mod ptr;
+pub mod registration;
 pub mod status;
 pub mod topology;
 

@@ -177,40 +177,9 @@ pub fn fill<T: Copy>(
     Ok(Status::Ok)
 }
 
-/// Borrows an opaque handle created by a `*_create`/`*_open` export.
-pub fn handle<'a, T>(p: *const T, what: &str) -> Result<&'a T> {
-    if p.is_null() {
-        return Err(Error::new(
-            Status::NullArgument,
-            format!("{what} handle is NULL"),
-        ));
-    }
-    if !(p as usize).is_multiple_of(align_of::<T>()) {
-        return Err(Error::invalid(format!(
-            "{what} handle is not aligned (not a pdxfer handle?)"
-        )));
-    }
-    // SAFETY: non-NULL and aligned; the caller passes a handle this library created and has not destroyed.
-    Ok(unsafe { &*p })
-}
-
-/// Moves `v` to the heap and writes the new handle to `out`.
-pub fn new_handle<T>(v: T, out: *mut *mut T, what: &str) -> Result<()> {
-    if out.is_null() {
-        return Err(Error::new(
-            Status::NullArgument,
-            format!("{what} output pointer is NULL"),
-        ));
-    }
-    write_out(out, Box::into_raw(Box::new(v)), what)
-}
-
 /// Destroys a handle created by [`new_handle`]; NULL is a no-op.
 pub fn drop_handle<T>(p: *mut T) {
-    if !p.is_null() {
-        // SAFETY: the caller passes a handle from new_handle exactly once (documented on every destroy export).
-        drop(unsafe { Box::from_raw(p) });
-    }
+    drop(take_handle(p));
 }
 
 /// A NUL-terminated UTF-8 string argument.
@@ -232,12 +201,7 @@ pub fn write_c_str(
     cap: usize,
     out_len: *mut usize,
 ) -> Result<Status> {
-    let bytes: Vec<std::ffi::c_char> = s
-        .bytes()
-        .map(|b| b as std::ffi::c_char)
-        .chain(std::iter::once(0))
-        .collect();
-    fill(&bytes, buf, cap, out_len, "string buffer")
+    fill_str(s, buf, cap, out_len, "string buffer")
 }
 
 /// A caller's raw memory range as an address for registration (no access made here).
@@ -251,4 +215,66 @@ pub fn raw_range(p: *mut std::ffi::c_void, len: usize, what: &str) -> Result<*mu
         )));
     }
     Ok(p as *mut u8)
+}
+
+/// Like [`c_str`], but NULL means "not given".
+pub fn opt_c_str<'a>(p: *const std::ffi::c_char, what: &str) -> Result<Option<&'a str>> {
+    if p.is_null() {
+        Ok(None)
+    } else {
+        c_str(p, what).map(Some)
+    }
+}
+
+/// Copies `s` and a terminating NUL into the caller's buffer of `capacity`
+/// bytes, writing the needed size (NUL included) to `out_len`. A NULL buffer
+/// with capacity 0 is a size query.
+pub fn fill_str(
+    s: &str,
+    dst: *mut std::ffi::c_char,
+    capacity: usize,
+    out_len: *mut usize,
+    what: &str,
+) -> Result<Status> {
+    let mut bytes: Vec<std::ffi::c_char> = s.bytes().map(|b| b as std::ffi::c_char).collect();
+    bytes.push(0);
+    fill(&bytes, dst, capacity, out_len, what)
+}
+
+/// Moves `v` to the heap and writes the new handle to `out` (which must not be NULL).
+pub fn new_handle<T>(v: T, out: *mut *mut T, what: &str) -> Result<()> {
+    if out.is_null() {
+        return Err(Error::new(
+            Status::NullArgument,
+            format!("{what} output pointer is NULL"),
+        ));
+    }
+    write_out(out, Box::into_raw(Box::new(v)), what)
+}
+
+/// Borrows a handle created by [`new_handle`]; NULL is an error naming `what`.
+pub fn handle<'a, T>(p: *const T, what: &str) -> Result<&'a T> {
+    if p.is_null() {
+        return Err(Error::new(
+            Status::NullArgument,
+            format!("{what} handle is NULL"),
+        ));
+    }
+    if !(p as usize).is_multiple_of(align_of::<T>()) {
+        return Err(Error::invalid(format!(
+            "{what} handle is not aligned (not a pdxfer handle?)"
+        )));
+    }
+    // SAFETY: non-NULL and aligned; the caller passes a live handle from new_handle, not yet destroyed.
+    Ok(unsafe { &*p })
+}
+
+/// Takes back ownership of a handle for destruction; NULL gives `None`.
+pub fn take_handle<T>(p: *mut T) -> Option<Box<T>> {
+    if p.is_null() {
+        None
+    } else {
+        // SAFETY: the caller passes a handle from new_handle exactly once (destroy contract).
+        Some(unsafe { Box::from_raw(p) })
+    }
 }

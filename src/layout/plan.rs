@@ -284,6 +284,17 @@ impl PairRequest<'_> {
     }
 }
 
+/// Appends a run to `runs`, merging it into the last one when both sides continue.
+pub(crate) fn push_run(runs: &mut Vec<Run>, src: u64, dst: u64, len: u64) {
+    if let Some(last) = runs.last_mut() {
+        if last.src + last.len == src && last.dst + last.len == dst {
+            last.len += len;
+            return;
+        }
+    }
+    runs.push(Run { src, dst, len });
+}
+
 /// Merges consecutive runs whose both sides continue, emitting finished ones
 /// (SGLang's `group_concurrent_contiguous`, streaming).
 #[derive(Default)]

@@ -22,6 +22,8 @@ mod handshake;
 pub mod identity;
 pub mod local;
 pub mod nccl;
+// Nothing in the RDMA transport crosses the C ABI: keep its items out of pdxfer.h.
+/// cbindgen:ignore
 pub mod rdma;
 pub mod tcp;
 pub mod wire;

@@ -1,35 +1,815 @@
-//! NCCL through cudarc, loaded at run time; absent library is [`Status::NoNccl`].
+//! The NCCL transport through cudarc, loaded at run time.
+//!
+//! One communicator per (prefill rank, decode rank) pair: world size 2, the
+//! prefill (sender) is NCCL rank 0, the decode (receiver) rank 1. The prefill
+//! side creates the [`NcclId`] and sends it to the decode side in the
+//! bootstrap handshake (hex in JSON).
+//!
+//! Both sides compute the same [`NcclPlan`] from the same pair request, KV
+//! geometry and [`NcclPlanOptions`], so the receiver posts exactly the recvs
+//! that match the sender's sends, in the same order and the same groups.
+//! [`NcclPlan::digest`] summarises a plan; the two sides exchange digests and
+//! [`check_mirror`] refuses to post anything when they differ, so a mismatched
+//! pair fails with a typed error instead of hanging inside NCCL.
+//!
+//! Modes: **Direct** moves each (entry, run) of the packed plan straight from
+//! the sender's staging buffer into the receiver's pool rows (one send/recv
+//! per run and entry); **Staged** moves the whole pack in large chunks into a
+//! receiver staging buffer, which the receiver then scatters
+//! (`relayout::scatter_spans`). Direct is chosen while the op count is small.
+//!
+//! cudarc's safe NCCL types panic in `Drop` (group end, comm abort), so this
+//! module calls the `nccl::result` functions itself, each behind
+//! `catch_unwind`; a missing library is [`Status::NoNccl`], a failing call
+//! [`Status::Nccl`] with NCCL's result code.
 
 use crate::error::{Error, Result, Status};
+use crate::layout::{byte_ops, PackLayout, PairRequest};
+use std::ops::Range;
 
 /// NCCL version code (e.g. 23203 for 2.32.3), or a typed error.
 pub fn probe() -> Result<i32> {
     #[cfg(feature = "nccl")]
     {
-        // SAFETY: only tries to dlopen the library and reports the result.
-        if !unsafe { cudarc::nccl::sys::is_culib_present() } {
-            return Err(Error::new(
-                Status::NoNccl,
-                "libnccl.so could not be loaded (NCCL wheels ship libnccl.so.2 only: link it as libnccl.so on LD_LIBRARY_PATH)",
-            ));
-        }
-        match std::panic::catch_unwind(cudarc::nccl::result::get_nccl_version) {
-            Ok(Ok(v)) => Ok(v),
-            Ok(Err(e)) => Err(Error::new(
-                Status::Nccl,
-                format!("ncclGetVersion failed: {:?}", e.0),
-            )),
-            Err(_) => Err(Error::new(
-                Status::NoNccl,
-                "libnccl is missing a required symbol",
-            )),
-        }
+        imp::library_present()?;
+        imp::guard("ncclGetVersion", cudarc::nccl::result::get_nccl_version)
     }
     #[cfg(not(feature = "nccl"))]
     {
-        Err(Error::new(
-            Status::Unsupported,
-            "built without the `nccl` feature",
-        ))
+        Err(not_built())
+    }
+}
+
+#[cfg(not(feature = "nccl"))]
+fn not_built() -> Error {
+    Error::new(Status::Unsupported, "built without the `nccl` feature")
+}
+
+/// An NCCL unique id: 128 opaque bytes, created by the prefill side and sent
+/// to the decode side through the bootstrap handshake.
+#[derive(Clone, PartialEq, Eq)]
+pub struct NcclId(pub [u8; 128]);
+
+impl NcclId {
+    /// A fresh id from `ncclGetUniqueId` (needs libnccl, not a GPU).
+    pub fn new() -> Result<NcclId> {
+        #[cfg(feature = "nccl")]
+        {
+            imp::library_present()?;
+            let id = imp::guard("ncclGetUniqueId", cudarc::nccl::result::get_uniqueid)?;
+            Ok(NcclId(id.internal.map(|c| c as u8)))
+        }
+        #[cfg(not(feature = "nccl"))]
+        {
+            Err(not_built())
+        }
+    }
+
+    /// Lower-case hex, 256 characters (for the handshake's JSON).
+    pub fn to_hex(&self) -> String {
+        self.0.iter().map(|b| format!("{b:02x}")).collect()
+    }
+
+    /// Parses [`to_hex`](Self::to_hex) output.
+    pub fn from_hex(s: &str) -> Result<NcclId> {
+        let b = s.as_bytes();
+        if b.len() != 256 {
+            return Err(Error::invalid(format!(
+                "NCCL unique id must be 256 hex characters, got {}",
+                b.len()
+            )));
+        }
+        let mut id = [0u8; 128];
+        for (i, pair) in b.chunks(2).enumerate() {
+            let hex = std::str::from_utf8(pair).ok();
+            id[i] = hex
+                .and_then(|h| u8::from_str_radix(h, 16).ok())
+                .ok_or_else(|| {
+                    Error::invalid(format!("NCCL unique id has a non-hex byte at {}", 2 * i))
+                })?;
+        }
+        Ok(NcclId(id))
+    }
+}
+
+impl std::fmt::Debug for NcclId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "NcclId({}..)", &self.to_hex()[..16])
+    }
+}
+
+/// Which end of the pair this process is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NcclRole {
+    /// The prefill rank: NCCL rank 0, sends from its staging buffer.
+    Sender,
+    /// The decode rank: NCCL rank 1, receives.
+    Receiver,
+}
+
+impl NcclRole {
+    /// NCCL rank in the pair communicator.
+    pub fn rank(self) -> i32 {
+        match self {
+            NcclRole::Sender => 0,
+            NcclRole::Receiver => 1,
+        }
+    }
+}
+
+/// How a pair's bytes travel.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NcclMode {
+    /// One send/recv per (entry, run): receiver writes its pool rows directly.
+    Direct,
+    /// The pack in chunks into a receiver staging buffer, then a scatter.
+    Staged,
+}
+
+/// Knobs both sides must agree on (they are part of the digest).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct NcclPlanOptions {
+    /// Direct mode while the pair has at most this many (entry, run) ops.
+    pub max_direct_ops: usize,
+    /// Staged mode chunk size in bytes.
+    pub chunk_bytes: u64,
+    /// At most this many ops between one ncclGroupStart/End.
+    pub max_group_ops: usize,
+    /// At most this many bytes per group (a single larger op gets its own group).
+    pub max_group_bytes: u64,
+}
+
+impl Default for NcclPlanOptions {
+    fn default() -> Self {
+        NcclPlanOptions {
+            max_direct_ops: 1024,
+            chunk_bytes: 64 << 20,
+            max_group_ops: 256,
+            max_group_bytes: 1 << 30,
+        }
+    }
+}
+
+/// Target of an op's bytes on this side.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NcclBuffer {
+    /// The side's staging (pack) buffer.
+    Staging,
+    /// Pool entry (layer) `e` of the receiver.
+    Entry(u32),
+}
+
+/// One send (sender) or recv (receiver) of `len` bytes at `offset` of `buffer`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct NcclOp {
+    /// Which buffer.
+    pub buffer: NcclBuffer,
+    /// Byte offset from that buffer's base.
+    pub offset: u64,
+    /// Bytes.
+    pub len: u64,
+}
+
+/// The ordered, grouped operations of one side of a pair.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NcclPlan {
+    /// This side's role.
+    pub role: NcclRole,
+    /// Chosen mode (the same on both sides).
+    pub mode: NcclMode,
+    /// Packed layout of the pair's tokens (sender staging, and the receiver's in Staged mode).
+    pub pack: PackLayout,
+    /// Operations in posting order.
+    pub ops: Vec<NcclOp>,
+    /// Index ranges of `ops`, one ncclGroupStart/End each.
+    pub groups: Vec<Range<usize>>,
+    /// Role-independent summary of the wire traffic (see [`check_mirror`]).
+    pub digest: u64,
+}
+
+impl NcclPlan {
+    /// Builds one side's plan. Both sides get the same mode, lengths, groups
+    /// and digest from the same inputs.
+    pub fn build(
+        req: &PairRequest<'_>,
+        row_bytes: &[u64],
+        role: NcclRole,
+        opts: &NcclPlanOptions,
+    ) -> Result<NcclPlan> {
+        if opts.chunk_bytes == 0 || opts.max_group_ops == 0 {
+            return Err(Error::invalid(
+                "NCCL plan options: chunk_bytes and max_group_ops must be >= 1",
+            ));
+        }
+        let runs = req.runs(true)?;
+        let pack = PackLayout::new(req.token_count(), row_bytes)?;
+        let direct = byte_ops(&runs, row_bytes, Some(&pack));
+        let direct: Vec<_> = direct.into_iter().filter(|o| o.len > 0).collect();
+        let mode = if direct.len() <= opts.max_direct_ops {
+            NcclMode::Direct
+        } else {
+            NcclMode::Staged
+        };
+        let ops: Vec<NcclOp> = match mode {
+            NcclMode::Direct => direct
+                .iter()
+                .map(|o| match role {
+                    NcclRole::Sender => NcclOp {
+                        buffer: NcclBuffer::Staging,
+                        offset: o.src_offset,
+                        len: o.len,
+                    },
+                    NcclRole::Receiver => NcclOp {
+                        buffer: NcclBuffer::Entry(o.entry),
+                        offset: o.dst_offset,
+                        len: o.len,
+                    },
+                })
+                .collect(),
+            NcclMode::Staged => (0..pack.total_bytes.div_ceil(opts.chunk_bytes))
+                .map(|k| {
+                    let off = k * opts.chunk_bytes;
+                    NcclOp {
+                        buffer: NcclBuffer::Staging,
+                        offset: off,
+                        len: opts.chunk_bytes.min(pack.total_bytes - off),
+                    }
+                })
+                .collect(),
+        };
+        let groups = group_ops(&ops, opts);
+        let mut pair = vec![req.start, req.num_tokens, req.src.rank, req.dst.rank];
+        for l in [&req.src.layout, &req.dst.layout] {
+            pair.extend([l.page_size, l.dcp_size, l.interleave]);
+        }
+        pair.extend(row_bytes);
+        let digest = digest(&pair, mode, &ops, &groups, opts);
+        Ok(NcclPlan {
+            role,
+            mode,
+            pack,
+            ops,
+            groups,
+            digest,
+        })
+    }
+
+    /// Bytes on the wire.
+    pub fn total_bytes(&self) -> u64 {
+        self.ops.iter().map(|o| o.len).sum()
+    }
+
+    /// True when the receiver must scatter its staging buffer afterwards.
+    pub fn needs_scatter(&self) -> bool {
+        self.role == NcclRole::Receiver && self.mode == NcclMode::Staged
+    }
+}
+
+/// Splits `ops` into groups of at most `max_group_ops` ops and
+/// `max_group_bytes` bytes (an op larger than that is a group of its own).
+pub fn group_ops(ops: &[NcclOp], opts: &NcclPlanOptions) -> Vec<Range<usize>> {
+    let mut groups = Vec::new();
+    let (mut start, mut bytes) = (0usize, 0u64);
+    for (i, op) in ops.iter().enumerate() {
+        let full = i - start >= opts.max_group_ops.max(1)
+            || (i > start && bytes.saturating_add(op.len) > opts.max_group_bytes);
+        if full {
+            groups.push(start..i);
+            start = i;
+            bytes = 0;
+        }
+        bytes = bytes.saturating_add(op.len);
+    }
+    if start < ops.len() {
+        groups.push(start..ops.len());
+    }
+    groups
+}
+
+/// FNV-1a over what both sides must agree on: the pair (token range, ranks,
+/// layouts, row bytes), mode, options, every op's length and the group
+/// boundaries (not offsets or page ids, which are side-local).
+fn digest(
+    pair: &[u64],
+    mode: NcclMode,
+    ops: &[NcclOp],
+    groups: &[Range<usize>],
+    o: &NcclPlanOptions,
+) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    let mut eat = |v: u64| {
+        for b in v.to_le_bytes() {
+            h ^= u64::from(b);
+            h = h.wrapping_mul(0x0000_0100_0000_01b3);
+        }
+    };
+    eat(pair.len() as u64);
+    for &v in pair {
+        eat(v);
+    }
+    eat(mode as u64);
+    eat(o.max_direct_ops as u64);
+    eat(o.chunk_bytes);
+    eat(o.max_group_ops as u64);
+    eat(o.max_group_bytes);
+    eat(ops.len() as u64);
+    for op in ops {
+        eat(op.len);
+    }
+    for g in groups {
+        eat(g.end as u64);
+    }
+    h
+}
+
+/// Refuses to post when the peer's plan digest differs from ours.
+pub fn check_mirror(local: &NcclPlan, remote_digest: u64) -> Result<()> {
+    if local.digest == remote_digest {
+        return Ok(());
+    }
+    Err(Error::new(
+        Status::NcclPlanMismatch,
+        format!(
+            "NCCL {:?} plan digest {:#018x} differs from the peer's {:#018x} ({:?} mode, {} ops, {} B here): the two sides computed different plans (different pair request, KV geometry or NCCL plan options); nothing was posted",
+            local.role,
+            local.digest,
+            remote_digest,
+            local.mode,
+            local.ops.len(),
+            local.total_bytes()
+        ),
+    ))
+}
+
+#[cfg(feature = "nccl")]
+pub use imp::NcclPair;
+
+#[cfg(feature = "nccl")]
+mod imp {
+    use super::{NcclBuffer, NcclId, NcclPlan, NcclRole};
+    use crate::error::{Error, Result, Status};
+    use cudarc::nccl::{result, sys};
+    use std::panic::{catch_unwind, AssertUnwindSafe};
+
+    pub(super) fn library_present() -> Result<()> {
+        // SAFETY: only tries to dlopen the library and reports the result.
+        if unsafe { sys::is_culib_present() } {
+            Ok(())
+        } else {
+            Err(Error::new(
+                Status::NoNccl,
+                "libnccl.so could not be loaded (NCCL wheels ship libnccl.so.2 only: link it as libnccl.so on LD_LIBRARY_PATH; scripts/cuda-deps.sh does)",
+            ))
+        }
+    }
+
+    /// Runs one NCCL call: its error becomes [`Status::Nccl`] with the
+    /// result code, a panic (missing symbol) [`Status::NoNccl`].
+    pub(super) fn guard<T>(
+        what: &str,
+        f: impl FnOnce() -> std::result::Result<T, result::NcclError>,
+    ) -> Result<T> {
+        match catch_unwind(AssertUnwindSafe(f)) {
+            Ok(Ok(v)) => Ok(v),
+            Ok(Err(e)) => Err(Error::new(
+                Status::Nccl,
+                format!("{what} failed: {:?}", e.0),
+            )),
+            Err(_) => Err(Error::new(
+                Status::NoNccl,
+                format!("{what}: libnccl is missing a required symbol"),
+            )),
+        }
+    }
+
+    fn no_driver() -> Error {
+        Error::new(
+            Status::NoCudaDriver,
+            "no CUDA driver: libcuda.so / libcuda.so.1 could not be loaded, so no NCCL communicator can be created",
+        )
+    }
+
+    /// A two-rank communicator for one (prefill rank, decode rank) pair.
+    pub struct NcclPair {
+        comm: sys::ncclComm_t,
+        role: NcclRole,
+        stream: sys::cudaStream_t,
+        _ctx: std::sync::Arc<cudarc::driver::CudaContext>,
+    }
+
+    // SAFETY: an NCCL communicator may be used from any thread, one at a time;
+    // NcclPair methods take &mut self for every call that uses it.
+    unsafe impl Send for NcclPair {}
+
+    impl NcclPair {
+        /// Joins the pair's communicator (blocks until the peer joins too).
+        /// `stream` is the raw `CUstream` the ops are enqueued on (e.g. the
+        /// relayout stream, so sends follow the gather without a host wait).
+        pub fn connect(
+            id: &NcclId,
+            role: NcclRole,
+            ordinal: usize,
+            stream: u64,
+        ) -> Result<NcclPair> {
+            // SAFETY: only tries to dlopen the library.
+            if !unsafe { cudarc::driver::sys::is_culib_present() } {
+                return Err(no_driver());
+            }
+            library_present()?;
+            let ctx = match catch_unwind(|| cudarc::driver::CudaContext::new(ordinal)) {
+                Ok(Ok(c)) => c,
+                Ok(Err(e)) => {
+                    return Err(Error::new(
+                        Status::Nccl,
+                        format!("CUDA context for device {ordinal}: {e}"),
+                    ))
+                }
+                Err(_) => return Err(no_driver()),
+            };
+            let bound = catch_unwind(AssertUnwindSafe(|| ctx.bind_to_thread()));
+            if !matches!(bound, Ok(Ok(()))) {
+                return Err(Error::new(
+                    Status::Nccl,
+                    format!("cannot bind device {ordinal} to this thread"),
+                ));
+            }
+            let uid = sys::ncclUniqueId {
+                internal: id.0.map(|b| b as std::ffi::c_char),
+            };
+            let mut comm: sys::ncclComm_t = std::ptr::null_mut();
+            // SAFETY: comm is a valid out-pointer; world size 2, rank 0 or 1.
+            guard("ncclCommInitRank", || unsafe {
+                result::comm_init_rank(&mut comm, 2, uid, role.rank())
+            })?;
+            Ok(NcclPair {
+                comm,
+                role,
+                stream: stream as usize as sys::cudaStream_t,
+                _ctx: ctx,
+            })
+        }
+
+        /// Posts the plan's ops on the stream, grouped as planned. Sender ops
+        /// read `staging`; receiver ops write `staging` (Staged mode) or the
+        /// pool entries at `entry_bases` (Direct mode). A failure inside a
+        /// group still ends the group before returning the error.
+        ///
+        /// # Safety
+        /// Every op's range must be valid device memory of the pair's device
+        /// until the stream has executed the ops, and the peer must post the
+        /// mirrored plan (check digests with [`super::check_mirror`] first).
+        pub unsafe fn post(
+            &mut self,
+            plan: &NcclPlan,
+            staging: u64,
+            entry_bases: &[u64],
+        ) -> Result<()> {
+            if plan.role != self.role {
+                return Err(Error::invalid(format!(
+                    "plan is for the {:?} but this pair end is the {:?}",
+                    plan.role, self.role
+                )));
+            }
+            let peer = 1 - self.role.rank();
+            for g in &plan.groups {
+                guard("ncclGroupStart", result::group_start)?;
+                let mut first_err = None;
+                for op in &plan.ops[g.clone()] {
+                    let base = match op.buffer {
+                        NcclBuffer::Staging => staging,
+                        NcclBuffer::Entry(e) => match entry_bases.get(e as usize) {
+                            Some(&b) => b,
+                            None => {
+                                first_err = Some(Error::invalid(format!(
+                                    "NCCL op names entry {e} but {} entry bases were given",
+                                    entry_bases.len()
+                                )));
+                                break;
+                            }
+                        },
+                    };
+                    let ptr = (base + op.offset) as usize;
+                    let (comm, stream, len) = (self.comm, self.stream, op.len as usize);
+                    let r = match self.role {
+                        // SAFETY: the caller guarantees the ranges (see above).
+                        NcclRole::Sender => guard("ncclSend", || unsafe {
+                            result::send(
+                                ptr as *const _,
+                                len,
+                                sys::ncclDataType_t::ncclUint8,
+                                peer,
+                                comm,
+                                stream,
+                            )
+                        }),
+                        // SAFETY: as above.
+                        NcclRole::Receiver => guard("ncclRecv", || unsafe {
+                            result::recv(
+                                ptr as *mut _,
+                                len,
+                                sys::ncclDataType_t::ncclUint8,
+                                peer,
+                                comm,
+                                stream,
+                            )
+                        }),
+                    };
+                    if let Err(e) = r {
+                        first_err = Some(e);
+                        break;
+                    }
+                }
+                let end = guard("ncclGroupEnd", result::group_end);
+                if let Some(e) = first_err {
+                    return Err(e);
+                }
+                end?;
+            }
+            Ok(())
+        }
+    }
+
+    impl std::fmt::Debug for NcclPair {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.debug_struct("NcclPair")
+                .field("role", &self.role)
+                .finish()
+        }
+    }
+
+    impl Drop for NcclPair {
+        fn drop(&mut self) {
+            if self.comm.is_null() {
+                return;
+            }
+            let comm = self.comm;
+            // Errors cannot be reported from Drop; they are ignored, never panicked on.
+            // SAFETY: comm came from ncclCommInitRank and is released once.
+            let _ = catch_unwind(|| unsafe { result::comm_abort(comm) });
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::layout::{DcpLayout, SglangChunk, Side};
+
+    fn worked_example(rank: u64) -> (Vec<u64>, Vec<u64>, u64) {
+        (vec![7, 3, 12, 5, 20], vec![40, 9], rank)
+    }
+
+    fn chunk<'a>(s: &'a [u64], d: &'a [u64], r: u64) -> PairRequest<'a> {
+        SglangChunk {
+            src_pages: s,
+            dst_pages: d,
+            page_size: 64,
+            dcp_size: 4,
+            dcp_rank: r,
+            src_page_offset: 0,
+            decode_prefix_len: 0,
+            num_tokens: Some(300),
+        }
+        .to_pair()
+        .unwrap()
+    }
+
+    #[test]
+    fn sender_and_receiver_mirror_the_worked_example() {
+        let (s, d, r) = worked_example(1);
+        let req = chunk(&s, &d, r);
+        let rows = vec![1152u64; 61];
+        let o = NcclPlanOptions::default();
+        let tx = NcclPlan::build(&req, &rows, NcclRole::Sender, &o).unwrap();
+        let rx = NcclPlan::build(&req, &rows, NcclRole::Receiver, &o).unwrap();
+        assert_eq!(tx.mode, NcclMode::Direct);
+        assert_eq!(tx.ops.len(), 122, "2 runs x 61 layers (reference 4.5)");
+        assert_eq!(tx.digest, rx.digest);
+        assert_eq!(tx.groups, rx.groups);
+        let lens = |p: &NcclPlan| p.ops.iter().map(|o| o.len).collect::<Vec<_>>();
+        assert_eq!(lens(&tx), lens(&rx));
+        assert_eq!(tx.total_bytes(), 5_270_400);
+        assert_eq!(
+            (tx.ops[0], rx.ops[0]),
+            (
+                NcclOp {
+                    buffer: NcclBuffer::Staging,
+                    offset: 0,
+                    len: 73_728
+                },
+                NcclOp {
+                    buffer: NcclBuffer::Entry(0),
+                    offset: 2_949_120,
+                    len: 73_728
+                }
+            )
+        );
+        assert_eq!(rx.ops[3].buffer, NcclBuffer::Entry(1));
+        assert!(!rx.needs_scatter());
+        check_mirror(&rx, tx.digest).unwrap();
+    }
+
+    #[test]
+    fn many_ops_switch_to_staged_chunks() {
+        let (s, d, r) = worked_example(2);
+        let req = chunk(&s, &d, r);
+        let rows = vec![1152u64; 61];
+        let o = NcclPlanOptions {
+            max_direct_ops: 100,
+            chunk_bytes: 1 << 20,
+            ..Default::default()
+        };
+        let tx = NcclPlan::build(&req, &rows, NcclRole::Sender, &o).unwrap();
+        let rx = NcclPlan::build(&req, &rows, NcclRole::Receiver, &o).unwrap();
+        assert_eq!(tx.mode, NcclMode::Staged);
+        assert!(rx.needs_scatter() && !tx.needs_scatter());
+        assert_eq!(
+            tx.ops, rx.ops,
+            "staged ops are staging-to-staging on both sides"
+        );
+        assert_eq!(tx.ops.len(), 6); // 5,270,400 B in 1 MiB chunks
+        assert_eq!(tx.ops[5].len, 5_270_400 - 5 * (1 << 20));
+        assert_eq!(tx.total_bytes(), tx.pack.total_bytes);
+    }
+
+    #[test]
+    fn random_pairs_mirror() {
+        // General layouts (interleave, DCP on both sides): lengths and groups agree,
+        // and the receiver's direct ops cover exactly its destination rows.
+        let mut seed = 12345u64;
+        let mut next = move |n: u64| {
+            seed = seed
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            (seed >> 33) % n
+        };
+        for _ in 0..200 {
+            let ps = [1u64, 2, 4, 8][next(4) as usize];
+            let pd = [1u64, 2, 4, 8][next(4) as usize];
+            let ws = 1 + next(3);
+            let wd = 1 + next(4);
+            let src = DcpLayout::new(ps, ws, 1).unwrap();
+            let dst =
+                DcpLayout::new(pd, wd, if pd.is_multiple_of(2) { 1 + next(2) } else { 1 }).unwrap();
+            let n = 1 + next(200);
+            let spages: Vec<u64> = (0..n.div_ceil(ps * ws) + 1).map(|i| i * 3 + 1).collect();
+            let dpages: Vec<u64> = (0..n.div_ceil(pd * wd) + 1).map(|i| i * 5 + 2).collect();
+            let req = PairRequest {
+                src: Side {
+                    layout: src,
+                    rank: next(ws),
+                    pages: &spages,
+                    origin: 0,
+                },
+                dst: Side {
+                    layout: dst,
+                    rank: next(wd),
+                    pages: &dpages,
+                    origin: 0,
+                },
+                start: 0,
+                num_tokens: n,
+            };
+            if req.validate().is_err() {
+                continue;
+            }
+            let rows: Vec<u64> = (0..1 + next(4)).map(|_| 1 + next(100)).collect();
+            let o = NcclPlanOptions {
+                max_direct_ops: next(2000) as usize,
+                chunk_bytes: 1 + next(5000),
+                max_group_ops: 1 + next(50) as usize,
+                max_group_bytes: 1 + next(20_000),
+            };
+            let tx = NcclPlan::build(&req, &rows, NcclRole::Sender, &o).unwrap();
+            let rx = NcclPlan::build(&req, &rows, NcclRole::Receiver, &o).unwrap();
+            assert_eq!(tx.digest, rx.digest);
+            assert_eq!(tx.groups, rx.groups);
+            assert!(tx.ops.iter().zip(&rx.ops).all(|(a, b)| a.len == b.len));
+            assert_eq!(tx.total_bytes(), tx.pack.total_bytes);
+            for g in &tx.groups {
+                assert!(!g.is_empty() && g.len() <= o.max_group_ops);
+                let b: u64 = tx.ops[g.clone()].iter().map(|x| x.len).sum();
+                assert!(g.len() == 1 || b <= o.max_group_bytes);
+            }
+            if rx.mode == NcclMode::Direct {
+                // every destination row byte of every entry exactly once
+                let plan = req.plan().unwrap();
+                for (e, &rb) in rows.iter().enumerate() {
+                    let mut want: Vec<u64> = plan.dst_rows.iter().map(|r| r * rb).collect();
+                    let mut got: Vec<u64> = rx
+                        .ops
+                        .iter()
+                        .filter(|op| op.buffer == NcclBuffer::Entry(e as u32))
+                        .flat_map(|op| (0..op.len / rb).map(move |k| op.offset + k * rb))
+                        .collect();
+                    want.sort_unstable();
+                    got.sort_unstable();
+                    assert_eq!(got, want);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn mismatched_plans_are_refused() {
+        let (s, d, r) = worked_example(1);
+        let req = chunk(&s, &d, r);
+        let o = NcclPlanOptions::default();
+        let tx = NcclPlan::build(&req, &[1152; 61], NcclRole::Sender, &o).unwrap();
+        // receiver with other geometry, other options, other rank
+        let rx1 = NcclPlan::build(&req, &[576; 61], NcclRole::Receiver, &o).unwrap();
+        let o2 = NcclPlanOptions {
+            max_group_ops: 7,
+            ..o
+        };
+        let rx2 = NcclPlan::build(&req, &[1152; 61], NcclRole::Receiver, &o2).unwrap();
+        let req3 = chunk(&s, &d, 0);
+        let rx3 = NcclPlan::build(&req3, &[1152; 61], NcclRole::Receiver, &o).unwrap();
+        for rx in [rx1, rx2, rx3] {
+            let e = check_mirror(&rx, tx.digest).unwrap_err();
+            assert_eq!(e.status(), Status::NcclPlanMismatch);
+            assert!(e.detail().contains("nothing was posted"), "{e}");
+        }
+        let bad = NcclPlanOptions {
+            chunk_bytes: 0,
+            ..o
+        };
+        assert!(NcclPlan::build(&req, &[1], NcclRole::Sender, &bad).is_err());
+    }
+
+    #[test]
+    fn grouping_limits() {
+        let op = |len| NcclOp {
+            buffer: NcclBuffer::Staging,
+            offset: 0,
+            len,
+        };
+        let ops = [op(10), op(10), op(100), op(5), op(5), op(5)];
+        let o = NcclPlanOptions {
+            max_group_ops: 2,
+            max_group_bytes: 25,
+            ..Default::default()
+        };
+        assert_eq!(group_ops(&ops, &o), vec![0..2, 2..3, 3..5, 5..6]);
+        assert!(group_ops(&[], &o).is_empty());
+    }
+
+    #[test]
+    fn id_hex_roundtrip() {
+        let mut raw = [0u8; 128];
+        for (i, b) in raw.iter_mut().enumerate() {
+            *b = (i * 37) as u8;
+        }
+        let id = NcclId(raw);
+        let h = id.to_hex();
+        assert_eq!(h.len(), 256);
+        assert_eq!(NcclId::from_hex(&h).unwrap(), id);
+        assert!(NcclId::from_hex(&h[..10]).is_err());
+        let mut bad = h.clone();
+        bad.replace_range(4..6, "zz");
+        assert!(NcclId::from_hex(&bad)
+            .unwrap_err()
+            .detail()
+            .contains("at 4"));
+    }
+
+    /// With the PyPI NCCL (scripts/cuda-deps.sh: libnccl.so link on
+    /// LD_LIBRARY_PATH) the version and a unique id come back without a GPU.
+    /// `PDXFER_REQUIRE_CUDA_TOOLS=1` turns a missing library into a failure.
+    #[test]
+    fn library_version_and_unique_id() {
+        match probe() {
+            Ok(v) => {
+                assert!(v >= 21800, "NCCL {v} is too old for point-to-point groups");
+                let a = NcclId::new().unwrap();
+                let b = NcclId::new().unwrap();
+                assert_ne!(a, b, "two unique ids must differ");
+            }
+            Err(e) => {
+                assert!(
+                    matches!(e.status(), Status::NoNccl | Status::Unsupported),
+                    "{e}"
+                );
+                assert_eq!(NcclId::new().unwrap_err().status(), e.status());
+                assert!(
+                    std::env::var_os("PDXFER_REQUIRE_CUDA_TOOLS").is_none(),
+                    "PDXFER_REQUIRE_CUDA_TOOLS is set but libnccl is unusable: {e}"
+                );
+                eprintln!("skipped: {e}");
+            }
+        }
+    }
+
+    #[cfg(feature = "nccl")]
+    #[test]
+    fn connect_without_gpu_is_typed() {
+        // SAFETY: only tries to dlopen the library.
+        if unsafe { cudarc::driver::sys::is_culib_present() } {
+            eprintln!("skipped: a CUDA driver is present");
+            return;
+        }
+        let id = NcclId([1; 128]);
+        let e = NcclPair::connect(&id, NcclRole::Receiver, 0, 0).unwrap_err();
+        assert_eq!(e.status(), Status::NoCudaDriver, "{e}");
     }
 }

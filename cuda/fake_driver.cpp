@@ -1,0 +1,263 @@
+// A stand-in libcuda.so for machines without a GPU: the CUDA driver calls that
+// pdxfer's relayout makes, implemented on the CPU, with kernel launches run by
+// the host harness (the very same cuda/relayout.cu source). "Device" memory
+// is host memory and every operation completes before it returns, so events
+// are always complete. tests/fake_driver.rs builds it with g++ as
+// libcuda.so and runs the device code path (GpuRelayout, the self-check and
+// the benchmark loop) in a child process whose LD_LIBRARY_PATH finds it.
+//
+// It checks what a real driver would reject where it is cheap to do so:
+// launches of functions it did not hand out, unknown streams/events, copies
+// touching memory it did not allocate, and a wrong kernel block size.
+#include "host_harness.h"
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <mutex>
+
+typedef int CUresult;
+typedef int CUdevice;
+typedef unsigned long long CUdeviceptr;
+typedef void* CUcontext;
+typedef void* CUstream;
+typedef void* CUevent;
+typedef void* CUmodule;
+typedef void* CUfunction;
+
+enum {
+    OK = 0,
+    ERR_INVALID_VALUE = 1,
+    ERR_OOM = 2,
+    ERR_NOT_INIT = 3,
+    ERR_INVALID_DEVICE = 101,
+    ERR_INVALID_HANDLE = 400,
+    ERR_NOT_FOUND = 500,
+    ERR_LAUNCH_FAILED = 719,
+};
+
+static int g_ctx_token;
+static int g_gather_token;
+static int g_scatter_token;
+static int g_module_token;
+static thread_local CUcontext g_current = nullptr;
+static std::mutex g_mu;
+static std::map<CUdeviceptr, size_t> g_allocs;  // base -> size
+static std::map<void*, double> g_events;        // event -> record time (ms)
+static std::map<void*, int> g_streams;
+static bool g_inited = false;
+
+static double now_ms() {
+    using namespace std::chrono;
+    return duration<double, std::milli>(steady_clock::now().time_since_epoch()).count();
+}
+
+// True when [p, p + n) lies inside one allocation.
+static bool owned(CUdeviceptr p, size_t n) {
+    std::lock_guard<std::mutex> l(g_mu);
+    auto it = g_allocs.upper_bound(p);
+    if (it == g_allocs.begin()) return false;
+    --it;
+    return p >= it->first && p + n <= it->first + it->second;
+}
+
+static bool stream_ok(CUstream s) {
+    std::lock_guard<std::mutex> l(g_mu);
+    return s == nullptr || g_streams.count(s) > 0;
+}
+
+extern "C" {
+
+CUresult cuInit(unsigned int) {
+    g_inited = true;
+    return OK;
+}
+CUresult cuDriverGetVersion(int* v) {
+    *v = 12080;
+    return OK;
+}
+CUresult cuDeviceGetCount(int* n) {
+    if (!g_inited) return ERR_NOT_INIT;
+    *n = 1;
+    return OK;
+}
+CUresult cuDeviceGet(CUdevice* d, int ordinal) {
+    if (!g_inited) return ERR_NOT_INIT;
+    if (ordinal != 0) return ERR_INVALID_DEVICE;
+    *d = 0;
+    return OK;
+}
+CUresult cuDeviceGetName(char* name, int len, CUdevice) {
+    snprintf(name, (size_t)len, "pdxfer fake CUDA device (CPU)");
+    return OK;
+}
+CUresult cuDeviceGetAttribute(int* v, int attr, CUdevice) {
+    switch (attr) {
+        case 75: *v = 9; break;   // compute capability major
+        case 76: *v = 0; break;   // minor
+        default: *v = 0; break;   // no memory pools, nothing else
+    }
+    return OK;
+}
+CUresult cuDevicePrimaryCtxRetain(CUcontext* c, CUdevice d) {
+    if (d != 0) return ERR_INVALID_DEVICE;
+    *c = &g_ctx_token;
+    return OK;
+}
+CUresult cuDevicePrimaryCtxRelease_v2(CUdevice) { return OK; }
+CUresult cuCtxGetCurrent(CUcontext* c) {
+    *c = g_current;
+    return OK;
+}
+CUresult cuCtxSetCurrent(CUcontext c) {
+    if (c != nullptr && c != &g_ctx_token) return ERR_INVALID_HANDLE;
+    g_current = c;
+    return OK;
+}
+CUresult cuCtxSynchronize() { return OK; }
+
+CUresult cuStreamCreate(CUstream* s, unsigned int) {
+    std::lock_guard<std::mutex> l(g_mu);
+    *s = malloc(1);
+    g_streams[*s] = 1;
+    return OK;
+}
+CUresult cuStreamDestroy_v2(CUstream s) {
+    std::lock_guard<std::mutex> l(g_mu);
+    if (!g_streams.erase(s)) return ERR_INVALID_HANDLE;
+    free(s);
+    return OK;
+}
+CUresult cuStreamSynchronize(CUstream s) { return stream_ok(s) ? OK : ERR_INVALID_HANDLE; }
+CUresult cuStreamWaitEvent(CUstream s, CUevent, unsigned int) {
+    return stream_ok(s) ? OK : ERR_INVALID_HANDLE;
+}
+
+CUresult cuMemAlloc_v2(CUdeviceptr* p, size_t n) {
+    if (g_current != &g_ctx_token) return ERR_INVALID_HANDLE;  // no context bound
+    void* m = aligned_alloc(256, (n + 255) / 256 * 256);
+    if (!m) return ERR_OOM;
+    std::lock_guard<std::mutex> l(g_mu);
+    *p = (CUdeviceptr)m;
+    g_allocs[*p] = n;
+    return OK;
+}
+CUresult cuMemFree_v2(CUdeviceptr p) {
+    std::lock_guard<std::mutex> l(g_mu);
+    if (!g_allocs.erase(p)) return ERR_INVALID_VALUE;
+    free((void*)p);
+    return OK;
+}
+CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr d, const void* h, size_t n, CUstream s) {
+    if (!stream_ok(s) || !owned(d, n)) return ERR_INVALID_VALUE;
+    memcpy((void*)d, h, n);
+    return OK;
+}
+CUresult cuMemcpyHtoD_v2(CUdeviceptr d, const void* h, size_t n) {
+    return cuMemcpyHtoDAsync_v2(d, h, n, nullptr);
+}
+CUresult cuMemcpyDtoHAsync_v2(void* h, CUdeviceptr d, size_t n, CUstream s) {
+    if (!stream_ok(s) || !owned(d, n)) return ERR_INVALID_VALUE;
+    memcpy(h, (const void*)d, n);
+    return OK;
+}
+CUresult cuMemcpyDtoH_v2(void* h, CUdeviceptr d, size_t n) {
+    return cuMemcpyDtoHAsync_v2(h, d, n, nullptr);
+}
+CUresult cuMemcpyDtoDAsync_v2(CUdeviceptr d, CUdeviceptr s, size_t n, CUstream st) {
+    if (!stream_ok(st) || !owned(d, n) || !owned(s, n)) return ERR_INVALID_VALUE;
+    memmove((void*)d, (const void*)s, n);
+    return OK;
+}
+CUresult cuMemsetD8Async(CUdeviceptr d, unsigned char v, size_t n, CUstream s) {
+    if (!stream_ok(s) || !owned(d, n)) return ERR_INVALID_VALUE;
+    memset((void*)d, v, n);
+    return OK;
+}
+
+CUresult cuEventCreate(CUevent* e, unsigned int) {
+    std::lock_guard<std::mutex> l(g_mu);
+    *e = malloc(1);
+    g_events[*e] = 0.0;
+    return OK;
+}
+CUresult cuEventDestroy_v2(CUevent e) {
+    std::lock_guard<std::mutex> l(g_mu);
+    if (!g_events.erase(e)) return ERR_INVALID_HANDLE;
+    free(e);
+    return OK;
+}
+CUresult cuEventRecord(CUevent e, CUstream s) {
+    if (!stream_ok(s)) return ERR_INVALID_HANDLE;
+    std::lock_guard<std::mutex> l(g_mu);
+    auto it = g_events.find(e);
+    if (it == g_events.end()) return ERR_INVALID_HANDLE;
+    it->second = now_ms();
+    return OK;
+}
+CUresult cuEventQuery(CUevent e) {
+    std::lock_guard<std::mutex> l(g_mu);
+    return g_events.count(e) ? OK : ERR_INVALID_HANDLE;
+}
+CUresult cuEventSynchronize(CUevent e) { return cuEventQuery(e); }
+CUresult cuEventElapsedTime(float* ms, CUevent a, CUevent b) {
+    std::lock_guard<std::mutex> l(g_mu);
+    auto ia = g_events.find(a), ib = g_events.find(b);
+    if (ia == g_events.end() || ib == g_events.end()) return ERR_INVALID_HANDLE;
+    *ms = (float)(ib->second - ia->second);
+    return OK;
+}
+CUresult cuEventElapsedTime_v2(float* ms, CUevent a, CUevent b) {
+    return cuEventElapsedTime(ms, a, b);
+}
+
+CUresult cuModuleLoadData(CUmodule* m, const void* image) {
+    if (image == nullptr) return ERR_INVALID_VALUE;
+    *m = &g_module_token;
+    return OK;
+}
+CUresult cuModuleUnload(CUmodule m) { return m == &g_module_token ? OK : ERR_INVALID_HANDLE; }
+CUresult cuModuleGetFunction(CUfunction* f, CUmodule m, const char* name) {
+    if (m != &g_module_token) return ERR_INVALID_HANDLE;
+    if (strcmp(name, "pdx_gather") == 0)
+        *f = &g_gather_token;
+    else if (strcmp(name, "pdx_scatter") == 0)
+        *f = &g_scatter_token;
+    else
+        return ERR_NOT_FOUND;
+    return OK;
+}
+CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx,
+                        unsigned by, unsigned bz, unsigned shmem, CUstream s, void** params,
+                        void** extra) {
+    if (!stream_ok(s) || extra != nullptr || params == nullptr) return ERR_INVALID_VALUE;
+    if (bx * by * bz > PDX_THREADS_PER_BLOCK || shmem != 0) return ERR_LAUNCH_FAILED;
+    void (*k)(const PdxCopyEntry*, pdx_u32, const PdxSpan*, pdx_u64);
+    if (f == &g_gather_token)
+        k = pdx_gather;
+    else if (f == &g_scatter_token)
+        k = pdx_scatter;
+    else
+        return ERR_INVALID_HANDLE;
+    const PdxCopyEntry* entries = (const PdxCopyEntry*)*(const pdx_u64*)params[0];
+    pdx_u32 ne = *(const pdx_u32*)params[1];
+    const PdxSpan* spans = (const PdxSpan*)*(const pdx_u64*)params[2];
+    pdx_u64 ns = *(const pdx_u64*)params[3];
+    if (!owned((CUdeviceptr)entries, sizeof(PdxCopyEntry) * ne) ||
+        !owned((CUdeviceptr)spans, sizeof(PdxSpan) * ns))
+        return ERR_INVALID_VALUE;  // tables must live in device memory
+    pdx_host_launch(k, pdx_dim3{gx, gy, gz}, pdx_dim3{bx, by, bz}, entries, ne, spans, ns);
+    return OK;
+}
+
+CUresult cuGetErrorString(CUresult, const char** s) {
+    *s = "fake CUDA driver error";
+    return OK;
+}
+CUresult cuGetErrorName(CUresult, const char** s) {
+    *s = "CUDA_ERROR_FAKE";
+    return OK;
+}
+}

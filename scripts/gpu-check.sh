@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# GPU check: kernel correctness against the CPU relayout, then the gather
+# kernel against a device-to-device memcpy of the same bytes (131,072 tokens,
+# 61 layers, 576 bf16 per row, DCP 4 and 16). Runs on a machine with an NVIDIA
+# GPU and no Rust toolchain, from a binary built on a build machine:
+#
+#   # on the build machine (nvcc from scripts/cuda-deps.sh embeds an sm_90 cubin + PTX)
+#   eval "$(scripts/cuda-deps.sh)"
+#   cargo build --release --example gpu_check --no-default-features --features cuda
+#   strip -o target/gpu-check target/release/examples/gpu_check     # ~2 MB
+#   # then run this script on the GPU host with target/gpu-check carried along
+#   # (device tool: carry=["target/gpu-check"], command="scripts/gpu-check.sh")
+#
+# The binary loads its kernels from, in order: $PDXFER_KERNEL_MODULE, the
+# embedded sm_90 cubin, the embedded PTX, NVRTC. If it cannot load any (exit
+# 3, e.g. a driver older than the PTX), and the host has nvcc, this script
+# compiles cuda/relayout.cu there (checking ptxas for spills), points
+# PDXFER_KERNEL_MODULE at the cubin, and runs again.
+#
+# Environment: PDXFER_GPU_CHECK_BIN (binary), GPU_CHECK_ARGS (extra arguments,
+# e.g. "--min-ratio 0.85" to fail below the target), GPU_CHECK_TIMEOUT
+# (seconds, default 420: the whole script stays within 8 minutes on one H200).
+# Output: the log on stdout, and $OUT/gpu-check.log when $OUT is set.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+bin=${PDXFER_GPU_CHECK_BIN:-}
+if [ -z "$bin" ]; then
+    for b in target/gpu-check target/release/examples/gpu_check; do
+        if [ -x "$b" ]; then bin=$b; break; fi
+    done
+fi
+if [ -z "$bin" ] || [ ! -x "$bin" ]; then
+    echo "gpu-check: no binary (build it as described at the top of $0)" >&2
+    exit 2
+fi
+log=${OUT:+$OUT/gpu-check.log}
+log=${log:-/dev/null}
+limit=${GPU_CHECK_TIMEOUT:-420}
+say() { echo "$@" | tee -a "$log"; }
+
+say "gpu-check: $(date -u +%FT%TZ) binary $bin"
+if command -v nvidia-smi >/dev/null; then
+    nvidia-smi --query-gpu=name,driver_version,compute_cap,memory.total --format=csv,noheader 2>&1 | tee -a "$log"
+fi
+
+# NVRTC fallback: a toolkit's lib64 has the libnvrtc.so name cudarc looks for.
+for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib; do
+    [ -e "$d/libnvrtc.so" ] && export LD_LIBRARY_PATH="${LD_LIBRARY_PATH:+$LD_LIBRARY_PATH:}$d" && break
+done
+
+nvcc_bin=$(command -v nvcc || true)
+[ -z "$nvcc_bin" ] && [ -x /usr/local/cuda/bin/nvcc ] && nvcc_bin=/usr/local/cuda/bin/nvcc
+local_module() {
+    # Builds the kernels with the host's nvcc for the host's GPU; sets PDXFER_KERNEL_MODULE.
+    [ -n "$nvcc_bin" ] || return 1
+    local cc tmp
+    cc=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -1 | tr -d ' .')
+    cc=${cc:-90}
+    tmp=$(mktemp -d)
+    say "gpu-check: building cuda/relayout.cu with $nvcc_bin for sm_$cc"
+    if ! "$nvcc_bin" -arch="sm_$cc" -cubin -Xptxas -v -o "$tmp/relayout.cubin" cuda/relayout.cu 2>&1 | tee -a "$log"; then
+        return 1
+    fi
+    export PDXFER_KERNEL_MODULE=$tmp/relayout.cubin
+}
+
+# shellcheck disable=SC2086 # GPU_CHECK_ARGS is a list of arguments
+timeout "$limit" "$bin" ${GPU_CHECK_ARGS:-} 2>&1 | tee -a "$log"
+rc=${PIPESTATUS[0]}
+if [ "$rc" -eq 3 ] && local_module; then
+    say "gpu-check: retrying with PDXFER_KERNEL_MODULE=$PDXFER_KERNEL_MODULE"
+    # shellcheck disable=SC2086
+    timeout "$limit" "$bin" ${GPU_CHECK_ARGS:-} 2>&1 | tee -a "$log"
+    rc=${PIPESTATUS[0]}
+fi
+say "gpu-check: exit $rc"
+exit "$rc"

@@ -1,0 +1,45 @@
+//! `pdxfer bootstrap`: the standalone bootstrap server.
+
+use crate::bootstrap::{BootstrapServer, ServerConfig};
+use clap::Args;
+use std::io::Write;
+
+/// Arguments of `pdxfer bootstrap`.
+#[derive(Args, Debug)]
+pub struct BootstrapArgs {
+    /// Address to listen on (port 0 picks a free one; the bound URL is printed).
+    #[arg(long, default_value = "127.0.0.1:8998")]
+    listen: String,
+    /// Shared token for writes and endpoint reads (better: PDXFER_BOOTSTRAP_TOKEN).
+    #[arg(long, env = "PDXFER_BOOTSTRAP_TOKEN", hide_env_values = true)]
+    token: Option<String>,
+    /// Largest accepted request body in bytes.
+    #[arg(long, default_value_t = crate::bootstrap::server::DEFAULT_MAX_BODY)]
+    max_body: usize,
+    /// Worker threads.
+    #[arg(long, default_value_t = 4)]
+    workers: usize,
+}
+
+/// Runs the server until the process is killed.
+pub fn run(a: &BootstrapArgs) -> crate::Result<()> {
+    let server = BootstrapServer::start(ServerConfig {
+        listen: a.listen.clone(),
+        token: a.token.clone(),
+        max_body_bytes: a.max_body,
+        workers: a.workers,
+    })?;
+    let line = serde_json::json!({
+        "event": "listening",
+        "url": server.url(),
+        "token_required": a.token.is_some(),
+    });
+    let mut out = std::io::stdout().lock();
+    // If stdout is gone the server still serves; nothing else to report to.
+    let _ = writeln!(out, "{line}");
+    let _ = out.flush();
+    drop(out);
+    loop {
+        std::thread::park();
+    }
+}

@@ -1,0 +1,273 @@
+//! The relayout on the CPU, for host pools and as the reference the CUDA
+//! kernels are checked against (byte for byte, `tests/kernel_harness.rs`).
+//!
+//! [`gather`] packs one pair's rows from pool entries into an entry-major pack
+//! buffer ([`PackLayout`]); [`scatter`] unpacks them into destination rows.
+//! Both check every span against the slices first and copy nothing when one is
+//! out of bounds. [`copy_spans_raw`] is the unchecked form over addresses, the
+//! same contract as the kernels.
+
+use super::CopyEntry;
+use crate::error::{Error, Result, Status};
+use crate::layout::{PackLayout, Run};
+
+/// Byte range of `rows` rows from `row` with `row_bytes`, checked against `len`.
+fn rows_range(
+    row: u64,
+    rows: u64,
+    row_bytes: u64,
+    len: usize,
+    what: &str,
+    entry: usize,
+) -> Result<std::ops::Range<usize>> {
+    let start = row.checked_mul(row_bytes);
+    let end = row.checked_add(rows).and_then(|r| r.checked_mul(row_bytes));
+    match (start, end) {
+        (Some(s), Some(e)) if e <= len as u64 => Ok(s as usize..e as usize),
+        _ => Err(Error::new(
+            Status::OutOfBounds,
+            format!(
+                "relayout span out of bounds: {what} entry {entry}, rows {row}..{} of {row_bytes} B exceed its {len} B",
+                row.saturating_add(rows)
+            ),
+        )),
+    }
+}
+
+fn check_shapes(entries: usize, row_bytes: &[u64], pack: &PackLayout, buf: usize) -> Result<()> {
+    if entries != row_bytes.len() || pack.entry_offsets.len() != row_bytes.len() {
+        return Err(Error::invalid(format!(
+            "relayout entries disagree: {entries} pools, {} row sizes, {} pack entries",
+            row_bytes.len(),
+            pack.entry_offsets.len()
+        )));
+    }
+    if pack.total_bytes > buf as u64 {
+        return Err(Error::new(
+            Status::BufferTooSmall,
+            format!(
+                "pack buffer holds {buf} B, the layout needs {} B",
+                pack.total_bytes
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// Packed byte range of entry `e` rows `idx..idx+rows`, within the entry's block.
+fn pack_range(
+    pack: &PackLayout,
+    e: usize,
+    idx: u64,
+    rows: u64,
+    rb: u64,
+) -> Result<std::ops::Range<usize>> {
+    if idx.saturating_add(rows) > pack.tokens {
+        return Err(Error::new(
+            Status::OutOfBounds,
+            format!(
+                "relayout span out of bounds: packed rows {idx}..{} of entry {e} exceed the {} packed tokens",
+                idx.saturating_add(rows),
+                pack.tokens
+            ),
+        ));
+    }
+    let base = pack.entry_offsets[e] as usize;
+    Ok(base + (idx * rb) as usize..base + ((idx + rows) * rb) as usize)
+}
+
+/// Copies `spans` (pool row -> packed index) of every entry from `pools` into
+/// `out`, laid out as `pack`.
+pub fn gather(
+    pools: &[&[u8]],
+    row_bytes: &[u64],
+    spans: &[Run],
+    pack: &PackLayout,
+    out: &mut [u8],
+) -> Result<()> {
+    check_shapes(pools.len(), row_bytes, pack, out.len())?;
+    let mut ops = Vec::with_capacity(spans.len() * pools.len());
+    for (e, (pool, &rb)) in pools.iter().zip(row_bytes).enumerate() {
+        for s in spans {
+            let src = rows_range(s.src, s.len, rb, pool.len(), "source pool", e)?;
+            let dst = pack_range(pack, e, s.dst, s.len, rb)?;
+            ops.push((e, src, dst));
+        }
+    }
+    for (e, src, dst) in ops {
+        out[dst].copy_from_slice(&pools[e][src]);
+    }
+    Ok(())
+}
+
+/// Copies `spans` (packed index -> pool row) of every entry from `packed`,
+/// laid out as `pack`, into `pools`.
+pub fn scatter(
+    packed: &[u8],
+    pack: &PackLayout,
+    row_bytes: &[u64],
+    spans: &[Run],
+    pools: &mut [&mut [u8]],
+) -> Result<()> {
+    check_shapes(pools.len(), row_bytes, pack, packed.len())?;
+    let mut ops = Vec::with_capacity(spans.len() * pools.len());
+    for (e, (pool, &rb)) in pools.iter().zip(row_bytes).enumerate() {
+        for s in spans {
+            let src = pack_range(pack, e, s.src, s.len, rb)?;
+            let dst = rows_range(s.dst, s.len, rb, pool.len(), "destination pool", e)?;
+            ops.push((e, src, dst));
+        }
+    }
+    for (e, src, dst) in ops {
+        pools[e][dst].copy_from_slice(&packed[src]);
+    }
+    Ok(())
+}
+
+/// Copies every span of every entry between raw host addresses: the contract
+/// of the CUDA kernels (`pdx_gather` / `pdx_scatter`), on the CPU.
+///
+/// # Safety
+/// For every entry and span, `src + src_row * row_bytes` must be readable and
+/// `dst + dst_row * row_bytes` writable for `len * row_bytes` bytes, and no
+/// destination byte may overlap a source byte or another destination byte.
+pub unsafe fn copy_spans_raw(entries: &[CopyEntry], spans: &[Run]) {
+    for e in entries {
+        for s in spans {
+            let n = (s.len * e.row_bytes) as usize;
+            let src = (e.src + s.src * e.row_bytes) as usize as *const u8;
+            let dst = (e.dst + s.dst * e.row_bytes) as usize as *mut u8;
+            // SAFETY: the caller guarantees both ranges are valid and disjoint.
+            unsafe { std::ptr::copy_nonoverlapping(src, dst, n) };
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pool(entry: u8, rows: usize, rb: usize) -> Vec<u8> {
+        (0..rows * rb)
+            .map(|i| (i as u8).wrapping_mul(7) ^ entry)
+            .collect()
+    }
+
+    #[test]
+    fn gather_packs_entry_major() {
+        let rb = [4u64, 3];
+        let (p0, p1) = (pool(1, 10, 4), pool(2, 10, 3));
+        let spans = [
+            Run {
+                src: 2,
+                dst: 0,
+                len: 2,
+            },
+            Run {
+                src: 7,
+                dst: 2,
+                len: 1,
+            },
+        ];
+        let pack = PackLayout::new(3, &rb).unwrap();
+        let mut out = vec![0u8; pack.total_bytes as usize];
+        gather(&[&p0, &p1], &rb, &spans, &pack, &mut out).unwrap();
+        // entry 0: rows 2,3,7 of 4 B; entry 1 at 12: rows 2,3,7 of 3 B
+        let mut want = Vec::new();
+        want.extend_from_slice(&p0[8..16]);
+        want.extend_from_slice(&p0[28..32]);
+        want.extend_from_slice(&p1[6..12]);
+        want.extend_from_slice(&p1[21..24]);
+        assert_eq!(out, want);
+
+        // scatter it back into fresh pools at other rows
+        let (mut d0, mut d1) = (vec![0u8; 40], vec![0u8; 30]);
+        let back = [Run {
+            src: 0,
+            dst: 5,
+            len: 3,
+        }];
+        scatter(&out, &pack, &rb, &back, &mut [&mut d0, &mut d1]).unwrap();
+        assert_eq!(&d0[20..28], &p0[8..16]);
+        assert_eq!(&d0[28..32], &p0[28..32]);
+        assert_eq!(&d1[15..24], &want[12..21]);
+        assert!(d0[..20].iter().all(|&b| b == 0));
+    }
+
+    #[test]
+    fn out_of_bounds_copies_nothing() {
+        let rb = [4u64];
+        let p0 = pool(1, 4, 4);
+        let pack = PackLayout::new(2, &rb).unwrap();
+        let mut out = vec![0u8; 8];
+        let spans = [
+            Run {
+                src: 0,
+                dst: 0,
+                len: 1,
+            },
+            Run {
+                src: 4,
+                dst: 1,
+                len: 1,
+            },
+        ];
+        let e = gather(&[&p0], &rb, &spans, &pack, &mut out).unwrap_err();
+        assert_eq!(e.status(), Status::OutOfBounds);
+        assert!(e.detail().contains("rows 4..5"), "{e}");
+        assert!(
+            out.iter().all(|&b| b == 0),
+            "nothing copied before the check"
+        );
+        let too_many = [Run {
+            src: 0,
+            dst: 1,
+            len: 2,
+        }];
+        let e = gather(&[&p0], &rb, &too_many, &pack, &mut out).unwrap_err();
+        assert_eq!(e.status(), Status::OutOfBounds);
+        let e = gather(&[&p0], &rb, &spans, &pack, &mut out[..4]).unwrap_err();
+        assert_eq!(e.status(), Status::BufferTooSmall);
+        let e = gather(&[&p0, &p0], &rb, &spans, &pack, &mut out).unwrap_err();
+        assert_eq!(e.status(), Status::InvalidArgument);
+        let huge = [Run {
+            src: u64::MAX / 2,
+            dst: 0,
+            len: 1,
+        }];
+        let e = gather(&[&p0], &rb, &huge, &pack, &mut out).unwrap_err();
+        assert_eq!(e.status(), Status::OutOfBounds);
+    }
+
+    #[test]
+    fn raw_copy_matches_gather() {
+        let rb = [5u64, 16];
+        let (p0, p1) = (pool(3, 8, 5), pool(4, 8, 16));
+        let spans = [
+            Run {
+                src: 1,
+                dst: 0,
+                len: 3,
+            },
+            Run {
+                src: 6,
+                dst: 3,
+                len: 2,
+            },
+        ];
+        let pack = PackLayout::new(5, &rb).unwrap();
+        let mut a = vec![0u8; pack.total_bytes as usize];
+        gather(&[&p0, &p1], &rb, &spans, &pack, &mut a).unwrap();
+        let mut b = vec![0u8; pack.total_bytes as usize];
+        let entries = super::super::gather_entries(
+            &[p0.as_ptr() as u64, p1.as_ptr() as u64],
+            &rb,
+            b.as_mut_ptr() as u64,
+            &pack,
+        )
+        .unwrap();
+        // SAFETY: the spans were bounds-checked by `gather` above on the same shapes.
+        unsafe { copy_spans_raw(&entries, &spans) };
+        assert_eq!(a, b);
+    }
+}

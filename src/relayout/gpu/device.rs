@@ -1,0 +1,717 @@
+//! The cudarc-backed part of [`super`]: contexts, streams, modules, launches.
+
+use super::{kernels, no_driver};
+use crate::error::{Error, Result, Status};
+use crate::layout::{PackLayout, Run};
+use crate::relayout::{
+    gather_entries, launch_dims, rows_per_span, slice_gather_spans, split_spans, CopyEntry,
+};
+use cudarc::driver::{
+    result, sys, CudaContext, CudaEvent, CudaFunction, CudaStream, DriverError, LaunchConfig,
+    PushKernelArg,
+};
+use cudarc::nvrtc::{CompileOptions, Ptx};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::{Arc, Mutex};
+
+/// Bytes one warp copies per span of the widest entry (load balance).
+const SPAN_TARGET_BYTES: u64 = 16 * 1024;
+
+fn panic_text(p: &(dyn std::any::Any + Send)) -> String {
+    p.downcast_ref::<String>()
+        .cloned()
+        .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
+        .unwrap_or_else(|| "unknown panic".into())
+}
+
+/// `Ok` when libcuda can be loaded.
+pub(super) fn driver_present() -> Result<()> {
+    // SAFETY: is_culib_present only tries to dlopen the library and reports the result.
+    if unsafe { sys::is_culib_present() } {
+        Ok(())
+    } else {
+        Err(no_driver())
+    }
+}
+
+/// `Ok` when libnvrtc can be loaded.
+pub(super) fn nvrtc_present() -> Result<()> {
+    // SAFETY: only tries to dlopen the library and reports the result.
+    if unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+        Ok(())
+    } else {
+        Err(Error::new(
+            Status::Nvrtc,
+            "libnvrtc could not be loaded (install nvidia-cuda-nvrtc and put its lib/ on LD_LIBRARY_PATH, with a libnvrtc.so link: scripts/cuda-deps.sh)",
+        ))
+    }
+}
+
+/// Runs one cudarc driver call: its error becomes [`Status::Cuda`], a panic
+/// (missing library or symbol) [`Status::NoCudaDriver`].
+pub(super) fn guard<T>(
+    what: &str,
+    f: impl FnOnce() -> std::result::Result<T, DriverError>,
+) -> Result<T> {
+    match catch_unwind(AssertUnwindSafe(f)) {
+        Ok(Ok(v)) => Ok(v),
+        Ok(Err(e)) => Err(Error::new(Status::Cuda, format!("{what} failed: {e}"))),
+        Err(p) => Err(Error::new(
+            Status::NoCudaDriver,
+            format!(
+                "{what}: the CUDA driver library is unusable: {}",
+                panic_text(&*p)
+            ),
+        )),
+    }
+}
+
+/// A `&'static str` for an architecture name (cudarc's option type needs one);
+/// each distinct name is leaked once.
+fn intern(arch: &str) -> &'static str {
+    static NAMES: Mutex<Vec<&'static str>> = Mutex::new(Vec::new());
+    let mut names = NAMES.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some(n) = names.iter().find(|n| **n == arch) {
+        return n;
+    }
+    let n: &'static str = Box::leak(arch.to_string().into_boxed_str());
+    names.push(n);
+    n
+}
+
+pub(super) fn nvrtc_compile(arch: &str) -> Result<String> {
+    nvrtc_present()?;
+    let opts = CompileOptions {
+        arch: Some(intern(arch)),
+        name: Some("relayout.cu".into()),
+        ..Default::default()
+    };
+    let r = catch_unwind(AssertUnwindSafe(|| {
+        cudarc::nvrtc::compile_ptx_with_opts(kernels::SOURCE, opts)
+    }));
+    match r {
+        Ok(Ok(ptx)) => Ok(ptx.to_src()),
+        Ok(Err(e)) => Err(Error::new(
+            Status::Nvrtc,
+            format!("NVRTC could not compile cuda/relayout.cu for {arch}: {e:?}"),
+        )),
+        Err(p) => Err(Error::new(
+            Status::Nvrtc,
+            format!("libnvrtc is unusable: {}", panic_text(&*p)),
+        )),
+    }
+}
+
+/// Where the loaded kernels came from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum KernelOrigin {
+    /// The file named by `$PDXFER_KERNEL_MODULE`.
+    File(String),
+    /// The sm_90 cubin embedded at build time.
+    EmbeddedCubin,
+    /// The sm_90 PTX embedded at build time (JIT-compiled by the driver).
+    EmbeddedPtx,
+    /// NVRTC at run time, for this architecture.
+    Nvrtc(String),
+}
+
+/// A CUDA event recorded on the relayout stream after some work.
+pub struct GpuEvent {
+    ev: CudaEvent,
+}
+
+impl GpuEvent {
+    /// True once the work before the event has finished; never blocks.
+    pub fn is_complete(&self) -> Result<bool> {
+        guard("cuEventQuery", || self.ev.try_is_complete())
+    }
+
+    /// Blocks until the work before this event (only) has finished.
+    pub fn wait(&self) -> Result<()> {
+        guard("cuEventSynchronize", || self.ev.synchronize())
+    }
+
+    /// Milliseconds from `self` to `end` (both recorded with timing).
+    pub fn elapsed_ms(&self, end: &GpuEvent) -> Result<f32> {
+        guard("cuEventElapsedTime", || self.ev.elapsed_ms(&end.ev))
+    }
+}
+
+/// Device memory owned by this crate (pools in tests, staging buffers).
+/// Its address and length are what transports register. Dropping it frees
+/// the memory: keep it alive until the work that uses it has completed.
+pub struct DeviceBuffer {
+    ctx: Arc<CudaContext>,
+    ptr: u64,
+    len: usize,
+}
+
+impl DeviceBuffer {
+    /// Device address of byte 0.
+    pub fn ptr(&self) -> u64 {
+        self.ptr
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// True for a zero-length buffer.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Device ordinal of the buffer.
+    pub fn ordinal(&self) -> usize {
+        self.ctx.ordinal()
+    }
+
+    /// Copies `out.len()` bytes from `offset` to the host with a synchronous
+    /// copy. It does not wait for the relayout stream: wait on the event of
+    /// the work that wrote the bytes first.
+    pub fn read(&self, offset: usize, out: &mut [u8]) -> Result<()> {
+        check_range(self, offset, out.len())?;
+        guard("cuMemcpyDtoH", || {
+            self.ctx.bind_to_thread()?;
+            // SAFETY: the range was checked against the allocation.
+            unsafe { result::memcpy_dtoh_sync(out, self.ptr + offset as u64) }
+        })
+    }
+}
+
+impl Drop for DeviceBuffer {
+    fn drop(&mut self) {
+        if self.ptr == 0 {
+            return;
+        }
+        let (ctx, ptr) = (&self.ctx, self.ptr);
+        // Errors cannot be reported from Drop; they are ignored, never panicked on.
+        let _ = catch_unwind(AssertUnwindSafe(|| {
+            ctx.bind_to_thread()?;
+            // SAFETY: ptr came from cuMemAlloc in this context and is freed once.
+            unsafe { result::free_sync(ptr) }
+        }));
+    }
+}
+
+/// Relayout tables uploaded once ([`GpuRelayout::prepare`]). Keep it alive
+/// until the event of its last launch has completed.
+pub struct PreparedCopy {
+    entries: u64,
+    spans: u64,
+    num_entries: u32,
+    num_spans: u64,
+    _tables: DeviceBuffer,
+}
+
+impl PreparedCopy {
+    /// Spans after splitting (one warp each, per entry).
+    pub fn num_spans(&self) -> u64 {
+        self.num_spans
+    }
+}
+
+/// One slice of a sliced gather, handed to the sender with its event.
+#[derive(Debug, Clone)]
+pub struct GatherSlice {
+    /// Slice number, from 0.
+    pub index: usize,
+    /// First packed token of the slice within the whole pair.
+    pub first_token: u64,
+    /// Packed layout of the slice, at `base`.
+    pub pack: PackLayout,
+    /// Device address of the slice's pack block (one half of the staging buffer).
+    pub base: u64,
+}
+
+/// The relayout engine of one device: context, stream, kernels, tables.
+pub struct GpuRelayout {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    gather_fn: CudaFunction,
+    scatter_fn: CudaFunction,
+    origin: KernelOrigin,
+    cc: (i32, i32),
+    tables: Option<DeviceBuffer>,
+    retired: Vec<(DeviceBuffer, GpuEvent)>,
+    spans_per_warp: u32,
+}
+
+impl Drop for GpuRelayout {
+    fn drop(&mut self) {
+        // Enqueued kernels may still read the tables: let them finish before
+        // the buffers are freed. Errors cannot be reported from Drop.
+        let _ = catch_unwind(AssertUnwindSafe(|| self.stream.synchronize()));
+    }
+}
+
+impl GpuRelayout {
+    /// Opens device `ordinal`: primary context, a non-blocking stream, kernels.
+    pub fn new(ordinal: usize) -> Result<GpuRelayout> {
+        driver_present()?;
+        let ctx = guard("cuDevicePrimaryCtxRetain", || CudaContext::new(ordinal))?;
+        // SAFETY: all work of this engine is ordered on its own stream and events;
+        // cudarc's per-slice event tracking is not used.
+        unsafe { ctx.disable_event_tracking() };
+        let stream = guard("cuStreamCreate", || ctx.new_stream())?;
+        let cc = guard("cuDeviceGetAttribute(compute capability)", || {
+            ctx.compute_capability()
+        })?;
+        let (module, origin) = load_module(&ctx, cc)?;
+        let gather_fn = guard("cuModuleGetFunction(pdx_gather)", || {
+            module.load_function("pdx_gather")
+        })?;
+        let scatter_fn = guard("cuModuleGetFunction(pdx_scatter)", || {
+            module.load_function("pdx_scatter")
+        })?;
+        Ok(GpuRelayout {
+            ctx,
+            stream,
+            gather_fn,
+            scatter_fn,
+            origin,
+            cc,
+            tables: None,
+            retired: Vec::new(),
+            spans_per_warp: crate::relayout::DEFAULT_SPANS_PER_WARP,
+        })
+    }
+
+    /// Sets how many spans each warp copies per entry (launch shape only;
+    /// results are the same). `scripts/gpu-check.sh` measures the choices.
+    pub fn set_spans_per_warp(&mut self, n: u32) {
+        self.spans_per_warp = n.max(1);
+    }
+
+    /// Spans each warp copies per entry.
+    pub fn spans_per_warp(&self) -> u32 {
+        self.spans_per_warp
+    }
+
+    /// Where the kernels came from.
+    pub fn kernel_origin(&self) -> &KernelOrigin {
+        &self.origin
+    }
+
+    /// Compute capability `(major, minor)`.
+    pub fn compute_capability(&self) -> (i32, i32) {
+        self.cc
+    }
+
+    /// Device name.
+    pub fn device_name(&self) -> Result<String> {
+        guard("cuDeviceGetName", || self.ctx.name())
+    }
+
+    /// Raw `CUstream` of the relayout stream (for NCCL on the same stream).
+    pub fn stream_handle(&self) -> u64 {
+        self.stream.cu_stream() as u64
+    }
+
+    fn bind(&self) -> Result<()> {
+        guard("cuCtxSetCurrent", || self.ctx.bind_to_thread())
+    }
+
+    /// Allocates `len` bytes of device memory (uninitialised).
+    pub fn alloc(&self, len: usize) -> Result<DeviceBuffer> {
+        self.bind()?;
+        // SAFETY: plain allocation in the bound context.
+        let ptr = guard("cuMemAlloc", || unsafe { result::malloc_sync(len.max(1)) })?;
+        Ok(DeviceBuffer {
+            ctx: self.ctx.clone(),
+            ptr,
+            len,
+        })
+    }
+
+    /// Copies `data` into `buf` at `offset`, ordered on the relayout stream
+    /// (later launches see it); returns once the host bytes have been taken.
+    pub fn upload(&self, buf: &DeviceBuffer, offset: usize, data: &[u8]) -> Result<()> {
+        check_range(buf, offset, data.len())?;
+        self.bind()?;
+        // SAFETY: the range was checked against the allocation; an async copy
+        // from pageable memory has staged the host bytes when it returns.
+        guard("cuMemcpyHtoDAsync", || unsafe {
+            result::memcpy_htod_async(buf.ptr + offset as u64, data, self.stream.cu_stream())
+        })
+    }
+
+    /// Copies `out.len()` bytes from `buf` at `offset` after all work enqueued
+    /// on the relayout stream (blocks; for checks and tests).
+    pub fn download(&self, buf: &DeviceBuffer, offset: usize, out: &mut [u8]) -> Result<()> {
+        check_range(buf, offset, out.len())?;
+        self.bind()?;
+        let stream = self.stream.cu_stream();
+        // SAFETY: the range was checked; the stream is synchronised before the
+        // host buffer is released.
+        guard("cuMemcpyDtoHAsync", || unsafe {
+            result::memcpy_dtoh_async(out, buf.ptr + offset as u64, stream)?;
+            result::stream::synchronize(stream)
+        })
+    }
+
+    /// Fills `buf` with `byte`, ordered on the stream.
+    pub fn memset(&self, buf: &DeviceBuffer, byte: u8) -> Result<()> {
+        self.bind()?;
+        // SAFETY: the whole allocation.
+        guard("cuMemsetD8Async", || unsafe {
+            result::memset_d8_async(buf.ptr, byte, buf.len, self.stream.cu_stream())
+        })
+    }
+
+    /// Enqueues a device-to-device copy of `len` bytes (the benchmark baseline).
+    ///
+    /// # Safety
+    /// Both ranges must be valid device memory of this context.
+    pub unsafe fn memcpy_dtod(&self, dst: u64, src: u64, len: usize) -> Result<()> {
+        self.bind()?;
+        // SAFETY: the caller guarantees the ranges.
+        guard("cuMemcpyDtoDAsync", || unsafe {
+            result::memcpy_dtod_async(dst, src, len, self.stream.cu_stream())
+        })
+    }
+
+    /// Records an event after the work enqueued so far; `timing` enables
+    /// [`GpuEvent::elapsed_ms`].
+    pub fn record(&self, timing: bool) -> Result<GpuEvent> {
+        let flags = if timing {
+            sys::CUevent_flags::CU_EVENT_DEFAULT
+        } else {
+            sys::CUevent_flags::CU_EVENT_DISABLE_TIMING
+        };
+        let ev = guard("cuEventRecord", || self.stream.record_event(Some(flags)))?;
+        Ok(GpuEvent { ev })
+    }
+
+    /// Makes later work on the relayout stream wait for `ev` (e.g. the end of
+    /// the forward pass that wrote the KV rows). Does not block the host.
+    pub fn wait_for(&self, ev: &GpuEvent) -> Result<()> {
+        guard("cuStreamWaitEvent", || self.stream.wait(&ev.ev))
+    }
+
+    /// Ensures the table buffer holds at least `bytes`, without waiting: a
+    /// buffer that is too small retires with an event recorded after its last
+    /// use, and is freed once that event has completed.
+    fn tables(&mut self, bytes: usize) -> Result<u64> {
+        self.retired
+            .retain(|(_, ev)| !matches!(ev.is_complete(), Ok(true)));
+        if self.tables.as_ref().is_none_or(|t| t.len < bytes) {
+            if let Some(old) = self.tables.take() {
+                let ev = self.record(false)?;
+                self.retired.push((old, ev));
+            }
+            self.tables = Some(self.alloc(bytes.next_power_of_two().max(4096))?);
+        }
+        Ok(self.tables.as_ref().map_or(0, |t| t.ptr))
+    }
+
+    /// Uploads `entries` and `spans` to the table buffer, stream-ordered.
+    /// Returns the device addresses of the two tables.
+    fn upload_tables(&mut self, entries: &[CopyEntry], spans: &[Run]) -> Result<(u64, u64)> {
+        let eb = std::mem::size_of_val(entries);
+        let sb = std::mem::size_of_val(spans);
+        let base = self.tables(eb + sb)?;
+        self.bind()?;
+        let stream = self.stream.cu_stream();
+        // SAFETY: both copies fit in the table buffer (sized above); the host
+        // slices outlive the calls, and async copies from pageable memory have
+        // taken the bytes when they return.
+        guard("cuMemcpyHtoDAsync(tables)", || unsafe {
+            result::memcpy_htod_async(base, entries, stream)?;
+            result::memcpy_htod_async(base + eb as u64, spans, stream)
+        })?;
+        Ok((base, base + eb as u64))
+    }
+
+    fn launch(
+        &self,
+        f: &CudaFunction,
+        entries: u64,
+        num_entries: u32,
+        spans: u64,
+        num_spans: u64,
+    ) -> Result<()> {
+        if num_entries == 0 || num_spans == 0 {
+            return Ok(());
+        }
+        let (gx, gy, bx) = launch_dims(num_spans, num_entries, self.spans_per_warp);
+        let cfg = LaunchConfig {
+            grid_dim: (gx, gy, 1),
+            block_dim: (bx, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = self.stream.launch_builder(f);
+        b.arg(&entries)
+            .arg(&num_entries)
+            .arg(&spans)
+            .arg(&num_spans);
+        // SAFETY: the argument list matches the kernel signature in cuda/relayout.cu;
+        // the caller of gather/scatter guarantees the addresses.
+        guard("cuLaunchKernel", || unsafe { b.launch(cfg) }).map(|_| ())
+    }
+
+    /// Uploads the tables of a gather or scatter once, for repeated launches
+    /// with [`launch_prepared`](Self::launch_prepared) (a plan reused across
+    /// steps, or a benchmark of the kernel alone). Spans are split as for
+    /// [`gather`](Self::gather).
+    pub fn prepare(&self, entries: &[CopyEntry], spans: &[Run]) -> Result<PreparedCopy> {
+        let rows: Vec<u64> = entries.iter().map(|e| e.row_bytes).collect();
+        let spans = split_spans(spans, rows_per_span(&rows, SPAN_TARGET_BYTES));
+        let num_entries = u32::try_from(entries.len())
+            .map_err(|_| Error::invalid("more than u32::MAX relayout entries"))?;
+        let eb = std::mem::size_of_val(entries);
+        let tables = self.alloc(eb + std::mem::size_of_val(spans.as_slice()))?;
+        let stream = self.stream.cu_stream();
+        // SAFETY: both copies fit in `tables`, sized for them above.
+        guard("cuMemcpyHtoDAsync(tables)", || unsafe {
+            result::memcpy_htod_async(tables.ptr, entries, stream)?;
+            result::memcpy_htod_async(tables.ptr + eb as u64, spans.as_slice(), stream)
+        })?;
+        Ok(PreparedCopy {
+            entries: tables.ptr,
+            spans: tables.ptr + eb as u64,
+            num_entries,
+            num_spans: spans.len() as u64,
+            _tables: tables,
+        })
+    }
+
+    /// Launches a prepared gather (`scatter` false) or scatter and returns
+    /// its event.
+    ///
+    /// # Safety
+    /// As for [`gather`](Self::gather), for the tables `p` was prepared from.
+    pub unsafe fn launch_prepared(&self, p: &PreparedCopy, scatter: bool) -> Result<GpuEvent> {
+        let f = if scatter {
+            &self.scatter_fn
+        } else {
+            &self.gather_fn
+        };
+        self.launch(f, p.entries, p.num_entries, p.spans, p.num_spans)?;
+        self.record(false)
+    }
+
+    fn copy(&mut self, scatter: bool, entries: &[CopyEntry], spans: &[Run]) -> Result<GpuEvent> {
+        let rows: Vec<u64> = entries.iter().map(|e| e.row_bytes).collect();
+        let spans = split_spans(spans, rows_per_span(&rows, SPAN_TARGET_BYTES));
+        let n = u32::try_from(entries.len())
+            .map_err(|_| Error::invalid("more than u32::MAX relayout entries"))?;
+        let (ep, sp) = self.upload_tables(entries, &spans)?;
+        let f = if scatter {
+            self.scatter_fn.clone()
+        } else {
+            self.gather_fn.clone()
+        };
+        self.launch(&f, ep, n, sp, spans.len() as u64)?;
+        self.record(false)
+    }
+
+    /// Enqueues a gather (pool rows to packed indices) and returns its event.
+    ///
+    /// # Safety
+    /// Every entry's rows touched by `spans` must be valid device memory of
+    /// this context, destinations disjoint from sources and from each other,
+    /// and all of it must stay allocated until the event completes.
+    pub unsafe fn gather(&mut self, entries: &[CopyEntry], spans: &[Run]) -> Result<GpuEvent> {
+        self.copy(false, entries, spans)
+    }
+
+    /// Enqueues a scatter (packed indices to pool rows) and returns its event.
+    ///
+    /// # Safety
+    /// As for [`gather`](Self::gather).
+    pub unsafe fn scatter(&mut self, entries: &[CopyEntry], spans: &[Run]) -> Result<GpuEvent> {
+        self.copy(true, entries, spans)
+    }
+
+    /// Gathers a pair's tokens through `staging` in slices, overlapping the
+    /// gather of slice `i+1` (into one half of `staging`) with `send` of
+    /// slice `i` (from the other). `send` gets the slice and its event, must
+    /// wait on the event before reading, and must return only when the slice's
+    /// half may be overwritten. Stops at the first error.
+    ///
+    /// # Safety
+    /// `pool_bases` must be device addresses of this context holding every row
+    /// that `spans` (pool row -> packed index, see `relayout::gather_spans`)
+    /// names, for entries of `row_bytes`.
+    pub unsafe fn gather_sliced(
+        &mut self,
+        pool_bases: &[u64],
+        row_bytes: &[u64],
+        spans: &[Run],
+        staging: &DeviceBuffer,
+        mut send: impl FnMut(&GatherSlice, &GpuEvent) -> Result<()>,
+    ) -> Result<()> {
+        let half = (staging.len / 2) as u64;
+        let per_slice = crate::layout::pack_slice_tokens(half, row_bytes);
+        if per_slice == 0 {
+            return Err(Error::new(
+                Status::Relayout,
+                format!(
+                    "staging buffer of {} B cannot hold one token per half ({} B per token)",
+                    staging.len,
+                    row_bytes.iter().sum::<u64>()
+                ),
+            ));
+        }
+        let slices = slice_gather_spans(spans, per_slice);
+        // One upload of every slice's tables, then launches at offsets.
+        let mut all_entries = Vec::new();
+        let mut all_spans = Vec::new();
+        let mut meta = Vec::with_capacity(slices.len());
+        for (i, (first, tokens, s)) in slices.iter().enumerate() {
+            let pack = PackLayout::new(*tokens, row_bytes)?;
+            let base = staging.ptr + (i as u64 % 2) * half;
+            let s = split_spans(s, rows_per_span(row_bytes, SPAN_TARGET_BYTES));
+            meta.push((
+                GatherSlice {
+                    index: i,
+                    first_token: *first,
+                    pack: pack.clone(),
+                    base,
+                },
+                all_entries.len(),
+                all_spans.len(),
+                s.len(),
+            ));
+            all_entries.extend(gather_entries(pool_bases, row_bytes, base, &pack)?);
+            all_spans.extend(s);
+        }
+        let (ep, sp) = self.upload_tables(&all_entries, &all_spans)?;
+        let ne = row_bytes.len() as u32;
+        let ent = std::mem::size_of::<CopyEntry>() as u64;
+        let run = std::mem::size_of::<Run>() as u64;
+        let f = self.gather_fn.clone();
+        let launch = |me: &Self, m: &(GatherSlice, usize, usize, usize)| -> Result<GpuEvent> {
+            me.launch(
+                &f,
+                ep + m.1 as u64 * ent,
+                ne,
+                sp + m.2 as u64 * run,
+                m.3 as u64,
+            )?;
+            me.record(false)
+        };
+        let mut next = match meta.first() {
+            Some(m) => Some(launch(self, m)?),
+            None => return Ok(()),
+        };
+        for i in 0..meta.len() {
+            let ev = next
+                .take()
+                .ok_or_else(|| Error::new(Status::Relayout, "missing slice event"))?;
+            if let Some(m) = meta.get(i + 1) {
+                next = Some(launch(self, m)?);
+            }
+            send(&meta[i].0, &ev)?;
+        }
+        Ok(())
+    }
+}
+
+fn check_range(buf: &DeviceBuffer, offset: usize, len: usize) -> Result<()> {
+    if offset.checked_add(len).is_none_or(|e| e > buf.len) {
+        return Err(Error::new(
+            Status::OutOfBounds,
+            format!(
+                "device buffer access {offset}..{} outside its {} B",
+                offset.saturating_add(len),
+                buf.len
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// Loads the kernel module, trying each source in turn (see the module docs).
+fn load_module(
+    ctx: &Arc<CudaContext>,
+    cc: (i32, i32),
+) -> Result<(Arc<cudarc::driver::CudaModule>, KernelOrigin)> {
+    let mut tried: Vec<String> = Vec::new();
+    let attempt = |tried: &mut Vec<String>,
+                   ptx: Ptx,
+                   what: &str|
+     -> Option<Arc<cudarc::driver::CudaModule>> {
+        match guard("cuModuleLoadData", || ctx.load_module(ptx)) {
+            Ok(m) => Some(m),
+            Err(e) => {
+                tried.push(format!("{what}: {}", e.detail()));
+                None
+            }
+        }
+    };
+    if let Some(path) = std::env::var_os("PDXFER_KERNEL_MODULE") {
+        let p = std::path::PathBuf::from(&path);
+        match std::fs::read(&p) {
+            Ok(bytes) => {
+                let ptx = if bytes.starts_with(b"\x7fELF") {
+                    Ptx::from_binary(bytes)
+                } else {
+                    Ptx::from_src(String::from_utf8_lossy(&bytes).into_owned())
+                };
+                if let Some(m) = attempt(&mut tried, ptx, "PDXFER_KERNEL_MODULE") {
+                    return Ok((m, KernelOrigin::File(p.display().to_string())));
+                }
+            }
+            Err(e) => tried.push(format!("PDXFER_KERNEL_MODULE {}: {e}", p.display())),
+        }
+    }
+    if cc == (9, 0) {
+        if let Some(cubin) = kernels::CUBIN_SM90 {
+            if let Some(m) = attempt(
+                &mut tried,
+                Ptx::from_binary(cubin.to_vec()),
+                "embedded sm_90 cubin",
+            ) {
+                return Ok((m, KernelOrigin::EmbeddedCubin));
+            }
+        }
+    }
+    if cc.0 >= 9 {
+        if let Some(ptx) = kernels::PTX_SM90 {
+            if let Some(m) = attempt(&mut tried, Ptx::from_src(ptx), "embedded sm_90 PTX") {
+                return Ok((m, KernelOrigin::EmbeddedPtx));
+            }
+        }
+    }
+    let arch = format!("sm_{}{}", cc.0, cc.1);
+    match nvrtc_compile(&arch) {
+        Ok(ptx) => {
+            if let Some(m) = attempt(&mut tried, Ptx::from_src(ptx), "NVRTC PTX") {
+                return Ok((m, KernelOrigin::Nvrtc(arch)));
+            }
+        }
+        Err(e) => tried.push(format!("NVRTC: {}", e.detail())),
+    }
+    Err(Error::new(
+        Status::Cuda,
+        format!(
+            "no usable relayout kernels for {arch}; tried: {}",
+            tried.join("; ")
+        ),
+    ))
+}
+
+impl std::fmt::Debug for GpuRelayout {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GpuRelayout")
+            .field("ordinal", &self.ctx.ordinal())
+            .field("compute_capability", &self.cc)
+            .field("origin", &self.origin)
+            .finish()
+    }
+}
+
+impl std::fmt::Debug for DeviceBuffer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "DeviceBuffer({:#x}, {} B)", self.ptr, self.len)
+    }
+}
+
+impl std::fmt::Debug for GpuEvent {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("GpuEvent")
+    }
+}

@@ -1,0 +1,532 @@
+//! The RDMA transport on real NICs (feature `rdma`): rails, memory registration,
+//! endpoints (one RC QP per rail), batch posting and the completion poller thread.
+//!
+//! ```text
+//! let t = RdmaTransport::new(RdmaConfig::from_env()?)?;       // NoRdmaDevice without NICs
+//! unsafe { t.register_host(&[(ptr, len)])? };                 // parallel, timed
+//! let mut ep = t.endpoint()?;                                  // QPs in RESET
+//! send(ep.local_handshake().encode()?); let remote = Handshake::decode(&recv())?;
+//! ep.connect(&remote)?;                                        // negotiate, INIT -> RTR -> RTS
+//! ep.post_batch(7, Direction::Write, &spans)?;                 // sliced across rails
+//! ep.wait(7, timeout)?;                                        // Done / Failed(reason), never retried
+//! ```
+
+use super::config::RdmaConfig;
+use super::device::{select_rails, RailChoice};
+use super::handshake::{
+    negotiate_all, random_psn, random_u64, Gid, Handshake, HandshakeField, LinkLayer, Mtu,
+    Negotiated, RailInfo, RemoteRegion,
+};
+use super::qp::transitions;
+use super::session::{lock, RailIo, Session, SessionParams, SessionRail};
+use super::slice::{check_new_regions, LocalRegion, RailKeys, Span};
+use super::tracker::{BatchState, Completion};
+use super::verbs::{region_access, Context, Cq, DeviceAttr, Mr, Pd, PortAttr, Qp};
+use super::wr::{Direction, WorkRequest};
+use crate::error::{Error, Result, Status};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// `wr_id` of the receives posted for incoming WRITE_WITH_IMM records.
+const RECV_WR_ID: u64 = u64::MAX;
+
+/// One opened NIC port.
+pub struct Rail {
+    /// Why and how it was chosen.
+    pub choice: RailChoice,
+    /// The port's attributes.
+    pub port: PortAttr,
+    /// The device's limits.
+    pub device: DeviceAttr,
+    /// The local GID at `choice.gid_index`.
+    pub gid: Gid,
+    /// The port's active MTU.
+    pub mtu: Mtu,
+    pd: Arc<Pd>,
+    ctx: Arc<Context>,
+}
+
+/// Where a registered region lives.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MemoryKind {
+    /// Host memory (`ibv_reg_mr`).
+    Host,
+    /// GPU memory through a dma-buf (`ibv_reg_dmabuf_mr`).
+    GpuDmabuf,
+    /// GPU memory through nvidia-peermem (`ibv_reg_mr` on a device pointer).
+    GpuPeermem,
+}
+
+/// A region registered on every rail.
+pub struct Region {
+    /// Start address.
+    pub addr: u64,
+    /// Length.
+    pub len: u64,
+    /// Host or GPU.
+    pub kind: MemoryKind,
+    mrs: Vec<Mr>,
+}
+
+/// What one registration call did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RegistrationReport {
+    /// Regions registered.
+    pub regions: usize,
+    /// Bytes registered (per rail).
+    pub bytes: u64,
+    /// Rails each region was registered on.
+    pub rails: usize,
+    /// Threads used.
+    pub threads: usize,
+    /// Wall time of the whole call.
+    pub elapsed: Duration,
+}
+
+/// The RDMA transport: the chosen rails and the registered memory.
+pub struct RdmaTransport {
+    cfg: RdmaConfig,
+    rails: Vec<Arc<Rail>>,
+    regions: Mutex<Vec<Arc<Region>>>,
+    instance_id: u64,
+}
+
+impl RdmaTransport {
+    /// Discovers NICs, picks rails (logging one line per rail with the reason) and
+    /// opens them. Without a usable NIC: [`Status::NoRdmaDevice`] with the reason.
+    pub fn new(cfg: RdmaConfig) -> Result<RdmaTransport> {
+        cfg.validate()?;
+        let devs = super::device::scan(&cfg.sys_root)?;
+        let choices = select_rails(
+            &devs,
+            &cfg.policy,
+            &cfg.affinity(),
+            cfg.gid_index,
+            cfg.max_rails,
+        )?;
+        let mut rails = Vec::with_capacity(choices.len());
+        for (i, c) in choices.into_iter().enumerate() {
+            let ctx = Context::open(&c.device)?;
+            let port = ctx.query_port(c.port)?;
+            if port.state != 4 {
+                return Err(Error::new(
+                    Status::NoRdmaDevice,
+                    format!(
+                        "{} port {} is not ACTIVE according to verbs (state {})",
+                        c.device, c.port, port.state
+                    ),
+                ));
+            }
+            let mtu = port.active_mtu.ok_or_else(|| {
+                Error::new(
+                    Status::RdmaHandshake,
+                    format!(
+                        "RDMA handshake: field `mtu`: {} port {} reports no valid active MTU",
+                        c.device, c.port
+                    ),
+                )
+            })?;
+            let gid = ctx.query_gid(c.port, c.gid_index)?;
+            if port.link_layer == LinkLayer::Ethernet && gid.is_zero() {
+                return Err(Error::new(
+                    Status::RdmaHandshake,
+                    format!(
+                        "RDMA handshake: field `gid`: {} port {} GID index {} is all zero; set PDXFER_RDMA_GID_INDEX to a populated entry (see `pdxfer info`)",
+                        c.device, c.port, c.gid_index
+                    ),
+                ));
+            }
+            let device = ctx.query_device()?;
+            let pd = Pd::alloc(&ctx)?;
+            log::info!(
+                "rdma rail {i}: {} port {} ({}, mtu {mtu}, gid[{}]={gid}, lid {:#x}, numa {:?}, weight {}): {}",
+                c.device,
+                c.port,
+                port.link_layer,
+                c.gid_index,
+                port.lid,
+                c.numa_node,
+                c.weight,
+                c.reason
+            );
+            rails.push(Arc::new(Rail {
+                choice: c,
+                port,
+                device,
+                gid,
+                mtu,
+                pd,
+                ctx,
+            }));
+        }
+        if rails.is_empty() {
+            return Err(Error::new(
+                Status::NoRdmaDevice,
+                "no rail selected (max_rails = 0 devices?)",
+            ));
+        }
+        Ok(RdmaTransport {
+            cfg,
+            rails,
+            regions: Mutex::new(Vec::new()),
+            instance_id: random_u64(),
+        })
+    }
+
+    /// The rails in use.
+    pub fn rails(&self) -> Vec<RailChoice> {
+        self.rails.iter().map(|r| r.choice.clone()).collect()
+    }
+
+    /// Registers host ranges `(addr, len)` on every rail, in parallel over
+    /// (range, rail) pairs, and logs the time taken. All or nothing: on any failure
+    /// the ranges registered by this call are released.
+    ///
+    /// # Safety
+    /// Each range must stay allocated until it is deregistered and every endpoint
+    /// created after this call is dropped.
+    pub unsafe fn register_host(&self, ranges: &[(u64, u64)]) -> Result<RegistrationReport> {
+        self.register_with(ranges, MemoryKind::Host, |pd, addr, len| {
+            // SAFETY: forwarded from this function's contract.
+            unsafe { Mr::register(pd, addr, len, region_access()) }
+        })
+    }
+
+    /// Registers GPU memory `[dptr, dptr+len)` on every rail: through a dma-buf
+    /// (`cuMemGetHandleForAddressRange` + `ibv_reg_dmabuf_mr`) when the driver
+    /// offers one, else through nvidia-peermem (`ibv_reg_mr` on the device
+    /// pointer). When neither works the error says so: memory is never staged
+    /// through the host silently. Call with the pointer's CUDA context current.
+    ///
+    /// # Safety
+    /// The allocation must outlive the registration, as for [`register_host`](Self::register_host).
+    #[cfg(feature = "cuda")]
+    pub unsafe fn register_gpu(&self, dptr: u64, len: u64) -> Result<RegistrationReport> {
+        match super::verbs::gpu_dmabuf(dptr, len) {
+            Ok((fd, offset, _span)) => {
+                let r = self.register_with(&[(dptr, len)], MemoryKind::GpuDmabuf, |pd, addr, len| {
+                    // SAFETY: fd is a live dma-buf covering [addr, addr+len) at `offset`.
+                    unsafe { Mr::register_dmabuf(pd, fd, offset, len, addr, region_access()) }
+                });
+                // SAFETY: fd came from the CUDA driver and is ours to close; the MRs keep
+                // their own reference to the buffer.
+                unsafe { libc::close(fd) };
+                match r {
+                    Ok(r) => Ok(r),
+                    Err(e) => self.register_peermem(dptr, len).map_err(|e2| {
+                        Error::new(
+                            e2.status(),
+                            format!("GPUDirect RDMA unavailable: dma-buf registration failed ({}) and so did nvidia-peermem ({})", e.detail(), e2.detail()),
+                        )
+                    }),
+                }
+            }
+            Err(e) => self.register_peermem(dptr, len).map_err(|e2| {
+                Error::new(
+                    e2.status(),
+                    format!(
+                        "GPUDirect RDMA unavailable: no dma-buf ({}) and nvidia-peermem registration failed ({}): load nvidia_peermem or use a driver with dma-buf support",
+                        e.detail(),
+                        e2.detail()
+                    ),
+                )
+            }),
+        }
+    }
+
+    #[cfg(feature = "cuda")]
+    fn register_peermem(&self, dptr: u64, len: u64) -> Result<RegistrationReport> {
+        self.register_with(&[(dptr, len)], MemoryKind::GpuPeermem, |pd, addr, len| {
+            // SAFETY: the caller of register_gpu guarantees the allocation's lifetime.
+            unsafe { Mr::register(pd, addr, len, region_access()) }
+        })
+    }
+
+    fn register_with(
+        &self,
+        ranges: &[(u64, u64)],
+        kind: MemoryKind,
+        reg: impl Fn(&Arc<Pd>, u64, u64) -> Result<Mr> + Sync,
+    ) -> Result<RegistrationReport> {
+        // Held for the whole call, so concurrent registrations cannot both pass the
+        // overlap check (registration is rare: at startup).
+        let mut regs = lock(&self.regions);
+        let have: Vec<(u64, u64)> = regs.iter().map(|r| (r.addr, r.len)).collect();
+        check_new_regions(&have, ranges)?;
+        let start = Instant::now();
+        let nr = self.rails.len();
+        let jobs = ranges.len() * nr;
+        let threads = self.cfg.reg_threads.clamp(1, jobs.max(1));
+        let slots: Vec<Mutex<Option<Result<Mr>>>> = (0..jobs).map(|_| Mutex::new(None)).collect();
+        let next = AtomicUsize::new(0);
+        std::thread::scope(|s| {
+            for _ in 0..threads {
+                s.spawn(|| loop {
+                    let j = next.fetch_add(1, Ordering::Relaxed);
+                    if j >= jobs {
+                        break;
+                    }
+                    let (addr, len) = ranges[j / nr];
+                    let r = reg(&self.rails[j % nr].pd, addr, len);
+                    *lock(&slots[j]) = Some(r);
+                });
+            }
+        });
+        let mut mrs: Vec<Mr> = Vec::with_capacity(jobs);
+        let mut first_err = None;
+        for s in slots {
+            match s.into_inner().unwrap_or_else(|p| p.into_inner()) {
+                Some(Ok(m)) => mrs.push(m),
+                Some(Err(e)) => {
+                    first_err.get_or_insert(e);
+                }
+                None => {
+                    first_err
+                        .get_or_insert(Error::new(Status::Rdma, "a registration job did not run"));
+                }
+            }
+        }
+        if let Some(e) = first_err {
+            return Err(e);
+        }
+        let mut it = mrs.into_iter();
+        for (addr, len) in ranges {
+            let mrs: Vec<Mr> = it.by_ref().take(nr).collect();
+            regs.push(Arc::new(Region {
+                addr: *addr,
+                len: *len,
+                kind,
+                mrs,
+            }));
+        }
+        let report = RegistrationReport {
+            regions: ranges.len(),
+            bytes: ranges.iter().map(|(_, l)| *l).sum(),
+            rails: nr,
+            threads,
+            elapsed: start.elapsed(),
+        };
+        log::info!(
+            "rdma: registered {} {kind:?} region(s), {:.3} GiB, on {} NIC(s) with {} thread(s) in {:.1} ms",
+            report.regions,
+            report.bytes as f64 / (1u64 << 30) as f64,
+            nr,
+            threads,
+            report.elapsed.as_secs_f64() * 1e3
+        );
+        Ok(report)
+    }
+
+    /// Forgets the region starting at `addr`. Its MRs are released once no
+    /// endpoint that advertised it is alive.
+    pub fn deregister(&self, addr: u64) -> Result<()> {
+        let mut regs = lock(&self.regions);
+        let before = regs.len();
+        regs.retain(|r| r.addr != addr);
+        if regs.len() == before {
+            return Err(Error::new(
+                Status::RegionNotFound,
+                format!("no RDMA region starts at {addr:#x}"),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Creates an endpoint: one CQ and one RC QP per rail, advertising every
+    /// region registered so far.
+    pub fn endpoint(&self) -> Result<RdmaEndpoint> {
+        let regions: Vec<Arc<Region>> = lock(&self.regions).clone();
+        let depth = (self.cfg.sq_depth + self.cfg.recv_depth) as i32;
+        let mut rails = Vec::with_capacity(self.rails.len());
+        let mut infos = Vec::with_capacity(self.rails.len());
+        let mut info = Vec::with_capacity(self.rails.len());
+        for (i, r) in self.rails.iter().enumerate() {
+            let cq = Cq::create(&r.ctx, depth.min(r.device.max_cqe.max(1)))?;
+            let sq = self.cfg.sq_depth.min(r.device.max_qp_wr.max(1) as u32);
+            let rq = self.cfg.recv_depth.min(r.device.max_qp_wr.max(1) as u32);
+            let qp = Qp::create(&r.pd, &cq, sq, rq)?;
+            let local: Vec<LocalRegion> = regions
+                .iter()
+                .map(|g| LocalRegion {
+                    addr: g.addr,
+                    len: g.len,
+                    lkey: g.mrs[i].lkey,
+                })
+                .collect();
+            infos.push(RailInfo {
+                device: r.choice.device.clone(),
+                port: r.choice.port,
+                link_layer: r.port.link_layer,
+                qpn: qp.qpn(),
+                lid: r.port.lid,
+                gid: r.gid,
+                gid_index: r.choice.gid_index,
+                psn: random_psn(),
+                mtu: r.mtu,
+                regions: regions
+                    .iter()
+                    .map(|g| RemoteRegion {
+                        addr: g.addr,
+                        len: g.len,
+                        rkey: g.mrs[i].rkey,
+                    })
+                    .collect(),
+            });
+            let max_msg = r.port.max_msg_sz.max(1) as u64;
+            rails.push(SessionRail::new(
+                VerbsRail { qp, cq },
+                r.choice.weight,
+                max_msg,
+                sq,
+                rq,
+            ));
+            info.push((r.clone(), local));
+        }
+        Ok(RdmaEndpoint {
+            session: Session::new(
+                rails,
+                SessionParams {
+                    signal_every: self.cfg.signal_every,
+                    min_slice: self.cfg.min_slice,
+                    record: self.cfg.record,
+                    post_timeout: self.cfg.post_timeout,
+                },
+            ),
+            info,
+            local: Handshake {
+                instance_id: self.instance_id,
+                rails: infos,
+            },
+            negotiated: Vec::new(),
+            cfg: self.cfg.clone(),
+            _regions: regions,
+        })
+    }
+}
+
+/// The verbs queue pair and completion queue of one rail.
+pub struct VerbsRail {
+    qp: Qp,
+    cq: Arc<Cq>,
+}
+
+impl RailIo for VerbsRail {
+    fn post_send(&self, wrs: &[WorkRequest]) -> std::result::Result<(), (usize, Error)> {
+        self.qp.post_send(wrs)
+    }
+    fn post_recvs(&self, n: usize) -> Result<()> {
+        self.qp.post_recvs(n, RECV_WR_ID)
+    }
+    fn poll(&self, out: &mut Vec<Completion>, max: usize) -> Result<usize> {
+        self.cq.poll(out, max)
+    }
+}
+
+/// One connection to one peer: a QP per rail, a completion poller thread.
+pub struct RdmaEndpoint {
+    session: Session<VerbsRail>,
+    info: Vec<(Arc<Rail>, Vec<LocalRegion>)>,
+    local: Handshake,
+    negotiated: Vec<Negotiated>,
+    cfg: RdmaConfig,
+    _regions: Vec<Arc<Region>>,
+}
+
+impl RdmaEndpoint {
+    /// What to send the peer over the control channel (`.encode()` it).
+    pub fn local_handshake(&self) -> &Handshake {
+        &self.local
+    }
+
+    /// The negotiated attributes per connected rail (empty before [`connect`](Self::connect)).
+    pub fn negotiated(&self) -> &[Negotiated] {
+        &self.negotiated
+    }
+
+    /// Connects to the peer described by `remote`: negotiates each rail (min MTU,
+    /// GIDs, LIDs), moves each QP INIT -> RTR -> RTS, posts the receives for
+    /// completion records and starts the completion poller.
+    pub fn connect(&mut self, remote: &Handshake) -> Result<Vec<Negotiated>> {
+        if !self.negotiated.is_empty() {
+            return Err(Error::invalid("endpoint is already connected"));
+        }
+        let negs = negotiate_all(&self.local, remote)?;
+        let mut keys = Vec::with_capacity(negs.len());
+        for (i, n) in negs.iter().enumerate() {
+            let (rail, local) = &self.info[i];
+            let qp = &self.session.rails()[i].io.qp;
+            let gid_len = rail.port.gid_tbl_len;
+            if n.use_grh && (n.sgid_index as i32) >= gid_len {
+                return Err(super::handshake::HandshakeError {
+                    field: HandshakeField::GidIndex,
+                    detail: format!(
+                        "rail {i}: local GID index {} is outside the table of {gid_len}",
+                        n.sgid_index
+                    ),
+                }
+                .into());
+            }
+            let rd = rail.device.max_qp_rd_atom.clamp(1, 255) as u8;
+            for a in transitions(n, &self.cfg.tuning, rd, true) {
+                qp.modify(&a)
+                    .map_err(|e| Error::new(e.status(), format!("rail {i}: {}", e.detail())))?;
+            }
+            keys.push(RailKeys::new(
+                local.clone(),
+                remote.rails[i].regions.clone(),
+            ));
+            log::info!(
+                "rdma: rail {i} connected: {} port {} -> {} qpn {:#x}, mtu {} (local {}, remote {}), {}",
+                rail.choice.device,
+                n.port,
+                remote.rails[i].device,
+                n.remote_qpn,
+                n.mtu,
+                n.local_mtu,
+                n.remote_mtu,
+                if n.use_grh {
+                    format!("gid {}", n.dgid)
+                } else {
+                    format!("lid {:#x}", n.dlid)
+                }
+            );
+        }
+        self.session.start(keys)?;
+        self.negotiated = negs.clone();
+        Ok(negs)
+    }
+
+    /// Posts one batch: the spans are sliced across the connected rails by bytes
+    /// (weighted by link rate), keys are resolved and bounds-checked before
+    /// anything is posted, and each rail posts linked WR lists signalled every
+    /// `signal_every`, round-robin with the other rails. With
+    /// [`RecordMode::Immediate`](super::config::RecordMode::Immediate) each rail's last WRITE carries (batch id, rails)
+    /// as immediate data; the peer's [`next_incoming`](Self::next_incoming) reports
+    /// the batch once all of them arrived.
+    pub fn post_batch(&self, batch: u32, dir: Direction, spans: &[Span]) -> Result<()> {
+        self.session.post_batch(batch, dir, spans)
+    }
+
+    /// A write batch kept on one rail and followed there by an ordered WRITE of
+    /// `record` (a small completion record the peer polls for; RC keeps the order).
+    pub fn post_batch_with_record(&self, batch: u32, spans: &[Span], record: Span) -> Result<()> {
+        self.session.post_batch_with_record(batch, spans, record)
+    }
+
+    /// The batch's state; a finished batch is forgotten after it is reported once.
+    pub fn poll(&self, batch: u32) -> Result<BatchState> {
+        self.session.poll(batch)
+    }
+
+    /// Waits until the batch is done or failed, at most `timeout`
+    /// ([`Status::Timeout`] then; the batch keeps running and can be polled again).
+    pub fn wait(&self, batch: u32, timeout: Duration) -> Result<BatchState> {
+        self.session.wait(batch, timeout)
+    }
+
+    /// The next batch the peer announced as fully written, if any.
+    pub fn next_incoming(&self) -> Option<u32> {
+        self.session.next_incoming()
+    }
+}

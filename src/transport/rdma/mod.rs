@@ -1,0 +1,146 @@
+//! RDMA transport: one-sided RDMA WRITE/READ over RC queue pairs through
+//! `ibverbs-sys`, host and GPU (dma-buf) memory regions, a negotiated handshake,
+//! and batches sliced across several NICs.
+//!
+//! Layers, pure first:
+//! - `handshake`: the versioned wire format of what each side sends (QPN, LID,
+//!   GID, PSN, MTU, regions with rkeys) and `handshake::negotiate` (min MTU,
+//!   zero-GID detection, errors naming the failing field);
+//! - `wr`: work-request lists for a batch (splitting, signalling every k, the
+//!   WRITE_WITH_IMM or final-write completion record);
+//! - `slice`: spreading a batch across rails and resolving keys with bounds checks;
+//! - `qp`: the INIT/RTR/RTS attribute sets;
+//! - `tracker`: completion bookkeeping, failure reasons, no retries;
+//! - `device`: sysfs discovery and NUMA/PCIe-aware NIC selection;
+//! - `config`: settings and their `PDXFER_RDMA_*` environment variables;
+//! - `verbs` (feature `rdma`): RAII wrappers over `ibverbs-sys`;
+//! - `endpoint` (feature `rdma`): `RdmaTransport` (rails, parallel timed
+//!   registration of host and GPU memory) and `RdmaEndpoint` (`connect`,
+//!   `post_batch`, `poll`/`wait`, the completion poller thread).
+//!
+//! Without a device every entry point returns `Status::NoRdmaDevice` with the
+//! reason (e.g. no `/sys/class/infiniband`), never a panic.
+
+pub mod config;
+pub mod device;
+#[cfg(feature = "rdma")]
+pub mod endpoint;
+pub mod handshake;
+pub mod qp;
+pub mod session;
+pub mod slice;
+pub mod tracker;
+#[cfg(feature = "rdma")]
+pub mod verbs;
+pub mod wr;
+
+pub use config::{RdmaConfig, RecordMode};
+pub use device::{RdmaDevice, RdmaPort};
+#[cfg(feature = "rdma")]
+pub use endpoint::{MemoryKind, RdmaEndpoint, RdmaTransport, RegistrationReport};
+pub use handshake::{Handshake, HandshakeField, Negotiated};
+pub use slice::Span;
+pub use tracker::BatchState;
+pub use wr::Direction;
+
+#[allow(unused_imports)] // Error and Status are used only without the `rdma` feature.
+use crate::error::{Error, Result, Status};
+use std::path::Path;
+
+/// Lists RDMA devices (from sysfs, completed by verbs where a device can be
+/// opened), or says why there are none ([`Status::NoRdmaDevice`]).
+pub fn list_devices() -> Result<Vec<RdmaDevice>> {
+    list_devices_at(Path::new("/sys"))
+}
+
+/// [`list_devices`] with another sysfs root (tests use a fake tree).
+pub fn list_devices_at(sys_root: &Path) -> Result<Vec<RdmaDevice>> {
+    #[allow(unused_mut)]
+    let mut devs = device::scan(sys_root)?;
+    #[cfg(feature = "rdma")]
+    verbs::enrich(&mut devs);
+    #[cfg(not(feature = "rdma"))]
+    for d in &mut devs {
+        d.verbs_error = Some("built without the `rdma` feature".into());
+    }
+    Ok(devs)
+}
+
+/// Opens the RDMA transport the way an engine created with `transport=rdma` does:
+/// [`Status::NoRdmaDevice`] with the reason when there is no usable NIC,
+/// [`Status::Unsupported`] when built without the `rdma` feature.
+#[cfg(feature = "rdma")]
+pub fn open(cfg: RdmaConfig) -> Result<RdmaTransport> {
+    RdmaTransport::new(cfg)
+}
+
+/// Without the `rdma` feature there is no RDMA transport.
+#[cfg(not(feature = "rdma"))]
+pub fn open(cfg: RdmaConfig) -> Result<()> {
+    let _ = cfg;
+    Err(Error::new(
+        Status::Unsupported,
+        "built without the `rdma` feature",
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn no_device_is_typed() {
+        match list_devices() {
+            Ok(d) => assert!(!d.is_empty()),
+            Err(e) => assert_eq!(e.status(), Status::NoRdmaDevice, "{e}"),
+        }
+    }
+
+    #[test]
+    fn fake_tree_lists_devices_with_verbs_reason() {
+        let s = device::tests::four_nics();
+        let d = list_devices_at(&s.0).unwrap();
+        assert_eq!(d.len(), 4);
+        // The fake devices are unknown to libibverbs: each says why.
+        assert!(d.iter().all(|x| x.verbs_error.is_some()));
+    }
+
+    #[test]
+    fn opening_without_devices_is_a_typed_error_never_a_panic() {
+        // This machine's real /sys (no RDMA here; with NICs it opens).
+        match open(RdmaConfig::default()) {
+            Ok(_) => {}
+            Err(e) => assert!(
+                matches!(e.status(), Status::NoRdmaDevice | Status::Unsupported),
+                "{e}"
+            ),
+        }
+        // No /sys/class/infiniband at all: the reason names it.
+        let empty = device::tests::FakeSys::new("open-empty");
+        let e = open(RdmaConfig {
+            sys_root: empty.0.clone(),
+            ..RdmaConfig::default()
+        })
+        .err()
+        .expect("no devices");
+        assert!(
+            matches!(e.status(), Status::NoRdmaDevice | Status::Unsupported),
+            "{e}"
+        );
+        if e.status() == Status::NoRdmaDevice {
+            assert!(e.detail().contains("class/infiniband"), "{e}");
+        }
+        // Devices in sysfs that libibverbs cannot open: still NoRdmaDevice, with why.
+        let fake = device::tests::four_nics();
+        let e = open(RdmaConfig {
+            sys_root: fake.0.clone(),
+            ..RdmaConfig::default()
+        })
+        .err()
+        .expect("fake devices cannot be opened");
+        assert!(
+            matches!(e.status(), Status::NoRdmaDevice | Status::Unsupported),
+            "{e}"
+        );
+    }
+}

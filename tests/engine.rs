@@ -1,0 +1,192 @@
+//! The engine end to end in one process: a bootstrap server, one prefill rank
+//! and decode DCP ranks as engines over real sockets and the cma/tcp
+//! transports; every received byte is checked.
+
+use pdxfer::bootstrap::schema::Role;
+use pdxfer::bootstrap::server::{BootstrapServer, ServerConfig};
+use pdxfer::engine::synthetic::SyntheticPools;
+use pdxfer::engine::{Engine, EngineConfig, KvPoll};
+use pdxfer::layout::{DcpLayout, Side};
+use pdxfer::transport::TransportKind;
+use pdxfer::Status;
+use std::time::Duration;
+
+const LAYERS: u32 = 4;
+const ROW: u64 = 64;
+const P: u64 = 16;
+
+struct Cluster {
+    _server: BootstrapServer,
+    prefill: Engine,
+    p_pools: SyntheticPools,
+    decode: Vec<(Engine, SyntheticPools)>,
+}
+
+fn cluster(name: &str, src_dcp: u32, dcp: u32, transport: TransportKind, staging: u64) -> Cluster {
+    let server = BootstrapServer::start(ServerConfig::default()).unwrap();
+    let url = server.url();
+    let p_pools = SyntheticPools::new(LAYERS, ROW, P, 64, 8, 32).unwrap();
+    assert_eq!(src_dcp, 1, "the prefill side of these tests is DCP 1");
+    let mut cfg = EngineConfig::new(
+        Role::Prefill,
+        name,
+        &url,
+        p_pools.topology(1, 0),
+        p_pools.kv_pools(),
+    );
+    cfg.aux = p_pools.aux_buffers();
+    cfg.transport = transport;
+    cfg.staging_bytes = staging;
+    cfg.room_timeout = Duration::from_secs(20);
+    // SAFETY: the pools live in the returned Cluster, alongside the engine.
+    let prefill = unsafe { Engine::new(cfg) }.unwrap();
+    let mut decode = Vec::new();
+    for r in 0..dcp {
+        let pools = SyntheticPools::new(LAYERS, ROW, P, 32, 8, 32).unwrap();
+        let mut cfg = EngineConfig::new(
+            Role::Decode,
+            name,
+            &url,
+            pools.topology(dcp, r),
+            pools.kv_pools(),
+        );
+        cfg.aux = pools.aux_buffers();
+        cfg.transport = transport;
+        // SAFETY: as above.
+        let e = unsafe { Engine::new(cfg) }.unwrap();
+        decode.push((e, pools));
+    }
+    Cluster {
+        _server: server,
+        prefill,
+        p_pools,
+        decode,
+    }
+}
+
+/// Runs one request: `total` tokens, decode prefix `prefix`, sent in chunks of
+/// `chunk_pages` prefill pages; returns the bytes verified on the decode ranks.
+fn request(c: &mut Cluster, room: u64, total: u64, prefix: u64, chunk_pages: usize) -> u64 {
+    let dcp = c.decode.len() as u64;
+    let v = P * dcp;
+    let n = total - prefix;
+    // scattered, distinct page ids (7 and 3 are coprime with the pool sizes)
+    let src_pages: Vec<u64> = (0..n.div_ceil(P)).map(|i| (i * 7 + room) % 64).collect();
+    let dst_pages: Vec<u64> = (0..n.div_ceil(v)).map(|i| (i * 3 + room) % 32).collect();
+    let src_side = Side {
+        layout: DcpLayout::sglang(P, 1).unwrap(),
+        rank: 0,
+        pages: &src_pages,
+        origin: prefix,
+    };
+    c.p_pools.fill(room, &src_side, total);
+    c.p_pools.fill_aux(room, 3);
+    for (e, _) in &c.decode {
+        e.receiver(room, 0, Some(Duration::from_secs(20))).unwrap();
+        e.send_metadata(room, &dst_pages, prefix, 5).unwrap();
+    }
+    c.prefill.sender(room).unwrap();
+    let mut waited = 0;
+    while c.prefill.poll(room) == KvPoll::Bootstrapping {
+        std::thread::sleep(Duration::from_millis(5));
+        waited += 1;
+        assert!(waited < 2000, "prefill never saw the decode metadata");
+    }
+    let mut sent = 0u64;
+    for (i, chunk) in src_pages.chunks(chunk_pages).enumerate() {
+        let last = (i + 1) * chunk_pages >= src_pages.len();
+        let tokens = if last {
+            n - sent
+        } else {
+            chunk.len() as u64 * P
+        };
+        c.prefill.send(room, chunk, tokens, last, 3).unwrap();
+        sent += tokens;
+    }
+    assert_eq!(
+        c.prefill.wait(room, Duration::from_secs(20)),
+        KvPoll::Success,
+        "{:?}",
+        c.prefill.failure(room)
+    );
+    let mut verified = 0;
+    for (r, (e, pools)) in c.decode.iter().enumerate() {
+        assert_eq!(
+            e.wait(room, Duration::from_secs(20)),
+            KvPoll::Success,
+            "decode {r}: {:?}",
+            e.failure(room)
+        );
+        let side = Side {
+            layout: DcpLayout::sglang(P, dcp).unwrap(),
+            rank: r as u64,
+            pages: &dst_pages,
+            origin: prefix,
+        };
+        verified += pools.verify(room, &side, total, Some(5)).unwrap();
+        e.clear(room).unwrap();
+    }
+    c.prefill.clear(room).unwrap();
+    verified
+}
+
+#[test]
+fn dcp_1_to_4_over_cma_packed_chunked_and_with_prefix() {
+    let mut c = cluster("e2e-cma", 1, 4, TransportKind::Cma, 1 << 20);
+    let row_total = LAYERS as u64 * ROW;
+    assert_eq!(request(&mut c, 1, 300, 0, 100), 300 * row_total + 4 * 32);
+    assert_eq!(request(&mut c, 2, 700, 128, 3), 572 * row_total + 4 * 32);
+    // staging of 1 MiB holds 4096 tokens of 256 B: this one needs slices
+    assert_eq!(request(&mut c, 3, 1000, 0, 100), 1000 * row_total + 4 * 32);
+}
+
+#[test]
+fn dcp_1_to_4_over_tcp_unpacked() {
+    let mut c = cluster("e2e-tcp", 1, 4, TransportKind::Tcp, 0);
+    let row_total = LAYERS as u64 * ROW;
+    assert_eq!(request(&mut c, 9, 333, 64, 2), 269 * row_total + 4 * 32);
+}
+
+#[test]
+fn dcp_1_to_1_pages() {
+    let mut c = cluster("e2e-1to1", 1, 1, TransportKind::Cma, 1 << 20);
+    assert_eq!(
+        request(&mut c, 4, 200, 16, 4),
+        184 * LAYERS as u64 * ROW + 32
+    );
+}
+
+#[test]
+fn bad_inputs_are_typed_and_write_nothing() {
+    let c = cluster("e2e-bad", 1, 2, TransportKind::Cma, 1 << 20);
+    let (d0, _) = &c.decode[0];
+    assert_eq!(
+        c.prefill.send(77, &[1], 16, true, 0).unwrap_err().status(),
+        Status::UnknownRoom
+    );
+    d0.receiver(5, 0, None).unwrap();
+    assert_eq!(
+        d0.send_metadata(5, &[999], 0, 0).unwrap_err().status(),
+        Status::OutOfBounds
+    );
+    assert_eq!(
+        d0.send_metadata(5, &[1], 16, 0).unwrap_err().status(),
+        Status::PrefixMisaligned
+    );
+    assert_eq!(
+        d0.send_metadata(5, &[1], 0, 99).unwrap_err().status(),
+        Status::OutOfBounds
+    );
+    assert_eq!(d0.sender(6).unwrap_err().status(), Status::Unsupported);
+    c.prefill.sender(8).unwrap();
+    assert_eq!(
+        c.prefill.send(8, &[1], 16, true, 0).unwrap_err().status(),
+        Status::InvalidArgument,
+        "not WaitingForInput yet"
+    );
+    assert_eq!(c.prefill.poll(12345), KvPoll::Failed);
+    assert_eq!(
+        c.prefill.failure(12345).unwrap().status(),
+        Status::UnknownRoom
+    );
+}
