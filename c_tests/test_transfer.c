@@ -126,6 +126,36 @@ static void roundtrip(uint32_t transport, uint32_t streams) {
     free(src);
 }
 
+static void shared_allocation(void) {
+    PdxAgentOptions ao = {sizeof ao, "127.0.0.1:0"};
+    PdxAgent *rx = NULL, *tx = NULL;
+    CHECK(pdxfer_agent_create(&ao, &rx) == PDX_STATUS_OK);
+    CHECK(pdxfer_agent_create(NULL, &tx) == PDX_STATUS_OK);
+    PdxRegion rd = {.struct_size = sizeof rd}, sd = {.struct_size = sizeof sd};
+    CHECK(pdxfer_alloc_shared_memory(rx, 65536, &rd) == PDX_STATUS_OK);
+    CHECK(pdxfer_alloc_shared_memory(rx, 0, &rd) == PDX_STATUS_INVALID_ARGUMENT);
+    CHECK(pdxfer_alloc_shared_memory(rx, 16, NULL) == PDX_STATUS_NULL_ARGUMENT);
+    unsigned char *dst = (unsigned char *)(uintptr_t)rd.addr;
+    unsigned char src[4096];
+    for (int i = 0; i < 4096; i++) src[i] = (unsigned char)(i ^ 0x5a);
+    CHECK(pdxfer_register_memory(tx, src, sizeof src, &sd) == PDX_STATUS_OK);
+    char addr[64];
+    size_t n = 0;
+    CHECK(pdxfer_agent_listen_addr(rx, addr, sizeof addr, &n) == PDX_STATUS_OK);
+    PdxPeerOptions po = {sizeof po, PDXFER_TRANSPORT_CMA, 1, 1, 0, 5000};
+    PdxPeer *peer = NULL;
+    CHECK(pdxfer_peer_open(tx, addr, &po, &peer) == PDX_STATUS_OK);
+    PdxWriteOp op = {sd.id, 0, rd.id, 1000, 4096};
+    uint64_t b = 0;
+    CHECK(pdxfer_submit(peer, &op, 1, NULL, &b) == PDX_STATUS_OK);
+    CHECK(pdxfer_wait(peer, b, 5000, NULL) == PDX_STATUS_OK);
+    CHECK(memcmp(dst + 1000, src, 4096) == 0 && dst[999] == 0);
+    pdxfer_peer_close(peer);
+    CHECK(pdxfer_unregister_memory(rx, rd.id, 1000) == PDX_STATUS_OK);
+    pdxfer_agent_destroy(tx);
+    pdxfer_agent_destroy(rx);
+}
+
 static void bad_inputs(void) {
     PdxAgent *a = NULL;
     CHECK(pdxfer_agent_create(NULL, NULL) == PDX_STATUS_NULL_ARGUMENT);
@@ -161,6 +191,7 @@ int main(void) {
     roundtrip(PDXFER_TRANSPORT_TCP, 2);
     roundtrip(PDXFER_TRANSPORT_CMA, 1);
     roundtrip(PDXFER_TRANSPORT_LOCAL, 1);
+    shared_allocation();
     bad_inputs();
     printf("test_transfer: %d checks, %d failures\n", checks, failures);
     return failures ? 1 : 0;

@@ -601,6 +601,15 @@ PdxStatus pdxfer_register_memory(const struct PdxAgent *agent,
                                  size_t len,
                                  struct PdxRegion *out);
 
+// Allocates `len` zeroed bytes of shared host memory (a memfd mapped into
+// this process) and registers it; the region's address is in `out->addr`.
+// Same-host cma peers write such regions with plain memcpy through a
+// mapping instead of `process_vm_writev`. Freed by `pdxfer_unregister_memory`
+// (or when the agent is destroyed): do not use `addr` afterwards.
+PdxStatus pdxfer_alloc_shared_memory(const struct PdxAgent *agent,
+                                     size_t len,
+                                     struct PdxRegion *out);
+
 // Registers `len` bytes of CUDA device memory at device address `dptr` on
 // device `ordinal`. `PDX_STATUS_NO_CUDA_DRIVER` without a driver,
 // `PDX_STATUS_UNSUPPORTED` without the `cuda` feature.

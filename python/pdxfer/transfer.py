@@ -126,6 +126,7 @@ _sig("pdxfer_agent_destroy", None, [_vp])
 _sig("pdxfer_agent_listen_addr", _st, [_vp, ctypes.c_char_p, _sz, ctypes.POINTER(_sz)])
 _sig("pdxfer_agent_next_completion", _st, [_vp, _u64, ctypes.POINTER(_Completion)])
 _sig("pdxfer_register_memory", _st, [_vp, _vp, _sz, ctypes.POINTER(_Region)])
+_sig("pdxfer_alloc_shared_memory", _st, [_vp, _sz, ctypes.POINTER(_Region)])
 _sig("pdxfer_register_device_memory", _st, [_vp, _u64, _sz, ctypes.c_uint32, ctypes.POINTER(_Region)])
 _sig("pdxfer_unregister_memory", _st, [_vp, _u64, _u64])
 _sig("pdxfer_agent_regions", _st, [_vp, ctypes.POINTER(_Region), _sz, ctypes.POINTER(_sz)])
@@ -241,6 +242,18 @@ class Agent:
         reg = Region._from_c(r)
         self._keep[reg.id] = buf
         return reg
+
+    def alloc_shared(self, length: int):
+        """Allocates and registers ``length`` zeroed bytes of shared memory (a memfd);
+        same-host cma peers write it with memcpy. Returns ``(region, array)`` where
+        ``array`` is a numpy ``uint8`` view (valid until :meth:`unregister` or :meth:`close`)."""
+        r = _Region(struct_size=ctypes.sizeof(_Region))
+        check(lib.pdxfer_alloc_shared_memory(self._handle(), length, ctypes.byref(r)))
+        reg = Region._from_c(r)
+        import numpy as np
+
+        arr = np.ctypeslib.as_array((ctypes.c_uint8 * length).from_address(reg.addr))
+        return reg, arr
 
     def register_device(self, dptr: int, length: int, ordinal: int = 0) -> Region:
         """Registers CUDA device memory (raises without a CUDA driver)."""

@@ -139,3 +139,17 @@ def test_target_process_over_cma_and_tcp():
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_shared_allocation_written_with_memcpy_over_cma():
+    with pdxfer.Agent(listen="127.0.0.1:0") as rx, pdxfer.Agent() as tx:
+        d, view = rx.alloc_shared(1 << 16)
+        assert d.len == 1 << 16 and not view.any()
+        src = np.arange(1 << 16, dtype=np.uint64).astype(np.uint8)
+        s = tx.register(src)
+        with tx.connect(rx.listen_addr, transport="cma") as peer:
+            peer.wait(peer.submit([(s.id, 0, d.id, 0, 1 << 16)], checksum=True))
+        assert np.array_equal(view, src)
+        with pytest.raises(pdxfer.ArgumentError):
+            rx.alloc_shared(0)
+        rx.unregister(d)
