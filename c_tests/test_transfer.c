@@ -9,17 +9,7 @@
 #include <string.h>
 #include <unistd.h>
 
-static int failures = 0;
-static int checks = 0;
-#define CHECK(cond)                                                              \
-    do {                                                                         \
-        checks++;                                                                \
-        if (!(cond)) {                                                           \
-            failures++;                                                          \
-            fprintf(stderr, "%s:%d: CHECK failed: %s (last error: %s)\n",        \
-                    __FILE__, __LINE__, #cond, pdxfer_last_error());             \
-        }                                                                        \
-    } while (0)
+#include "check.h"
 
 _Static_assert(sizeof(PdxAgentOptions) == 16, "PdxAgentOptions size is ABI");
 _Static_assert(sizeof(PdxCompletion) == 64, "PdxCompletion size is ABI");
@@ -193,6 +183,5 @@ int main(void) {
     roundtrip(PDXFER_TRANSPORT_LOCAL, 1);
     shared_allocation();
     bad_inputs();
-    printf("test_transfer: %d checks, %d failures\n", checks, failures);
-    return failures ? 1 : 0;
+    return CHECK_SUMMARY();
 }
