@@ -509,6 +509,17 @@ PdxStatus pdxfer_submit(const struct PdxPeer *peer,
                         const struct PdxBatchOptions *options,
                         uint64_t *out_batch);
 
+// Submits `num_ops` one-sided reads as one batch: each op's `len` bytes go
+// from the peer's `remote_region` at `remote_offset` into this agent's
+// `local_region` at `local_offset` (the same `PdxWriteOp` fields, data
+// flowing the other way). The peer validates and pins the source ranges
+// first. `PDX_STATUS_UNSUPPORTED` on transports that cannot read (tcp).
+PdxStatus pdxfer_submit_reads(const struct PdxPeer *peer,
+                              const struct PdxWriteOp *ops,
+                              size_t num_ops,
+                              const struct PdxBatchOptions *options,
+                              uint64_t *out_batch);
+
 // Polls a batch: `PDX_STATUS_OK` (done; `out` filled, may be NULL),
 // `PDX_STATUS_IN_PROGRESS`, or the batch's failure (reason in
 // `pdxfer_last_error()`). A finished batch is reported once.
@@ -589,6 +600,15 @@ PdxStatus pdxfer_register_memory(const struct PdxAgent *agent,
                                  void *addr,
                                  size_t len,
                                  struct PdxRegion *out);
+
+// Allocates `len` zeroed bytes of shared host memory (a memfd mapped into
+// this process) and registers it; the region's address is in `out->addr`.
+// Same-host cma peers write such regions with plain memcpy through a
+// mapping instead of `process_vm_writev`. Freed by `pdxfer_unregister_memory`
+// (or when the agent is destroyed): do not use `addr` afterwards.
+PdxStatus pdxfer_alloc_shared_memory(const struct PdxAgent *agent,
+                                     size_t len,
+                                     struct PdxRegion *out);
 
 // Registers `len` bytes of CUDA device memory at device address `dptr` on
 // device `ordinal`. `PDX_STATUS_NO_CUDA_DRIVER` without a driver,

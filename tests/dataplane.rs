@@ -24,6 +24,10 @@ struct Target {
 
 impl Target {
     fn spawn(stall_ms: u64) -> Target {
+        Self::spawn_with(stall_ms, false)
+    }
+
+    fn spawn_with(stall_ms: u64, heap: bool) -> Target {
         let mut child = Command::new(env!("CARGO_BIN_EXE_pdxfer"))
             .args([
                 "target",
@@ -34,6 +38,7 @@ impl Target {
                 "--stall-ms",
                 &stall_ms.to_string(),
             ])
+            .args(heap.then_some("--heap"))
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .spawn()
@@ -145,11 +150,14 @@ fn connect(a: &Agent, t: &Target, kind: TransportKind, n: u32) -> Box<dyn Transp
     .unwrap()
 }
 
-fn random_batches(kind: TransportKind, n: u32, seed: u64) {
-    let mut target = Target::spawn(0);
+fn random_batches(kind: TransportKind, n: u32, seed: u64, heap: bool) {
+    let mut target = Target::spawn_with(0, heap);
     let (a, src, sreg) = initiator(2 << 20);
     let t = connect(&a, &target, kind, n);
     assert_eq!(t.kind(), kind);
+    if kind == TransportKind::Cma {
+        assert_eq!(t.data_path().contains("memcpy"), !heap, "{}", t.data_path());
+    }
     let mut model = vec![0u8; REGION];
     let mut r = Rng(seed);
     let mut batches = 0;
@@ -194,6 +202,34 @@ fn random_batches(kind: TransportKind, n: u32, seed: u64) {
         assert_eq!(line["completion"]["room"], batches, "{line}");
         batches += 1;
     }
+    if kind == TransportKind::Cma {
+        // Read a random slice back with one-sided reads and compare with the model.
+        let mut back = vec![0u8; 1 << 20];
+        // SAFETY: back outlives the read below (waited for).
+        let bk = unsafe { a.register_host(back.as_mut_ptr(), back.len()) }.unwrap();
+        let off = r.below((REGION - (1 << 20)) as u64);
+        let op = pdxfer::transport::ReadOp {
+            local_region: bk.id,
+            local_offset: 0,
+            remote_region: target.region,
+            remote_offset: off,
+            len: 1 << 20,
+        };
+        let id = t
+            .submit_reads(
+                &[op],
+                &BatchOptions {
+                    checksum: true,
+                    ..Default::default()
+                },
+            )
+            .unwrap();
+        t.wait(id, Duration::from_secs(20)).unwrap();
+        assert!(
+            back == model[off as usize..off as usize + (1 << 20)],
+            "read-back differs"
+        );
+    }
     let got = target.dump();
     assert_eq!(got.len(), REGION);
     if let Some(i) = (0..REGION).find(|&i| got[i] != model[i]) {
@@ -206,14 +242,16 @@ fn random_batches(kind: TransportKind, n: u32, seed: u64) {
 
 #[test]
 fn cma_random_batches_every_byte_verified() {
-    random_batches(TransportKind::Cma, 1, 11);
-    random_batches(TransportKind::Cma, 2, 12);
+    // Shared (memfd) target regions: written with memcpy through a mapping.
+    random_batches(TransportKind::Cma, 1, 11, false);
+    // Heap target regions: written with process_vm_writev.
+    random_batches(TransportKind::Cma, 2, 12, true);
 }
 
 #[test]
 fn tcp_random_batches_every_byte_verified() {
-    random_batches(TransportKind::Tcp, 1, 21);
-    random_batches(TransportKind::Tcp, 3, 22);
+    random_batches(TransportKind::Tcp, 1, 21, false);
+    random_batches(TransportKind::Tcp, 3, 22, true);
 }
 
 fn read_frame_timeout(s: &mut TcpStream) -> (wire::FrameType, Vec<u8>) {
@@ -338,6 +376,26 @@ fn malformed_requests_refused_nothing_written() {
             "{e}"
         );
     }
+    // Read intents are validated the same way: nothing outside the regions is readable.
+    wire::write_frame(
+        &mut s,
+        wire::FrameType::ReadIntent,
+        &wire::encode_intent(
+            30,
+            &[wire::Range {
+                region,
+                offset: len - 1,
+                len: 2,
+            }],
+        ),
+    )
+    .unwrap();
+    let (ty, p) = read_frame_timeout(&mut s);
+    assert_eq!(ty, wire::FrameType::Refuse);
+    assert_eq!(
+        wire::decode_reason(&p).unwrap().1.status(),
+        Status::OutOfBounds
+    );
     // A commit claiming more bytes than granted (cma path) is refused too.
     wire::write_frame(
         &mut s,
@@ -389,6 +447,47 @@ fn malformed_requests_refused_nothing_written() {
         mem.iter().all(|&b| b == 0),
         "a refused request wrote into the target"
     );
+}
+
+/// A cma client that cannot prove it reads the receiver's memory (wrong
+/// nonce: another process, another pid namespace) is refused by name.
+#[test]
+fn cma_identity_proof_mismatch_refused() {
+    let target = Target::spawn(0);
+    let me = pdxfer::transport::ProcIdentity::current().unwrap();
+    let mut s = TcpStream::connect(&target.addr).unwrap();
+    wire::write_json(
+        &mut s,
+        wire::FrameType::Hello,
+        &serde_json::json!({"version": wire::VERSION, "identity": me}),
+    )
+    .unwrap();
+    let (ty, p) = read_frame_timeout(&mut s);
+    assert_eq!(ty, wire::FrameType::HelloAck);
+    let ack: serde_json::Value = serde_json::from_slice(&p).unwrap();
+    assert_eq!(ack["identity"]["pid"].as_u64().unwrap() as u32, target.pid);
+    wire::write_json(
+        &mut s,
+        wire::FrameType::Select,
+        &serde_json::json!({"transport": "cma", "streams": 0, "proof": 12345}),
+    )
+    .unwrap();
+    let (ty, p) = read_frame_timeout(&mut s);
+    assert_eq!(ty, wire::FrameType::Error);
+    let e = wire::decode_error(&p);
+    assert_eq!(e.status(), Status::PeerIdentity, "{e}");
+    // A wire version from the future is refused at the hello, naming both versions.
+    let mut s = TcpStream::connect(&target.addr).unwrap();
+    wire::write_json(
+        &mut s,
+        wire::FrameType::Hello,
+        &serde_json::json!({"version": 99, "identity": me}),
+    )
+    .unwrap();
+    let (ty, p) = read_frame_timeout(&mut s);
+    assert_eq!(ty, wire::FrameType::Error);
+    let e = wire::decode_error(&p);
+    assert!(e.detail().contains("99"), "{e}");
 }
 
 /// A peer killed with SIGKILL in the middle of a batch fails that batch with
@@ -468,4 +567,81 @@ fn stalled_peer_times_out_at_batch_deadline() {
             "{kind:?}: {took:?}"
         );
     }
+}
+
+/// A granted (in-flight) batch pins the receiver's region: unregistering
+/// waits, then fails with `RegionBusy` and keeps the region; once the sender
+/// aborts (or commits), unregistering succeeds. A dropped connection
+/// releases its pins too.
+#[test]
+fn unregister_waits_for_granted_batches() {
+    let rx = Agent::new(&AgentOptions {
+        listen: Some("127.0.0.1:0".into()),
+        ..Default::default()
+    })
+    .unwrap();
+    let d = rx.registry().alloc_shared(1 << 16).unwrap();
+    let me = pdxfer::transport::ProcIdentity::current().unwrap();
+    let hello = |s: &mut TcpStream| {
+        wire::write_json(
+            s,
+            wire::FrameType::Hello,
+            &serde_json::json!({"version": wire::VERSION, "identity": me}),
+        )
+        .unwrap();
+        assert_eq!(read_frame_timeout(s).0, wire::FrameType::HelloAck);
+        wire::write_json(
+            s,
+            wire::FrameType::Select,
+            &serde_json::json!({"transport": "tcp", "streams": 1, "proof": 0}),
+        )
+        .unwrap();
+        assert_eq!(read_frame_timeout(s).0, wire::FrameType::SelectOk);
+    };
+    let addr = rx.local_addr().unwrap();
+    let mut s = TcpStream::connect(addr).unwrap();
+    hello(&mut s);
+    let range = wire::Range {
+        region: d.id,
+        offset: 0,
+        len: 4096,
+    };
+    wire::write_frame(
+        &mut s,
+        wire::FrameType::Intent,
+        &wire::encode_intent(1, &[range]),
+    )
+    .unwrap();
+    assert_eq!(read_frame_timeout(&mut s).0, wire::FrameType::Grant);
+    let t0 = Instant::now();
+    let e = rx
+        .registry()
+        .unregister(d.id, Duration::from_millis(150))
+        .unwrap_err();
+    assert_eq!(e.status(), Status::RegionBusy, "{e}");
+    assert!(t0.elapsed() >= Duration::from_millis(140));
+    wire::write_frame(&mut s, wire::FrameType::Abort, &1u64.to_le_bytes()).unwrap();
+    rx.registry()
+        .unregister(d.id, Duration::from_secs(5))
+        .unwrap();
+    // Pins of a connection that dies are released with it.
+    let d = rx.registry().alloc_shared(1 << 16).unwrap();
+    let mut s = TcpStream::connect(addr).unwrap();
+    hello(&mut s);
+    let range = wire::Range {
+        region: d.id,
+        offset: 0,
+        len: 4096,
+    };
+    wire::write_frame(
+        &mut s,
+        wire::FrameType::Intent,
+        &wire::encode_intent(1, &[range]),
+    )
+    .unwrap();
+    assert_eq!(read_frame_timeout(&mut s).0, wire::FrameType::Grant);
+    drop(s);
+    rx.registry()
+        .unregister(d.id, Duration::from_secs(5))
+        .unwrap();
 }

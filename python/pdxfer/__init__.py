@@ -37,6 +37,7 @@ from .layout import (
     pair_token_plan,
     rank_mapping,
 )
+from .transfer import Agent, Completion, Peer, Region, WriteOp
 
 
 def abi_version() -> tuple:
@@ -47,6 +48,11 @@ def abi_version() -> tuple:
 
 __all__ = [
     "ABI_VERSION_MAJOR",
+    "Agent",
+    "Completion",
+    "Peer",
+    "Region",
+    "WriteOp",
     "ArgumentError",
     "BootstrapError",
     "CompatError",

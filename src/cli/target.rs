@@ -29,6 +29,10 @@ pub struct TargetArgs {
     /// Do not print a line per completion (benchmarks).
     #[arg(long)]
     pub quiet: bool,
+    /// Register plain heap buffers instead of shared (memfd) regions: cma
+    /// peers then write with process_vm_writev instead of memcpy.
+    #[arg(long)]
+    pub heap: bool,
 }
 
 /// Touches every page so the first transfer does not pay the page faults.
@@ -45,14 +49,22 @@ pub fn run(a: &TargetArgs) -> crate::Result<()> {
         listen: Some(a.listen.clone()),
         stall: Duration::from_millis(a.stall_ms),
     })?;
-    let mut bufs: Vec<Vec<u8>> = (0..a.regions.max(1)).map(|_| vec![0u8; a.size]).collect();
-    for b in &mut bufs {
-        prefault(b);
-    }
+    let n = a.regions.max(1);
+    let mut bufs: Vec<Vec<u8>> = if a.heap {
+        (0..n).map(|_| vec![0u8; a.size]).collect()
+    } else {
+        Vec::new()
+    };
     let mut descs = Vec::new();
     for b in &mut bufs {
+        prefault(b);
         // SAFETY: the buffers live until this function returns, after the agent is shut down.
         descs.push(unsafe { agent.register_host(b.as_mut_ptr(), b.len()) }?);
+    }
+    if !a.heap {
+        for _ in 0..n {
+            descs.push(agent.registry().alloc_shared(a.size)?);
+        }
     }
     let ready = serde_json::json!({
         "ready": true,
@@ -88,7 +100,12 @@ pub fn run(a: &TargetArgs) -> crate::Result<()> {
         match (it.next(), it.next()) {
             (Some("dump"), Some(path)) => {
                 let mut f = std::fs::File::create(path)?;
-                for b in &bufs {
+                for d in &descs {
+                    let g = agent.registry().acquire(d.id, 0, d.len)?;
+                    // SAFETY: the guard pins the registered region [addr, addr+len) while we read it.
+                    let b = unsafe {
+                        std::slice::from_raw_parts(g.addr() as *const u8, d.len as usize)
+                    };
                     f.write_all(b)?;
                 }
                 f.sync_all()?;
@@ -107,5 +124,6 @@ pub fn run(a: &TargetArgs) -> crate::Result<()> {
     for d in descs {
         let _ = agent.registry().unregister(d.id, Duration::from_secs(5));
     }
+    drop(bufs);
     Ok(())
 }

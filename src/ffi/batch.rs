@@ -5,7 +5,7 @@ use super::peer::PdxPeer;
 use super::ptr::{self, Versioned};
 use super::{boundary, PdxStatus};
 use crate::error::{Error, Status};
-use crate::transport::{BatchId, BatchOptions, BatchStatus, WriteOp};
+use crate::transport::{BatchId, BatchOptions, BatchStatus, ReadOp, WriteOp};
 use std::time::Duration;
 
 /// One write of a batch: `len` bytes from a local region to a peer region.
@@ -51,6 +51,26 @@ unsafe impl Versioned for PdxBatchOptions {
     const NAME: &'static str = "PdxBatchOptions";
 }
 
+fn batch_options(options: *const PdxBatchOptions) -> crate::Result<BatchOptions> {
+    let mut o = BatchOptions::default();
+    if !options.is_null() {
+        let b = ptr::read_versioned(options)?;
+        if b.flags & !PDXFER_BATCH_CHECKSUM != 0 {
+            return Err(Error::invalid(format!(
+                "unknown batch flags 0x{:x}",
+                b.flags
+            )));
+        }
+        if b.timeout_ms > 0 {
+            o.timeout = Duration::from_millis(b.timeout_ms);
+        }
+        o.checksum = b.flags & PDXFER_BATCH_CHECKSUM != 0;
+        o.room = b.room;
+        o.epoch = b.epoch;
+    }
+    Ok(o)
+}
+
 /// Submits `num_ops` writes to the peer as one batch; its id goes to
 /// `out_batch`. `options` may be NULL. An op outside the local or the
 /// peer's regions fails the call (`PDX_STATUS_OUT_OF_BOUNDS`,
@@ -66,22 +86,7 @@ pub extern "C" fn pdxfer_submit(
     boundary(|| {
         let p = ptr::handle(peer, "peer")?;
         let ops = ptr::slice(ops, num_ops, "ops")?;
-        let mut o = BatchOptions::default();
-        if !options.is_null() {
-            let b = ptr::read_versioned(options)?;
-            if b.flags & !PDXFER_BATCH_CHECKSUM != 0 {
-                return Err(Error::invalid(format!(
-                    "unknown batch flags 0x{:x}",
-                    b.flags
-                )));
-            }
-            if b.timeout_ms > 0 {
-                o.timeout = Duration::from_millis(b.timeout_ms);
-            }
-            o.checksum = b.flags & PDXFER_BATCH_CHECKSUM != 0;
-            o.room = b.room;
-            o.epoch = b.epoch;
-        }
+        let o = batch_options(options)?;
         if out_batch.is_null() {
             return Err(Error::new(Status::NullArgument, "out_batch is NULL"));
         }
@@ -96,6 +101,42 @@ pub extern "C" fn pdxfer_submit(
             })
             .collect();
         let id = p.t.submit(&rust, &o)?;
+        ptr::write_out(out_batch, id.0, "out_batch")?;
+        super::ok()
+    })
+}
+
+/// Submits `num_ops` one-sided reads as one batch: each op's `len` bytes go
+/// from the peer's `remote_region` at `remote_offset` into this agent's
+/// `local_region` at `local_offset` (the same `PdxWriteOp` fields, data
+/// flowing the other way). The peer validates and pins the source ranges
+/// first. `PDX_STATUS_UNSUPPORTED` on transports that cannot read (tcp).
+#[no_mangle]
+pub extern "C" fn pdxfer_submit_reads(
+    peer: *const PdxPeer,
+    ops: *const PdxWriteOp,
+    num_ops: usize,
+    options: *const PdxBatchOptions,
+    out_batch: *mut u64,
+) -> PdxStatus {
+    boundary(|| {
+        let p = ptr::handle(peer, "peer")?;
+        let ops = ptr::slice(ops, num_ops, "ops")?;
+        let o = batch_options(options)?;
+        if out_batch.is_null() {
+            return Err(Error::new(Status::NullArgument, "out_batch is NULL"));
+        }
+        let rust: Vec<ReadOp> = ops
+            .iter()
+            .map(|w| ReadOp {
+                local_region: w.local_region,
+                local_offset: w.local_offset,
+                remote_region: w.remote_region,
+                remote_offset: w.remote_offset,
+                len: w.len,
+            })
+            .collect();
+        let id = p.t.submit_reads(&rust, &o)?;
         ptr::write_out(out_batch, id.0, "out_batch")?;
         super::ok()
     })
@@ -279,6 +320,11 @@ mod tests {
             PdxStatus::NullArgument
         );
         assert_eq!(pdxfer_poll(peer, 12345, &mut c), PdxStatus::InvalidArgument);
+        // tcp cannot read from the peer: typed, not a crash.
+        assert_eq!(
+            pdxfer_submit_reads(peer, ops.as_ptr(), 1, &bo, &mut b),
+            PdxStatus::Unsupported
+        );
         pdxfer_peer_close(peer);
         assert_eq!(pdxfer_unregister_memory(rx, rd.id, 1000), PdxStatus::Ok);
         assert_eq!(

@@ -76,6 +76,31 @@ pub extern "C" fn pdxfer_register_memory(
     })
 }
 
+/// Allocates `len` zeroed bytes of shared host memory (a memfd mapped into
+/// this process) and registers it; the region's address is in `out->addr`.
+/// Same-host cma peers write such regions with plain memcpy through a
+/// mapping instead of `process_vm_writev`. Freed by `pdxfer_unregister_memory`
+/// (or when the agent is destroyed): do not use `addr` afterwards.
+#[no_mangle]
+pub extern "C" fn pdxfer_alloc_shared_memory(
+    agent: *const PdxAgent,
+    len: usize,
+    out: *mut PdxRegion,
+) -> PdxStatus {
+    boundary(|| {
+        let a = ptr::handle(agent, "agent")?;
+        if out.is_null() {
+            return Err(crate::Error::new(
+                crate::Status::NullArgument,
+                "out is NULL (it receives the address of the allocation)",
+            ));
+        }
+        let d = a.agent.registry().alloc_shared(len)?;
+        ptr::write_versioned(out, &PdxRegion::from_desc(&d))?;
+        super::ok()
+    })
+}
+
 /// Registers `len` bytes of CUDA device memory at device address `dptr` on
 /// device `ordinal`. `PDX_STATUS_NO_CUDA_DRIVER` without a driver,
 /// `PDX_STATUS_UNSUPPORTED` without the `cuda` feature.

@@ -11,4 +11,4 @@ mod region;
 mod registry;
 
 pub use region::{RegionDesc, RegionKind};
-pub use registry::{AccessGuard, Registry};
+pub use registry::{AccessGuard, Registry, MEMFD_KEY};

@@ -11,7 +11,31 @@ struct Entry {
     desc: RegionDesc,
     inflight: u64,
     closing: bool,
+    /// Memory the registry allocated itself (freed on unregister).
+    _owned: Option<SharedMapping>,
 }
+
+/// A `memfd` mapped shared into this process; same-host peers map the same
+/// pages (through `pidfd_getfd`) and write them with plain `memcpy`.
+pub(crate) struct SharedMapping {
+    fd: std::os::fd::OwnedFd,
+    ptr: *mut u8,
+    len: usize,
+}
+
+// SAFETY: the mapping is plain shared memory; the pointer is only used as an address.
+unsafe impl Send for SharedMapping {}
+
+impl Drop for SharedMapping {
+    fn drop(&mut self) {
+        // SAFETY: ptr/len are exactly the mapping created in alloc_shared; nothing else unmaps it.
+        unsafe { libc::munmap(self.ptr as *mut libc::c_void, self.len) };
+        let _ = &self.fd; // closed by OwnedFd
+    }
+}
+
+/// Key under which a shared region publishes its memfd number (in the owner process).
+pub const MEMFD_KEY: &str = "memfd";
 
 #[derive(Default)]
 struct State {
@@ -176,8 +200,72 @@ impl Registry {
                 desc: desc.clone(),
                 inflight: 0,
                 closing: false,
+                _owned: None,
             },
         );
+        Ok(desc)
+    }
+
+    /// Allocates `len` zeroed bytes of shared host memory (a `memfd` mapped
+    /// into this process) and registers it. Besides `process_vm_writev`,
+    /// same-host cma peers can map these pages and write them with plain
+    /// `memcpy` (the descriptor carries the `memfd` key). Freed on unregister.
+    pub fn alloc_shared(&self, len: usize) -> Result<RegionDesc> {
+        use std::os::fd::FromRawFd;
+        if len == 0 {
+            return Err(Error::invalid("region length must be > 0"));
+        }
+        // SAFETY: the name is a valid NUL-terminated string; flags are valid.
+        let fd = unsafe { libc::memfd_create(c"pdxfer-region".as_ptr(), libc::MFD_CLOEXEC) };
+        if fd < 0 {
+            return Err(Error::new(
+                Status::Io,
+                format!("memfd_create: {}", std::io::Error::last_os_error()),
+            ));
+        }
+        // SAFETY: fd is a fresh descriptor we own from here on.
+        let fd = unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) };
+        use std::os::fd::AsRawFd;
+        // SAFETY: valid fd and length.
+        if unsafe { libc::ftruncate(fd.as_raw_fd(), len as libc::off_t) } != 0 {
+            return Err(Error::new(
+                Status::Io,
+                format!(
+                    "ftruncate memfd to {len}: {}",
+                    std::io::Error::last_os_error()
+                ),
+            ));
+        }
+        // SAFETY: a new shared mapping of the whole memfd; checked for MAP_FAILED below.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED | libc::MAP_POPULATE,
+                fd.as_raw_fd(),
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return Err(Error::new(
+                Status::Io,
+                format!("mmap {len} bytes: {}", std::io::Error::last_os_error()),
+            ));
+        }
+        let raw = fd.as_raw_fd();
+        let mapping = SharedMapping {
+            fd,
+            ptr: p as *mut u8,
+            len,
+        };
+        let mut desc = self.insert(p as u64, len as u64, RegionKind::Host)?;
+        desc.keys.insert(MEMFD_KEY.to_string(), raw as u64);
+        let mut st = self.lock();
+        if let Some(e) = st.regions.get_mut(&desc.id) {
+            e.desc = desc.clone();
+            e._owned = Some(mapping);
+        }
         Ok(desc)
     }
 
@@ -462,5 +550,85 @@ mod tests {
                 "{e}"
             ),
         }
+    }
+}
+
+#[cfg(test)]
+mod shared_tests {
+    use super::*;
+
+    #[test]
+    fn shared_region_is_usable_and_freed_on_unregister() {
+        let r = Registry::new();
+        let d = r.alloc_shared(1 << 16).unwrap();
+        assert!(d.keys.contains_key(MEMFD_KEY));
+        let a = r.check_access(d.id, 0, 1 << 16).unwrap();
+        // SAFETY: inside the mapping just registered.
+        unsafe {
+            assert_eq!(*(a as *const u8).add(100), 0);
+            *(a as *mut u8).add(100) = 7;
+            assert_eq!(*(a as *const u8).add(100), 7);
+        }
+        r.unregister(d.id, Duration::from_secs(1)).unwrap();
+        assert_eq!(
+            r.alloc_shared(0).unwrap_err().status(),
+            Status::InvalidArgument
+        );
+    }
+}
+
+/// Runs only where a CUDA device is usable (skips with a printed reason elsewhere).
+#[cfg(all(test, feature = "cuda"))]
+mod device_tests {
+    use super::*;
+    use cudarc::driver::result;
+
+    #[test]
+    fn device_region_registers_and_host_transports_refuse_it() {
+        // SAFETY: only dlopens the library.
+        if !unsafe { cudarc::driver::sys::is_culib_present() } {
+            println!("SKIPPED device_region_registers: no CUDA driver");
+            return;
+        }
+        let setup = std::panic::catch_unwind(|| -> std::result::Result<u64, String> {
+            result::init().map_err(|e| e.to_string())?;
+            let dev = result::device::get(0).map_err(|e| e.to_string())?;
+            // SAFETY: dev comes from device::get; the context is made current before allocating.
+            unsafe {
+                let ctx = result::primary_ctx::retain(dev).map_err(|e| e.to_string())?;
+                result::ctx::set_current(ctx).map_err(|e| e.to_string())?;
+                result::malloc_sync(1 << 20).map_err(|e| e.to_string())
+            }
+        });
+        let dptr = match setup {
+            Ok(Ok(p)) => p,
+            other => {
+                println!("SKIPPED device_region_registers: no usable CUDA device ({other:?})");
+                return;
+            }
+        };
+        let r = Registry::new();
+        // SAFETY: dptr is a live 1 MiB device allocation, freed below after unregistering.
+        let d = unsafe { r.register_device(dptr, 1 << 20, 0) }.unwrap();
+        assert_eq!(d.kind, RegionKind::Device { ordinal: 0 });
+        assert_eq!(r.check_access(d.id, 0, 1 << 20).unwrap(), dptr);
+        // SAFETY: as above.
+        let e = unsafe { r.register_device(dptr, 1 << 20, 1) }.unwrap_err();
+        assert!(
+            matches!(e.status(), Status::RegionOverlap | Status::InvalidArgument),
+            "{e}"
+        );
+        // Host memory is not device memory.
+        let host = [0u8; 64];
+        // SAFETY: the address is only queried, never dereferenced.
+        let e =
+            unsafe { Registry::new().register_device(host.as_ptr() as u64, 64, 0) }.unwrap_err();
+        assert!(
+            matches!(e.status(), Status::Cuda | Status::InvalidArgument),
+            "{e}"
+        );
+        r.unregister(d.id, Duration::from_secs(1)).unwrap();
+        // SAFETY: dptr came from malloc_sync and is no longer registered.
+        let _ = unsafe { result::free_sync(dptr) };
     }
 }

@@ -84,6 +84,8 @@ struct TcpRecv {
 struct Granted {
     ranges: Vec<Range>,
     guards: Vec<AccessGuard>,
+    /// The peer reads these ranges (no completion record is delivered here).
+    read: bool,
 }
 
 struct Session {
@@ -529,14 +531,22 @@ fn control_loop(
     loop {
         let (ty, p) = wire::read_frame(s)?;
         match ty {
-            FrameType::Intent => {
+            FrameType::Intent | FrameType::ReadIntent => {
+                let read = ty == FrameType::ReadIntent;
                 let (batch, ranges) = wire::decode_intent(&p)?;
                 if !a.stall.is_zero() {
                     std::thread::sleep(a.stall);
                 }
                 match grant(&a.registry, &ranges) {
                     Ok(guards) => {
-                        lock(&sess.granted).insert(batch, Granted { ranges, guards });
+                        lock(&sess.granted).insert(
+                            batch,
+                            Granted {
+                                ranges,
+                                guards,
+                                read,
+                            },
+                        );
                         sess.send(FrameType::Grant, &batch.to_le_bytes());
                     }
                     Err(e) => sess.send(FrameType::Refuse, &wire::encode_reason(batch, &e)),
@@ -552,10 +562,13 @@ fn control_loop(
                 match g {
                     Some(g) => {
                         let r = finish_cma(&g, &c);
+                        let read = g.read;
                         drop(g);
                         match r {
                             Ok(()) => {
-                                a.deliver(peer.clone(), sess.id, completion(&c));
+                                if !read {
+                                    a.deliver(peer.clone(), sess.id, completion(&c));
+                                }
                                 sess.send(FrameType::Ack, &c.batch.to_le_bytes());
                             }
                             Err(e) => sess.send(FrameType::Nack, &wire::encode_reason(c.batch, &e)),
@@ -952,6 +965,104 @@ mod tests {
             .unwrap();
         t.close();
         assert!(!t.is_alive());
+    }
+
+    fn reads(kind: TransportKind, shared: bool) {
+        let rx = Agent::new(&AgentOptions {
+            listen: Some("127.0.0.1:0".into()),
+            ..Default::default()
+        })
+        .unwrap();
+        let tx = Agent::new(&AgentOptions::default()).unwrap();
+        let mut heap = vec![0u8; 1 << 16];
+        let d = if shared {
+            rx.registry().alloc_shared(1 << 16).unwrap()
+        } else {
+            // SAFETY: heap outlives the agents' use in this test.
+            unsafe { rx.register_host(heap.as_mut_ptr(), heap.len()) }.unwrap()
+        };
+        let base = rx.registry().check_access(d.id, 0, 1 << 16).unwrap();
+        for i in 0..(1u64 << 16) {
+            // SAFETY: inside the registered region.
+            unsafe { *((base + i) as *mut u8) = (i * 5 + 1) as u8 };
+        }
+        let mut local = vec![0u8; 1 << 16];
+        // SAFETY: local outlives the transport.
+        let l = unsafe { tx.register_host(local.as_mut_ptr(), local.len()) }.unwrap();
+        let t = if kind == TransportKind::Local {
+            tx.connect_local(&rx)
+        } else {
+            let o = ConnectOptions {
+                transport: kind,
+                ..Default::default()
+            };
+            tx.connect(&rx.local_addr().unwrap().to_string(), &o)
+                .unwrap()
+        };
+        let ops = [crate::transport::ReadOp {
+            local_region: l.id,
+            local_offset: 8,
+            remote_region: d.id,
+            remote_offset: 1000,
+            len: 30_000,
+        }];
+        let opts = BatchOptions {
+            checksum: true,
+            ..Default::default()
+        };
+        let c = t
+            .wait(
+                t.submit_reads(&ops, &opts).unwrap(),
+                Duration::from_secs(10),
+            )
+            .unwrap();
+        assert_eq!(c.bytes, 30_000);
+        assert!(c.checksum.is_some());
+        for i in 0..30_000usize {
+            assert_eq!(
+                local[8 + i],
+                ((1000 + i) * 5 + 1) as u8,
+                "{kind:?} byte {i}"
+            );
+        }
+        // A read leaves the peer's memory as it was.
+        for i in 0..(1u64 << 16) {
+            // SAFETY: inside the registered region.
+            assert_eq!(
+                unsafe { *((base + i) as *const u8) },
+                (i * 5 + 1) as u8,
+                "peer byte {i} changed"
+            );
+        }
+        // The peer delivers no completion record for reads.
+        assert!(rx.next_completion(Duration::from_millis(50)).is_none());
+        let bad = [crate::transport::ReadOp {
+            remote_offset: 60_000,
+            len: 10_000,
+            ..ops[0]
+        }];
+        assert_eq!(
+            t.submit_reads(&bad, &opts).unwrap_err().status(),
+            Status::OutOfBounds
+        );
+        drop(heap);
+    }
+
+    #[test]
+    fn reads_over_local_and_cma() {
+        reads(TransportKind::Local, false);
+        reads(TransportKind::Cma, false);
+        reads(TransportKind::Cma, true);
+        let (_rx, _tx, _d, _s, t, d, s) = pair(TransportKind::Tcp, 1);
+        let op = crate::transport::ReadOp {
+            local_region: s.id,
+            local_offset: 0,
+            remote_region: d.id,
+            remote_offset: 0,
+            len: 1,
+        };
+        let e = t.submit_reads(&[op], &BatchOptions::default()).unwrap_err();
+        assert_eq!(e.status(), Status::Unsupported);
     }
 
     #[test]

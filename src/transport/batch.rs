@@ -99,6 +99,13 @@ impl BatchTable {
         }
     }
 
+    /// Records the checksum computed after a read landed.
+    pub fn set_checksum(&self, id: u64, sum: u64) {
+        if let Some(e) = self.lock().entries.get_mut(&id) {
+            e.completion.checksum = Some(sum);
+        }
+    }
+
     /// Fails a live batch with `err`.
     pub fn fail(&self, id: u64, err: Error) {
         self.set(id, Stage::Failed(err));

@@ -20,10 +20,13 @@ use super::batch::Stage;
 use super::conn::{checksum_pieces, Conn, Piece};
 use super::identity::ProcIdentity;
 use super::wire::{self, Commit, FrameType, Range};
-use super::{BatchId, BatchOptions, BatchStatus, Completion, Transport, TransportKind, WriteOp};
+use super::{
+    BatchId, BatchOptions, BatchStatus, Completion, ReadOp, Transport, TransportKind, WriteOp,
+};
 use crate::error::{Error, Result, Status};
 use crate::memory::{AccessGuard, RegionDesc};
 use crossbeam::channel::{unbounded, Sender};
+use std::collections::HashMap;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::Arc;
 use std::time::Duration;
@@ -36,6 +39,26 @@ pub(crate) struct PeerProcess {
     pid: libc::pid_t,
     pidfd: Option<OwnedFd>,
     claimed: ProcIdentity,
+    /// Peer regions backed by a memfd, mapped here: written with memcpy.
+    mapped: HashMap<u64, RemoteMap>,
+}
+
+/// The pages of a peer's shared region, mapped into this process.
+struct RemoteMap {
+    base: *mut u8,
+    len: usize,
+}
+
+// SAFETY: a shared mapping used only as a destination address by the writer threads.
+unsafe impl Send for RemoteMap {}
+// SAFETY: as above; concurrent writers touch disjoint granted ranges.
+unsafe impl Sync for RemoteMap {}
+
+impl Drop for RemoteMap {
+    fn drop(&mut self) {
+        // SAFETY: base/len are exactly the mapping made in map_shared.
+        unsafe { libc::munmap(self.base as *mut libc::c_void, self.len) };
+    }
 }
 
 fn cma_error(op: &str, pid: libc::pid_t, e: std::io::Error) -> Error {
@@ -78,7 +101,66 @@ impl PeerProcess {
             pid,
             pidfd,
             claimed: claimed.clone(),
+            mapped: HashMap::new(),
         })
+    }
+
+    /// Maps the peer's memfd-backed regions (`pidfd_getfd` + `mmap`) so
+    /// they are written with memcpy; a region that cannot be mapped (old
+    /// kernel, no permission, size mismatch) stays on `process_vm_writev`.
+    /// Returns the number of regions mapped.
+    pub fn map_shared(&mut self, regions: &[RegionDesc]) -> usize {
+        let Some(pidfd) = &self.pidfd else { return 0 };
+        for d in regions {
+            let Some(&remote_fd) = d.keys.get(crate::memory::MEMFD_KEY) else {
+                continue;
+            };
+            if d.kind != crate::memory::RegionKind::Host {
+                continue;
+            }
+            // SAFETY: pidfd_getfd duplicates the peer's descriptor into ours or returns -1.
+            let fd = unsafe {
+                libc::syscall(
+                    libc::SYS_pidfd_getfd,
+                    pidfd.as_raw_fd(),
+                    remote_fd as i32,
+                    0,
+                )
+            };
+            if fd < 0 {
+                continue;
+            }
+            // SAFETY: fd is a fresh descriptor we own.
+            let fd = unsafe { OwnedFd::from_raw_fd(fd as i32) };
+            // SAFETY: st is a valid out-struct for fstat.
+            let mut st: libc::stat = unsafe { std::mem::zeroed() };
+            // SAFETY: valid fd and out-pointer.
+            if unsafe { libc::fstat(fd.as_raw_fd(), &mut st) } != 0 || (st.st_size as u64) < d.len {
+                continue;
+            }
+            // SAFETY: maps d.len bytes of the shared file; MAP_FAILED is checked.
+            let p = unsafe {
+                libc::mmap(
+                    std::ptr::null_mut(),
+                    d.len as usize,
+                    libc::PROT_READ | libc::PROT_WRITE,
+                    libc::MAP_SHARED,
+                    fd.as_raw_fd(),
+                    0,
+                )
+            };
+            if p == libc::MAP_FAILED {
+                continue;
+            }
+            self.mapped.insert(
+                d.id,
+                RemoteMap {
+                    base: p as *mut u8,
+                    len: d.len as usize,
+                },
+            );
+        }
+        self.mapped.len()
     }
 
     /// Reads 8 bytes at `addr` in the peer (the handshake proof).
@@ -139,8 +221,44 @@ impl PeerProcess {
         }
     }
 
-    /// Writes every piece; returns the bytes written.
-    pub fn write(&self, pieces: &[Piece]) -> Result<u64> {
+    /// Moves every piece: writes (`src` local, `dst` in the peer) or reads
+    /// (`src` in the peer, `dst` local). Mapped peer regions use memcpy.
+    pub fn xfer(&self, pieces: &[Piece], read: bool) -> Result<u64> {
+        if self.mapped.is_empty() {
+            return self.writev(pieces, read);
+        }
+        let mut total = 0u64;
+        let mut rest = Vec::new();
+        for p in pieces {
+            match self.mapped.get(&p.region) {
+                Some(m)
+                    if p.offset
+                        .checked_add(p.len)
+                        .is_some_and(|e| e <= m.len as u64) =>
+                {
+                    // SAFETY: the local range is pinned in our registry; the peer range was granted by the peer and lies inside the mapping (checked just above).
+                    unsafe {
+                        let peer = m.base.add(p.offset as usize);
+                        if read {
+                            std::ptr::copy_nonoverlapping(
+                                peer as *const u8,
+                                p.dst as *mut u8,
+                                p.len as usize,
+                            )
+                        } else {
+                            std::ptr::copy_nonoverlapping(p.src as *const u8, peer, p.len as usize)
+                        }
+                    };
+                    total += p.len;
+                }
+                _ => rest.push(*p),
+            }
+        }
+        Ok(total + self.writev(&rest, read)?)
+    }
+
+    /// Moves pieces with `process_vm_writev` (or `_readv`); returns the bytes moved.
+    fn writev(&self, pieces: &[Piece], read: bool) -> Result<u64> {
         let mut total = 0u64;
         let mut i = 0usize; // current piece
         let mut off = 0u64; // bytes of piece i already written
@@ -153,12 +271,13 @@ impl PeerProcess {
                 if p.len == skip {
                     continue;
                 }
+                let (l, r) = if read { (p.dst, p.src) } else { (p.src, p.dst) };
                 local.push(libc::iovec {
-                    iov_base: (p.src + skip) as *mut libc::c_void,
+                    iov_base: (l + skip) as *mut libc::c_void,
                     iov_len: (p.len - skip) as usize,
                 });
                 remote.push(libc::iovec {
-                    iov_base: (p.dst + skip) as *mut libc::c_void,
+                    iov_base: (r + skip) as *mut libc::c_void,
                     iov_len: (p.len - skip) as usize,
                 });
                 want += p.len - skip;
@@ -169,8 +288,13 @@ impl PeerProcess {
                 continue;
             }
             // SAFETY: local iovecs lie in registered, pinned regions of this process; remote ones were granted by the peer.
+            let f = if read {
+                libc::process_vm_readv
+            } else {
+                libc::process_vm_writev
+            };
             let n = unsafe {
-                libc::process_vm_writev(
+                f(
                     self.pid,
                     local.as_ptr(),
                     local.len() as libc::c_ulong,
@@ -251,6 +375,7 @@ pub(crate) fn split_even(pieces: &[Piece], n: usize) -> Vec<Vec<Piece>> {
 
 struct Job {
     id: u64,
+    read: bool,
     pieces: Vec<Piece>,
     commit: Commit,
     _guards: Arc<Vec<AccessGuard>>,
@@ -260,10 +385,17 @@ struct Job {
 pub struct CmaTransport {
     conn: Arc<Conn>,
     tx: Sender<Job>,
+    mapped: usize,
 }
 
 impl CmaTransport {
-    pub(crate) fn new(conn: Arc<Conn>, peer: PeerProcess, threads: usize) -> Result<CmaTransport> {
+    pub(crate) fn new(
+        conn: Arc<Conn>,
+        mut peer: PeerProcess,
+        threads: usize,
+    ) -> Result<CmaTransport> {
+        let regions: Vec<RegionDesc> = conn.regions.values().cloned().collect();
+        let mapped = peer.map_shared(&regions);
         let (tx, rx) = unbounded::<Job>();
         let c = conn.clone();
         std::thread::Builder::new()
@@ -273,7 +405,7 @@ impl CmaTransport {
                     c.run_job(&peer, threads, job);
                 }
             })?;
-        Ok(CmaTransport { conn, tx })
+        Ok(CmaTransport { conn, tx, mapped })
     }
 }
 
@@ -293,13 +425,13 @@ impl Conn {
             return abort(self);
         }
         let r = if threads <= 1 || job.pieces.is_empty() || job.commit.bytes < (256 << 10) {
-            peer.write(&job.pieces)
+            peer.xfer(&job.pieces, job.read)
         } else {
             let groups = split_even(&job.pieces, threads);
             std::thread::scope(|s| {
                 let hs: Vec<_> = groups
                     .iter()
-                    .map(|g| s.spawn(move || peer.write(g)))
+                    .map(|g| s.spawn(move || peer.xfer(g, job.read)))
                     .collect();
                 let mut sum = 0u64;
                 let mut err = None;
@@ -320,12 +452,18 @@ impl Conn {
         };
         match r {
             Ok(n) if n == job.commit.bytes => {
+                let mut commit = job.commit;
+                if job.read && commit.checksum.is_some() {
+                    let sum = read_checksum(&job.pieces);
+                    commit.checksum = Some(sum);
+                    self.table.set_checksum(job.id, sum);
+                }
                 self.table.set(job.id, Stage::Written);
                 if self.table.finished(job.id) {
                     // Deadline passed while writing: no completion for the receiver.
                     return abort(self);
                 }
-                let _ = self.send(FrameType::Commit, &wire::encode_commit(&job.commit));
+                let _ = self.send(FrameType::Commit, &wire::encode_commit(&commit));
             }
             Ok(n) => {
                 self.table.fail(
@@ -349,20 +487,27 @@ impl Conn {
     }
 }
 
-impl Transport for CmaTransport {
-    fn kind(&self) -> TransportKind {
-        TransportKind::Cma
-    }
+/// Checksum of the bytes a read landed locally (same pieces as the peer's ranges).
+fn read_checksum(pieces: &[Piece]) -> u64 {
+    pieces.iter().fold(0u64, |acc, p| {
+        // SAFETY: dst is a pinned local registered range the read just filled.
+        let d = unsafe { std::slice::from_raw_parts(p.dst as *const u8, p.len as usize) };
+        super::checksum::combine(acc, super::checksum::piece(p.region, p.offset, d))
+    })
+}
 
-    fn remote_regions(&self) -> Vec<RegionDesc> {
-        let mut v: Vec<RegionDesc> = self.conn.regions.values().cloned().collect();
-        v.sort_by_key(|d| d.id);
-        v
-    }
-
-    fn submit(&self, ops: &[WriteOp], opts: &BatchOptions) -> Result<BatchId> {
-        let (pieces, guards, bytes) = self.conn.validate(ops)?;
-        let checksum = opts.checksum.then(|| checksum_pieces(&pieces));
+impl CmaTransport {
+    fn submit_dir(&self, ops: &[WriteOp], opts: &BatchOptions, read: bool) -> Result<BatchId> {
+        let (mut pieces, guards, bytes) = self.conn.validate(ops)?;
+        if read {
+            for p in &mut pieces {
+                std::mem::swap(&mut p.src, &mut p.dst);
+            }
+        }
+        // Writes: checksum of the source now. Reads: a placeholder, computed after the read.
+        let checksum = opts
+            .checksum
+            .then(|| if read { 0 } else { checksum_pieces(&pieces) });
         let template = Completion {
             batch_id: BatchId(0),
             bytes,
@@ -382,10 +527,15 @@ impl Transport for CmaTransport {
                 len: p.len,
             })
             .collect();
-        self.conn
-            .send(FrameType::Intent, &wire::encode_intent(id, &ranges))?;
+        let ty = if read {
+            FrameType::ReadIntent
+        } else {
+            FrameType::Intent
+        };
+        self.conn.send(ty, &wire::encode_intent(id, &ranges))?;
         let job = Job {
             id,
+            read,
             pieces,
             commit: Commit {
                 batch: id,
@@ -403,6 +553,35 @@ impl Transport for CmaTransport {
             );
         }
         Ok(BatchId(id))
+    }
+}
+
+impl Transport for CmaTransport {
+    fn kind(&self) -> TransportKind {
+        TransportKind::Cma
+    }
+
+    fn data_path(&self) -> &'static str {
+        if self.mapped > 0 {
+            "cma: memcpy into the peer's mapped memfd regions (process_vm_writev for others)"
+        } else {
+            "cma: process_vm_writev"
+        }
+    }
+
+    fn remote_regions(&self) -> Vec<RegionDesc> {
+        let mut v: Vec<RegionDesc> = self.conn.regions.values().cloned().collect();
+        v.sort_by_key(|d| d.id);
+        v
+    }
+
+    fn submit(&self, ops: &[WriteOp], opts: &BatchOptions) -> Result<BatchId> {
+        self.submit_dir(ops, opts, false)
+    }
+
+    fn submit_reads(&self, ops: &[ReadOp], opts: &BatchOptions) -> Result<BatchId> {
+        let w: Vec<WriteOp> = ops.iter().map(ReadOp::as_write).collect();
+        self.submit_dir(&w, opts, true)
     }
 
     fn poll(&self, id: BatchId) -> Result<BatchStatus> {

@@ -223,3 +223,63 @@ pub(crate) fn checksum_pieces(pieces: &[Piece]) -> u64 {
         super::checksum::combine(acc, super::checksum::piece(p.region, p.offset, data))
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::memory::RegionKind;
+
+    #[test]
+    fn device_and_out_of_range_ops_refused_before_sending() {
+        let reg = Registry::new();
+        let mut buf = vec![0u8; 4096];
+        // SAFETY: buf outlives the registry use below.
+        let l = unsafe { reg.register_host(buf.as_mut_ptr(), buf.len()) }.unwrap();
+        let dev = RegionDesc {
+            id: 9,
+            addr: 0x7000_0000,
+            len: 1 << 20,
+            kind: RegionKind::Device { ordinal: 0 },
+            keys: Default::default(),
+        };
+        let host = RegionDesc {
+            id: 8,
+            kind: RegionKind::Host,
+            ..dev.clone()
+        };
+        let remote = |id: u64| [dev.clone(), host.clone()].into_iter().find(|d| d.id == id);
+        let op = WriteOp {
+            local_region: l.id,
+            local_offset: 0,
+            remote_region: 9,
+            remote_offset: 0,
+            len: 16,
+        };
+        let e = validate_ops(&reg, remote, &[op]).unwrap_err();
+        assert_eq!(e.status(), Status::Unsupported, "{e}");
+        let op = WriteOp {
+            remote_region: 8,
+            ..op
+        };
+        let (pieces, guards, bytes) = validate_ops(&reg, remote, &[op, op]).unwrap();
+        assert_eq!((pieces.len(), guards.len(), bytes), (2, 1, 32));
+        assert_eq!(pieces[0].dst, 0x7000_0000);
+        // The local source is pinned while the batch lives.
+        assert_eq!(reg.inflight(l.id).unwrap(), 1);
+        drop(guards);
+        assert_eq!(reg.inflight(l.id).unwrap(), 0);
+        let bad = WriteOp {
+            local_offset: 4090,
+            ..op
+        };
+        assert_eq!(
+            validate_ops(&reg, remote, &[op, bad]).unwrap_err().status(),
+            Status::OutOfBounds
+        );
+        assert_eq!(
+            reg.inflight(l.id).unwrap(),
+            0,
+            "a refused batch pins nothing"
+        );
+    }
+}

@@ -4,7 +4,9 @@ use super::agent::AgentInner;
 use super::batch::{BatchTable, Stage};
 use super::conn::{checksum_pieces, validate_ops};
 use super::identity::ProcIdentity;
-use super::{BatchId, BatchOptions, BatchStatus, Completion, Transport, TransportKind, WriteOp};
+use super::{
+    BatchId, BatchOptions, BatchStatus, Completion, ReadOp, Transport, TransportKind, WriteOp,
+};
 use crate::error::Result;
 use crate::memory::{RegionDesc, Registry};
 use std::sync::Arc;
@@ -67,6 +69,37 @@ impl Transport for LocalTransport {
             ..c
         };
         self.target.deliver(self.me.clone(), 0, done);
+        Ok(BatchId(id))
+    }
+
+    fn submit_reads(&self, ops: &[ReadOp], opts: &BatchOptions) -> Result<BatchId> {
+        let dst = &self.target.registry;
+        let w: Vec<WriteOp> = ops.iter().map(ReadOp::as_write).collect();
+        let (pieces, guards, bytes) = validate_ops(&self.src, |id| dst.get(id).ok(), &w)?;
+        let mut pins = Vec::with_capacity(pieces.len());
+        for p in &pieces {
+            pins.push(dst.acquire(p.region, p.offset, p.len)?);
+        }
+        let mut sum = 0u64;
+        for (p, g) in pieces.iter().zip(&pins) {
+            // SAFETY: the peer range is pinned by g, the local destination by the batch guards; distinct registered regions.
+            unsafe { std::ptr::copy(g.addr() as *const u8, p.src as *mut u8, p.len as usize) };
+            if opts.checksum {
+                // SAFETY: the local range was just written and stays pinned.
+                let d = unsafe { std::slice::from_raw_parts(p.src as *const u8, p.len as usize) };
+                sum = super::checksum::combine(sum, super::checksum::piece(p.region, p.offset, d));
+            }
+        }
+        drop(pins);
+        let c = Completion {
+            batch_id: BatchId(0),
+            bytes,
+            checksum: opts.checksum.then_some(sum),
+            room: opts.room,
+            epoch: opts.epoch,
+        };
+        let id = self.table.insert(opts.timeout, c, guards)?;
+        self.table.set(id, Stage::Done);
         Ok(BatchId(id))
     }
 

@@ -52,6 +52,34 @@ pub struct WriteOp {
     pub len: u64,
 }
 
+/// One read: `len` bytes from `remote_offset` of the peer's region
+/// `remote_region` into `local_offset` of local region `local_region`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct ReadOp {
+    /// Destination region id in this process's registry.
+    pub local_region: u64,
+    /// Offset inside the destination region.
+    pub local_offset: u64,
+    /// Source region id in the peer's registry.
+    pub remote_region: u64,
+    /// Offset inside the source region.
+    pub remote_offset: u64,
+    /// Bytes to read.
+    pub len: u64,
+}
+
+impl ReadOp {
+    pub(crate) fn as_write(&self) -> WriteOp {
+        WriteOp {
+            local_region: self.local_region,
+            local_offset: self.local_offset,
+            remote_region: self.remote_region,
+            remote_offset: self.remote_offset,
+            len: self.len,
+        }
+    }
+}
+
 /// Identifies a submitted batch on the peer connection that accepted it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 pub struct BatchId(pub u64);
@@ -162,6 +190,11 @@ pub trait Transport: Send + Sync {
     /// The byte mover in use.
     fn kind(&self) -> TransportKind;
 
+    /// How bytes move on this connection, in words (for reports and benches).
+    fn data_path(&self) -> &'static str {
+        self.kind().name()
+    }
+
     /// The peer's region descriptors (as of the handshake).
     fn remote_regions(&self) -> Vec<RegionDesc>;
 
@@ -169,6 +202,22 @@ pub trait Transport: Send + Sync {
     /// registry and the peer's descriptors first; an out-of-bounds op fails
     /// the call with `OutOfBounds` and nothing is sent.
     fn submit(&self, ops: &[WriteOp], opts: &BatchOptions) -> Result<BatchId>;
+
+    /// Submits a batch of one-sided reads from the peer's registered memory,
+    /// where the transport can (`local`, `cma`); the peer validates and pins
+    /// the source ranges first, exactly as for writes. The completion
+    /// (checksum over the bytes read, when asked) stays on this side: the
+    /// peer delivers no completion record for reads. Others return `Unsupported`.
+    fn submit_reads(&self, ops: &[ReadOp], opts: &BatchOptions) -> Result<BatchId> {
+        let _ = (ops, opts);
+        Err(crate::Error::new(
+            crate::Status::Unsupported,
+            format!(
+                "the {} transport cannot read from the peer; ask the peer to write instead",
+                self.kind().name()
+            ),
+        ))
+    }
 
     /// The current status of a batch. A terminal status (`Done`, `Failed`)
     /// is returned once; the batch id is then forgotten.

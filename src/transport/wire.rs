@@ -51,6 +51,8 @@ pub enum FrameType {
     Nack = 15,
     /// Sender: the batch was abandoned; release its pins.
     Abort = 16,
+    /// Read intent (cma): like `Intent`, the ranges are read, not written.
+    ReadIntent = 17,
     /// tcp data frame.
     Data = 20,
 }
@@ -73,6 +75,7 @@ impl FrameType {
             14 => Ack,
             15 => Nack,
             16 => Abort,
+            17 => ReadIntent,
             20 => Data,
             _ => return None,
         })
