@@ -466,7 +466,9 @@ impl Engine {
     }
 
     /// Prefill: queues a chunk of the request: this rank's `pages` holding
-    /// `num_tokens` tokens (only the last page may be partial), in order;
+    /// `num_tokens` tokens (only the last page may be partial), in order (with
+    /// prefill DCP: this rank's local pages, `num_tokens` counting sequence
+    /// positions, `page_size * dcp_size` per page);
     /// `last` marks the final chunk, after which the aux row `aux_index` follows.
     pub fn send(
         &self,
@@ -501,8 +503,10 @@ impl Engine {
             }
             attempt = r.attempt;
         }
-        let p = u64::from(self.inner.cfg.topology.page_size);
-        let cap = pages.len() as u64 * p;
+        // with prefill DCP a local page holds every dcp_size-th position of a
+        // virtual page: num_tokens counts sequence positions
+        let vp = self.inner.cfg.topology.dcp_layout()?.virtual_page();
+        let cap = pages.len() as u64 * vp;
         if num_tokens > cap {
             return Err(Error::new(
                 Status::TokensExceedSource,
