@@ -25,6 +25,8 @@ from ._lib import (
     library_path,
 )
 from . import bootstrap
+from . import engine
+from .engine import Engine, KVPoll, Receiver, Sender
 from .layout import (
     PeerCompat,
     RankMapping,
@@ -61,6 +63,11 @@ __all__ = [
     "TransportError",
     "abi_version",
     "bootstrap",
+    "engine",
+    "Engine",
+    "KVPoll",
+    "Receiver",
+    "Sender",
     "check",
     "error_class",
     "library_path",
