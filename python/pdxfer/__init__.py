@@ -26,6 +26,7 @@ from ._lib import (
 )
 from . import bootstrap
 from . import engine
+from . import sglang
 from .engine import Engine, KVPoll, Receiver, Sender
 from .layout import (
     PeerCompat,
@@ -64,6 +65,7 @@ __all__ = [
     "abi_version",
     "bootstrap",
     "engine",
+    "sglang",
     "Engine",
     "KVPoll",
     "Receiver",
