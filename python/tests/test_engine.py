@@ -188,6 +188,24 @@ def test_bad_inputs_are_typed_and_write_nothing(pair):
     snd.abort()
     for r in r60:
         r.abort()
+    # a failure on the prefill's transfer worker (too few decode pages for the
+    # chunk) is kept on the room, typed, on both sides; nothing is written
+    r61 = [d.receiver(61) for d, _ in decs]
+    for r in r61:
+        r.send_metadata([4])  # one virtual page: 16 positions
+    snd61 = pre.sender(61)
+    while snd61.poll() == pdxfer.KVPoll.Bootstrapping and time.monotonic() < deadline + 10:
+        time.sleep(0.005)
+    snd61.send([5, 6, 7], 24)
+    assert snd61.wait(10) == pdxfer.KVPoll.Failed
+    err = snd61.failure_exception()
+    assert isinstance(err, pdxfer.PlanError) and err.kind == "insufficient_destination", err
+    assert "required=2" in err.detail, err.detail
+    for r in r61:
+        assert r.wait(10) == pdxfer.KVPoll.Failed
+        assert r.failure_exception().kind == "insufficient_destination"
+        r.clear()
+    snd61.clear()
     assert dp0.is_zero() and dp1.is_zero(), "a refused call wrote into a decode pool"
     with pytest.raises(pdxfer.ArgumentError):
         pdxfer.Engine("router", "x", srv.url, pdxfer.Topology.mla(1, 64, page_size=8), [np.zeros(64, np.uint64)])
