@@ -7,24 +7,23 @@
  * Then, in-process: bad inputs through every export give typed statuses and
  * write nothing. Built with -Wall -Werror and run under valgrind. */
 #define _DEFAULT_SOURCE
-#include "pdxfer.h"
+#include "check.h"
 
 #include <stdint.h>
-#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
 
-static int failures = 0;
-static int checks = 0;
+/* check.h's CHECK, naming the process (the ranks are forked children) */
+#undef CHECK
 #define CHECK(cond)                                                              \
     do {                                                                         \
         checks++;                                                                \
         if (!(cond)) {                                                           \
             failures++;                                                          \
-            fprintf(stderr, "[%d] %s:%d: CHECK failed: %s (last error: %s)\n",   \
+            fprintf(stderr, "[pid %d] %s:%d: CHECK failed: %s (last error: %s)\n", \
                     (int)getpid(), __FILE__, __LINE__, #cond, pdxfer_last_error()); \
         }                                                                        \
     } while (0)
@@ -448,6 +447,5 @@ int main(void) {
     Job b = {"c-2to2", 2, 2, 5, 61, 8, 2};
     cluster_in_child(&b);
     if (failures == 0) bad_inputs();
-    printf("test_engine: %d checks, %d failures\n", checks, failures);
-    return failures == 0 ? 0 : 1;
+    return CHECK_SUMMARY();
 }
