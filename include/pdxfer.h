@@ -20,6 +20,31 @@
 // Version of the bootstrap JSON schema (registrations, hellos) this library speaks.
 #define PDXFER_BOOTSTRAP_SCHEMA_VERSION 1
 
+// `PdxEngineConfig.role`: the engine sends KV (prefill).
+#define PDXFER_ROLE_PREFILL 1
+
+// `PdxEngineConfig.role`: the engine receives KV (decode).
+#define PDXFER_ROLE_DECODE 2
+
+// `PdxEngineConfig.flags`: no staging (pack) buffer; every write goes
+// straight from the prefill pool.
+#define PDXFER_ENGINE_NO_STAGING 1
+
+// `KVPoll` values (SGLang's): the room failed; `pdxfer_engine_failure` says why.
+#define PDXFER_POLL_FAILED 0
+
+// `KVPoll`: waiting for the peers' metadata.
+#define PDXFER_POLL_BOOTSTRAPPING 1
+
+// `KVPoll`: peers known; waiting for the KV (prefill: to be sent, decode: to arrive).
+#define PDXFER_POLL_WAITING_FOR_INPUT 2
+
+// `KVPoll`: data is moving.
+#define PDXFER_POLL_TRANSFERRING 3
+
+// `KVPoll`: every byte landed and was acknowledged.
+#define PDXFER_POLL_SUCCESS 4
+
 // Host memory.
 #define PDXFER_REGION_HOST 0
 
@@ -200,6 +225,9 @@ typedef struct PdxBootstrapClient PdxBootstrapClient;
 // Opaque handle of a running bootstrap server.
 typedef struct PdxBootstrapServer PdxBootstrapServer;
 
+// Opaque engine handle (`pdxfer_engine_create` / `pdxfer_engine_destroy`).
+typedef struct PdxEngine PdxEngine;
+
 // Opaque peer handle (`pdxfer_peer_open` / `pdxfer_peer_close`).
 typedef struct PdxPeer PdxPeer;
 
@@ -281,6 +309,117 @@ typedef struct PdxBootstrapServerConfig {
   // Reserved, zero.
   uint32_t reserved;
 } PdxBootstrapServerConfig;
+
+// One side's parallel topology and KV geometry.
+typedef struct PdxTopology {
+  // `sizeof(PdxTopology)`, set by the caller.
+  uint64_t struct_size;
+  // Global engine (TP) rank.
+  uint32_t engine_rank;
+  // Attention TP size.
+  uint32_t attn_tp_size;
+  // Attention TP rank.
+  uint32_t attn_tp_rank;
+  // Attention CP size.
+  uint32_t attn_cp_size;
+  // Attention CP rank.
+  uint32_t attn_cp_rank;
+  // Pipeline size.
+  uint32_t pp_size;
+  // Pipeline rank.
+  uint32_t pp_rank;
+  // DCP size.
+  uint32_t dcp_size;
+  // DCP rank.
+  uint32_t dcp_rank;
+  // DCP interleave (SGLang: 1).
+  uint32_t dcp_interleave;
+  // Tokens per page.
+  uint32_t page_size;
+  // `PdxKvDtype` value (0 auto, 1 bf16, 2 fp16, 3 fp32, 4 fp8_e4m3, 5 fp8_e5m2).
+  uint32_t kv_dtype;
+  // `PdxPoolKind` value (0 mla, 1 hybrid_mla, 2 mha).
+  uint32_t pool_kind;
+  // Reserved, zero.
+  uint32_t reserved;
+  // Number of KV entries.
+  uint64_t num_entries;
+  // Global layer id of each entry.
+  const uint32_t *entry_layer_ids;
+  // Token row bytes of each entry.
+  const uint64_t *entry_row_bytes;
+} PdxTopology;
+
+// One KV entry's pool: `num_pages` pages of `page_bytes` at `base`.
+typedef struct PdxKvPool {
+  // Global layer id (the topology entry's).
+  uint32_t layer_id;
+  // Reserved, zero.
+  uint32_t reserved;
+  // Start of the pool (host memory).
+  void *base;
+  // Bytes of one page (`page_size * row_bytes` of the entry).
+  uint64_t page_bytes;
+  // Pages in the pool.
+  uint64_t num_pages;
+} PdxKvPool;
+
+// One aux buffer: `count` rows of `item_bytes` at `base`; a request uses one row.
+typedef struct PdxAuxBuffer {
+  // Start of the buffer (host memory).
+  void *base;
+  // Bytes of one row.
+  uint64_t item_bytes;
+  // Rows.
+  uint64_t count;
+} PdxAuxBuffer;
+
+// How to create an engine (`pdxfer_engine_create`). Zero fields take the
+// documented defaults.
+typedef struct PdxEngineConfig {
+  // `sizeof(PdxEngineConfig)`, set by the caller.
+  uint64_t struct_size;
+  // `PDXFER_ROLE_PREFILL` or `PDXFER_ROLE_DECODE`.
+  uint32_t role;
+  // Data-parallel size (0: 1).
+  uint32_t dp_size;
+  // Data-parallel rank.
+  uint32_t dp_rank;
+  // Prefill transfer worker threads (0: 2).
+  uint32_t workers;
+  // `PDXFER_ENGINE_*` flags.
+  uint32_t flags;
+  // Reserved, zero.
+  uint32_t reserved;
+  // Cluster name in the bootstrap namespace (required).
+  const char *cluster;
+  // Bootstrap URL, `http://host:port` or `etcd://host:port` (required).
+  const char *bootstrap;
+  // Bootstrap token; NULL for none.
+  const char *token;
+  // This rank's topology (required); its entries must match `pools`.
+  const struct PdxTopology *topology;
+  // KV pools, one per topology entry, same order.
+  const struct PdxKvPool *pools;
+  // Number of `pools`.
+  uint64_t num_pools;
+  // Aux buffers (same count and row sizes on both sides); NULL with 0 for none.
+  const struct PdxAuxBuffer *aux;
+  // Number of `aux`.
+  uint64_t num_aux;
+  // Transport for KV data: `"auto"` (NULL), `"cma"`, `"tcp"`, `"local"`, `"rdma"`.
+  const char *transport;
+  // Host to listen on (NULL: `127.0.0.1`).
+  const char *host;
+  // Prefill: bytes of each worker's staging buffer (0: 64 MiB; see `PDXFER_ENGINE_NO_STAGING`).
+  uint64_t staging_bytes;
+  // Default room deadline in ms (0: 60 s).
+  uint64_t room_timeout_ms;
+  // Deadline of one transfer batch in ms (0: 30 s).
+  uint64_t batch_timeout_ms;
+  // Bootstrap lease TTL in ms (0: 10 s).
+  uint64_t lease_ttl_ms;
+} PdxEngineConfig;
 
 // A registered region's descriptor.
 typedef struct PdxRegion {
@@ -393,46 +532,6 @@ typedef struct PdxRun {
   // Rows in the run.
   int64_t len;
 } PdxRun;
-
-// One side's parallel topology and KV geometry.
-typedef struct PdxTopology {
-  // `sizeof(PdxTopology)`, set by the caller.
-  uint64_t struct_size;
-  // Global engine (TP) rank.
-  uint32_t engine_rank;
-  // Attention TP size.
-  uint32_t attn_tp_size;
-  // Attention TP rank.
-  uint32_t attn_tp_rank;
-  // Attention CP size.
-  uint32_t attn_cp_size;
-  // Attention CP rank.
-  uint32_t attn_cp_rank;
-  // Pipeline size.
-  uint32_t pp_size;
-  // Pipeline rank.
-  uint32_t pp_rank;
-  // DCP size.
-  uint32_t dcp_size;
-  // DCP rank.
-  uint32_t dcp_rank;
-  // DCP interleave (SGLang: 1).
-  uint32_t dcp_interleave;
-  // Tokens per page.
-  uint32_t page_size;
-  // `PdxKvDtype` value (0 auto, 1 bf16, 2 fp16, 3 fp32, 4 fp8_e4m3, 5 fp8_e5m2).
-  uint32_t kv_dtype;
-  // `PdxPoolKind` value (0 mla, 1 hybrid_mla, 2 mha).
-  uint32_t pool_kind;
-  // Reserved, zero.
-  uint32_t reserved;
-  // Number of KV entries.
-  uint64_t num_entries;
-  // Global layer id of each entry.
-  const uint32_t *entry_layer_ids;
-  // Token row bytes of each entry.
-  const uint64_t *entry_row_bytes;
-} PdxTopology;
 
 // The result of `pdxfer_check_peer`.
 typedef struct PdxPeerCompat {
@@ -591,6 +690,102 @@ PdxStatus pdxfer_bootstrap_verify_peer(const char *advertised_json,
                                        char *buf,
                                        size_t capacity,
                                        size_t *out_len);
+
+// Creates an engine: registers the pools and aux buffers, starts its threads
+// and registers the rank with the bootstrap. `*out` receives the handle.
+//
+// Every pool and aux buffer must stay valid, writable host memory until
+// `pdxfer_engine_destroy` returns (peers write into decode pools; the
+// prefill reads its pools from its worker threads).
+PdxStatus pdxfer_engine_create(const struct PdxEngineConfig *config, struct PdxEngine **out);
+
+// Deregisters the rank, stops the engine's threads and frees the handle.
+// NULL is a no-op. The handle must not be used afterwards.
+PdxStatus pdxfer_engine_destroy(struct PdxEngine *engine);
+
+// Prefill: opens room `room` (SGLang's `bootstrap_room`). It polls
+// `PDXFER_POLL_WAITING_FOR_INPUT` once every decode rank targeting this
+// rank sent its metadata. A room id still live is refused.
+PdxStatus pdxfer_engine_sender(const struct PdxEngine *engine, uint64_t room);
+
+// Prefill: queues one chunk of the request: this rank's `num_pages` page ids
+// holding `num_tokens` tokens (only the last chunk may end in a partial
+// page). `last` (0/1) marks the final chunk, after which the aux row
+// `aux_index` is sent. With prefill DCP the pages are this rank's local
+// pages. Pages outside the pool fail with `PDX_STATUS_OUT_OF_BOUNDS` and
+// nothing is queued. `pages` is not retained.
+PdxStatus pdxfer_engine_send(const struct PdxEngine *engine,
+                             uint64_t room,
+                             const int64_t *pages,
+                             size_t num_pages,
+                             uint64_t num_tokens,
+                             uint32_t last,
+                             uint64_t aux_index);
+
+// Decode: opens room `room` against the prefill instance's data-parallel
+// group `prefill_dp`: finds the prefill ranks in the bootstrap, connects and
+// re-checks each (a layout mismatch, e.g. a DCP rank pairing with the wrong
+// prefill rank, fails here with its typed status). `timeout_ms` 0 takes the
+// engine's room timeout.
+PdxStatus pdxfer_engine_receiver(const struct PdxEngine *engine,
+                                 uint64_t room,
+                                 uint32_t prefill_dp,
+                                 uint64_t timeout_ms);
+
+// Decode: tells the room's prefill ranks where its KV goes: the virtual page
+// ids `dst_pages` (the same list on every DCP rank), the decode prefix
+// already held (`decode_prefix_len`, a multiple of `page_size * dcp_size`)
+// and the aux row. Nothing is sent when an argument is bad. `dst_pages` is not retained.
+PdxStatus pdxfer_engine_send_metadata(const struct PdxEngine *engine,
+                                      uint64_t room,
+                                      const int64_t *dst_pages,
+                                      size_t num_dst_pages,
+                                      uint64_t decode_prefix_len,
+                                      uint64_t aux_index);
+
+// Writes the room's `KVPoll` value (`PDXFER_POLL_*`) to `*out_poll`;
+// an unknown room polls `PDXFER_POLL_FAILED`, as in SGLang.
+PdxStatus pdxfer_engine_poll(const struct PdxEngine *engine, uint64_t room, int32_t *out_poll);
+
+// Waits up to `timeout_ms` for the room to reach `SUCCESS` or `FAILED` and
+// writes its state then to `*out_poll` (not terminal when the time ran out).
+PdxStatus pdxfer_engine_wait(const struct PdxEngine *engine,
+                             uint64_t room,
+                             uint64_t timeout_ms,
+                             int32_t *out_poll);
+
+// The room's failure: its status code goes to `*out_status` (`PDX_STATUS_OK`
+// when it has not failed; `PDX_STATUS_UNKNOWN_ROOM` for an unknown room) and
+// its detail text, NUL-terminated, into `buf` of `capacity` bytes, with the
+// needed size in `*out_len` (NULL buffer and capacity 0: size query). A
+// failure met on a worker thread is kept on the room and read here.
+PdxStatus pdxfer_engine_failure(const struct PdxEngine *engine,
+                                uint64_t room,
+                                int32_t *out_status,
+                                char *buf,
+                                size_t capacity,
+                                size_t *out_len);
+
+// Aborts the room. Writes 1 to `*out_fenced` (may be NULL) when no write for
+// it can still land in local memory; otherwise poll `pdxfer_engine_is_fenced`
+// before reusing its pages.
+PdxStatus pdxfer_engine_abort(const struct PdxEngine *engine, uint64_t room, uint32_t *out_fenced);
+
+// Writes 1 to `*out_fenced` when no write for the room can still land in
+// local memory (decode: every live prefill rank acknowledged the abort), else 0.
+PdxStatus pdxfer_engine_is_fenced(const struct PdxEngine *engine,
+                                  uint64_t room,
+                                  uint32_t *out_fenced);
+
+// Forgets a terminal room so its id can be reused (refused while writes for
+// it are in flight, and for a live room).
+PdxStatus pdxfer_engine_clear(const struct PdxEngine *engine, uint64_t room);
+
+// Decode: bytes received so far for the room (from the prefill ranks'
+// completion records) into `*out_bytes`.
+PdxStatus pdxfer_engine_room_bytes(const struct PdxEngine *engine,
+                                   uint64_t room,
+                                   uint64_t *out_bytes);
 
 // Registers `len` bytes of host memory at `ptr` with the agent; the
 // descriptor goes to `out` (may be NULL). The memory must stay valid until

@@ -25,6 +25,9 @@ from ._lib import (
     library_path,
 )
 from . import bootstrap
+from . import engine
+from . import sglang
+from .engine import Engine, KVPoll, Receiver, Sender
 from .layout import (
     PeerCompat,
     RankMapping,
@@ -67,6 +70,12 @@ __all__ = [
     "TransportError",
     "abi_version",
     "bootstrap",
+    "engine",
+    "sglang",
+    "Engine",
+    "KVPoll",
+    "Receiver",
+    "Sender",
     "check",
     "error_class",
     "library_path",

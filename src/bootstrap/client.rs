@@ -31,6 +31,11 @@ impl HttpStore {
         let agent: ureq::Agent = ureq::Agent::config_builder()
             .http_status_as_error(false)
             .timeout_global(Some(Duration::from_secs(5)))
+            // no idle keep-alive connections: tiny_http serves a connection on
+            // one pool thread until it closes and can queue a new connection
+            // behind busy ones, so ranks holding idle connections starved
+            // others' registrations (seen with 5 processes registering at once)
+            .max_idle_connections(0)
             .build()
             .into();
         Ok(HttpStore {

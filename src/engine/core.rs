@@ -466,7 +466,9 @@ impl Engine {
     }
 
     /// Prefill: queues a chunk of the request: this rank's `pages` holding
-    /// `num_tokens` tokens (only the last page may be partial), in order;
+    /// `num_tokens` tokens (only the last page may be partial), in order (with
+    /// prefill DCP: this rank's local pages, `num_tokens` counting sequence
+    /// positions, `page_size * dcp_size` per page);
     /// `last` marks the final chunk, after which the aux row `aux_index` follows.
     pub fn send(
         &self,

@@ -23,6 +23,7 @@ pub mod agent;
 pub mod batch;
 pub mod bootstrap;
 pub mod bootstrap_client;
+pub mod engine;
 pub mod memory;
 pub mod peer;
 pub mod plan;

@@ -1,0 +1,403 @@
+"""The transfer engine from Python: one :class:`Engine` per rank (prefill or
+decode), rooms with SGLang's :class:`KVPoll` lifecycle, per-room
+:class:`Sender` / :class:`Receiver` objects.
+
+Pools are host memory given as integer addresses or as writable buffers
+(numpy arrays, ``bytearray``, ``memoryview`` ...); the engine keeps a reference
+to every buffer object it was given until :meth:`Engine.close`. Errors are
+:class:`pdxfer.PdxError` subclasses (``.kind`` e.g. ``out_of_bounds``,
+``prefix_misaligned``, ``unknown_room``, ``dcp_rank_mismatch``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import enum
+from typing import Any, List, Optional, Sequence, Tuple
+
+from ._lib import ArgumentError, PdxError, check, error_class, lib
+from .layout import CTopology, Topology
+
+try:  # numpy is optional
+    import numpy as _np
+except ImportError:  # pragma: no cover
+    _np = None
+
+__all__ = [
+    "KVPoll",
+    "Engine",
+    "Sender",
+    "Receiver",
+    "ROLE_PREFILL",
+    "ROLE_DECODE",
+    "buffer_address",
+]
+
+ROLE_PREFILL = 1
+ROLE_DECODE = 2
+NO_STAGING = 1
+
+_vp = ctypes.c_void_p
+_cp = ctypes.c_char_p
+_i64p = ctypes.POINTER(ctypes.c_int64)
+
+
+class KVPoll(enum.IntEnum):
+    """SGLang's ``KVPoll`` values."""
+
+    Failed = 0
+    Bootstrapping = 1
+    WaitingForInput = 2
+    Transferring = 3
+    Success = 4
+
+
+class CKvPool(ctypes.Structure):
+    """``PdxKvPool``."""
+
+    _fields_ = [
+        ("layer_id", ctypes.c_uint32),
+        ("reserved", ctypes.c_uint32),
+        ("base", ctypes.c_void_p),
+        ("page_bytes", ctypes.c_uint64),
+        ("num_pages", ctypes.c_uint64),
+    ]
+
+
+class CAuxBuffer(ctypes.Structure):
+    """``PdxAuxBuffer``."""
+
+    _fields_ = [
+        ("base", ctypes.c_void_p),
+        ("item_bytes", ctypes.c_uint64),
+        ("count", ctypes.c_uint64),
+    ]
+
+
+class CEngineConfig(ctypes.Structure):
+    """``PdxEngineConfig``."""
+
+    _fields_ = [
+        ("struct_size", ctypes.c_uint64),
+        ("role", ctypes.c_uint32),
+        ("dp_size", ctypes.c_uint32),
+        ("dp_rank", ctypes.c_uint32),
+        ("workers", ctypes.c_uint32),
+        ("flags", ctypes.c_uint32),
+        ("reserved", ctypes.c_uint32),
+        ("cluster", _cp),
+        ("bootstrap", _cp),
+        ("token", _cp),
+        ("topology", ctypes.POINTER(CTopology)),
+        ("pools", ctypes.POINTER(CKvPool)),
+        ("num_pools", ctypes.c_uint64),
+        ("aux", ctypes.POINTER(CAuxBuffer)),
+        ("num_aux", ctypes.c_uint64),
+        ("transport", _cp),
+        ("host", _cp),
+        ("staging_bytes", ctypes.c_uint64),
+        ("room_timeout_ms", ctypes.c_uint64),
+        ("batch_timeout_ms", ctypes.c_uint64),
+        ("lease_ttl_ms", ctypes.c_uint64),
+    ]
+
+
+def _sig(name: str, args: list) -> None:
+    f = getattr(lib, name)
+    f.restype = ctypes.c_int32
+    f.argtypes = args
+
+
+_u64 = ctypes.c_uint64
+_sig("pdxfer_engine_create", [ctypes.POINTER(CEngineConfig), ctypes.POINTER(_vp)])
+_sig("pdxfer_engine_destroy", [_vp])
+_sig("pdxfer_engine_sender", [_vp, _u64])
+_sig("pdxfer_engine_send", [_vp, _u64, _i64p, ctypes.c_size_t, _u64, ctypes.c_uint32, _u64])
+_sig("pdxfer_engine_receiver", [_vp, _u64, ctypes.c_uint32, _u64])
+_sig("pdxfer_engine_send_metadata", [_vp, _u64, _i64p, ctypes.c_size_t, _u64, _u64])
+_sig("pdxfer_engine_poll", [_vp, _u64, ctypes.POINTER(ctypes.c_int32)])
+_sig("pdxfer_engine_wait", [_vp, _u64, _u64, ctypes.POINTER(ctypes.c_int32)])
+_sig(
+    "pdxfer_engine_failure",
+    [_vp, _u64, ctypes.POINTER(ctypes.c_int32), ctypes.c_char_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_size_t)],
+)
+_sig("pdxfer_engine_abort", [_vp, _u64, ctypes.POINTER(ctypes.c_uint32)])
+_sig("pdxfer_engine_is_fenced", [_vp, _u64, ctypes.POINTER(ctypes.c_uint32)])
+_sig("pdxfer_engine_clear", [_vp, _u64])
+_sig("pdxfer_engine_room_bytes", [_vp, _u64, ctypes.POINTER(ctypes.c_uint64)])
+
+
+def buffer_address(buf: Any) -> Tuple[int, Optional[int]]:
+    """``(address, nbytes)`` of a pool given as an int (nbytes unknown: None),
+    a numpy array (C-contiguous, writable), or any writable buffer object."""
+    if isinstance(buf, bool):
+        raise ArgumentError(-101, "a pool base must be an address or a buffer, not a bool")
+    if isinstance(buf, int):
+        if buf <= 0:
+            raise ArgumentError(-100, f"pool address {buf:#x} is NULL or negative")
+        return buf, None
+    if _np is not None and isinstance(buf, _np.ndarray):
+        if not buf.flags["C_CONTIGUOUS"]:
+            raise ArgumentError(-101, "pool arrays must be C-contiguous")
+        if not buf.flags["WRITEABLE"]:
+            raise ArgumentError(-101, "pool arrays must be writable (the decode side writes into them)")
+        return int(buf.ctypes.data), int(buf.nbytes)
+    try:
+        mv = memoryview(buf)
+    except TypeError:
+        raise ArgumentError(-101, f"cannot take the address of a {type(buf).__name__}") from None
+    if mv.readonly or not mv.c_contiguous:
+        raise ArgumentError(-101, "pool buffers must be writable and C-contiguous")
+    c = (ctypes.c_char * mv.nbytes).from_buffer(mv)
+    return ctypes.addressof(c), mv.nbytes
+
+
+def _pages(pages: Any) -> Tuple[Any, int, Any]:
+    """(pointer, count, keep-alive) of a page list as int64."""
+    if _np is not None:
+        a = _np.ascontiguousarray(_np.asarray(pages, dtype=_np.int64).reshape(-1))
+        return a.ctypes.data_as(_i64p), len(a), a
+    vals = [int(x) for x in pages]
+    arr = (ctypes.c_int64 * len(vals))(*vals)
+    return ctypes.cast(arr, _i64p), len(vals), arr
+
+
+def _ms(seconds: Optional[float]) -> int:
+    if seconds is None:
+        return 0
+    if seconds < 0:
+        raise ArgumentError(-101, f"timeout must be >= 0, got {seconds}")
+    return max(1, int(round(seconds * 1000))) if seconds > 0 else 0
+
+
+class Engine:
+    """One rank's transfer engine.
+
+    ``role``: ``"prefill"`` or ``"decode"``. ``pools``: one per topology entry,
+    in order; each an int address (then ``num_pages`` is required) or a buffer
+    (its size gives the page count), or a ``(base, num_pages)`` tuple.
+    ``aux``: items ``(base, item_bytes)`` or ``(base, item_bytes, count)``
+    (count taken from the buffer's size when omitted). Timeouts are seconds.
+    """
+
+    def __init__(
+        self,
+        role: str,
+        cluster: str,
+        bootstrap: str,
+        topology: Topology,
+        pools: Sequence[Any],
+        *,
+        aux: Sequence[Tuple] = (),
+        num_pages: Optional[int] = None,
+        token: Optional[str] = None,
+        transport: str = "auto",
+        host: Optional[str] = None,
+        staging_bytes: int = 0,
+        no_staging: bool = False,
+        workers: int = 0,
+        dp_size: int = 1,
+        dp_rank: int = 0,
+        room_timeout: Optional[float] = None,
+        batch_timeout: Optional[float] = None,
+        lease_ttl: Optional[float] = None,
+    ):
+        roles = {"prefill": ROLE_PREFILL, "decode": ROLE_DECODE}
+        if role not in roles:
+            raise ArgumentError(-101, f"role must be 'prefill' or 'decode', got {role!r}")
+        self.role = role
+        self.topology = topology
+        self._keep: List[Any] = []
+        cpools = (CKvPool * max(1, len(pools)))()
+        for i, item in enumerate(pools):
+            n_given = num_pages
+            if isinstance(item, tuple):
+                item, n_given = item
+            base, nbytes = buffer_address(item)
+            self._keep.append(item)
+            layer, row = topology.entries[i] if i < len(topology.entries) else (i, 0)
+            page_bytes = int(row) * topology.page_size
+            if n_given is None:
+                if nbytes is None:
+                    raise ArgumentError(-101, f"pool {i} is an address: pass num_pages or (base, num_pages)")
+                n_given = nbytes // page_bytes if page_bytes else 0
+            elif nbytes is not None and page_bytes and int(n_given) * page_bytes > nbytes:
+                raise ArgumentError(
+                    -101, f"pool {i}: {n_given} pages of {page_bytes} B exceed its buffer of {nbytes} B")
+            cpools[i] = CKvPool(int(layer), 0, base, page_bytes, int(n_given))
+        caux = (CAuxBuffer * max(1, len(aux)))()
+        for i, a in enumerate(aux):
+            base, nbytes = buffer_address(a[0])
+            self._keep.append(a[0])
+            item = int(a[1])
+            if len(a) > 2:
+                count = int(a[2])
+            elif nbytes is None:
+                raise ArgumentError(-101, f"aux {i} is an address: pass (base, item_bytes, count)")
+            else:
+                count = nbytes // item if item else 0
+            caux[i] = CAuxBuffer(base, item, count)
+        topo, keep_t = topology._c()
+        b = lambda s: None if s is None else s.encode()  # noqa: E731
+        cfg = CEngineConfig(
+            ctypes.sizeof(CEngineConfig), roles[role], dp_size, dp_rank, workers,
+            NO_STAGING if no_staging else 0, 0, b(cluster), b(bootstrap), b(token),
+            ctypes.pointer(topo), ctypes.cast(cpools, ctypes.POINTER(CKvPool)), len(pools),
+            ctypes.cast(caux, ctypes.POINTER(CAuxBuffer)), len(aux), b(transport), b(host),
+            staging_bytes, _ms(room_timeout), _ms(batch_timeout), _ms(lease_ttl),
+        )
+        h = _vp()
+        check(lib.pdxfer_engine_create(ctypes.byref(cfg), ctypes.byref(h)))
+        self._h = h
+
+    # ----- handle -----
+
+    def _live(self) -> ctypes.c_void_p:
+        if not self._h:
+            raise PdxError(-903, "engine is closed")
+        return self._h
+
+    def close(self) -> None:
+        """Deregisters the rank and stops the engine (idempotent); the pool
+        buffers may be freed afterwards."""
+        if self._h:
+            h, self._h = self._h, _vp()
+            check(lib.pdxfer_engine_destroy(h))
+        self._keep = []
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):  # pragma: no cover - best effort
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    # ----- rooms -----
+
+    def sender(self, room: int) -> "Sender":
+        """Prefill: opens ``room``; poll until ``WaitingForInput``, then :meth:`Sender.send`."""
+        check(lib.pdxfer_engine_sender(self._live(), room))
+        return Sender(self, room)
+
+    def receiver(self, room: int, prefill_dp: int = 0, timeout: Optional[float] = None) -> "Receiver":
+        """Decode: opens ``room`` against prefill DP group ``prefill_dp`` (connects and
+        re-checks the prefill ranks; a layout mismatch raises here)."""
+        check(lib.pdxfer_engine_receiver(self._live(), room, prefill_dp, _ms(timeout)))
+        return Receiver(self, room)
+
+    def send(self, room: int, pages: Any, num_tokens: Optional[int] = None, last: bool = True,
+             aux_index: int = 0) -> None:
+        """Prefill: queues a chunk (see :meth:`Sender.send`)."""
+        p, n, keep = _pages(pages)
+        if num_tokens is None:
+            num_tokens = n * self.topology.page_size * self.topology.dcp_size
+        check(lib.pdxfer_engine_send(self._live(), room, p, n, num_tokens, 1 if last else 0, aux_index))
+
+    def send_metadata(self, room: int, dst_pages: Any, decode_prefix_len: int = 0, aux_index: int = 0) -> None:
+        """Decode: tells the prefill ranks where the room's KV goes."""
+        p, n, keep = _pages(dst_pages)
+        check(lib.pdxfer_engine_send_metadata(self._live(), room, p, n, decode_prefix_len, aux_index))
+
+    def poll(self, room: int) -> KVPoll:
+        """The room's state (``Failed`` for an unknown room, as SGLang)."""
+        v = ctypes.c_int32()
+        check(lib.pdxfer_engine_poll(self._live(), room, ctypes.byref(v)))
+        return KVPoll(v.value)
+
+    def wait(self, room: int, timeout: float) -> KVPoll:
+        """Waits up to ``timeout`` seconds for ``Success`` or ``Failed``; returns the state then."""
+        v = ctypes.c_int32()
+        check(lib.pdxfer_engine_wait(self._live(), room, _ms(timeout), ctypes.byref(v)))
+        return KVPoll(v.value)
+
+    def failure(self, room: int) -> Optional[PdxError]:
+        """The room's failure as a typed exception object (not raised), or None."""
+        h = self._live()
+        st = ctypes.c_int32()
+        need = ctypes.c_size_t(0)
+        check(lib.pdxfer_engine_failure(h, room, ctypes.byref(st), None, 0, ctypes.byref(need)))
+        if st.value == 0:
+            return None
+        buf = ctypes.create_string_buffer(need.value)
+        check(lib.pdxfer_engine_failure(h, room, ctypes.byref(st), buf, need.value, ctypes.byref(need)))
+        return error_class(st.value)(st.value, buf.value.decode(errors="replace"))
+
+    def abort(self, room: int) -> bool:
+        """Aborts the room; True when no write for it can still land locally."""
+        f = ctypes.c_uint32()
+        check(lib.pdxfer_engine_abort(self._live(), room, ctypes.byref(f)))
+        return bool(f.value)
+
+    def is_fenced(self, room: int) -> bool:
+        """True when no write for the (aborted) room can still land locally."""
+        f = ctypes.c_uint32()
+        check(lib.pdxfer_engine_is_fenced(self._live(), room, ctypes.byref(f)))
+        return bool(f.value)
+
+    def clear(self, room: int) -> None:
+        """Forgets a terminal room so its id can be reused."""
+        check(lib.pdxfer_engine_clear(self._live(), room))
+
+    def room_bytes(self, room: int) -> int:
+        """Decode: KV bytes received for the room."""
+        v = ctypes.c_uint64()
+        check(lib.pdxfer_engine_room_bytes(self._live(), room, ctypes.byref(v)))
+        return v.value
+
+
+class _Room:
+    def __init__(self, engine: Engine, room: int):
+        self.engine = engine
+        self.room = room
+
+    def poll(self) -> KVPoll:
+        """The room's :class:`KVPoll` state."""
+        return self.engine.poll(self.room)
+
+    def wait(self, timeout: float) -> KVPoll:
+        """Waits up to ``timeout`` s for a terminal state."""
+        return self.engine.wait(self.room, timeout)
+
+    def failure_exception(self) -> Optional[PdxError]:
+        """Why the room failed, as a typed :class:`pdxfer.PdxError` (returned, not raised); None if it has not."""
+        return self.engine.failure(self.room)
+
+    def abort(self) -> bool:
+        """Aborts the room; True when fenced already (see :meth:`is_fenced`)."""
+        return self.engine.abort(self.room)
+
+    def is_fenced(self) -> bool:
+        """True when no write for the room can still land locally."""
+        return self.engine.is_fenced(self.room)
+
+    def clear(self) -> None:
+        """Forgets the (terminal) room."""
+        self.engine.clear(self.room)
+
+
+class Sender(_Room):
+    """Prefill side of one room."""
+
+    def send(self, pages: Any, num_tokens: Optional[int] = None, last: bool = True, aux_index: int = 0) -> None:
+        """Queues a chunk: this rank's page ids (list or numpy) holding ``num_tokens``
+        sequence positions (default: the pages' full capacity, ``page_size * dcp_size`` each);
+        only the ``last`` chunk may be partial; the aux row ``aux_index`` follows it."""
+        self.engine.send(self.room, pages, num_tokens, last, aux_index)
+
+
+class Receiver(_Room):
+    """Decode side of one room."""
+
+    def send_metadata(self, dst_pages: Any, decode_prefix_len: int = 0, aux_index: int = 0) -> None:
+        """Sends the destination virtual page ids, the decode prefix already held
+        (a multiple of ``page_size * dcp_size``) and the aux row to the prefill ranks."""
+        self.engine.send_metadata(self.room, dst_pages, decode_prefix_len, aux_index)
+
+    def bytes_received(self) -> int:
+        """KV bytes received so far."""
+        return self.engine.room_bytes(self.room)

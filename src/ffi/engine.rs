@@ -1,0 +1,771 @@
+//! `PdxEngine`: one rank's prefill or decode transfer engine over the C ABI
+//! (rooms with SGLang's `KVPoll` lifecycle; see `engine::Engine`).
+
+use super::ptr::{self, Versioned};
+use super::topology::{topology_from_c, PdxTopology};
+use super::{boundary, non_negative, ok, PdxStatus};
+use crate::bootstrap::schema::Role;
+use crate::engine::{AuxBuffer, Engine, EngineConfig, KvPool};
+use crate::error::{Error, Result, Status};
+use crate::transport::TransportKind;
+use std::ffi::{c_char, c_void};
+use std::time::Duration;
+
+/// `PdxEngineConfig.role`: the engine sends KV (prefill).
+pub const PDXFER_ROLE_PREFILL: u32 = 1;
+/// `PdxEngineConfig.role`: the engine receives KV (decode).
+pub const PDXFER_ROLE_DECODE: u32 = 2;
+
+/// `PdxEngineConfig.flags`: no staging (pack) buffer; every write goes
+/// straight from the prefill pool.
+pub const PDXFER_ENGINE_NO_STAGING: u32 = 1;
+
+/// `KVPoll` values (SGLang's): the room failed; `pdxfer_engine_failure` says why.
+pub const PDXFER_POLL_FAILED: i32 = 0;
+/// `KVPoll`: waiting for the peers' metadata.
+pub const PDXFER_POLL_BOOTSTRAPPING: i32 = 1;
+/// `KVPoll`: peers known; waiting for the KV (prefill: to be sent, decode: to arrive).
+pub const PDXFER_POLL_WAITING_FOR_INPUT: i32 = 2;
+/// `KVPoll`: data is moving.
+pub const PDXFER_POLL_TRANSFERRING: i32 = 3;
+/// `KVPoll`: every byte landed and was acknowledged.
+pub const PDXFER_POLL_SUCCESS: i32 = 4;
+
+/// Opaque engine handle (`pdxfer_engine_create` / `pdxfer_engine_destroy`).
+pub struct PdxEngine {
+    engine: Engine,
+}
+
+/// One KV entry's pool: `num_pages` pages of `page_bytes` at `base`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct PdxKvPool {
+    /// Global layer id (the topology entry's).
+    pub layer_id: u32,
+    /// Reserved, zero.
+    pub reserved: u32,
+    /// Start of the pool (host memory).
+    pub base: *mut c_void,
+    /// Bytes of one page (`page_size * row_bytes` of the entry).
+    pub page_bytes: u64,
+    /// Pages in the pool.
+    pub num_pages: u64,
+}
+
+/// One aux buffer: `count` rows of `item_bytes` at `base`; a request uses one row.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct PdxAuxBuffer {
+    /// Start of the buffer (host memory).
+    pub base: *mut c_void,
+    /// Bytes of one row.
+    pub item_bytes: u64,
+    /// Rows.
+    pub count: u64,
+}
+
+/// How to create an engine (`pdxfer_engine_create`). Zero fields take the
+/// documented defaults.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct PdxEngineConfig {
+    /// `sizeof(PdxEngineConfig)`, set by the caller.
+    pub struct_size: u64,
+    /// `PDXFER_ROLE_PREFILL` or `PDXFER_ROLE_DECODE`.
+    pub role: u32,
+    /// Data-parallel size (0: 1).
+    pub dp_size: u32,
+    /// Data-parallel rank.
+    pub dp_rank: u32,
+    /// Prefill transfer worker threads (0: 2).
+    pub workers: u32,
+    /// `PDXFER_ENGINE_*` flags.
+    pub flags: u32,
+    /// Reserved, zero.
+    pub reserved: u32,
+    /// Cluster name in the bootstrap namespace (required).
+    pub cluster: *const c_char,
+    /// Bootstrap URL, `http://host:port` or `etcd://host:port` (required).
+    pub bootstrap: *const c_char,
+    /// Bootstrap token; NULL for none.
+    pub token: *const c_char,
+    /// This rank's topology (required); its entries must match `pools`.
+    pub topology: *const PdxTopology,
+    /// KV pools, one per topology entry, same order.
+    pub pools: *const PdxKvPool,
+    /// Number of `pools`.
+    pub num_pools: u64,
+    /// Aux buffers (same count and row sizes on both sides); NULL with 0 for none.
+    pub aux: *const PdxAuxBuffer,
+    /// Number of `aux`.
+    pub num_aux: u64,
+    /// Transport for KV data: `"auto"` (NULL), `"cma"`, `"tcp"`, `"local"`, `"rdma"`.
+    pub transport: *const c_char,
+    /// Host to listen on (NULL: `127.0.0.1`).
+    pub host: *const c_char,
+    /// Prefill: bytes of each worker's staging buffer (0: 64 MiB; see `PDXFER_ENGINE_NO_STAGING`).
+    pub staging_bytes: u64,
+    /// Default room deadline in ms (0: 60 s).
+    pub room_timeout_ms: u64,
+    /// Deadline of one transfer batch in ms (0: 30 s).
+    pub batch_timeout_ms: u64,
+    /// Bootstrap lease TTL in ms (0: 10 s).
+    pub lease_ttl_ms: u64,
+}
+
+// SAFETY: repr(C), starts with u64 struct_size, integers and raw pointers only (zero is valid).
+unsafe impl Versioned for PdxEngineConfig {
+    const MIN_SIZE: usize = std::mem::size_of::<PdxEngineConfig>();
+    const NAME: &'static str = "PdxEngineConfig";
+}
+
+fn ms(v: u64) -> Option<Duration> {
+    (v > 0).then(|| Duration::from_millis(v))
+}
+
+/// Converts the C config into the engine's.
+fn config_from_c(p: *const PdxEngineConfig) -> Result<EngineConfig> {
+    let c = ptr::read_versioned(p)?;
+    let role = match c.role {
+        PDXFER_ROLE_PREFILL => Role::Prefill,
+        PDXFER_ROLE_DECODE => Role::Decode,
+        r => {
+            return Err(Error::invalid(format!(
+                "config.role={r}: use PDXFER_ROLE_PREFILL (1) or PDXFER_ROLE_DECODE (2)"
+            )))
+        }
+    };
+    if c.flags & !PDXFER_ENGINE_NO_STAGING != 0 {
+        return Err(Error::invalid(format!(
+            "unknown engine flags 0x{:x}",
+            c.flags
+        )));
+    }
+    let cluster = ptr::c_str(c.cluster, "config.cluster")?;
+    let bootstrap = ptr::c_str(c.bootstrap, "config.bootstrap")?;
+    if c.topology.is_null() {
+        return Err(Error::new(Status::NullArgument, "config.topology is NULL"));
+    }
+    let topology = topology_from_c(c.topology)?;
+    let n = usize::try_from(c.num_pools).map_err(|_| Error::invalid("num_pools too large"))?;
+    let pools = ptr::slice(c.pools, n, "config.pools")?
+        .iter()
+        .map(|p| KvPool {
+            layer_id: p.layer_id,
+            base: p.base as u64,
+            page_bytes: p.page_bytes,
+            num_pages: p.num_pages,
+        })
+        .collect::<Vec<_>>();
+    if let Some((i, _)) = pools.iter().enumerate().find(|(_, p)| p.base == 0) {
+        return Err(Error::new(
+            Status::NullArgument,
+            format!("config.pools[{i}].base is NULL"),
+        ));
+    }
+    let na = usize::try_from(c.num_aux).map_err(|_| Error::invalid("num_aux too large"))?;
+    let aux = ptr::slice(c.aux, na, "config.aux")?
+        .iter()
+        .map(|a| AuxBuffer {
+            base: a.base as u64,
+            item_bytes: a.item_bytes,
+            count: a.count,
+        })
+        .collect::<Vec<_>>();
+    if let Some((i, _)) = aux.iter().enumerate().find(|(_, a)| a.base == 0) {
+        return Err(Error::new(
+            Status::NullArgument,
+            format!("config.aux[{i}].base is NULL"),
+        ));
+    }
+    let mut cfg = EngineConfig::new(role, cluster, bootstrap, topology, pools);
+    cfg.token = ptr::opt_c_str(c.token, "config.token")?.map(str::to_string);
+    cfg.aux = aux;
+    if c.dp_size > 0 {
+        cfg.dp_size = c.dp_size;
+    }
+    if c.dp_rank >= cfg.dp_size {
+        return Err(Error::invalid(format!(
+            "config.dp_rank={} is not below dp_size={}",
+            c.dp_rank, cfg.dp_size
+        )));
+    }
+    cfg.dp_rank = c.dp_rank;
+    if c.workers > 0 {
+        cfg.workers = c.workers as usize;
+    }
+    if let Some(t) = ptr::opt_c_str(c.transport, "config.transport")? {
+        cfg.transport = TransportKind::parse(t)?;
+    }
+    if let Some(h) = ptr::opt_c_str(c.host, "config.host")? {
+        cfg.host = h.to_string();
+    }
+    if c.flags & PDXFER_ENGINE_NO_STAGING != 0 {
+        cfg.staging_bytes = 0;
+    } else if c.staging_bytes > 0 {
+        cfg.staging_bytes = c.staging_bytes;
+    }
+    if let Some(d) = ms(c.room_timeout_ms) {
+        cfg.room_timeout = d;
+    }
+    if let Some(d) = ms(c.batch_timeout_ms) {
+        cfg.batch_timeout = d;
+    }
+    if let Some(d) = ms(c.lease_ttl_ms) {
+        cfg.lease_ttl = d;
+    }
+    Ok(cfg)
+}
+
+fn eng<'a>(p: *const PdxEngine) -> Result<&'a Engine> {
+    ptr::handle(p, "engine").map(|e| &e.engine)
+}
+
+fn pages(p: *const i64, n: usize, what: &str) -> Result<Vec<u64>> {
+    ptr::slice(p, n, what)?
+        .iter()
+        .enumerate()
+        .map(|(i, &v)| non_negative(v, &format!("{what}[{i}]")))
+        .collect()
+}
+
+/// Creates an engine: registers the pools and aux buffers, starts its threads
+/// and registers the rank with the bootstrap. `*out` receives the handle.
+///
+/// Every pool and aux buffer must stay valid, writable host memory until
+/// `pdxfer_engine_destroy` returns (peers write into decode pools; the
+/// prefill reads its pools from its worker threads).
+#[no_mangle]
+pub extern "C" fn pdxfer_engine_create(
+    config: *const PdxEngineConfig,
+    out: *mut *mut PdxEngine,
+) -> PdxStatus {
+    boundary(|| {
+        if out.is_null() {
+            return Err(Error::new(Status::NullArgument, "out is NULL"));
+        }
+        let cfg = config_from_c(config)?;
+        // SAFETY: the caller keeps the pool and aux memory valid until destroy (documented contract above).
+        let engine = unsafe { Engine::new(cfg) }?;
+        ptr::new_handle(PdxEngine { engine }, out, "out")?;
+        ok()
+    })
+}
+
+/// Deregisters the rank, stops the engine's threads and frees the handle.
+/// NULL is a no-op. The handle must not be used afterwards.
+#[no_mangle]
+pub extern "C" fn pdxfer_engine_destroy(engine: *mut PdxEngine) -> PdxStatus {
+    boundary(|| {
+        if let Some(e) = ptr::take_handle(engine) {
+            e.engine.close();
+        }
+        ok()
+    })
+}
+
+/// Prefill: opens room `room` (SGLang's `bootstrap_room`). It polls
+/// `PDXFER_POLL_WAITING_FOR_INPUT` once every decode rank targeting this
+/// rank sent its metadata. A room id still live is refused.
+#[no_mangle]
+pub extern "C" fn pdxfer_engine_sender(engine: *const PdxEngine, room: u64) -> PdxStatus {
+    boundary(|| {
+        eng(engine)?.sender(room)?;
+        ok()
+    })
+}
+
+/// Prefill: queues one chunk of the request: this rank's `num_pages` page ids
+/// holding `num_tokens` tokens (only the last chunk may end in a partial
+/// page). `last` (0/1) marks the final chunk, after which the aux row
+/// `aux_index` is sent. With prefill DCP the pages are this rank's local
+/// pages. Pages outside the pool fail with `PDX_STATUS_OUT_OF_BOUNDS` and
+/// nothing is queued. `pages` is not retained.
+#[no_mangle]
+pub extern "C" fn pdxfer_engine_send(
+    engine: *const PdxEngine,
+    room: u64,
+    pages: *const i64,
+    num_pages: usize,
+    num_tokens: u64,
+    last: u32,
+    aux_index: u64,
+) -> PdxStatus {
+    boundary(|| {
+        let e = eng(engine)?;
+        let pg = self::pages(pages, num_pages, "pages")?;
+        if last > 1 {
+            return Err(Error::invalid(format!("last must be 0 or 1, got {last}")));
+        }
+        e.send(room, &pg, num_tokens, last == 1, aux_index)?;
+        ok()
+    })
+}
+
+/// Decode: opens room `room` against the prefill instance's data-parallel
+/// group `prefill_dp`: finds the prefill ranks in the bootstrap, connects and
+/// re-checks each (a layout mismatch, e.g. a DCP rank pairing with the wrong
+/// prefill rank, fails here with its typed status). `timeout_ms` 0 takes the
+/// engine's room timeout.
+#[no_mangle]
+pub extern "C" fn pdxfer_engine_receiver(
+    engine: *const PdxEngine,
+    room: u64,
+    prefill_dp: u32,
+    timeout_ms: u64,
+) -> PdxStatus {
+    boundary(|| {
+        eng(engine)?.receiver(room, prefill_dp, ms(timeout_ms))?;
+        ok()
+    })
+}
+
+/// Decode: tells the room's prefill ranks where its KV goes: the virtual page
+/// ids `dst_pages` (the same list on every DCP rank), the decode prefix
+/// already held (`decode_prefix_len`, a multiple of `page_size * dcp_size`)
+/// and the aux row. Nothing is sent when an argument is bad. `dst_pages` is not retained.
+#[no_mangle]
+pub extern "C" fn pdxfer_engine_send_metadata(
+    engine: *const PdxEngine,
+    room: u64,
+    dst_pages: *const i64,
+    num_dst_pages: usize,
+    decode_prefix_len: u64,
+    aux_index: u64,
+) -> PdxStatus {
+    boundary(|| {
+        let e = eng(engine)?;
+        let pg = pages(dst_pages, num_dst_pages, "dst_pages")?;
+        e.send_metadata(room, &pg, decode_prefix_len, aux_index)?;
+        ok()
+    })
+}
+
+/// Writes the room's `KVPoll` value (`PDXFER_POLL_*`) to `*out_poll`;
+/// an unknown room polls `PDXFER_POLL_FAILED`, as in SGLang.
+#[no_mangle]
+pub extern "C" fn pdxfer_engine_poll(
+    engine: *const PdxEngine,
+    room: u64,
+    out_poll: *mut i32,
+) -> PdxStatus {
+    boundary(|| {
+        let p = eng(engine)?.poll(room);
+        ptr::write_out(out_poll, p as i32, "out_poll")?;
+        ok()
+    })
+}
+
+/// Waits up to `timeout_ms` for the room to reach `SUCCESS` or `FAILED` and
+/// writes its state then to `*out_poll` (not terminal when the time ran out).
+#[no_mangle]
+pub extern "C" fn pdxfer_engine_wait(
+    engine: *const PdxEngine,
+    room: u64,
+    timeout_ms: u64,
+    out_poll: *mut i32,
+) -> PdxStatus {
+    boundary(|| {
+        let e = eng(engine)?;
+        if out_poll.is_null() {
+            return Err(Error::new(Status::NullArgument, "out_poll is NULL"));
+        }
+        let p = e.wait(room, Duration::from_millis(timeout_ms));
+        ptr::write_out(out_poll, p as i32, "out_poll")?;
+        ok()
+    })
+}
+
+/// The room's failure: its status code goes to `*out_status` (`PDX_STATUS_OK`
+/// when it has not failed; `PDX_STATUS_UNKNOWN_ROOM` for an unknown room) and
+/// its detail text, NUL-terminated, into `buf` of `capacity` bytes, with the
+/// needed size in `*out_len` (NULL buffer and capacity 0: size query). A
+/// failure met on a worker thread is kept on the room and read here.
+#[no_mangle]
+pub extern "C" fn pdxfer_engine_failure(
+    engine: *const PdxEngine,
+    room: u64,
+    out_status: *mut i32,
+    buf: *mut c_char,
+    capacity: usize,
+    out_len: *mut usize,
+) -> PdxStatus {
+    boundary(|| {
+        let f = eng(engine)?.failure(room);
+        let (st, text) = match &f {
+            Some(e) => (e.status() as i32, e.detail()),
+            None => (Status::Ok as i32, ""),
+        };
+        ptr::write_out(out_status, st, "out_status")?;
+        ptr::fill_str(text, buf, capacity, out_len, "buf")
+    })
+}
+
+/// Aborts the room. Writes 1 to `*out_fenced` (may be NULL) when no write for
+/// it can still land in local memory; otherwise poll `pdxfer_engine_is_fenced`
+/// before reusing its pages.
+#[no_mangle]
+pub extern "C" fn pdxfer_engine_abort(
+    engine: *const PdxEngine,
+    room: u64,
+    out_fenced: *mut u32,
+) -> PdxStatus {
+    boundary(|| {
+        let f = eng(engine)?.abort(room)?;
+        if !out_fenced.is_null() {
+            ptr::write_out(out_fenced, u32::from(f), "out_fenced")?;
+        }
+        ok()
+    })
+}
+
+/// Writes 1 to `*out_fenced` when no write for the room can still land in
+/// local memory (decode: every live prefill rank acknowledged the abort), else 0.
+#[no_mangle]
+pub extern "C" fn pdxfer_engine_is_fenced(
+    engine: *const PdxEngine,
+    room: u64,
+    out_fenced: *mut u32,
+) -> PdxStatus {
+    boundary(|| {
+        let f = eng(engine)?.is_fenced(room);
+        ptr::write_out(out_fenced, u32::from(f), "out_fenced")?;
+        ok()
+    })
+}
+
+/// Forgets a terminal room so its id can be reused (refused while writes for
+/// it are in flight, and for a live room).
+#[no_mangle]
+pub extern "C" fn pdxfer_engine_clear(engine: *const PdxEngine, room: u64) -> PdxStatus {
+    boundary(|| {
+        eng(engine)?.clear(room)?;
+        ok()
+    })
+}
+
+/// Decode: bytes received so far for the room (from the prefill ranks'
+/// completion records) into `*out_bytes`.
+#[no_mangle]
+pub extern "C" fn pdxfer_engine_room_bytes(
+    engine: *const PdxEngine,
+    room: u64,
+    out_bytes: *mut u64,
+) -> PdxStatus {
+    boundary(|| {
+        let b = eng(engine)?.room_bytes(room);
+        ptr::write_out(out_bytes, b, "out_bytes")?;
+        ok()
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::bootstrap::{BootstrapServer, ServerConfig};
+    use crate::engine::synthetic::SyntheticPools;
+    use crate::engine::KvPoll;
+    use crate::layout::{DcpLayout, Side};
+    use std::ffi::{CStr, CString};
+    use std::ptr::{null, null_mut};
+
+    #[test]
+    fn struct_sizes_are_pinned() {
+        use std::mem::size_of;
+        assert_eq!(size_of::<PdxKvPool>(), 32);
+        assert_eq!(size_of::<PdxAuxBuffer>(), 24);
+        assert_eq!(size_of::<PdxEngineConfig>(), 144);
+        for p in [
+            KvPoll::Failed,
+            KvPoll::Bootstrapping,
+            KvPoll::WaitingForInput,
+            KvPoll::Transferring,
+            KvPoll::Success,
+        ] {
+            let c = [
+                PDXFER_POLL_FAILED,
+                PDXFER_POLL_BOOTSTRAPPING,
+                PDXFER_POLL_WAITING_FOR_INPUT,
+                PDXFER_POLL_TRANSFERRING,
+                PDXFER_POLL_SUCCESS,
+            ];
+            assert_eq!(c[p as usize], p as i32);
+        }
+    }
+
+    /// C-side views of a synthetic pool set; the arrays must outlive the call.
+    struct CSide {
+        ids: Vec<u32>,
+        rows: Vec<u64>,
+        pools: Vec<PdxKvPool>,
+        aux: Vec<PdxAuxBuffer>,
+        topo: PdxTopology,
+    }
+
+    fn c_side(p: &SyntheticPools, dcp: u32, rank: u32) -> Box<CSide> {
+        let t = p.topology(dcp, rank);
+        let mut s = Box::new(CSide {
+            ids: t.entries.iter().map(|e| e.layer_id).collect(),
+            rows: t.entries.iter().map(|e| e.row_bytes).collect(),
+            pools: p
+                .kv_pools()
+                .iter()
+                .map(|k| PdxKvPool {
+                    layer_id: k.layer_id,
+                    reserved: 0,
+                    base: k.base as *mut c_void,
+                    page_bytes: k.page_bytes,
+                    num_pages: k.num_pages,
+                })
+                .collect(),
+            aux: p
+                .aux_buffers()
+                .iter()
+                .map(|a| PdxAuxBuffer {
+                    base: a.base as *mut c_void,
+                    item_bytes: a.item_bytes,
+                    count: a.count,
+                })
+                .collect(),
+            topo: PdxTopology {
+                struct_size: std::mem::size_of::<PdxTopology>() as u64,
+                engine_rank: t.engine_rank,
+                attn_tp_size: t.attn_tp_size,
+                attn_tp_rank: t.attn_tp_rank,
+                attn_cp_size: 1,
+                attn_cp_rank: 0,
+                pp_size: 1,
+                pp_rank: 0,
+                dcp_size: t.dcp_size,
+                dcp_rank: t.dcp_rank,
+                dcp_interleave: 1,
+                page_size: t.page_size,
+                kv_dtype: 1,
+                pool_kind: 0,
+                reserved: 0,
+                num_entries: t.entries.len() as u64,
+                entry_layer_ids: null(),
+                entry_row_bytes: null(),
+            },
+        });
+        s.topo.entry_layer_ids = s.ids.as_ptr();
+        s.topo.entry_row_bytes = s.rows.as_ptr();
+        s
+    }
+
+    fn config(
+        s: &CSide,
+        role: u32,
+        cluster: &CStr,
+        url: &CStr,
+        transport: &CStr,
+    ) -> PdxEngineConfig {
+        PdxEngineConfig {
+            struct_size: std::mem::size_of::<PdxEngineConfig>() as u64,
+            role,
+            dp_size: 0,
+            dp_rank: 0,
+            workers: 0,
+            flags: 0,
+            reserved: 0,
+            cluster: cluster.as_ptr(),
+            bootstrap: url.as_ptr(),
+            token: null(),
+            topology: &s.topo,
+            pools: s.pools.as_ptr(),
+            num_pools: s.pools.len() as u64,
+            aux: s.aux.as_ptr(),
+            num_aux: s.aux.len() as u64,
+            transport: transport.as_ptr(),
+            host: null(),
+            staging_bytes: 1 << 20,
+            room_timeout_ms: 20_000,
+            batch_timeout_ms: 0,
+            lease_ttl_ms: 0,
+        }
+    }
+
+    fn failure(e: *const PdxEngine, room: u64) -> (i32, String) {
+        let mut st = 0i32;
+        let mut need = 0usize;
+        assert_eq!(
+            pdxfer_engine_failure(e, room, &mut st, null_mut(), 0, &mut need),
+            PdxStatus::Ok
+        );
+        let mut buf = vec![0 as c_char; need];
+        assert_eq!(
+            pdxfer_engine_failure(e, room, &mut st, buf.as_mut_ptr(), need, &mut need),
+            PdxStatus::Ok
+        );
+        // SAFETY: the library wrote a NUL-terminated string into buf.
+        let s = unsafe { CStr::from_ptr(buf.as_ptr()) };
+        (st, s.to_string_lossy().into_owned())
+    }
+
+    /// A request 1 -> 2 over the C ABI, chunked with a prefix, verified byte
+    /// for byte; then the bad inputs of every export.
+    #[test]
+    fn prefill_to_two_decode_ranks_and_bad_inputs() {
+        let server = BootstrapServer::start(ServerConfig::default()).unwrap();
+        let url = CString::new(server.url()).unwrap();
+        let cluster = CString::new("ffi-engine").unwrap();
+        let cma = CString::new("cma").unwrap();
+        let (p, rows, layers) = (16u64, 64u64, 2u32);
+        let mut pp = SyntheticPools::new(layers, rows, p, 32, 4, 32).unwrap();
+        let ps = c_side(&pp, 1, 0);
+        let mut pe = null_mut();
+        let pc = config(&ps, PDXFER_ROLE_PREFILL, &cluster, &url, &cma);
+        assert_eq!(pdxfer_engine_create(&pc, &mut pe), PdxStatus::Ok);
+        let dpools: Vec<SyntheticPools> = (0..2)
+            .map(|_| SyntheticPools::new(layers, rows, p, 16, 4, 32).unwrap())
+            .collect();
+        let dsides: Vec<_> = (0..2).map(|r| c_side(&dpools[r], 2, r as u32)).collect();
+        let mut de = vec![null_mut(); 2];
+        for r in 0..2 {
+            let c = config(&dsides[r], PDXFER_ROLE_DECODE, &cluster, &url, &cma);
+            assert_eq!(pdxfer_engine_create(&c, &mut de[r]), PdxStatus::Ok);
+        }
+
+        let (room, total, prefix) = (7u64, 150u64, 32u64);
+        let src: Vec<i64> = vec![3, 9, 1, 20, 5, 11, 30, 2];
+        let dst: Vec<i64> = vec![4, 1, 9, 12];
+        let src_u: Vec<u64> = src.iter().map(|&x| x as u64).collect();
+        let dst_u: Vec<u64> = dst.iter().map(|&x| x as u64).collect();
+        pp.fill(
+            room,
+            &Side {
+                layout: DcpLayout::sglang(p, 1).unwrap(),
+                rank: 0,
+                pages: &src_u,
+                origin: prefix,
+            },
+            total,
+        );
+        pp.fill_aux(room, 2);
+        for &d in &de {
+            assert_eq!(pdxfer_engine_receiver(d, room, 0, 0), PdxStatus::Ok);
+            assert_eq!(
+                pdxfer_engine_send_metadata(d, room, dst.as_ptr(), dst.len(), prefix, 1),
+                PdxStatus::Ok
+            );
+        }
+        assert_eq!(pdxfer_engine_sender(pe, room), PdxStatus::Ok);
+        let mut poll = -1;
+        for _ in 0..2000 {
+            assert_eq!(pdxfer_engine_poll(pe, room, &mut poll), PdxStatus::Ok);
+            if poll != PDXFER_POLL_BOOTSTRAPPING {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        assert_eq!(poll, PDXFER_POLL_WAITING_FOR_INPUT);
+        // 118 tokens: 5 full pages, then 3 pages holding 38
+        assert_eq!(
+            pdxfer_engine_send(pe, room, src.as_ptr(), 5, 80, 0, 2),
+            PdxStatus::Ok
+        );
+        assert_eq!(
+            pdxfer_engine_send(pe, room, src[5..].as_ptr(), 3, 38, 1, 2),
+            PdxStatus::Ok
+        );
+        assert_eq!(
+            pdxfer_engine_wait(pe, room, 20_000, &mut poll),
+            PdxStatus::Ok
+        );
+        assert_eq!(poll, PDXFER_POLL_SUCCESS, "{:?}", failure(pe, room));
+        for (r, &d) in de.iter().enumerate() {
+            assert_eq!(
+                pdxfer_engine_wait(d, room, 20_000, &mut poll),
+                PdxStatus::Ok
+            );
+            assert_eq!(poll, PDXFER_POLL_SUCCESS, "{:?}", failure(d, room));
+            let side = Side {
+                layout: DcpLayout::sglang(p, 2).unwrap(),
+                rank: r as u64,
+                pages: &dst_u,
+                origin: prefix,
+            };
+            let got = dpools[r].verify(room, &side, total, Some(1)).unwrap();
+            assert_eq!(got, 59 * rows * layers as u64 + 32);
+            let mut bytes = 0;
+            assert_eq!(pdxfer_engine_room_bytes(d, room, &mut bytes), PdxStatus::Ok);
+            assert_eq!(
+                bytes,
+                59 * rows * layers as u64,
+                "KV bytes (aux not counted)"
+            );
+            assert_eq!(failure(d, room), (0, String::new()));
+            assert_eq!(pdxfer_engine_clear(d, room), PdxStatus::Ok);
+        }
+        assert_eq!(pdxfer_engine_clear(pe, room), PdxStatus::Ok);
+
+        // bad inputs: typed statuses, nothing written
+        let d0 = de[0];
+        assert_eq!(
+            pdxfer_engine_send(pe, 99, src.as_ptr(), 1, 16, 1, 0),
+            PdxStatus::UnknownRoom
+        );
+        assert_eq!(pdxfer_engine_poll(pe, 99, &mut poll), PdxStatus::Ok);
+        assert_eq!(poll, PDXFER_POLL_FAILED);
+        let (st, text) = failure(pe, 99);
+        assert_eq!(st, PdxStatus::UnknownRoom as i32);
+        assert!(text.contains("99"), "{text}");
+        assert_eq!(pdxfer_engine_receiver(d0, 8, 0, 0), PdxStatus::Ok);
+        let far = [16i64];
+        assert_eq!(
+            pdxfer_engine_send_metadata(d0, 8, far.as_ptr(), 1, 0, 0),
+            PdxStatus::OutOfBounds
+        );
+        let neg = [-1i64];
+        assert_eq!(
+            pdxfer_engine_send_metadata(d0, 8, neg.as_ptr(), 1, 0, 0),
+            PdxStatus::InvalidArgument
+        );
+        assert_eq!(
+            pdxfer_engine_send_metadata(d0, 8, dst.as_ptr(), 1, 16, 0),
+            PdxStatus::PrefixMisaligned
+        );
+        assert_eq!(
+            pdxfer_engine_send_metadata(d0, 8, null(), 2, 0, 0),
+            PdxStatus::NullArgument
+        );
+        assert_eq!(pdxfer_engine_sender(d0, 9), PdxStatus::Unsupported);
+        assert_eq!(pdxfer_engine_receiver(pe, 9, 0, 0), PdxStatus::Unsupported);
+        assert_eq!(pdxfer_engine_sender(null(), 9), PdxStatus::NullArgument);
+        assert_eq!(
+            pdxfer_engine_poll(pe, 9, null_mut()),
+            PdxStatus::NullArgument
+        );
+        let mut fenced = 0u32;
+        assert_eq!(pdxfer_engine_abort(d0, 8, &mut fenced), PdxStatus::Ok);
+        assert_eq!(
+            pdxfer_engine_abort(pe, 4242, null_mut()),
+            PdxStatus::UnknownRoom
+        );
+        // a config that does not match its topology
+        let mut bad = config(&ps, PDXFER_ROLE_PREFILL, &cluster, &url, &cma);
+        bad.num_pools = 1;
+        let mut h = null_mut();
+        assert_eq!(
+            pdxfer_engine_create(&bad, &mut h),
+            PdxStatus::GeometryMismatch
+        );
+        bad.num_pools = 2;
+        bad.role = 0;
+        assert_eq!(
+            pdxfer_engine_create(&bad, &mut h),
+            PdxStatus::InvalidArgument
+        );
+        bad.role = PDXFER_ROLE_PREFILL;
+        bad.struct_size = 8;
+        assert_eq!(pdxfer_engine_create(&bad, &mut h), PdxStatus::AbiMismatch);
+        assert!(h.is_null());
+        for d in de {
+            assert_eq!(pdxfer_engine_destroy(d), PdxStatus::Ok);
+        }
+        assert_eq!(pdxfer_engine_destroy(pe), PdxStatus::Ok);
+        assert_eq!(pdxfer_engine_destroy(null_mut()), PdxStatus::Ok);
+        drop(pp);
+        drop(dpools);
+    }
+}
