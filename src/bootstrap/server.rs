@@ -269,6 +269,12 @@ fn handle(shared: &Shared, mut req: tiny_http::Request) {
     {
         resp = resp.with_header(ct);
     }
+    // One request per connection: an idle kept-alive connection would hold one
+    // of tiny_http's connection threads, and enough of them starve new
+    // clients. Registration and lookups are rare; a reconnect costs little.
+    if let Ok(c) = tiny_http::Header::from_bytes(&b"Connection"[..], &b"close"[..]) {
+        resp = resp.with_header(c);
+    }
     // The client may have gone away; nothing to do then.
     let _ = req.respond(resp);
 }
