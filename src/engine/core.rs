@@ -323,13 +323,12 @@ impl Engine {
             prefill_links: Mutex::new(HashMap::new()),
         });
         let mut endpoints = std::collections::BTreeMap::new();
+        let mut listener = None;
         if inner.cfg.role == Role::Prefill {
             let l = TcpListener::bind(format!("{}:0", inner.cfg.host))?;
             endpoints.insert("ctl".to_string(), l.local_addr()?.to_string());
-            let w = Arc::downgrade(&inner);
-            std::thread::Builder::new()
-                .name("pdxfer-ctl".into())
-                .spawn(move || accept_loop(w, l))?;
+            // accepted only once the registration is stored (below); peers wait in the backlog
+            listener = Some(l);
             for (i, rx) in rxs.into_iter().enumerate() {
                 let w = Arc::downgrade(&inner);
                 std::thread::Builder::new()
@@ -367,6 +366,12 @@ impl Engine {
             .collect();
         let registrar = Registrar::start(inner.store.clone(), registration, inner.cfg.lease_ttl)?;
         *lock(&inner.registrar) = Some(registrar);
+        if let Some(l) = listener {
+            let w = Arc::downgrade(&inner);
+            std::thread::Builder::new()
+                .name("pdxfer-ctl".into())
+                .spawn(move || accept_loop(w, l))?;
+        }
         Ok(Engine { inner })
     }
 
