@@ -206,11 +206,21 @@ def _rows_out(n: int, numpy: bool):
     return a, b, ctypes.cast(a, _i64p), ctypes.cast(b, _i64p)
 
 
-def _call_rows(fn, args, numpy: bool) -> Tuple:
+def _call_rows(fn, args, numpy: bool, guess: Optional[int] = None) -> Tuple:
+    """Fills row arrays; with an exact ``guess`` of the length one call does it,
+    else a size query comes first."""
     n = ctypes.c_size_t(0)
-    check(fn(ctypes.byref(args), None, None, 0, ctypes.byref(n)))
-    a, b, pa, pb = _rows_out(n.value, numpy)
-    check(fn(ctypes.byref(args), pa, pb, n.value, ctypes.byref(n)))
+    if guess is None:
+        check(fn(ctypes.byref(args), None, None, 0, ctypes.byref(n)))
+        guess = n.value
+    a, b, pa, pb = _rows_out(guess, numpy)
+    st = fn(ctypes.byref(args), pa, pb, guess, ctypes.byref(n))
+    if st == -104:  # buffer_too_small: the guess was wrong; the library wrote the length
+        a, b, pa, pb = _rows_out(n.value, numpy)
+        st = fn(ctypes.byref(args), pa, pb, n.value, ctypes.byref(n))
+    check(st)
+    if n.value != len(a):
+        a, b = a[: n.value], b[: n.value]
     if numpy:
         return a, b
     return list(a), list(b)
@@ -261,7 +271,13 @@ def dcp_token_plan(
         page_size, dcp_size, dcp_rank, src_page_offset, decode_prefix_len,
         -1 if num_tokens is None else num_tokens,
     )
-    return _call_rows(lib.pdxfer_dcp_token_plan, args, _is_np(src_pages, dst_pages))
+    # SGLang's rank r owns chunk offsets o0, o0 + D, ... < n: the exact length, no size query
+    guess = None
+    if dcp_size > 0 and page_size > 0 and 0 <= dcp_rank < dcp_size:
+        n = s.n * page_size if num_tokens is None else num_tokens
+        o0 = (dcp_rank - (decode_prefix_len + src_page_offset * page_size)) % dcp_size
+        guess = max(0, -(-(n - o0) // dcp_size)) if n >= 0 else None
+    return _call_rows(lib.pdxfer_dcp_token_plan, args, _is_np(src_pages, dst_pages), guess)
 
 
 def _pair_args(src_layout, src_rank, src_pages, src_origin, dst_layout, dst_rank, dst_pages,
