@@ -73,7 +73,7 @@
 #define PDXFER_ABI_VERSION_MAJOR 1
 
 // ABI minor version of this header (functions or struct fields added).
-#define PDXFER_ABI_VERSION_MINOR 0
+#define PDXFER_ABI_VERSION_MINOR 1
 
 // Every prefill CP rank transfers its shard.
 #define PDXFER_MAP_ALL_CP_RANKS 1
@@ -419,6 +419,11 @@ typedef struct PdxEngineConfig {
   uint64_t batch_timeout_ms;
   // Bootstrap lease TTL in ms (0: 10 s).
   uint64_t lease_ttl_ms;
+  // ABI 1.1: optional state buffers (one row per buffer and request, sent
+  // whole to every decode rank after the KV); NULL with 0 for none.
+  const struct PdxAuxBuffer *state;
+  // ABI 1.1: number of `state`.
+  uint64_t num_state;
 } PdxEngineConfig;
 
 // A registered region's descriptor.
@@ -776,6 +781,14 @@ PdxStatus pdxfer_engine_abort(const struct PdxEngine *engine, uint64_t room, uin
 PdxStatus pdxfer_engine_is_fenced(const struct PdxEngine *engine,
                                   uint64_t room,
                                   uint32_t *out_fenced);
+
+// Sets the room's state rows, one per configured state buffer (ABI 1.1):
+// on the prefill the rows sent with the last chunk (call before it), on the
+// decode the rows they land in (call before `pdxfer_engine_send_metadata`).
+PdxStatus pdxfer_engine_set_state_indices(const struct PdxEngine *engine,
+                                          uint64_t room,
+                                          const int64_t *rows,
+                                          size_t num_rows);
 
 // Forgets a terminal room so its id can be reused (refused while writes for
 // it are in flight, and for a live room).

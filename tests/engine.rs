@@ -331,3 +331,85 @@ fn miswired_dcp_ranks_are_refused() {
     );
     assert_eq!(decode.poll(1), KvPoll::Failed);
 }
+
+/// State buffers (Mamba/SWA-like): one row per buffer and request, sent whole
+/// to every decode rank after the KV; a mismatch in state geometry is typed.
+#[test]
+fn state_rows_follow_the_kv_to_every_decode_rank() {
+    let server = BootstrapServer::start(ServerConfig::default()).unwrap();
+    let url = server.url();
+    let (rows, item) = (4u64, 48u64);
+    let p_pools = SyntheticPools::new(LAYERS, ROW, P, 16, 8, 32).unwrap();
+    let mut p_state = vec![0u8; (rows * item) as usize];
+    for (i, b) in p_state.iter_mut().enumerate() {
+        *b = (i * 7 + 3) as u8;
+    }
+    let mut cfg = EngineConfig::new(
+        Role::Prefill,
+        "e2e-state",
+        &url,
+        p_pools.topology(1, 0),
+        p_pools.kv_pools(),
+    );
+    cfg.state = vec![pdxfer::engine::AuxBuffer {
+        base: p_state.as_ptr() as u64,
+        item_bytes: item,
+        count: rows,
+    }];
+    // SAFETY: pools and state buffers outlive the engines in this test.
+    let prefill = unsafe { Engine::new(cfg) }.unwrap();
+    let mut decode = Vec::new();
+    for r in 0..2u32 {
+        let pools = SyntheticPools::new(LAYERS, ROW, P, 16, 8, 32).unwrap();
+        let state = vec![0u8; (rows * item) as usize];
+        let mut cfg = EngineConfig::new(
+            Role::Decode,
+            "e2e-state",
+            &url,
+            pools.topology(2, r),
+            pools.kv_pools(),
+        );
+        cfg.state = vec![pdxfer::engine::AuxBuffer {
+            base: state.as_ptr() as u64,
+            item_bytes: item,
+            count: rows,
+        }];
+        // SAFETY: as above.
+        decode.push((unsafe { Engine::new(cfg) }.unwrap(), pools, state));
+    }
+    let room = 31;
+    for (e, _, _) in &decode {
+        e.receiver(room, 0, None).unwrap();
+        assert_eq!(
+            e.set_state_indices(room, &[9]).unwrap_err().status(),
+            Status::OutOfBounds
+        );
+        e.set_state_indices(room, &[3]).unwrap();
+        e.send_metadata(room, &[2, 5], 0, 0).unwrap();
+    }
+    prefill.sender(room).unwrap();
+    assert!(
+        prefill.set_state_indices(room, &[1, 2]).is_err(),
+        "one row per state buffer"
+    );
+    prefill.set_state_indices(room, &[1]).unwrap();
+    while prefill.poll(room) == KvPoll::Bootstrapping {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    prefill.send(room, &[0, 1, 2, 3], 60, true, 0).unwrap();
+    assert_eq!(
+        prefill.wait(room, Duration::from_secs(20)),
+        KvPoll::Success,
+        "{:?}",
+        prefill.failure(room)
+    );
+    for (e, _, state) in &decode {
+        assert_eq!(e.wait(room, Duration::from_secs(20)), KvPoll::Success);
+        // decode row 3 holds prefill row 1; other rows untouched
+        assert_eq!(
+            &state[(3 * item) as usize..(4 * item) as usize],
+            &p_state[item as usize..(2 * item) as usize]
+        );
+        assert!(state[..(3 * item) as usize].iter().all(|&b| b == 0));
+    }
+}

@@ -99,6 +99,8 @@ class CEngineConfig(ctypes.Structure):
         ("room_timeout_ms", ctypes.c_uint64),
         ("batch_timeout_ms", ctypes.c_uint64),
         ("lease_ttl_ms", ctypes.c_uint64),
+        ("state", ctypes.POINTER(CAuxBuffer)),
+        ("num_state", ctypes.c_uint64),
     ]
 
 
@@ -124,6 +126,7 @@ _sig(
 _sig("pdxfer_engine_abort", [_vp, _u64, ctypes.POINTER(ctypes.c_uint32)])
 _sig("pdxfer_engine_is_fenced", [_vp, _u64, ctypes.POINTER(ctypes.c_uint32)])
 _sig("pdxfer_engine_clear", [_vp, _u64])
+_sig("pdxfer_engine_set_state_indices", [_vp, _u64, ctypes.POINTER(ctypes.c_int64), ctypes.c_size_t])
 _sig("pdxfer_engine_room_bytes", [_vp, _u64, ctypes.POINTER(ctypes.c_uint64)])
 
 
@@ -189,6 +192,7 @@ class Engine:
         pools: Sequence[Any],
         *,
         aux: Sequence[Tuple] = (),
+        state: Sequence[Tuple] = (),
         num_pages: Optional[int] = None,
         token: Optional[str] = None,
         transport: str = "auto",
@@ -225,18 +229,8 @@ class Engine:
                 raise ArgumentError(
                     -101, f"pool {i}: {n_given} pages of {page_bytes} B exceed its buffer of {nbytes} B")
             cpools[i] = CKvPool(int(layer), 0, base, page_bytes, int(n_given))
-        caux = (CAuxBuffer * max(1, len(aux)))()
-        for i, a in enumerate(aux):
-            base, nbytes = buffer_address(a[0])
-            self._keep.append(a[0])
-            item = int(a[1])
-            if len(a) > 2:
-                count = int(a[2])
-            elif nbytes is None:
-                raise ArgumentError(-101, f"aux {i} is an address: pass (base, item_bytes, count)")
-            else:
-                count = nbytes // item if item else 0
-            caux[i] = CAuxBuffer(base, item, count)
+        caux = self._rows(aux, "aux")
+        cstate = self._rows(state, "state")
         topo, keep_t = topology._c()
         b = lambda s: None if s is None else s.encode()  # noqa: E731
         cfg = CEngineConfig(
@@ -245,12 +239,35 @@ class Engine:
             ctypes.pointer(topo), ctypes.cast(cpools, ctypes.POINTER(CKvPool)), len(pools),
             ctypes.cast(caux, ctypes.POINTER(CAuxBuffer)), len(aux), b(transport), b(host),
             staging_bytes, _ms(room_timeout), _ms(batch_timeout), _ms(lease_ttl),
+            ctypes.cast(cstate, ctypes.POINTER(CAuxBuffer)), len(state),
         )
         h = _vp()
         check(lib.pdxfer_engine_create(ctypes.byref(cfg), ctypes.byref(h)))
         self._h = h
 
     # ----- handle -----
+
+    def _rows(self, bufs: Sequence[Tuple], what: str):
+        """``(buffer, item_bytes[, count])`` tuples as ``PdxAuxBuffer`` structs."""
+        arr = (CAuxBuffer * max(1, len(bufs)))()
+        for i, a in enumerate(bufs):
+            base, nbytes = buffer_address(a[0])
+            self._keep.append(a[0])
+            item = int(a[1])
+            if len(a) > 2:
+                count = int(a[2])
+            elif nbytes is None:
+                raise ArgumentError(-101, f"{what} {i} is an address: pass (base, item_bytes, count)")
+            else:
+                count = nbytes // item if item else 0
+            arr[i] = CAuxBuffer(base, item, count)
+        return arr
+
+    def set_state_indices(self, room: int, rows: Sequence[int]) -> None:
+        """The room's state rows, one per state buffer (prefill: before the last
+        chunk; decode: before ``send_metadata``)."""
+        arr = (ctypes.c_int64 * max(1, len(rows)))(*rows)
+        check(lib.pdxfer_engine_set_state_indices(self._live(), room, arr, len(rows)))
 
     def _live(self) -> ctypes.c_void_p:
         if not self._h:
@@ -383,6 +400,10 @@ class _Room:
 class Sender(_Room):
     """Prefill side of one room."""
 
+    def set_state_indices(self, rows: Sequence[int]) -> None:
+        """State rows (one per state buffer) sent after the last chunk's KV."""
+        self.engine.set_state_indices(self.room, rows)
+
     def send(self, pages: Any, num_tokens: Optional[int] = None, last: bool = True, aux_index: int = 0) -> None:
         """Queues a chunk: this rank's page ids (list or numpy) holding ``num_tokens``
         sequence positions (default: the pages' full capacity, ``page_size * dcp_size`` each);
@@ -392,6 +413,10 @@ class Sender(_Room):
 
 class Receiver(_Room):
     """Decode side of one room."""
+
+    def set_state_indices(self, rows: Sequence[int]) -> None:
+        """State rows (one per state buffer) the prefill's state lands in; call before ``send_metadata``."""
+        self.engine.set_state_indices(self.room, rows)
 
     def send_metadata(self, dst_pages: Any, decode_prefix_len: int = 0, aux_index: int = 0) -> None:
         """Sends the destination virtual page ids, the decode prefix already held

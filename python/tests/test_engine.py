@@ -28,7 +28,7 @@ def test_kvpoll_values_are_sglangs():
 
 
 def test_struct_sizes_are_pinned():
-    assert ctypes.sizeof(E.CEngineConfig) == 144
+    assert ctypes.sizeof(E.CEngineConfig) == 160
     assert ctypes.sizeof(E.CKvPool) == 32
     assert ctypes.sizeof(E.CAuxBuffer) == 24
 
@@ -252,3 +252,46 @@ def test_pool_as_address_needs_num_pages():
     assert E.buffer_address(bytearray(16))[1] == 16
     with pytest.raises(pdxfer.ArgumentError):
         E.buffer_address(b"read-only")
+
+
+def test_state_rows_follow_the_kv():
+    """State buffers (ABI 1.1): one row per buffer and request, whole, to every decode rank."""
+    srv = pdxfer.bootstrap.BootstrapServer()
+    try:
+        pp = SyntheticPools(LAYERS, ROW, PAGE, 16)
+        t = pdxfer.Topology.mla(LAYERS, ROW, page_size=PAGE)
+        p_state = (np.arange(4 * 40, dtype=np.uint64) * 37 % 251 + 1).astype(np.uint8)
+        pre = pdxfer.Engine("prefill", "py-state", srv.url, t, pp.kv, state=[(p_state, 40)], transport="cma")
+        decs = []
+        for r in range(2):
+            dp = SyntheticPools(LAYERS, ROW, PAGE, 16)
+            td = pdxfer.Topology.mla(LAYERS, ROW, page_size=PAGE, engine_rank=r, attn_tp_size=2, attn_tp_rank=r,
+                                     dcp_size=2, dcp_rank=r)
+            st = np.zeros(4 * 40, dtype=np.uint8)
+            decs.append((pdxfer.Engine("decode", "py-state", srv.url, td, dp.kv, state=[(st, 40)]), st))
+        room = 77
+        for e, _ in decs:
+            rx = e.receiver(room)
+            with pytest.raises(pdxfer.MemoryError_):
+                rx.set_state_indices([4])
+            rx.set_state_indices([2])
+            rx.send_metadata([1, 3])
+        tx = pre.sender(room)
+        tx.set_state_indices([0])
+        deadline = time.time() + 20
+        while tx.poll() == pdxfer.KVPoll.Bootstrapping and time.time() < deadline:
+            time.sleep(0.005)
+        tx.send([0, 1, 2, 3], num_tokens=30)
+        assert tx.wait(20) == pdxfer.KVPoll.Success, tx.failure_exception()
+        for e, st in decs:
+            deadline = time.time() + 20
+            while e.poll(room) != pdxfer.KVPoll.Success and time.time() < deadline:
+                time.sleep(0.005)
+            assert e.poll(room) == pdxfer.KVPoll.Success
+            np.testing.assert_array_equal(st[2 * 40:3 * 40], p_state[0:40])
+            assert not st[:2 * 40].any() and not st[3 * 40:].any()
+        for e, _ in decs:
+            e.close()
+        pre.close()
+    finally:
+        srv.stop()

@@ -25,6 +25,9 @@ pub struct RegionMap {
     pub kv: Vec<(u32, u64)>,
     /// Per aux buffer: (region id, item bytes).
     pub aux: Vec<(u64, u64)>,
+    /// Per state buffer: (region id, item bytes).
+    #[serde(default)]
+    pub state: Vec<(u64, u64)>,
 }
 
 impl RegionMap {
@@ -68,6 +71,9 @@ pub enum CtlMsg {
         decode_prefix_len: u64,
         /// Row of the decode aux buffers for this request.
         aux_index: u64,
+        /// Row of each decode state buffer for this request (empty: no state).
+        #[serde(default)]
+        state_indices: Vec<u64>,
         /// How many decode ranks the prefill rank waits for in this room.
         required_dst_info_num: u32,
         /// Room deadline in milliseconds (0: the prefill's default).

@@ -73,6 +73,10 @@ pub struct EngineConfig {
     pub pools: Vec<KvPool>,
     /// Aux buffers (same count and item sizes on both sides).
     pub aux: Vec<AuxBuffer>,
+    /// Optional state buffers (Mamba/SWA-like per-request state): one row per
+    /// buffer and request, sent whole to every decode rank after the KV
+    /// (state is not DCP-sharded, as in SGLang).
+    pub state: Vec<AuxBuffer>,
     /// Transport for KV data (`Auto`: cma on one host, else tcp).
     pub transport: TransportKind,
     /// Host to listen on.
@@ -108,6 +112,7 @@ impl EngineConfig {
             dp_rank: 0,
             pools,
             aux: Vec::new(),
+            state: Vec::new(),
             transport: TransportKind::Auto,
             host: "127.0.0.1".to_string(),
             staging_bytes: 64 << 20,
@@ -136,6 +141,7 @@ struct MetaInfo {
     dst_pages: Vec<u64>,
     prefix: u64,
     aux_index: u64,
+    state_indices: Vec<u64>,
     required: u32,
     bytes: u64,
 }
@@ -148,6 +154,7 @@ struct PrefillRoom {
     sent_positions: u64,
     queued_last: bool,
     abort_pending: Vec<(Arc<DecodeLink>, u64)>,
+    state_indices: Vec<u64>,
 }
 
 /// A prefill rank as the decode engine sees it.
@@ -164,6 +171,7 @@ struct DecodeRoom {
     responded: BTreeSet<u32>,
     bytes: u64,
     abort_acks: usize,
+    state_indices: Vec<u64>,
 }
 
 struct Job {
@@ -174,6 +182,7 @@ struct Job {
     num_tokens: u64,
     last: bool,
     aux_index: u64,
+    state_indices: Vec<u64>,
 }
 
 struct Inner {
@@ -185,6 +194,7 @@ struct Inner {
     cv: Condvar,
     pool_regions: Vec<RegionDesc>,
     aux_regions: Vec<RegionDesc>,
+    state_regions: Vec<RegionDesc>,
     staging: Vec<(Vec<u8>, RegionDesc)>,
     closed: AtomicBool,
     // prefill
@@ -282,6 +292,15 @@ impl Engine {
             // SAFETY: as above, the caller guarantees the aux memory.
             aux_regions.push(unsafe { reg.register_host(a.base as *mut u8, len as usize)? });
         }
+        let mut state_regions = Vec::new();
+        for a in &cfg.state {
+            let len = a
+                .item_bytes
+                .checked_mul(a.count)
+                .ok_or_else(|| Error::invalid("state buffer size overflows"))?;
+            // SAFETY: as above, the caller guarantees the state memory (function contract).
+            state_regions.push(unsafe { reg.register_host(a.base as *mut u8, len as usize)? });
+        }
         let workers = if cfg.role == Role::Prefill {
             cfg.workers.max(1)
         } else {
@@ -313,6 +332,7 @@ impl Engine {
             cv: Condvar::new(),
             pool_regions,
             aux_regions,
+            state_regions,
             staging,
             closed: AtomicBool::new(false),
             prefill_rooms: Mutex::new(HashMap::new()),
@@ -549,8 +569,16 @@ impl Engine {
             let start = prefix + r.sent_positions;
             r.sent_positions += pages.len() as u64 * vs;
             r.queued_last = last;
-            start
+            (
+                start,
+                if last {
+                    r.state_indices.clone()
+                } else {
+                    Vec::new()
+                },
+            )
         };
+        let (start, state_indices) = start;
         let w = (room as usize) % self.inner.jobs.len().max(1);
         self.inner.jobs[w]
             .send(Job {
@@ -561,9 +589,63 @@ impl Engine {
                 num_tokens,
                 last,
                 aux_index,
+                state_indices,
             })
             .map_err(|_| Error::new(Status::EngineClosed, "transfer workers stopped"))?;
         lock(&self.inner.rooms).update(room, attempt, KvPoll::Transferring);
+        Ok(())
+    }
+
+    /// Sets the room's state rows, one per configured state buffer: on the
+    /// prefill the rows sent with the last chunk, on the decode the rows they
+    /// land in (call before `send_metadata`). Both sides must give one row per
+    /// state buffer; the rows follow the KV and aux, to every decode rank.
+    pub fn set_state_indices(&self, room: u64, rows: &[u64]) -> Result<()> {
+        if rows.len() != self.inner.cfg.state.len() {
+            return Err(Error::invalid(format!(
+                "room {room}: {} state rows given for {} state buffers",
+                rows.len(),
+                self.inner.cfg.state.len()
+            )));
+        }
+        for (i, (&row, b)) in rows.iter().zip(&self.inner.cfg.state).enumerate() {
+            if row >= b.count {
+                return Err(Error::new(
+                    Status::OutOfBounds,
+                    format!(
+                        "state row {row} of buffer {i} is outside its {} rows",
+                        b.count
+                    ),
+                ));
+            }
+        }
+        match self.inner.cfg.role {
+            Role::Prefill => {
+                let mut pr = lock(&self.inner.prefill_rooms);
+                let r = pr.get_mut(&room).ok_or_else(|| {
+                    Error::new(
+                        Status::UnknownRoom,
+                        format!("room {room}: call sender() first"),
+                    )
+                })?;
+                if r.queued_last {
+                    return Err(Error::invalid(format!(
+                        "room {room}: the last chunk was already queued; set state rows before it"
+                    )));
+                }
+                r.state_indices = rows.to_vec();
+            }
+            Role::Decode => {
+                let mut d = lock(&self.inner.decode_rooms);
+                let r = d.get_mut(&room).ok_or_else(|| {
+                    Error::new(
+                        Status::UnknownRoom,
+                        format!("room {room}: call receiver() first"),
+                    )
+                })?;
+                r.state_indices = rows.to_vec();
+            }
+        }
         Ok(())
     }
 
@@ -594,6 +676,7 @@ impl Engine {
                         responded: BTreeSet::new(),
                         bytes: 0,
                         abort_acks: 0,
+                        state_indices: Vec::new(),
                     },
                 );
                 Ok(())
@@ -650,6 +733,10 @@ impl Engine {
             })?;
             (r.attempt, r.targets.clone())
         };
+        let state_indices = lock(&self.inner.decode_rooms)
+            .get(&room)
+            .map(|r| r.state_indices.clone())
+            .unwrap_or_default();
         let required = {
             let local = self.registration()?;
             let any = targets.first().map(|t| t.registration.topology.clone());
@@ -675,6 +762,7 @@ impl Engine {
                 dst_pages: dst_pages.to_vec(),
                 decode_prefix_len,
                 aux_index,
+                state_indices: state_indices.clone(),
                 required_dst_info_num: required,
                 timeout_ms,
             };
@@ -790,6 +878,13 @@ impl Inner {
                 .aux
                 .iter()
                 .zip(&self.aux_regions)
+                .map(|(a, r)| (r.id, a.item_bytes))
+                .collect(),
+            state: self
+                .cfg
+                .state
+                .iter()
+                .zip(&self.state_regions)
                 .map(|(a, r)| (r.id, a.item_bytes))
                 .collect(),
         }
@@ -1053,6 +1148,7 @@ fn prefill_conn(w: std::sync::Weak<Inner>, s: TcpStream) {
                 dst_pages,
                 decode_prefix_len,
                 aux_index,
+                state_indices,
                 required_dst_info_num,
                 ..
             })) => {
@@ -1064,6 +1160,7 @@ fn prefill_conn(w: std::sync::Weak<Inner>, s: TcpStream) {
                         dst_pages,
                         prefix: decode_prefix_len,
                         aux_index,
+                        state_indices,
                         required: required_dst_info_num,
                         bytes: 0,
                     },
@@ -1398,8 +1495,53 @@ fn run_job(inner: &Inner, idx: usize, job: &Job) -> Result<()> {
             }
             submit_wait(inner, &m.link, &ops, &opts, job.room)?;
         }
+        // a request without state rows on either side moves no state
+        if job.last && !(job.state_indices.is_empty() && m.state_indices.is_empty()) {
+            let ops = state_ops(inner, job, m)?;
+            submit_wait(inner, &m.link, &ops, &opts, job.room)?;
+        }
     }
     Ok(())
+}
+
+/// The state rows of the room's last chunk, whole, to one decode rank.
+fn state_ops(inner: &Inner, job: &Job, m: &MetaInfo) -> Result<Vec<WriteOp>> {
+    let n = inner.cfg.state.len();
+    if job.state_indices.len() != n || m.state_indices.len() != n || m.link.regions.state.len() != n
+    {
+        return Err(Error::new(
+            Status::GeometryMismatch,
+            format!(
+                "room {}: state rows: prefill has {n} state buffers and gave {} rows; decode instance {} has {} buffers and gave {} rows",
+                job.room,
+                job.state_indices.len(),
+                m.link.hello.instance_id,
+                m.link.regions.state.len(),
+                m.state_indices.len()
+            ),
+        ));
+    }
+    let mut ops = Vec::with_capacity(n);
+    for (i, (b, r)) in inner.cfg.state.iter().zip(&inner.state_regions).enumerate() {
+        let (dr, ditem) = m.link.regions.state[i];
+        if ditem != b.item_bytes {
+            return Err(Error::new(
+                Status::GeometryMismatch,
+                format!(
+                    "state buffer {i}: prefill rows are {} B, decode rows {ditem} B",
+                    b.item_bytes
+                ),
+            ));
+        }
+        ops.push(WriteOp {
+            local_region: r.id,
+            local_offset: job.state_indices[i] * b.item_bytes,
+            remote_region: dr,
+            remote_offset: m.state_indices[i] * ditem,
+            len: b.item_bytes,
+        });
+    }
+    Ok(ops)
 }
 
 fn submit_wait(

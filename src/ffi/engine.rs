@@ -111,12 +111,38 @@ pub struct PdxEngineConfig {
     pub batch_timeout_ms: u64,
     /// Bootstrap lease TTL in ms (0: 10 s).
     pub lease_ttl_ms: u64,
+    /// ABI 1.1: optional state buffers (one row per buffer and request, sent
+    /// whole to every decode rank after the KV); NULL with 0 for none.
+    pub state: *const PdxAuxBuffer,
+    /// ABI 1.1: number of `state`.
+    pub num_state: u64,
 }
 
 // SAFETY: repr(C), starts with u64 struct_size, integers and raw pointers only (zero is valid).
 unsafe impl Versioned for PdxEngineConfig {
-    const MIN_SIZE: usize = std::mem::size_of::<PdxEngineConfig>();
+    /// ABI 1.0 callers (without `state`) are accepted.
+    const MIN_SIZE: usize = std::mem::size_of::<PdxEngineConfig>() - 16;
     const NAME: &'static str = "PdxEngineConfig";
+}
+
+/// A caller's array of row buffers (aux or state); a NULL base is refused.
+fn aux_buffers(p: *const PdxAuxBuffer, n: u64, what: &str) -> Result<Vec<AuxBuffer>> {
+    let n = usize::try_from(n).map_err(|_| Error::invalid(format!("{what}: count too large")))?;
+    let out = ptr::slice(p, n, what)?
+        .iter()
+        .map(|a| AuxBuffer {
+            base: a.base as u64,
+            item_bytes: a.item_bytes,
+            count: a.count,
+        })
+        .collect::<Vec<_>>();
+    if let Some((i, _)) = out.iter().enumerate().find(|(_, a)| a.base == 0) {
+        return Err(Error::new(
+            Status::NullArgument,
+            format!("{what}[{i}].base is NULL"),
+        ));
+    }
+    Ok(out)
 }
 
 fn ms(v: u64) -> Option<Duration> {
@@ -163,24 +189,12 @@ fn config_from_c(p: *const PdxEngineConfig) -> Result<EngineConfig> {
             format!("config.pools[{i}].base is NULL"),
         ));
     }
-    let na = usize::try_from(c.num_aux).map_err(|_| Error::invalid("num_aux too large"))?;
-    let aux = ptr::slice(c.aux, na, "config.aux")?
-        .iter()
-        .map(|a| AuxBuffer {
-            base: a.base as u64,
-            item_bytes: a.item_bytes,
-            count: a.count,
-        })
-        .collect::<Vec<_>>();
-    if let Some((i, _)) = aux.iter().enumerate().find(|(_, a)| a.base == 0) {
-        return Err(Error::new(
-            Status::NullArgument,
-            format!("config.aux[{i}].base is NULL"),
-        ));
-    }
+    let aux = aux_buffers(c.aux, c.num_aux, "config.aux")?;
+    let state = aux_buffers(c.state, c.num_state, "config.state")?;
     let mut cfg = EngineConfig::new(role, cluster, bootstrap, topology, pools);
     cfg.token = ptr::opt_c_str(c.token, "config.token")?.map(str::to_string);
     cfg.aux = aux;
+    cfg.state = state;
     if c.dp_size > 0 {
         cfg.dp_size = c.dp_size;
     }
@@ -434,6 +448,29 @@ pub extern "C" fn pdxfer_engine_is_fenced(
     })
 }
 
+/// Sets the room's state rows, one per configured state buffer (ABI 1.1):
+/// on the prefill the rows sent with the last chunk (call before it), on the
+/// decode the rows they land in (call before `pdxfer_engine_send_metadata`).
+#[no_mangle]
+pub extern "C" fn pdxfer_engine_set_state_indices(
+    engine: *const PdxEngine,
+    room: u64,
+    rows: *const i64,
+    num_rows: usize,
+) -> PdxStatus {
+    boundary(|| {
+        let rows = ptr::slice(rows, num_rows, "rows")?
+            .iter()
+            .enumerate()
+            .map(|(i, &v)| {
+                u64::try_from(v).map_err(|_| Error::invalid(format!("rows[{i}] = {v} is negative")))
+            })
+            .collect::<Result<Vec<u64>>>()?;
+        eng(engine)?.set_state_indices(room, &rows)?;
+        ok()
+    })
+}
+
 /// Forgets a terminal room so its id can be reused (refused while writes for
 /// it are in flight, and for a live room).
 #[no_mangle]
@@ -474,7 +511,7 @@ mod tests {
         use std::mem::size_of;
         assert_eq!(size_of::<PdxKvPool>(), 32);
         assert_eq!(size_of::<PdxAuxBuffer>(), 24);
-        assert_eq!(size_of::<PdxEngineConfig>(), 144);
+        assert_eq!(size_of::<PdxEngineConfig>(), 160);
         for p in [
             KvPoll::Failed,
             KvPoll::Bootstrapping,
@@ -582,6 +619,8 @@ mod tests {
             room_timeout_ms: 20_000,
             batch_timeout_ms: 0,
             lease_ttl_ms: 0,
+            state: std::ptr::null(),
+            num_state: 0,
         }
     }
 

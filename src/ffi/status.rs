@@ -6,7 +6,7 @@ use std::ffi::c_char;
 /// ABI major version of this header; a library with another major refuses to work with it.
 pub const PDXFER_ABI_VERSION_MAJOR: u32 = 1;
 /// ABI minor version of this header (functions or struct fields added).
-pub const PDXFER_ABI_VERSION_MINOR: u32 = 0;
+pub const PDXFER_ABI_VERSION_MINOR: u32 = 1;
 
 /// The library's ABI version: `(major << 16) | minor`.
 #[no_mangle]
