@@ -413,3 +413,26 @@ fn state_rows_follow_the_kv_to_every_decode_rank() {
         assert!(state[..(3 * item) as usize].iter().all(|&b| b == 0));
     }
 }
+
+/// Without an RDMA NIC, an engine asked for the rdma transport fails at
+/// creation with the typed `no_rdma_device` and its reason; nothing panics.
+#[test]
+fn rdma_engine_without_a_nic_is_typed() {
+    if std::path::Path::new("/sys/class/infiniband").exists() {
+        eprintln!("skipped: this machine has /sys/class/infiniband");
+        return;
+    }
+    let pools = SyntheticPools::new(LAYERS, ROW, P, 4, 8, 32).unwrap();
+    let mut cfg = EngineConfig::new(
+        Role::Prefill,
+        "e2e-rdma",
+        "http://127.0.0.1:9",
+        pools.topology(1, 0),
+        pools.kv_pools(),
+    );
+    cfg.transport = TransportKind::Rdma;
+    // SAFETY: pools outlive the (never created) engine.
+    let e = unsafe { Engine::new(cfg) }.unwrap_err();
+    assert_eq!(e.status(), Status::NoRdmaDevice, "{e}");
+    assert!(e.detail().contains("infiniband"), "{e}");
+}

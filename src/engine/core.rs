@@ -268,6 +268,14 @@ impl Engine {
                 ));
             }
         }
+        if cfg.transport == TransportKind::Rdma {
+            // without a NIC this is the typed `no_rdma_device` naming the reason
+            crate::transport::rdma::list_devices()?;
+            return Err(Error::new(
+                Status::TransportUnavailable,
+                "RDMA devices are present, but the engine's agent does not carry the RDMA handshake yet; use cma or tcp",
+            ));
+        }
         let store = crate::bootstrap::open_store(&cfg.bootstrap, cfg.token.as_deref())?;
         let agent = Agent::new(&AgentOptions {
             listen: (cfg.role == Role::Decode).then(|| format!("{}:0", cfg.host)),
