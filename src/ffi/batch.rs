@@ -71,6 +71,31 @@ fn batch_options(options: *const PdxBatchOptions) -> crate::Result<BatchOptions>
     Ok(o)
 }
 
+/// The shared part of `pdxfer_submit` and `pdxfer_submit_reads`: checks the
+/// arguments, submits through `f`, writes the batch id.
+fn submit_with(
+    peer: *const PdxPeer,
+    ops: *const PdxWriteOp,
+    num_ops: usize,
+    options: *const PdxBatchOptions,
+    out_batch: *mut u64,
+    f: impl FnOnce(
+        &dyn crate::transport::Transport,
+        &[PdxWriteOp],
+        &crate::transport::BatchOptions,
+    ) -> crate::Result<crate::transport::BatchId>,
+) -> crate::Result<Status> {
+    let p = ptr::handle(peer, "peer")?;
+    let ops = ptr::slice(ops, num_ops, "ops")?;
+    let o = batch_options(options)?;
+    if out_batch.is_null() {
+        return Err(Error::new(Status::NullArgument, "out_batch is NULL"));
+    }
+    let id = f(p.t.as_ref(), ops, &o)?;
+    ptr::write_out(out_batch, id.0, "out_batch")?;
+    super::ok()
+}
+
 /// Submits `num_ops` writes to the peer as one batch; its id goes to
 /// `out_batch`. `options` may be NULL. An op outside the local or the
 /// peer's regions fails the call (`PDX_STATUS_OUT_OF_BOUNDS`,
@@ -84,25 +109,19 @@ pub extern "C" fn pdxfer_submit(
     out_batch: *mut u64,
 ) -> PdxStatus {
     boundary(|| {
-        let p = ptr::handle(peer, "peer")?;
-        let ops = ptr::slice(ops, num_ops, "ops")?;
-        let o = batch_options(options)?;
-        if out_batch.is_null() {
-            return Err(Error::new(Status::NullArgument, "out_batch is NULL"));
-        }
-        let rust: Vec<WriteOp> = ops
-            .iter()
-            .map(|w| WriteOp {
-                local_region: w.local_region,
-                local_offset: w.local_offset,
-                remote_region: w.remote_region,
-                remote_offset: w.remote_offset,
-                len: w.len,
-            })
-            .collect();
-        let id = p.t.submit(&rust, &o)?;
-        ptr::write_out(out_batch, id.0, "out_batch")?;
-        super::ok()
+        submit_with(peer, ops, num_ops, options, out_batch, |t, ops, o| {
+            let rust: Vec<WriteOp> = ops
+                .iter()
+                .map(|w| WriteOp {
+                    local_region: w.local_region,
+                    local_offset: w.local_offset,
+                    remote_region: w.remote_region,
+                    remote_offset: w.remote_offset,
+                    len: w.len,
+                })
+                .collect();
+            t.submit(&rust, o)
+        })
     })
 }
 
@@ -120,25 +139,19 @@ pub extern "C" fn pdxfer_submit_reads(
     out_batch: *mut u64,
 ) -> PdxStatus {
     boundary(|| {
-        let p = ptr::handle(peer, "peer")?;
-        let ops = ptr::slice(ops, num_ops, "ops")?;
-        let o = batch_options(options)?;
-        if out_batch.is_null() {
-            return Err(Error::new(Status::NullArgument, "out_batch is NULL"));
-        }
-        let rust: Vec<ReadOp> = ops
-            .iter()
-            .map(|w| ReadOp {
-                local_region: w.local_region,
-                local_offset: w.local_offset,
-                remote_region: w.remote_region,
-                remote_offset: w.remote_offset,
-                len: w.len,
-            })
-            .collect();
-        let id = p.t.submit_reads(&rust, &o)?;
-        ptr::write_out(out_batch, id.0, "out_batch")?;
-        super::ok()
+        submit_with(peer, ops, num_ops, options, out_batch, |t, ops, o| {
+            let rust: Vec<ReadOp> = ops
+                .iter()
+                .map(|w| ReadOp {
+                    local_region: w.local_region,
+                    local_offset: w.local_offset,
+                    remote_region: w.remote_region,
+                    remote_offset: w.remote_offset,
+                    len: w.len,
+                })
+                .collect();
+            t.submit_reads(&rust, o)
+        })
     })
 }
 

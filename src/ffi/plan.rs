@@ -267,6 +267,23 @@ fn pair_request<'a>(
     })
 }
 
+/// The pair request's two page tables, checked (see [`pages`]).
+fn pair_pages(a: &PdxPairPlanArgs) -> Result<(Vec<u64>, Vec<u64>)> {
+    let src = pages(
+        a.src_pages,
+        a.num_src_pages,
+        a.src_layout.page_size,
+        "src_pages",
+    )?;
+    let dst = pages(
+        a.dst_pages,
+        a.num_dst_pages,
+        a.dst_layout.page_size,
+        "dst_pages",
+    )?;
+    Ok((src, dst))
+}
+
 /// General per-token plan for one (prefill rank, decode rank) pair and one chunk.
 #[no_mangle]
 pub extern "C" fn pdxfer_pair_token_plan(
@@ -278,18 +295,7 @@ pub extern "C" fn pdxfer_pair_token_plan(
 ) -> PdxStatus {
     boundary(|| {
         let a = ptr::read_versioned(args)?;
-        let src = pages(
-            a.src_pages,
-            a.num_src_pages,
-            a.src_layout.page_size,
-            "src_pages",
-        )?;
-        let dst = pages(
-            a.dst_pages,
-            a.num_dst_pages,
-            a.dst_layout.page_size,
-            "dst_pages",
-        )?;
+        let (src, dst) = pair_pages(&a)?;
         plan_into(
             &pair_request(&a, &src, &dst)?,
             src_rows,
@@ -314,18 +320,7 @@ pub extern "C" fn pdxfer_pair_runs(
         if a.flags & !PDXFER_PLAN_PACKED != 0 {
             return Err(Error::invalid(format!("unknown flags 0x{:x}", a.flags)));
         }
-        let src = pages(
-            a.src_pages,
-            a.num_src_pages,
-            a.src_layout.page_size,
-            "src_pages",
-        )?;
-        let dst = pages(
-            a.dst_pages,
-            a.num_dst_pages,
-            a.dst_layout.page_size,
-            "dst_pages",
-        )?;
+        let (src, dst) = pair_pages(&a)?;
         let req = pair_request(&a, &src, &dst)?;
         let mut sink = run_sink(runs, capacity, out_len)?;
         req.for_each_run(a.flags & PDXFER_PLAN_PACKED != 0, |r| sink.put(r))?;
