@@ -28,7 +28,12 @@ struct Harness {
 
 fn build_harness() -> Harness {
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
-    let out = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("libpdx_host_harness.so");
+    // one file per build: tests run in parallel, and dlopen of a file another
+    // test is still writing fails
+    static BUILDS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let n = BUILDS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let out = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
+        .join(format!("libpdx_host_harness_{}_{n}.so", std::process::id()));
     let cxx = std::env::var("CXX").unwrap_or_else(|_| "g++".into());
     let status = Command::new(&cxx)
         .args([
