@@ -208,7 +208,10 @@ fn assert_failed(d: &Value, who: &str) {
 }
 
 fn wait_registered(server: &BootstrapServer, cluster: &str, role: Role, n: usize) {
-    let store = server.store();
+    wait_in(server.store().as_ref(), cluster, role, n);
+}
+
+fn wait_in(store: &dyn Store, cluster: &str, role: Role, n: usize) {
     let end = Instant::now() + DEADLINE;
     while store.entries(cluster, role).map_or(0, |e| e.len()) < n {
         assert!(
@@ -477,4 +480,138 @@ fn canaries_catch_a_stray_write() {
     d.expect(|v| v["event"] == "poked", SLACK);
     d.cmd(json!({"cmd": "check"}));
     assert_eq!(d.expect(|v| v["event"] == "canaries", SLACK)["damaged"], 1);
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+struct Etcd {
+    child: Child,
+}
+
+impl Etcd {
+    fn start(dir: &std::path::Path, client: u16, peer: u16) -> Option<Etcd> {
+        let c = format!("http://127.0.0.1:{client}");
+        let p = format!("http://127.0.0.1:{peer}");
+        let child = Command::new("etcd")
+            .args(["--name", "faults", "--data-dir"])
+            .arg(dir)
+            .args(["--listen-client-urls", &c, "--advertise-client-urls", &c])
+            .args([
+                "--listen-peer-urls",
+                &p,
+                "--initial-advertise-peer-urls",
+                &p,
+            ])
+            .args([
+                "--initial-cluster",
+                &format!("faults={p}"),
+                "--log-level",
+                "error",
+            ])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .ok()?;
+        let e = Etcd { child };
+        let store =
+            pdxfer::bootstrap::open_store(&format!("etcd://127.0.0.1:{client}/faults"), None)
+                .ok()?;
+        let end = Instant::now() + Duration::from_secs(10);
+        while store.entries("probe", Role::Prefill).is_err() {
+            assert!(
+                Instant::now() < end,
+                "etcd did not come up on port {client}"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        Some(e)
+    }
+
+    fn kill9(&mut self) {
+        // SAFETY: kill(2) on our own child's pid.
+        unsafe { libc::kill(self.child.id() as i32, libc::SIGKILL) };
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Etcd {
+    fn drop(&mut self) {
+        self.kill9();
+    }
+}
+
+/// etcd (the bootstrap backend) is killed with SIGKILL mid-transfer and
+/// restarted on its data directory: the room in flight succeeds, a room opened
+/// during the outage fails with a reason, the ranks' keep-alives resume and
+/// new rooms succeed. Skipped (with the reason printed) without an etcd binary.
+#[test]
+fn etcd_restart_mid_transfer() {
+    if Command::new("etcd").arg("--version").output().is_err() {
+        eprintln!("SKIP etcd_restart_mid_transfer: no etcd binary on PATH");
+        return;
+    }
+    let dir = std::env::temp_dir().join(format!("pdxfer-faults-etcd-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let (client, peer) = (free_port(), free_port());
+    let Some(mut etcd) = Etcd::start(&dir, client, peer) else {
+        eprintln!("SKIP etcd_restart_mid_transfer: etcd did not start");
+        return;
+    };
+    let url = format!("etcd://127.0.0.1:{client}/faults");
+    let store = pdxfer::bootstrap::open_store(&url, None).unwrap();
+    let cl = "faults-etcd";
+    let lease = ("lease-ms", "2000".to_string());
+    let mut p = Peer::spawn(
+        "prefill",
+        &url,
+        cl,
+        &[("role", "prefill".into()), lease.clone()],
+    );
+    let mut d = Peer::spawn(
+        "decode",
+        &url,
+        cl,
+        &[("role", "decode".into()), lease.clone()],
+    );
+    wait_in(store.as_ref(), cl, Role::Prefill, 1);
+    let dst: Vec<u64> = (0..12).collect();
+    d.cmd(recv_total(1, 12 * PAGE, &dst));
+    d.expect(|v| v["event"] == "meta" && v["room"] == 1, SLACK);
+    p.cmd(send(1, 12, 0, 40));
+    p.expect(
+        |v| v["event"] == "chunk" && v["room"] == 1 && v["i"] == 2,
+        DEADLINE,
+    );
+    etcd.kill9();
+    d.cmd(recv_total(2, 4 * PAGE, &[20, 21, 22, 23]));
+    assert_failed(
+        &d.done(2, DEADLINE + SLACK),
+        "decode room opened during the etcd outage",
+    );
+    assert_eq!(p.done(1, DEADLINE + SLACK)["poll"], "Success");
+    assert_success(
+        &d.done(1, SLACK),
+        12 * PAGE * ROW_TOTAL + AUX_ITEM,
+        "room in flight",
+    );
+    let _etcd = Etcd::start(&dir, client, peer).expect("etcd restarts on its data directory");
+    wait_in(store.as_ref(), cl, Role::Prefill, 1);
+    d.cmd(recv_total(3, 4 * PAGE, &[24, 25, 26, 27]));
+    d.expect(|v| v["event"] == "meta" && v["room"] == 3, SLACK);
+    p.cmd(send(3, 4, 20, 0));
+    assert_eq!(p.done(3, DEADLINE + SLACK)["poll"], "Success");
+    assert_success(
+        &d.done(3, SLACK),
+        4 * PAGE * ROW_TOTAL + AUX_ITEM,
+        "room after the restart",
+    );
+    d.exit();
+    p.exit();
+    let _ = std::fs::remove_dir_all(&dir);
 }
