@@ -7,17 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-static int failures = 0;
-static int checks = 0;
-#define CHECK(cond)                                                              \
-    do {                                                                         \
-        checks++;                                                                \
-        if (!(cond)) {                                                           \
-            failures++;                                                          \
-            fprintf(stderr, "%s:%d: CHECK failed: %s (last error: %s)\n",        \
-                    __FILE__, __LINE__, #cond, pdxfer_last_error());             \
-        }                                                                        \
-    } while (0)
+#include "check.h"
 
 _Static_assert(sizeof(PdxBootstrapServerConfig) == 40, "PdxBootstrapServerConfig size is ABI");
 
@@ -83,6 +73,5 @@ int main(void) {
     CHECK(pdxfer_bootstrap_server_stop(srv) == PDX_STATUS_OK);
     CHECK(pdxfer_bootstrap_server_stop(NULL) == PDX_STATUS_OK);
 
-    printf("%d passed, %d failed\n", checks - failures, failures);
-    return failures ? 1 : 0;
+    return CHECK_SUMMARY();
 }

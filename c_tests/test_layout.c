@@ -6,17 +6,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-static int failures = 0;
-static int checks = 0;
-#define CHECK(cond)                                                              \
-    do {                                                                         \
-        checks++;                                                                \
-        if (!(cond)) {                                                           \
-            failures++;                                                          \
-            fprintf(stderr, "%s:%d: CHECK failed: %s (last error: %s)\n",        \
-                    __FILE__, __LINE__, #cond, pdxfer_last_error());             \
-        }                                                                        \
-    } while (0)
+#include "check.h"
 
 _Static_assert(sizeof(PdxDcpPlanArgs) == 88, "PdxDcpPlanArgs size is ABI");
 _Static_assert(sizeof(PdxPairPlanArgs) == 144, "PdxPairPlanArgs size is ABI");
@@ -221,6 +211,5 @@ int main(void) {
     test_plan_errors();
     test_bad_inputs();
     test_peer_and_mapping();
-    printf("%d passed, %d failed\n", checks - failures, failures);
-    return failures ? 1 : 0;
+    return CHECK_SUMMARY();
 }

@@ -9,6 +9,7 @@ APT_PACKAGES=(
   valgrind                              # C tests under memcheck
   python3-venv
   etcd-server                           # bootstrap tests start a private etcd (/usr/bin/etcd)
+  iproute2                              # two-namespace tcp test (ip netns, veth)
 )
 
 missing=()

@@ -9,6 +9,10 @@ step() { echo; echo "=== $*"; }
 
 step "dependencies"
 bash scripts/deps.sh
+# nvcc/NVRTC (CUDA 13) and NCCL from PyPI for the no-GPU kernel and NCCL tests;
+# with PDXFER_REQUIRE_CUDA_TOOLS a missing tool fails those tests instead of skipping.
+eval "$(bash scripts/cuda-deps.sh)"
+export PDXFER_REQUIRE_CUDA_TOOLS=1
 
 step "cargo fmt --check"
 cargo fmt --all -- --check

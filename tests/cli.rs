@@ -94,3 +94,41 @@ fn info_reports_absent_hardware_as_typed_entries() {
         assert_eq!(v["rdma"]["kind"], "no_rdma_device");
     }
 }
+
+#[test]
+fn demo_moves_verified_bytes_over_cma_and_tcp() {
+    for transport in ["cma", "tcp"] {
+        let (code, out, err) = pdxfer(&[
+            "demo",
+            "--requests",
+            "6",
+            "--layers",
+            "4",
+            "--max-tokens",
+            "700",
+            "--dcp-size",
+            "4",
+            "--transport",
+            transport,
+            "--json",
+        ]);
+        assert_eq!(code, 0, "{transport}: {err}\n{out}");
+        let last = out.lines().last().unwrap();
+        let v: serde_json::Value = serde_json::from_str(last).unwrap();
+        assert_eq!(v["verified"], true, "{last}");
+        assert_eq!(v["requests"], 6);
+        assert_eq!(v["transport"], transport);
+        // 4 layers x 1152 B per token plus 64 B of aux per decode rank and request
+        let tokens = v["tokens"].as_u64().unwrap();
+        assert_eq!(v["bytes"].as_u64().unwrap(), tokens * 4 * 1152 + 6 * 4 * 64);
+        assert!(v["gb_per_s"].as_f64().unwrap() > 0.0);
+        assert!(v["p99_ms"].as_f64().unwrap() >= v["p50_ms"].as_f64().unwrap());
+    }
+}
+
+#[test]
+fn demo_bad_arguments() {
+    let (code, _, err) = pdxfer(&["demo", "--transport", "carrier-pigeon"]);
+    assert_eq!(code, 2);
+    assert!(err.contains("carrier-pigeon"), "{err}");
+}

@@ -190,3 +190,144 @@ fn bad_inputs_are_typed_and_write_nothing() {
         Status::UnknownRoom
     );
 }
+
+/// DCP 4 -> 4: four prefill ranks, each holding its own share; prefill rank r
+/// pairs with decode rank r only (whole pages), chunked and with a prefix.
+#[test]
+fn dcp_4_to_4_matching_ranks() {
+    let server = BootstrapServer::start(ServerConfig::default()).unwrap();
+    let url = server.url();
+    let mut prefill = Vec::new();
+    let mut decode = Vec::new();
+    for r in 0..4u32 {
+        let pools = SyntheticPools::new(LAYERS, ROW, P, 32, 8, 32).unwrap();
+        let mut cfg = EngineConfig::new(
+            Role::Prefill,
+            "e2e-4to4",
+            &url,
+            pools.topology(4, r),
+            pools.kv_pools(),
+        );
+        cfg.aux = pools.aux_buffers();
+        cfg.transport = TransportKind::Cma;
+        // SAFETY: the pools are kept alive next to the engine until the test ends.
+        prefill.push((unsafe { Engine::new(cfg) }.unwrap(), pools));
+    }
+    for r in 0..4u32 {
+        let pools = SyntheticPools::new(LAYERS, ROW, P, 32, 8, 32).unwrap();
+        let mut cfg = EngineConfig::new(
+            Role::Decode,
+            "e2e-4to4",
+            &url,
+            pools.topology(4, r),
+            pools.kv_pools(),
+        );
+        cfg.aux = pools.aux_buffers();
+        // SAFETY: as above.
+        decode.push((unsafe { Engine::new(cfg) }.unwrap(), pools));
+    }
+    let v = P * 4;
+    let (room, prefix, total) = (21u64, v, 900u64);
+    let n = total - prefix;
+    let dst_pages: Vec<u64> = (0..n.div_ceil(v)).map(|i| (i * 5 + 1) % 32).collect();
+    for (r, (e, pools)) in prefill.iter_mut().enumerate() {
+        // each prefill rank's local pages (one per virtual page of positions)
+        let src: Vec<u64> = (0..n.div_ceil(v))
+            .map(|i| (i * 3 + r as u64) % 32)
+            .collect();
+        let side = Side {
+            layout: DcpLayout::sglang(P, 4).unwrap(),
+            rank: r as u64,
+            pages: &src,
+            origin: prefix,
+        };
+        pools.fill(room, &side, total);
+        pools.fill_aux(room, 2);
+        e.sender(room).unwrap();
+    }
+    for (e, _) in &decode {
+        e.receiver(room, 0, None).unwrap();
+        e.send_metadata(room, &dst_pages, prefix, 6).unwrap();
+    }
+    for (r, (e, _)) in prefill.iter().enumerate() {
+        let src: Vec<u64> = (0..n.div_ceil(v))
+            .map(|i| (i * 3 + r as u64) % 32)
+            .collect();
+        let mut waited = 0;
+        while e.poll(room) == KvPoll::Bootstrapping {
+            std::thread::sleep(Duration::from_millis(5));
+            waited += 1;
+            assert!(waited < 2000);
+        }
+        // chunks of 3 local pages = 3 virtual pages of positions each
+        let mut sent = 0;
+        for (i, c) in src.chunks(3).enumerate() {
+            let last = (i + 1) * 3 >= src.len();
+            let tokens = if last { n - sent } else { c.len() as u64 * v };
+            e.send(room, c, tokens, last, 2).unwrap();
+            sent += tokens;
+        }
+    }
+    for (r, (e, _)) in prefill.iter().enumerate() {
+        assert_eq!(
+            e.wait(room, Duration::from_secs(20)),
+            KvPoll::Success,
+            "prefill {r}: {:?}",
+            e.failure(room)
+        );
+    }
+    for (r, (e, pools)) in decode.iter().enumerate() {
+        assert_eq!(
+            e.wait(room, Duration::from_secs(20)),
+            KvPoll::Success,
+            "decode {r}: {:?}",
+            e.failure(room)
+        );
+        let side = Side {
+            layout: DcpLayout::sglang(P, 4).unwrap(),
+            rank: r as u64,
+            pages: &dst_pages,
+            origin: prefix,
+        };
+        let owned = DcpLayout::sglang(P, 4)
+            .unwrap()
+            .count_owned(r as u64, prefix, total);
+        assert_eq!(
+            pools.verify(room, &side, total, Some(6)).unwrap(),
+            owned * LAYERS as u64 * ROW + 32
+        );
+        assert_eq!(e.room_bytes(room), owned * LAYERS as u64 * ROW);
+    }
+}
+
+/// A decode rank that pairs with the wrong prefill rank is refused at the
+/// handshake with the seed's error, before any byte moves.
+#[test]
+fn miswired_dcp_ranks_are_refused() {
+    let server = BootstrapServer::start(ServerConfig::default()).unwrap();
+    let url = server.url();
+    // prefill: DCP 4 rank 0 as TP rank 0; decode: DCP 4 rank 1 as TP rank 0 (miswired)
+    let pp = SyntheticPools::new(LAYERS, ROW, P, 8, 8, 32).unwrap();
+    let mut pt = pp.topology(4, 0);
+    pt.attn_tp_size = 1;
+    pt.attn_tp_rank = 0;
+    let cfg = EngineConfig::new(Role::Prefill, "e2e-miswired", &url, pt, pp.kv_pools());
+    // SAFETY: pools outlive the engines in this test.
+    let _prefill = unsafe { Engine::new(cfg) }.unwrap();
+    let dp = SyntheticPools::new(LAYERS, ROW, P, 8, 8, 32).unwrap();
+    let mut dt = dp.topology(4, 1);
+    dt.attn_tp_size = 1;
+    dt.attn_tp_rank = 0;
+    dt.engine_rank = 0;
+    let cfg = EngineConfig::new(Role::Decode, "e2e-miswired", &url, dt, dp.kv_pools());
+    // SAFETY: as above.
+    let decode = unsafe { Engine::new(cfg) }.unwrap();
+    let e = decode.receiver(1, 0, None).unwrap_err();
+    assert_eq!(e.status(), Status::DcpRankMismatch, "{e}");
+    assert!(
+        e.detail()
+            .contains("PD peers must connect matching DCP ranks, got prefill=0, decode=1"),
+        "{e}"
+    );
+    assert_eq!(decode.poll(1), KvPoll::Failed);
+}

@@ -44,6 +44,8 @@ pub struct ServerConfig {
     pub max_body_bytes: usize,
     /// Worker threads answering requests.
     pub workers: usize,
+    /// Most live entries the store holds (new keys beyond it: 503).
+    pub max_entries: usize,
 }
 
 impl Default for ServerConfig {
@@ -53,6 +55,7 @@ impl Default for ServerConfig {
             token: None,
             max_body_bytes: DEFAULT_MAX_BODY,
             workers: 4,
+            max_entries: super::store::DEFAULT_MAX_ENTRIES,
         }
     }
 }
@@ -101,7 +104,7 @@ impl BootstrapServer {
         })?;
         let server = Arc::new(server);
         let shared = Arc::new(Shared {
-            store: Arc::new(MemStore::new()),
+            store: Arc::new(MemStore::with_max_entries(cfg.max_entries)),
             token: cfg.token.map(String::into_bytes),
             max_body: cfg.max_body_bytes,
             stats: Mutex::new(HttpStats::default()),
@@ -202,7 +205,7 @@ pub fn http_code(s: Status) -> u16 {
         Status::NotRegistered => 404,
         Status::StaleMetadata => 409,
         Status::PayloadTooLarge => 413,
-        Status::NotReady => 503,
+        Status::NotReady | Status::Bootstrap => 503,
         Status::InvalidArgument
         | Status::InvalidUtf8
         | Status::InvalidTopology

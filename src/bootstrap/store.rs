@@ -17,6 +17,9 @@ use std::time::{Duration, Instant};
 pub const MIN_TTL: Duration = Duration::from_millis(100);
 /// Longest lease the in-memory store grants.
 pub const MAX_TTL: Duration = Duration::from_secs(3600);
+/// Default cap on live entries of an in-memory store (bounds its memory).
+/// cbindgen:ignore
+pub const DEFAULT_MAX_ENTRIES: usize = 100_000;
 
 /// A bootstrap backend: the embedded server's memory, a remote server, or etcd.
 pub trait Store: Send + Sync {
@@ -108,9 +111,11 @@ impl Inner {
     }
 }
 
-/// The in-memory store: leases with TTL expiry, atomic replacement.
+/// The in-memory store: leases with TTL expiry, atomic replacement, and a
+/// cap on live entries.
 pub struct MemStore {
     inner: Mutex<Inner>,
+    max_entries: usize,
 }
 
 impl Default for MemStore {
@@ -120,10 +125,17 @@ impl Default for MemStore {
 }
 
 impl MemStore {
-    /// An empty store.
+    /// An empty store holding at most [`DEFAULT_MAX_ENTRIES`] entries.
     pub fn new() -> MemStore {
+        MemStore::with_max_entries(DEFAULT_MAX_ENTRIES)
+    }
+
+    /// An empty store holding at most `max_entries` live entries; a
+    /// registration of a new key beyond that fails (replacements still work).
+    pub fn with_max_entries(max_entries: usize) -> MemStore {
         MemStore {
             inner: Mutex::new(Inner::default()),
+            max_entries,
         }
     }
 
@@ -174,6 +186,16 @@ impl Store for MemStore {
         let now = Instant::now();
         let mut g = self.lock();
         g.purge(now);
+        let key = (reg.cluster.clone(), reg.role, reg.key());
+        if g.entries.len() >= self.max_entries && !g.entries.contains_key(&key) {
+            return Err(Error::new(
+                Status::Bootstrap,
+                format!(
+                    "bootstrap store is full ({} live entries); entries expire with their leases, or raise the server's --max-entries",
+                    g.entries.len()
+                ),
+            ));
+        }
         g.epoch += 1;
         let mut r = reg.clone();
         r.epoch = g.epoch;
@@ -193,7 +215,6 @@ impl Store for MemStore {
             ttl_ms: ttl.as_millis() as u64,
             replaced: false,
         };
-        let key = (r.cluster.clone(), r.role, r.key());
         let old = g.entries.insert(key, (r, lease_id));
         g.stats.registrations += 1;
         let replaced = if let Some((_, old_lease)) = old {
@@ -315,6 +336,19 @@ mod tests {
             Status::NotRegistered
         );
         assert_eq!(s.stats().expirations, 1);
+    }
+
+    #[test]
+    fn the_entry_cap_refuses_new_keys_but_not_replacements() {
+        let s = MemStore::with_max_entries(2);
+        let ttl = Duration::from_secs(10);
+        s.register(&reg("c", 0, 4), ttl).unwrap();
+        s.register(&reg("c", 1, 4), ttl).unwrap();
+        let e = s.register(&reg("c", 2, 4), ttl).unwrap_err();
+        assert_eq!(e.status(), Status::Bootstrap);
+        assert!(e.detail().contains("full"), "{}", e.detail());
+        assert!(s.register(&reg("c", 1, 4), ttl).unwrap().replaced);
+        assert_eq!(s.stats().entries, 2);
     }
 
     #[test]

@@ -19,6 +19,9 @@ pub struct BootstrapArgs {
     /// Worker threads.
     #[arg(long, default_value_t = 4)]
     workers: usize,
+    /// Most live entries held (bounds memory; new keys beyond it get 503).
+    #[arg(long, default_value_t = crate::bootstrap::store::DEFAULT_MAX_ENTRIES)]
+    max_entries: usize,
 }
 
 /// Runs the server until the process is killed.
@@ -28,6 +31,7 @@ pub fn run(a: &BootstrapArgs) -> crate::Result<()> {
         token: a.token.clone(),
         max_body_bytes: a.max_body,
         workers: a.workers,
+        max_entries: a.max_entries,
     })?;
     let line = serde_json::json!({
         "event": "listening",

@@ -3,6 +3,7 @@
 
 mod bench;
 mod bootstrap;
+mod demo;
 mod plan;
 mod rank;
 mod rdma_bench;
@@ -28,6 +29,11 @@ enum Cmd {
     },
     /// Show where each token of a request goes, per (prefill rank, decode rank).
     Plan(plan::PlanArgs),
+    /// The main job: bootstrap, 1 prefill and N decode DCP processes, verified transfers.
+    Demo(demo::DemoArgs),
+    /// One engine process of `pdxfer demo` (driven by JSON lines on stdin).
+    #[command(hide = true)]
+    DemoRank(demo::DemoRankArgs),
     /// Run a receiving peer (registers zeroed regions, prints completions).
     Target(target::TargetArgs),
     /// Measure a transport between two processes (initiator and target).
@@ -46,6 +52,8 @@ pub fn main() -> i32 {
     let r = match cli.cmd {
         Cmd::Info { json } => info(json),
         Cmd::Plan(a) => plan::run(&a),
+        Cmd::Demo(a) => demo::run(&a),
+        Cmd::DemoRank(a) => demo::run_rank(&a),
         Cmd::Target(a) => target::run(&a),
         Cmd::Bench(a) => bench::run(&a),
         Cmd::Bootstrap(a) => bootstrap::run(&a),

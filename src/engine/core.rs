@@ -501,13 +501,14 @@ impl Engine {
             }
             attempt = r.attempt;
         }
-        let p = u64::from(self.inner.cfg.topology.page_size);
-        let cap = pages.len() as u64 * p;
+        // a page of this rank covers a virtual page of positions (P x its DCP size)
+        let vs = self.inner.cfg.topology.dcp_layout()?.virtual_page();
+        let cap = pages.len() as u64 * vs;
         if num_tokens > cap {
             return Err(Error::new(
                 Status::TokensExceedSource,
                 format!(
-                    "num_tokens={num_tokens} exceeds the {} pages given (capacity {cap})",
+                    "num_tokens={num_tokens} exceeds the {} pages given (capacity {cap} positions)",
                     pages.len()
                 ),
             ));
@@ -538,7 +539,6 @@ impl Engine {
                 )));
             }
             let prefix = r.infos.first().map_or(0, |m| m.prefix);
-            let vs = self.inner.cfg.topology.dcp_layout()?.virtual_page();
             let start = prefix + r.sent_positions;
             r.sent_positions += pages.len() as u64 * vs;
             r.queued_last = last;

@@ -60,6 +60,7 @@ pub extern "C" fn pdxfer_bootstrap_server_start(
             } else {
                 c.workers as usize
             },
+            max_entries: d.max_entries,
         };
         let inner = BootstrapServer::start(cfg)?;
         ptr::new_handle(PdxBootstrapServer { inner }, out, "out")?;

@@ -17,35 +17,41 @@ pub unsafe trait Versioned: Copy {
     const NAME: &'static str;
 }
 
-/// Reads a versioned struct from the caller: sizes between `MIN_SIZE` and ours
-/// are accepted (missing fields read as zero); larger ones too (the extra
-/// fields, from a newer header, are ignored).
-pub fn read_versioned<T: Versioned>(p: *const T) -> Result<T> {
+/// Checks a caller's versioned struct pointer and returns its `struct_size`.
+fn versioned_size<T: Versioned>(p: *const T, role: &str) -> Result<usize> {
     if p.is_null() {
         return Err(Error::new(
             Status::NullArgument,
-            format!("{} pointer is NULL", T::NAME),
+            format!("{role}{} pointer is NULL", T::NAME),
         ));
     }
     if !(p as usize).is_multiple_of(align_of::<u64>()) {
         return Err(Error::invalid(format!(
-            "{} pointer is not 8-byte aligned",
+            "{role}{} pointer is not 8-byte aligned",
             T::NAME
         )));
     }
-    // SAFETY: p is non-NULL and aligned; the caller promises struct_size readable bytes, of which the first 8 are the size.
+    // SAFETY: p is non-NULL and aligned; every Versioned struct starts with its u64 size, set by the caller.
     let size = unsafe { (p as *const u64).read() } as usize;
     if size < T::MIN_SIZE {
         return Err(Error::new(
             Status::AbiMismatch,
             format!(
-                "{}.struct_size={size} is smaller than the oldest supported size {}; set struct_size = sizeof({})",
+                "{role}{}.struct_size={size} is smaller than the oldest supported size {}; set struct_size = sizeof({}) before the call",
                 T::NAME,
                 T::MIN_SIZE,
                 T::NAME
             ),
         ));
     }
+    Ok(size)
+}
+
+/// Reads a versioned struct from the caller: sizes between `MIN_SIZE` and ours
+/// are accepted (missing fields read as zero); larger ones too (the extra
+/// fields, from a newer header, are ignored).
+pub fn read_versioned<T: Versioned>(p: *const T) -> Result<T> {
+    let size = versioned_size(p, "")?;
     // SAFETY: Versioned guarantees the all-zero pattern is a valid T.
     let mut out: T = unsafe { std::mem::zeroed() };
     let n = size.min(size_of::<T>());
@@ -57,30 +63,7 @@ pub fn read_versioned<T: Versioned>(p: *const T) -> Result<T> {
 /// Writes `value` into the caller's struct, at most its `struct_size` bytes
 /// (which the caller set before the call), keeping that size field.
 pub fn write_versioned<T: Versioned>(p: *mut T, value: &T) -> Result<()> {
-    if p.is_null() {
-        return Err(Error::new(
-            Status::NullArgument,
-            format!("{} output pointer is NULL", T::NAME),
-        ));
-    }
-    if !(p as usize).is_multiple_of(align_of::<u64>()) {
-        return Err(Error::invalid(format!(
-            "{} pointer is not 8-byte aligned",
-            T::NAME
-        )));
-    }
-    // SAFETY: p is non-NULL and aligned; its first 8 bytes are the caller-set size.
-    let size = unsafe { (p as *const u64).read() } as usize;
-    if size < T::MIN_SIZE {
-        return Err(Error::new(
-            Status::AbiMismatch,
-            format!(
-                "output {}.struct_size={size} is smaller than {}; set struct_size before the call",
-                T::NAME,
-                T::MIN_SIZE
-            ),
-        ));
-    }
+    let size = versioned_size(p, "output ")?;
     let n = size.min(size_of::<T>());
     // SAFETY: skip the 8-byte size field; the caller's struct holds `size >= n` bytes; no overlap with `value`.
     unsafe {
