@@ -12,18 +12,30 @@ use pdxfer::bootstrap::schema::Role;
 use pdxfer::bootstrap::server::{BootstrapServer, ServerConfig};
 use pdxfer::bootstrap::store::Store;
 use serde_json::{json, Value};
-use std::io::{BufRead, BufReader, Write};
-use std::process::{Child, ChildStdin, Command, Stdio};
-use std::sync::mpsc::{channel, Receiver, RecvTimeoutError};
+use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 const PAGE: u64 = 16;
 const ROW_TOTAL: u64 = 4 * 64;
 const AUX_ITEM: u64 = 32;
-/// Room deadline given to the ranks.
-const DEADLINE: Duration = Duration::from_secs(4);
-/// Slack on top of a deadline for a report to arrive.
-const SLACK: Duration = Duration::from_secs(3);
+#[path = "support/peer.rs"]
+mod support;
+use support::{DEADLINE, SLACK};
+
+/// The fault tests' peers: the binary cargo built for this test.
+struct Peer;
+
+impl Peer {
+    fn spawn(name: &str, url: &str, cluster: &str, args: &[(&str, String)]) -> support::Peer {
+        support::Peer::spawn_bin(
+            env!("CARGO_BIN_EXE_pdxfer-fault-peer"),
+            name,
+            url,
+            cluster,
+            args,
+        )
+    }
+}
 
 struct Rng(u64);
 
@@ -45,129 +57,6 @@ impl Rng {
         self.0 ^= self.0 >> 7;
         self.0 ^= self.0 << 17;
         self.0 % n.max(1)
-    }
-}
-
-struct Peer {
-    name: String,
-    child: Child,
-    stdin: Option<ChildStdin>,
-    rx: Receiver<Value>,
-    seen: Vec<Value>,
-}
-
-impl Peer {
-    fn spawn(name: &str, url: &str, cluster: &str, args: &[(&str, String)]) -> Peer {
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_pdxfer-fault-peer"));
-        cmd.args(["--name", name, "--bootstrap", url, "--cluster", cluster]);
-        cmd.args(["--timeout-ms", &DEADLINE.as_millis().to_string()]);
-        for (k, v) in args {
-            cmd.arg(format!("--{k}")).arg(v);
-        }
-        let mut child = cmd
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("spawn pdxfer-fault-peer");
-        let stdout = child.stdout.take().unwrap();
-        let (tx, rx) = channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines() {
-                let Ok(line) = line else { return };
-                if let Ok(v) = serde_json::from_str::<Value>(&line) {
-                    if tx.send(v).is_err() {
-                        return;
-                    }
-                }
-            }
-        });
-        let mut p = Peer {
-            name: name.to_string(),
-            stdin: child.stdin.take(),
-            child,
-            rx,
-            seen: Vec::new(),
-        };
-        let r = p.expect(|v| v["event"] == "ready" || v["event"] == "error", SLACK);
-        assert_eq!(r["event"], "ready", "{name} did not start: {r}");
-        p
-    }
-
-    fn cmd(&mut self, v: Value) {
-        let s = self.stdin.as_mut().expect("stdin open");
-        writeln!(s, "{v}").expect("write command");
-        s.flush().unwrap();
-    }
-
-    /// The first event matching `f` (earlier unmatched events are kept), within `within`.
-    fn expect(&mut self, f: impl Fn(&Value) -> bool, within: Duration) -> Value {
-        if let Some(i) = self.seen.iter().position(&f) {
-            return self.seen.remove(i);
-        }
-        let end = Instant::now() + within;
-        loop {
-            let left = end.saturating_duration_since(Instant::now());
-            match self.rx.recv_timeout(left) {
-                Ok(v) if f(&v) => return v,
-                Ok(v) => self.seen.push(v),
-                Err(RecvTimeoutError::Timeout) => {
-                    panic!(
-                        "{}: no matching event within {within:?}; saw {:?}",
-                        self.name, self.seen
-                    )
-                }
-                Err(RecvTimeoutError::Disconnected) => {
-                    panic!("{}: exited; saw {:?}", self.name, self.seen)
-                }
-            }
-        }
-    }
-
-    fn done(&mut self, room: u64, within: Duration) -> Value {
-        self.expect(|v| v["event"] == "done" && v["room"] == room, within)
-    }
-
-    fn kill9(&mut self) {
-        // SAFETY: kill(2) on our own child's pid.
-        let r = unsafe { libc::kill(self.child.id() as i32, libc::SIGKILL) };
-        assert_eq!(r, 0, "kill -9 {}", self.name);
-        let _ = self.child.wait();
-    }
-
-    fn check_canaries(&mut self) {
-        self.cmd(json!({"cmd": "check"}));
-        let c = self.expect(|v| v["event"] == "canaries", SLACK);
-        assert_eq!(c["damaged"], 0, "{}: canary bytes changed", self.name);
-    }
-
-    /// Tells the peer to exit; asserts it does so in bounded time with intact canaries.
-    fn exit(mut self) {
-        self.cmd(json!({"cmd": "exit"}));
-        let c = self.expect(
-            |v| v["event"] == "canaries" && v["final"] == true,
-            DEADLINE + SLACK,
-        );
-        assert_eq!(c["damaged"], 0, "{}: canary bytes changed", self.name);
-        drop(self.stdin.take());
-        let end = Instant::now() + SLACK;
-        loop {
-            if let Some(st) = self.child.try_wait().unwrap() {
-                assert!(st.success(), "{} exited with {st}", self.name);
-                return;
-            }
-            assert!(Instant::now() < end, "{} hangs at exit", self.name);
-            std::thread::sleep(Duration::from_millis(10));
-        }
-    }
-}
-
-impl Drop for Peer {
-    fn drop(&mut self) {
-        if matches!(self.child.try_wait(), Ok(None)) {
-            let _ = self.child.kill();
-            let _ = self.child.wait();
-        }
     }
 }
 
@@ -254,7 +143,7 @@ fn kill_decode_mid_transfer() {
             ],
         )
     };
-    let mut d: Vec<Peer> = (0..3).map(decode).collect();
+    let mut d: Vec<support::Peer> = (0..3).map(decode).collect();
     wait_registered(&server, cl, Role::Prefill, 1);
     let pages = 12u64;
     let victim = rng.below(3) as usize;
@@ -329,7 +218,7 @@ fn kill_prefill_mid_transfer() {
         )
     };
     let mut p = prefill();
-    let mut d: Vec<Peer> = (0..2)
+    let mut d: Vec<support::Peer> = (0..2)
         .map(|r| {
             Peer::spawn(
                 &format!("decode{r}"),
