@@ -504,3 +504,143 @@ fn etcd_restart_mid_transfer() {
     p.exit();
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Deletes the network namespaces it names (and with them their veth ends).
+struct Netns(Vec<String>);
+
+impl Drop for Netns {
+    fn drop(&mut self) {
+        for n in &self.0 {
+            let _ = Command::new("ip").args(["netns", "del", n]).status();
+        }
+    }
+}
+
+fn ip(args: &[&str]) -> bool {
+    Command::new("ip")
+        .args(args)
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success())
+}
+
+/// Prefill and decode in two network namespaces of their own joined by a veth
+/// pair (10.231.x addresses exist only inside them), tcp transport, the
+/// bootstrap server in the prefill's namespace. The decode's link goes down in
+/// the middle of a transfer: both sides fail the room with a reason within its
+/// deadline, and both processes still exit when told. Skipped (reason printed)
+/// where namespaces cannot be created (not root, no `ip`).
+#[test]
+fn netns_link_down_mid_transfer() {
+    let tag = format!("pdx{}", std::process::id() % 1_000_000);
+    let (np, nd) = (format!("{tag}p"), format!("{tag}d"));
+    if !ip(&["netns", "add", &np]) {
+        eprintln!(
+            "SKIP netns_link_down_mid_transfer: `ip netns add` failed (needs root and iproute2)"
+        );
+        return;
+    }
+    let _ns = Netns(vec![np.clone(), nd.clone()]);
+    let (vp, vd) = (format!("{tag}a"), format!("{tag}b"));
+    let setup = ip(&["netns", "add", &nd])
+        && ip(&[
+            "link", "add", &vp, "netns", &np, "type", "veth", "peer", "name", &vd, "netns", &nd,
+        ])
+        && ip(&["-n", &np, "addr", "add", "10.231.0.1/24", "dev", &vp])
+        && ip(&["-n", &nd, "addr", "add", "10.231.0.2/24", "dev", &vd])
+        && ip(&["-n", &np, "link", "set", "lo", "up"])
+        && ip(&["-n", &nd, "link", "set", "lo", "up"])
+        && ip(&["-n", &np, "link", "set", &vp, "up"])
+        && ip(&["-n", &nd, "link", "set", &vd, "up"]);
+    if !setup {
+        eprintln!("SKIP netns_link_down_mid_transfer: cannot set up the veth pair");
+        return;
+    }
+    // the bootstrap server inside the prefill's namespace
+    let mut boot = Command::new("ip")
+        .args([
+            "netns",
+            "exec",
+            &np,
+            env!("CARGO_BIN_EXE_pdxfer"),
+            "bootstrap",
+            "--listen",
+            "10.231.0.1:0",
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("spawn pdxfer bootstrap");
+    struct KillOnDrop(Child);
+    impl Drop for KillOnDrop {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+    let mut line = String::new();
+    let _ = std::io::BufRead::read_line(
+        &mut std::io::BufReader::new(boot.stdout.take().unwrap()),
+        &mut line,
+    );
+    let _boot = KillOnDrop(boot);
+    let url = serde_json::from_str::<Value>(&line).expect("bootstrap url line")["url"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let cl = "faults-netns";
+    let bin = env!("CARGO_BIN_EXE_pdxfer-fault-peer");
+    let common = |role: &str, host: &str| {
+        vec![
+            ("role", role.to_string()),
+            ("transport", "tcp".to_string()),
+            ("host", host.to_string()),
+        ]
+    };
+    let mut p = support::Peer::spawn_wrapped(
+        &["ip", "netns", "exec", &np],
+        bin,
+        "prefill",
+        &url,
+        cl,
+        &common("prefill", "10.231.0.1"),
+    );
+    let mut d = support::Peer::spawn_wrapped(
+        &["ip", "netns", "exec", &nd],
+        bin,
+        "decode",
+        &url,
+        cl,
+        &common("decode", "10.231.0.2"),
+    );
+    // a room over the veth first: the path works
+    let dst: Vec<u64> = (0..12).collect();
+    d.cmd(recv_total(1, 4 * PAGE, &dst[..4]));
+    d.expect(|v| v["event"] == "meta" && v["room"] == 1, SLACK);
+    p.cmd(send(1, 4, 0, 0));
+    assert_eq!(p.done(1, DEADLINE + SLACK)["poll"], "Success");
+    assert_success(
+        &d.done(1, SLACK),
+        4 * PAGE * ROW_TOTAL + AUX_ITEM,
+        "room over the veth",
+    );
+    // then the link goes down mid-transfer
+    d.cmd(recv_total(2, 12 * PAGE, &dst));
+    d.expect(|v| v["event"] == "meta" && v["room"] == 2, SLACK);
+    p.cmd(send(2, 12, 16, 40));
+    p.expect(
+        |v| v["event"] == "chunk" && v["room"] == 2 && v["i"] == 2,
+        DEADLINE,
+    );
+    assert!(ip(&["-n", &nd, "link", "set", &vd, "down"]), "link down");
+    assert_failed(&p.done(2, DEADLINE + SLACK), "prefill, link down");
+    assert_failed(&d.done(2, DEADLINE + SLACK), "decode, link down");
+    // neither process hangs on the dead link at exit
+    let t = Instant::now();
+    d.exit();
+    p.exit();
+    eprintln!(
+        "both ranks exited {:?} after the link went down",
+        t.elapsed()
+    );
+}

@@ -18,7 +18,8 @@
 //!   `{"cmd":"exit"}` checks the canaries, closes the engine and exits.
 //!
 //! Arguments: `--role prefill|decode --bootstrap URL --cluster NAME [--dcp N --rank R
-//! --dp-size N --dp-rank R --transport auto|cma|tcp|local --lease-ms MS --timeout-ms MS]`.
+//! --dp-size N --dp-rank R --transport auto|cma|tcp|local --lease-ms MS --timeout-ms MS
+//! --host ADDR]` (`--host`: the address the rank listens on, default 127.0.0.1).
 
 use pdxfer::bootstrap::schema::Role;
 use pdxfer::engine::{AuxBuffer, Engine, EngineConfig, KvPoll, KvPool};
@@ -441,6 +442,7 @@ fn main() {
         count: AUX_ROWS,
     }];
     cfg.transport = transport;
+    cfg.host = get("host", "127.0.0.1");
     cfg.staging_bytes = 1 << 20;
     cfg.dp_size = num("dp-size", 1) as u32;
     cfg.dp_rank = num("dp-rank", 0) as u32;

@@ -37,7 +37,26 @@ impl Peer {
         cluster: &str,
         args: &[(&str, String)],
     ) -> Peer {
-        let mut cmd = Command::new(bin);
+        Self::spawn_wrapped(&[], bin, name, url, cluster, args)
+    }
+
+    /// Like [`spawn_bin`](Self::spawn_bin), run through `wrap` (e.g. `ip netns exec NS`).
+    pub fn spawn_wrapped(
+        wrap: &[&str],
+        bin: &str,
+        name: &str,
+        url: &str,
+        cluster: &str,
+        args: &[(&str, String)],
+    ) -> Peer {
+        let mut cmd = match wrap.split_first() {
+            Some((first, rest)) => {
+                let mut c = Command::new(first);
+                c.args(rest).arg(bin);
+                c
+            }
+            None => Command::new(bin),
+        };
         cmd.args(["--name", name, "--bootstrap", url, "--cluster", cluster]);
         cmd.args(["--timeout-ms", &DEADLINE.as_millis().to_string()]);
         for (k, v) in args {
