@@ -39,6 +39,9 @@ grep -q "test result:" target/cargo-test.log
 step "C tests (-Wall -Werror, valgrind)"
 make -s -C c_tests valgrind LIBDIR="$PWD/target/debug"
 
+step "C tests under AddressSanitizer + UBSan"
+make -s -C c_tests asan LIBDIR="$PWD/target/debug"
+
 step "Python tests"
 PDXFER_LIB="$PWD/target/debug/libpdxfer.so" python3 -m pytest -q python/tests
 

@@ -44,13 +44,15 @@ fn metadata_racing_sender_is_never_lost() {
     cfg.transport = TransportKind::Tcp;
     // SAFETY: as above.
     let decode = unsafe { Engine::new(cfg) }.unwrap();
-    let rooms = 400u64;
-    let barrier = Arc::new(Barrier::new(2));
-    let (b2, p2) = (barrier.clone(), prefill.clone());
+    let rooms = 1000u64;
+    // `go` releases sender() and send_metadata() together; `opened` says sender() returned
+    let (go, opened) = (Arc::new(Barrier::new(2)), Arc::new(Barrier::new(2)));
+    let (g2, o2, p2) = (go.clone(), opened.clone(), prefill.clone());
     let t = std::thread::spawn(move || {
         for room in 1..=rooms {
-            b2.wait();
+            g2.wait();
             p2.sender(room).unwrap();
+            o2.wait();
         }
     });
     let mut stuck = Vec::new();
@@ -59,9 +61,10 @@ fn metadata_racing_sender_is_never_lost() {
         decode
             .receiver(room, 0, Some(Duration::from_secs(5)))
             .unwrap();
-        barrier.wait();
-        waited += 1;
+        go.wait();
         decode.send_metadata(room, &[1], 0, 0).unwrap();
+        opened.wait();
+        waited += 1;
         // the prefill's room must reach WaitingForInput promptly
         let end = Instant::now() + Duration::from_secs(2);
         while prefill.poll(room) == KvPoll::Bootstrapping && Instant::now() < end {
@@ -78,7 +81,8 @@ fn metadata_racing_sender_is_never_lost() {
     }
     // let the sender thread finish if the loop stopped early
     for _ in waited..rooms {
-        barrier.wait();
+        go.wait();
+        opened.wait();
     }
     t.join().unwrap();
     assert!(stuck.is_empty(), "rooms whose metadata was lost: {stuck:?}");

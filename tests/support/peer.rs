@@ -108,7 +108,14 @@ impl Peer {
             let left = end.saturating_duration_since(Instant::now());
             match self.rx.recv_timeout(left) {
                 Ok(v) if f(&v) => return v,
-                Ok(v) => self.seen.push(v),
+                Ok(v) => {
+                    // unmatched events are kept for a later expect(), but not
+                    // forever: a long run would grow without bound
+                    if self.seen.len() >= 4096 {
+                        self.seen.drain(..2048);
+                    }
+                    self.seen.push(v)
+                }
                 Err(RecvTimeoutError::Timeout) => {
                     panic!(
                         "{}: no matching event within {within:?}; saw {:?}",
