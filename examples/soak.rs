@@ -458,11 +458,12 @@ fn main() {
     );
     println!();
     println!(
-        "{:<18} {:>7} {:>9} {:>12} {:>12} {:>12} {:>6} {:>6} {:>6}",
+        "{:<18} {:>7} {:>9} {:>12} {:>12} {:>12} {:>12} {:>6} {:>6} {:>6}",
         "process",
         "pid",
         "lived s",
         "rss KiB @10%",
+        "rss KiB @50%",
         "rss KiB end",
         "rss KiB max",
         "fd@10%",
@@ -480,16 +481,22 @@ fn main() {
             .iter()
             .find(|x| x.0 - tr.samples[0].0 >= life / 10.0)
             .unwrap_or(&tr.samples[0]);
+        let mid = tr
+            .samples
+            .iter()
+            .find(|x| x.0 - tr.samples[0].0 >= life / 2.0)
+            .unwrap_or(&tr.samples[0]);
         let last = tr.samples.last().unwrap();
         let rmax = tr.samples.iter().map(|x| x.1).max().unwrap();
         let fmax = tr.samples.iter().map(|x| x.2).max().unwrap();
         let lived = tr.died.map_or(t, |d| d) - (tr.born - s.t0).as_secs_f64().max(0.0);
         println!(
-            "{:<18} {:>7} {:>9.0} {:>12} {:>12} {:>12} {:>6} {:>6} {:>6}{}",
+            "{:<18} {:>7} {:>9.0} {:>12} {:>12} {:>12} {:>12} {:>6} {:>6} {:>6}{}",
             tr.label,
             tr.pid,
             lived,
             warm.1,
+            mid.1,
             last.1,
             rmax,
             warm.2,
