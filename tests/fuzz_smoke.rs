@@ -3,7 +3,8 @@
 //! its seed inputs, then mutations of them and random bytes. Deterministic for
 //! a given seed (`PDXFER_FUZZ_SEED`, default fixed); `PDXFER_FUZZ_ITERS`
 //! scales the iteration count (default 2000 per target, a few seconds in all).
-//! A failing input is printed in hex and saved under `target/fuzz-failures/`.
+//! A failing input is printed in hex and saved under `target/fuzz-failures/`;
+//! inputs under `fuzz/regressions/<target>/` (crashes found before) always run.
 
 #[path = "../fuzz/common/targets.rs"]
 mod targets;
@@ -78,7 +79,18 @@ fn fuzz(name: &str, iters_scale: u64) {
         / 4;
     let cap = Duration::from_secs(20).max(Duration::from_millis(2) * iters as u32);
     let mut rng = Rng(seed ^ name.len() as u64 ^ (name.as_bytes()[0] as u64) << 32);
-    let seeds = targets::seeds(name);
+    let mut seeds = targets::seeds(name);
+    // inputs that once failed (fuzz/regressions/<target>/) always run first
+    let reg = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("fuzz/regressions")
+        .join(name);
+    if let Ok(rd) = std::fs::read_dir(&reg) {
+        let mut files: Vec<_> = rd.flatten().map(|e| e.path()).collect();
+        files.sort();
+        for f in files {
+            seeds.insert(0, std::fs::read(&f).expect("regression input"));
+        }
+    }
     let t0 = Instant::now();
     let mut input = Vec::new();
     let mut ran = 0u64;

@@ -9,6 +9,7 @@ use serde::Serialize;
 /// target ranks, so an absurd size from a peer's topology would otherwise
 /// allocate gigabytes (found by the c_abi fuzz target: pp_size = 2^31 asked
 /// for an 11 GB allocation).
+/// cbindgen:ignore
 pub const MAX_GROUP_SIZE: u32 = 1 << 16;
 
 /// The prefill ranks one decode rank connects to, and the counts both sides wait for.
