@@ -41,6 +41,9 @@ make -s -C c_tests valgrind LIBDIR="$PWD/target/debug"
 echo "== c_tests/build/test_engine with DCP 1->4 and 4->4 (no valgrind)"
 PDXFER_C_TESTS_DCP4=1 c_tests/build/test_engine
 
+step "C tests under AddressSanitizer + UBSan"
+make -s -C c_tests asan LIBDIR="$PWD/target/debug"
+
 step "Python tests"
 PDXFER_LIB="$PWD/target/debug/libpdxfer.so" python3 -m pytest -q python/tests
 

@@ -482,16 +482,24 @@ impl Engine {
     pub fn sender(&self, room: u64) -> Result<()> {
         self.require(Role::Prefill)?;
         let attempt = self.create_room(room, None)?;
-        let pending = lock(&self.inner.pending_meta)
-            .remove(&room)
-            .unwrap_or_default();
-        lock(&self.inner.prefill_rooms).insert(
-            room,
-            PrefillRoom {
-                attempt,
-                ..Default::default()
-            },
-        );
+        // Take the parked metadata and publish the room under the prefill_rooms
+        // lock (add_meta parks under it too): otherwise a Meta arriving between
+        // the two steps is parked after the drain and the room never leaves
+        // Bootstrapping (found by the soak run).
+        let pending = {
+            let mut pr = lock(&self.inner.prefill_rooms);
+            let pending = lock(&self.inner.pending_meta)
+                .remove(&room)
+                .unwrap_or_default();
+            pr.insert(
+                room,
+                PrefillRoom {
+                    attempt,
+                    ..Default::default()
+                },
+            );
+            pending
+        };
         for m in pending {
             self.inner.add_meta(room, m);
         }
@@ -1002,7 +1010,7 @@ impl Inner {
     fn add_meta(&self, room: u64, m: MetaInfo) {
         let mut pr = lock(&self.prefill_rooms);
         let Some(r) = pr.get_mut(&room) else {
-            drop(pr);
+            // parked while prefill_rooms is held (lock order: prefill_rooms, then pending_meta)
             lock(&self.pending_meta).entry(room).or_default().push(m);
             return;
         };

@@ -188,10 +188,20 @@ pub extern "C" fn pdxfer_rank_mapping(
             all_cp_ranks_transfer: flags & PDXFER_MAP_ALL_CP_RANKS != 0,
         };
         let m = layout::resolve_rank_mapping(&d, &p, opts)?;
-        let range = |v: &[u32]| (v[0], v[v.len() - 1] + 1);
-        let (tb, te) = range(&m.target_tp_ranks);
-        let (cb, ce) = range(&m.target_cp_ranks);
-        let (pb, pe) = range(&m.target_pp_ranks);
+        // [first, last + 1); an empty list or a rank at u32::MAX is an error, not a
+        // panic (found by the c_abi fuzz target: an empty list was indexed)
+        let range = |v: &[u32], what: &str| -> Result<(u32, u32)> {
+            match (v.first(), v.last().and_then(|l| l.checked_add(1))) {
+                (Some(&a), Some(b)) => Ok((a, b)),
+                _ => Err(crate::Error::new(
+                    crate::Status::InvalidTopology,
+                    format!("the mapping has no representable {what} rank range: {v:?}"),
+                )),
+            }
+        };
+        let (tb, te) = range(&m.target_tp_ranks, "tp")?;
+        let (cb, ce) = range(&m.target_cp_ranks, "cp")?;
+        let (pb, pe) = range(&m.target_pp_ranks, "pp")?;
         ptr::write_versioned(
             out,
             &PdxRankMapping {

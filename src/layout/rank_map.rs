@@ -5,6 +5,13 @@ use super::topology::{PoolKind, Topology};
 use crate::error::{Error, Result, Status};
 use serde::Serialize;
 
+/// Largest TP, CP or PP group size a rank mapping accepts. The mapping lists
+/// target ranks, so an absurd size from a peer's topology would otherwise
+/// allocate gigabytes (found by the c_abi fuzz target: pp_size = 2^31 asked
+/// for an 11 GB allocation).
+/// cbindgen:ignore
+pub const MAX_GROUP_SIZE: u32 = 1 << 16;
+
 /// The prefill ranks one decode rank connects to, and the counts both sides wait for.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct RankMapping {
@@ -43,6 +50,20 @@ pub fn resolve_rank_mapping(
     prefill: &Topology,
     opts: MappingOptions,
 ) -> Result<RankMapping> {
+    for (side, t) in [("decode", decode), ("prefill", prefill)] {
+        for (name, v) in [
+            ("attn_tp_size", t.attn_tp_size),
+            ("attn_cp_size", t.attn_cp_size),
+            ("pp_size", t.pp_size),
+        ] {
+            if v > MAX_GROUP_SIZE {
+                return Err(Error::new(
+                    Status::InvalidTopology,
+                    format!("{side} {name}={v} exceeds the supported maximum {MAX_GROUP_SIZE}"),
+                ));
+            }
+        }
+    }
     let (td, tp) = (decode.attn_tp_size, prefill.attn_tp_size);
     if td == 0 || tp == 0 {
         return Err(Error::new(
@@ -133,6 +154,21 @@ pub fn prefill_unique_rank(prefill: &Topology) -> u32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Found by the c_abi fuzz target: a huge pp_size made the mapping
+    /// allocate (0..pp_size) ranks; it is now a typed error.
+    #[test]
+    fn absurd_group_sizes_are_refused_not_allocated() {
+        let d = topo(1, 1, 1, 0, PoolKind::Mla);
+        for p in [
+            topo(1, 1, 1 << 31, 0, PoolKind::Mla),
+            topo(1, MAX_GROUP_SIZE + 1, 1, 0, PoolKind::Mla),
+            topo(u32::MAX, 1, 1, 0, PoolKind::Mla),
+        ] {
+            let e = resolve_rank_mapping(&d, &p, MappingOptions::default()).unwrap_err();
+            assert_eq!(e.status(), Status::InvalidTopology, "{e:?}");
+        }
+    }
 
     fn topo(tp: u32, cp: u32, pp: u32, engine_rank: u32, pool: PoolKind) -> Topology {
         let mut t = Topology::single_mla(64, 4, 1152);

@@ -131,7 +131,9 @@ pub fn dcp_pack_buffer_bytes(
                 format!("PD DCP pack requires page-aligned kv_item_lens, got {l} (page_size {page_size})"),
             ));
         }
-        row_sum += l / page_size;
+        row_sum = row_sum
+            .checked_add(l / page_size)
+            .ok_or_else(|| Error::invalid("sum of kv_item_lens overflows u64"))?;
     }
     dcp_size
         .checked_mul(max_tokens.div_ceil(dcp_size))
@@ -149,6 +151,15 @@ pub fn pack_slice_tokens(buffer_bytes: u64, row_bytes: &[u64]) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Found by the c_abi fuzz target: the row sum overflowed (a panic in
+    /// debug builds, a wrong size in release builds).
+    #[test]
+    fn pack_buffer_row_sum_overflow_is_an_error() {
+        let l = u64::MAX / 16 * 16;
+        let e = dcp_pack_buffer_bytes(&[l, l], 1, 1, 1).unwrap_err();
+        assert_eq!(e.status(), Status::InvalidArgument);
+    }
 
     #[test]
     fn coalesce_matches_reference_grouping() {

@@ -18,7 +18,7 @@ mod batch;
 pub mod checksum;
 pub mod cma;
 mod conn;
-mod handshake;
+pub mod handshake;
 pub mod identity;
 pub mod local;
 pub mod nccl;

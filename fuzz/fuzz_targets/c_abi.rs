@@ -1,0 +1,7 @@
+//! cargo-fuzz target `c_abi` (see fuzz/common/targets.rs).
+#![no_main]
+
+#[path = "../common/targets.rs"]
+mod targets;
+
+libfuzzer_sys::fuzz_target!(|data: &[u8]| targets::run("c_abi", data));
