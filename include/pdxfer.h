@@ -14,6 +14,10 @@
 // Largest accepted control line (a page list of a very long request fits).
 #define MAX_LINE (64 << 20)
 
+// Cleared rooms remembered; older tombstones are forgotten (a message for a
+// room cleared that long ago is then "unknown room", still never applied).
+#define MAX_TOMBSTONES 65536
+
 // Compute a checksum; the receiver verifies it over the landed bytes.
 #define PDXFER_BATCH_CHECKSUM 1
 

@@ -144,6 +144,7 @@ struct MetaInfo {
     state_indices: Vec<u64>,
     required: u32,
     bytes: u64,
+    arrived: Instant,
 }
 
 /// Prefill-side room data beyond the state machine.
@@ -997,7 +998,21 @@ impl Inner {
             writer,
             alive: AtomicBool::new(true),
         });
-        lock(&self.prefill_links).insert(key, link.clone());
+        {
+            let mut links = lock(&self.prefill_links);
+            // links to an older epoch of this instance, or dead ones, that no room
+            // uses any more (the map and the link's reader hold the only two
+            // references) are closed, so their sockets on both sides go away
+            links.retain(|(inst, ep), l| {
+                let stale = (*inst == key.0 && *ep < key.1) || !l.alive.load(Ordering::Acquire);
+                if stale && Arc::strong_count(l) <= 2 {
+                    l.writer.shutdown();
+                    return false;
+                }
+                true
+            });
+            links.insert(key, link.clone());
+        }
         let w = Arc::downgrade(self);
         let l2 = link.clone();
         std::thread::Builder::new()
@@ -1179,6 +1194,7 @@ fn prefill_conn(w: std::sync::Weak<Inner>, s: TcpStream) {
                         state_indices,
                         required: required_dst_info_num,
                         bytes: 0,
+                        arrived: Instant::now(),
                     },
                 );
             }
@@ -1325,6 +1341,11 @@ fn deadline_loop(w: std::sync::Weak<Inner>) {
         let Some(inner) = w.upgrade() else { return };
         if inner.closed.load(Ordering::Acquire) {
             return;
+        }
+        if inner.cfg.role == Role::Prefill {
+            // metadata for a room this prefill never opened (or already cleared) is forgotten
+            let ttl = inner.cfg.room_timeout;
+            lock(&inner.pending_meta).retain(|_, v| v.iter().any(|m| m.arrived.elapsed() < ttl));
         }
         let expired = lock(&inner.rooms).expire(Instant::now());
         if !expired.is_empty() {

@@ -85,7 +85,13 @@ pub struct RoomTable {
     rooms: HashMap<u64, Room>,
     /// Cleared rooms: id -> last attempt, so late messages are recognised.
     tombstones: HashMap<u64, u64>,
+    /// Tombstones in the order they were made, to forget the oldest.
+    tomb_order: std::collections::VecDeque<(u64, u64)>,
 }
+
+/// Cleared rooms remembered; older tombstones are forgotten (a message for a
+/// room cleared that long ago is then "unknown room", still never applied).
+pub const MAX_TOMBSTONES: usize = 65_536;
 
 impl RoomTable {
     /// An empty table.
@@ -268,6 +274,15 @@ impl RoomTable {
         let attempt = r.attempt;
         self.rooms.remove(&id);
         self.tombstones.insert(id, attempt);
+        self.tomb_order.push_back((id, attempt));
+        while self.tomb_order.len() > MAX_TOMBSTONES {
+            if let Some((old, a)) = self.tomb_order.pop_front() {
+                // a re-created and re-cleared id has a newer tombstone: keep that one
+                if self.tombstones.get(&old) == Some(&a) {
+                    self.tombstones.remove(&old);
+                }
+            }
+        }
         Ok(())
     }
 
@@ -350,6 +365,24 @@ mod tests {
             "old attempt cannot complete the new request"
         );
         assert_eq!(t.get(1).unwrap().poll, KvPoll::Bootstrapping);
+    }
+
+    #[test]
+    fn tombstones_are_bounded() {
+        let now = Instant::now();
+        let mut t = RoomTable::new();
+        for id in 0..(MAX_TOMBSTONES as u64 + 10) {
+            let a = t.create(id, KvPoll::Bootstrapping, None, now).unwrap();
+            t.update(id, a, KvPoll::Success);
+            t.clear(id).unwrap();
+        }
+        assert_eq!(t.tombstones.len(), MAX_TOMBSTONES);
+        assert!(t.get(3).unwrap_err().detail().contains("unknown"));
+        assert!(t
+            .get(MAX_TOMBSTONES as u64 + 5)
+            .unwrap_err()
+            .detail()
+            .contains("cleared"));
     }
 
     #[test]

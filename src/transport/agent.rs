@@ -81,6 +81,20 @@ struct TcpRecv {
     stalled: HashSet<u64>,
 }
 
+/// Finished batch ids remembered per session (late frames of a finished batch
+/// are dropped); batch ids grow, so only the newest ones need remembering.
+const FINISHED_WINDOW: u64 = 8192;
+
+impl TcpRecv {
+    fn mark_finished(&mut self, batch: u64) {
+        self.finished.insert(batch);
+        if self.finished.len() as u64 > 2 * FINISHED_WINDOW {
+            let keep = batch.saturating_sub(FINISHED_WINDOW);
+            self.finished.retain(|&b| b >= keep);
+        }
+    }
+}
+
 struct Granted {
     ranges: Vec<Range>,
     guards: Vec<AccessGuard>,
@@ -699,13 +713,13 @@ fn finalize_tcp(a: &AgentInner, sess: &Session, t: &mut TcpRecv, batch: u64, pee
         None => {}
         Some(Ok(())) => {
             t.batches.remove(&batch);
-            t.finished.insert(batch);
+            t.mark_finished(batch);
             a.deliver(peer.clone(), sess.id, completion(&c));
             sess.send(FrameType::Ack, &batch.to_le_bytes());
         }
         Some(Err(e)) => {
             t.batches.remove(&batch);
-            t.finished.insert(batch);
+            t.mark_finished(batch);
             sess.send(FrameType::Nack, &wire::encode_reason(batch, &e));
         }
     }
