@@ -174,6 +174,15 @@ mod tests {
 
     #[cfg(feature = "cuda")]
     #[test]
+    fn engine_types_move_between_threads() {
+        fn send<T: Send>() {}
+        send::<GpuRelayout>();
+        send::<DeviceBuffer>();
+        send::<GpuEvent>();
+    }
+
+    #[cfg(feature = "cuda")]
+    #[test]
     fn no_driver_is_typed_everywhere() {
         if device::driver_present().is_ok() {
             eprintln!("skipped: a CUDA driver is present");
