@@ -1342,6 +1342,12 @@ fn deadline_loop(w: std::sync::Weak<Inner>) {
         if inner.closed.load(Ordering::Acquire) {
             return;
         }
+        if inner.cfg.role == Role::Decode {
+            // The agent queues a completion record per received batch; the engine
+            // learns a room's outcome and bytes from the prefill's status message
+            // instead, so the records are drained here rather than accumulating.
+            while inner.agent.try_completion().is_some() {}
+        }
         if inner.cfg.role == Role::Prefill {
             // metadata for a room this prefill never opened (or already cleared) is forgotten
             let ttl = inner.cfg.room_timeout;
