@@ -508,13 +508,7 @@ impl CmaTransport {
         let checksum = opts
             .checksum
             .then(|| if read { 0 } else { checksum_pieces(&pieces) });
-        let template = Completion {
-            batch_id: BatchId(0),
-            bytes,
-            checksum,
-            room: opts.room,
-            epoch: opts.epoch,
-        };
+        let template = Completion::pending(bytes, checksum, opts);
         let id = self
             .conn
             .table

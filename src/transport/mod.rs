@@ -124,6 +124,19 @@ pub struct Completion {
     pub epoch: u64,
 }
 
+impl Completion {
+    /// The record of a batch not yet numbered (the batch table assigns its id).
+    pub(crate) fn pending(bytes: u64, checksum: Option<u64>, opts: &BatchOptions) -> Completion {
+        Completion {
+            batch_id: BatchId(0),
+            bytes,
+            checksum,
+            room: opts.room,
+            epoch: opts.epoch,
+        }
+    }
+}
+
 /// Where a batch stands.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum BatchStatus {

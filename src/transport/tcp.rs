@@ -217,13 +217,7 @@ impl Transport for TcpTransport {
                 .map(|p| checksum_pieces(p))
                 .fold(0u64, u64::wrapping_add)
         });
-        let template = Completion {
-            batch_id: BatchId(0),
-            bytes,
-            checksum,
-            room: opts.room,
-            epoch: opts.epoch,
-        };
+        let template = Completion::pending(bytes, checksum, opts);
         let id = self
             .conn
             .table
