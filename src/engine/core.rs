@@ -16,6 +16,7 @@ use crate::bootstrap::peer::{check_pair, prefill_targets, verify_peer};
 use crate::bootstrap::schema::{InstanceId, PeerHello, RegionDescriptor, Registration, Role};
 use crate::bootstrap::store::Store;
 use crate::error::{Error, Result, Status};
+use crate::layout::plan::RunMerger;
 use crate::layout::{prefill_unique_rank, DcpLayout, PackLayout, PairRequest, Run, Side, Topology};
 use crate::memory::RegionDesc;
 use crate::transport::{
@@ -1633,10 +1634,18 @@ fn write_pair(
         return Ok(0);
     }
     let token_bytes: u64 = row_bytes.iter().sum();
-    let mut unpacked = 0u64;
-    req.for_each_run(false, |_| unpacked += 1)?;
-    let mut packed = 0u64;
-    req.for_each_run(true, |_| packed += 1)?;
+    // one walk counts the writes both ways: unpacked runs (pool rows) and
+    // packed runs (consecutive staging indices)
+    let (mut unpacked, mut packed) = (0u64, 0u64);
+    let (mut mu, mut mp) = (RunMerger::default(), RunMerger::default());
+    let mut next = 0u64;
+    req.for_each_segment(|seg| {
+        mu.push(seg.src_row, seg.dst_row, seg.len, &mut |_| unpacked += 1);
+        mp.push(next, seg.dst_row, seg.len, &mut |_| packed += 1);
+        next += seg.len;
+    })?;
+    mu.finish(&mut |_| unpacked += 1);
+    mp.finish(&mut |_| packed += 1);
     let staging = inner.staging.get(idx);
     let cap_tokens = staging.map_or(0, |(b, _)| b.len() as u64 / token_bytes.max(1));
     if staging.is_none() || packed * 2 > unpacked || cap_tokens == 0 {
@@ -1691,7 +1700,7 @@ fn write_pair(
             let pack = PackLayout::new(n, row_bytes)?;
             let mut spans = Vec::new();
             let mut next = 0u64;
-            let mut m = crate::layout::plan::RunMerger::default();
+            let mut m = RunMerger::default();
             sub.for_each_segment(|seg| {
                 m.push(seg.src_row, next, seg.len, &mut |r: Run| spans.push(r));
                 next += seg.len;
