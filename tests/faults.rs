@@ -305,20 +305,44 @@ fn bootstrap_restart_mid_transfer() {
     let server = BootstrapServer::start(ServerConfig::default()).unwrap();
     let (url, addr) = (server.url(), server.addr());
     let cl = "faults-bs";
-    let lease = ("lease-ms", "600".to_string());
+    let store = server.store();
+    wait_prefill_then_outage(
+        &url,
+        cl,
+        600,
+        || wait_in(store.as_ref(), cl, Role::Prefill, 1),
+        || server.stop(),
+        || {
+            let server = restart_server(addr);
+            wait_registered(&server, cl, Role::Prefill, 1);
+            wait_registered(&server, cl, Role::Decode, 1);
+            server
+        },
+    );
+}
+
+/// The outage script shared by the bootstrap and etcd restarts. Room 1 is in
+/// flight when `stop` takes the store down; room 2, opened during the outage,
+/// fails with a reason, promptly; room 1 still succeeds (the data plane does
+/// not need the store); after `restart` (which returns once the ranks are
+/// registered again, and whose value is kept alive to the end) room 3 succeeds.
+fn wait_prefill_then_outage<T>(
+    url: &str,
+    cl: &str,
+    lease_ms: u64,
+    registered: impl FnOnce(),
+    stop: impl FnOnce(),
+    restart: impl FnOnce() -> T,
+) {
+    let lease = ("lease-ms", lease_ms.to_string());
     let mut p = Peer::spawn(
         "prefill",
-        &url,
+        url,
         cl,
         &[("role", "prefill".into()), lease.clone()],
     );
-    let mut d = Peer::spawn(
-        "decode",
-        &url,
-        cl,
-        &[("role", "decode".into()), lease.clone()],
-    );
-    wait_registered(&server, cl, Role::Prefill, 1);
+    let mut d = Peer::spawn("decode", url, cl, &[("role", "decode".into()), lease]);
+    registered();
     let dst: Vec<u64> = (0..12).collect();
     d.cmd(recv_total(1, 12 * PAGE, &dst));
     d.expect(|v| v["event"] == "meta" && v["room"] == 1, SLACK);
@@ -327,20 +351,19 @@ fn bootstrap_restart_mid_transfer() {
         |v| v["event"] == "chunk" && v["room"] == 1 && v["i"] == 2,
         DEADLINE,
     );
-    server.stop();
-    // opened while the bootstrap is down: fails with a reason, promptly
+    stop();
     d.cmd(recv_total(2, 4 * PAGE, &[20, 21, 22, 23]));
-    let d2 = d.done(2, DEADLINE + SLACK);
-    assert_failed(&d2, "decode room opened during the outage");
+    assert_failed(
+        &d.done(2, DEADLINE + SLACK),
+        &format!("{cl}: decode room opened during the outage"),
+    );
     assert_eq!(p.done(1, DEADLINE + SLACK)["poll"], "Success");
     assert_success(
         &d.done(1, SLACK),
         12 * PAGE * ROW_TOTAL + AUX_ITEM,
-        "room in flight",
+        &format!("{cl}: room in flight"),
     );
-    let server = restart_server(addr);
-    wait_registered(&server, cl, Role::Prefill, 1);
-    wait_registered(&server, cl, Role::Decode, 1);
+    let _back = restart();
     d.cmd(recv_total(3, 4 * PAGE, &[24, 25, 26, 27]));
     d.expect(|v| v["event"] == "meta" && v["room"] == 3, SLACK);
     p.cmd(send(3, 4, 20, 0));
@@ -348,7 +371,7 @@ fn bootstrap_restart_mid_transfer() {
     assert_success(
         &d.done(3, SLACK),
         4 * PAGE * ROW_TOTAL + AUX_ITEM,
-        "room after restart",
+        &format!("{cl}: room after the restart"),
     );
     d.exit();
     p.exit();
@@ -455,53 +478,19 @@ fn etcd_restart_mid_transfer() {
     let url = format!("etcd://127.0.0.1:{client}/faults");
     let store = pdxfer::bootstrap::open_store(&url, None).unwrap();
     let cl = "faults-etcd";
-    let lease = ("lease-ms", "2000".to_string());
-    let mut p = Peer::spawn(
-        "prefill",
+    wait_prefill_then_outage(
         &url,
         cl,
-        &[("role", "prefill".into()), lease.clone()],
+        2000,
+        || wait_in(store.as_ref(), cl, Role::Prefill, 1),
+        || etcd.kill9(),
+        || {
+            let etcd =
+                Etcd::start(&dir, client, peer).expect("etcd restarts on its data directory");
+            wait_in(store.as_ref(), cl, Role::Prefill, 1);
+            etcd
+        },
     );
-    let mut d = Peer::spawn(
-        "decode",
-        &url,
-        cl,
-        &[("role", "decode".into()), lease.clone()],
-    );
-    wait_in(store.as_ref(), cl, Role::Prefill, 1);
-    let dst: Vec<u64> = (0..12).collect();
-    d.cmd(recv_total(1, 12 * PAGE, &dst));
-    d.expect(|v| v["event"] == "meta" && v["room"] == 1, SLACK);
-    p.cmd(send(1, 12, 0, 40));
-    p.expect(
-        |v| v["event"] == "chunk" && v["room"] == 1 && v["i"] == 2,
-        DEADLINE,
-    );
-    etcd.kill9();
-    d.cmd(recv_total(2, 4 * PAGE, &[20, 21, 22, 23]));
-    assert_failed(
-        &d.done(2, DEADLINE + SLACK),
-        "decode room opened during the etcd outage",
-    );
-    assert_eq!(p.done(1, DEADLINE + SLACK)["poll"], "Success");
-    assert_success(
-        &d.done(1, SLACK),
-        12 * PAGE * ROW_TOTAL + AUX_ITEM,
-        "room in flight",
-    );
-    let _etcd = Etcd::start(&dir, client, peer).expect("etcd restarts on its data directory");
-    wait_in(store.as_ref(), cl, Role::Prefill, 1);
-    d.cmd(recv_total(3, 4 * PAGE, &[24, 25, 26, 27]));
-    d.expect(|v| v["event"] == "meta" && v["room"] == 3, SLACK);
-    p.cmd(send(3, 4, 20, 0));
-    assert_eq!(p.done(3, DEADLINE + SLACK)["poll"], "Success");
-    assert_success(
-        &d.done(3, SLACK),
-        4 * PAGE * ROW_TOTAL + AUX_ITEM,
-        "room after the restart",
-    );
-    d.exit();
-    p.exit();
     let _ = std::fs::remove_dir_all(&dir);
 }
 
