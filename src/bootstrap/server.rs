@@ -404,49 +404,48 @@ fn metrics_text(shared: &Shared) -> String {
             let _ = writeln!(out, "{name}{labels} {v}");
         }
     };
-    let one = |v: u64| vec![(String::new(), v)];
-    metric(
-        "pdxfer_bootstrap_registrations_total",
-        "counter",
-        "Successful registrations.",
-        &one(s.registrations),
-    );
-    metric(
-        "pdxfer_bootstrap_replacements_total",
-        "counter",
-        "Registrations that atomically replaced an entry at the same rank key.",
-        &one(s.replacements),
-    );
-    metric(
-        "pdxfer_bootstrap_expirations_total",
-        "counter",
-        "Entries removed because their lease was not kept alive.",
-        &one(s.expirations),
-    );
-    metric(
-        "pdxfer_bootstrap_deregistrations_total",
-        "counter",
-        "Entries removed by deregistration.",
-        &one(s.deregistrations),
-    );
-    metric(
-        "pdxfer_bootstrap_keepalives_total",
-        "counter",
-        "Successful lease keep-alives.",
-        &one(s.keepalives),
-    );
-    metric(
-        "pdxfer_bootstrap_entries",
-        "gauge",
-        "Live entries.",
-        &one(s.entries),
-    );
-    metric(
-        "pdxfer_bootstrap_leases",
-        "gauge",
-        "Live leases.",
-        &one(s.leases),
-    );
+    let counts: [(&str, &str, &str, u64); 7] = [
+        (
+            "pdxfer_bootstrap_registrations_total",
+            "counter",
+            "Successful registrations.",
+            s.registrations,
+        ),
+        (
+            "pdxfer_bootstrap_replacements_total",
+            "counter",
+            "Registrations that atomically replaced an entry at the same rank key.",
+            s.replacements,
+        ),
+        (
+            "pdxfer_bootstrap_expirations_total",
+            "counter",
+            "Entries removed because their lease was not kept alive.",
+            s.expirations,
+        ),
+        (
+            "pdxfer_bootstrap_deregistrations_total",
+            "counter",
+            "Entries removed by deregistration.",
+            s.deregistrations,
+        ),
+        (
+            "pdxfer_bootstrap_keepalives_total",
+            "counter",
+            "Successful lease keep-alives.",
+            s.keepalives,
+        ),
+        (
+            "pdxfer_bootstrap_entries",
+            "gauge",
+            "Live entries.",
+            s.entries,
+        ),
+        ("pdxfer_bootstrap_leases", "gauge", "Live leases.", s.leases),
+    ];
+    for (name, kind, help, v) in counts {
+        metric(name, kind, help, &[(String::new(), v)]);
+    }
     let st = shared.stats.lock().unwrap_or_else(|p| p.into_inner());
     let codes: Vec<(String, u64)> = st
         .by_code
