@@ -96,6 +96,17 @@ fn submit_with(
     super::ok()
 }
 
+/// The Rust op of a C op (reads use the same fields, data flowing the other way).
+fn write_op(w: &PdxWriteOp) -> WriteOp {
+    WriteOp {
+        local_region: w.local_region,
+        local_offset: w.local_offset,
+        remote_region: w.remote_region,
+        remote_offset: w.remote_offset,
+        len: w.len,
+    }
+}
+
 /// Submits `num_ops` writes to the peer as one batch; its id goes to
 /// `out_batch`. `options` may be NULL. An op outside the local or the
 /// peer's regions fails the call (`PDX_STATUS_OUT_OF_BOUNDS`,
@@ -110,16 +121,7 @@ pub extern "C" fn pdxfer_submit(
 ) -> PdxStatus {
     boundary(|| {
         submit_with(peer, ops, num_ops, options, out_batch, |t, ops, o| {
-            let rust: Vec<WriteOp> = ops
-                .iter()
-                .map(|w| WriteOp {
-                    local_region: w.local_region,
-                    local_offset: w.local_offset,
-                    remote_region: w.remote_region,
-                    remote_offset: w.remote_offset,
-                    len: w.len,
-                })
-                .collect();
+            let rust: Vec<WriteOp> = ops.iter().map(write_op).collect();
             t.submit(&rust, o)
         })
     })
@@ -140,16 +142,7 @@ pub extern "C" fn pdxfer_submit_reads(
 ) -> PdxStatus {
     boundary(|| {
         submit_with(peer, ops, num_ops, options, out_batch, |t, ops, o| {
-            let rust: Vec<ReadOp> = ops
-                .iter()
-                .map(|w| ReadOp {
-                    local_region: w.local_region,
-                    local_offset: w.local_offset,
-                    remote_region: w.remote_region,
-                    remote_offset: w.remote_offset,
-                    len: w.len,
-                })
-                .collect();
+            let rust: Vec<ReadOp> = ops.iter().map(|w| write_op(w).as_read()).collect();
             t.submit_reads(&rust, o)
         })
     })

@@ -68,6 +68,18 @@ pub struct ReadOp {
     pub len: u64,
 }
 
+impl WriteOp {
+    pub(crate) fn as_read(&self) -> ReadOp {
+        ReadOp {
+            local_region: self.local_region,
+            local_offset: self.local_offset,
+            remote_region: self.remote_region,
+            remote_offset: self.remote_offset,
+            len: self.len,
+        }
+    }
+}
+
 impl ReadOp {
     pub(crate) fn as_write(&self) -> WriteOp {
         WriteOp {
