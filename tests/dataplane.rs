@@ -254,6 +254,40 @@ fn tcp_random_batches_every_byte_verified() {
     random_batches(TransportKind::Tcp, 3, 22, true);
 }
 
+/// Opens a raw tcp session to `addr` (hello, select) whose control connection announces a batch writing
+/// the first 4 KiB of `region`, and returns once the receiver granted (pinned) it.
+fn pin_first_page(addr: std::net::SocketAddr, region: u64) -> TcpStream {
+    let mut s = TcpStream::connect(addr).unwrap();
+    let me = pdxfer::transport::ProcIdentity::current().unwrap();
+    wire::write_json(
+        &mut s,
+        wire::FrameType::Hello,
+        &serde_json::json!({"version": wire::VERSION, "identity": me}),
+    )
+    .unwrap();
+    assert_eq!(read_frame_timeout(&mut s).0, wire::FrameType::HelloAck);
+    wire::write_json(
+        &mut s,
+        wire::FrameType::Select,
+        &serde_json::json!({"transport": "tcp", "streams": 1, "proof": 0}),
+    )
+    .unwrap();
+    assert_eq!(read_frame_timeout(&mut s).0, wire::FrameType::SelectOk);
+    let range = wire::Range {
+        region,
+        offset: 0,
+        len: 4096,
+    };
+    wire::write_frame(
+        &mut s,
+        wire::FrameType::Intent,
+        &wire::encode_intent(1, &[range]),
+    )
+    .unwrap();
+    assert_eq!(read_frame_timeout(&mut s).0, wire::FrameType::Grant);
+    s
+}
+
 fn read_frame_timeout(s: &mut TcpStream) -> (wire::FrameType, Vec<u8>) {
     s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
     wire::read_frame(s).unwrap()
@@ -581,38 +615,8 @@ fn unregister_waits_for_granted_batches() {
     })
     .unwrap();
     let d = rx.registry().alloc_shared(1 << 16).unwrap();
-    let me = pdxfer::transport::ProcIdentity::current().unwrap();
-    let hello = |s: &mut TcpStream| {
-        wire::write_json(
-            s,
-            wire::FrameType::Hello,
-            &serde_json::json!({"version": wire::VERSION, "identity": me}),
-        )
-        .unwrap();
-        assert_eq!(read_frame_timeout(s).0, wire::FrameType::HelloAck);
-        wire::write_json(
-            s,
-            wire::FrameType::Select,
-            &serde_json::json!({"transport": "tcp", "streams": 1, "proof": 0}),
-        )
-        .unwrap();
-        assert_eq!(read_frame_timeout(s).0, wire::FrameType::SelectOk);
-    };
     let addr = rx.local_addr().unwrap();
-    let mut s = TcpStream::connect(addr).unwrap();
-    hello(&mut s);
-    let range = wire::Range {
-        region: d.id,
-        offset: 0,
-        len: 4096,
-    };
-    wire::write_frame(
-        &mut s,
-        wire::FrameType::Intent,
-        &wire::encode_intent(1, &[range]),
-    )
-    .unwrap();
-    assert_eq!(read_frame_timeout(&mut s).0, wire::FrameType::Grant);
+    let mut s = pin_first_page(addr, d.id);
     let t0 = Instant::now();
     let e = rx
         .registry()
@@ -626,21 +630,7 @@ fn unregister_waits_for_granted_batches() {
         .unwrap();
     // Pins of a connection that dies are released with it.
     let d = rx.registry().alloc_shared(1 << 16).unwrap();
-    let mut s = TcpStream::connect(addr).unwrap();
-    hello(&mut s);
-    let range = wire::Range {
-        region: d.id,
-        offset: 0,
-        len: 4096,
-    };
-    wire::write_frame(
-        &mut s,
-        wire::FrameType::Intent,
-        &wire::encode_intent(1, &[range]),
-    )
-    .unwrap();
-    assert_eq!(read_frame_timeout(&mut s).0, wire::FrameType::Grant);
-    drop(s);
+    drop(pin_first_page(addr, d.id));
     rx.registry()
         .unregister(d.id, Duration::from_secs(5))
         .unwrap();
