@@ -13,6 +13,7 @@ pub mod ffi;
 pub mod layout;
 pub mod memory;
 pub mod relayout;
+pub mod rng;
 pub mod transport;
 
 pub use error::{Error, Result, Status};

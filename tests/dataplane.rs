@@ -1,6 +1,7 @@
 //! Multi-process data-plane tests: `pdxfer target` children as peers, this
 //! test process as the initiator, over cma and tcp.
 
+use pdxfer::rng::SplitMix64;
 use pdxfer::transport::{
     wire, Agent, AgentOptions, BatchOptions, ConnectOptions, Transport, TransportKind, WriteOp,
 };
@@ -111,26 +112,12 @@ impl Drop for Target {
     }
 }
 
-/// xorshift64*: a deterministic generator for the random batches.
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
-}
-
 fn initiator(src_len: usize) -> (Agent, Vec<u8>, u64) {
     let a = Agent::new(&AgentOptions::default()).unwrap();
     let mut src = vec![0u8; src_len];
-    let mut r = Rng(0x1234_5678_9abc_def1);
+    let mut r = SplitMix64::new(0x1234_5678_9abc_def1);
     for b in src.iter_mut() {
-        *b = r.next() as u8;
+        *b = r.next_u64() as u8;
     }
     // SAFETY: the buffer is returned with the agent and outlives its use.
     let d = unsafe { a.register_host(src.as_mut_ptr(), src.len()) }.unwrap();
@@ -159,7 +146,7 @@ fn random_batches(kind: TransportKind, n: u32, seed: u64, heap: bool) {
         assert_eq!(t.data_path().contains("memcpy"), !heap, "{}", t.data_path());
     }
     let mut model = vec![0u8; REGION];
-    let mut r = Rng(seed);
+    let mut r = SplitMix64::new(seed);
     let mut batches = 0;
     for _ in 0..12 {
         let nops = 1 + r.below(48) as usize;

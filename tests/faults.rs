@@ -11,6 +11,7 @@
 use pdxfer::bootstrap::schema::Role;
 use pdxfer::bootstrap::server::{BootstrapServer, ServerConfig};
 use pdxfer::bootstrap::store::Store;
+use pdxfer::rng::SplitMix64;
 use serde_json::{json, Value};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -37,27 +38,18 @@ impl Peer {
     }
 }
 
-struct Rng(u64);
-
-impl Rng {
-    fn from_env() -> Rng {
-        let s = std::env::var("PDXFER_FAULT_SEED")
-            .ok()
-            .and_then(|s| s.parse().ok())
-            .unwrap_or_else(|| {
-                std::time::SystemTime::now()
-                    .duration_since(std::time::UNIX_EPOCH)
-                    .map_or(1, |d| d.as_nanos() as u64)
-            });
-        eprintln!("fault seed: PDXFER_FAULT_SEED={s}");
-        Rng(s | 1)
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0 % n.max(1)
-    }
+/// The seeded generator of the fault points, from `PDXFER_FAULT_SEED` or the clock.
+fn seeded_rng() -> SplitMix64 {
+    let s = std::env::var("PDXFER_FAULT_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(1, |d| d.as_nanos() as u64)
+        });
+    eprintln!("fault seed: PDXFER_FAULT_SEED={s}");
+    SplitMix64::new(s)
 }
 
 fn send(room: u64, pages: u64, src0: u64, delay_ms: u64) -> Value {
@@ -117,7 +109,7 @@ fn wait_in(store: &dyn Store, cluster: &str, role: Role, n: usize) {
 /// keeps serving (a new room, and a restarted decode), canaries stay intact.
 #[test]
 fn kill_decode_mid_transfer() {
-    let mut rng = Rng::from_env();
+    let mut rng = seeded_rng();
     let server = BootstrapServer::start(ServerConfig::default()).unwrap();
     let url = server.url();
     let cl = "faults-kd";
@@ -202,7 +194,7 @@ fn kill_decode_mid_transfer() {
 /// well before the deadline; a restarted prefill serves the next room.
 #[test]
 fn kill_prefill_mid_transfer() {
-    let mut rng = Rng::from_env();
+    let mut rng = seeded_rng();
     let server = BootstrapServer::start(ServerConfig::default()).unwrap();
     let url = server.url();
     let cl = "faults-kp";

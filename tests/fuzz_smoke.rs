@@ -9,56 +9,41 @@
 #[path = "../fuzz/common/targets.rs"]
 mod targets;
 
+use pdxfer::rng::SplitMix64;
 use std::time::{Duration, Instant};
 
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        // splitmix64
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n.max(1) as u64) as usize
-    }
-}
-
-fn mutate(rng: &mut Rng, seeds: &[Vec<u8>], out: &mut Vec<u8>) {
+fn mutate(rng: &mut SplitMix64, seeds: &[Vec<u8>], out: &mut Vec<u8>) {
     out.clear();
-    if seeds.is_empty() || rng.below(8) == 0 {
-        let n = rng.below(256);
-        out.extend((0..n).map(|_| rng.next() as u8));
+    if seeds.is_empty() || rng.index(8) == 0 {
+        let n = rng.index(256);
+        out.extend((0..n).map(|_| rng.next_u64() as u8));
         return;
     }
-    out.extend_from_slice(&seeds[rng.below(seeds.len())]);
-    for _ in 0..1 + rng.below(4) {
+    out.extend_from_slice(&seeds[rng.index(seeds.len())]);
+    for _ in 0..1 + rng.index(4) {
         let len = out.len();
-        match rng.below(7) {
-            0 if len > 0 => out[rng.below(len)] ^= 1 << rng.below(8),
-            1 if len > 0 => out[rng.below(len)] = rng.next() as u8,
-            2 => out.insert(rng.below(len + 1), rng.next() as u8),
+        match rng.index(7) {
+            0 if len > 0 => out[rng.index(len)] ^= 1 << rng.index(8),
+            1 if len > 0 => out[rng.index(len)] = rng.next_u64() as u8,
+            2 => out.insert(rng.index(len + 1), rng.next_u64() as u8),
             3 if len > 0 => {
-                out.remove(rng.below(len));
+                out.remove(rng.index(len));
             }
-            4 if len > 0 => out.truncate(rng.below(len)),
+            4 if len > 0 => out.truncate(rng.index(len)),
             5 if len > 0 => {
                 // an interesting integer at a random place
                 let v: [u8; 8] = [0u64, 1, u64::MAX, u32::MAX as u64, 1 << 31, 64 << 20]
-                    [rng.below(6)]
+                    [rng.index(6)]
                 .to_le_bytes();
-                let at = rng.below(len);
+                let at = rng.index(len);
                 for (i, b) in v.iter().enumerate().take(len - at) {
                     out[at + i] = *b;
                 }
             }
             _ => {
-                let other = &seeds[rng.below(seeds.len())];
+                let other = &seeds[rng.index(seeds.len())];
                 if !other.is_empty() {
-                    let at = rng.below(other.len());
+                    let at = rng.index(other.len());
                     out.extend_from_slice(&other[at..]);
                 }
             }
@@ -78,7 +63,7 @@ fn fuzz(name: &str, iters_scale: u64) {
         * iters_scale
         / 4;
     let cap = Duration::from_secs(20).max(Duration::from_millis(2) * iters as u32);
-    let mut rng = Rng(seed ^ name.len() as u64 ^ (name.as_bytes()[0] as u64) << 32);
+    let mut rng = SplitMix64::new(seed ^ name.len() as u64 ^ (name.as_bytes()[0] as u64) << 32);
     let mut seeds = targets::seeds(name);
     // inputs that once failed (fuzz/regressions/<target>/) always run first
     let reg = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))

@@ -7,6 +7,7 @@
 
 use pdxfer::layout::{DcpLayout, PackLayout, PairRequest, Run, SglangChunk, Side};
 use pdxfer::relayout::{self, cpu, CopyEntry};
+use pdxfer::rng::SplitMix64;
 use std::ffi::CString;
 use std::path::PathBuf;
 use std::process::Command;
@@ -65,37 +66,6 @@ fn build_harness() -> Harness {
     }
 }
 
-/// splitmix64: small deterministic generator, so failures reproduce.
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
-    fn pick<T: Copy>(&mut self, v: &[T]) -> T {
-        v[self.below(v.len() as u64) as usize]
-    }
-    fn bytes(&mut self, n: usize) -> Vec<u8> {
-        (0..n).map(|_| self.next() as u8).collect()
-    }
-    /// `k` distinct page ids below `n`, in random order.
-    fn pages(&mut self, k: usize, n: u64) -> Vec<u64> {
-        let mut all: Vec<u64> = (0..n).collect();
-        for i in 0..k {
-            let j = i + self.below(n - i as u64) as usize;
-            all.swap(i, j);
-        }
-        all.truncate(k);
-        all
-    }
-}
-
 /// A buffer whose usable part starts `offset` bytes past a 16-byte boundary.
 struct Buf {
     mem: Vec<u128>,
@@ -142,7 +112,7 @@ struct Case {
     tokens: u64,
 }
 
-fn random_case(rng: &mut Rng) -> Case {
+fn random_case(rng: &mut SplitMix64) -> Case {
     if rng.below(3) == 0 {
         return random_general_case(rng);
     }
@@ -171,7 +141,7 @@ fn random_case(rng: &mut Rng) -> Case {
 }
 
 /// General planner: DCP and interleave on both sides, different page sizes.
-fn random_general_case(rng: &mut Rng) -> Case {
+fn random_general_case(rng: &mut SplitMix64) -> Case {
     let (ps, pd) = (rng.pick(&[2u64, 4, 8]), rng.pick(&[1u64, 2, 4, 8]));
     let (ws, wd) = (1 + rng.below(3), 1 + rng.below(4));
     let is = rng.pick(&[1u64, 2]).min(ps);
@@ -203,7 +173,7 @@ fn random_general_case(rng: &mut Rng) -> Case {
     finish_case(rng, &req, spool * ps, dpool * pd)
 }
 
-fn finish_case(rng: &mut Rng, req: &PairRequest<'_>, src_rows: u64, dst_rows: u64) -> Case {
+fn finish_case(rng: &mut SplitMix64, req: &PairRequest<'_>, src_rows: u64, dst_rows: u64) -> Case {
     let gather = relayout::gather_spans(req).unwrap();
     let scatter = relayout::scatter_spans(req).unwrap();
     let tokens = req.token_count();
@@ -232,7 +202,7 @@ fn finish_case(rng: &mut Rng, req: &PairRequest<'_>, src_rows: u64, dst_rows: u6
 #[test]
 fn kernel_source_matches_cpu_relayout_on_random_plans() {
     let h = build_harness();
-    let mut rng = Rng(0x5eed_0f9d_7fe2);
+    let mut rng = SplitMix64::new(0x5eed_0f9d_7fe2);
     for case_no in 0..90 {
         let c = random_case(&mut rng);
         let pack = PackLayout::new(c.tokens, &c.row_bytes).unwrap();
@@ -339,7 +309,7 @@ fn vector_path_head_and_tail_and_long_spans() {
     // Long spans with equal misalignment take the 16-byte path with byte head and
     // tail; unequal misalignment takes the byte path. Both must be exact.
     let h = build_harness();
-    let mut rng = Rng(42);
+    let mut rng = SplitMix64::new(42);
     for (soff, doff, rb, rows) in [
         (0, 0, 1152u64, 300u64),
         (5, 5, 1152, 77),

@@ -11,6 +11,7 @@ use crate::engine::synthetic::SyntheticPools;
 use crate::engine::{Engine, EngineConfig, KvPoll};
 use crate::error::{Error, Result, Status};
 use crate::layout::{DcpLayout, Side};
+use crate::rng::SplitMix64;
 use crate::transport::TransportKind;
 use clap::Args;
 use crossbeam::channel::{unbounded, Receiver, Sender};
@@ -99,17 +100,6 @@ pub struct DemoRankArgs {
 
 const AUX_ROWS: u64 = 64;
 const AUX_ITEM: u64 = 64;
-
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self, n: u64) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0 % n.max(1)
-    }
-}
 
 fn say(out: &Mutex<std::io::Stdout>, v: &Value) {
     let mut o = out.lock().unwrap_or_else(|p| p.into_inner());
@@ -458,7 +448,7 @@ fn drive(
             }
         }
     }
-    let mut rng = Rng(a.seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1);
+    let mut rng = SplitMix64::new(a.seed);
     let mut free_src: VecDeque<u64> = (0..src_total).rev().collect();
     let mut free_dst: VecDeque<u64> = (0..dst_total).collect();
     let mut inflight: HashMap<u64, Req> = HashMap::new();
@@ -479,16 +469,16 @@ fn drive(
         // start requests while there is room
         while inflight.len() < a.concurrency.max(1) && next_room <= u64::from(a.requests) {
             let room = next_room;
-            let total = 1 + (a.max_tokens / 8) + rng.next(a.max_tokens - a.max_tokens / 8);
+            let total = 1 + (a.max_tokens / 8) + rng.below(a.max_tokens - a.max_tokens / 8);
             let prefix = if room.is_multiple_of(3) && total > v {
-                (1 + rng.next((total - 1) / v)) * v
+                (1 + rng.below((total - 1) / v)) * v
             } else {
                 0
             };
             let prefix = prefix.min((total - 1) / v * v);
             let n = total - prefix;
             let chunk = if room.is_multiple_of(2) {
-                2 + rng.next(6)
+                2 + rng.below(6)
             } else {
                 u64::MAX
             };

@@ -5,36 +5,7 @@ use super::{DeviceBuffer, GpuRelayout};
 use crate::error::{Error, Result, Status};
 use crate::layout::{PackLayout, SglangChunk};
 use crate::relayout::{self, cpu, CopyEntry};
-
-/// splitmix64: small deterministic generator, so failures reproduce.
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
-    fn pick<T: Copy>(&mut self, v: &[T]) -> T {
-        v[self.below(v.len() as u64) as usize]
-    }
-    fn bytes(&mut self, n: usize) -> Vec<u8> {
-        (0..n).map(|_| self.next() as u8).collect()
-    }
-    fn pages(&mut self, k: usize, n: u64) -> Vec<u64> {
-        let mut all: Vec<u64> = (0..n).collect();
-        for i in 0..k {
-            let j = i + self.below(n - i as u64) as usize;
-            all.swap(i, j);
-        }
-        all.truncate(k);
-        all
-    }
-}
+use crate::rng::SplitMix64;
 
 fn fail(msg: String) -> Error {
     Error::new(Status::Relayout, msg)
@@ -42,7 +13,7 @@ fn fail(msg: String) -> Error {
 
 /// One random plan on the device, gather + scatter + sliced gather, compared
 /// byte for byte with `relayout::cpu`. `big` is a 4,096-token, 61-layer plan.
-fn check_case(g: &mut GpuRelayout, rng: &mut Rng, case: u32, big: bool) -> Result<()> {
+fn check_case(g: &mut GpuRelayout, rng: &mut SplitMix64, case: u32, big: bool) -> Result<()> {
     let p = if big {
         64
     } else {
@@ -102,7 +73,7 @@ fn check_case(g: &mut GpuRelayout, rng: &mut Rng, case: u32, big: bool) -> Resul
     cpu::gather(&refs, &row_bytes, &gspans, &pack, &mut want)?;
 
     // Device pools at random misalignment (same or different per entry).
-    let mis = |rng: &mut Rng| if big { 0 } else { rng.below(16) };
+    let mis = |rng: &mut SplitMix64| if big { 0 } else { rng.below(16) };
     let mut dev_pools: Vec<(DeviceBuffer, u64)> = Vec::new();
     for v in &pools {
         let off = mis(rng);
@@ -274,7 +245,7 @@ pub fn bench(g: &mut GpuRelayout, a: &BenchParams) -> Result<Vec<BenchRow>> {
     );
     let pool = g.alloc(total_pool as usize)?;
     g.memset(&pool, 0x5a)?;
-    let mut rng = Rng(7);
+    let mut rng = SplitMix64::new(7);
     let src_pages = rng.pages(pages as usize, pages);
     let row_bytes = vec![a.row_bytes; a.layers as usize];
     let bases: Vec<u64> = (0..a.layers).map(|e| pool.ptr() + e * pool_bytes).collect();
@@ -376,7 +347,7 @@ pub fn bench(g: &mut GpuRelayout, a: &BenchParams) -> Result<Vec<BenchRow>> {
 /// device and compares each with the CPU relayout byte for byte. Returns the
 /// failures' messages.
 pub fn self_check(g: &mut GpuRelayout, cases: u32, seed: u64, large_first: bool) -> Vec<String> {
-    let mut rng = Rng(seed);
+    let mut rng = SplitMix64::new(seed);
     let mut failures = Vec::new();
     for case in 0..cases {
         if let Err(e) = check_case(g, &mut rng, case, large_first && case == 0) {
