@@ -182,34 +182,21 @@ mod tests {
 
     #[test]
     fn tp_cases() {
-        let m = resolve_rank_mapping(
-            &topo(4, 1, 1, 6, PoolKind::Mla),
-            &topo(4, 1, 1, 0, PoolKind::Mla),
-            Default::default(),
-        )
-        .unwrap();
-        assert_eq!(
-            (
+        // (decode tp, decode rank, prefill tp) -> (target tp ranks, dst infos, prefill responses)
+        for (d_tp, rank, p_tp, want) in [(4, 6, 4, (vec![2], 1, 1)), (8, 5, 2, (vec![1], 4, 1))] {
+            let m = resolve_rank_mapping(
+                &topo(d_tp, 1, 1, rank, PoolKind::Mla),
+                &topo(p_tp, 1, 1, 0, PoolKind::Mla),
+                Default::default(),
+            )
+            .unwrap();
+            let got = (
                 m.target_tp_ranks.clone(),
                 m.required_dst_info_num,
-                m.required_prefill_response_num
-            ),
-            (vec![2], 1, 1)
-        );
-        let m = resolve_rank_mapping(
-            &topo(8, 1, 1, 5, PoolKind::Mla),
-            &topo(2, 1, 1, 0, PoolKind::Mla),
-            Default::default(),
-        )
-        .unwrap();
-        assert_eq!(
-            (
-                m.target_tp_ranks.clone(),
-                m.required_dst_info_num,
-                m.required_prefill_response_num
-            ),
-            (vec![1], 4, 1)
-        );
+                m.required_prefill_response_num,
+            );
+            assert_eq!(got, want, "decode tp {d_tp} rank {rank}, prefill tp {p_tp}");
+        }
         let m = resolve_rank_mapping(
             &topo(2, 1, 1, 1, PoolKind::Mla),
             &topo(8, 1, 1, 0, PoolKind::Mla),
