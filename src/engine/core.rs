@@ -282,6 +282,7 @@ impl Engine {
         let agent = Agent::new(&AgentOptions {
             listen: (cfg.role == Role::Decode).then(|| format!("{}:0", cfg.host)),
             stall: Duration::ZERO,
+            ..Default::default()
         })?;
         let reg = agent.registry();
         let mut pool_regions = Vec::new();

@@ -31,17 +31,35 @@ pub struct HelloAck {
     /// with `process_vm_readv` and sends it back, proving the pid it will
     /// write to is the process at the other end of this connection.
     pub nonce_addr: u64,
+    /// The server's usable RDMA NICs, in words; `None` when it has none (or
+    /// predates RDMA support).
+    #[serde(default)]
+    pub rdma: Option<String>,
+    /// Why the server has no usable RDMA NIC.
+    #[serde(default)]
+    pub rdma_unavailable: Option<String>,
 }
 
 /// Client -> server: the transport chosen for this session.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Select {
-    /// `cma` or `tcp`.
+    /// `cma`, `tcp` or `rdma`.
     pub transport: TransportKind,
     /// tcp: data streams that will attach.
     pub streams: u32,
     /// cma: the nonce read from `nonce_addr`.
     pub proof: u64,
+    /// rdma: the client's encoded [`rdma::Handshake`](super::rdma::Handshake).
+    #[serde(default)]
+    pub rdma: Option<Vec<u8>>,
+}
+
+/// Server -> client: the transport is accepted.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct SelectOk {
+    /// rdma: the server's encoded [`rdma::Handshake`](super::rdma::Handshake).
+    #[serde(default)]
+    pub rdma: Option<Vec<u8>>,
 }
 
 /// Data stream -> server: attach to a session.

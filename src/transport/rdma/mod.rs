@@ -25,7 +25,11 @@ pub mod config;
 pub mod device;
 #[cfg(feature = "rdma")]
 pub mod endpoint;
+#[doc(hidden)]
+pub mod fake;
 pub mod handshake;
+pub mod link;
+pub mod nic;
 pub mod qp;
 pub mod session;
 pub mod slice;
