@@ -270,6 +270,12 @@ impl Agent {
         self.inner.rx.try_recv().ok()
     }
 
+    /// The RDMA NICs this agent uses, in words, or why there are none
+    /// (`NoRdmaDevice` with the reason). Opens them on first use.
+    pub fn rdma_nics(&self) -> Result<String> {
+        self.inner.nic().map(|n| n.describe())
+    }
+
     /// Number of sender sessions currently connected.
     pub fn sessions(&self) -> usize {
         lock(&self.inner.sessions).len()
