@@ -229,14 +229,27 @@ pub struct FakeNic {
     name: String,
     devices: Vec<u64>,
     mtu: Mtu,
+    link_layer: LinkLayer,
     regions: Mutex<Vec<(u64, u64, Vec<u32>)>>,
     qps: Mutex<Vec<u32>>,
     instance_id: u64,
 }
 
 impl FakeNic {
-    /// A NIC named `name` with `rails` rails (at least 1) and active MTU `mtu`.
+    /// A NIC named `name` with `rails` rails (at least 1) and active MTU `mtu`,
+    /// on an InfiniBand link (addressed by LID).
     pub fn new(name: &str, rails: usize, mtu: Mtu) -> Arc<FakeNic> {
+        Self::with_link_layer(name, rails, mtu, LinkLayer::InfiniBand)
+    }
+
+    /// [`new`](Self::new) on the given link layer (Ethernet: RoCE, addressed by a
+    /// non-zero GID).
+    pub fn with_link_layer(
+        name: &str,
+        rails: usize,
+        mtu: Mtu,
+        link_layer: LinkLayer,
+    ) -> Arc<FakeNic> {
         let mut f = lock(fabric());
         let devices = (0..rails.max(1))
             .map(|_| {
@@ -248,6 +261,7 @@ impl FakeNic {
             name: name.to_string(),
             devices,
             mtu,
+            link_layer,
             regions: Mutex::new(Vec::new()),
             qps: Mutex::new(Vec::new()),
             instance_id: random_u64(),
@@ -327,10 +341,19 @@ impl NicProvider for FakeNic {
             infos.push(RailInfo {
                 device: format!("{}_{i}", self.name),
                 port: 1,
-                link_layer: LinkLayer::InfiniBand,
+                link_layer: self.link_layer,
                 qpn,
                 lid: (*d & 0x3fff) as u16 + 1,
-                gid: Gid::default(),
+                gid: match self.link_layer {
+                    LinkLayer::InfiniBand => Gid::default(),
+                    LinkLayer::Ethernet => {
+                        let mut g = [0u8; 16];
+                        g[10] = 0xff;
+                        g[11] = 0xff;
+                        g[12..].copy_from_slice(&(*d as u32).to_be_bytes());
+                        Gid(g)
+                    }
+                },
                 gid_index: 0,
                 psn: random_psn(),
                 mtu: self.mtu,

@@ -416,7 +416,7 @@ mod tests {
 
     #[test]
     fn random_batches_land_byte_exact_and_the_record_follows_the_data() {
-        let mut st = setup();
+        let st = setup();
         let t = connect(&st.tx, &st.rx, TransportKind::Rdma).unwrap();
         assert_eq!(t.kind(), TransportKind::Rdma);
         assert!(t.data_path().contains("several NICs"), "{}", t.data_path());
@@ -503,7 +503,6 @@ mod tests {
         t.close();
         assert!(!t.is_alive());
         drop(late);
-        st.dst[0] = st.dst[0].wrapping_add(0);
     }
 
     #[test]
@@ -669,6 +668,48 @@ mod tests {
             t.submit_reads(&bad, &opts).unwrap_err().status(),
             Status::OutOfBounds
         );
+    }
+
+    #[test]
+    fn a_failed_negotiation_names_the_field_and_roce_pairs_connect() {
+        use crate::transport::rdma::handshake::LinkLayer;
+        let rx = agent(true, Some(FakeNic::new("ib", 1, Mtu::Mtu4096)));
+        let eth = FakeNic::with_link_layer("eth", 1, Mtu::Mtu1024, LinkLayer::Ethernet);
+        let tx = agent(false, Some(eth.clone()));
+        let e = connect(&tx, &rx, TransportKind::Rdma).unwrap_err();
+        assert_eq!(e.status(), Status::RdmaHandshake, "{e}");
+        assert!(e.detail().contains("link_layer"), "{e}");
+        // The server stays usable: a RoCE peer on both sides connects.
+        let rx2 = agent(
+            true,
+            Some(FakeNic::with_link_layer(
+                "eth2",
+                1,
+                Mtu::Mtu4096,
+                LinkLayer::Ethernet,
+            )),
+        );
+        let mut buf = vec![0u8; 4096];
+        // SAFETY: buf outlives the transport below.
+        let d = unsafe { rx2.register_host(buf.as_mut_ptr(), buf.len()) }.unwrap();
+        let mut src = vec![9u8; 4096];
+        // SAFETY: src outlives the transport below.
+        let s = unsafe { tx.register_host(src.as_mut_ptr(), src.len()) }.unwrap();
+        let t = connect(&tx, &rx2, TransportKind::Rdma).unwrap();
+        let op = WriteOp {
+            local_region: s.id,
+            local_offset: 0,
+            remote_region: d.id,
+            remote_offset: 0,
+            len: 4096,
+        };
+        t.wait(
+            t.submit(&[op], &BatchOptions::default()).unwrap(),
+            Duration::from_secs(5),
+        )
+        .unwrap();
+        assert!(buf.iter().all(|b| *b == 9));
+        drop(src);
     }
 
     #[test]
