@@ -88,3 +88,41 @@ pub fn random_u64() -> u64 {
     }
     u64::from_le_bytes(v)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn messages_of_peers_without_rdma_still_parse() {
+        let me = ProcIdentity::current().unwrap();
+        // What a server from before RDMA support sends: no rdma fields.
+        let old = serde_json::json!({
+            "version": 1,
+            "identity": me,
+            "regions": [],
+            "session": 3,
+            "token": 4,
+            "nonce_addr": 5,
+        });
+        let ack: HelloAck = serde_json::from_value(old).unwrap();
+        assert_eq!((ack.rdma, ack.rdma_unavailable), (None, None));
+        let sel: Select = serde_json::from_value(
+            serde_json::json!({"transport": "tcp", "streams": 2, "proof": 0}),
+        )
+        .unwrap();
+        assert_eq!(sel.rdma, None);
+        let ok: SelectOk = serde_json::from_value(serde_json::json!({})).unwrap();
+        assert_eq!(ok.rdma, None);
+        // And the new fields round-trip.
+        let sel = Select {
+            transport: TransportKind::Rdma,
+            streams: 0,
+            proof: 0,
+            rdma: Some(vec![1, 2, 3]),
+        };
+        let back: Select = serde_json::from_str(&serde_json::to_string(&sel).unwrap()).unwrap();
+        assert_eq!(back.rdma, Some(vec![1, 2, 3]));
+        assert_eq!(back.transport, TransportKind::Rdma);
+    }
+}

@@ -160,6 +160,36 @@ fn abort(conn: &Conn, id: u64) {
     let _ = conn.send(FrameType::Abort, &id.to_le_bytes());
 }
 
+/// How long past its deadline a failed batch may keep the receiver's grant
+/// while its posted work requests drain.
+const SETTLE_GRACE: Duration = Duration::from_secs(2);
+
+/// Waits until every posted work request of a failed batch has completed (or
+/// its rails are dead), at most until `until`: only then may the receiver drop
+/// its grant (unpin), since a NIC may still be placing bytes of other rails.
+fn settle(path: &dyn DataPath, batch: u32, until: Instant) {
+    while Instant::now() < until {
+        match path.wait(batch, Duration::from_millis(20)) {
+            // Forgotten by the tracker: settled (or never started).
+            Err(e) if e.status() != Status::Timeout => return,
+            Ok(BatchState::Done { .. }) => return,
+            _ => std::thread::sleep(Duration::from_millis(2)),
+        }
+    }
+}
+
+/// Fails the batch with `e` at once, then releases the receiver's grant once
+/// the batch's work requests settled.
+fn fail_and_abort(conn: &Conn, path: &dyn DataPath, job: &Job, e: Error) {
+    conn.table.fail(job.id, e);
+    settle(
+        path,
+        rdma_id(job.id),
+        job.deadline.max(Instant::now()) + SETTLE_GRACE,
+    );
+    abort(conn, job.id);
+}
+
 /// The RDMA batch id of a connection batch (ids grow from 1; the tracker
 /// refuses an id still in flight).
 fn rdma_id(id: u64) -> u32 {
@@ -196,13 +226,9 @@ fn poster(conn: &Conn, path: &dyn DataPath, rx: Receiver<Job>, done: Sender<Job>
                 let _ = done.send(job);
             }
             Err(e) => {
-                // Collect what was posted, then fail: never retried.
-                let _ = path.wait(rdma_id(job.id), Duration::ZERO);
-                conn.table.fail(
-                    job.id,
-                    Error::new(e.status(), format!("rdma batch {}: {}", job.id, e.detail())),
-                );
-                abort(conn, job.id);
+                // Never retried: fail it, let what was posted drain, then release the grant.
+                let e = Error::new(e.status(), format!("rdma batch {}: {}", job.id, e.detail()));
+                fail_and_abort(conn, path, &job, e);
             }
         }
     }
@@ -251,20 +277,18 @@ fn completer(conn: &Conn, path: &dyn DataPath, rx: Receiver<Job>) {
                 let _ = conn.send(FrameType::Commit, &wire::encode_commit(&commit));
             }
             BatchState::Done { bytes } => {
-                conn.table.fail(
-                    job.id,
-                    Error::new(
-                        Status::BatchFailed,
-                        format!("moved {bytes} of {} bytes", job.commit.bytes),
-                    ),
+                let e = Error::new(
+                    Status::BatchFailed,
+                    format!("moved {bytes} of {} bytes", job.commit.bytes),
                 );
-                abort(conn, job.id);
-            }
-            BatchState::Failed(e) => {
                 conn.table.fail(job.id, e);
                 abort(conn, job.id);
             }
-            BatchState::InProgress => abort(conn, job.id),
+            BatchState::Failed(e) => fail_and_abort(conn, path, &job, e),
+            BatchState::InProgress => {
+                let e = Error::new(Status::BatchFailed, "rdma batch left in progress");
+                fail_and_abort(conn, path, &job, e);
+            }
         }
     }
 }

@@ -17,6 +17,21 @@
 //! - `endpoint` (feature `rdma`): `RdmaTransport` (rails, parallel timed
 //!   registration of host and GPU memory) and `RdmaEndpoint` (`connect`,
 //!   `post_batch`, `poll`/`wait`, the completion poller thread).
+//! - `nic`: what the agent needs from a NIC, independent of verbs
+//!   (`NicProvider` registers memory and makes endpoints, `NicEndpoint`
+//!   connects with the peer's handshake, `DataPath` posts and waits; every
+//!   `Session<R: RailIo>` is one); `VerbsProvider` (feature `rdma`) on real NICs;
+//! - `link`: `RdmaLink`, the RDMA transport behind the
+//!   [`Transport`](crate::transport::Transport) trait: the agent's control
+//!   channel (intent, grant, commit) around one-sided WRITE/READ on a `DataPath`;
+//! - `fake` (tests): an in-process software fabric of QPs and MRs that moves
+//!   real bytes after key and bounds checks, selected only explicitly
+//!   (`AgentOptions::nic`).
+//!
+//! The agent's handshake carries it: the server offers its NICs in
+//! `HelloAck.rdma`, the client sends its `Handshake` in `Select`, the server
+//! answers with its own in `SelectOk`, and both `negotiate` and bring their
+//! QPs up.
 //!
 //! Without a device every entry point returns `Status::NoRdmaDevice` with the
 //! reason (e.g. no `/sys/class/infiniband`), never a panic.
