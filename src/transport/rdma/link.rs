@@ -1,6 +1,6 @@
 //! The RDMA transport behind the [`Transport`] trait: the agent's control
 //! connection plus one-sided RDMA WRITE/READ on a [`DataPath`] (a
-//! [`Session`](super::session::Session) over any [`RailIo`](super::RailIo):
+//! [`Session`](super::session::Session) over any [`RailIo`](super::session::RailIo):
 //! verbs QPs in production, the fake fabric in tests).
 //!
 //! Protocol per batch, as for cma: the sender validates every op against its
