@@ -331,6 +331,16 @@ impl Engine {
             let desc = unsafe { reg.register_host(buf.as_mut_ptr(), buf.len())? };
             staging.push((buf, desc));
         }
+        if cfg.transport == TransportKind::Rdma {
+            // Register the pools with the NICs now, not inside the first handshake.
+            let t0 = std::time::Instant::now();
+            agent.rdma_register_all()?;
+            log::info!(
+                "engine: registered {} region(s) with the RDMA NICs in {:?}",
+                agent.registry().descriptors().len(),
+                t0.elapsed()
+            );
+        }
         let mut txs = Vec::new();
         let mut rxs = Vec::new();
         for _ in 0..workers {

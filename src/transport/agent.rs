@@ -276,6 +276,15 @@ impl Agent {
         self.inner.nic().map(|n| n.describe())
     }
 
+    /// Registers every host region of the registry with the RDMA NICs now
+    /// (registration of large pools takes time; otherwise the first RDMA
+    /// connection does it inside its handshake deadline, and a sender on its
+    /// first batch). `NoRdmaDevice` with the reason when there is no NIC.
+    pub fn rdma_register_all(&self) -> Result<()> {
+        let nic = self.inner.nic()?;
+        register_all(&self.inner.registry, &*nic)
+    }
+
     /// Number of sender sessions currently connected.
     pub fn sessions(&self) -> usize {
         lock(&self.inner.sessions).len()
@@ -650,12 +659,27 @@ fn accept_rdma(
     nic: &dyn NicProvider,
     remote: &Handshake,
 ) -> Result<(Vec<u8>, Box<dyn DataPath>)> {
+    register_all(reg, nic)?;
+    let ep = nic.endpoint()?;
+    let local = ep.local().encode()?;
+    let (path, negotiated) = ep.connect(remote)?;
+    log::info!(
+        "rdma: accepted a connection over {} rail(s) of {}",
+        negotiated.len(),
+        nic.describe()
+    );
+    Ok((local, path))
+}
+
+/// Registers every host region of `reg` with the NIC (already registered
+/// ranges are skipped by the provider).
+fn register_all(reg: &Registry, nic: &dyn NicProvider) -> Result<()> {
     for d in reg.descriptors() {
         if d.kind != RegionKind::Host {
             continue;
         }
-        // SAFETY: a registry region stays valid until unregistered; the peer
-        // writes only into ranges this side granted and pinned.
+        // SAFETY: a registry region stays valid until unregistered; peers
+        // write only into ranges this side granted and pinned.
         unsafe { nic.register(d.addr, d.len) }.map_err(|e| {
             Error::new(
                 e.status(),
@@ -667,15 +691,7 @@ fn accept_rdma(
             )
         })?;
     }
-    let ep = nic.endpoint()?;
-    let local = ep.local().encode()?;
-    let (path, negotiated) = ep.connect(remote)?;
-    log::info!(
-        "rdma: accepted a connection over {} rail(s) of {}",
-        negotiated.len(),
-        nic.describe()
-    );
-    Ok((local, path))
+    Ok(())
 }
 
 #[cfg(feature = "rdma")]
