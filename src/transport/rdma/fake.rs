@@ -441,6 +441,69 @@ mod tests {
     use crate::transport::rdma::BatchState;
 
     #[test]
+    fn the_fabric_enforces_rkeys_and_bounds_like_a_nic() {
+        let a = FakeNic::new("ka", 1, Mtu::Mtu4096);
+        let b = FakeNic::new("kb", 1, Mtu::Mtu4096);
+        let src = vec![7u8; 8192];
+        let dst = vec![0u8; 8192];
+        let other = vec![0u8; 8192];
+        // SAFETY: the buffers outlive every work request below.
+        let (ls, ld, lo) = unsafe {
+            (
+                a.register(src.as_ptr() as u64, 8192).unwrap()[0],
+                b.register(dst.as_ptr() as u64, 8192).unwrap()[0],
+                a.register(other.as_ptr() as u64, 8192).unwrap()[0],
+            )
+        };
+        let _ea = a.endpoint().unwrap();
+        let _eb = b.endpoint().unwrap();
+        let qp = lock(fabric()).qps[&a.qpns()[0]].clone();
+        qp.remote.store(b.qpns()[0], Ordering::SeqCst);
+        let wr = |rkey: u32, remote_addr: u64, len: u32| WorkRequest {
+            wr_id: 1,
+            opcode: Opcode::Write,
+            local_addr: ls.addr,
+            lkey: ls.lkey,
+            len,
+            remote_addr,
+            rkey,
+            signaled: true,
+            imm: None,
+            retires: 1,
+        };
+        let status = |w: WorkRequest| {
+            qp.error.store(false, Ordering::SeqCst);
+            qp.execute(&w);
+            lock(&qp.cq).pop_back().map(|c| c.status)
+        };
+        // An rkey of the sender's own NIC, a made-up rkey, and a range past the
+        // region's end are all refused with REM_ACCESS_ERR, writing nothing.
+        assert_eq!(status(wr(lo.lkey, ld.addr, 100)), Some(REM_ACCESS_ERR));
+        assert_eq!(status(wr(0xdead, ld.addr, 100)), Some(REM_ACCESS_ERR));
+        assert_eq!(
+            status(wr(ld.lkey, ld.addr + 8100, 100)),
+            Some(REM_ACCESS_ERR)
+        );
+        assert!(dst.iter().all(|x| *x == 0));
+        // The right key inside the region lands.
+        assert_eq!(status(wr(ld.lkey, ld.addr + 8000, 100)), Some(0));
+        assert!(dst[8000..8100].iter().all(|x| *x == 7));
+        assert!(dst[..8000].iter().all(|x| *x == 0));
+        // A local buffer outside the lkey's region is a local protection error.
+        let mut w = wr(ld.lkey, ld.addr, 100);
+        w.local_addr = ls.addr + 8150;
+        assert_eq!(status(w), Some(LOC_PROT_ERR));
+        // A QP in the error state flushes.
+        qp.execute(&wr(ld.lkey, ld.addr, 1));
+        qp.error.store(true, Ordering::SeqCst);
+        qp.execute(&wr(ld.lkey, ld.addr, 1));
+        assert_eq!(
+            lock(&qp.cq).pop_back().map(|c| c.status),
+            Some(WR_FLUSH_ERR)
+        );
+    }
+
+    #[test]
     fn writes_land_after_key_checks_and_a_killed_qp_fails_with_the_reason() {
         let a = FakeNic::new("fa", 2, Mtu::Mtu4096);
         let b = FakeNic::new("fb", 2, Mtu::Mtu1024);
