@@ -300,7 +300,28 @@ impl Agent {
     }
 
     /// Connects to the agent listening at `addr` and performs the handshake.
+    ///
+    /// With [`TransportKind::Auto`], when rdma was chosen but its setup failed
+    /// (e.g. the NICs cannot negotiate: different link layers, no GID), the
+    /// connection falls back to tcp and logs why; an explicit `Rdma` fails
+    /// with the reason instead.
     pub fn connect(&self, addr: &str, opts: &ConnectOptions) -> Result<Box<dyn Transport>> {
+        match self.connect_once(addr, opts) {
+            Err(e) if opts.transport == TransportKind::Auto && is_rdma_error(&e) => {
+                log::warn!("rdma to {addr} failed ({e}); falling back to tcp");
+                self.connect_once(
+                    addr,
+                    &ConnectOptions {
+                        transport: TransportKind::Tcp,
+                        ..opts.clone()
+                    },
+                )
+            }
+            r => r,
+        }
+    }
+
+    fn connect_once(&self, addr: &str, opts: &ConnectOptions) -> Result<Box<dyn Transport>> {
         if opts.transport == TransportKind::Local {
             return Err(Error::invalid(
                 "the local transport connects two agents of one process: use Agent::connect_local",
@@ -496,6 +517,14 @@ impl Drop for Agent {
     fn drop(&mut self) {
         self.shutdown();
     }
+}
+
+/// An error of the RDMA layer (-7xx): only the rdma path produces them.
+fn is_rdma_error(e: &Error) -> bool {
+    matches!(
+        e.status(),
+        Status::NoRdmaDevice | Status::Rdma | Status::RdmaHandshake | Status::RdmaCompletion
+    )
 }
 
 fn resolve(addr: &str) -> Result<SocketAddr> {

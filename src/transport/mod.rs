@@ -157,7 +157,9 @@ pub enum BatchStatus {
 pub enum TransportKind {
     /// Choose ([`choose_auto`]): cma when the peer is on this host and proves
     /// it (pidfd, start time, a nonce read from its memory), else rdma when
-    /// both sides have a usable RDMA NIC, else tcp.
+    /// both sides have a usable RDMA NIC, else tcp. When rdma is chosen but
+    /// its handshake fails (NICs that cannot negotiate), tcp is used and the
+    /// reason logged.
     Auto,
     /// Same process.
     Local,

@@ -703,6 +703,9 @@ mod tests {
         let e = connect(&tx, &rx, TransportKind::Rdma).unwrap_err();
         assert_eq!(e.status(), Status::RdmaHandshake, "{e}");
         assert!(e.detail().contains("link_layer"), "{e}");
+        // Chosen automatically, the same mismatch falls back to tcp.
+        let t = connect(&tx, &rx, TransportKind::Auto).unwrap();
+        assert_eq!(t.kind(), TransportKind::Tcp);
         // The server stays usable: a RoCE peer on both sides connects.
         let rx2 = agent(
             true,
