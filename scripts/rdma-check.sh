@@ -10,12 +10,13 @@
 #   hostB$ scripts/rdma-check.sh --serve [--device mlx5_0] ...
 #   hostA$ scripts/rdma-check.sh --peer hostB [--device mlx5_0] ...
 #
-# The pdxfer half runs `pdxfer bench --transport rdma` when the binary has it
-# (the lead wires the data-plane bench to the RDMA transport at merge time; extra
-# arguments go in --bench-args "..."), else `pdxfer rdma-bench` (the RDMA
-# transport's own bench: the same message size, batches of 64 messages, 4
-# batches in flight, data checked on one host). Two hosts: the server side runs
-# `ib_write_bw` and then `pdxfer rdma-bench --serve 0.0.0.0:PDX_PORT`.
+# The pdxfer half runs `pdxfer bench --transport rdma` (the data-plane bench
+# through the Transport trait: agent handshake, receiver grants, RDMA WRITEs,
+# commit; the same message size, batches of 64 messages, 4 batches in flight;
+# extra arguments go in --bench-args "..."), or `pdxfer rdma-bench` (the RDMA
+# transport's own bench) with an older binary. Two hosts: the server side runs
+# `ib_write_bw` and then `pdxfer target --listen 0.0.0.0:PDX_PORT` (older
+# binaries: `pdxfer rdma-bench --serve 0.0.0.0:PDX_PORT`).
 set -euo pipefail
 
 PDXFER=""
@@ -32,7 +33,7 @@ PDX_PORT=18600
 BENCH_ARGS=""
 TIMEOUT=120
 
-usage() { sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//'; exit "${1:-0}"; }
+usage() { sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'; exit "${1:-0}"; }
 
 while [ $# -gt 0 ]; do
     case "$1" in
@@ -93,9 +94,21 @@ BATCH=64
 PDX_ITERS=$(( ITERS / BATCH > 0 ? ITERS / BATCH : 1 ))
 pdx_bench=("$PDXFER" rdma-bench --block-size "$SIZE" --batch-size "$BATCH" --iters "$PDX_ITERS" --depth 4)
 
+# Does this binary's data-plane bench speak rdma?
+HAS_BENCH_RDMA=0
+if "$PDXFER" bench --help 2>/dev/null | grep -q 'rdma'; then
+    HAS_BENCH_RDMA=1
+fi
+
 if [ "$SERVE" = 1 ]; then
     echo "== ib_write_bw server (waiting for the client)"
     timeout "$TIMEOUT" ib_write_bw "${server_args[@]}" || echo "rdma-check: ib_write_bw server failed" >&2
+    if [ "$HAS_BENCH_RDMA" = 1 ]; then
+        echo "== pdxfer target on 0.0.0.0:$PDX_PORT (waiting for the client's bench --transport rdma)"
+        # The target quits at the end of stdin: keep it open for the timeout.
+        exec timeout "$TIMEOUT" "$PDXFER" target --listen "0.0.0.0:$PDX_PORT" \
+            --size "$(( SIZE * BATCH ))" --quiet < <(sleep "$TIMEOUT")
+    fi
     echo "== pdxfer rdma-bench server on 0.0.0.0:$PDX_PORT (waiting for the client)"
     exec timeout "$TIMEOUT" "${pdx_bench[@]}" --serve "0.0.0.0:$PDX_PORT"
 fi
@@ -126,11 +139,12 @@ fi
 if [ -n "${srv_pid:-}" ]; then wait "$srv_pid" 2>/dev/null || true; srv_pid=""; fi
 
 pdx=""
-if "$PDXFER" bench --help 2>/dev/null | grep -q -- '--transport'; then
-    bench=("$PDXFER" bench --transport rdma)
+if [ "$HAS_BENCH_RDMA" = 1 ]; then
+    bench=("$PDXFER" bench --transport rdma --block-sizes "$SIZE" --batch-sizes "$BATCH"
+        --depth 4 --iters "$PDX_ITERS" --max-ms 60000)
     # shellcheck disable=SC2206 # word splitting of user-supplied bench args is intended
     [ -n "$BENCH_ARGS" ] && bench+=($BENCH_ARGS)
-    [ -n "$PEER" ] && bench+=(--peer "$PEER")
+    [ -n "$PEER" ] && bench+=(--connect "$PEER:$PDX_PORT")
 else
     bench=("${pdx_bench[@]}")
     [ -n "$PEER" ] && bench+=(--connect "$PEER:$PDX_PORT")

@@ -1,12 +1,15 @@
 //! The engine end to end in one process: a bootstrap server, one prefill rank
 //! and decode DCP ranks as engines over real sockets and the cma/tcp
-//! transports; every received byte is checked.
+//! transports, and rdma over the in-process fake NIC fabric; every received
+//! byte is checked.
 
 use pdxfer::bootstrap::schema::Role;
 use pdxfer::bootstrap::server::{BootstrapServer, ServerConfig};
 use pdxfer::engine::synthetic::SyntheticPools;
 use pdxfer::engine::{Engine, EngineConfig, KvPoll};
 use pdxfer::layout::{DcpLayout, Side};
+use pdxfer::transport::rdma::fake::FakeNic;
+use pdxfer::transport::rdma::handshake::Mtu;
 use pdxfer::transport::TransportKind;
 use pdxfer::Status;
 use std::time::Duration;
@@ -20,6 +23,14 @@ struct Cluster {
     prefill: Engine,
     p_pools: SyntheticPools,
     decode: Vec<(Engine, SyntheticPools)>,
+}
+
+/// rdma runs on the software NIC fabric (two rails per engine).
+fn fake_nic(
+    transport: TransportKind,
+    name: &str,
+) -> Option<std::sync::Arc<dyn pdxfer::transport::rdma::nic::NicProvider>> {
+    (transport == TransportKind::Rdma).then(|| FakeNic::new(name, 2, Mtu::Mtu4096) as _)
 }
 
 fn cluster(name: &str, src_dcp: u32, dcp: u32, transport: TransportKind, staging: u64) -> Cluster {
@@ -36,6 +47,7 @@ fn cluster(name: &str, src_dcp: u32, dcp: u32, transport: TransportKind, staging
     );
     cfg.aux = p_pools.aux_buffers();
     cfg.transport = transport;
+    cfg.nic = fake_nic(transport, "prefill");
     cfg.staging_bytes = staging;
     cfg.room_timeout = Duration::from_secs(20);
     // SAFETY: the pools live in the returned Cluster, alongside the engine.
@@ -52,6 +64,7 @@ fn cluster(name: &str, src_dcp: u32, dcp: u32, transport: TransportKind, staging
         );
         cfg.aux = pools.aux_buffers();
         cfg.transport = transport;
+        cfg.nic = fake_nic(transport, "decode");
         // SAFETY: as above.
         let e = unsafe { Engine::new(cfg) }.unwrap();
         decode.push((e, pools));
@@ -145,6 +158,16 @@ fn dcp_1_to_4_over_tcp_unpacked() {
     let mut c = cluster("e2e-tcp", 1, 4, TransportKind::Tcp, 0);
     let row_total = LAYERS as u64 * ROW;
     assert_eq!(request(&mut c, 9, 333, 64, 2), 269 * row_total + 4 * 32);
+}
+
+#[test]
+fn dcp_1_to_2_over_rdma_on_the_fake_fabric_packed_and_unpacked() {
+    let row_total = LAYERS as u64 * ROW;
+    let mut c = cluster("e2e-rdma", 1, 2, TransportKind::Rdma, 1 << 20);
+    assert_eq!(request(&mut c, 1, 300, 0, 100), 300 * row_total + 2 * 32);
+    assert_eq!(request(&mut c, 2, 700, 128, 3), 572 * row_total + 2 * 32);
+    let mut c = cluster("e2e-rdma-unpacked", 1, 2, TransportKind::Rdma, 0);
+    assert_eq!(request(&mut c, 3, 333, 64, 2), 269 * row_total + 2 * 32);
 }
 
 #[test]

@@ -2,7 +2,8 @@
 //!
 //! The initiator (this process) writes batches of `batch` blocks of
 //! `block` bytes into a target (`pdxfer target`, spawned here unless
-//! `--connect` names one) over the chosen transport, for every point of the
+//! `--connect` names one) over the chosen transport (through the
+//! `Transport` trait: cma, tcp, rdma, local), for every point of the
 //! sweep (block sizes x batch sizes x threads/streams). Per point it
 //! reports GB/s (decimal), operations/s, batch latency p50/p99, and a plain
 //! `memcpy` of the same bytes measured in the same run (for the ratio).
@@ -21,7 +22,8 @@ use std::time::{Duration, Instant};
 /// Arguments of `pdxfer bench`.
 #[derive(Args, Debug, Clone)]
 pub struct BenchArgs {
-    /// Transport: cma, tcp, local or auto.
+    /// Transport: cma, tcp, rdma, local or auto (rdma: one-sided RDMA WRITE
+    /// through the agent's RDMA link; needs a usable NIC on both sides).
     #[arg(long, default_value = "cma")]
     pub transport: String,
     /// Use an already running target at this address instead of spawning one.

@@ -48,6 +48,7 @@ pub fn run(a: &TargetArgs) -> crate::Result<()> {
     let agent = Agent::new(&AgentOptions {
         listen: Some(a.listen.clone()),
         stall: Duration::from_millis(a.stall_ms),
+        ..Default::default()
     })?;
     let n = a.regions.max(1);
     let mut bufs: Vec<Vec<u8>> = if a.heap {

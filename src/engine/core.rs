@@ -78,7 +78,8 @@ pub struct EngineConfig {
     /// buffer and request, sent whole to every decode rank after the KV
     /// (state is not DCP-sharded, as in SGLang).
     pub state: Vec<AuxBuffer>,
-    /// Transport for KV data (`Auto`: cma on one host, else tcp).
+    /// Transport for KV data (`Auto`: cma on one host, else rdma when both
+    /// sides have a usable NIC, else tcp; `Rdma` needs a NIC: `no_rdma_device`).
     pub transport: TransportKind,
     /// Host to listen on.
     pub host: String,
@@ -92,6 +93,10 @@ pub struct EngineConfig {
     pub batch_timeout: Duration,
     /// Bootstrap lease TTL.
     pub lease_ttl: Duration,
+    /// Test knob: the RDMA NIC provider of the engine's agent (the software
+    /// fabric in tests); `None` (production) uses the real NICs.
+    #[doc(hidden)]
+    pub nic: Option<std::sync::Arc<dyn crate::transport::rdma::nic::NicProvider>>,
 }
 
 impl EngineConfig {
@@ -121,6 +126,7 @@ impl EngineConfig {
             room_timeout: Duration::from_secs(60),
             batch_timeout: Duration::from_secs(30),
             lease_ttl: Duration::from_secs(10),
+            nic: None,
         }
     }
 }
@@ -270,19 +276,18 @@ impl Engine {
                 ));
             }
         }
-        if cfg.transport == TransportKind::Rdma {
-            // without a NIC this is the typed `no_rdma_device` naming the reason
-            crate::transport::rdma::list_devices()?;
-            return Err(Error::new(
-                Status::TransportUnavailable,
-                "RDMA devices are present, but the engine's agent does not carry the RDMA handshake yet; use cma or tcp",
-            ));
-        }
-        let store = crate::bootstrap::open_store(&cfg.bootstrap, cfg.token.as_deref())?;
         let agent = Agent::new(&AgentOptions {
             listen: (cfg.role == Role::Decode).then(|| format!("{}:0", cfg.host)),
             stall: Duration::ZERO,
+            nic: cfg.nic.clone(),
+            ..Default::default()
         })?;
+        if cfg.transport == TransportKind::Rdma {
+            // Without a usable NIC: the typed `no_rdma_device` naming the reason.
+            let nics = agent.rdma_nics()?;
+            log::info!("engine: transport rdma over {nics}");
+        }
+        let store = crate::bootstrap::open_store(&cfg.bootstrap, cfg.token.as_deref())?;
         let reg = agent.registry();
         let mut pool_regions = Vec::new();
         for pool in &cfg.pools {
@@ -325,6 +330,16 @@ impl Engine {
             // SAFETY: the buffer is owned by the engine and unregistered (registry dropped) before it is freed.
             let desc = unsafe { reg.register_host(buf.as_mut_ptr(), buf.len())? };
             staging.push((buf, desc));
+        }
+        if cfg.transport == TransportKind::Rdma {
+            // Register the pools with the NICs now, not inside the first handshake.
+            let t0 = std::time::Instant::now();
+            agent.rdma_register_all()?;
+            log::info!(
+                "engine: registered {} region(s) with the RDMA NICs in {:?}",
+                agent.registry().descriptors().len(),
+                t0.elapsed()
+            );
         }
         let mut txs = Vec::new();
         let mut rxs = Vec::new();

@@ -4,8 +4,11 @@
 //! opens connections to peers (sender side).
 
 use super::conn::Conn;
-use super::handshake::{random_u64, Attach, Hello, HelloAck, Select};
+use super::handshake::{random_u64, Attach, Hello, HelloAck, Select, SelectOk};
 use super::identity::ProcIdentity;
+use super::rdma::link::RdmaLink;
+use super::rdma::nic::{DataPath, NicProvider};
+use super::rdma::Handshake;
 use super::wire::{self, Commit, DataHeader, FrameType, Range, DATA_HEADER_LEN};
 use super::{checksum, BatchId, Completion, Transport, TransportKind};
 use crate::error::{Error, Result, Status};
@@ -16,7 +19,7 @@ use std::io::Read;
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::Duration;
 
 /// Options of an [`Agent`].
@@ -28,6 +31,16 @@ pub struct AgentOptions {
     /// Test knob: the receiver sleeps this long before validating each new
     /// batch (simulates a stalled peer). Zero in production.
     pub stall: Duration,
+    /// Test knob: the RDMA NIC provider to use (e.g. the software fabric
+    /// [`FakeNic`](crate::transport::rdma::fake::FakeNic)). `None` (production)
+    /// opens the real NICs through verbs when first needed.
+    #[doc(hidden)]
+    pub nic: Option<Arc<dyn NicProvider>>,
+    /// Test knob: never treat a peer as on this host when choosing a
+    /// transport automatically (so two agents of one process can test the
+    /// cross-host choice). False in production.
+    #[doc(hidden)]
+    pub deny_same_host: bool,
 }
 
 /// Options of [`Agent::connect`].
@@ -111,6 +124,8 @@ struct Session {
     granted: Mutex<HashMap<u64, Granted>>,
     tcp: Mutex<TcpRecv>,
     sockets: Mutex<Vec<TcpStream>>,
+    /// rdma: this side's connected QPs (the peer writes through them).
+    rdma: Mutex<Option<Box<dyn DataPath>>>,
     closed: AtomicBool,
 }
 
@@ -126,6 +141,8 @@ impl Session {
         }
         lock(&self.granted).clear();
         lock(&self.tcp).batches.clear();
+        let path = lock(&self.rdma).take();
+        drop(path);
     }
 
     fn send(&self, ty: FrameType, p: &[u8]) {
@@ -147,9 +164,17 @@ pub(crate) struct AgentInner {
     sessions: Mutex<HashMap<u64, Arc<Session>>>,
     next_session: AtomicU64,
     stall: Duration,
+    nic: OnceLock<Result<Arc<dyn NicProvider>>>,
+    deny_same_host: bool,
 }
 
 impl AgentInner {
+    /// The RDMA NICs of this process: the provider given in the options, else
+    /// the real NICs (opened once, on first use); `NoRdmaDevice` with the reason.
+    pub(crate) fn nic(&self) -> Result<Arc<dyn NicProvider>> {
+        self.nic.get_or_init(open_default_nic).clone()
+    }
+
     pub(crate) fn deliver(&self, peer: ProcIdentity, session: u64, completion: Completion) {
         let _ = self.tx.send(Incoming {
             peer,
@@ -196,6 +221,11 @@ impl Agent {
             sessions: Mutex::new(HashMap::new()),
             next_session: AtomicU64::new(1),
             stall: opts.stall,
+            nic: match &opts.nic {
+                Some(p) => OnceLock::from(Ok(p.clone())),
+                None => OnceLock::new(),
+            },
+            deny_same_host: opts.deny_same_host,
         });
         if let Some(l) = listener {
             let weak = Arc::downgrade(&inner);
@@ -240,6 +270,21 @@ impl Agent {
         self.inner.rx.try_recv().ok()
     }
 
+    /// The RDMA NICs this agent uses, in words, or why there are none
+    /// (`NoRdmaDevice` with the reason). Opens them on first use.
+    pub fn rdma_nics(&self) -> Result<String> {
+        self.inner.nic().map(|n| n.describe())
+    }
+
+    /// Registers every host region of the registry with the RDMA NICs now
+    /// (registration of large pools takes time; otherwise the first RDMA
+    /// connection does it inside its handshake deadline, and a sender on its
+    /// first batch). `NoRdmaDevice` with the reason when there is no NIC.
+    pub fn rdma_register_all(&self) -> Result<()> {
+        let nic = self.inner.nic()?;
+        register_all(&self.inner.registry, &*nic)
+    }
+
     /// Number of sender sessions currently connected.
     pub fn sessions(&self) -> usize {
         lock(&self.inner.sessions).len()
@@ -255,23 +300,36 @@ impl Agent {
     }
 
     /// Connects to the agent listening at `addr` and performs the handshake.
+    ///
+    /// With [`TransportKind::Auto`], when rdma was chosen but its setup failed
+    /// (e.g. the NICs cannot negotiate: different link layers, no GID), the
+    /// connection falls back to tcp and logs why; an explicit `Rdma` fails
+    /// with the reason instead.
     pub fn connect(&self, addr: &str, opts: &ConnectOptions) -> Result<Box<dyn Transport>> {
+        match self.connect_once(addr, opts) {
+            Err(e) if opts.transport == TransportKind::Auto && is_rdma_error(&e) => {
+                log::warn!("rdma to {addr} failed ({e}); falling back to tcp");
+                self.connect_once(
+                    addr,
+                    &ConnectOptions {
+                        transport: TransportKind::Tcp,
+                        ..opts.clone()
+                    },
+                )
+            }
+            r => r,
+        }
+    }
+
+    fn connect_once(&self, addr: &str, opts: &ConnectOptions) -> Result<Box<dyn Transport>> {
         if opts.transport == TransportKind::Local {
             return Err(Error::invalid(
                 "the local transport connects two agents of one process: use Agent::connect_local",
             ));
         }
         if opts.transport == TransportKind::Rdma {
-            let why = match super::rdma::list_devices() {
-                Ok(d) => format!("{} RDMA device(s) present", d.len()),
-                Err(e) => e.detail().to_string(),
-            };
-            return Err(Error::new(
-                Status::TransportUnavailable,
-                format!(
-                    "the rdma data path is not built into this layer yet ({why}); use cma or tcp"
-                ),
-            ));
+            // No usable NIC here: the typed NoRdmaDevice with the reason, before dialing.
+            self.inner.nic()?;
         }
         let sa = resolve(addr)?;
         let mut s = TcpStream::connect_timeout(&sa, opts.timeout)
@@ -293,13 +351,13 @@ impl Agent {
         let me = &self.inner.identity;
         let kind = match opts.transport {
             TransportKind::Auto => {
-                // rdma would win here once its data path exists; cma when the
-                // peer proves it is on this host, else tcp.
-                if me.same_host(&ack.identity) && me.verify_local_peer(&ack.identity).is_ok() {
-                    TransportKind::Cma
-                } else {
-                    TransportKind::Tcp
-                }
+                let same_host = !self.inner.deny_same_host
+                    && me.same_host(&ack.identity)
+                    && me.verify_local_peer(&ack.identity).is_ok();
+                let peer_nic = ack.rdma.is_some();
+                // Open the local NICs only when rdma could be chosen.
+                let local_nic = !same_host && peer_nic && self.inner.nic().is_ok();
+                super::choose_auto(same_host, local_nic, peer_nic)
             }
             k => k,
         };
@@ -315,6 +373,7 @@ impl Agent {
                         transport: TransportKind::Cma,
                         streams: 0,
                         proof,
+                        rdma: None,
                     },
                 )?;
                 let _: serde_json::Value = wire::read_json(&mut s, FrameType::SelectOk)?;
@@ -333,6 +392,63 @@ impl Agent {
                     opts.threads.max(1) as usize,
                 )?))
             }
+            TransportKind::Rdma => {
+                if ack.rdma.is_none() {
+                    return Err(Error::new(
+                        Status::TransportUnavailable,
+                        format!(
+                            "peer pid {} on {} at {addr} offers no RDMA: {}; use cma or tcp",
+                            ack.identity.pid,
+                            ack.identity.hostname,
+                            ack.rdma_unavailable
+                                .as_deref()
+                                .unwrap_or("it predates RDMA support")
+                        ),
+                    ));
+                }
+                let nic = self.inner.nic()?;
+                let ep = nic.endpoint()?;
+                wire::write_json(
+                    &mut s,
+                    FrameType::Select,
+                    &Select {
+                        transport: TransportKind::Rdma,
+                        streams: 0,
+                        proof: 0,
+                        rdma: Some(ep.local().encode()?),
+                    },
+                )?;
+                let ok: SelectOk = wire::read_json(&mut s, FrameType::SelectOk).map_err(|e| {
+                    Error::new(
+                        e.status(),
+                        format!("rdma handshake with {addr}: {}", e.detail()),
+                    )
+                })?;
+                let remote = ok.rdma.ok_or_else(|| {
+                    Error::new(
+                        Status::Protocol,
+                        format!("{addr} accepted rdma without sending its RDMA handshake"),
+                    )
+                })?;
+                let remote = Handshake::decode(&remote).map_err(Error::from)?;
+                let (path, negotiated) = ep.connect(&remote)?;
+                log::info!(
+                    "rdma: connected to {addr} over {} rail(s) of {} (path MTU {})",
+                    negotiated.len(),
+                    nic.describe(),
+                    negotiated.first().map(|n| n.mtu.bytes()).unwrap_or(0)
+                );
+                s.set_read_timeout(None)?;
+                let conn = Conn::start(
+                    s,
+                    ack.identity,
+                    regions,
+                    self.inner.registry.clone(),
+                    ack.session,
+                    addr.to_string(),
+                )?;
+                Ok(Box::new(RdmaLink::new(conn, path, nic)?))
+            }
             TransportKind::Tcp => {
                 let n = opts.streams.clamp(1, 64);
                 wire::write_json(
@@ -342,6 +458,7 @@ impl Agent {
                         transport: TransportKind::Tcp,
                         streams: n,
                         proof: 0,
+                        rdma: None,
                     },
                 )?;
                 let _: serde_json::Value = wire::read_json(&mut s, FrameType::SelectOk)?;
@@ -400,6 +517,14 @@ impl Drop for Agent {
     fn drop(&mut self) {
         self.shutdown();
     }
+}
+
+/// An error of the RDMA layer (-7xx): only the rdma path produces them.
+fn is_rdma_error(e: &Error) -> bool {
+    matches!(
+        e.status(),
+        Status::NoRdmaDevice | Status::Rdma | Status::RdmaHandshake | Status::RdmaCompletion
+    )
 }
 
 fn resolve(addr: &str) -> Result<SocketAddr> {
@@ -492,8 +617,10 @@ fn serve_control(a: Arc<AgentInner>, mut s: TcpStream, hello: &[u8]) {
         granted: Mutex::new(HashMap::new()),
         tcp: Mutex::new(TcpRecv::default()),
         sockets: Mutex::new(s.try_clone().into_iter().collect()),
+        rdma: Mutex::new(None),
         closed: AtomicBool::new(false),
     });
+    let nic = a.nic();
     let ack = HelloAck {
         version: wire::VERSION,
         identity: a.identity.clone(),
@@ -501,11 +628,14 @@ fn serve_control(a: Arc<AgentInner>, mut s: TcpStream, hello: &[u8]) {
         session: id,
         token: session.token,
         nonce_addr: &*session.nonce as *const u64 as u64,
+        rdma: nic.as_ref().ok().map(|n| n.describe()),
+        rdma_unavailable: nic.as_ref().err().map(|e| e.detail().to_string()),
     };
     lock(&a.sessions).insert(id, session.clone());
     let mut run = || -> Result<()> {
         wire::write_json(&mut s, FrameType::HelloAck, &ack)?;
         let sel: Select = wire::read_json(&mut s, FrameType::Select)?;
+        let mut ok = SelectOk::default();
         match sel.transport {
             TransportKind::Cma => {
                 if sel.proof != *session.nonce {
@@ -516,14 +646,27 @@ fn serve_control(a: Arc<AgentInner>, mut s: TcpStream, hello: &[u8]) {
                 }
             }
             TransportKind::Tcp => {}
+            TransportKind::Rdma => {
+                let nic = nic.clone()?;
+                let remote = sel.rdma.as_deref().ok_or_else(|| {
+                    Error::new(
+                        Status::Protocol,
+                        "rdma selected without the client's RDMA handshake",
+                    )
+                })?;
+                let remote = Handshake::decode(remote).map_err(Error::from)?;
+                let (local, path) = accept_rdma(&a.registry, &*nic, &remote)?;
+                *lock(&session.rdma) = Some(path);
+                ok.rdma = Some(local);
+            }
             k => {
                 return Err(Error::new(
                     Status::TransportUnavailable,
-                    format!("this receiver serves cma and tcp, not {}", k.name()),
+                    format!("this receiver serves cma, tcp and rdma, not {}", k.name()),
                 ))
             }
         }
-        wire::write_json(&mut s, FrameType::SelectOk, &serde_json::json!({}))?;
+        wire::write_json(&mut s, FrameType::SelectOk, &ok)?;
         s.set_read_timeout(None)?;
         control_loop(&a, &session, &mut s, hello.identity.clone())
     };
@@ -534,6 +677,64 @@ fn serve_control(a: Arc<AgentInner>, mut s: TcpStream, hello: &[u8]) {
     }
     session.close();
     lock(&a.sessions).remove(&id);
+}
+
+/// The receiver's half of the RDMA handshake: registers every host region
+/// with the NIC (so rkeys exist), creates the endpoint, negotiates with the
+/// client's handshake and brings the QPs up. Returns the encoded local
+/// handshake and the connected data path.
+fn accept_rdma(
+    reg: &Registry,
+    nic: &dyn NicProvider,
+    remote: &Handshake,
+) -> Result<(Vec<u8>, Box<dyn DataPath>)> {
+    register_all(reg, nic)?;
+    let ep = nic.endpoint()?;
+    let local = ep.local().encode()?;
+    let (path, negotiated) = ep.connect(remote)?;
+    log::info!(
+        "rdma: accepted a connection over {} rail(s) of {}",
+        negotiated.len(),
+        nic.describe()
+    );
+    Ok((local, path))
+}
+
+/// Registers every host region of `reg` with the NIC (already registered
+/// ranges are skipped by the provider).
+fn register_all(reg: &Registry, nic: &dyn NicProvider) -> Result<()> {
+    for d in reg.descriptors() {
+        if d.kind != RegionKind::Host {
+            continue;
+        }
+        // SAFETY: a registry region stays valid until unregistered; peers
+        // write only into ranges this side granted and pinned.
+        unsafe { nic.register(d.addr, d.len) }.map_err(|e| {
+            Error::new(
+                e.status(),
+                format!(
+                    "region {} cannot be registered with the RDMA NIC: {}",
+                    d.id,
+                    e.detail()
+                ),
+            )
+        })?;
+    }
+    Ok(())
+}
+
+#[cfg(feature = "rdma")]
+fn open_default_nic() -> Result<Arc<dyn NicProvider>> {
+    let cfg = super::rdma::RdmaConfig::from_env()?;
+    Ok(Arc::new(super::rdma::nic::VerbsProvider::open(cfg)?))
+}
+
+#[cfg(not(feature = "rdma"))]
+fn open_default_nic() -> Result<Arc<dyn NicProvider>> {
+    Err(Error::new(
+        Status::NoRdmaDevice,
+        "this build of pdxfer has no `rdma` feature (no verbs support)",
+    ))
 }
 
 fn control_loop(
@@ -1109,7 +1310,14 @@ mod tests {
                 },
             )
             .unwrap_err();
-        assert_eq!(e.status(), Status::TransportUnavailable);
+        // Without a usable NIC here: the typed NoRdmaDevice with the reason,
+        // before dialing; with NICs, the dial itself fails.
+        if tx.inner.nic().is_err() {
+            assert_eq!(e.status(), Status::NoRdmaDevice, "{e}");
+            assert!(!e.detail().is_empty());
+        } else {
+            assert_eq!(e.status(), Status::PeerUnreachable, "{e}");
+        }
         let e = tx
             .connect(
                 "127.0.0.1:1",

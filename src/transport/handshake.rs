@@ -31,17 +31,35 @@ pub struct HelloAck {
     /// with `process_vm_readv` and sends it back, proving the pid it will
     /// write to is the process at the other end of this connection.
     pub nonce_addr: u64,
+    /// The server's usable RDMA NICs, in words; `None` when it has none (or
+    /// predates RDMA support).
+    #[serde(default)]
+    pub rdma: Option<String>,
+    /// Why the server has no usable RDMA NIC.
+    #[serde(default)]
+    pub rdma_unavailable: Option<String>,
 }
 
 /// Client -> server: the transport chosen for this session.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Select {
-    /// `cma` or `tcp`.
+    /// `cma`, `tcp` or `rdma`.
     pub transport: TransportKind,
     /// tcp: data streams that will attach.
     pub streams: u32,
     /// cma: the nonce read from `nonce_addr`.
     pub proof: u64,
+    /// rdma: the client's encoded [`rdma::Handshake`](super::rdma::Handshake).
+    #[serde(default)]
+    pub rdma: Option<Vec<u8>>,
+}
+
+/// Server -> client: the transport is accepted.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct SelectOk {
+    /// rdma: the server's encoded [`rdma::Handshake`](super::rdma::Handshake).
+    #[serde(default)]
+    pub rdma: Option<Vec<u8>>,
 }
 
 /// Data stream -> server: attach to a session.
@@ -69,4 +87,42 @@ pub fn random_u64() -> u64 {
         return t ^ ((&v as *const _ as u64).rotate_left(32)) ^ u64::from(std::process::id());
     }
     u64::from_le_bytes(v)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn messages_of_peers_without_rdma_still_parse() {
+        let me = ProcIdentity::current().unwrap();
+        // What a server from before RDMA support sends: no rdma fields.
+        let old = serde_json::json!({
+            "version": 1,
+            "identity": me,
+            "regions": [],
+            "session": 3,
+            "token": 4,
+            "nonce_addr": 5,
+        });
+        let ack: HelloAck = serde_json::from_value(old).unwrap();
+        assert_eq!((ack.rdma, ack.rdma_unavailable), (None, None));
+        let sel: Select = serde_json::from_value(
+            serde_json::json!({"transport": "tcp", "streams": 2, "proof": 0}),
+        )
+        .unwrap();
+        assert_eq!(sel.rdma, None);
+        let ok: SelectOk = serde_json::from_value(serde_json::json!({})).unwrap();
+        assert_eq!(ok.rdma, None);
+        // And the new fields round-trip.
+        let sel = Select {
+            transport: TransportKind::Rdma,
+            streams: 0,
+            proof: 0,
+            rdma: Some(vec![1, 2, 3]),
+        };
+        let back: Select = serde_json::from_str(&serde_json::to_string(&sel).unwrap()).unwrap();
+        assert_eq!(back.rdma, Some(vec![1, 2, 3]));
+        assert_eq!(back.transport, TransportKind::Rdma);
+    }
 }

@@ -8,10 +8,12 @@
 //! [`Registry`](crate::memory::Registry) before touching memory.
 //!
 //! Implementations: [`local`] (same process), [`cma`] (same host, one-sided
-//! `process_vm_writev`), [`tcp`] (several streams, no intermediate copy).
-//! [`Agent::connect`] chooses one automatically (cma when the peer is on
-//! this host and proves it, else tcp) or takes an explicit
-//! [`TransportKind`]. `rdma` and `nccl` are probes so far.
+//! `process_vm_writev`), [`tcp`] (several streams, no intermediate copy),
+//! [`rdma`] (one-sided RDMA WRITE/READ on RC queue pairs, sliced across the
+//! NICs; [`rdma::link::RdmaLink`]). [`Agent::connect`] chooses one
+//! automatically with [`choose_auto`]: cma when the peer is on this host and
+//! proves it, else rdma when both sides have a usable NIC, else tcp; or it
+//! takes an explicit [`TransportKind`]. `nccl` is a probe so far.
 
 mod agent;
 mod batch;
@@ -165,7 +167,11 @@ pub enum BatchStatus {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum TransportKind {
-    /// Choose: rdma when it exists and a NIC is usable, cma when the peer is on this host, else tcp.
+    /// Choose ([`choose_auto`]): cma when the peer is on this host and proves
+    /// it (pidfd, start time, a nonce read from its memory), else rdma when
+    /// both sides have a usable RDMA NIC, else tcp. When rdma is chosen but
+    /// its handshake fails (NICs that cannot negotiate), tcp is used and the
+    /// reason logged.
     Auto,
     /// Same process.
     Local,
@@ -173,7 +179,9 @@ pub enum TransportKind {
     Cma,
     /// TCP streams.
     Tcp,
-    /// RDMA (not implemented yet in this layer).
+    /// RDMA: one-sided WRITE/READ on RC queue pairs. Explicitly chosen
+    /// without a usable NIC here: `NoRdmaDevice` with the reason; when the
+    /// peer has none: `TransportUnavailable` naming the peer's reason.
     Rdma,
 }
 
@@ -206,6 +214,19 @@ impl TransportKind {
     }
 }
 
+/// The automatic transport choice: cma when the peer is on this host and
+/// proved it (`same_host`), else rdma when both this side (`local_nic`) and
+/// the peer (`peer_nic`) have a usable RDMA NIC, else tcp.
+pub fn choose_auto(same_host: bool, local_nic: bool, peer_nic: bool) -> TransportKind {
+    if same_host {
+        TransportKind::Cma
+    } else if local_nic && peer_nic {
+        TransportKind::Rdma
+    } else {
+        TransportKind::Tcp
+    }
+}
+
 /// A connection to one peer over one byte mover.
 ///
 /// Every method is thread-safe. Batches are independent: a failed batch
@@ -229,7 +250,7 @@ pub trait Transport: Send + Sync {
     fn submit(&self, ops: &[WriteOp], opts: &BatchOptions) -> Result<BatchId>;
 
     /// Submits a batch of one-sided reads from the peer's registered memory,
-    /// where the transport can (`local`, `cma`); the peer validates and pins
+    /// where the transport can (`local`, `cma`, `rdma`); the peer validates and pins
     /// the source ranges first, exactly as for writes. The completion
     /// (checksum over the bytes read, when asked) stays on this side: the
     /// peer delivers no completion record for reads. Others return `Unsupported`.
@@ -267,5 +288,24 @@ impl std::fmt::Debug for dyn Transport {
             .field("kind", &self.kind())
             .field("alive", &self.is_alive())
             .finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn auto_choice_prefers_cma_then_rdma_then_tcp() {
+        use TransportKind::*;
+        for local in [false, true] {
+            for peer in [false, true] {
+                assert_eq!(choose_auto(true, local, peer), Cma);
+            }
+        }
+        assert_eq!(choose_auto(false, true, true), Rdma);
+        assert_eq!(choose_auto(false, true, false), Tcp);
+        assert_eq!(choose_auto(false, false, true), Tcp);
+        assert_eq!(choose_auto(false, false, false), Tcp);
     }
 }

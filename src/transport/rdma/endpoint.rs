@@ -333,6 +333,22 @@ impl RdmaTransport {
         Ok(())
     }
 
+    /// The lkeys of the region starting at `addr`, one per rail.
+    pub fn local_keys(&self, addr: u64) -> Option<Vec<LocalRegion>> {
+        let regs = lock(&self.regions);
+        let g = regs.iter().find(|r| r.addr == addr)?;
+        Some(
+            g.mrs
+                .iter()
+                .map(|m| LocalRegion {
+                    addr: g.addr,
+                    len: g.len,
+                    lkey: m.lkey,
+                })
+                .collect(),
+        )
+    }
+
     /// Creates an endpoint: one CQ and one RC QP per rail, advertising every
     /// region registered so far.
     pub fn endpoint(&self) -> Result<RdmaEndpoint> {
@@ -512,6 +528,12 @@ impl RdmaEndpoint {
     /// `record` (a small completion record the peer polls for; RC keeps the order).
     pub fn post_batch_with_record(&self, batch: u32, spans: &[Span], record: Span) -> Result<()> {
         self.session.post_batch_with_record(batch, spans, record)
+    }
+
+    /// Makes a region registered after this endpoint connected usable as a
+    /// local source or destination (`per_rail[i]` holds its lkey on rail `i`).
+    pub fn session_add_local(&self, per_rail: &[LocalRegion]) {
+        self.session.add_local(per_rail)
     }
 
     /// The batch's state; a finished batch is forgotten after it is reported once.

@@ -17,6 +17,21 @@
 //! - `endpoint` (feature `rdma`): `RdmaTransport` (rails, parallel timed
 //!   registration of host and GPU memory) and `RdmaEndpoint` (`connect`,
 //!   `post_batch`, `poll`/`wait`, the completion poller thread).
+//! - `nic`: what the agent needs from a NIC, independent of verbs
+//!   (`NicProvider` registers memory and makes endpoints, `NicEndpoint`
+//!   connects with the peer's handshake, `DataPath` posts and waits; every
+//!   `Session<R: RailIo>` is one); `VerbsProvider` (feature `rdma`) on real NICs;
+//! - `link`: `RdmaLink`, the RDMA transport behind the
+//!   [`Transport`](crate::transport::Transport) trait: the agent's control
+//!   channel (intent, grant, commit) around one-sided WRITE/READ on a `DataPath`;
+//! - `fake` (tests): an in-process software fabric of QPs and MRs that moves
+//!   real bytes after key and bounds checks, selected only explicitly
+//!   (`AgentOptions::nic`).
+//!
+//! The agent's handshake carries it: the server offers its NICs in
+//! `HelloAck.rdma`, the client sends its `Handshake` in `Select`, the server
+//! answers with its own in `SelectOk`, and both `negotiate` and bring their
+//! QPs up.
 //!
 //! Without a device every entry point returns `Status::NoRdmaDevice` with the
 //! reason (e.g. no `/sys/class/infiniband`), never a panic.
@@ -25,7 +40,11 @@ pub mod config;
 pub mod device;
 #[cfg(feature = "rdma")]
 pub mod endpoint;
+#[doc(hidden)]
+pub mod fake;
 pub mod handshake;
+pub mod link;
+pub mod nic;
 pub mod qp;
 pub mod session;
 pub mod slice;
@@ -121,8 +140,8 @@ mod tests {
             sys_root: empty.0.clone(),
             ..RdmaConfig::default()
         })
-        .err()
-        .expect("no devices");
+        .map(|_| ())
+        .expect_err("no devices");
         assert!(
             matches!(e.status(), Status::NoRdmaDevice | Status::Unsupported),
             "{e}"
@@ -136,8 +155,8 @@ mod tests {
             sys_root: fake.0.clone(),
             ..RdmaConfig::default()
         })
-        .err()
-        .expect("fake devices cannot be opened");
+        .map(|_| ())
+        .expect_err("fake devices cannot be opened");
         assert!(
             matches!(e.status(), Status::NoRdmaDevice | Status::Unsupported),
             "{e}"

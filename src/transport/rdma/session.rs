@@ -9,7 +9,7 @@
 //! immediate records, failures) is exercised without hardware.
 
 use super::config::RecordMode;
-use super::slice::{slice_across, RailKeys, Span};
+use super::slice::{slice_across, LocalRegion, RailKeys, Span};
 use super::tracker::{BatchState, Completion, Posted, Tracker};
 use super::wr::{
     build_batch, imm_encode, post_groups, BatchParams, CompletionRecord, Direction, Transfer,
@@ -150,6 +150,21 @@ impl<R: RailIo> Session<R> {
         );
         self.connected = n;
         Ok(())
+    }
+
+    /// Adds a local region registered after the session started: `per_rail[i]`
+    /// holds its lkey on rail `i` (rails beyond the connected ones are ignored).
+    pub fn add_local(&self, per_rail: &[LocalRegion]) {
+        for (r, l) in self.shared.rails[..self.connected].iter().zip(per_rail) {
+            if let Some(k) = lock(&r.keys).as_mut() {
+                k.add_local(*l);
+            }
+        }
+    }
+
+    /// The number of connected rails (0 before [`start`](Self::start)).
+    pub fn connected_rails(&self) -> usize {
+        self.connected
     }
 
     /// Posts one batch (see `RdmaEndpoint::post_batch`).
@@ -456,7 +471,6 @@ fn poll_loop<R: RailIo>(shared: &Shared<R>, n: usize) {
 #[cfg(test)]
 mod tests {
     use super::super::handshake::RemoteRegion;
-    use super::super::slice::LocalRegion;
     use super::super::tracker::{WC_OP_RDMA_WRITE, WC_OP_RECV_RDMA_WITH_IMM};
     use super::super::wr::Opcode;
     use super::*;

@@ -182,6 +182,16 @@ impl RailKeys {
         RailKeys { local, remote }
     }
 
+    /// Adds a local region registered after the keys were made (kept sorted; an
+    /// exact duplicate is ignored).
+    pub fn add_local(&mut self, l: LocalRegion) {
+        if self.local.contains(&l) {
+            return;
+        }
+        let i = self.local.partition_point(|r| r.addr <= l.addr);
+        self.local.insert(i, l);
+    }
+
     /// Resolves one span to a transfer with this rail's keys; the whole span must lie
     /// inside one local and one remote region ([`Status::OutOfBounds`] otherwise).
     pub fn resolve(&self, s: &Span) -> Result<Transfer> {

@@ -1,0 +1,556 @@
+//! A software NIC for tests: an in-process fabric where every [`FakeNic`]
+//! rail is a "device" with its own memory keys, and queue pairs and memory
+//! regions live in one process-global table.
+//!
+//! Posting a work request executes it at once, the way a NIC would, after
+//! the same checks: the local range must lie inside a region registered on
+//! the posting rail under its lkey, the peer QP must exist and be alive, and
+//! the remote range must lie inside a region registered on the peer's rail
+//! under the rkey. Then WRITE copies real bytes into the peer's memory (READ
+//! the other way), WRITE_WITH_IMM delivers the immediate to the peer's
+//! receive queue, and a signalled WR completes. A failed check completes
+//! the WR with the verbs status a NIC reports (LOC_PROT, REM_ACCESS,
+//! RETRY_EXC, RNR_RETRY_EXC) and moves the QP to the error state, where
+//! every later WR is flushed.
+//!
+//! Tests can kill a QP ([`kill_qp`]) or make it fail after some WRs
+//! ([`fail_qp_after`]). The fabric only connects QPs of one process; it is
+//! selected explicitly (`AgentOptions::nic`), never in production.
+
+use super::handshake::{
+    random_psn, random_u64, Gid, Handshake, LinkLayer, Mtu, Negotiated, RailInfo,
+};
+use super::nic::{DataPath, NicEndpoint, NicProvider};
+use super::session::{lock, RailIo, Session, SessionParams, SessionRail};
+use super::slice::{LocalRegion, RailKeys};
+use super::tracker::Completion;
+use super::wr::{Opcode, WorkRequest};
+use super::RecordMode;
+use crate::error::{Error, Result};
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::Duration;
+
+const WC_RDMA_WRITE: u32 = 1;
+const WC_RDMA_READ: u32 = 4;
+const WC_RECV_RDMA_WITH_IMM: u32 = 129;
+const LOC_PROT_ERR: u32 = 4;
+const WR_FLUSH_ERR: u32 = 5;
+const REM_ACCESS_ERR: u32 = 10;
+const RETRY_EXC_ERR: u32 = 12;
+const RNR_RETRY_EXC_ERR: u32 = 13;
+
+#[derive(Clone, Copy)]
+struct Mr {
+    device: u64,
+    addr: u64,
+    len: u64,
+}
+
+struct Qp {
+    qpn: u32,
+    device: u64,
+    remote: AtomicU32,
+    error: AtomicBool,
+    /// Fail the WR after this many more have executed (`u64::MAX`: never).
+    fail_after: AtomicU64,
+    cq: Mutex<VecDeque<Completion>>,
+    recvs: AtomicUsize,
+}
+
+#[derive(Default)]
+struct Fabric {
+    next_key: u32,
+    next_qpn: u32,
+    next_device: u64,
+    mrs: HashMap<u32, Mr>,
+    qps: HashMap<u32, Arc<Qp>>,
+}
+
+fn fabric() -> &'static Mutex<Fabric> {
+    static F: OnceLock<Mutex<Fabric>> = OnceLock::new();
+    F.get_or_init(|| {
+        Mutex::new(Fabric {
+            next_key: 0x100,
+            next_qpn: 0x40,
+            next_device: 1,
+            ..Default::default()
+        })
+    })
+}
+
+/// Kills the QP `qpn` (as a NIC or cable failure would): its posted and
+/// future work requests fail, and so do the peer's (retries exceeded).
+pub fn kill_qp(qpn: u32) {
+    if let Some(q) = lock(fabric()).qps.get(&qpn) {
+        q.error.store(true, Ordering::SeqCst);
+    }
+}
+
+/// Makes QP `qpn` fail (retries exceeded) on its `n`-th next work request.
+pub fn fail_qp_after(qpn: u32, n: u64) {
+    if let Some(q) = lock(fabric()).qps.get(&qpn) {
+        q.fail_after.store(n, Ordering::SeqCst);
+    }
+}
+
+/// Whether QP `qpn` exists and is not in the error state.
+pub fn qp_alive(qpn: u32) -> bool {
+    lock(fabric())
+        .qps
+        .get(&qpn)
+        .is_some_and(|q| !q.error.load(Ordering::SeqCst))
+}
+
+fn covers(mrs: &HashMap<u32, Mr>, key: u32, device: u64, addr: u64, len: u64) -> bool {
+    mrs.get(&key).is_some_and(|m| {
+        m.device == device
+            && addr >= m.addr
+            && addr.checked_add(len).is_some_and(|e| e <= m.addr + m.len)
+    })
+}
+
+impl Qp {
+    fn complete(&self, wr_id: u64, status: u32, opcode: u32) {
+        lock(&self.cq).push_back(Completion {
+            wr_id,
+            status,
+            vendor_err: 0,
+            opcode,
+            imm: None,
+        });
+    }
+
+    fn execute(&self, w: &WorkRequest) {
+        if self.error.load(Ordering::SeqCst) {
+            return self.complete(w.wr_id, WR_FLUSH_ERR, 0);
+        }
+        let left = self.fail_after.load(Ordering::SeqCst);
+        if left != u64::MAX {
+            if left == 0 {
+                self.error.store(true, Ordering::SeqCst);
+                return self.complete(w.wr_id, RETRY_EXC_ERR, 0);
+            }
+            self.fail_after.store(left - 1, Ordering::SeqCst);
+        }
+        let len = u64::from(w.len);
+        let (peer, ok_local, ok_remote) = {
+            let f = lock(fabric());
+            let peer = f.qps.get(&self.remote.load(Ordering::SeqCst)).cloned();
+            let ok_local = len == 0 || covers(&f.mrs, w.lkey, self.device, w.local_addr, len);
+            let ok_remote = peer
+                .as_ref()
+                .is_some_and(|p| len == 0 || covers(&f.mrs, w.rkey, p.device, w.remote_addr, len));
+            (peer, ok_local, ok_remote)
+        };
+        let Some(peer) = peer.filter(|p| !p.error.load(Ordering::SeqCst)) else {
+            // No ACK from a dead or vanished peer.
+            self.error.store(true, Ordering::SeqCst);
+            return self.complete(w.wr_id, RETRY_EXC_ERR, 0);
+        };
+        if !ok_local {
+            self.error.store(true, Ordering::SeqCst);
+            return self.complete(w.wr_id, LOC_PROT_ERR, 0);
+        }
+        if !ok_remote {
+            self.error.store(true, Ordering::SeqCst);
+            return self.complete(w.wr_id, REM_ACCESS_ERR, 0);
+        }
+        if w.imm.is_some() && peer.recvs.load(Ordering::SeqCst) == 0 {
+            self.error.store(true, Ordering::SeqCst);
+            return self.complete(w.wr_id, RNR_RETRY_EXC_ERR, 0);
+        }
+        let (src, dst) = match w.opcode {
+            Opcode::Read => (w.remote_addr, w.local_addr),
+            _ => (w.local_addr, w.remote_addr),
+        };
+        if len > 0 {
+            // SAFETY: both ranges lie inside regions registered on this fabric (checked
+            // just above); registration requires them to stay valid while registered,
+            // and the agent writes only into ranges the receiver granted and pinned.
+            unsafe { std::ptr::copy(src as *const u8, dst as *mut u8, len as usize) };
+        }
+        if let Some(imm) = w.imm {
+            peer.recvs.fetch_sub(1, Ordering::SeqCst);
+            lock(&peer.cq).push_back(Completion {
+                wr_id: u64::MAX,
+                status: 0,
+                vendor_err: 0,
+                opcode: WC_RECV_RDMA_WITH_IMM,
+                imm: Some(imm),
+            });
+        }
+        if w.signaled {
+            let op = if w.opcode == Opcode::Read {
+                WC_RDMA_READ
+            } else {
+                WC_RDMA_WRITE
+            };
+            self.complete(w.wr_id, 0, op);
+        }
+    }
+}
+
+/// One rail's QP on the fake fabric.
+pub struct FakeRail {
+    qp: Arc<Qp>,
+}
+
+impl Drop for FakeRail {
+    fn drop(&mut self) {
+        // A destroyed QP answers nothing: the peer's next WR fails with retries exceeded.
+        self.qp.error.store(true, Ordering::SeqCst);
+        lock(fabric()).qps.remove(&self.qp.qpn);
+    }
+}
+
+impl RailIo for FakeRail {
+    fn post_send(&self, wrs: &[WorkRequest]) -> std::result::Result<(), (usize, Error)> {
+        for w in wrs {
+            self.qp.execute(w);
+        }
+        Ok(())
+    }
+    fn post_recvs(&self, n: usize) -> Result<()> {
+        self.qp.recvs.fetch_add(n, Ordering::SeqCst);
+        Ok(())
+    }
+    fn poll(&self, out: &mut Vec<Completion>, max: usize) -> Result<usize> {
+        let mut cq = lock(&self.qp.cq);
+        let n = max.min(cq.len());
+        out.extend(cq.drain(..n));
+        Ok(n)
+    }
+}
+
+/// A software NIC with one or more rails ("devices") on the fake fabric.
+pub struct FakeNic {
+    name: String,
+    devices: Vec<u64>,
+    mtu: Mtu,
+    link_layer: LinkLayer,
+    regions: Mutex<Vec<(u64, u64, Vec<u32>)>>,
+    qps: Mutex<Vec<u32>>,
+    instance_id: u64,
+}
+
+impl FakeNic {
+    /// A NIC named `name` with `rails` rails (at least 1) and active MTU `mtu`,
+    /// on an InfiniBand link (addressed by LID).
+    pub fn new(name: &str, rails: usize, mtu: Mtu) -> Arc<FakeNic> {
+        Self::with_link_layer(name, rails, mtu, LinkLayer::InfiniBand)
+    }
+
+    /// [`new`](Self::new) on the given link layer (Ethernet: RoCE, addressed by a
+    /// non-zero GID).
+    pub fn with_link_layer(
+        name: &str,
+        rails: usize,
+        mtu: Mtu,
+        link_layer: LinkLayer,
+    ) -> Arc<FakeNic> {
+        let mut f = lock(fabric());
+        let devices = (0..rails.max(1))
+            .map(|_| {
+                f.next_device += 1;
+                f.next_device
+            })
+            .collect();
+        Arc::new(FakeNic {
+            name: name.to_string(),
+            devices,
+            mtu,
+            link_layer,
+            regions: Mutex::new(Vec::new()),
+            qps: Mutex::new(Vec::new()),
+            instance_id: random_u64(),
+        })
+    }
+
+    /// The QP numbers of every endpoint created on this NIC, oldest first
+    /// (rail 0 of the first endpoint, rail 1 of it, ...).
+    pub fn qpns(&self) -> Vec<u32> {
+        lock(&self.qps).clone()
+    }
+}
+
+impl NicProvider for FakeNic {
+    fn describe(&self) -> String {
+        format!("fake {} ({} rail(s))", self.name, self.devices.len())
+    }
+
+    unsafe fn register(&self, addr: u64, len: u64) -> Result<Vec<LocalRegion>> {
+        let mut regs = lock(&self.regions);
+        if let Some((_, _, keys)) = regs.iter().find(|r| r.0 == addr && r.1 == len) {
+            return Ok(keys
+                .iter()
+                .map(|k| LocalRegion {
+                    addr,
+                    len,
+                    lkey: *k,
+                })
+                .collect());
+        }
+        let mut f = lock(fabric());
+        let mut keys = Vec::with_capacity(self.devices.len());
+        for d in &self.devices {
+            f.next_key = f.next_key.wrapping_add(1).max(0x100);
+            let k = f.next_key;
+            f.mrs.insert(
+                k,
+                Mr {
+                    device: *d,
+                    addr,
+                    len,
+                },
+            );
+            keys.push(k);
+        }
+        regs.push((addr, len, keys.clone()));
+        Ok(keys
+            .into_iter()
+            .map(|k| LocalRegion { addr, len, lkey: k })
+            .collect())
+    }
+
+    fn endpoint(&self) -> Result<Box<dyn NicEndpoint>> {
+        let regions = lock(&self.regions).clone();
+        let mut f = lock(fabric());
+        let mut rails = Vec::new();
+        let mut infos = Vec::new();
+        let mut locals = Vec::new();
+        for (i, d) in self.devices.iter().enumerate() {
+            f.next_qpn = if f.next_qpn >= 0x00ff_fff0 {
+                0x40
+            } else {
+                f.next_qpn + 1
+            };
+            let qpn = f.next_qpn;
+            let qp = Arc::new(Qp {
+                qpn,
+                device: *d,
+                remote: AtomicU32::new(0),
+                error: AtomicBool::new(false),
+                fail_after: AtomicU64::new(u64::MAX),
+                cq: Mutex::new(VecDeque::new()),
+                recvs: AtomicUsize::new(0),
+            });
+            f.qps.insert(qpn, qp.clone());
+            lock(&self.qps).push(qpn);
+            infos.push(RailInfo {
+                device: format!("{}_{i}", self.name),
+                port: 1,
+                link_layer: self.link_layer,
+                qpn,
+                lid: (*d & 0x3fff) as u16 + 1,
+                gid: match self.link_layer {
+                    LinkLayer::InfiniBand => Gid::default(),
+                    LinkLayer::Ethernet => {
+                        let mut g = [0u8; 16];
+                        g[10] = 0xff;
+                        g[11] = 0xff;
+                        g[12..].copy_from_slice(&(*d as u32).to_be_bytes());
+                        Gid(g)
+                    }
+                },
+                gid_index: 0,
+                psn: random_psn(),
+                mtu: self.mtu,
+                regions: regions
+                    .iter()
+                    .map(|(a, l, k)| super::handshake::RemoteRegion {
+                        addr: *a,
+                        len: *l,
+                        rkey: k[i],
+                    })
+                    .collect(),
+            });
+            locals.push(
+                regions
+                    .iter()
+                    .map(|(a, l, k)| LocalRegion {
+                        addr: *a,
+                        len: *l,
+                        lkey: k[i],
+                    })
+                    .collect::<Vec<_>>(),
+            );
+            rails.push(FakeRail { qp });
+        }
+        Ok(Box::new(FakeEndpoint {
+            rails,
+            locals,
+            local: Handshake {
+                instance_id: self.instance_id,
+                rails: infos,
+            },
+        }))
+    }
+}
+
+struct FakeEndpoint {
+    rails: Vec<FakeRail>,
+    locals: Vec<Vec<LocalRegion>>,
+    local: Handshake,
+}
+
+impl NicEndpoint for FakeEndpoint {
+    fn local(&self) -> &Handshake {
+        &self.local
+    }
+
+    fn connect(
+        self: Box<Self>,
+        remote: &Handshake,
+    ) -> Result<(Box<dyn DataPath>, Vec<Negotiated>)> {
+        let negs = super::handshake::negotiate_all(&self.local, remote)?;
+        let this = *self;
+        let mut keys = Vec::new();
+        let mut rails = Vec::new();
+        for (i, r) in this.rails.into_iter().enumerate() {
+            if let Some(n) = negs.get(i) {
+                r.qp.remote.store(n.remote_qpn, Ordering::SeqCst);
+                keys.push(RailKeys::new(
+                    this.locals[i].clone(),
+                    remote.rails[i].regions.clone(),
+                ));
+            }
+            // Messages of at most one path MTU's worth of 1 MiB keep batches multi-WR.
+            rails.push(SessionRail::new(r, 100, 1 << 20, 256, 64));
+        }
+        let mut s = Session::new(
+            rails,
+            SessionParams {
+                signal_every: 16,
+                min_slice: 64 << 10,
+                record: RecordMode::None,
+                post_timeout: Duration::from_secs(10),
+            },
+        );
+        s.start(keys)?;
+        Ok((Box::new(s), negs))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::transport::rdma::slice::Span;
+    use crate::transport::rdma::wr::Direction;
+    use crate::transport::rdma::BatchState;
+
+    #[test]
+    fn the_fabric_enforces_rkeys_and_bounds_like_a_nic() {
+        let a = FakeNic::new("ka", 1, Mtu::Mtu4096);
+        let b = FakeNic::new("kb", 1, Mtu::Mtu4096);
+        let src = vec![7u8; 8192];
+        let dst = vec![0u8; 8192];
+        let other = vec![0u8; 8192];
+        // SAFETY: the buffers outlive every work request below.
+        let (ls, ld, lo) = unsafe {
+            (
+                a.register(src.as_ptr() as u64, 8192).unwrap()[0],
+                b.register(dst.as_ptr() as u64, 8192).unwrap()[0],
+                a.register(other.as_ptr() as u64, 8192).unwrap()[0],
+            )
+        };
+        let _ea = a.endpoint().unwrap();
+        let _eb = b.endpoint().unwrap();
+        let qp = lock(fabric()).qps[&a.qpns()[0]].clone();
+        qp.remote.store(b.qpns()[0], Ordering::SeqCst);
+        let wr = |rkey: u32, remote_addr: u64, len: u32| WorkRequest {
+            wr_id: 1,
+            opcode: Opcode::Write,
+            local_addr: ls.addr,
+            lkey: ls.lkey,
+            len,
+            remote_addr,
+            rkey,
+            signaled: true,
+            imm: None,
+            retires: 1,
+        };
+        let status = |w: WorkRequest| {
+            qp.error.store(false, Ordering::SeqCst);
+            qp.execute(&w);
+            lock(&qp.cq).pop_back().map(|c| c.status)
+        };
+        // An rkey of the sender's own NIC, a made-up rkey, and a range past the
+        // region's end are all refused with REM_ACCESS_ERR, writing nothing.
+        assert_eq!(status(wr(lo.lkey, ld.addr, 100)), Some(REM_ACCESS_ERR));
+        assert_eq!(status(wr(0xdead, ld.addr, 100)), Some(REM_ACCESS_ERR));
+        assert_eq!(
+            status(wr(ld.lkey, ld.addr + 8100, 100)),
+            Some(REM_ACCESS_ERR)
+        );
+        assert!(dst.iter().all(|x| *x == 0));
+        // The right key inside the region lands.
+        assert_eq!(status(wr(ld.lkey, ld.addr + 8000, 100)), Some(0));
+        assert!(dst[8000..8100].iter().all(|x| *x == 7));
+        assert!(dst[..8000].iter().all(|x| *x == 0));
+        // A local buffer outside the lkey's region is a local protection error.
+        let mut w = wr(ld.lkey, ld.addr, 100);
+        w.local_addr = ls.addr + 8150;
+        assert_eq!(status(w), Some(LOC_PROT_ERR));
+        // A QP in the error state flushes.
+        qp.execute(&wr(ld.lkey, ld.addr, 1));
+        qp.error.store(true, Ordering::SeqCst);
+        qp.execute(&wr(ld.lkey, ld.addr, 1));
+        assert_eq!(
+            lock(&qp.cq).pop_back().map(|c| c.status),
+            Some(WR_FLUSH_ERR)
+        );
+    }
+
+    #[test]
+    fn writes_land_after_key_checks_and_a_killed_qp_fails_with_the_reason() {
+        let a = FakeNic::new("fa", 2, Mtu::Mtu4096);
+        let b = FakeNic::new("fb", 2, Mtu::Mtu1024);
+        let src: Vec<u8> = (0..300_000u32).map(|i| (i * 13 + 1) as u8).collect();
+        let dst = vec![0u8; 300_000];
+        // SAFETY: both buffers outlive the endpoints below.
+        unsafe {
+            a.register(src.as_ptr() as u64, src.len() as u64).unwrap();
+            b.register(dst.as_ptr() as u64, dst.len() as u64).unwrap();
+        }
+        let ea = a.endpoint().unwrap();
+        let eb = b.endpoint().unwrap();
+        let (ha, hb) = (ea.local().clone(), eb.local().clone());
+        let (pa, negs) = ea.connect(&hb).unwrap();
+        assert_eq!(negs.len(), 2);
+        assert!(negs.iter().all(|n| n.mtu == Mtu::Mtu1024), "min MTU");
+        let (_pb, _) = eb.connect(&ha).unwrap();
+        let span = Span {
+            local_addr: src.as_ptr() as u64 + 10,
+            remote_addr: dst.as_ptr() as u64 + 20,
+            len: 250_000,
+        };
+        pa.post_batch(1, Direction::Write, &[span]).unwrap();
+        assert_eq!(
+            pa.wait(1, Duration::from_secs(5)).unwrap(),
+            BatchState::Done { bytes: 250_000 }
+        );
+        assert_eq!(&dst[20..250_020], &src[10..250_010]);
+        // Outside the registered destination: refused before posting.
+        let bad = Span {
+            remote_addr: dst.as_ptr() as u64 + 299_999,
+            len: 2,
+            ..span
+        };
+        assert!(pa.post_batch(2, Direction::Write, &[bad]).is_err());
+        // A killed peer QP: the next batch fails with retries exceeded.
+        for q in b.qpns() {
+            kill_qp(q);
+        }
+        let r = pa.post_batch(3, Direction::Write, &[span]);
+        let st = match r {
+            Ok(()) => pa.wait(3, Duration::from_secs(5)).unwrap(),
+            Err(e) => BatchState::Failed(e),
+        };
+        match st {
+            BatchState::Failed(e) => assert!(e.detail().contains("RETRY_EXC"), "{e}"),
+            s => panic!("expected failure, got {s:?}"),
+        }
+    }
+}

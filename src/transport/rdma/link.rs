@@ -1,0 +1,765 @@
+//! The RDMA transport behind the [`Transport`] trait: the agent's control
+//! connection plus one-sided RDMA WRITE/READ on a [`DataPath`] (a
+//! [`Session`](super::session::Session) over any [`RailIo`](super::session::RailIo):
+//! verbs QPs in production, the fake fabric in tests).
+//!
+//! Protocol per batch, as for cma: the sender validates every op against its
+//! registry and the receiver's descriptors, sends the intent (destination
+//! ranges); the receiver validates them against its registry and pins the
+//! regions (Grant) or refuses (Refuse: nothing is written). Only then the
+//! sender posts the RDMA WRITEs (the NIC enforces the rkeys), and only after
+//! every send completion (RC: the data is placed in the peer's memory) does
+//! it send the commit record; the receiver checks it (bytes, optional
+//! checksum over the landed bytes), delivers its completion record and
+//! acknowledges. A failed work request fails the batch with the verbs
+//! reason and is never retried (the bytes may or may not have landed); the
+//! receiver then drops its grant and delivers nothing.
+
+use super::nic::{DataPath, NicProvider};
+use super::slice::Span;
+use super::tracker::BatchState;
+use super::wr::Direction;
+use crate::error::{Error, Result, Status};
+use crate::memory::{AccessGuard, RegionDesc};
+use crate::transport::batch::Stage;
+use crate::transport::conn::{checksum_pieces, Conn, Piece};
+use crate::transport::wire::{self, Commit, FrameType, Range};
+use crate::transport::{
+    BatchId, BatchOptions, BatchStatus, Completion, ReadOp, Transport, TransportKind, WriteOp,
+};
+use crossbeam::channel::{unbounded, Receiver, Sender};
+use std::collections::HashSet;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+struct Job {
+    id: u64,
+    read: bool,
+    pieces: Vec<Piece>,
+    commit: Commit,
+    deadline: Instant,
+    _guards: Arc<Vec<AccessGuard>>,
+}
+
+/// The sender side of an RDMA connection.
+pub struct RdmaLink {
+    conn: Arc<Conn>,
+    tx: Sender<Job>,
+    path: Arc<dyn DataPath>,
+    nic: Arc<dyn NicProvider>,
+    /// Local regions (id, addr, len) whose lkeys the data path knows.
+    known: Mutex<HashSet<(u64, u64, u64)>>,
+}
+
+impl RdmaLink {
+    /// Starts the link over a connected control channel and data path.
+    pub(crate) fn new(
+        conn: Arc<Conn>,
+        path: Box<dyn DataPath>,
+        nic: Arc<dyn NicProvider>,
+    ) -> Result<RdmaLink> {
+        let path: Arc<dyn DataPath> = Arc::from(path);
+        let (tx, rx) = unbounded::<Job>();
+        let (done_tx, done_rx) = unbounded::<Job>();
+        let (c, p) = (conn.clone(), path.clone());
+        std::thread::Builder::new()
+            .name("pdxfer-rdma-post".into())
+            .spawn(move || poster(&c, &*p, rx, done_tx))?;
+        let (c, p) = (conn.clone(), path.clone());
+        std::thread::Builder::new()
+            .name("pdxfer-rdma-done".into())
+            .spawn(move || completer(&c, &*p, done_rx))?;
+        Ok(RdmaLink {
+            conn,
+            tx,
+            path,
+            nic,
+            known: Mutex::new(HashSet::new()),
+        })
+    }
+
+    /// Makes sure every local region of `ops` is registered with the NIC and
+    /// its lkeys are known to the data path (regions registered with the agent
+    /// after the connection included).
+    fn ensure_local(&self, ops: &[WriteOp]) -> Result<()> {
+        let mut known = super::session::lock(&self.known);
+        for op in ops {
+            let d = self.conn.registry.get(op.local_region)?;
+            if known.contains(&(d.id, d.addr, d.len)) {
+                continue;
+            }
+            // SAFETY: a registry region stays valid until it is unregistered, and the
+            // batch pins it (validate_ops) while the NIC uses it.
+            let keys = unsafe { self.nic.register(d.addr, d.len) }.map_err(|e| {
+                Error::new(
+                    e.status(),
+                    format!(
+                        "local region {} cannot be registered with the RDMA NIC: {}",
+                        d.id,
+                        e.detail()
+                    ),
+                )
+            })?;
+            self.path.add_local(&keys);
+            known.insert((d.id, d.addr, d.len));
+        }
+        Ok(())
+    }
+
+    fn submit_dir(&self, ops: &[WriteOp], opts: &BatchOptions, read: bool) -> Result<BatchId> {
+        let (pieces, guards, bytes) = self.conn.validate(ops)?;
+        self.ensure_local(ops)?;
+        // Writes: checksum of the source now. Reads: computed after the read landed.
+        let checksum = opts
+            .checksum
+            .then(|| if read { 0 } else { checksum_pieces(&pieces) });
+        let template = Completion::pending(bytes, checksum, opts);
+        let id = self
+            .conn
+            .table
+            .insert(opts.timeout, template, guards.clone())?;
+        let ranges: Vec<Range> = pieces
+            .iter()
+            .map(|p| Range {
+                region: p.region,
+                offset: p.offset,
+                len: p.len,
+            })
+            .collect();
+        let ty = if read {
+            FrameType::ReadIntent
+        } else {
+            FrameType::Intent
+        };
+        self.conn.send(ty, &wire::encode_intent(id, &ranges))?;
+        let job = Job {
+            id,
+            read,
+            pieces,
+            commit: Commit {
+                batch: id,
+                bytes,
+                checksum,
+                room: opts.room,
+                epoch: opts.epoch,
+            },
+            deadline: Instant::now() + opts.timeout,
+            _guards: guards,
+        };
+        if self.tx.send(job).is_err() {
+            self.conn.table.fail(
+                id,
+                Error::new(Status::PeerUnreachable, "the rdma poster thread is gone"),
+            );
+        }
+        Ok(BatchId(id))
+    }
+}
+
+fn abort(conn: &Conn, id: u64) {
+    let _ = conn.send(FrameType::Abort, &id.to_le_bytes());
+}
+
+/// How long past its deadline a failed batch may keep the receiver's grant
+/// while its posted work requests drain.
+const SETTLE_GRACE: Duration = Duration::from_secs(2);
+
+/// Waits until every posted work request of a failed batch has completed (or
+/// its rails are dead), at most until `until`: only then may the receiver drop
+/// its grant (unpin), since a NIC may still be placing bytes of other rails.
+fn settle(path: &dyn DataPath, batch: u32, until: Instant) {
+    while Instant::now() < until {
+        match path.wait(batch, Duration::from_millis(20)) {
+            // Forgotten by the tracker: settled (or never started).
+            Err(e) if e.status() != Status::Timeout => return,
+            Ok(BatchState::Done { .. }) => return,
+            _ => std::thread::sleep(Duration::from_millis(2)),
+        }
+    }
+}
+
+/// Fails the batch with `e` at once, then releases the receiver's grant once
+/// the batch's work requests settled.
+fn fail_and_abort(conn: &Conn, path: &dyn DataPath, job: &Job, e: Error) {
+    conn.table.fail(job.id, e);
+    settle(
+        path,
+        rdma_id(job.id),
+        job.deadline.max(Instant::now()) + SETTLE_GRACE,
+    );
+    abort(conn, job.id);
+}
+
+/// The RDMA batch id of a connection batch (ids grow from 1; the tracker
+/// refuses an id still in flight).
+fn rdma_id(id: u64) -> u32 {
+    id as u32
+}
+
+/// Waits for grants and posts the work requests, in submission order.
+fn poster(conn: &Conn, path: &dyn DataPath, rx: Receiver<Job>, done: Sender<Job>) {
+    for job in rx {
+        if conn.table.wait_granted(job.id).is_err() || conn.table.finished(job.id) {
+            abort(conn, job.id);
+            continue;
+        }
+        if job.pieces.is_empty() {
+            let _ = done.send(job);
+            continue;
+        }
+        let spans: Vec<Span> = job
+            .pieces
+            .iter()
+            .map(|p| Span {
+                local_addr: p.src,
+                remote_addr: p.dst,
+                len: p.len,
+            })
+            .collect();
+        let dir = if job.read {
+            Direction::Read
+        } else {
+            Direction::Write
+        };
+        match path.post_batch(rdma_id(job.id), dir, &spans) {
+            Ok(()) => {
+                let _ = done.send(job);
+            }
+            Err(e) => {
+                // Never retried: fail it, let what was posted drain, then release the grant.
+                let e = Error::new(e.status(), format!("rdma batch {}: {}", job.id, e.detail()));
+                fail_and_abort(conn, path, &job, e);
+            }
+        }
+    }
+}
+
+/// Waits for the send completions of each posted batch, then commits it.
+fn completer(conn: &Conn, path: &dyn DataPath, rx: Receiver<Job>) {
+    for job in rx {
+        let state = if job.pieces.is_empty() {
+            BatchState::Done { bytes: 0 }
+        } else {
+            loop {
+                // Short slices, so a batch failed elsewhere (dead control
+                // connection, deadline) is noticed promptly.
+                match path.wait(rdma_id(job.id), Duration::from_millis(20)) {
+                    Ok(s) => break s,
+                    Err(e) if e.status() == Status::Timeout => {
+                        if conn.table.finished(job.id) || Instant::now() >= job.deadline {
+                            break BatchState::Failed(Error::new(
+                                Status::Timeout,
+                                format!(
+                                    "rdma batch {}: work requests still in flight at the batch deadline",
+                                    job.id
+                                ),
+                            ));
+                        }
+                    }
+                    Err(e) => break BatchState::Failed(e),
+                }
+            }
+        };
+        match state {
+            BatchState::Done { bytes } if bytes == job.commit.bytes => {
+                let mut commit = job.commit;
+                if job.read && commit.checksum.is_some() {
+                    let sum = read_checksum(&job.pieces);
+                    commit.checksum = Some(sum);
+                    conn.table.set_checksum(job.id, sum);
+                }
+                conn.table.set(job.id, Stage::Written);
+                if conn.table.finished(job.id) {
+                    // Deadline passed while writing: no completion for the receiver.
+                    abort(conn, job.id);
+                    continue;
+                }
+                let _ = conn.send(FrameType::Commit, &wire::encode_commit(&commit));
+            }
+            BatchState::Done { bytes } => {
+                let e = Error::new(
+                    Status::BatchFailed,
+                    format!("moved {bytes} of {} bytes", job.commit.bytes),
+                );
+                conn.table.fail(job.id, e);
+                abort(conn, job.id);
+            }
+            BatchState::Failed(e) => fail_and_abort(conn, path, &job, e),
+            BatchState::InProgress => {
+                let e = Error::new(Status::BatchFailed, "rdma batch left in progress");
+                fail_and_abort(conn, path, &job, e);
+            }
+        }
+    }
+}
+
+/// Checksum of the bytes a read landed locally (keyed by the peer's ranges).
+fn read_checksum(pieces: &[Piece]) -> u64 {
+    pieces.iter().fold(0u64, |acc, p| {
+        // SAFETY: src is a pinned local registered range the read just filled.
+        let d = unsafe { std::slice::from_raw_parts(p.src as *const u8, p.len as usize) };
+        crate::transport::checksum::combine(
+            acc,
+            crate::transport::checksum::piece(p.region, p.offset, d),
+        )
+    })
+}
+
+impl Transport for RdmaLink {
+    fn kind(&self) -> TransportKind {
+        TransportKind::Rdma
+    }
+
+    fn data_path(&self) -> &'static str {
+        if self.path.rails() > 1 {
+            "rdma: one-sided RDMA WRITE/READ on RC queue pairs, sliced across several NICs"
+        } else {
+            "rdma: one-sided RDMA WRITE/READ on an RC queue pair"
+        }
+    }
+
+    fn remote_regions(&self) -> Vec<RegionDesc> {
+        let mut v: Vec<RegionDesc> = self.conn.regions.values().cloned().collect();
+        v.sort_by_key(|d| d.id);
+        v
+    }
+
+    fn submit(&self, ops: &[WriteOp], opts: &BatchOptions) -> Result<BatchId> {
+        self.submit_dir(ops, opts, false)
+    }
+
+    fn submit_reads(&self, ops: &[ReadOp], opts: &BatchOptions) -> Result<BatchId> {
+        let w: Vec<WriteOp> = ops.iter().map(ReadOp::as_write).collect();
+        self.submit_dir(&w, opts, true)
+    }
+
+    fn poll(&self, id: BatchId) -> Result<BatchStatus> {
+        self.conn.table.poll(id)
+    }
+
+    fn wait(&self, id: BatchId, timeout: Duration) -> Result<Completion> {
+        self.conn.table.wait(id, timeout)
+    }
+
+    fn close(&self) {
+        self.conn.close();
+    }
+
+    fn is_alive(&self) -> bool {
+        self.conn.alive()
+    }
+}
+
+impl Drop for RdmaLink {
+    fn drop(&mut self) {
+        self.conn.close();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::error::Status;
+    use crate::memory::RegionDesc;
+    use crate::transport::rdma::fake::{self, FakeNic};
+    use crate::transport::rdma::handshake::Mtu;
+    use crate::transport::{
+        Agent, AgentOptions, BatchOptions, ConnectOptions, ReadOp, Transport, TransportKind,
+        WriteOp,
+    };
+    use std::sync::Arc;
+    use std::time::{Duration, Instant};
+
+    fn agent(listen: bool, nic: Option<Arc<FakeNic>>) -> Agent {
+        Agent::new(&AgentOptions {
+            listen: listen.then(|| "127.0.0.1:0".to_string()),
+            nic: nic.map(|n| n as Arc<dyn super::NicProvider>),
+            deny_same_host: true,
+            ..Default::default()
+        })
+        .unwrap()
+    }
+
+    fn connect(tx: &Agent, rx: &Agent, kind: TransportKind) -> crate::Result<Box<dyn Transport>> {
+        tx.connect(
+            &rx.local_addr().unwrap().to_string(),
+            &ConnectOptions {
+                transport: kind,
+                timeout: Duration::from_secs(5),
+                ..Default::default()
+            },
+        )
+    }
+
+    /// Deterministic pseudo-random numbers (xorshift).
+    struct Rng(u64);
+    impl Rng {
+        fn next(&mut self) -> u64 {
+            self.0 ^= self.0 << 13;
+            self.0 ^= self.0 >> 7;
+            self.0 ^= self.0 << 17;
+            self.0
+        }
+        fn below(&mut self, n: u64) -> u64 {
+            self.next() % n.max(1)
+        }
+    }
+
+    const LEN: usize = 2 << 20;
+
+    struct Setup {
+        rx: Agent,
+        tx: Agent,
+        tx_nic: Arc<FakeNic>,
+        dst: Vec<u8>,
+        src: Vec<u8>,
+        d: RegionDesc,
+        s: RegionDesc,
+    }
+
+    fn setup() -> Setup {
+        let rx_nic = FakeNic::new("rx", 2, Mtu::Mtu2048);
+        let tx_nic = FakeNic::new("tx", 2, Mtu::Mtu4096);
+        let rx = agent(true, Some(rx_nic));
+        let tx = agent(false, Some(tx_nic.clone()));
+        let mut dst = vec![0u8; LEN];
+        let mut src: Vec<u8> = (0..LEN as u64).map(|i| (i * 7 + i / 251) as u8).collect();
+        // SAFETY: the buffers live in the returned Setup, which outlives the agents' use.
+        let d = unsafe { rx.register_host(dst.as_mut_ptr(), dst.len()) }.unwrap();
+        // SAFETY: as above.
+        let s = unsafe { tx.register_host(src.as_mut_ptr(), src.len()) }.unwrap();
+        Setup {
+            rx,
+            tx,
+            tx_nic,
+            dst,
+            src,
+            d,
+            s,
+        }
+    }
+
+    #[test]
+    fn random_batches_land_byte_exact_and_the_record_follows_the_data() {
+        let st = setup();
+        let t = connect(&st.tx, &st.rx, TransportKind::Rdma).unwrap();
+        assert_eq!(t.kind(), TransportKind::Rdma);
+        assert!(t.data_path().contains("several NICs"), "{}", t.data_path());
+        assert_eq!(t.remote_regions(), vec![st.d.clone()]);
+        let mut model = vec![0u8; LEN];
+        let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
+        for round in 0..24u64 {
+            // Disjoint destination pieces inside one batch (slicing may reorder them).
+            let n = 1 + rng.below(12);
+            let chunk = LEN as u64 / n;
+            let mut ops = Vec::new();
+            for k in 0..n {
+                let len = 1 + rng.below(chunk.min(300_000));
+                let remote_offset = k * chunk + rng.below(chunk - len + 1);
+                let local_offset = rng.below(LEN as u64 - len + 1);
+                ops.push(WriteOp {
+                    local_region: st.s.id,
+                    local_offset,
+                    remote_region: st.d.id,
+                    remote_offset,
+                    len,
+                });
+            }
+            let opts = BatchOptions {
+                checksum: round % 2 == 0,
+                room: 1000 + round,
+                epoch: round,
+                timeout: Duration::from_secs(10),
+            };
+            let id = t.submit(&ops, &opts).unwrap();
+            for op in &ops {
+                let (l, r, n) = (
+                    op.local_offset as usize,
+                    op.remote_offset as usize,
+                    op.len as usize,
+                );
+                model[r..r + n].copy_from_slice(&st.src[l..l + n]);
+            }
+            // The receiver's record arrives only once every byte is in place.
+            let inc = st
+                .rx
+                .next_completion(Duration::from_secs(10))
+                .expect("receiver completion");
+            assert!(
+                st.dst == model,
+                "round {round}: bytes differ when the record arrived"
+            );
+            let c = t.wait(id, Duration::from_secs(10)).unwrap();
+            assert_eq!(inc.completion, c);
+            assert_eq!(c.bytes, ops.iter().map(|o| o.len).sum::<u64>());
+            assert_eq!((c.room, c.epoch), (1000 + round, round));
+            assert_eq!(c.checksum.is_some(), round % 2 == 0);
+        }
+        // A local region registered after the connection is usable.
+        let mut late: Vec<u8> = (0..4096u32).map(|i| (i % 97) as u8 + 1).collect();
+        // SAFETY: `late` outlives the batch below.
+        let l = unsafe { st.tx.register_host(late.as_mut_ptr(), late.len()) }.unwrap();
+        let op = WriteOp {
+            local_region: l.id,
+            local_offset: 0,
+            remote_region: st.d.id,
+            remote_offset: 5,
+            len: 4096,
+        };
+        let id = t.submit(&[op], &BatchOptions::default()).unwrap();
+        t.wait(id, Duration::from_secs(10)).unwrap();
+        assert_eq!(&st.dst[5..4101], &late[..]);
+        // A region the receiver registered after the connection is refused clearly.
+        let mut more = vec![0u8; 4096];
+        // SAFETY: `more` outlives the receiver's use.
+        let m = unsafe { st.rx.register_host(more.as_mut_ptr(), more.len()) }.unwrap();
+        let e = t
+            .submit(
+                &[WriteOp {
+                    remote_region: m.id,
+                    remote_offset: 0,
+                    ..op
+                }],
+                &BatchOptions::default(),
+            )
+            .unwrap_err();
+        assert_eq!(e.status(), Status::RegionNotFound, "{e}");
+        assert!(more.iter().all(|b| *b == 0));
+        t.close();
+        assert!(!t.is_alive());
+        drop(late);
+    }
+
+    #[test]
+    fn out_of_bounds_and_refused_writes_write_nothing() {
+        let st = setup();
+        let t = connect(&st.tx, &st.rx, TransportKind::Rdma).unwrap();
+        let op = WriteOp {
+            local_region: st.s.id,
+            local_offset: 0,
+            remote_region: st.d.id,
+            remote_offset: LEN as u64 - 100,
+            len: 101,
+        };
+        let e = t.submit(&[op], &BatchOptions::default()).unwrap_err();
+        assert_eq!(e.status(), Status::OutOfBounds, "{e}");
+        // The receiver unregisters its region: the sender's descriptor is stale, the
+        // receiver refuses the grant and nothing is written.
+        st.rx
+            .registry()
+            .unregister(st.d.id, Duration::from_secs(2))
+            .unwrap();
+        let op = WriteOp {
+            remote_offset: 0,
+            len: 1000,
+            ..op
+        };
+        let id = t.submit(&[op], &BatchOptions::default()).unwrap();
+        let e = t.wait(id, Duration::from_secs(5)).unwrap_err();
+        assert_eq!(e.status(), Status::RegionNotFound, "{e}");
+        assert!(
+            st.dst.iter().all(|b| *b == 0),
+            "a refused batch wrote bytes"
+        );
+        assert!(st.rx.next_completion(Duration::from_millis(50)).is_none());
+    }
+
+    #[test]
+    fn a_qp_error_mid_batch_fails_it_with_the_reason_while_another_connection_works() {
+        let st = setup();
+        let t1 = connect(&st.tx, &st.rx, TransportKind::Rdma).unwrap();
+        let q1 = st.tx_nic.qpns();
+        let t2 = connect(&st.tx, &st.rx, TransportKind::Rdma).unwrap();
+        assert_eq!(st.tx_nic.qpns().len(), 2 * q1.len());
+        // Rail 0 of the first connection fails on its 3rd work request.
+        fake::fail_qp_after(q1[0], 2);
+        let ops: Vec<WriteOp> = (0..16u64)
+            .map(|k| WriteOp {
+                local_region: st.s.id,
+                local_offset: k * 65_536,
+                remote_region: st.d.id,
+                remote_offset: k * 65_536,
+                len: 65_536,
+            })
+            .collect();
+        let opts = BatchOptions {
+            timeout: Duration::from_secs(3),
+            ..Default::default()
+        };
+        let start = Instant::now();
+        let id = t1.submit(&ops, &opts).unwrap();
+        let e = t1.wait(id, Duration::from_secs(10)).unwrap_err();
+        assert!(
+            start.elapsed() < Duration::from_secs(3),
+            "{:?}",
+            start.elapsed()
+        );
+        assert_eq!(e.status(), Status::RdmaCompletion, "{e}");
+        assert!(e.detail().contains("IBV_WC_RETRY_EXC_ERR"), "{e}");
+        assert!(e.detail().contains("not retried"), "{e}");
+        assert!(
+            st.rx.next_completion(Duration::from_millis(50)).is_none(),
+            "no record for a failed batch"
+        );
+        // The dead rail refuses later batches of that connection, with the reason.
+        let id = t1.submit(&ops[..1], &opts).unwrap();
+        let e = t1.wait(id, Duration::from_secs(10)).unwrap_err();
+        assert!(e.detail().contains("reconnect"), "{e}");
+        // The other connection keeps working.
+        let id = t2.submit(&ops, &opts).unwrap();
+        let c = t2.wait(id, Duration::from_secs(10)).unwrap();
+        assert_eq!(c.bytes, 16 * 65_536);
+        assert_eq!(&st.dst[..16 * 65_536], &st.src[..16 * 65_536]);
+    }
+
+    #[test]
+    fn a_dead_peer_fails_batches_within_their_deadline() {
+        let st = setup();
+        let t = connect(&st.tx, &st.rx, TransportKind::Rdma).unwrap();
+        let op = WriteOp {
+            local_region: st.s.id,
+            local_offset: 0,
+            remote_region: st.d.id,
+            remote_offset: 0,
+            len: 1 << 20,
+        };
+        let opts = BatchOptions {
+            timeout: Duration::from_secs(2),
+            ..Default::default()
+        };
+        let id = t.submit(&[op], &opts).unwrap();
+        t.wait(id, Duration::from_secs(5)).unwrap();
+        let Setup { rx, tx, dst, .. } = st;
+        drop(rx);
+        let start = Instant::now();
+        let r = t
+            .submit(&[op], &opts)
+            .and_then(|id| t.wait(id, Duration::from_secs(10)));
+        let e = r.unwrap_err();
+        assert!(
+            start.elapsed() < Duration::from_secs(3),
+            "{:?}",
+            start.elapsed()
+        );
+        assert!(
+            matches!(
+                e.status(),
+                Status::PeerUnreachable | Status::RdmaCompletion | Status::Timeout
+            ),
+            "{e}"
+        );
+        drop((tx, dst));
+    }
+
+    #[test]
+    fn reads_pull_the_peers_bytes_and_deliver_no_record() {
+        let mut st = setup();
+        for (i, b) in st.dst.iter_mut().enumerate() {
+            *b = (i * 5 + 1) as u8;
+        }
+        let t = connect(&st.tx, &st.rx, TransportKind::Rdma).unwrap();
+        let ops = [ReadOp {
+            local_region: st.s.id,
+            local_offset: 8,
+            remote_region: st.d.id,
+            remote_offset: 1000,
+            len: 300_000,
+        }];
+        let opts = BatchOptions {
+            checksum: true,
+            ..Default::default()
+        };
+        let c = t
+            .wait(
+                t.submit_reads(&ops, &opts).unwrap(),
+                Duration::from_secs(10),
+            )
+            .unwrap();
+        assert_eq!(c.bytes, 300_000);
+        assert!(c.checksum.is_some());
+        assert_eq!(&st.src[8..300_008], &st.dst[1000..301_000]);
+        assert!(st
+            .dst
+            .iter()
+            .enumerate()
+            .all(|(i, b)| *b == (i * 5 + 1) as u8));
+        assert!(st.rx.next_completion(Duration::from_millis(50)).is_none());
+        let bad = [ReadOp {
+            remote_offset: LEN as u64 - 10,
+            len: 11,
+            ..ops[0]
+        }];
+        assert_eq!(
+            t.submit_reads(&bad, &opts).unwrap_err().status(),
+            Status::OutOfBounds
+        );
+    }
+
+    #[test]
+    fn a_failed_negotiation_names_the_field_and_roce_pairs_connect() {
+        use crate::transport::rdma::handshake::LinkLayer;
+        let rx = agent(true, Some(FakeNic::new("ib", 1, Mtu::Mtu4096)));
+        let eth = FakeNic::with_link_layer("eth", 1, Mtu::Mtu1024, LinkLayer::Ethernet);
+        let tx = agent(false, Some(eth.clone()));
+        let e = connect(&tx, &rx, TransportKind::Rdma).unwrap_err();
+        assert_eq!(e.status(), Status::RdmaHandshake, "{e}");
+        assert!(e.detail().contains("link_layer"), "{e}");
+        // Chosen automatically, the same mismatch falls back to tcp.
+        let t = connect(&tx, &rx, TransportKind::Auto).unwrap();
+        assert_eq!(t.kind(), TransportKind::Tcp);
+        // The server stays usable: a RoCE peer on both sides connects.
+        let rx2 = agent(
+            true,
+            Some(FakeNic::with_link_layer(
+                "eth2",
+                1,
+                Mtu::Mtu4096,
+                LinkLayer::Ethernet,
+            )),
+        );
+        let mut buf = vec![0u8; 4096];
+        // SAFETY: buf outlives the transport below.
+        let d = unsafe { rx2.register_host(buf.as_mut_ptr(), buf.len()) }.unwrap();
+        let mut src = vec![9u8; 4096];
+        // SAFETY: src outlives the transport below.
+        let s = unsafe { tx.register_host(src.as_mut_ptr(), src.len()) }.unwrap();
+        let t = connect(&tx, &rx2, TransportKind::Rdma).unwrap();
+        let op = WriteOp {
+            local_region: s.id,
+            local_offset: 0,
+            remote_region: d.id,
+            remote_offset: 0,
+            len: 4096,
+        };
+        t.wait(
+            t.submit(&[op], &BatchOptions::default()).unwrap(),
+            Duration::from_secs(5),
+        )
+        .unwrap();
+        assert!(buf.iter().all(|b| *b == 9));
+        drop(src);
+    }
+
+    #[test]
+    fn auto_picks_rdma_across_hosts_when_both_have_a_nic() {
+        let rx = agent(true, Some(FakeNic::new("arx", 1, Mtu::Mtu4096)));
+        let tx = agent(false, Some(FakeNic::new("atx", 1, Mtu::Mtu4096)));
+        let t = connect(&tx, &rx, TransportKind::Auto).unwrap();
+        assert_eq!(t.kind(), TransportKind::Rdma);
+        // No NIC on this side (this machine's real /sys, or a build without verbs):
+        // auto falls back to tcp, and asking for rdma is the typed NoRdmaDevice.
+        let plain = agent(false, None);
+        if plain.inner.nic().is_err() {
+            let t = connect(&plain, &rx, TransportKind::Auto).unwrap();
+            assert_eq!(t.kind(), TransportKind::Tcp);
+            let e = connect(&plain, &rx, TransportKind::Rdma).unwrap_err();
+            assert_eq!(e.status(), Status::NoRdmaDevice, "{e}");
+            // A peer without a NIC: rdma is refused with the peer's reason.
+            let bare = agent(true, None);
+            let e = connect(&tx, &bare, TransportKind::Rdma).unwrap_err();
+            assert_eq!(e.status(), Status::TransportUnavailable, "{e}");
+            assert!(e.detail().contains("offers no RDMA"), "{e}");
+            let t = connect(&tx, &bare, TransportKind::Auto).unwrap();
+            assert_eq!(t.kind(), TransportKind::Tcp);
+        }
+    }
+}
