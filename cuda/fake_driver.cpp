@@ -53,6 +53,7 @@ static std::map<void*, double> g_events;        // event -> record time (ms)
 static std::map<void*, int> g_streams;
 static std::map<CUdeviceptr, size_t> g_host_allocs;  // pinned host base -> size
 static bool g_inited = false;
+static unsigned long long g_pinned_dtoh = 0;  // async DtoH copies into pinned memory
 
 static double now_ms() {
     using namespace std::chrono;
@@ -74,7 +75,7 @@ static bool find_alloc(const std::map<CUdeviceptr, size_t>& m, CUdeviceptr p, CU
     auto it = m.upper_bound(p);
     if (it == m.begin()) return false;
     --it;
-    if (p >= it->first + it->second && !(it->second == 0 && p == it->first)) return false;
+    if (p >= it->first + it->second) return false;
     *base = it->first;
     *size = it->second;
     return true;
@@ -210,6 +211,15 @@ CUresult cuMemcpyHtoD_v2(CUdeviceptr d, const void* h, size_t n) {
 }
 CUresult cuMemcpyDtoHAsync_v2(void* h, CUdeviceptr d, size_t n, CUstream s) {
     if (!stream_ok(s) || !owned(d, n)) return ERR_INVALID_VALUE;
+    {
+        std::lock_guard<std::mutex> l(g_mu);
+        CUdeviceptr base;
+        size_t size;
+        if (s != nullptr && find_alloc(g_host_allocs, (CUdeviceptr)h, &base, &size)) {
+            if ((CUdeviceptr)h + n > base + size) return ERR_INVALID_VALUE;
+            ++g_pinned_dtoh;
+        }
+    }
     memcpy(h, (const void*)d, n);
     return OK;
 }
@@ -310,6 +320,13 @@ CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigned gz, uns
         }
     pdx_host_launch(k, pdx_dim3{gx, gy, gz}, pdx_dim3{bx, by, bz}, entries, ne, spans, ns);
     return OK;
+}
+
+// Not a driver call: how many stream-ordered device-to-host copies landed in
+// pinned host memory (tests check that the engine's copies are asynchronous).
+unsigned long long pdx_fake_pinned_dtoh_copies() {
+    std::lock_guard<std::mutex> l(g_mu);
+    return g_pinned_dtoh;
 }
 
 CUresult cuGetErrorString(CUresult, const char** s) {
