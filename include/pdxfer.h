@@ -727,7 +727,10 @@ PdxStatus pdxfer_bootstrap_verify_peer(const char *advertised_json,
 //
 // Every pool and aux buffer must stay valid, writable host memory until
 // `pdxfer_engine_destroy` returns (peers write into decode pools; the
-// prefill reads its pools from its worker threads).
+// prefill reads its pools from its worker threads). With
+// `PDXFER_POOL_CUDA` the pools are device memory instead, and a chunk's
+// rows must be complete on the device (forward pass synchronised) before
+// `pdxfer_engine_send` queues it.
 PdxStatus pdxfer_engine_create(const struct PdxEngineConfig *config, struct PdxEngine **out);
 
 // Deregisters the rank, stops the engine's threads and frees the handle.

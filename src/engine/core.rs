@@ -79,7 +79,9 @@ pub struct EngineConfig {
     /// buffers of `staging_bytes` per worker, on the device and pinned on the
     /// host, then sent over cma/tcp). Aux and state buffers stay host memory.
     /// A decode with device pools is refused (`Unsupported`); without a CUDA
-    /// driver creation fails with `NoCudaDriver`.
+    /// driver creation fails with `NoCudaDriver`. A chunk's rows must be
+    /// complete on the device when `send` queues it (the gather runs on the
+    /// engine's own stream, unordered with the model's).
     pub pool_device: Option<u32>,
     /// Aux buffers (same count and item sizes on both sides).
     pub aux: Vec<AuxBuffer>,
@@ -255,7 +257,10 @@ impl Engine {
     /// # Safety
     /// Every pool and aux buffer must be valid, writable host memory of the
     /// given size for the engine's whole life (peers write into decode pools,
-    /// the prefill reads its pools).
+    /// the prefill reads its pools); with `pool_device`, the pools are device
+    /// memory of that device instead (checked against the driver), and the
+    /// rows of a chunk must be written (the forward pass finished) before
+    /// `send` queues it: the GPU gather runs on the engine's own stream.
     pub unsafe fn new(cfg: EngineConfig) -> Result<Engine> {
         cfg.topology.validate(cfg.role.as_str())?;
         if cfg.pools.len() != cfg.topology.entries.len() {

@@ -276,7 +276,10 @@ fn pages(p: *const i64, n: usize, what: &str) -> Result<Vec<u64>> {
 ///
 /// Every pool and aux buffer must stay valid, writable host memory until
 /// `pdxfer_engine_destroy` returns (peers write into decode pools; the
-/// prefill reads its pools from its worker threads).
+/// prefill reads its pools from its worker threads). With
+/// `PDXFER_POOL_CUDA` the pools are device memory instead, and a chunk's
+/// rows must be complete on the device (forward pass synchronised) before
+/// `pdxfer_engine_send` queues it.
 #[no_mangle]
 pub extern "C" fn pdxfer_engine_create(
     config: *const PdxEngineConfig,
