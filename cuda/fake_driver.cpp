@@ -54,6 +54,7 @@ static std::map<void*, int> g_streams;
 static std::map<CUdeviceptr, size_t> g_host_allocs;  // pinned host base -> size
 static bool g_inited = false;
 static unsigned long long g_pinned_dtoh = 0;  // async DtoH copies into pinned memory
+static unsigned long long g_launches = 0;     // kernel launches
 
 static double now_ms() {
     using namespace std::chrono;
@@ -319,6 +320,8 @@ CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigned gz, uns
                 return ERR_INVALID_VALUE;
         }
     pdx_host_launch(k, pdx_dim3{gx, gy, gz}, pdx_dim3{bx, by, bz}, entries, ne, spans, ns);
+    std::lock_guard<std::mutex> l(g_mu);
+    ++g_launches;
     return OK;
 }
 
@@ -327,6 +330,12 @@ CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigned gz, uns
 unsigned long long pdx_fake_pinned_dtoh_copies() {
     std::lock_guard<std::mutex> l(g_mu);
     return g_pinned_dtoh;
+}
+
+// Not a driver call: kernel launches so far (tests check what was enqueued when).
+unsigned long long pdx_fake_launches() {
+    std::lock_guard<std::mutex> l(g_mu);
+    return g_launches;
 }
 
 CUresult cuGetErrorString(CUresult, const char** s) {

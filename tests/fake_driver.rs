@@ -335,18 +335,122 @@ fn nccl_transfers() {
     }
 }
 
-/// `pdx_fake_pinned_dtoh_copies` of the fake libcuda this process loaded.
-fn fake_pinned_copies() -> u64 {
+/// A counter of the fake libcuda this process loaded
+/// (`pdx_fake_pinned_dtoh_copies`, `pdx_fake_launches`).
+fn fake_counter(name: &std::ffi::CStr) -> u64 {
     // SAFETY: dlopen of the already-loaded library (RTLD_NOLOAD) and a symbol
     // of known signature `unsigned long long (void)`.
     unsafe {
         let h = libc::dlopen(c"libcuda.so".as_ptr(), libc::RTLD_NOW | libc::RTLD_NOLOAD);
         assert!(!h.is_null(), "the fake libcuda is not loaded");
-        let f = libc::dlsym(h, c"pdx_fake_pinned_dtoh_copies".as_ptr());
+        let f = libc::dlsym(h, name.as_ptr());
         assert!(!f.is_null(), "not the fake libcuda");
         let f: extern "C" fn() -> u64 = std::mem::transmute(f);
         f()
     }
+}
+
+fn fake_pinned_copies() -> u64 {
+    fake_counter(c"pdx_fake_pinned_dtoh_copies")
+}
+
+/// `GpuRelayout::gather_to_host` on its own: slice `i+1` is gathered and
+/// copied before slice `i` is handed to the sender (the overlap), the host
+/// halves hold the CPU gather of each slice, and an error from the sender
+/// stops the loop and is returned.
+fn gather_to_host_pipeline() {
+    use pdxfer::layout::{PackLayout, Run};
+    use pdxfer::relayout::cpu;
+    use pdxfer::relayout::gpu::GpuRelayout;
+
+    let mut g = GpuRelayout::new(0).unwrap();
+    let rows = [48u64, 80];
+    let pool_rows = 64u64;
+    let host_pools: Vec<Vec<u8>> = rows
+        .iter()
+        .enumerate()
+        .map(|(e, &rb)| {
+            (0..pool_rows * rb)
+                .map(|i| (i * 13 + e as u64) as u8)
+                .collect()
+        })
+        .collect();
+    let dev: Vec<_> = host_pools
+        .iter()
+        .map(|v| {
+            let b = g.alloc(v.len()).unwrap();
+            g.upload(&b, 0, v).unwrap();
+            b
+        })
+        .collect();
+    let bases: Vec<u64> = dev.iter().map(|b| b.ptr()).collect();
+    // four slices of 5, 5, 5 and 2 tokens from scattered pool rows
+    let slices: Vec<Vec<Run>> = [
+        &[(40u64, 0u64, 3u64), (7, 3, 2)][..],
+        &[(1, 0, 5)],
+        &[(60, 0, 4), (20, 4, 1)],
+        &[(33, 0, 2)],
+    ]
+    .iter()
+    .map(|s| {
+        s.iter()
+            .map(|&(src, dst, len)| Run { src, dst, len })
+            .collect()
+    })
+    .collect();
+    let half = 5 * (48 + 80);
+    let device = g.alloc(2 * half).unwrap();
+    let host = g.alloc_pinned(2 * half + 3).unwrap();
+    let refs: Vec<&[u8]> = host_pools.iter().map(|v| v.as_slice()).collect();
+    let launches = || fake_counter(c"pdx_fake_launches");
+    let mut seen = Vec::new();
+    // SAFETY: every span names rows inside the device pools.
+    unsafe {
+        g.gather_to_host(&bases, &rows, &slices, &device, Some(&host), |s| {
+            let pack = PackLayout::new(slices[s.index].iter().map(|r| r.len).sum(), &rows)?;
+            assert_eq!(s.pack, pack);
+            assert_eq!(s.host_offset, s.index % 2 * half);
+            let mut want = vec![0u8; pack.total_bytes as usize];
+            cpu::gather(&refs, &rows, &slices[s.index], &pack, &mut want)?;
+            // SAFETY: the slice's half of the pinned buffer is ready (its event completed).
+            let got = std::slice::from_raw_parts(host.as_ptr().add(s.host_offset), want.len());
+            assert_eq!(got, &want[..], "slice {}", s.index);
+            seen.push((s.index, launches()));
+            Ok(())
+        })
+    }
+    .unwrap();
+    let l0 = seen[0].1;
+    assert_eq!(
+        seen.iter().map(|&(i, l)| (i, l - l0)).collect::<Vec<_>>(),
+        vec![(0, 0), (1, 1), (2, 2), (3, 2)],
+        "slice i+1 is gathered before slice i is sent; nothing past the last"
+    );
+    // a failing sender stops the loop with its error
+    let mut calls = 0;
+    // SAFETY: as above.
+    let e = unsafe {
+        g.gather_to_host(&bases, &rows, &slices, &device, Some(&host), |s| {
+            calls += 1;
+            if s.index == 1 {
+                Err(pdxfer::Error::new(
+                    pdxfer::Status::PeerUnreachable,
+                    "wire down",
+                ))
+            } else {
+                Ok(())
+            }
+        })
+    }
+    .unwrap_err();
+    assert_eq!((e.status(), calls), (pdxfer::Status::PeerUnreachable, 2));
+    // a slice larger than a half is refused before anything is enqueued
+    let small = g.alloc(half).unwrap();
+    // SAFETY: as above.
+    let e =
+        unsafe { g.gather_to_host(&bases, &rows, &slices, &small, None, |_| Ok(())) }.unwrap_err();
+    assert_eq!(e.status(), pdxfer::Status::Relayout, "{e}");
+    println!("fake-driver engine child: gather_to_host pipelines slices");
 }
 
 /// A prefill engine with its KV pools in (fake) device memory, a host-memory
@@ -370,6 +474,7 @@ fn child_engine_device_pools_on_fake_driver() {
         std::env::var_os("PDXFER_FAKE_CUDA_CHILD").is_some(),
         "this test only runs as the child of device_path_runs_on_fake_driver"
     );
+    gather_to_host_pipeline();
     const LAYERS: u32 = 3;
     const ROW: u64 = 96;
     const P: u64 = 16;
