@@ -35,6 +35,9 @@ __all__ = [
     "ROLE_PREFILL",
     "ROLE_DECODE",
     "buffer_address",
+    "device_address",
+    "POOL_HOST",
+    "POOL_CUDA",
 ]
 
 ROLE_PREFILL = 1
