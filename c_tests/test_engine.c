@@ -28,7 +28,7 @@
         }                                                                        \
     } while (0)
 
-_Static_assert(sizeof(PdxEngineConfig) == 160, "PdxEngineConfig size is ABI");
+_Static_assert(sizeof(PdxEngineConfig) == 168, "PdxEngineConfig size is ABI");
 _Static_assert(sizeof(PdxKvPool) == 32, "PdxKvPool size is ABI");
 _Static_assert(sizeof(PdxAuxBuffer) == 24, "PdxAuxBuffer size is ABI");
 _Static_assert(sizeof(PdxTopology) == 88, "PdxTopology size is ABI");
@@ -349,6 +349,20 @@ static void bad_inputs(void) {
     c.transport = "carrier-pigeon";
     CHECK(pdxfer_engine_create(&c, &h) == PDX_STATUS_INVALID_ARGUMENT);
     CHECK(pdxfer_engine_create(NULL, &h) == PDX_STATUS_NULL_ARGUMENT);
+    CHECK(h == NULL);
+    /* ABI 1.2 pool memory: unknown kinds refused; CUDA pools refused on a
+     * decode (cma/tcp write pools with the CPU); a prefill whose "CUDA" pools
+     * are host memory fails typed: no driver here, or not device memory */
+    c = config(&p0, PDXFER_ROLE_PREFILL, "c-bad", url);
+    c.pool_memory = 7;
+    CHECK(pdxfer_engine_create(&c, &h) == PDX_STATUS_INVALID_ARGUMENT);
+    c = config(&d0, PDXFER_ROLE_DECODE, "c-bad", url);
+    c.pool_memory = PDXFER_POOL_CUDA;
+    CHECK(pdxfer_engine_create(&c, &h) == PDX_STATUS_UNSUPPORTED);
+    c = config(&p0, PDXFER_ROLE_PREFILL, "c-bad", url);
+    c.pool_memory = PDXFER_POOL_CUDA;
+    PdxStatus cst = pdxfer_engine_create(&c, &h);
+    CHECK(cst == PDX_STATUS_NO_CUDA_DRIVER || cst == PDX_STATUS_INVALID_ARGUMENT);
     CHECK(h == NULL);
 
     /* unknown rooms and roles */

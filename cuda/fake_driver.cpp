@@ -8,7 +8,11 @@
 //
 // It checks what a real driver would reject where it is cheap to do so:
 // launches of functions it did not hand out, unknown streams/events, copies
-// touching memory it did not allocate, and a wrong kernel block size.
+// touching memory it did not allocate, kernel rows outside device
+// allocations, a wrong kernel block size, and freeing pinned host memory it
+// did not hand out. cuPointerGetAttribute answers for its own allocations
+// (device or pinned host) and refuses any other address, as the driver does
+// for pageable memory.
 #include "host_harness.h"
 
 #include <chrono>
@@ -47,7 +51,10 @@ static std::mutex g_mu;
 static std::map<CUdeviceptr, size_t> g_allocs;  // base -> size
 static std::map<void*, double> g_events;        // event -> record time (ms)
 static std::map<void*, int> g_streams;
+static std::map<CUdeviceptr, size_t> g_host_allocs;  // pinned host base -> size
 static bool g_inited = false;
+static unsigned long long g_pinned_dtoh = 0;  // async DtoH copies into pinned memory
+static unsigned long long g_launches = 0;     // kernel launches
 
 static double now_ms() {
     using namespace std::chrono;
@@ -61,6 +68,18 @@ static bool owned(CUdeviceptr p, size_t n) {
     if (it == g_allocs.begin()) return false;
     --it;
     return p >= it->first && p + n <= it->first + it->second;
+}
+
+// The allocation holding `p` in `m`: its base and size, or false.
+static bool find_alloc(const std::map<CUdeviceptr, size_t>& m, CUdeviceptr p, CUdeviceptr* base,
+                       size_t* size) {
+    auto it = m.upper_bound(p);
+    if (it == m.begin()) return false;
+    --it;
+    if (p >= it->first + it->second) return false;
+    *base = it->first;
+    *size = it->second;
+    return true;
 }
 
 static bool stream_ok(CUstream s) {
@@ -150,6 +169,39 @@ CUresult cuMemFree_v2(CUdeviceptr p) {
     free((void*)p);
     return OK;
 }
+CUresult cuMemHostAlloc(void** p, size_t n, unsigned int) {
+    if (g_current != &g_ctx_token) return ERR_INVALID_HANDLE;  // no context bound
+    void* m = aligned_alloc(4096, (n + 4095) / 4096 * 4096);
+    if (!m) return ERR_OOM;
+    std::lock_guard<std::mutex> l(g_mu);
+    *p = m;
+    g_host_allocs[(CUdeviceptr)m] = n;
+    return OK;
+}
+CUresult cuMemFreeHost(void* p) {
+    std::lock_guard<std::mutex> l(g_mu);
+    if (!g_host_allocs.erase((CUdeviceptr)p)) return ERR_INVALID_VALUE;
+    free(p);
+    return OK;
+}
+// Attributes: 2 memory type (1 host, 2 device), 9 device ordinal, 11 range
+// start, 12 range size.
+CUresult cuPointerGetAttribute(void* data, int attr, CUdeviceptr p) {
+    if (!g_inited) return ERR_NOT_INIT;
+    std::lock_guard<std::mutex> l(g_mu);
+    CUdeviceptr base = 0;
+    size_t size = 0;
+    bool device = find_alloc(g_allocs, p, &base, &size);
+    if (!device && !find_alloc(g_host_allocs, p, &base, &size)) return ERR_INVALID_VALUE;
+    switch (attr) {
+        case 2: *(unsigned int*)data = device ? 2 : 1; break;
+        case 9: *(int*)data = 0; break;
+        case 11: *(CUdeviceptr*)data = base; break;
+        case 12: *(size_t*)data = size; break;
+        default: return ERR_INVALID_VALUE;
+    }
+    return OK;
+}
 CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr d, const void* h, size_t n, CUstream s) {
     if (!stream_ok(s) || !owned(d, n)) return ERR_INVALID_VALUE;
     memcpy((void*)d, h, n);
@@ -160,6 +212,15 @@ CUresult cuMemcpyHtoD_v2(CUdeviceptr d, const void* h, size_t n) {
 }
 CUresult cuMemcpyDtoHAsync_v2(void* h, CUdeviceptr d, size_t n, CUstream s) {
     if (!stream_ok(s) || !owned(d, n)) return ERR_INVALID_VALUE;
+    {
+        std::lock_guard<std::mutex> l(g_mu);
+        CUdeviceptr base;
+        size_t size;
+        if (s != nullptr && find_alloc(g_host_allocs, (CUdeviceptr)h, &base, &size)) {
+            if ((CUdeviceptr)h + n > base + size) return ERR_INVALID_VALUE;
+            ++g_pinned_dtoh;
+        }
+    }
     memcpy(h, (const void*)d, n);
     return OK;
 }
@@ -248,8 +309,33 @@ CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigned gz, uns
     if (!owned((CUdeviceptr)entries, sizeof(PdxCopyEntry) * ne) ||
         !owned((CUdeviceptr)spans, sizeof(PdxSpan) * ns))
         return ERR_INVALID_VALUE;  // tables must live in device memory
+    // every row the launch reads or writes must lie in device memory
+    for (pdx_u32 e = 0; e < ne; ++e)
+        for (pdx_u64 i = 0; i < ns; ++i) {
+            const PdxCopyEntry& en = entries[e];
+            const PdxSpan& sp = spans[i];
+            size_t n = (size_t)(sp.rows * en.row_bytes);
+            if (!owned(en.src + sp.src_row * en.row_bytes, n) ||
+                !owned(en.dst + sp.dst_row * en.row_bytes, n))
+                return ERR_INVALID_VALUE;
+        }
     pdx_host_launch(k, pdx_dim3{gx, gy, gz}, pdx_dim3{bx, by, bz}, entries, ne, spans, ns);
+    std::lock_guard<std::mutex> l(g_mu);
+    ++g_launches;
     return OK;
+}
+
+// Not a driver call: how many stream-ordered device-to-host copies landed in
+// pinned host memory (tests check that the engine's copies are asynchronous).
+unsigned long long pdx_fake_pinned_dtoh_copies() {
+    std::lock_guard<std::mutex> l(g_mu);
+    return g_pinned_dtoh;
+}
+
+// Not a driver call: kernel launches so far (tests check what was enqueued when).
+unsigned long long pdx_fake_launches() {
+    std::lock_guard<std::mutex> l(g_mu);
+    return g_launches;
 }
 
 CUresult cuGetErrorString(CUresult, const char** s) {

@@ -7,6 +7,12 @@
 //! strip -o target/gpu-check target/release/examples/gpu_check
 //! ```
 //!
+//! `--engine-only` runs the engine with prefill KV pools in device memory
+//! instead: a prefill engine whose pools are `cuMemAlloc`ed on the GPU sends
+//! to host-memory decode ranks (DCP `--engine-dcp`) over cma in this process,
+//! every byte is verified, and the GB/s is printed beside the same request
+//! from host-memory pools.
+//!
 //! Exit codes: 0 all passed (and the ratio target met, when `--min-ratio`),
 //! 1 a correctness or ratio failure, 2 usage, 3 no usable kernels or device.
 
@@ -51,6 +57,188 @@ struct Args {
     /// Skip the benchmark.
     #[arg(long)]
     no_bench: bool,
+    /// Only run the engine with device-memory prefill pools (see the module docs).
+    #[arg(long)]
+    engine_only: bool,
+    /// Engine check: request tokens.
+    #[arg(long, default_value_t = 16_384)]
+    engine_tokens: u64,
+    /// Engine check: KV entries (layers).
+    #[arg(long, default_value_t = 61)]
+    engine_layers: u32,
+    /// Engine check: decode DCP size.
+    #[arg(long, default_value_t = 4)]
+    engine_dcp: u32,
+    /// Engine check: timed rooms per pool kind.
+    #[arg(long, default_value_t = 3)]
+    engine_rooms: u64,
+    /// Engine check: staging bytes per worker (device and pinned host).
+    #[arg(long, default_value_t = 64 << 20)]
+    engine_staging: u64,
+}
+
+/// One engine run: a prefill with pools on `device` (or host memory) sends
+/// `rooms` requests of `tokens` to `dcp` host-memory decode ranks over cma;
+/// every byte is verified. Returns (bytes per room, best seconds per room).
+fn engine_run(a: &Args, device: Option<&GpuRelayout>) -> Result<(u64, f64), String> {
+    use pdxfer::bootstrap::schema::Role;
+    use pdxfer::bootstrap::server::{BootstrapServer, ServerConfig};
+    use pdxfer::engine::synthetic::SyntheticPools;
+    use pdxfer::engine::{Engine, EngineConfig, KvPoll, KvPool};
+    use pdxfer::layout::{DcpLayout, Side};
+    use pdxfer::transport::TransportKind;
+    use std::time::Duration;
+    let e = |x: pdxfer::Error| x.to_string();
+    let (p, row, dcp, tokens) = (64u64, 1152u64, a.engine_dcp, a.engine_tokens);
+    let src_n = tokens.div_ceil(p);
+    let dst_n = tokens.div_ceil(p * dcp as u64);
+    let server = BootstrapServer::start(ServerConfig::default()).map_err(e)?;
+    let url = server.url();
+    let cluster = if device.is_some() {
+        "gpu-check-dev"
+    } else {
+        "gpu-check-host"
+    };
+    let mut host = SyntheticPools::new(a.engine_layers, row, p, src_n, 4, 64).map_err(e)?;
+    let mut dev = Vec::new();
+    if let Some(g) = device {
+        for l in 0..a.engine_layers as usize {
+            dev.push(g.alloc(host.layer_bytes(l).len()).map_err(e)?);
+        }
+    }
+    let pools: Vec<KvPool> = if device.is_some() {
+        host.kv_pools()
+            .into_iter()
+            .zip(&dev)
+            .map(|(k, d)| KvPool { base: d.ptr(), ..k })
+            .collect()
+    } else {
+        host.kv_pools()
+    };
+    let mut cfg = EngineConfig::new(Role::Prefill, cluster, &url, host.topology(1, 0), pools);
+    cfg.pool_device = device.map(|_| a.device as u32);
+    cfg.aux = host.aux_buffers();
+    cfg.transport = TransportKind::Cma;
+    cfg.staging_bytes = a.engine_staging;
+    // SAFETY: the pools (device buffers, host SyntheticPools) outlive the engine (closed below).
+    let prefill = unsafe { Engine::new(cfg) }.map_err(e)?;
+    let mut decode = Vec::new();
+    for r in 0..dcp {
+        let pools = SyntheticPools::new(a.engine_layers, row, p, dst_n, 4, 64).map_err(e)?;
+        let mut cfg = EngineConfig::new(
+            Role::Decode,
+            cluster,
+            &url,
+            pools.topology(dcp, r),
+            pools.kv_pools(),
+        );
+        cfg.aux = pools.aux_buffers();
+        cfg.transport = TransportKind::Cma;
+        // SAFETY: the pools live in `decode` beside the engine.
+        decode.push((unsafe { Engine::new(cfg) }.map_err(e)?, pools));
+    }
+    let src_pages: Vec<u64> = (0..src_n).map(|i| (i * 7) % src_n).collect();
+    let dst_pages: Vec<u64> = (0..dst_n).map(|i| (i * 5) % dst_n).collect();
+    let (mut best, mut bytes) = (f64::MAX, 0u64);
+    let wait = Duration::from_secs(120);
+    for room in 1..=a.engine_rooms {
+        let src = Side {
+            layout: DcpLayout::sglang(p, 1).map_err(e)?,
+            rank: 0,
+            pages: &src_pages,
+            origin: 0,
+        };
+        host.fill(room, &src, tokens);
+        host.fill_aux(room, 1);
+        if let Some(g) = device {
+            for (l, d) in dev.iter().enumerate() {
+                g.upload(d, 0, host.layer_bytes(l)).map_err(e)?;
+            }
+            g.record(false).map_err(e)?.wait().map_err(e)?;
+        }
+        for (d, _) in &decode {
+            d.receiver(room, 0, Some(wait)).map_err(e)?;
+            d.send_metadata(room, &dst_pages, 0, 2).map_err(e)?;
+        }
+        prefill.sender(room).map_err(e)?;
+        let t = Instant::now();
+        while prefill.poll(room) == KvPoll::Bootstrapping {
+            if t.elapsed() > wait {
+                return Err("the prefill never saw the decode metadata".into());
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        let t0 = Instant::now();
+        prefill.send(room, &src_pages, tokens, true, 1).map_err(e)?;
+        if prefill.wait(room, wait) != KvPoll::Success {
+            return Err(format!("room {room} failed: {:?}", prefill.failure(room)));
+        }
+        let secs = t0.elapsed().as_secs_f64();
+        let mut checked = 0;
+        for (r, (d, pools)) in decode.iter().enumerate() {
+            if d.wait(room, wait) != KvPoll::Success {
+                return Err(format!("decode {r} room {room}: {:?}", d.failure(room)));
+            }
+            let side = Side {
+                layout: DcpLayout::sglang(p, dcp as u64).map_err(e)?,
+                rank: r as u64,
+                pages: &dst_pages,
+                origin: 0,
+            };
+            checked += pools.verify(room, &side, tokens, Some(2)).map_err(e)?;
+            d.clear(room).map_err(e)?;
+        }
+        prefill.clear(room).map_err(e)?;
+        bytes = tokens * a.engine_layers as u64 * row;
+        if checked != bytes + dcp as u64 * 64 {
+            return Err(format!(
+                "room {room}: verified {checked} B, expected {bytes} B of KV + aux"
+            ));
+        }
+        best = best.min(secs);
+    }
+    prefill.close();
+    for (d, _) in &decode {
+        d.close();
+    }
+    Ok((bytes, best))
+}
+
+/// The engine check: device-memory pools, then host-memory pools, same request.
+fn engine_check(a: &Args, g: &GpuRelayout) -> i32 {
+    let t0 = Instant::now();
+    let mut code = 0;
+    for (what, dev) in [("device", Some(g)), ("host", None)] {
+        match engine_run(a, dev) {
+            Ok((bytes, secs)) => {
+                println!(
+                    "engine: prefill pools in {what} memory -> {} host decode ranks over cma: {} tokens x {} layers ({:.1} MB) in {:.1} ms = {:.2} GB/s (best of {}), every byte verified",
+                    a.engine_dcp,
+                    a.engine_tokens,
+                    a.engine_layers,
+                    bytes as f64 / 1e6,
+                    secs * 1e3,
+                    bytes as f64 / secs / 1e9,
+                    a.engine_rooms
+                );
+                println!(
+                    "engine-json: {}",
+                    serde_json::json!({"pools": what, "dcp": a.engine_dcp, "tokens": a.engine_tokens,
+                        "layers": a.engine_layers, "bytes": bytes, "seconds": secs,
+                        "gb_per_s": bytes as f64 / secs / 1e9})
+                );
+            }
+            Err(err) => {
+                eprintln!("gpu-check: FAIL: engine with {what}-memory pools: {err}");
+                code = 1;
+            }
+        }
+    }
+    println!(
+        "gpu-check: engine check done in {:.1} s, exit {code}",
+        t0.elapsed().as_secs_f64()
+    );
+    code
 }
 
 fn main() {
@@ -72,6 +260,9 @@ fn main() {
         g.kernel_origin(),
         pdxfer::relayout::gpu::kernels::NVCC_VERSION
     );
+    if a.engine_only {
+        std::process::exit(engine_check(&a, &g));
+    }
     let failures = self_check(&mut g, a.cases, 0x9d_2026, true);
     for f in &failures {
         eprintln!("gpu-check: FAIL: {f}");

@@ -34,6 +34,14 @@
 // straight from the prefill pool.
 #define PDXFER_ENGINE_NO_STAGING 1
 
+// `PdxEngineConfig.pool_memory`: the KV pools are host memory (the default,
+// and what structs older than ABI 1.2 mean).
+#define PDXFER_POOL_HOST 0
+
+// `PdxEngineConfig.pool_memory`: the KV pools are CUDA device memory of
+// device `pool_device` (prefill only over cma/tcp; see `PdxEngineConfig`).
+#define PDXFER_POOL_CUDA 1
+
 // `KVPoll` values (SGLang's): the room failed; `pdxfer_engine_failure` says why.
 #define PDXFER_POLL_FAILED 0
 
@@ -77,7 +85,9 @@
 #define PDXFER_ABI_VERSION_MAJOR 1
 
 // ABI minor version of this header (functions or struct fields added).
-#define PDXFER_ABI_VERSION_MINOR 1
+// 1.1: `PdxEngineConfig.state`, `pdxfer_engine_set_state_indices`.
+// 1.2: `PdxEngineConfig.pool_memory` / `pool_device` (KV pools in CUDA memory).
+#define PDXFER_ABI_VERSION_MINOR 2
 
 // Every prefill CP rank transfers its shard.
 #define PDXFER_MAP_ALL_CP_RANKS 1
@@ -360,7 +370,8 @@ typedef struct PdxKvPool {
   uint32_t layer_id;
   // Reserved, zero.
   uint32_t reserved;
-  // Start of the pool (host memory).
+  // Start of the pool: host memory, or a CUDA device address with
+  // `PDXFER_POOL_CUDA`.
   void *base;
   // Bytes of one page (`page_size * row_bytes` of the entry).
   uint64_t page_bytes;
@@ -428,6 +439,17 @@ typedef struct PdxEngineConfig {
   const struct PdxAuxBuffer *state;
   // ABI 1.1: number of `state`.
   uint64_t num_state;
+  // ABI 1.2: where the KV pools live: `PDXFER_POOL_HOST` (0) or
+  // `PDXFER_POOL_CUDA`. With CUDA pools the prefill gathers each decode
+  // rank's rows on the GPU into staging buffers of `staging_bytes` per
+  // worker (device and pinned host) and sends them over cma/tcp; the pool
+  // addresses must be allocations of device `pool_device`. A decode with
+  // CUDA pools is refused (`PDX_STATUS_UNSUPPORTED`: cma/tcp write pools
+  // with the CPU); without a CUDA driver creation fails with
+  // `PDX_STATUS_NO_CUDA_DRIVER`. Aux and state buffers stay host memory.
+  uint32_t pool_memory;
+  // ABI 1.2: CUDA device ordinal of the pools with `PDXFER_POOL_CUDA`.
+  uint32_t pool_device;
 } PdxEngineConfig;
 
 // A registered region's descriptor.
@@ -705,7 +727,10 @@ PdxStatus pdxfer_bootstrap_verify_peer(const char *advertised_json,
 //
 // Every pool and aux buffer must stay valid, writable host memory until
 // `pdxfer_engine_destroy` returns (peers write into decode pools; the
-// prefill reads its pools from its worker threads).
+// prefill reads its pools from its worker threads). With
+// `PDXFER_POOL_CUDA` the pools are device memory instead, and a chunk's
+// rows must be complete on the device (forward pass synchronised) before
+// `pdxfer_engine_send` queues it.
 PdxStatus pdxfer_engine_create(const struct PdxEngineConfig *config, struct PdxEngine **out);
 
 // Deregisters the rank, stops the engine's threads and frees the handle.

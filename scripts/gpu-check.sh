@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # GPU check: kernel correctness against the CPU relayout, then the gather
 # kernel against a device-to-device memcpy of the same bytes (131,072 tokens,
-# 61 layers, 576 bf16 per row, DCP 4 and 16). Runs on a machine with an NVIDIA
+# 61 layers, 576 bf16 per row, DCP 4 and 16), then the engine with prefill KV
+# pools in device memory (`--engine-only`: 16,384 tokens x 61 layers to 4
+# host-memory decode ranks over cma in one process, every byte verified, GB/s
+# beside the same request from host-memory pools). Runs on a machine with an NVIDIA
 # GPU and no Rust toolchain, from a binary built on a build machine:
 #
 #   # on the build machine (nvcc from scripts/cuda-deps.sh embeds an sm_90 cubin + PTX)
@@ -19,7 +22,9 @@
 #
 # Environment: PDXFER_GPU_CHECK_BIN (binary), GPU_CHECK_ARGS (extra arguments,
 # e.g. "--min-ratio 0.85" to fail below the target), GPU_CHECK_TIMEOUT
-# (seconds, default 420: the whole script stays within 8 minutes on one H200).
+# (seconds, default 360), ENGINE_CHECK_ARGS (extra arguments of the engine
+# step, e.g. "--engine-tokens 32768"), ENGINE_CHECK_TIMEOUT (seconds, default
+# 90; the whole script stays within 8 minutes on one H200).
 # Output: the log on stdout, and $OUT/gpu-check.log when $OUT is set.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -35,7 +40,7 @@ if [ -z "$bin" ] || [ ! -x "$bin" ]; then
 fi
 log=${OUT:+$OUT/gpu-check.log}
 log=${log:-/dev/null}
-limit=${GPU_CHECK_TIMEOUT:-420}
+limit=${GPU_CHECK_TIMEOUT:-360}
 say() { echo "$@" | tee -a "$log"; }
 
 say "gpu-check: $(date -u +%FT%TZ) binary $bin"
@@ -72,6 +77,15 @@ if [ "$rc" -eq 3 ] && local_module; then
     # shellcheck disable=SC2086
     timeout "$limit" "$bin" ${GPU_CHECK_ARGS:-} 2>&1 | tee -a "$log"
     rc=${PIPESTATUS[0]}
+fi
+
+# The engine with device-memory prefill pools (skipped when no kernels load).
+if [ "$rc" -ne 3 ]; then
+    say "gpu-check: engine with prefill KV pools in device memory"
+    # shellcheck disable=SC2086 # ENGINE_CHECK_ARGS is a list of arguments
+    timeout "${ENGINE_CHECK_TIMEOUT:-90}" "$bin" --engine-only ${ENGINE_CHECK_ARGS:-} 2>&1 | tee -a "$log"
+    erc=${PIPESTATUS[0]}
+    [ "$erc" -ne 0 ] && say "gpu-check: engine step failed (exit $erc)" && [ "$rc" -eq 0 ] && rc=$erc
 fi
 say "gpu-check: exit $rc"
 exit "$rc"

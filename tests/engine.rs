@@ -459,3 +459,45 @@ fn rdma_engine_without_a_nic_is_typed() {
     assert_eq!(e.status(), Status::NoRdmaDevice, "{e}");
     assert!(e.detail().contains("infiniband"), "{e}");
 }
+
+/// Device-memory pools on a machine without a CUDA driver (or a build
+/// without the `cuda` feature) are a typed error at creation, never a panic;
+/// a decode with device pools is refused whatever the machine, naming what
+/// works; a too-small staging buffer is named.
+#[test]
+fn device_pools_without_a_driver_are_typed() {
+    let pools = SyntheticPools::new(2, ROW, P, 8, 0, 0).unwrap();
+    let cfg = |role: Role, staging: u64| {
+        let mut c = EngineConfig::new(
+            role,
+            "dev-nodriver",
+            "http://127.0.0.1:1",
+            pools.topology(1, 0),
+            pools.kv_pools(),
+        );
+        c.pool_device = Some(0);
+        c.staging_bytes = staging;
+        c
+    };
+    // SAFETY: every creation below fails before the pools are used.
+    let create = |c: EngineConfig| unsafe { Engine::new(c) }.unwrap_err();
+    let driver = pdxfer::relayout::gpu::probe();
+    let e = create(cfg(Role::Prefill, 1 << 20));
+    match &driver {
+        Err(d) => assert_eq!(e.status(), d.status(), "{e}"),
+        // a real driver: the host pools are refused as not device memory
+        Ok(_) => assert_eq!(e.status(), Status::InvalidArgument, "{e}"),
+    }
+    if cfg!(feature = "cuda") && driver.is_err() {
+        assert_eq!(e.status(), Status::NoCudaDriver, "{e}");
+    }
+    if !cfg!(feature = "cuda") {
+        assert_eq!(e.status(), Status::Unsupported, "{e}");
+    }
+    let e = create(cfg(Role::Decode, 1 << 20));
+    assert_eq!(e.status(), Status::Unsupported, "{e}");
+    assert!(e.detail().contains("host-memory pools"), "{e}");
+    let e = create(cfg(Role::Prefill, 0));
+    assert_eq!(e.status(), Status::InvalidArgument, "{e}");
+    assert!(e.detail().contains("staging_bytes"), "{e}");
+}

@@ -5,8 +5,9 @@
 //! transfers (`transport::nccl`, Direct and Staged) against
 //! `cuda/fake_nccl.cpp`, two ranks in one process. cudarc loads
 //! libcuda once per process and glibc reads LD_LIBRARY_PATH at start-up, so
-//! the checks run in a child process (this test binary, `--ignored --exact
-//! child_device_path_on_fake_driver`) whose LD_LIBRARY_PATH holds the fake.
+//! the checks run in child processes (this test binary, `--ignored --exact
+//! child_...`) whose LD_LIBRARY_PATH holds the fake. A second child runs the
+//! engine end to end with prefill KV pools in (fake) device memory.
 #![cfg(feature = "cuda")]
 
 use std::path::PathBuf;
@@ -47,19 +48,39 @@ fn device_path_runs_on_fake_driver() {
         Ok(p) if !p.is_empty() => format!("{}:{p}", dir.display()),
         _ => dir.display().to_string(),
     };
-    let out = Command::new(std::env::current_exe().unwrap())
-        .args([
-            "--ignored",
-            "--exact",
-            "child_device_path_on_fake_driver",
-            "--nocapture",
-            "--test-threads=1",
-        ])
-        .env("LD_LIBRARY_PATH", ld)
-        .env("PDXFER_KERNEL_MODULE", dir.join("module.ptx"))
-        .env("PDXFER_FAKE_CUDA_CHILD", "1")
-        .output()
-        .expect("spawn the child test");
+    // both children at once: the device path checks and the engine with device pools
+    let spawn = |name: &str| {
+        Command::new(std::env::current_exe().unwrap())
+            .args([
+                "--ignored",
+                "--exact",
+                name,
+                "--nocapture",
+                "--test-threads=1",
+            ])
+            .env("LD_LIBRARY_PATH", &ld)
+            .env("PDXFER_KERNEL_MODULE", dir.join("module.ptx"))
+            .env("PDXFER_FAKE_CUDA_CHILD", "1")
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .expect("spawn the child test")
+    };
+    let engine_child = spawn("child_engine_device_pools_on_fake_driver");
+    let out = spawn("child_device_path_on_fake_driver")
+        .wait_with_output()
+        .unwrap();
+    let engine_out = engine_child.wait_with_output().unwrap();
+    let engine_text = String::from_utf8_lossy(&engine_out.stdout).into_owned()
+        + &String::from_utf8_lossy(&engine_out.stderr);
+    assert!(
+        engine_out.status.success(),
+        "engine child failed:\n{engine_text}"
+    );
+    assert!(
+        engine_text.contains("fake-driver engine child: all checks passed"),
+        "engine child did not run:\n{engine_text}"
+    );
     let text =
         String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "child failed:\n{text}");
@@ -312,4 +333,305 @@ fn nccl_transfers() {
         }
         println!("fake-driver child: NCCL {mode:?} transfer matches the CPU relayout");
     }
+}
+
+/// A counter of the fake libcuda this process loaded
+/// (`pdx_fake_pinned_dtoh_copies`, `pdx_fake_launches`).
+fn fake_counter(name: &std::ffi::CStr) -> u64 {
+    // SAFETY: dlopen of the already-loaded library (RTLD_NOLOAD) and a symbol
+    // of known signature `unsigned long long (void)`.
+    unsafe {
+        let h = libc::dlopen(c"libcuda.so".as_ptr(), libc::RTLD_NOW | libc::RTLD_NOLOAD);
+        assert!(!h.is_null(), "the fake libcuda is not loaded");
+        let f = libc::dlsym(h, name.as_ptr());
+        assert!(!f.is_null(), "not the fake libcuda");
+        let f: extern "C" fn() -> u64 = std::mem::transmute(f);
+        f()
+    }
+}
+
+fn fake_pinned_copies() -> u64 {
+    fake_counter(c"pdx_fake_pinned_dtoh_copies")
+}
+
+/// `GpuRelayout::gather_to_host` on its own: slice `i+1` is gathered and
+/// copied before slice `i` is handed to the sender (the overlap), the host
+/// halves hold the CPU gather of each slice, and an error from the sender
+/// stops the loop and is returned.
+fn gather_to_host_pipeline() {
+    use pdxfer::layout::{PackLayout, Run};
+    use pdxfer::relayout::cpu;
+    use pdxfer::relayout::gpu::GpuRelayout;
+
+    let mut g = GpuRelayout::new(0).unwrap();
+    let rows = [48u64, 80];
+    let pool_rows = 64u64;
+    let host_pools: Vec<Vec<u8>> = rows
+        .iter()
+        .enumerate()
+        .map(|(e, &rb)| {
+            (0..pool_rows * rb)
+                .map(|i| (i * 13 + e as u64) as u8)
+                .collect()
+        })
+        .collect();
+    let dev: Vec<_> = host_pools
+        .iter()
+        .map(|v| {
+            let b = g.alloc(v.len()).unwrap();
+            g.upload(&b, 0, v).unwrap();
+            b
+        })
+        .collect();
+    let bases: Vec<u64> = dev.iter().map(|b| b.ptr()).collect();
+    // four slices of 5, 5, 5 and 2 tokens from scattered pool rows
+    let slices: Vec<Vec<Run>> = [
+        &[(40u64, 0u64, 3u64), (7, 3, 2)][..],
+        &[(1, 0, 5)],
+        &[(60, 0, 4), (20, 4, 1)],
+        &[(33, 0, 2)],
+    ]
+    .iter()
+    .map(|s| {
+        s.iter()
+            .map(|&(src, dst, len)| Run { src, dst, len })
+            .collect()
+    })
+    .collect();
+    let half = 5 * (48 + 80);
+    let device = g.alloc(2 * half).unwrap();
+    let host = g.alloc_pinned(2 * half + 3).unwrap();
+    let refs: Vec<&[u8]> = host_pools.iter().map(|v| v.as_slice()).collect();
+    let launches = || fake_counter(c"pdx_fake_launches");
+    let mut seen = Vec::new();
+    // SAFETY: every span names rows inside the device pools.
+    unsafe {
+        g.gather_to_host(&bases, &rows, &slices, &device, Some(&host), |s| {
+            let pack = PackLayout::new(slices[s.index].iter().map(|r| r.len).sum(), &rows)?;
+            assert_eq!(s.pack, pack);
+            assert_eq!(s.host_offset, s.index % 2 * half);
+            let mut want = vec![0u8; pack.total_bytes as usize];
+            cpu::gather(&refs, &rows, &slices[s.index], &pack, &mut want)?;
+            // SAFETY: the slice's half of the pinned buffer is ready (its event completed).
+            let got = std::slice::from_raw_parts(host.as_ptr().add(s.host_offset), want.len());
+            assert_eq!(got, &want[..], "slice {}", s.index);
+            seen.push((s.index, launches()));
+            Ok(())
+        })
+    }
+    .unwrap();
+    let l0 = seen[0].1;
+    assert_eq!(
+        seen.iter().map(|&(i, l)| (i, l - l0)).collect::<Vec<_>>(),
+        vec![(0, 0), (1, 1), (2, 2), (3, 2)],
+        "slice i+1 is gathered before slice i is sent; nothing past the last"
+    );
+    // a failing sender stops the loop with its error
+    let mut calls = 0;
+    // SAFETY: as above.
+    let e = unsafe {
+        g.gather_to_host(&bases, &rows, &slices, &device, Some(&host), |s| {
+            calls += 1;
+            if s.index == 1 {
+                Err(pdxfer::Error::new(
+                    pdxfer::Status::PeerUnreachable,
+                    "wire down",
+                ))
+            } else {
+                Ok(())
+            }
+        })
+    }
+    .unwrap_err();
+    assert_eq!((e.status(), calls), (pdxfer::Status::PeerUnreachable, 2));
+    // a slice larger than a half is refused before anything is enqueued
+    let small = g.alloc(half).unwrap();
+    // SAFETY: as above.
+    let e =
+        unsafe { g.gather_to_host(&bases, &rows, &slices, &small, None, |_| Ok(())) }.unwrap_err();
+    assert_eq!(e.status(), pdxfer::Status::Relayout, "{e}");
+    println!("fake-driver engine child: gather_to_host pipelines slices");
+}
+
+/// A prefill engine with its KV pools in (fake) device memory, a host-memory
+/// decode of DCP 2 and of DCP 4 over cma, staging small enough for many
+/// slices per pair; every byte of every decode rank is checked against the
+/// pattern. Then the configurations that must be refused, with their types.
+#[test]
+#[ignore = "run by device_path_runs_on_fake_driver in a child process with the fake libcuda"]
+fn child_engine_device_pools_on_fake_driver() {
+    use pdxfer::bootstrap::schema::Role;
+    use pdxfer::bootstrap::server::{BootstrapServer, ServerConfig};
+    use pdxfer::engine::synthetic::SyntheticPools;
+    use pdxfer::engine::{Engine, EngineConfig, KvPoll, KvPool};
+    use pdxfer::layout::{DcpLayout, Side};
+    use pdxfer::relayout::gpu::GpuRelayout;
+    use pdxfer::transport::TransportKind;
+    use pdxfer::Status;
+    use std::time::Duration;
+
+    assert!(
+        std::env::var_os("PDXFER_FAKE_CUDA_CHILD").is_some(),
+        "this test only runs as the child of device_path_runs_on_fake_driver"
+    );
+    gather_to_host_pipeline();
+    const LAYERS: u32 = 3;
+    const ROW: u64 = 96;
+    const P: u64 = 16;
+    const PAGES: u64 = 48;
+    let token = LAYERS as u64 * ROW;
+    let server = BootstrapServer::start(ServerConfig::default()).unwrap();
+    let url = server.url();
+    let g = GpuRelayout::new(0).unwrap();
+    let mut host = SyntheticPools::new(LAYERS, ROW, P, PAGES, 8, 32).unwrap();
+    let dev: Vec<_> = (0..LAYERS as usize)
+        .map(|l| g.alloc(host.layer_bytes(l).len()).unwrap())
+        .collect();
+    let dev_pools = |host: &SyntheticPools| -> Vec<KvPool> {
+        host.kv_pools()
+            .into_iter()
+            .zip(&dev)
+            .map(|(p, d)| KvPool { base: d.ptr(), ..p })
+            .collect()
+    };
+    let prefill_cfg = |name: &str, host: &SyntheticPools, staging: u64| {
+        let mut cfg = EngineConfig::new(
+            Role::Prefill,
+            name,
+            &url,
+            host.topology(1, 0),
+            dev_pools(host),
+        );
+        cfg.pool_device = Some(0);
+        cfg.aux = host.aux_buffers();
+        cfg.transport = TransportKind::Cma;
+        cfg.staging_bytes = staging;
+        cfg.room_timeout = Duration::from_secs(20);
+        cfg
+    };
+
+    for (dcp, staging) in [(2u32, 2 * 5 * token), (4, 2 * 3 * token + 17)] {
+        let name = format!("fake-dev-{dcp}");
+        // SAFETY: the device pools and the aux buffer outlive the engine (closed below).
+        let prefill = unsafe { Engine::new(prefill_cfg(&name, &host, staging)) }.unwrap();
+        let mut decode = Vec::new();
+        for r in 0..dcp {
+            let pools = SyntheticPools::new(LAYERS, ROW, P, 24, 8, 32).unwrap();
+            let mut cfg = EngineConfig::new(
+                Role::Decode,
+                &name,
+                &url,
+                pools.topology(dcp, r),
+                pools.kv_pools(),
+            );
+            cfg.aux = pools.aux_buffers();
+            cfg.transport = TransportKind::Cma;
+            // SAFETY: the pools live in `decode` beside the engine.
+            decode.push((unsafe { Engine::new(cfg) }.unwrap(), pools));
+        }
+        let copies_before = fake_pinned_copies();
+        let v = P * dcp as u64;
+        for (room, total, prefix, chunk_pages) in
+            [(1u64, 300u64, 0u64, 4usize), (2, 517, v * 2, 100)]
+        {
+            let n = total - prefix;
+            let src_pages: Vec<u64> = (0..n.div_ceil(P)).map(|i| (i * 7 + room) % PAGES).collect();
+            let dst_pages: Vec<u64> = (0..n.div_ceil(v)).map(|i| (i * 5 + room) % 24).collect();
+            let src = Side {
+                layout: DcpLayout::sglang(P, 1).unwrap(),
+                rank: 0,
+                pages: &src_pages,
+                origin: prefix,
+            };
+            host.fill(room, &src, total);
+            host.fill_aux(room, 3);
+            for (l, d) in dev.iter().enumerate() {
+                g.upload(d, 0, host.layer_bytes(l)).unwrap();
+            }
+            g.record(false).unwrap().wait().unwrap();
+            for (e, _) in &decode {
+                e.receiver(room, 0, Some(Duration::from_secs(20))).unwrap();
+                e.send_metadata(room, &dst_pages, prefix, 5).unwrap();
+            }
+            prefill.sender(room).unwrap();
+            for _ in 0..2000 {
+                if prefill.poll(room) != KvPoll::Bootstrapping {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            let mut sent = 0;
+            for (i, chunk) in src_pages.chunks(chunk_pages).enumerate() {
+                let last = (i + 1) * chunk_pages >= src_pages.len();
+                let t = if last {
+                    n - sent
+                } else {
+                    chunk.len() as u64 * P
+                };
+                prefill.send(room, chunk, t, last, 3).unwrap();
+                sent += t;
+            }
+            assert_eq!(
+                prefill.wait(room, Duration::from_secs(20)),
+                KvPoll::Success,
+                "{:?}",
+                prefill.failure(room)
+            );
+            let mut verified = 0;
+            for (r, (e, pools)) in decode.iter().enumerate() {
+                assert_eq!(
+                    e.wait(room, Duration::from_secs(20)),
+                    KvPoll::Success,
+                    "decode {r}: {:?}",
+                    e.failure(room)
+                );
+                let side = Side {
+                    layout: DcpLayout::sglang(P, dcp as u64).unwrap(),
+                    rank: r as u64,
+                    pages: &dst_pages,
+                    origin: prefix,
+                };
+                verified += pools.verify(room, &side, total, Some(5)).unwrap();
+                e.clear(room).unwrap();
+            }
+            assert_eq!(verified, n * token + dcp as u64 * 32, "room {room}");
+            prefill.clear(room).unwrap();
+        }
+        // every slice went through pinned memory: more copies than pairs
+        let copies = fake_pinned_copies() - copies_before;
+        let min_slices = 2 * dcp as u64;
+        assert!(copies > min_slices, "only {copies} pinned copies");
+        println!("fake-driver engine child: DCP 1->{dcp} over {copies} staged slices, every byte checked");
+        prefill.close();
+        for (e, _) in &decode {
+            e.close();
+        }
+    }
+
+    // Refused configurations.
+    let create = |cfg: EngineConfig| {
+        // SAFETY: creation fails before any pool memory is touched.
+        unsafe { Engine::new(cfg) }.unwrap_err()
+    };
+    let mut cfg = prefill_cfg("bad", &host, 1 << 16);
+    cfg.pools[1].base = host.kv_pools()[1].base; // host memory, not a CUDA allocation
+    let e = create(cfg);
+    assert_eq!(e.status(), Status::InvalidArgument, "{e}");
+    assert!(e.detail().contains("KV pool 1"), "{e}");
+    let mut cfg = prefill_cfg("bad", &host, 1 << 16);
+    cfg.pools[2].num_pages += 1; // one page past the allocation
+    let e = create(cfg);
+    assert_eq!(e.status(), Status::OutOfBounds, "{e}");
+    let mut cfg = prefill_cfg("bad", &host, 1 << 16);
+    cfg.pool_device = Some(1);
+    assert_eq!(create(cfg).status(), Status::Cuda);
+    let e = create(prefill_cfg("bad", &host, token));
+    assert_eq!(e.status(), Status::InvalidArgument, "{e}");
+    assert!(e.detail().contains("staging_bytes"), "{e}");
+    let mut cfg = prefill_cfg("bad", &host, 1 << 16);
+    cfg.role = Role::Decode;
+    let e = create(cfg);
+    assert_eq!(e.status(), Status::Unsupported, "{e}");
+    assert!(e.detail().contains("host-memory pools"), "{e}");
+    println!("fake-driver engine child: all checks passed");
 }

@@ -4,7 +4,11 @@ decode), rooms with SGLang's :class:`KVPoll` lifecycle, per-room
 
 Pools are host memory given as integer addresses or as writable buffers
 (numpy arrays, ``bytearray``, ``memoryview`` ...); the engine keeps a reference
-to every buffer object it was given until :meth:`Engine.close`. Errors are
+to every buffer object it was given until :meth:`Engine.close`. With
+``pool_device=n`` (prefill only) the pools are CUDA device memory of device
+``n``: integer device addresses or objects with ``data_ptr()`` and
+``nbytes`` (e.g. torch CUDA tensors); the prefill gathers on the GPU and
+sends through pinned host staging. Errors are
 :class:`pdxfer.PdxError` subclasses (``.kind`` e.g. ``out_of_bounds``,
 ``prefix_misaligned``, ``unknown_room``, ``dcp_rank_mismatch``).
 """
@@ -31,11 +35,16 @@ __all__ = [
     "ROLE_PREFILL",
     "ROLE_DECODE",
     "buffer_address",
+    "device_address",
+    "POOL_HOST",
+    "POOL_CUDA",
 ]
 
 ROLE_PREFILL = 1
 ROLE_DECODE = 2
 NO_STAGING = 1
+POOL_HOST = 0
+POOL_CUDA = 1
 
 _vp = ctypes.c_void_p
 _cp = ctypes.c_char_p
@@ -101,6 +110,9 @@ class CEngineConfig(ctypes.Structure):
         ("lease_ttl_ms", ctypes.c_uint64),
         ("state", ctypes.POINTER(CAuxBuffer)),
         ("num_state", ctypes.c_uint64),
+        # ABI 1.2
+        ("pool_memory", ctypes.c_uint32),
+        ("pool_device", ctypes.c_uint32),
     ]
 
 
@@ -155,6 +167,26 @@ def buffer_address(buf: Any) -> Tuple[int, Optional[int]]:
     return ctypes.addressof(c), mv.nbytes
 
 
+def device_address(buf: Any) -> Tuple[int, Optional[int]]:
+    """``(address, nbytes)`` of a device pool: an int device address (nbytes
+    unknown: None) or an object with ``data_ptr()`` (and ``nbytes``, or
+    ``numel()`` and ``element_size()``), e.g. a contiguous torch CUDA tensor."""
+    if isinstance(buf, bool):
+        raise ArgumentError(-101, "a pool base must be an address or a tensor, not a bool")
+    if isinstance(buf, int):
+        if buf <= 0:
+            raise ArgumentError(-100, f"pool address {buf:#x} is NULL or negative")
+        return buf, None
+    if hasattr(buf, "data_ptr"):
+        if hasattr(buf, "is_contiguous") and not buf.is_contiguous():
+            raise ArgumentError(-101, "device pool tensors must be contiguous")
+        n = getattr(buf, "nbytes", None)
+        if n is None and hasattr(buf, "numel"):
+            n = buf.numel() * buf.element_size()
+        return int(buf.data_ptr()), None if n is None else int(n)
+    raise ArgumentError(-101, f"cannot take the device address of a {type(buf).__name__}")
+
+
 def _pages(pages: Any) -> Tuple[Any, int, Any]:
     """(pointer, count, keep-alive) of a page list as int64."""
     if _np is not None:
@@ -181,6 +213,8 @@ class Engine:
     (its size gives the page count), or a ``(base, num_pages)`` tuple.
     ``aux``: items ``(base, item_bytes)`` or ``(base, item_bytes, count)``
     (count taken from the buffer's size when omitted). Timeouts are seconds.
+    ``pool_device``: CUDA device ordinal when the KV pools are device memory
+    (prefill only; see the module docs); aux and state stay host memory.
     """
 
     def __init__(
@@ -205,6 +239,7 @@ class Engine:
         room_timeout: Optional[float] = None,
         batch_timeout: Optional[float] = None,
         lease_ttl: Optional[float] = None,
+        pool_device: Optional[int] = None,
     ):
         roles = {"prefill": ROLE_PREFILL, "decode": ROLE_DECODE}
         if role not in roles:
@@ -217,7 +252,7 @@ class Engine:
             n_given = num_pages
             if isinstance(item, tuple):
                 item, n_given = item
-            base, nbytes = buffer_address(item)
+            base, nbytes = buffer_address(item) if pool_device is None else device_address(item)
             self._keep.append(item)
             layer, row = topology.entries[i] if i < len(topology.entries) else (i, 0)
             page_bytes = int(row) * topology.page_size
@@ -240,6 +275,7 @@ class Engine:
             ctypes.cast(caux, ctypes.POINTER(CAuxBuffer)), len(aux), b(transport), b(host),
             staging_bytes, _ms(room_timeout), _ms(batch_timeout), _ms(lease_ttl),
             ctypes.cast(cstate, ctypes.POINTER(CAuxBuffer)), len(state),
+            POOL_HOST if pool_device is None else POOL_CUDA, 0 if pool_device is None else int(pool_device),
         )
         h = _vp()
         check(lib.pdxfer_engine_create(ctypes.byref(cfg), ctypes.byref(h)))

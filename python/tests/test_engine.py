@@ -28,9 +28,27 @@ def test_kvpoll_values_are_sglangs():
 
 
 def test_struct_sizes_are_pinned():
-    assert ctypes.sizeof(E.CEngineConfig) == 160
+    assert ctypes.sizeof(E.CEngineConfig) == 168
     assert ctypes.sizeof(E.CKvPool) == 32
     assert ctypes.sizeof(E.CAuxBuffer) == 24
+
+
+def test_device_pools_are_typed_errors_here():
+    """KV pools in CUDA memory: a decode is refused whatever the machine
+    (cma/tcp write pools with the CPU); a prefill whose "device" pools are
+    host memory fails typed (no driver here, or not device memory)."""
+    topo = pdxfer.Topology(page_size=PAGE, entries=[(i, ROW) for i in range(LAYERS)])
+    bufs = [np.zeros(4 * PAGE * ROW, dtype=np.uint8) for _ in range(LAYERS)]
+    addrs = [(int(b.ctypes.data), 4) for b in bufs]
+    with pytest.raises(pdxfer.PdxError) as e:
+        E.Engine("decode", "py-dev", "http://127.0.0.1:1", topo, addrs, pool_device=0)
+    assert e.value.kind == "unsupported" and "host-memory pools" in str(e.value)
+    with pytest.raises(pdxfer.PdxError) as e:
+        E.Engine("prefill", "py-dev", "http://127.0.0.1:1", topo, addrs, pool_device=0)
+    assert e.value.kind in ("no_cuda_driver", "invalid_argument"), e.value
+    with pytest.raises(pdxfer.PdxError) as e:
+        E.Engine("prefill", "py-dev", "http://127.0.0.1:1", topo, [bufs[0], bufs[1]], pool_device=0)
+    assert e.value.kind == "invalid_argument" and "device address" in str(e.value)
 
 
 def run_cluster(name, p_dcp, d_dcp, rooms, transport="auto", staging=1 << 20):

@@ -10,6 +10,7 @@
 //! never stops the others: workers and readers catch errors and panics per job.
 
 use super::control::{CtlMsg, CtlReader, CtlWriter, RegionMap, CONTROL_VERSION};
+use super::device::DeviceStage;
 use super::room::{KvPoll, RoomTable};
 use crate::bootstrap::client::Registrar;
 use crate::bootstrap::peer::{check_pair, prefill_targets, verify_peer};
@@ -34,7 +35,8 @@ use std::time::{Duration, Instant};
 pub struct KvPool {
     /// Global layer id (matches the topology entry).
     pub layer_id: u32,
-    /// Start address (host memory).
+    /// Start address: host memory, or a CUDA device address when the
+    /// engine's [`EngineConfig::pool_device`] is set.
     pub base: u64,
     /// Bytes of one page of this entry (`page_size * row_bytes`).
     pub page_bytes: u64,
@@ -72,6 +74,15 @@ pub struct EngineConfig {
     pub dp_rank: u32,
     /// KV pools, one per topology entry, same order.
     pub pools: Vec<KvPool>,
+    /// Where the KV pools live: `None` host memory; `Some(n)` device memory
+    /// of CUDA device `n` (prefill only: gathered on the GPU into staging
+    /// buffers of `staging_bytes` per worker, on the device and pinned on the
+    /// host, then sent over cma/tcp). Aux and state buffers stay host memory.
+    /// A decode with device pools is refused (`Unsupported`); without a CUDA
+    /// driver creation fails with `NoCudaDriver`. A chunk's rows must be
+    /// complete on the device when `send` queues it (the gather runs on the
+    /// engine's own stream, unordered with the model's).
+    pub pool_device: Option<u32>,
     /// Aux buffers (same count and item sizes on both sides).
     pub aux: Vec<AuxBuffer>,
     /// Optional state buffers (Mamba/SWA-like per-request state): one row per
@@ -117,6 +128,7 @@ impl EngineConfig {
             dp_size: 1,
             dp_rank: 0,
             pools,
+            pool_device: None,
             aux: Vec::new(),
             state: Vec::new(),
             transport: TransportKind::Auto,
@@ -251,7 +263,10 @@ impl Engine {
     /// # Safety
     /// Every pool and aux buffer must be valid, writable host memory of the
     /// given size for the engine's whole life (peers write into decode pools,
-    /// the prefill reads its pools).
+    /// the prefill reads its pools); with `pool_device`, the pools are device
+    /// memory of that device instead (checked against the driver), and the
+    /// rows of a chunk must be written (the forward pass finished) before
+    /// `send` queues it: the GPU gather runs on the engine's own stream.
     pub unsafe fn new(cfg: EngineConfig) -> Result<Engine> {
         cfg.topology.validate(cfg.role.as_str())?;
         if cfg.pools.len() != cfg.topology.entries.len() {
@@ -276,6 +291,9 @@ impl Engine {
                 ));
             }
         }
+        if let Some(ordinal) = cfg.pool_device {
+            super::device::preflight(&cfg, ordinal)?;
+        }
         let agent = Agent::new(&AgentOptions {
             listen: (cfg.role == Role::Decode).then(|| format!("{}:0", cfg.host)),
             stall: Duration::ZERO,
@@ -289,14 +307,34 @@ impl Engine {
         }
         let store = crate::bootstrap::open_store(&cfg.bootstrap, cfg.token.as_deref())?;
         let reg = agent.registry();
-        let mut pool_regions = Vec::new();
+        let workers = if cfg.role == Role::Prefill {
+            cfg.workers.max(1)
+        } else {
+            0
+        };
+        let mut pool_spans = Vec::new();
         for pool in &cfg.pools {
             let len = pool
                 .page_bytes
                 .checked_mul(pool.num_pages)
                 .ok_or_else(|| Error::invalid("pool size overflows"))?;
-            // SAFETY: the caller guarantees the pool memory is valid for the engine's life (function contract).
-            pool_regions.push(unsafe { reg.register_host(pool.base as *mut u8, len as usize)? });
+            pool_spans.push((pool.base, len));
+        }
+        // device pools: one GPU stage per worker (checks the pools first)
+        let mut stages = match cfg.pool_device {
+            Some(ordinal) => {
+                DeviceStage::open(ordinal, cfg.staging_bytes, &pool_spans, reg, workers)?
+            }
+            None => Vec::new(),
+        };
+        let mut pool_regions = Vec::new();
+        for &(base, len) in &pool_spans {
+            pool_regions.push(match cfg.pool_device {
+                // SAFETY: the caller guarantees the pool memory is valid for the engine's life (function contract).
+                Some(ordinal) => unsafe { reg.register_device(base, len as usize, ordinal)? },
+                // SAFETY: as above.
+                None => unsafe { reg.register_host(base as *mut u8, len as usize)? },
+            });
         }
         let mut aux_regions = Vec::new();
         for a in &cfg.aux {
@@ -316,14 +354,9 @@ impl Engine {
             // SAFETY: as above, the caller guarantees the state memory (function contract).
             state_regions.push(unsafe { reg.register_host(a.base as *mut u8, len as usize)? });
         }
-        let workers = if cfg.role == Role::Prefill {
-            cfg.workers.max(1)
-        } else {
-            0
-        };
         let mut staging = Vec::new();
         for _ in 0..workers {
-            if cfg.staging_bytes == 0 {
+            if cfg.staging_bytes == 0 || cfg.pool_device.is_some() {
                 break;
             }
             let mut buf = vec![0u8; cfg.staging_bytes as usize];
@@ -376,9 +409,11 @@ impl Engine {
             listener = Some(l);
             for (i, rx) in rxs.into_iter().enumerate() {
                 let w = Arc::downgrade(&inner);
+                // the worker owns its GPU stage (device pools) for its whole life
+                let stage = (!stages.is_empty()).then(|| stages.remove(0));
                 std::thread::Builder::new()
                     .name(format!("pdxfer-worker-{i}"))
-                    .spawn(move || worker_loop(w, i, rx))?;
+                    .spawn(move || worker_loop(w, i, rx, stage))?;
             }
         } else if let Some(a) = inner.agent.local_addr() {
             endpoints.insert("data".to_string(), a.to_string());
@@ -401,7 +436,13 @@ impl Engine {
             .pool_regions
             .iter()
             .zip(&inner.cfg.pools)
-            .map(|(r, p)| region_descriptor(r, "kv", Some(p.layer_id)))
+            .map(|(r, p)| {
+                let mut d = region_descriptor(r, "kv", Some(p.layer_id));
+                if let Some(o) = inner.cfg.pool_device {
+                    d.keys.insert("memory".to_string(), format!("cuda:{o}"));
+                }
+                d
+            })
             .chain(
                 inner
                     .aux_regions
@@ -1409,11 +1450,18 @@ fn notify_decode(inner: &Inner, room: u64, ok: bool, err: Option<Error>) {
     }
 }
 
-fn worker_loop(w: std::sync::Weak<Inner>, idx: usize, rx: Receiver<Job>) {
+fn worker_loop(
+    w: std::sync::Weak<Inner>,
+    idx: usize,
+    rx: Receiver<Job>,
+    mut stage: Option<DeviceStage>,
+) {
     while let Ok(job) = rx.recv() {
         let Some(inner) = w.upgrade() else { return };
         let (room, attempt, last) = (job.room, job.attempt, job.last);
-        let r = catch("transfer worker", || run_job(&inner, idx, &job));
+        let r = catch("transfer worker", || {
+            run_job(&inner, idx, &job, stage.as_mut())
+        });
         match r {
             Ok(()) if last => {
                 if lock(&inner.rooms)
@@ -1445,7 +1493,12 @@ fn worker_loop(w: std::sync::Weak<Inner>, idx: usize, rx: Receiver<Job>) {
 }
 
 /// Moves one chunk to every decode rank of the room (and aux on the last chunk).
-fn run_job(inner: &Inner, idx: usize, job: &Job) -> Result<()> {
+fn run_job(
+    inner: &Inner,
+    idx: usize,
+    job: &Job,
+    mut stage: Option<&mut DeviceStage>,
+) -> Result<()> {
     let infos = lock(&inner.prefill_rooms)
         .get(&job.room)
         .map(|r| r.infos.clone())
@@ -1507,16 +1560,28 @@ fn run_job(inner: &Inner, idx: usize, job: &Job) -> Result<()> {
                 })
             })
             .collect::<Result<_>>()?;
-        let bytes = write_pair(
-            inner,
-            idx,
-            &req,
-            &row_bytes,
-            &dst_regions,
-            &m.link,
-            &opts,
-            job.room,
-        )?;
+        let bytes = match stage.as_deref_mut() {
+            Some(st) => write_pair_device(
+                inner,
+                st,
+                &req,
+                &row_bytes,
+                &dst_regions,
+                &m.link,
+                &opts,
+                job.room,
+            )?,
+            None => write_pair(
+                inner,
+                idx,
+                &req,
+                &row_bytes,
+                &dst_regions,
+                &m.link,
+                &opts,
+                job.room,
+            )?,
+        };
         if let Some(r) = lock(&inner.prefill_rooms).get_mut(&job.room) {
             if let Some(x) = r.infos.get_mut(k) {
                 x.bytes += bytes;
@@ -1680,7 +1745,52 @@ fn write_pair(
         return Ok(tokens * token_bytes);
     }
     let (buf, desc) = staging.expect("checked above");
-    // slices of the chunk whose pair tokens fit the staging buffer
+    for sub in slice_requests(req, cap_tokens)? {
+        let n = sub.token_count();
+        let pack = PackLayout::new(n, row_bytes)?;
+        let mut spans = Vec::new();
+        let mut next = 0u64;
+        let mut m = RunMerger::default();
+        sub.for_each_segment(|seg| {
+            m.push(seg.src_row, next, seg.len, &mut |r: Run| spans.push(r));
+            next += seg.len;
+        })?;
+        m.finish(&mut |r: Run| spans.push(r));
+        // SAFETY: pool memory is valid for the engine's life (Engine::new contract); read-only here.
+        let pools: Vec<&[u8]> = inner
+            .pool_regions
+            .iter()
+            .map(|r| unsafe { std::slice::from_raw_parts(r.addr as *const u8, r.len as usize) })
+            .collect();
+        // SAFETY: this worker is the only user of its staging buffer; batches using it completed (submit_wait) before reuse.
+        let out = unsafe {
+            std::slice::from_raw_parts_mut(buf.as_ptr() as *mut u8, pack.total_bytes as usize)
+        };
+        crate::relayout::cpu::gather(&pools, row_bytes, &spans, &pack, out)?;
+        let ops = staged_ops(
+            &sub,
+            row_bytes,
+            dst_regions,
+            desc.id,
+            0,
+            &pack.entry_offsets,
+        )?;
+        submit_wait(inner, link, &ops, opts, room)?;
+    }
+    Ok(tokens * token_bytes)
+}
+
+/// The chunk's pair cut into consecutive sub-requests of at most
+/// `cap_tokens` pair tokens each (one staging slice each); sub-requests
+/// without tokens of the pair are left out.
+fn slice_requests<'a>(req: &PairRequest<'a>, cap_tokens: u64) -> Result<Vec<PairRequest<'a>>> {
+    if cap_tokens == 0 {
+        return Err(Error::new(
+            Status::Relayout,
+            "the staging buffer cannot hold one token",
+        ));
+    }
+    let mut out = Vec::new();
     let end = req.start + req.num_tokens;
     let mut s = req.start;
     while s < end {
@@ -1710,43 +1820,80 @@ fn write_pair(
             num_tokens: lo - s,
             ..*req
         };
-        let n = sub.token_count();
-        if n > 0 {
-            let pack = PackLayout::new(n, row_bytes)?;
-            let mut spans = Vec::new();
-            let mut next = 0u64;
-            let mut m = RunMerger::default();
-            sub.for_each_segment(|seg| {
-                m.push(seg.src_row, next, seg.len, &mut |r: Run| spans.push(r));
-                next += seg.len;
-            })?;
-            m.finish(&mut |r: Run| spans.push(r));
-            // SAFETY: pool memory is valid for the engine's life (Engine::new contract); read-only here.
-            let pools: Vec<&[u8]> = inner
-                .pool_regions
-                .iter()
-                .map(|r| unsafe { std::slice::from_raw_parts(r.addr as *const u8, r.len as usize) })
-                .collect();
-            // SAFETY: this worker is the only user of its staging buffer; batches using it completed (submit_wait) before reuse.
-            let out = unsafe {
-                std::slice::from_raw_parts_mut(buf.as_ptr() as *mut u8, pack.total_bytes as usize)
-            };
-            crate::relayout::cpu::gather(&pools, row_bytes, &spans, &pack, out)?;
-            let mut ops = Vec::new();
-            sub.for_each_run(true, |r| {
-                for (e, &rb) in row_bytes.iter().enumerate() {
-                    ops.push(WriteOp {
-                        local_region: desc.id,
-                        local_offset: pack.entry_offsets[e] + r.src * rb,
-                        remote_region: dst_regions[e],
-                        remote_offset: r.dst * rb,
-                        len: r.len * rb,
-                    });
-                }
-            })?;
-            submit_wait(inner, link, &ops, opts, room)?;
+        if sub.token_count() > 0 {
+            out.push(sub);
         }
         s = lo;
     }
-    Ok(tokens * token_bytes)
+    Ok(out)
+}
+
+/// Writes of one staged slice: packed rows (entry-major at `entry_offsets`
+/// from `offset` in staging region `region`) to the decode rank's pool rows.
+fn staged_ops(
+    sub: &PairRequest<'_>,
+    row_bytes: &[u64],
+    dst_regions: &[u64],
+    region: u64,
+    offset: u64,
+    entry_offsets: &[u64],
+) -> Result<Vec<WriteOp>> {
+    let mut ops = Vec::new();
+    sub.for_each_run(true, |r| {
+        for (e, &rb) in row_bytes.iter().enumerate() {
+            ops.push(WriteOp {
+                local_region: region,
+                local_offset: offset + entry_offsets[e] + r.src * rb,
+                remote_region: dst_regions[e],
+                remote_offset: r.dst * rb,
+                len: r.len * rb,
+            });
+        }
+    })?;
+    Ok(ops)
+}
+
+/// Writes one pair's tokens of a chunk from device pools: gathered on the
+/// GPU slice by slice into the worker's staging, copied to its pinned host
+/// half, and written from there; slice `i+1` is gathered and copied while
+/// slice `i` is on the wire.
+#[allow(clippy::too_many_arguments)]
+fn write_pair_device(
+    inner: &Inner,
+    stage: &mut DeviceStage,
+    req: &PairRequest<'_>,
+    row_bytes: &[u64],
+    dst_regions: &[u64],
+    link: &DecodeLink,
+    opts: &BatchOptions,
+    room: u64,
+) -> Result<u64> {
+    let tokens = req.token_count();
+    if tokens == 0 {
+        return Ok(0);
+    }
+    let subs = slice_requests(req, stage.slice_tokens(row_bytes))?;
+    let spans = subs
+        .iter()
+        .map(crate::relayout::gather_spans)
+        .collect::<Result<Vec<_>>>()?;
+    let bases: Vec<u64> = inner.pool_regions.iter().map(|r| r.addr).collect();
+    let region = stage.host_region();
+    // SAFETY: the pools were checked as device memory of the stage's device
+    // at creation and stay valid for the engine's life (Engine::new contract);
+    // the plan's rows lie inside them (page ids checked by `send`).
+    unsafe {
+        stage.run(&bases, row_bytes, &spans, |s| {
+            let ops = staged_ops(
+                &subs[s.index],
+                row_bytes,
+                dst_regions,
+                region,
+                s.offset,
+                &s.entry_offsets,
+            )?;
+            submit_wait(inner, link, &ops, opts, room)
+        })?;
+    }
+    Ok(tokens * row_bytes.iter().sum::<u64>())
 }

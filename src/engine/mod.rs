@@ -3,6 +3,7 @@
 
 pub mod control;
 pub mod core;
+mod device;
 pub mod room;
 pub mod synthetic;
 

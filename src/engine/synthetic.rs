@@ -76,6 +76,13 @@ impl SyntheticPools {
             .collect()
     }
 
+    /// The bytes of layer `l`'s pool (e.g. to upload into device memory).
+    pub fn layer_bytes(&self, l: usize) -> &[u8] {
+        let b = &self.bufs[l];
+        // SAFETY: a u64 slice viewed as its bytes; u8 has no alignment or validity requirements.
+        unsafe { std::slice::from_raw_parts(b.as_ptr() as *const u8, b.len() * 8) }
+    }
+
     /// The aux buffer as an engine descriptor.
     pub fn aux_buffers(&self) -> Vec<AuxBuffer> {
         vec![AuxBuffer {

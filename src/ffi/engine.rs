@@ -20,6 +20,13 @@ pub const PDXFER_ROLE_DECODE: u32 = 2;
 /// straight from the prefill pool.
 pub const PDXFER_ENGINE_NO_STAGING: u32 = 1;
 
+/// `PdxEngineConfig.pool_memory`: the KV pools are host memory (the default,
+/// and what structs older than ABI 1.2 mean).
+pub const PDXFER_POOL_HOST: u32 = 0;
+/// `PdxEngineConfig.pool_memory`: the KV pools are CUDA device memory of
+/// device `pool_device` (prefill only over cma/tcp; see `PdxEngineConfig`).
+pub const PDXFER_POOL_CUDA: u32 = 1;
+
 /// `KVPoll` values (SGLang's): the room failed; `pdxfer_engine_failure` says why.
 pub const PDXFER_POLL_FAILED: i32 = 0;
 /// `KVPoll`: waiting for the peers' metadata.
@@ -44,7 +51,8 @@ pub struct PdxKvPool {
     pub layer_id: u32,
     /// Reserved, zero.
     pub reserved: u32,
-    /// Start of the pool (host memory).
+    /// Start of the pool: host memory, or a CUDA device address with
+    /// `PDXFER_POOL_CUDA`.
     pub base: *mut c_void,
     /// Bytes of one page (`page_size * row_bytes` of the entry).
     pub page_bytes: u64,
@@ -116,12 +124,23 @@ pub struct PdxEngineConfig {
     pub state: *const PdxAuxBuffer,
     /// ABI 1.1: number of `state`.
     pub num_state: u64,
+    /// ABI 1.2: where the KV pools live: `PDXFER_POOL_HOST` (0) or
+    /// `PDXFER_POOL_CUDA`. With CUDA pools the prefill gathers each decode
+    /// rank's rows on the GPU into staging buffers of `staging_bytes` per
+    /// worker (device and pinned host) and sends them over cma/tcp; the pool
+    /// addresses must be allocations of device `pool_device`. A decode with
+    /// CUDA pools is refused (`PDX_STATUS_UNSUPPORTED`: cma/tcp write pools
+    /// with the CPU); without a CUDA driver creation fails with
+    /// `PDX_STATUS_NO_CUDA_DRIVER`. Aux and state buffers stay host memory.
+    pub pool_memory: u32,
+    /// ABI 1.2: CUDA device ordinal of the pools with `PDXFER_POOL_CUDA`.
+    pub pool_device: u32,
 }
 
 // SAFETY: repr(C), starts with u64 struct_size, integers and raw pointers only (zero is valid).
 unsafe impl Versioned for PdxEngineConfig {
-    /// ABI 1.0 callers (without `state`) are accepted.
-    const MIN_SIZE: usize = std::mem::size_of::<PdxEngineConfig>() - 16;
+    /// ABI 1.0 callers (without `state` and the pool memory) are accepted.
+    const MIN_SIZE: usize = std::mem::size_of::<PdxEngineConfig>() - 24;
     const NAME: &'static str = "PdxEngineConfig";
 }
 
@@ -228,6 +247,15 @@ fn config_from_c(p: *const PdxEngineConfig) -> Result<EngineConfig> {
     if let Some(d) = ms(c.lease_ttl_ms) {
         cfg.lease_ttl = d;
     }
+    cfg.pool_device = match c.pool_memory {
+        PDXFER_POOL_HOST => None,
+        PDXFER_POOL_CUDA => Some(c.pool_device),
+        m => {
+            return Err(Error::invalid(format!(
+                "config.pool_memory={m}: use PDXFER_POOL_HOST (0) or PDXFER_POOL_CUDA (1)"
+            )))
+        }
+    };
     Ok(cfg)
 }
 
@@ -248,7 +276,10 @@ fn pages(p: *const i64, n: usize, what: &str) -> Result<Vec<u64>> {
 ///
 /// Every pool and aux buffer must stay valid, writable host memory until
 /// `pdxfer_engine_destroy` returns (peers write into decode pools; the
-/// prefill reads its pools from its worker threads).
+/// prefill reads its pools from its worker threads). With
+/// `PDXFER_POOL_CUDA` the pools are device memory instead, and a chunk's
+/// rows must be complete on the device (forward pass synchronised) before
+/// `pdxfer_engine_send` queues it.
 #[no_mangle]
 pub extern "C" fn pdxfer_engine_create(
     config: *const PdxEngineConfig,
@@ -511,7 +542,7 @@ mod tests {
         use std::mem::size_of;
         assert_eq!(size_of::<PdxKvPool>(), 32);
         assert_eq!(size_of::<PdxAuxBuffer>(), 24);
-        assert_eq!(size_of::<PdxEngineConfig>(), 160);
+        assert_eq!(size_of::<PdxEngineConfig>(), 168);
         for p in [
             KvPoll::Failed,
             KvPoll::Bootstrapping,
@@ -621,7 +652,40 @@ mod tests {
             lease_ttl_ms: 0,
             state: std::ptr::null(),
             num_state: 0,
+            pool_memory: PDXFER_POOL_HOST,
+            pool_device: 0,
         }
+    }
+
+    /// ABI 1.2 pool memory: older, smaller structs mean host pools whatever
+    /// follows them; CUDA pools are read; unknown values are refused; a decode
+    /// with CUDA pools is refused at creation with its typed status.
+    #[test]
+    fn pool_memory_is_versioned() {
+        let p = SyntheticPools::new(2, 64, 16, 4, 1, 32).unwrap();
+        let s = c_side(&p, 1, 0);
+        let (cl, url, tr) = (c"pm", c"http://127.0.0.1:1", c"cma");
+        let mut c = config(&s, PDXFER_ROLE_PREFILL, cl, url, tr);
+        c.pool_memory = PDXFER_POOL_CUDA;
+        c.pool_device = 3;
+        assert_eq!(config_from_c(&c).unwrap().pool_device, Some(3));
+        for old in [144u64, 160] {
+            c.struct_size = old;
+            assert_eq!(config_from_c(&c).unwrap().pool_device, None, "size {old}");
+        }
+        c.struct_size = 136;
+        assert_eq!(config_from_c(&c).unwrap_err().status(), Status::AbiMismatch);
+        c.struct_size = std::mem::size_of::<PdxEngineConfig>() as u64;
+        c.pool_memory = 2;
+        assert_eq!(
+            config_from_c(&c).unwrap_err().status(),
+            Status::InvalidArgument
+        );
+        let mut d = config(&s, PDXFER_ROLE_DECODE, cl, url, tr);
+        d.pool_memory = PDXFER_POOL_CUDA;
+        let mut out = null_mut();
+        assert_eq!(pdxfer_engine_create(&d, &mut out), PdxStatus::Unsupported);
+        assert!(out.is_null());
     }
 
     fn failure(e: *const PdxEngine, room: u64) -> (i32, String) {

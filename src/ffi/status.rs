@@ -6,7 +6,9 @@ use std::ffi::c_char;
 /// ABI major version of this header; a library with another major refuses to work with it.
 pub const PDXFER_ABI_VERSION_MAJOR: u32 = 1;
 /// ABI minor version of this header (functions or struct fields added).
-pub const PDXFER_ABI_VERSION_MINOR: u32 = 1;
+/// 1.1: `PdxEngineConfig.state`, `pdxfer_engine_set_state_indices`.
+/// 1.2: `PdxEngineConfig.pool_memory` / `pool_device` (KV pools in CUDA memory).
+pub const PDXFER_ABI_VERSION_MINOR: u32 = 2;
 
 /// The library's ABI version: `(major << 16) | minor`.
 #[no_mangle]

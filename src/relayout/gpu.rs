@@ -30,7 +30,10 @@ pub mod check;
 #[cfg(feature = "cuda")]
 mod device;
 #[cfg(feature = "cuda")]
-pub use device::{DeviceBuffer, GatherSlice, GpuEvent, GpuRelayout, KernelOrigin, PreparedCopy};
+pub use device::{
+    DeviceBuffer, GatherSlice, GpuEvent, GpuRelayout, HostSlice, KernelOrigin, PinnedBuffer,
+    PreparedCopy,
+};
 
 /// What this process can see of CUDA.
 #[derive(Debug, Clone, Serialize)]

@@ -195,6 +195,74 @@ impl Drop for DeviceBuffer {
     }
 }
 
+/// Page-locked host memory from `cuMemHostAlloc`: device-to-host copies into
+/// it are asynchronous (a copy into pageable memory blocks the caller). It is
+/// ordinary host memory to everything else (a transport registers and sends
+/// it like any buffer). Dropping it frees it: keep it alive until the copies
+/// into it have completed.
+pub struct PinnedBuffer {
+    ctx: Arc<CudaContext>,
+    ptr: *mut u8,
+    len: usize,
+}
+
+// SAFETY: the buffer is plain host memory owned by this value; the pointer is
+// only dereferenced by its owner (or a driver copy the owner orders with events).
+unsafe impl Send for PinnedBuffer {}
+
+impl PinnedBuffer {
+    /// Host address of byte 0.
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.ptr
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// True for a zero-length buffer.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+impl Drop for PinnedBuffer {
+    fn drop(&mut self) {
+        if self.ptr.is_null() {
+            return;
+        }
+        let (ctx, ptr) = (&self.ctx, self.ptr);
+        // Errors cannot be reported from Drop; they are ignored, never panicked on.
+        let _ = catch_unwind(AssertUnwindSafe(|| {
+            ctx.bind_to_thread()?;
+            // SAFETY: ptr came from cuMemHostAlloc and is freed once.
+            unsafe { result::free_host(ptr as *mut std::ffi::c_void) }
+        }));
+    }
+}
+
+impl std::fmt::Debug for PinnedBuffer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "PinnedBuffer({:p}, {} B)", self.ptr, self.len)
+    }
+}
+
+/// One slice of [`GpuRelayout::gather_to_host`], handed to the sender once
+/// its bytes are in place.
+#[derive(Debug, Clone)]
+pub struct HostSlice {
+    /// Slice number, from 0.
+    pub index: usize,
+    /// Packed layout of the slice (entry-major, tokens `0..pack.tokens`).
+    pub pack: PackLayout,
+    /// Device address of the slice's pack block in the device staging buffer.
+    pub device_addr: u64,
+    /// Byte offset of the slice's pack block in the host buffer (when one was
+    /// given; the bytes there are the device block's copy).
+    pub host_offset: usize,
+}
+
 /// Relayout tables uploaded once ([`GpuRelayout::prepare`]). Keep it alive
 /// until the event of its last launch has completed.
 pub struct PreparedCopy {
@@ -605,6 +673,194 @@ impl GpuRelayout {
                 next = Some(launch(self, m)?);
             }
             send(&meta[i].0, &ev)?;
+        }
+        Ok(())
+    }
+}
+
+impl GpuRelayout {
+    /// Allocates `len` bytes of page-locked host memory (`cuMemHostAlloc`).
+    pub fn alloc_pinned(&self, len: usize) -> Result<PinnedBuffer> {
+        self.bind()?;
+        // SAFETY: plain allocation in the bound context; the bytes are uninitialised
+        // (u8 has no invalid values).
+        let ptr = guard("cuMemHostAlloc", || unsafe {
+            result::malloc_host(len.max(1), 0)
+        })?;
+        Ok(PinnedBuffer {
+            ctx: self.ctx.clone(),
+            ptr: ptr as *mut u8,
+            len,
+        })
+    }
+
+    /// Checks that `[ptr, ptr + len)` is device memory of this relayout's
+    /// device, inside one allocation (`cuPointerGetAttribute`): host memory
+    /// or another device is `InvalidArgument`, a range running past its
+    /// allocation `OutOfBounds`.
+    pub fn check_device_range(&self, ptr: u64, len: u64) -> Result<()> {
+        use sys::CUpointer_attribute as A;
+        self.bind()?;
+        let what = format!("cuPointerGetAttribute(0x{ptr:x})");
+        let attr = |a: A, out: *mut std::ffi::c_void| {
+            // SAFETY: `out` points at a local of the attribute's size (below).
+            guard(&what, || unsafe {
+                sys::cuPointerGetAttribute(out, a, ptr).result()
+            })
+        };
+        let mut mem_type: u32 = 0;
+        if let Err(e) = attr(
+            A::CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
+            &mut mem_type as *mut u32 as *mut _,
+        ) {
+            if e.status() == Status::NoCudaDriver {
+                return Err(e);
+            }
+            return Err(Error::invalid(format!(
+                "0x{ptr:x} is not a CUDA allocation ({})",
+                e.detail()
+            )));
+        }
+        if mem_type != sys::CUmemorytype::CU_MEMORYTYPE_DEVICE as u32 {
+            return Err(Error::invalid(format!(
+                "0x{ptr:x} is not device memory (CUmemorytype {mem_type}; 1 is host memory)"
+            )));
+        }
+        let mut dev: i32 = -1;
+        attr(
+            A::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+            &mut dev as *mut i32 as *mut _,
+        )?;
+        if dev != self.ctx.ordinal() as i32 {
+            return Err(Error::invalid(format!(
+                "0x{ptr:x} lives on CUDA device {dev}, not on device {}",
+                self.ctx.ordinal()
+            )));
+        }
+        let mut start: u64 = 0;
+        let mut size: usize = 0;
+        attr(
+            A::CU_POINTER_ATTRIBUTE_RANGE_START_ADDR,
+            &mut start as *mut u64 as *mut _,
+        )?;
+        attr(
+            A::CU_POINTER_ATTRIBUTE_RANGE_SIZE,
+            &mut size as *mut usize as *mut _,
+        )?;
+        let alloc_end = start.saturating_add(size as u64);
+        if ptr.checked_add(len).is_none_or(|end| end > alloc_end) {
+            return Err(Error::new(
+                Status::OutOfBounds,
+                format!("device range 0x{ptr:x}+{len} runs past its allocation 0x{start:x}+{size}"),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Enqueues a device-to-host copy of `len` bytes and returns its event.
+    ///
+    /// # Safety
+    /// `src..src+len` must be device memory of this context and
+    /// `dst..dst+len` host memory that nothing reads or frees before the
+    /// event completes (asynchronous only when `dst` is pinned).
+    pub unsafe fn copy_to_host(&self, dst: *mut u8, src: u64, len: usize) -> Result<GpuEvent> {
+        self.bind()?;
+        let stream = self.stream.cu_stream();
+        // SAFETY: the caller guarantees both ranges and the host buffer's life.
+        guard("cuMemcpyDtoHAsync", || unsafe {
+            let out = std::slice::from_raw_parts_mut(dst, len);
+            result::memcpy_dtoh_async(out, src, stream)
+        })?;
+        self.record(false)
+    }
+
+    /// Gathers a pair's tokens slice by slice into `device` staging (two
+    /// halves, slice `i` in half `i % 2`), copies each slice to the same half
+    /// of `host` when one is given, and calls `send` for slice `i` once its
+    /// bytes are in place (it waits on the slice's event, never on the whole
+    /// stream). The gather and copy of slice `i+1` are enqueued before `send`
+    /// of slice `i`, so they overlap its transfer; `send` must return only
+    /// when the slice's half may be overwritten.
+    ///
+    /// `slices[i]` are the spans of slice `i` (pool row -> packed index,
+    /// indices `0..n_i` of the slice, as `relayout::gather_spans` of a
+    /// sub-request). Without `host` the slices stay on the device: the seam
+    /// for a transport that sends device memory itself (GPUDirect RDMA).
+    /// Stops at the first error, after the enqueued work has finished.
+    ///
+    /// # Safety
+    /// `pool_bases` must be device addresses of this context holding every
+    /// row the spans name, for entries of `row_bytes`.
+    pub unsafe fn gather_to_host(
+        &mut self,
+        pool_bases: &[u64],
+        row_bytes: &[u64],
+        slices: &[Vec<Run>],
+        device: &DeviceBuffer,
+        host: Option<&PinnedBuffer>,
+        mut send: impl FnMut(&HostSlice) -> Result<()>,
+    ) -> Result<()> {
+        let half = host.map_or(device.len, |h| h.len.min(device.len)) / 2;
+        let mut plan = Vec::with_capacity(slices.len());
+        for (i, spans) in slices.iter().enumerate() {
+            let n: u64 = spans.iter().map(|s| s.len).sum();
+            let pack = PackLayout::new(n, row_bytes)?;
+            if pack.total_bytes > half as u64 {
+                return Err(Error::new(
+                    Status::Relayout,
+                    format!(
+                        "slice {i} packs {} B; the staging halves hold {half} B",
+                        pack.total_bytes
+                    ),
+                ));
+            }
+            plan.push(HostSlice {
+                index: i,
+                pack,
+                device_addr: device.ptr + (i % 2 * half) as u64,
+                host_offset: i % 2 * half,
+            });
+        }
+        let enqueue = |me: &mut Self, i: usize| -> Result<GpuEvent> {
+            let s = &plan[i];
+            let ents = gather_entries(pool_bases, row_bytes, s.device_addr, &s.pack)?;
+            let ev = me.copy(false, &ents, &slices[i])?;
+            match host {
+                // SAFETY: the host half holds the slice (checked above); it is
+                // read by `send` only after this event, and rewritten only by a
+                // copy enqueued after `send` of the slice two back returned.
+                Some(h) => unsafe {
+                    me.copy_to_host(
+                        h.ptr.add(s.host_offset),
+                        s.device_addr,
+                        s.pack.total_bytes as usize,
+                    )
+                },
+                None => Ok(ev),
+            }
+        };
+        let mut next = match plan.first() {
+            Some(_) => Some(enqueue(self, 0)?),
+            None => return Ok(()),
+        };
+        for i in 0..plan.len() {
+            let ev = next
+                .take()
+                .ok_or_else(|| Error::new(Status::Relayout, "missing slice event"))?;
+            let r = (|| {
+                if i + 1 < plan.len() {
+                    next = Some(enqueue(self, i + 1)?);
+                }
+                ev.wait()?;
+                send(&plan[i])
+            })();
+            if let Err(e) = r {
+                // leave nothing in flight that writes the buffers
+                if let Some(n) = next.take() {
+                    let _ = n.wait();
+                }
+                return Err(e);
+            }
         }
         Ok(())
     }

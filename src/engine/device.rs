@@ -1,0 +1,213 @@
+//! KV pools in CUDA device memory (`EngineConfig::pool_device`).
+//!
+//! Prefill: each transfer worker owns a [`DeviceStage`]: a relayout engine
+//! (its own context binding, stream and kernels), a device staging buffer and
+//! a pinned host staging buffer of `staging_bytes` each, both used as two
+//! halves. A pair's packed rows are gathered on the GPU (entry-major, the
+//! same pack layout as the CPU path), copied device-to-host into the pinned
+//! half, and written from there with the agent's transport; the gather and
+//! copy of slice `i+1` run while slice `i` is on the wire, ordered by events
+//! (`GpuRelayout::gather_to_host`).
+//!
+//! The device staging buffer is registered with the agent as a device region
+//! ([`DeviceStage::device_region`]): a transport that sends device memory
+//! itself (GPUDirect RDMA) can write from it directly and skip the host copy
+//! (`gather_to_host` without a host buffer). cma and tcp cannot, so they
+//! always go through the pinned host buffer.
+//!
+//! Decode: over cma/tcp the peer writes the pools with the CPU, so decode
+//! pools must be host memory; device pools there are refused at creation.
+
+use crate::bootstrap::schema::Role;
+use crate::error::{Error, Result, Status};
+use crate::layout::Run;
+use crate::memory::Registry;
+use crate::transport::TransportKind;
+
+use super::core::EngineConfig;
+
+/// Checks a device-pool configuration before anything is opened: role,
+/// staging size, build, and the driver (typed `no_cuda_driver` without one).
+pub(super) fn preflight(cfg: &EngineConfig, ordinal: u32) -> Result<()> {
+    if cfg.role == Role::Decode {
+        return Err(Error::new(
+            Status::Unsupported,
+            format!(
+                "decode KV pools in CUDA device memory (device {ordinal}) cannot be written over {}: cma and tcp write the pools with the CPU. Use host-memory pools on the decode (the prefill's pools may stay on the GPU); device-memory decode pools need GPUDirect RDMA or NCCL, which the engine does not carry yet",
+                cfg.transport.name()
+            ),
+        ));
+    }
+    if cfg.transport == TransportKind::Local {
+        return Err(Error::new(
+            Status::Unsupported,
+            "device-memory pools need the cma or tcp transport (the local transport has no staging)",
+        ));
+    }
+    let token_bytes: u64 = cfg.topology.entries.iter().map(|e| e.row_bytes).sum();
+    if cfg.staging_bytes / 2 < token_bytes.max(1) {
+        return Err(Error::invalid(format!(
+            "device-memory pools are sent through staging buffers: staging_bytes={} must hold at least two tokens ({} B each); the default is 64 MiB",
+            cfg.staging_bytes, token_bytes
+        )));
+    }
+    if !cfg!(feature = "cuda") {
+        return Err(Error::new(
+            Status::Unsupported,
+            "device-memory pools need pdxfer built with the `cuda` feature",
+        ));
+    }
+    crate::relayout::gpu::probe().map(|_| ())
+}
+
+/// One slice of a staged device gather, ready in the host staging buffer.
+#[derive(Debug, Clone)]
+pub(super) struct StagedSlice {
+    /// Slice number, from 0 (index into the slices given to `run`).
+    pub index: usize,
+    /// Byte offset of the slice's pack block in the host staging buffer.
+    pub offset: u64,
+    /// Byte offset of each entry's block within the slice's pack block.
+    pub entry_offsets: Vec<u64>,
+}
+
+/// A transfer worker's GPU relayout and staging buffers.
+#[cfg(feature = "cuda")]
+pub(super) struct DeviceStage {
+    gpu: crate::relayout::gpu::GpuRelayout,
+    device: crate::relayout::gpu::DeviceBuffer,
+    host: crate::relayout::gpu::PinnedBuffer,
+    host_region: u64,
+    device_region: u64,
+}
+
+/// Without the `cuda` feature there is no device stage (never constructed).
+#[cfg(not(feature = "cuda"))]
+pub(super) enum DeviceStage {}
+
+#[cfg(feature = "cuda")]
+impl DeviceStage {
+    /// Checks every pool `(base, len)` against the driver (device memory of
+    /// `ordinal`, inside one allocation) and opens one stage per worker, its
+    /// buffers registered with `reg`.
+    pub(super) fn open(
+        ordinal: u32,
+        staging_bytes: u64,
+        pools: &[(u64, u64)],
+        reg: &Registry,
+        workers: usize,
+    ) -> Result<Vec<DeviceStage>> {
+        use crate::relayout::gpu::GpuRelayout;
+        let len = usize::try_from(staging_bytes)
+            .map_err(|_| Error::invalid("staging_bytes does not fit this machine"))?;
+        let mut out = Vec::with_capacity(workers);
+        for w in 0..workers {
+            let gpu = GpuRelayout::new(ordinal as usize)?;
+            if w == 0 {
+                for (i, &(base, plen)) in pools.iter().enumerate() {
+                    gpu.check_device_range(base, plen).map_err(|e| {
+                        Error::new(e.status(), format!("KV pool {i}: {}", e.detail()))
+                    })?;
+                }
+            }
+            let device = gpu.alloc(len)?;
+            let host = gpu.alloc_pinned(len)?;
+            // SAFETY: the pinned buffer is owned by this stage, which the worker
+            // keeps until the engine's registry is gone (jobs stop first).
+            let host_region = unsafe { reg.register_host(host.as_ptr(), len)? }.id;
+            // SAFETY: as above, for the device buffer.
+            let device_region = unsafe { reg.register_device(device.ptr(), len, ordinal)? }.id;
+            out.push(DeviceStage {
+                gpu,
+                device,
+                host,
+                host_region,
+                device_region,
+            });
+        }
+        Ok(out)
+    }
+
+    /// Registry id of the pinned host staging buffer (the `local_region` of
+    /// the writes of a staged slice).
+    pub(super) fn host_region(&self) -> u64 {
+        self.host_region
+    }
+
+    /// Registry id of the device staging buffer: where a transport that reads
+    /// device memory (GPUDirect RDMA) would write slices from, skipping the
+    /// host copy.
+    #[allow(dead_code)]
+    pub(super) fn device_region(&self) -> u64 {
+        self.device_region
+    }
+
+    /// Tokens of one slice (half a staging buffer) for entries of `row_bytes`.
+    pub(super) fn slice_tokens(&self, row_bytes: &[u64]) -> u64 {
+        let half = self.device.len().min(self.host.len()) as u64 / 2;
+        crate::layout::pack_slice_tokens(half, row_bytes)
+    }
+
+    /// Gathers each slice's spans (pool row -> packed index of the slice) on
+    /// the GPU, copies it into the host staging, and calls `send` for it with
+    /// its bytes in place; slice `i+1` is gathered and copied during `send`
+    /// of slice `i`.
+    ///
+    /// # Safety
+    /// `pool_bases` must be device memory of the stage's device holding every
+    /// row the spans name (checked at creation by `open`, rows by the plan).
+    pub(super) unsafe fn run(
+        &mut self,
+        pool_bases: &[u64],
+        row_bytes: &[u64],
+        slices: &[Vec<Run>],
+        mut send: impl FnMut(&StagedSlice) -> Result<()>,
+    ) -> Result<()> {
+        let (device, host) = (&self.device, &self.host);
+        // SAFETY: the caller guarantees the pools; the staging buffers are this stage's.
+        unsafe {
+            self.gpu
+                .gather_to_host(pool_bases, row_bytes, slices, device, Some(host), |s| {
+                    send(&StagedSlice {
+                        index: s.index,
+                        offset: s.host_offset as u64,
+                        entry_offsets: s.pack.entry_offsets.clone(),
+                    })
+                })
+        }
+    }
+}
+
+#[cfg(not(feature = "cuda"))]
+impl DeviceStage {
+    pub(super) fn open(
+        _ordinal: u32,
+        _staging_bytes: u64,
+        _pools: &[(u64, u64)],
+        _reg: &Registry,
+        _workers: usize,
+    ) -> Result<Vec<DeviceStage>> {
+        Err(Error::new(
+            Status::Unsupported,
+            "device-memory pools need pdxfer built with the `cuda` feature",
+        ))
+    }
+
+    pub(super) fn host_region(&self) -> u64 {
+        match *self {}
+    }
+
+    pub(super) fn slice_tokens(&self, _row_bytes: &[u64]) -> u64 {
+        match *self {}
+    }
+
+    pub(super) unsafe fn run(
+        &mut self,
+        _pool_bases: &[u64],
+        _row_bytes: &[u64],
+        _slices: &[Vec<Run>],
+        _send: impl FnMut(&StagedSlice) -> Result<()>,
+    ) -> Result<()> {
+        match *self {}
+    }
+}
