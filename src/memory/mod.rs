@@ -7,8 +7,10 @@
 //! ([`Registry::acquire`] returns an [`AccessGuard`]); unregistering waits
 //! for pinned accesses to finish, so nothing writes into freed memory.
 
+mod device_writer;
 mod region;
 mod registry;
 
+pub use device_writer::DeviceWriter;
 pub use region::{RegionDesc, RegionKind};
 pub use registry::{AccessGuard, Registry, MEMFD_KEY};

@@ -1,6 +1,7 @@
 //! The per-process region registry: registration, bounds checks, and
 //! in-flight accounting so unregistering never frees memory under a transfer.
 
+use super::device_writer::DeviceWriter;
 use super::region::{RegionDesc, RegionKind};
 use crate::error::{Error, Result, Status};
 use std::collections::{BTreeMap, HashMap};
@@ -13,6 +14,8 @@ struct Entry {
     closing: bool,
     /// Memory the registry allocated itself (freed on unregister).
     _owned: Option<SharedMapping>,
+    /// How host-side receivers copy into this device region (`None`: they cannot).
+    writer: Option<Arc<dyn DeviceWriter>>,
 }
 
 /// A `memfd` mapped shared into this process; same-host peers map the same
@@ -160,6 +163,63 @@ impl Registry {
         self.insert(dptr, len as u64, RegionKind::Device { ordinal })
     }
 
+    /// Registers device memory like [`register_device`](Self::register_device)
+    /// together with the `writer` that copies host bytes into it: receivers
+    /// that land bytes on the host first (tcp) hand them to it, so peers can
+    /// write the region over tcp. Transports that reach device memory
+    /// themselves (GPUDirect RDMA) do not use it.
+    ///
+    /// # Safety
+    /// As [`register_device`](Self::register_device).
+    pub unsafe fn register_device_with(
+        &self,
+        dptr: u64,
+        len: usize,
+        ordinal: u32,
+        writer: Arc<dyn DeviceWriter>,
+    ) -> Result<RegionDesc> {
+        // SAFETY: the caller's contract is register_device's.
+        let desc = unsafe { self.register_device(dptr, len, ordinal)? };
+        self.set_writer(desc.id, writer);
+        Ok(desc)
+    }
+
+    /// Test knob: a `Device` region at `addr` without asking a CUDA driver,
+    /// written through `writer` (e.g. a host-memory stand-in), or by no one.
+    ///
+    /// # Safety
+    /// `writer` must accept every address of `[addr, addr + len)`.
+    #[cfg(test)]
+    pub(crate) unsafe fn register_device_unchecked(
+        &self,
+        addr: u64,
+        len: usize,
+        ordinal: u32,
+        writer: Option<Arc<dyn DeviceWriter>>,
+    ) -> Result<RegionDesc> {
+        let desc = self.insert(addr, len as u64, RegionKind::Device { ordinal })?;
+        if let Some(w) = writer {
+            self.set_writer(desc.id, w);
+        }
+        Ok(desc)
+    }
+
+    fn set_writer(&self, region: u64, writer: Arc<dyn DeviceWriter>) {
+        if let Some(e) = self.lock().regions.get_mut(&region) {
+            e.writer = Some(writer);
+        }
+    }
+
+    /// The device writer of a device region registered with
+    /// [`register_device_with`](Self::register_device_with); `None` for
+    /// host regions, device regions without one, and unknown ids.
+    pub fn device_writer(&self, region: u64) -> Option<Arc<dyn DeviceWriter>> {
+        self.lock()
+            .regions
+            .get(&region)
+            .and_then(|e| e.writer.clone())
+    }
+
     fn insert(&self, addr: u64, len: u64, kind: RegionKind) -> Result<RegionDesc> {
         if len == 0 {
             return Err(Error::invalid("region length must be > 0"));
@@ -201,6 +261,7 @@ impl Registry {
                 inflight: 0,
                 closing: false,
                 _owned: None,
+                writer: None,
             },
         );
         Ok(desc)

@@ -355,9 +355,14 @@ impl Agent {
                     && me.same_host(&ack.identity)
                     && me.verify_local_peer(&ack.identity).is_ok();
                 let peer_nic = ack.rdma.is_some();
+                // cma cannot write device memory: a peer with device regions never gets it.
+                let peer_device = ack
+                    .regions
+                    .iter()
+                    .any(|r| matches!(r.kind, RegionKind::Device { .. }));
                 // Open the local NICs only when rdma could be chosen.
-                let local_nic = !same_host && peer_nic && self.inner.nic().is_ok();
-                super::choose_auto(same_host, local_nic, peer_nic)
+                let local_nic = (!same_host || peer_device) && peer_nic && self.inner.nic().is_ok();
+                super::choose_auto_for(same_host, local_nic, peer_nic, peer_device)
             }
             k => k,
         };
@@ -971,6 +976,8 @@ fn stream_loop(
     peer: &ProcIdentity,
 ) -> Result<()> {
     let mut scratch = vec![0u8; 64 << 10];
+    // allocated on the first write into a device region
+    let mut bounce: Vec<u8> = Vec::new();
     let mut hb = [0u8; DATA_HEADER_LEN];
     loop {
         if sess.closed.load(Ordering::SeqCst) {
@@ -984,52 +991,7 @@ fn stream_loop(
                 std::thread::sleep(a.stall);
             }
         }
-        let access = a.registry.acquire(h.region, h.offset, h.len).and_then(|g| {
-            match a.registry.kind(h.region)? {
-                RegionKind::Host => Ok(g),
-                RegionKind::Device { .. } => Err(Error::new(
-                    Status::Unsupported,
-                    format!(
-                        "region {} is device memory; tcp writes host memory only",
-                        h.region
-                    ),
-                )),
-            }
-        });
-        let outcome = match access {
-            Ok(g) => {
-                // SAFETY: the guard proves [addr, addr+len) lies in a registered host region, pinned until g drops.
-                let dst =
-                    unsafe { std::slice::from_raw_parts_mut(g.addr() as *mut u8, h.len as usize) };
-                s.read_exact(dst)?;
-                let sum = if h.flags & wire::DATA_FLAG_CHECKSUM != 0 {
-                    checksum::piece(h.region, h.offset, dst)
-                } else {
-                    0
-                };
-                drop(g);
-                Ok(sum)
-            }
-            Err(e) => {
-                // Nothing is written: drain the payload into scratch to stay in sync.
-                let mut left = h.len;
-                while left > 0 {
-                    let n = left.min(scratch.len() as u64) as usize;
-                    s.read_exact(&mut scratch[..n])?;
-                    left -= n as u64;
-                }
-                Err(Error::new(
-                    e.status(),
-                    format!(
-                        "write of {} bytes to region {} offset {} refused: {}",
-                        h.len,
-                        h.region,
-                        h.offset,
-                        e.detail()
-                    ),
-                ))
-            }
-        };
+        let outcome = receive_piece(&a.registry, s, &h, &mut scratch, &mut bounce)?;
         let mut t = lock(&sess.tcp);
         if t.finished.contains(&h.batch) {
             continue;
@@ -1048,6 +1010,127 @@ fn stream_loop(
         }
         finalize_tcp(a, sess, &mut t, h.batch, peer);
     }
+}
+
+/// Bytes of the host bounce buffer a tcp stream lands device-region payloads
+/// in before its device writer copies them (one per stream, on first use).
+const DEVICE_BOUNCE_BYTES: usize = 4 << 20;
+
+/// Receives the payload of one data piece `h` from `s` into its destination:
+/// straight into a host region, or through `bounce` and the region's
+/// [`DeviceWriter`](crate::memory::DeviceWriter) into a device region (the
+/// piece counts as received only once the writer has every byte in device
+/// memory). The outer error is the socket's (the stream is lost); the inner
+/// one a refused or failed write, whose payload was drained so the stream
+/// stays in sync. `Ok(Ok(sum))` carries the piece checksum (0 unless the
+/// header asks for one), computed on the bytes received.
+fn receive_piece(
+    reg: &Registry,
+    s: &mut impl Read,
+    h: &DataHeader,
+    scratch: &mut [u8],
+    bounce: &mut Vec<u8>,
+) -> Result<Result<u64>> {
+    let want_sum = h.flags & wire::DATA_FLAG_CHECKSUM != 0;
+    let access = reg.acquire(h.region, h.offset, h.len).and_then(|g| {
+        match reg.kind(h.region)? {
+            RegionKind::Host => Ok((g, None)),
+            RegionKind::Device { .. } => match reg.device_writer(h.region) {
+                Some(w) => Ok((g, Some(w))),
+                None => Err(Error::new(
+                    Status::Unsupported,
+                    format!(
+                        "region {} is device memory registered without a device writer; tcp cannot write it",
+                        h.region
+                    ),
+                )),
+            },
+        }
+    });
+    let refused = match access {
+        Ok((g, None)) => {
+            // SAFETY: the guard proves [addr, addr+len) lies in a registered host region, pinned until g drops.
+            let dst =
+                unsafe { std::slice::from_raw_parts_mut(g.addr() as *mut u8, h.len as usize) };
+            s.read_exact(dst)?;
+            let sum = if want_sum {
+                checksum::piece(h.region, h.offset, dst)
+            } else {
+                0
+            };
+            drop(g);
+            return Ok(Ok(sum));
+        }
+        Ok((g, Some(w))) => {
+            if bounce.is_empty() {
+                bounce.resize(DEVICE_BOUNCE_BYTES, 0);
+            }
+            let r = receive_into_device(s, h, g.addr(), &*w, bounce, scratch)?;
+            drop(g);
+            return Ok(r);
+        }
+        Err(e) => e,
+    };
+    // Nothing is written: drain the payload into scratch to stay in sync.
+    drain(s, h.len, scratch)?;
+    Ok(Err(Error::new(
+        refused.status(),
+        format!(
+            "write of {} bytes to region {} offset {} refused: {}",
+            h.len,
+            h.region,
+            h.offset,
+            refused.detail()
+        ),
+    )))
+}
+
+fn drain(s: &mut impl Read, mut left: u64, scratch: &mut [u8]) -> Result<()> {
+    while left > 0 {
+        let n = left.min(scratch.len() as u64) as usize;
+        s.read_exact(&mut scratch[..n])?;
+        left -= n as u64;
+    }
+    Ok(())
+}
+
+/// Lands one piece in device memory at `dst` (bounds-checked and pinned by
+/// the caller): reads it slice by slice into `bounce` and hands each slice to
+/// `w`, which returns once the slice is in device memory. A failed copy
+/// drains the rest of the payload and fails the piece.
+fn receive_into_device(
+    s: &mut impl Read,
+    h: &DataHeader,
+    dst: u64,
+    w: &dyn crate::memory::DeviceWriter,
+    bounce: &mut [u8],
+    scratch: &mut [u8],
+) -> Result<Result<u64>> {
+    let mut hasher = (h.flags & wire::DATA_FLAG_CHECKSUM != 0)
+        .then(|| checksum::PieceHasher::new(h.region, h.offset));
+    let mut done = 0u64;
+    while done < h.len {
+        let n = (h.len - done).min(bounce.len() as u64) as usize;
+        let buf = &mut bounce[..n];
+        s.read_exact(buf)?;
+        if let Some(x) = hasher.as_mut() {
+            x.update(buf);
+        }
+        if let Err(e) = w.write(dst + done, buf) {
+            drain(s, h.len - done - n as u64, scratch)?;
+            return Ok(Err(Error::new(
+                e.status(),
+                format!(
+                    "copying {n} bytes into device region {} at offset {}: {}",
+                    h.region,
+                    h.offset + done,
+                    e.detail()
+                ),
+            )));
+        }
+        done += n as u64;
+    }
+    Ok(Ok(hasher.map_or(0, |x| x.finish())))
 }
 
 #[cfg(test)]
@@ -1328,5 +1411,217 @@ mod tests {
             )
             .unwrap_err();
         assert_eq!(e.status(), Status::PeerUnreachable);
+    }
+
+    /// A host-memory stand-in for a CUDA device writer: "device" addresses
+    /// are host addresses of `[base, base + len)`; counts its copies.
+    struct HostAsDevice {
+        base: u64,
+        len: u64,
+        writes: AtomicU64,
+        largest: AtomicU64,
+        fail_at: Option<u64>,
+    }
+
+    impl HostAsDevice {
+        fn new(buf: &mut [u8], fail_at: Option<u64>) -> Arc<HostAsDevice> {
+            Arc::new(HostAsDevice {
+                base: buf.as_mut_ptr() as u64,
+                len: buf.len() as u64,
+                writes: AtomicU64::new(0),
+                largest: AtomicU64::new(0),
+                fail_at,
+            })
+        }
+    }
+
+    impl crate::memory::DeviceWriter for HostAsDevice {
+        fn write(&self, dst: u64, src: &[u8]) -> Result<()> {
+            let n = self.writes.fetch_add(1, Ordering::SeqCst);
+            if Some(n) == self.fail_at {
+                return Err(Error::new(Status::Cuda, "injected copy failure"));
+            }
+            assert!(
+                dst >= self.base && dst + src.len() as u64 <= self.base + self.len,
+                "write outside the fake device memory"
+            );
+            self.largest.fetch_max(src.len() as u64, Ordering::SeqCst);
+            // SAFETY: checked above to lie inside the live test buffer.
+            unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst as *mut u8, src.len()) };
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn tcp_receiver_lands_device_pieces_through_the_writer_in_slices() {
+        let mut mem = vec![0u8; 4096];
+        let w = HostAsDevice::new(&mut mem, None);
+        let reg = Registry::new();
+        // SAFETY: the writer accepts exactly the buffer's addresses.
+        let d = unsafe { reg.register_device_unchecked(w.base, 4096, 0, Some(w.clone())) }.unwrap();
+        assert!(matches!(d.kind, RegionKind::Device { ordinal: 0 }));
+        let payload: Vec<u8> = (0..1000u32).map(|i| (i * 13 + 1) as u8).collect();
+        let h = DataHeader {
+            flags: wire::DATA_FLAG_CHECKSUM,
+            batch: 1,
+            region: d.id,
+            offset: 100,
+            len: 1000,
+        };
+        let mut scratch = vec![0u8; 100];
+        let mut bounce = vec![0u8; 64];
+        let mut s = std::io::Cursor::new(payload.clone());
+        let sum = receive_piece(&reg, &mut s, &h, &mut scratch, &mut bounce)
+            .unwrap()
+            .unwrap();
+        assert_eq!(sum, checksum::piece(d.id, 100, &payload));
+        assert_eq!(&mem[100..1100], &payload[..]);
+        assert!(mem[..100].iter().chain(&mem[1100..]).all(|&b| b == 0));
+        assert_eq!(w.writes.load(Ordering::SeqCst), 1000u64.div_ceil(64));
+        assert_eq!(w.largest.load(Ordering::SeqCst), 64);
+        assert_eq!(reg.inflight(d.id).unwrap(), 0);
+
+        // Out of bounds: refused, nothing written, the payload drained.
+        let before = mem.clone();
+        let bad = DataHeader {
+            offset: 4000,
+            len: 200,
+            ..h
+        };
+        let mut s = std::io::Cursor::new(vec![0xabu8; 200 + 7]);
+        let e = receive_piece(&reg, &mut s, &bad, &mut scratch, &mut bounce)
+            .unwrap()
+            .unwrap_err();
+        assert_eq!(e.status(), Status::OutOfBounds, "{e}");
+        assert_eq!(s.position(), 200);
+        assert_eq!(mem, before);
+        assert_eq!(w.writes.load(Ordering::SeqCst), 1000u64.div_ceil(64));
+
+        // A failed copy fails the piece and drains the rest of it.
+        let mut mem2 = vec![0u8; 4096];
+        let w2 = HostAsDevice::new(&mut mem2, Some(1));
+        // SAFETY: as above.
+        let d2 =
+            unsafe { reg.register_device_unchecked(w2.base, 4096, 0, Some(w2.clone())) }.unwrap();
+        let mut s = std::io::Cursor::new(payload.clone());
+        let h2 = DataHeader { region: d2.id, ..h };
+        let e = receive_piece(&reg, &mut s, &h2, &mut scratch, &mut bounce)
+            .unwrap()
+            .unwrap_err();
+        assert_eq!(e.status(), Status::Cuda, "{e}");
+        assert_eq!(s.position(), 1000);
+
+        // A device region without a writer: refused as unsupported, drained.
+        let mut mem3 = vec![0u8; 64];
+        // SAFETY: no writer: nothing may write it.
+        let d3 = unsafe { reg.register_device_unchecked(mem3.as_mut_ptr() as u64, 64, 0, None) }
+            .unwrap();
+        let mut s = std::io::Cursor::new(vec![1u8; 8]);
+        let h3 = DataHeader {
+            region: d3.id,
+            offset: 0,
+            len: 8,
+            ..h
+        };
+        let e = receive_piece(&reg, &mut s, &h3, &mut scratch, &mut bounce)
+            .unwrap()
+            .unwrap_err();
+        assert_eq!(e.status(), Status::Unsupported, "{e}");
+        assert!(mem3.iter().all(|&b| b == 0));
+        assert_eq!(s.position(), 8);
+    }
+
+    #[test]
+    fn tcp_into_a_device_region_completes_after_the_copies_and_auto_skips_cma() {
+        let rx = Agent::new(&AgentOptions {
+            listen: Some("127.0.0.1:0".into()),
+            ..Default::default()
+        })
+        .unwrap();
+        let tx = Agent::new(&AgentOptions::default()).unwrap();
+        let mut dev = vec![0u8; 6 << 20];
+        let w = HostAsDevice::new(&mut dev, None);
+        // SAFETY: the writer accepts exactly the buffer's addresses; dev outlives the agents' use.
+        let d = unsafe {
+            rx.registry()
+                .register_device_unchecked(w.base, dev.len(), 0, Some(w.clone()))
+        }
+        .unwrap();
+        let mut src: Vec<u8> = (0..(6u32 << 20)).map(|i| (i * 7 + 3) as u8).collect();
+        // SAFETY: src outlives the agents' use.
+        let s = unsafe { tx.register_host(src.as_mut_ptr(), src.len()) }.unwrap();
+        let addr = rx.local_addr().unwrap().to_string();
+        // Same host, but the peer has device memory: auto picks tcp (or rdma), never cma.
+        let t = tx
+            .connect(
+                &addr,
+                &ConnectOptions {
+                    transport: TransportKind::Auto,
+                    streams: 2,
+                    ..Default::default()
+                },
+            )
+            .unwrap();
+        assert_ne!(t.kind(), TransportKind::Cma);
+        if t.kind() == TransportKind::Tcp {
+            let ops = [
+                WriteOp {
+                    local_region: s.id,
+                    local_offset: 3,
+                    remote_region: d.id,
+                    remote_offset: 10,
+                    len: 5 << 20,
+                },
+                WriteOp {
+                    local_region: s.id,
+                    local_offset: 0,
+                    remote_region: d.id,
+                    remote_offset: (6 << 20) - 1,
+                    len: 1,
+                },
+            ];
+            let opts = BatchOptions {
+                checksum: true,
+                room: 7,
+                ..Default::default()
+            };
+            let id = t.submit(&ops, &opts).unwrap();
+            let c = t.wait(id, Duration::from_secs(20)).unwrap();
+            let inc = rx.next_completion(Duration::from_secs(5)).unwrap();
+            assert_eq!(inc.completion, c);
+            // delivered after every byte went through the writer
+            assert_eq!(&dev[10..10 + (5 << 20)], &src[3..3 + (5 << 20)]);
+            assert_eq!(dev[(6 << 20) - 1], src[0]);
+            assert!(dev[..10].iter().all(|&b| b == 0));
+            assert!(w.writes.load(Ordering::SeqCst) >= 2);
+            assert!(w.largest.load(Ordering::SeqCst) <= DEVICE_BOUNCE_BYTES as u64);
+        }
+        t.close();
+        // Explicit cma into device memory: refused, nothing written.
+        let t = tx
+            .connect(
+                &addr,
+                &ConnectOptions {
+                    transport: TransportKind::Cma,
+                    ..Default::default()
+                },
+            )
+            .unwrap();
+        let before = w.writes.load(Ordering::SeqCst);
+        let op = [WriteOp {
+            local_region: s.id,
+            local_offset: 0,
+            remote_region: d.id,
+            remote_offset: 0,
+            len: 8,
+        }];
+        let e = match t.submit(&op, &BatchOptions::default()) {
+            Err(e) => e,
+            Ok(id) => t.wait(id, Duration::from_secs(10)).unwrap_err(),
+        };
+        assert_eq!(e.status(), Status::Unsupported, "{e}");
+        assert!(dev[..10].iter().all(|&b| b == 0));
+        assert_eq!(w.writes.load(Ordering::SeqCst), before);
+        t.close();
     }
 }

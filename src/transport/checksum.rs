@@ -33,6 +33,75 @@ pub fn piece(region: u64, offset: u64, data: &[u8]) -> u64 {
     mix(h ^ data.len() as u64)
 }
 
+/// [`piece`] computed incrementally: feed the piece's bytes in any split
+/// with [`update`](Self::update); [`finish`](Self::finish) equals `piece`
+/// over their concatenation (for receivers that land a piece in slices).
+#[derive(Debug, Clone)]
+pub struct PieceHasher {
+    h: u64,
+    lanes: [u64; 4],
+    tail: [u8; 32],
+    buffered: usize,
+    len: u64,
+}
+
+impl PieceHasher {
+    /// Starts the hash of the piece written at `offset` of `region`.
+    pub fn new(region: u64, offset: u64) -> PieceHasher {
+        PieceHasher {
+            h: mix(region ^ K).wrapping_add(mix(offset.wrapping_add(K))),
+            lanes: [K, K.rotate_left(17), K.rotate_left(31), K.rotate_left(47)],
+            tail: [0; 32],
+            buffered: 0,
+            len: 0,
+        }
+    }
+
+    fn absorb(lanes: &mut [u64; 4], c: &[u8]) {
+        for (i, lane) in lanes.iter_mut().enumerate() {
+            let w = u64::from_le_bytes(c[i * 8..i * 8 + 8].try_into().unwrap_or([0; 8]));
+            *lane = (*lane ^ w).wrapping_mul(K).rotate_left(29);
+        }
+    }
+
+    /// Adds the next bytes of the piece.
+    pub fn update(&mut self, mut data: &[u8]) {
+        self.len += data.len() as u64;
+        if self.buffered > 0 {
+            let take = (32 - self.buffered).min(data.len());
+            self.tail[self.buffered..self.buffered + take].copy_from_slice(&data[..take]);
+            self.buffered += take;
+            data = &data[take..];
+            if self.buffered < 32 {
+                return;
+            }
+            let tail = self.tail;
+            Self::absorb(&mut self.lanes, &tail);
+            self.buffered = 0;
+        }
+        let mut chunks = data.chunks_exact(32);
+        for c in &mut chunks {
+            Self::absorb(&mut self.lanes, c);
+        }
+        let rest = chunks.remainder();
+        self.tail[..rest.len()].copy_from_slice(rest);
+        self.buffered = rest.len();
+    }
+
+    /// The hash of the whole piece.
+    pub fn finish(&self) -> u64 {
+        let mut lanes = self.lanes;
+        for (i, &b) in self.tail[..self.buffered].iter().enumerate() {
+            lanes[i & 3] = (lanes[i & 3] ^ u64::from(b)).wrapping_mul(K).rotate_left(7);
+        }
+        let mut h = self.h;
+        for l in lanes {
+            h = mix(h ^ l);
+        }
+        mix(h ^ self.len)
+    }
+}
+
 /// Combines piece hashes (order-independent).
 pub fn combine(acc: u64, piece: u64) -> u64 {
     acc.wrapping_add(piece)
@@ -57,5 +126,32 @@ mod tests {
         let s1 = combine(combine(0, piece(1, 0, &a)), piece(1, 100, &b));
         let s2 = combine(combine(0, piece(1, 100, &b)), piece(1, 0, &a));
         assert_eq!(s1, s2);
+    }
+
+    #[test]
+    fn incremental_hash_equals_piece_for_every_split() {
+        let data: Vec<u8> = (0..301u32).map(|i| (i * 37 % 251) as u8).collect();
+        for len in [0usize, 1, 31, 32, 33, 64, 100, 301] {
+            let d = &data[..len];
+            let want = piece(9, 4096, d);
+            for step in [1usize, 3, 7, 31, 32, 33, 50, 300] {
+                let mut h = PieceHasher::new(9, 4096);
+                for c in d.chunks(step) {
+                    h.update(c);
+                }
+                assert_eq!(h.finish(), want, "len {len} step {step}");
+            }
+            // uneven splits: a short slice, then the rest
+            for cut in [0usize, 5, 32, 40] {
+                let cut = cut.min(len);
+                let mut h = PieceHasher::new(9, 4096);
+                h.update(&d[..cut]);
+                h.update(&d[cut..]);
+                assert_eq!(h.finish(), want, "len {len} cut {cut}");
+            }
+        }
+        let mut h = PieceHasher::new(9, 4096);
+        h.update(&data[..10]);
+        assert_ne!(h.finish(), piece(9, 4096, &data[..11]));
     }
 }

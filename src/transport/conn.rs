@@ -144,6 +144,29 @@ impl Conn {
     }
 }
 
+impl Conn {
+    /// [`validate`](Self::validate) for a transport whose receiver lands the
+    /// bytes itself (tcp): destinations may be device regions of the peer
+    /// (its receiver copies them in with the region's device writer, or
+    /// refuses the write); sources must still be host memory.
+    pub fn validate_any_destination(
+        &self,
+        ops: &[WriteOp],
+    ) -> Result<(Vec<Piece>, Arc<Vec<AccessGuard>>, u64)> {
+        if let Some(e) = self.table.dead() {
+            return Err(e);
+        }
+        let remote = |id| {
+            self.regions.get(&id).cloned().map(|mut d: RegionDesc| {
+                // only its bounds matter here: the receiver checks the kind
+                d.kind = RegionKind::Host;
+                d
+            })
+        };
+        validate_ops(&self.registry, remote, ops)
+    }
+}
+
 /// Shared by every transport: checks ops, pins the local sources, returns pieces.
 pub(crate) fn validate_ops(
     registry: &Registry,

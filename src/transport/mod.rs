@@ -12,8 +12,10 @@
 //! [`rdma`] (one-sided RDMA WRITE/READ on RC queue pairs, sliced across the
 //! NICs; [`rdma::link::RdmaLink`]). [`Agent::connect`] chooses one
 //! automatically with [`choose_auto`]: cma when the peer is on this host and
-//! proves it, else rdma when both sides have a usable NIC, else tcp; or it
-//! takes an explicit [`TransportKind`]. `nccl` is a probe so far.
+//! proves it, else rdma when both sides have a usable NIC, else tcp; a peer
+//! with device-memory regions never gets cma ([`choose_auto_for`]); or it
+//! takes an explicit [`TransportKind`] (an explicit cma write into a device
+//! region is refused with `unsupported`). `nccl` is a probe so far.
 
 mod agent;
 mod batch;
@@ -169,7 +171,8 @@ pub enum BatchStatus {
 pub enum TransportKind {
     /// Choose ([`choose_auto`]): cma when the peer is on this host and proves
     /// it (pidfd, start time, a nonce read from its memory), else rdma when
-    /// both sides have a usable RDMA NIC, else tcp. When rdma is chosen but
+    /// both sides have a usable RDMA NIC, else tcp; never cma when the peer
+    /// registered device memory ([`choose_auto_for`]). When rdma is chosen but
     /// its handshake fails (NICs that cannot negotiate), tcp is used and the
     /// reason logged.
     Auto,
@@ -224,6 +227,24 @@ pub fn choose_auto(same_host: bool, local_nic: bool, peer_nic: bool) -> Transpor
         TransportKind::Rdma
     } else {
         TransportKind::Tcp
+    }
+}
+
+/// [`choose_auto`] for a peer whose registered regions include device
+/// memory (`peer_device`): cma writes with `process_vm_writev`, which cannot
+/// reach CUDA device memory, so such a peer gets rdma when both sides have a
+/// usable NIC (GPUDirect) and tcp otherwise (its receiver copies into device
+/// memory), even on the same host.
+pub fn choose_auto_for(
+    same_host: bool,
+    local_nic: bool,
+    peer_nic: bool,
+    peer_device: bool,
+) -> TransportKind {
+    if peer_device {
+        choose_auto(false, local_nic, peer_nic)
+    } else {
+        choose_auto(same_host, local_nic, peer_nic)
     }
 }
 
@@ -307,5 +328,17 @@ mod tests {
         assert_eq!(choose_auto(false, true, false), Tcp);
         assert_eq!(choose_auto(false, false, true), Tcp);
         assert_eq!(choose_auto(false, false, false), Tcp);
+    }
+
+    #[test]
+    fn auto_choice_never_picks_cma_for_a_peer_with_device_regions() {
+        use TransportKind::*;
+        for same in [false, true] {
+            assert_eq!(choose_auto_for(same, true, true, true), Rdma);
+            assert_eq!(choose_auto_for(same, false, true, true), Tcp);
+            assert_eq!(choose_auto_for(same, true, false, true), Tcp);
+        }
+        assert_eq!(choose_auto_for(true, false, false, false), Cma);
+        assert_eq!(choose_auto_for(false, true, true, false), Rdma);
     }
 }

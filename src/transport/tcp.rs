@@ -208,7 +208,8 @@ impl Transport for TcpTransport {
     }
 
     fn submit(&self, ops: &[WriteOp], opts: &BatchOptions) -> Result<BatchId> {
-        let (pieces, guards, bytes) = self.conn.validate(ops)?;
+        // device destinations are landed by the receiver's device writer
+        let (pieces, guards, bytes) = self.conn.validate_any_destination(ops)?;
         let parts = assign(pieces, self.streams.len());
         // The checksum is over the pieces as sent (the receiver sums the same pieces).
         let checksum = opts.checksum.then(|| {
