@@ -2,7 +2,11 @@
 // pdxfer's relayout makes, implemented on the CPU, with kernel launches run by
 // the host harness (the very same cuda/relayout.cu source). "Device" memory
 // is host memory and every operation completes before it returns, so events
-// are always complete. tests/fake_driver.rs builds it with g++ as
+// are always complete, except one: a host-to-device copy on a stream is
+// deferred (its host bytes taken at the call, as the driver stages pageable
+// memory) until that stream is synchronised or given later work or an event,
+// the context is synchronised, or memory is freed; so a caller that reports
+// bytes as landed without waiting for its copy is caught. tests/fake_driver.rs builds it with g++ as
 // libcuda.so and runs the device code path (GpuRelayout, the self-check and
 // the benchmark loop) in a child process whose LD_LIBRARY_PATH finds it.
 //
@@ -21,6 +25,8 @@
 #include <cstring>
 #include <map>
 #include <mutex>
+#include <utility>
+#include <vector>
 
 typedef int CUresult;
 typedef int CUdevice;
@@ -55,6 +61,9 @@ static std::map<CUdeviceptr, size_t> g_host_allocs;  // pinned host base -> size
 static bool g_inited = false;
 static unsigned long long g_pinned_dtoh = 0;  // async DtoH copies into pinned memory
 static unsigned long long g_launches = 0;     // kernel launches
+static unsigned long long g_htod_landed = 0;  // stream-ordered HtoD copies applied
+// Stream -> HtoD copies not yet applied (destination, staged host bytes).
+static std::map<void*, std::vector<std::pair<CUdeviceptr, std::vector<unsigned char>>>> g_pending;
 
 static double now_ms() {
     using namespace std::chrono;
@@ -80,6 +89,23 @@ static bool find_alloc(const std::map<CUdeviceptr, size_t>& m, CUdeviceptr p, CU
     *base = it->first;
     *size = it->second;
     return true;
+}
+
+// Applies the deferred host-to-device copies of stream `s` (every stream when
+// `all`), in order.
+static void flush(CUstream s, bool all = false) {
+    std::lock_guard<std::mutex> l(g_mu);
+    for (auto it = g_pending.begin(); it != g_pending.end();) {
+        if (!all && it->first != s) {
+            ++it;
+            continue;
+        }
+        for (auto& c : it->second) {
+            memcpy((void*)c.first, c.second.data(), c.second.size());
+            ++g_htod_landed;
+        }
+        it = g_pending.erase(it);
+    }
 }
 
 static bool stream_ok(CUstream s) {
@@ -135,7 +161,10 @@ CUresult cuCtxSetCurrent(CUcontext c) {
     g_current = c;
     return OK;
 }
-CUresult cuCtxSynchronize() { return OK; }
+CUresult cuCtxSynchronize() {
+    flush(nullptr, true);
+    return OK;
+}
 
 CUresult cuStreamCreate(CUstream* s, unsigned int) {
     std::lock_guard<std::mutex> l(g_mu);
@@ -144,14 +173,21 @@ CUresult cuStreamCreate(CUstream* s, unsigned int) {
     return OK;
 }
 CUresult cuStreamDestroy_v2(CUstream s) {
+    flush(s);
     std::lock_guard<std::mutex> l(g_mu);
     if (!g_streams.erase(s)) return ERR_INVALID_HANDLE;
     free(s);
     return OK;
 }
-CUresult cuStreamSynchronize(CUstream s) { return stream_ok(s) ? OK : ERR_INVALID_HANDLE; }
+CUresult cuStreamSynchronize(CUstream s) {
+    if (!stream_ok(s)) return ERR_INVALID_HANDLE;
+    flush(s);
+    return OK;
+}
 CUresult cuStreamWaitEvent(CUstream s, CUevent, unsigned int) {
-    return stream_ok(s) ? OK : ERR_INVALID_HANDLE;
+    if (!stream_ok(s)) return ERR_INVALID_HANDLE;
+    flush(s);
+    return OK;
 }
 
 CUresult cuMemAlloc_v2(CUdeviceptr* p, size_t n) {
@@ -164,6 +200,7 @@ CUresult cuMemAlloc_v2(CUdeviceptr* p, size_t n) {
     return OK;
 }
 CUresult cuMemFree_v2(CUdeviceptr p) {
+    flush(nullptr, true);  // the driver synchronises before freeing
     std::lock_guard<std::mutex> l(g_mu);
     if (!g_allocs.erase(p)) return ERR_INVALID_VALUE;
     free((void*)p);
@@ -204,7 +241,13 @@ CUresult cuPointerGetAttribute(void* data, int attr, CUdeviceptr p) {
 }
 CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr d, const void* h, size_t n, CUstream s) {
     if (!stream_ok(s) || !owned(d, n)) return ERR_INVALID_VALUE;
-    memcpy((void*)d, h, n);
+    if (s == nullptr) {
+        memcpy((void*)d, h, n);
+        return OK;
+    }
+    const unsigned char* b = (const unsigned char*)h;
+    std::lock_guard<std::mutex> l(g_mu);
+    g_pending[s].emplace_back(d, std::vector<unsigned char>(b, b + n));
     return OK;
 }
 CUresult cuMemcpyHtoD_v2(CUdeviceptr d, const void* h, size_t n) {
@@ -212,6 +255,7 @@ CUresult cuMemcpyHtoD_v2(CUdeviceptr d, const void* h, size_t n) {
 }
 CUresult cuMemcpyDtoHAsync_v2(void* h, CUdeviceptr d, size_t n, CUstream s) {
     if (!stream_ok(s) || !owned(d, n)) return ERR_INVALID_VALUE;
+    if (s != nullptr) flush(s);
     {
         std::lock_guard<std::mutex> l(g_mu);
         CUdeviceptr base;
@@ -229,11 +273,13 @@ CUresult cuMemcpyDtoH_v2(void* h, CUdeviceptr d, size_t n) {
 }
 CUresult cuMemcpyDtoDAsync_v2(CUdeviceptr d, CUdeviceptr s, size_t n, CUstream st) {
     if (!stream_ok(st) || !owned(d, n) || !owned(s, n)) return ERR_INVALID_VALUE;
+    if (st != nullptr) flush(st);
     memmove((void*)d, (const void*)s, n);
     return OK;
 }
 CUresult cuMemsetD8Async(CUdeviceptr d, unsigned char v, size_t n, CUstream s) {
     if (!stream_ok(s) || !owned(d, n)) return ERR_INVALID_VALUE;
+    if (s != nullptr) flush(s);
     memset((void*)d, v, n);
     return OK;
 }
@@ -252,6 +298,7 @@ CUresult cuEventDestroy_v2(CUevent e) {
 }
 CUresult cuEventRecord(CUevent e, CUstream s) {
     if (!stream_ok(s)) return ERR_INVALID_HANDLE;
+    flush(s);
     std::lock_guard<std::mutex> l(g_mu);
     auto it = g_events.find(e);
     if (it == g_events.end()) return ERR_INVALID_HANDLE;
@@ -294,6 +341,7 @@ CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigned gz, uns
                         unsigned by, unsigned bz, unsigned shmem, CUstream s, void** params,
                         void** extra) {
     if (!stream_ok(s) || extra != nullptr || params == nullptr) return ERR_INVALID_VALUE;
+    flush(s);
     if (bx * by * bz > PDX_THREADS_PER_BLOCK || shmem != 0) return ERR_LAUNCH_FAILED;
     void (*k)(const PdxCopyEntry*, pdx_u32, const PdxSpan*, pdx_u64);
     if (f == &g_gather_token)
@@ -330,6 +378,13 @@ CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigned gz, uns
 unsigned long long pdx_fake_pinned_dtoh_copies() {
     std::lock_guard<std::mutex> l(g_mu);
     return g_pinned_dtoh;
+}
+
+// Not a driver call: stream-ordered host-to-device copies applied so far
+// (tests check that received bytes went through waited-on device copies).
+unsigned long long pdx_fake_htod_copies() {
+    std::lock_guard<std::mutex> l(g_mu);
+    return g_htod_landed;
 }
 
 // Not a driver call: kernel launches so far (tests check what was enqueued when).

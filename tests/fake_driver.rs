@@ -164,6 +164,8 @@ fn child_device_path_on_fake_driver() {
         Status::OutOfBounds
     );
     g.upload(&b, 8, &[7u8; 8]).unwrap();
+    // the upload is ordered on the relayout stream; read() is not: wait first
+    g.record(false).unwrap().wait().unwrap();
     b.read(8, &mut out).unwrap();
     assert_eq!(out, [7u8; 8]);
     // SAFETY: the fake driver checks the ranges and refuses this one (not its memory).

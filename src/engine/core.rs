@@ -75,11 +75,15 @@ pub struct EngineConfig {
     /// KV pools, one per topology entry, same order.
     pub pools: Vec<KvPool>,
     /// Where the KV pools live: `None` host memory; `Some(n)` device memory
-    /// of CUDA device `n` (prefill only: gathered on the GPU into staging
-    /// buffers of `staging_bytes` per worker, on the device and pinned on the
-    /// host, then sent over cma/tcp). Aux and state buffers stay host memory.
-    /// A decode with device pools is refused (`Unsupported`); without a CUDA
-    /// driver creation fails with `NoCudaDriver`. A chunk's rows must be
+    /// of CUDA device `n`. Prefill: gathered on the GPU into staging buffers
+    /// of `staging_bytes` per worker, on the device and pinned on the host,
+    /// then sent over cma/tcp. Decode: registered as device regions; over tcp
+    /// the receiver copies each piece into them (host-to-device, waited on
+    /// before the piece counts), over rdma the NIC writes them (GPUDirect);
+    /// a decode with device pools and `transport` cma is refused
+    /// (`Unsupported`), and `auto` never picks cma for it. Aux and state
+    /// buffers stay host memory. Without a CUDA driver creation fails with
+    /// `NoCudaDriver` (without the `cuda` feature, `Unsupported`). A chunk's rows must be
     /// complete on the device when `send` queues it (the gather runs on the
     /// engine's own stream, unordered with the model's).
     pub pool_device: Option<u32>,
@@ -327,13 +331,26 @@ impl Engine {
             }
             None => Vec::new(),
         };
+        // decode device pools: the tcp receiver copies into them through this writer
+        let decode_writer = match (cfg.role, cfg.pool_device) {
+            (Role::Decode, Some(ordinal)) => {
+                Some(super::device::decode_writer(ordinal, &pool_spans)?)
+            }
+            _ => None,
+        };
         let mut pool_regions = Vec::new();
         for &(base, len) in &pool_spans {
-            pool_regions.push(match cfg.pool_device {
+            pool_regions.push(match (cfg.pool_device, &decode_writer) {
                 // SAFETY: the caller guarantees the pool memory is valid for the engine's life (function contract).
-                Some(ordinal) => unsafe { reg.register_device(base, len as usize, ordinal)? },
+                (Some(ordinal), Some(w)) => unsafe {
+                    reg.register_device_with(base, len as usize, ordinal, w.clone())?
+                },
                 // SAFETY: as above.
-                None => unsafe { reg.register_host(base as *mut u8, len as usize)? },
+                (Some(ordinal), None) => unsafe {
+                    reg.register_device(base, len as usize, ordinal)?
+                },
+                // SAFETY: as above.
+                (None, _) => unsafe { reg.register_host(base as *mut u8, len as usize)? },
             });
         }
         let mut aux_regions = Vec::new();
@@ -1207,6 +1224,22 @@ fn prefill_conn(w: std::sync::Weak<Inner>, s: TcpStream) {
             return;
         }
     };
+    if data.kind() == TransportKind::Cma
+        && data
+            .remote_regions()
+            .iter()
+            .any(|r| matches!(r.kind, crate::memory::RegionKind::Device { .. }))
+    {
+        data.close();
+        let _ = writer.send(&refusal(&Error::new(
+            Status::Unsupported,
+            format!(
+                "decode {} has KV pools in CUDA device memory, which cma (process_vm_writev) cannot write; use tcp, rdma or auto on the prefill",
+                hello.instance_id
+            ),
+        )));
+        return;
+    }
     let link = Arc::new(DecodeLink {
         hello,
         regions,

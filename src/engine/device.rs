@@ -15,8 +15,14 @@
 //! (`gather_to_host` without a host buffer). cma and tcp cannot, so they
 //! always go through the pinned host buffer.
 //!
-//! Decode: over cma/tcp the peer writes the pools with the CPU, so decode
-//! pools must be host memory; device pools there are refused at creation.
+//! Decode: the pools are registered as device regions. Over tcp the
+//! receiver reads each piece into a bounded host bounce buffer and copies it
+//! into the pools with a [`HostToDevice`](crate::relayout::gpu) writer (an
+//! asynchronous host-to-device copy waited on before the piece counts), so a
+//! completion is delivered only once every byte is in device memory. Over
+//! rdma the NIC writes the pools itself (GPUDirect RDMA, where the NIC can).
+//! cma cannot reach device memory: an explicit cma decode is refused at
+//! creation, and `auto` never picks cma for a peer with device regions.
 
 use crate::bootstrap::schema::Role;
 use crate::error::{Error, Result, Status};
@@ -29,23 +35,22 @@ use super::core::EngineConfig;
 /// Checks a device-pool configuration before anything is opened: role,
 /// staging size, build, and the driver (typed `no_cuda_driver` without one).
 pub(super) fn preflight(cfg: &EngineConfig, ordinal: u32) -> Result<()> {
-    if cfg.role == Role::Decode {
+    if cfg.role == Role::Decode && cfg.transport == TransportKind::Cma {
         return Err(Error::new(
             Status::Unsupported,
             format!(
-                "decode KV pools in CUDA device memory (device {ordinal}) cannot be written over {}: cma and tcp write the pools with the CPU. Use host-memory pools on the decode (the prefill's pools may stay on the GPU); device-memory decode pools need GPUDirect RDMA or NCCL, which the engine does not carry yet",
-                cfg.transport.name()
+                "decode KV pools in CUDA device memory (device {ordinal}) cannot be written over cma: process_vm_writev reaches host memory only. Use tcp (the receiver copies into the pools), rdma (GPUDirect) or auto (which never picks cma for a decode with device pools), or host-memory pools"
             ),
         ));
     }
     if cfg.transport == TransportKind::Local {
         return Err(Error::new(
             Status::Unsupported,
-            "device-memory pools need the cma or tcp transport (the local transport has no staging)",
+            "device-memory pools need the cma, tcp or rdma transport (the local transport has no staging)",
         ));
     }
     let token_bytes: u64 = cfg.topology.entries.iter().map(|e| e.row_bytes).sum();
-    if cfg.staging_bytes / 2 < token_bytes.max(1) {
+    if cfg.role == Role::Prefill && cfg.staging_bytes / 2 < token_bytes.max(1) {
         return Err(Error::invalid(format!(
             "device-memory pools are sent through staging buffers: staging_bytes={} must hold at least two tokens ({} B each); the default is 64 MiB",
             cfg.staging_bytes, token_bytes
@@ -58,6 +63,34 @@ pub(super) fn preflight(cfg: &EngineConfig, ordinal: u32) -> Result<()> {
         ));
     }
     crate::relayout::gpu::probe().map(|_| ())
+}
+
+/// Decode: checks every pool `(base, len)` against the driver (device memory
+/// of `ordinal`, inside one allocation) and returns the host-to-device copier
+/// the tcp receiver lands the pools' bytes through.
+#[cfg(feature = "cuda")]
+pub(super) fn decode_writer(
+    ordinal: u32,
+    pools: &[(u64, u64)],
+) -> Result<std::sync::Arc<dyn crate::memory::DeviceWriter>> {
+    let w = crate::relayout::gpu::HostToDevice::new(ordinal as usize)?;
+    for (i, &(base, len)) in pools.iter().enumerate() {
+        w.check_device_range(base, len)
+            .map_err(|e| Error::new(e.status(), format!("KV pool {i}: {}", e.detail())))?;
+    }
+    Ok(std::sync::Arc::new(w))
+}
+
+/// Without the `cuda` feature there are no device pools.
+#[cfg(not(feature = "cuda"))]
+pub(super) fn decode_writer(
+    _ordinal: u32,
+    _pools: &[(u64, u64)],
+) -> Result<std::sync::Arc<dyn crate::memory::DeviceWriter>> {
+    Err(Error::new(
+        Status::Unsupported,
+        "device-memory pools need pdxfer built with the `cuda` feature",
+    ))
 }
 
 /// One slice of a staged device gather, ready in the host staging buffer.

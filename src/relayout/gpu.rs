@@ -31,8 +31,8 @@ pub mod check;
 mod device;
 #[cfg(feature = "cuda")]
 pub use device::{
-    DeviceBuffer, GatherSlice, GpuEvent, GpuRelayout, HostSlice, KernelOrigin, PinnedBuffer,
-    PreparedCopy,
+    DeviceBuffer, GatherSlice, GpuEvent, GpuRelayout, HostSlice, HostToDevice, KernelOrigin,
+    PinnedBuffer, PreparedCopy,
 };
 
 /// What this process can see of CUDA.

@@ -678,6 +678,136 @@ impl GpuRelayout {
     }
 }
 
+/// [`GpuRelayout::check_device_range`] in context `ctx`.
+fn check_device_range_in(ctx: &Arc<CudaContext>, ptr: u64, len: u64) -> Result<()> {
+    use sys::CUpointer_attribute as A;
+    guard("cuCtxSetCurrent", || ctx.bind_to_thread())?;
+    let what = format!("cuPointerGetAttribute(0x{ptr:x})");
+    let attr = |a: A, out: *mut std::ffi::c_void| {
+        // SAFETY: `out` points at a local of the attribute's size (below).
+        guard(&what, || unsafe {
+            sys::cuPointerGetAttribute(out, a, ptr).result()
+        })
+    };
+    let mut mem_type: u32 = 0;
+    if let Err(e) = attr(
+        A::CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
+        &mut mem_type as *mut u32 as *mut _,
+    ) {
+        if e.status() == Status::NoCudaDriver {
+            return Err(e);
+        }
+        return Err(Error::invalid(format!(
+            "0x{ptr:x} is not a CUDA allocation ({})",
+            e.detail()
+        )));
+    }
+    if mem_type != sys::CUmemorytype::CU_MEMORYTYPE_DEVICE as u32 {
+        return Err(Error::invalid(format!(
+            "0x{ptr:x} is not device memory (CUmemorytype {mem_type}; 1 is host memory)"
+        )));
+    }
+    let mut dev: i32 = -1;
+    attr(
+        A::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+        &mut dev as *mut i32 as *mut _,
+    )?;
+    if dev != ctx.ordinal() as i32 {
+        return Err(Error::invalid(format!(
+            "0x{ptr:x} lives on CUDA device {dev}, not on device {}",
+            ctx.ordinal()
+        )));
+    }
+    let mut start: u64 = 0;
+    let mut size: usize = 0;
+    attr(
+        A::CU_POINTER_ATTRIBUTE_RANGE_START_ADDR,
+        &mut start as *mut u64 as *mut _,
+    )?;
+    attr(
+        A::CU_POINTER_ATTRIBUTE_RANGE_SIZE,
+        &mut size as *mut usize as *mut _,
+    )?;
+    let alloc_end = start.saturating_add(size as u64);
+    if ptr.checked_add(len).is_none_or(|end| end > alloc_end) {
+        return Err(Error::new(
+            Status::OutOfBounds,
+            format!("device range 0x{ptr:x}+{len} runs past its allocation 0x{start:x}+{size}"),
+        ));
+    }
+    Ok(())
+}
+
+/// Copies host bytes into device memory of one device, for receivers that
+/// land bytes on the host first (the tcp receiver of a decode whose KV pools
+/// are device memory): each [`write`](crate::memory::DeviceWriter::write) is
+/// an asynchronous host-to-device copy on a stream of its own (a small pool,
+/// one per concurrent caller) followed by a wait on that stream, so it
+/// returns only once the bytes are in device memory. Needs no kernels.
+pub struct HostToDevice {
+    ctx: Arc<CudaContext>,
+    streams: Mutex<Vec<Arc<CudaStream>>>,
+}
+
+impl HostToDevice {
+    /// Opens device `ordinal` (its primary context).
+    pub fn new(ordinal: usize) -> Result<HostToDevice> {
+        driver_present()?;
+        let ctx = guard("cuDevicePrimaryCtxRetain", || CudaContext::new(ordinal))?;
+        // SAFETY: every copy is waited on through its own stream; cudarc's
+        // per-buffer event tracking is not used.
+        unsafe { ctx.disable_event_tracking() };
+        Ok(HostToDevice {
+            ctx,
+            streams: Mutex::new(Vec::new()),
+        })
+    }
+
+    /// Device ordinal.
+    pub fn ordinal(&self) -> usize {
+        self.ctx.ordinal()
+    }
+
+    /// Checks that `[ptr, ptr + len)` is device memory of this device inside
+    /// one allocation (as [`GpuRelayout::check_device_range`]).
+    pub fn check_device_range(&self, ptr: u64, len: u64) -> Result<()> {
+        check_device_range_in(&self.ctx, ptr, len)
+    }
+}
+
+impl std::fmt::Debug for HostToDevice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "HostToDevice(device {})", self.ctx.ordinal())
+    }
+}
+
+impl crate::memory::DeviceWriter for HostToDevice {
+    fn write(&self, dst: u64, src: &[u8]) -> Result<()> {
+        let pooled = self
+            .streams
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .pop();
+        let stream = match pooled {
+            Some(s) => s,
+            None => guard("cuStreamCreate", || self.ctx.new_stream())?,
+        };
+        guard("cuMemcpyHtoDAsync + cuStreamSynchronize", || {
+            self.ctx.bind_to_thread()?;
+            // SAFETY: the caller checked [dst, dst + len) against a registered
+            // device region of this device; the stream is synchronised before
+            // `src` is released.
+            unsafe { result::memcpy_htod_async(dst, src, stream.cu_stream()) }?;
+            stream.synchronize()
+        })?;
+        self.streams
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(stream);
+        Ok(())
+    }
+}
+
 impl GpuRelayout {
     /// Allocates `len` bytes of page-locked host memory (`cuMemHostAlloc`).
     pub fn alloc_pinned(&self, len: usize) -> Result<PinnedBuffer> {
@@ -699,62 +829,7 @@ impl GpuRelayout {
     /// or another device is `InvalidArgument`, a range running past its
     /// allocation `OutOfBounds`.
     pub fn check_device_range(&self, ptr: u64, len: u64) -> Result<()> {
-        use sys::CUpointer_attribute as A;
-        self.bind()?;
-        let what = format!("cuPointerGetAttribute(0x{ptr:x})");
-        let attr = |a: A, out: *mut std::ffi::c_void| {
-            // SAFETY: `out` points at a local of the attribute's size (below).
-            guard(&what, || unsafe {
-                sys::cuPointerGetAttribute(out, a, ptr).result()
-            })
-        };
-        let mut mem_type: u32 = 0;
-        if let Err(e) = attr(
-            A::CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
-            &mut mem_type as *mut u32 as *mut _,
-        ) {
-            if e.status() == Status::NoCudaDriver {
-                return Err(e);
-            }
-            return Err(Error::invalid(format!(
-                "0x{ptr:x} is not a CUDA allocation ({})",
-                e.detail()
-            )));
-        }
-        if mem_type != sys::CUmemorytype::CU_MEMORYTYPE_DEVICE as u32 {
-            return Err(Error::invalid(format!(
-                "0x{ptr:x} is not device memory (CUmemorytype {mem_type}; 1 is host memory)"
-            )));
-        }
-        let mut dev: i32 = -1;
-        attr(
-            A::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
-            &mut dev as *mut i32 as *mut _,
-        )?;
-        if dev != self.ctx.ordinal() as i32 {
-            return Err(Error::invalid(format!(
-                "0x{ptr:x} lives on CUDA device {dev}, not on device {}",
-                self.ctx.ordinal()
-            )));
-        }
-        let mut start: u64 = 0;
-        let mut size: usize = 0;
-        attr(
-            A::CU_POINTER_ATTRIBUTE_RANGE_START_ADDR,
-            &mut start as *mut u64 as *mut _,
-        )?;
-        attr(
-            A::CU_POINTER_ATTRIBUTE_RANGE_SIZE,
-            &mut size as *mut usize as *mut _,
-        )?;
-        let alloc_end = start.saturating_add(size as u64);
-        if ptr.checked_add(len).is_none_or(|end| end > alloc_end) {
-            return Err(Error::new(
-                Status::OutOfBounds,
-                format!("device range 0x{ptr:x}+{len} runs past its allocation 0x{start:x}+{size}"),
-            ));
-        }
-        Ok(())
+        check_device_range_in(&self.ctx, ptr, len)
     }
 
     /// Enqueues a device-to-host copy of `len` bytes and returns its event.
