@@ -67,10 +67,22 @@ fn device_path_runs_on_fake_driver() {
             .expect("spawn the child test")
     };
     let engine_child = spawn("child_engine_device_pools_on_fake_driver");
+    let decode_child = spawn("child_engine_decode_device_pools_on_fake_driver");
     let out = spawn("child_device_path_on_fake_driver")
         .wait_with_output()
         .unwrap();
     let engine_out = engine_child.wait_with_output().unwrap();
+    let decode_out = decode_child.wait_with_output().unwrap();
+    let decode_text = String::from_utf8_lossy(&decode_out.stdout).into_owned()
+        + &String::from_utf8_lossy(&decode_out.stderr);
+    assert!(
+        decode_out.status.success(),
+        "decode device-pool child failed:\n{decode_text}"
+    );
+    assert!(
+        decode_text.contains("fake-driver decode child: all checks passed"),
+        "decode device-pool child did not run:\n{decode_text}"
+    );
     let engine_text = String::from_utf8_lossy(&engine_out.stdout).into_owned()
         + &String::from_utf8_lossy(&engine_out.stderr);
     assert!(
@@ -356,6 +368,10 @@ fn fake_pinned_copies() -> u64 {
     fake_counter(c"pdx_fake_pinned_dtoh_copies")
 }
 
+fn fake_htod_copies() -> u64 {
+    fake_counter(c"pdx_fake_htod_copies")
+}
+
 /// `GpuRelayout::gather_to_host` on its own: slice `i+1` is gathered and
 /// copied before slice `i` is handed to the sender (the overlap), the host
 /// halves hold the CPU gather of each slice, and an error from the sender
@@ -630,10 +646,203 @@ fn child_engine_device_pools_on_fake_driver() {
     let e = create(prefill_cfg("bad", &host, token));
     assert_eq!(e.status(), Status::InvalidArgument, "{e}");
     assert!(e.detail().contains("staging_bytes"), "{e}");
+    // A decode with device pools over cma: refused with the reason.
     let mut cfg = prefill_cfg("bad", &host, 1 << 16);
     cfg.role = Role::Decode;
     let e = create(cfg);
     assert_eq!(e.status(), Status::Unsupported, "{e}");
-    assert!(e.detail().contains("host-memory pools"), "{e}");
+    assert!(e.detail().contains("process_vm_writev"), "{e}");
+    // ... and with a pool that is not device memory.
+    let mut cfg = prefill_cfg("bad", &host, 1 << 16);
+    cfg.role = Role::Decode;
+    cfg.transport = TransportKind::Tcp;
+    cfg.pools[0].base = host.kv_pools()[0].base;
+    let e = create(cfg);
+    assert_eq!(e.status(), Status::InvalidArgument, "{e}");
+    assert!(e.detail().contains("KV pool 0"), "{e}");
     println!("fake-driver engine child: all checks passed");
+}
+
+/// Decode engines whose KV pools are (fake) device memory, DCP 1 -> 2 over
+/// tcp: first from a prefill with host pools (explicit tcp), then from a
+/// prefill with device pools (both sides `auto`, which must not pick cma).
+/// The decode's tcp receiver lands each piece through the host-to-device
+/// writer; the fake defers stream copies until they are waited on, so the
+/// bytes read back from device memory after the completion (every KV byte
+/// and the aux rows) prove the completion came after the copies.
+#[test]
+#[ignore = "run by device_path_runs_on_fake_driver in a child process with the fake libcuda"]
+fn child_engine_decode_device_pools_on_fake_driver() {
+    use pdxfer::bootstrap::schema::Role;
+    use pdxfer::bootstrap::server::{BootstrapServer, ServerConfig};
+    use pdxfer::engine::synthetic::SyntheticPools;
+    use pdxfer::engine::{Engine, EngineConfig, KvPoll, KvPool};
+    use pdxfer::layout::{DcpLayout, Side};
+    use pdxfer::relayout::gpu::{DeviceBuffer, GpuRelayout};
+    use pdxfer::transport::TransportKind;
+    use std::time::Duration;
+
+    assert!(
+        std::env::var_os("PDXFER_FAKE_CUDA_CHILD").is_some(),
+        "this test only runs as the child of device_path_runs_on_fake_driver"
+    );
+    const LAYERS: u32 = 3;
+    const ROW: u64 = 96;
+    const P: u64 = 16;
+    const PAGES: u64 = 48;
+    const DPAGES: u64 = 24;
+    let dcp = 2u32;
+    let token = LAYERS as u64 * ROW;
+    let server = BootstrapServer::start(ServerConfig::default()).unwrap();
+    let url = server.url();
+    let g = GpuRelayout::new(0).unwrap();
+    let on_device = |pools: &SyntheticPools| -> (Vec<DeviceBuffer>, Vec<KvPool>) {
+        let bufs: Vec<DeviceBuffer> = (0..LAYERS as usize)
+            .map(|l| g.alloc(pools.layer_bytes(l).len()).unwrap())
+            .collect();
+        let kv = pools
+            .kv_pools()
+            .into_iter()
+            .zip(&bufs)
+            .map(|(p, d)| KvPool { base: d.ptr(), ..p })
+            .collect();
+        (bufs, kv)
+    };
+
+    for (case, prefill_device, transport) in [
+        ("host-to-device", false, TransportKind::Tcp),
+        ("device-to-device", true, TransportKind::Auto),
+    ] {
+        let name = format!("fake-decode-dev-{case}");
+        let mut host = SyntheticPools::new(LAYERS, ROW, P, PAGES, 8, 32).unwrap();
+        let (src_dev, src_dev_pools) = on_device(&host);
+        let mut cfg = EngineConfig::new(
+            Role::Prefill,
+            &name,
+            &url,
+            host.topology(1, 0),
+            if prefill_device {
+                src_dev_pools
+            } else {
+                host.kv_pools()
+            },
+        );
+        if prefill_device {
+            cfg.pool_device = Some(0);
+            cfg.staging_bytes = 2 * 7 * token;
+        }
+        cfg.aux = host.aux_buffers();
+        cfg.transport = transport;
+        cfg.room_timeout = Duration::from_secs(20);
+        // SAFETY: the pools (host or device) and aux outlive the engine (closed below).
+        let prefill = unsafe { Engine::new(cfg) }.unwrap();
+        let mut decode = Vec::new();
+        for r in 0..dcp {
+            let mirror = SyntheticPools::new(LAYERS, ROW, P, DPAGES, 8, 32).unwrap();
+            let (bufs, kv) = on_device(&mirror);
+            for b in &bufs {
+                g.memset(b, 0).unwrap();
+            }
+            g.record(false).unwrap().wait().unwrap();
+            let mut cfg = EngineConfig::new(Role::Decode, &name, &url, mirror.topology(dcp, r), kv);
+            cfg.pool_device = Some(0);
+            cfg.aux = mirror.aux_buffers();
+            cfg.transport = transport;
+            // SAFETY: the device pools and the mirror's aux live in `decode` beside the engine.
+            let e = unsafe { Engine::new(cfg) }.unwrap();
+            decode.push((e, mirror, bufs));
+        }
+        let htod_before = fake_htod_copies();
+        let v = P * dcp as u64;
+        for (room, total, prefix, chunk_pages) in
+            [(1u64, 300u64, 0u64, 4usize), (2, 517, v * 2, 100)]
+        {
+            let n = total - prefix;
+            let src_pages: Vec<u64> = (0..n.div_ceil(P)).map(|i| (i * 7 + room) % PAGES).collect();
+            let dst_pages: Vec<u64> = (0..n.div_ceil(v))
+                .map(|i| (i * 5 + room) % DPAGES)
+                .collect();
+            let src = Side {
+                layout: DcpLayout::sglang(P, 1).unwrap(),
+                rank: 0,
+                pages: &src_pages,
+                origin: prefix,
+            };
+            host.fill(room, &src, total);
+            host.fill_aux(room, 3);
+            if prefill_device {
+                for (l, d) in src_dev.iter().enumerate() {
+                    g.upload(d, 0, host.layer_bytes(l)).unwrap();
+                }
+                g.record(false).unwrap().wait().unwrap();
+            }
+            for (e, _, _) in &decode {
+                e.receiver(room, 0, Some(Duration::from_secs(20))).unwrap();
+                e.send_metadata(room, &dst_pages, prefix, 5).unwrap();
+            }
+            prefill.sender(room).unwrap();
+            for _ in 0..2000 {
+                if prefill.poll(room) != KvPoll::Bootstrapping {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            let mut sent = 0;
+            for (i, chunk) in src_pages.chunks(chunk_pages).enumerate() {
+                let last = (i + 1) * chunk_pages >= src_pages.len();
+                let t = if last {
+                    n - sent
+                } else {
+                    chunk.len() as u64 * P
+                };
+                prefill.send(room, chunk, t, last, 3).unwrap();
+                sent += t;
+            }
+            assert_eq!(
+                prefill.wait(room, Duration::from_secs(20)),
+                KvPoll::Success,
+                "{case}: {:?}",
+                prefill.failure(room)
+            );
+            let mut verified = 0;
+            for (r, (e, mirror, bufs)) in decode.iter_mut().enumerate() {
+                assert_eq!(
+                    e.wait(room, Duration::from_secs(20)),
+                    KvPoll::Success,
+                    "{case} decode {r}: {:?}",
+                    e.failure(room)
+                );
+                // read the decode's device memory back (a plain synchronous
+                // copy: it does not wait for any stream)
+                for (l, b) in bufs.iter().enumerate() {
+                    b.read(0, mirror.layer_bytes_mut(l)).unwrap();
+                }
+                let side = Side {
+                    layout: DcpLayout::sglang(P, dcp as u64).unwrap(),
+                    rank: r as u64,
+                    pages: &dst_pages,
+                    origin: prefix,
+                };
+                verified += mirror
+                    .verify(room, &side, total, Some(5))
+                    .unwrap_or_else(|e| panic!("{case} decode {r} room {room}: {e}"));
+                e.clear(room).unwrap();
+            }
+            assert_eq!(verified, n * token + dcp as u64 * 32, "{case} room {room}");
+            prefill.clear(room).unwrap();
+        }
+        let htod = fake_htod_copies() - htod_before;
+        assert!(
+            htod >= 2 * dcp as u64,
+            "{case}: only {htod} waited host-to-device copies"
+        );
+        println!(
+            "fake-driver decode child: {case} DCP 1->{dcp} over {htod} host-to-device copies, every byte checked"
+        );
+        prefill.close();
+        for (e, _, _) in &decode {
+            e.close();
+        }
+    }
+    println!("fake-driver decode child: all checks passed");
 }

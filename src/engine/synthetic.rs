@@ -83,6 +83,13 @@ impl SyntheticPools {
         unsafe { std::slice::from_raw_parts(b.as_ptr() as *const u8, b.len() * 8) }
     }
 
+    /// The bytes of layer `l`'s pool, writable (e.g. to download device memory into).
+    pub fn layer_bytes_mut(&mut self, l: usize) -> &mut [u8] {
+        let b = &mut self.bufs[l];
+        // SAFETY: a u64 slice viewed as its bytes; any byte pattern is a valid u64.
+        unsafe { std::slice::from_raw_parts_mut(b.as_mut_ptr() as *mut u8, b.len() * 8) }
+    }
+
     /// The aux buffer as an engine descriptor.
     pub fn aux_buffers(&self) -> Vec<AuxBuffer> {
         vec![AuxBuffer {

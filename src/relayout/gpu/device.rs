@@ -783,11 +783,7 @@ impl std::fmt::Debug for HostToDevice {
 
 impl crate::memory::DeviceWriter for HostToDevice {
     fn write(&self, dst: u64, src: &[u8]) -> Result<()> {
-        let pooled = self
-            .streams
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .pop();
+        let pooled = self.streams.lock().unwrap_or_else(|p| p.into_inner()).pop();
         let stream = match pooled {
             Some(s) => s,
             None => guard("cuStreamCreate", || self.ctx.new_stream())?,
