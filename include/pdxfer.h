@@ -39,7 +39,7 @@
 #define PDXFER_POOL_HOST 0
 
 // `PdxEngineConfig.pool_memory`: the KV pools are CUDA device memory of
-// device `pool_device` (prefill only over cma/tcp; see `PdxEngineConfig`).
+// device `pool_device` (a decode's pools: not over cma; see `PdxEngineConfig`).
 #define PDXFER_POOL_CUDA 1
 
 // `KVPoll` values (SGLang's): the room failed; `pdxfer_engine_failure` says why.
@@ -444,8 +444,11 @@ typedef struct PdxEngineConfig {
   // rank's rows on the GPU into staging buffers of `staging_bytes` per
   // worker (device and pinned host) and sends them over cma/tcp; the pool
   // addresses must be allocations of device `pool_device`. A decode with
-  // CUDA pools is refused (`PDX_STATUS_UNSUPPORTED`: cma/tcp write pools
-  // with the CPU); without a CUDA driver creation fails with
+  // CUDA pools receives over tcp (its receiver copies each piece into the
+  // pools, host-to-device, before the piece counts) or rdma (GPUDirect);
+  // with transport "cma" it is refused (`PDX_STATUS_UNSUPPORTED`:
+  // process_vm_writev cannot reach device memory), and "auto" never picks
+  // cma for it. Without a CUDA driver creation fails with
   // `PDX_STATUS_NO_CUDA_DRIVER`. Aux and state buffers stay host memory.
   uint32_t pool_memory;
   // ABI 1.2: CUDA device ordinal of the pools with `PDXFER_POOL_CUDA`.

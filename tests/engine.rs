@@ -461,9 +461,10 @@ fn rdma_engine_without_a_nic_is_typed() {
 }
 
 /// Device-memory pools on a machine without a CUDA driver (or a build
-/// without the `cuda` feature) are a typed error at creation, never a panic;
-/// a decode with device pools is refused whatever the machine, naming what
-/// works; a too-small staging buffer is named.
+/// without the `cuda` feature) are a typed error at creation, never a panic,
+/// on a prefill and on a decode (tcp/auto); a decode with device pools over
+/// cma is refused whatever the machine, naming what works; a too-small
+/// staging buffer is named.
 #[test]
 fn device_pools_without_a_driver_are_typed() {
     let pools = SyntheticPools::new(2, ROW, P, 8, 0, 0).unwrap();
@@ -494,9 +495,23 @@ fn device_pools_without_a_driver_are_typed() {
     if !cfg!(feature = "cuda") {
         assert_eq!(e.status(), Status::Unsupported, "{e}");
     }
-    let e = create(cfg(Role::Decode, 1 << 20));
+    // A decode's device pools over tcp/auto: the same driver check as the prefill's.
+    for tr in [TransportKind::Auto, TransportKind::Tcp] {
+        let mut c = cfg(Role::Decode, 0);
+        c.transport = tr;
+        let e = create(c);
+        match &driver {
+            Err(d) => assert_eq!(e.status(), d.status(), "{tr:?}: {e}"),
+            Ok(_) => assert_eq!(e.status(), Status::InvalidArgument, "{tr:?}: {e}"),
+        }
+    }
+    // ... over cma: refused whatever the machine, naming why and what works.
+    let mut c = cfg(Role::Decode, 1 << 20);
+    c.transport = TransportKind::Cma;
+    let e = create(c);
     assert_eq!(e.status(), Status::Unsupported, "{e}");
-    assert!(e.detail().contains("host-memory pools"), "{e}");
+    assert!(e.detail().contains("process_vm_writev"), "{e}");
+    assert!(e.detail().contains("tcp"), "{e}");
     let e = create(cfg(Role::Prefill, 0));
     assert_eq!(e.status(), Status::InvalidArgument, "{e}");
     assert!(e.detail().contains("staging_bytes"), "{e}");

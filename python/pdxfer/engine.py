@@ -5,10 +5,12 @@ decode), rooms with SGLang's :class:`KVPoll` lifecycle, per-room
 Pools are host memory given as integer addresses or as writable buffers
 (numpy arrays, ``bytearray``, ``memoryview`` ...); the engine keeps a reference
 to every buffer object it was given until :meth:`Engine.close`. With
-``pool_device=n`` (prefill only) the pools are CUDA device memory of device
-``n``: integer device addresses or objects with ``data_ptr()`` and
-``nbytes`` (e.g. torch CUDA tensors); the prefill gathers on the GPU and
-sends through pinned host staging. Errors are
+``pool_device=n`` the pools are CUDA device memory of device ``n``: integer
+device addresses or objects with ``data_ptr()`` and ``nbytes`` (e.g. torch
+CUDA tensors). A prefill gathers on the GPU and sends through pinned host
+staging; a decode receives over tcp (each piece copied host-to-device before
+it counts) or rdma (GPUDirect), never cma (refused: ``unsupported``; ``auto``
+does not pick it). Errors are
 :class:`pdxfer.PdxError` subclasses (``.kind`` e.g. ``out_of_bounds``,
 ``prefix_misaligned``, ``unknown_room``, ``dcp_rank_mismatch``).
 """
@@ -214,7 +216,8 @@ class Engine:
     ``aux``: items ``(base, item_bytes)`` or ``(base, item_bytes, count)``
     (count taken from the buffer's size when omitted). Timeouts are seconds.
     ``pool_device``: CUDA device ordinal when the KV pools are device memory
-    (prefill only; see the module docs); aux and state stay host memory.
+    (a decode's: tcp, rdma or auto, not cma; see the module docs); aux and
+    state stay host memory.
     """
 
     def __init__(

@@ -34,15 +34,19 @@ def test_struct_sizes_are_pinned():
 
 
 def test_device_pools_are_typed_errors_here():
-    """KV pools in CUDA memory: a decode is refused whatever the machine
-    (cma/tcp write pools with the CPU); a prefill whose "device" pools are
-    host memory fails typed (no driver here, or not device memory)."""
+    """KV pools in CUDA memory: a decode over cma is refused whatever the
+    machine (process_vm_writev cannot reach device memory); a decode over tcp
+    and a prefill whose "device" pools are host memory fail typed (no driver
+    here, or not device memory)."""
     topo = pdxfer.Topology(page_size=PAGE, entries=[(i, ROW) for i in range(LAYERS)])
     bufs = [np.zeros(4 * PAGE * ROW, dtype=np.uint8) for _ in range(LAYERS)]
     addrs = [(int(b.ctypes.data), 4) for b in bufs]
     with pytest.raises(pdxfer.PdxError) as e:
-        E.Engine("decode", "py-dev", "http://127.0.0.1:1", topo, addrs, pool_device=0)
-    assert e.value.kind == "unsupported" and "host-memory pools" in str(e.value)
+        E.Engine("decode", "py-dev", "http://127.0.0.1:1", topo, addrs, pool_device=0, transport="cma")
+    assert e.value.kind == "unsupported" and "process_vm_writev" in str(e.value)
+    with pytest.raises(pdxfer.PdxError) as e:
+        E.Engine("decode", "py-dev", "http://127.0.0.1:1", topo, addrs, pool_device=0, transport="tcp")
+    assert e.value.kind in ("no_cuda_driver", "invalid_argument"), e.value
     with pytest.raises(pdxfer.PdxError) as e:
         E.Engine("prefill", "py-dev", "http://127.0.0.1:1", topo, addrs, pool_device=0)
     assert e.value.kind in ("no_cuda_driver", "invalid_argument"), e.value

@@ -24,7 +24,7 @@ pub const PDXFER_ENGINE_NO_STAGING: u32 = 1;
 /// and what structs older than ABI 1.2 mean).
 pub const PDXFER_POOL_HOST: u32 = 0;
 /// `PdxEngineConfig.pool_memory`: the KV pools are CUDA device memory of
-/// device `pool_device` (prefill only over cma/tcp; see `PdxEngineConfig`).
+/// device `pool_device` (a decode's pools: not over cma; see `PdxEngineConfig`).
 pub const PDXFER_POOL_CUDA: u32 = 1;
 
 /// `KVPoll` values (SGLang's): the room failed; `pdxfer_engine_failure` says why.
@@ -129,8 +129,11 @@ pub struct PdxEngineConfig {
     /// rank's rows on the GPU into staging buffers of `staging_bytes` per
     /// worker (device and pinned host) and sends them over cma/tcp; the pool
     /// addresses must be allocations of device `pool_device`. A decode with
-    /// CUDA pools is refused (`PDX_STATUS_UNSUPPORTED`: cma/tcp write pools
-    /// with the CPU); without a CUDA driver creation fails with
+    /// CUDA pools receives over tcp (its receiver copies each piece into the
+    /// pools, host-to-device, before the piece counts) or rdma (GPUDirect);
+    /// with transport "cma" it is refused (`PDX_STATUS_UNSUPPORTED`:
+    /// process_vm_writev cannot reach device memory), and "auto" never picks
+    /// cma for it. Without a CUDA driver creation fails with
     /// `PDX_STATUS_NO_CUDA_DRIVER`. Aux and state buffers stay host memory.
     pub pool_memory: u32,
     /// ABI 1.2: CUDA device ordinal of the pools with `PDXFER_POOL_CUDA`.
@@ -659,7 +662,8 @@ mod tests {
 
     /// ABI 1.2 pool memory: older, smaller structs mean host pools whatever
     /// follows them; CUDA pools are read; unknown values are refused; a decode
-    /// with CUDA pools is refused at creation with its typed status.
+    /// with CUDA pools over cma is refused at creation with its typed status,
+    /// over tcp it is accepted up to the driver check.
     #[test]
     fn pool_memory_is_versioned() {
         let p = SyntheticPools::new(2, 64, 16, 4, 1, 32).unwrap();
@@ -686,6 +690,24 @@ mod tests {
         let mut out = null_mut();
         assert_eq!(pdxfer_engine_create(&d, &mut out), PdxStatus::Unsupported);
         assert!(out.is_null());
+        // Over tcp a decode may have CUDA pools: what stops it here is the
+        // driver check (no driver, or host memory that is not a CUDA
+        // allocation), or the build without the `cuda` feature.
+        let mut d = config(&s, PDXFER_ROLE_DECODE, cl, url, c"tcp");
+        d.pool_memory = PDXFER_POOL_CUDA;
+        let st = pdxfer_engine_create(&d, &mut out);
+        assert!(out.is_null());
+        if cfg!(feature = "cuda") {
+            assert!(
+                matches!(
+                    st,
+                    PdxStatus::NoCudaDriver | PdxStatus::Cuda | PdxStatus::InvalidArgument
+                ),
+                "{st:?}"
+            );
+        } else {
+            assert_eq!(st, PdxStatus::Unsupported);
+        }
     }
 
     fn failure(e: *const PdxEngine, room: u64) -> (i32, String) {
