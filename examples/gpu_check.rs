@@ -7,11 +7,13 @@
 //! strip -o target/gpu-check target/release/examples/gpu_check
 //! ```
 //!
-//! `--engine-only` runs the engine with prefill KV pools in device memory
-//! instead: a prefill engine whose pools are `cuMemAlloc`ed on the GPU sends
-//! to host-memory decode ranks (DCP `--engine-dcp`) over cma in this process,
-//! every byte is verified, and the GB/s is printed beside the same request
-//! from host-memory pools.
+//! `--engine-only` runs the engine with KV pools in device memory instead: a
+//! prefill engine whose pools are `cuMemAlloc`ed on the GPU sends to
+//! host-memory decode ranks (DCP `--engine-dcp`) over cma in this process,
+//! then the same request from host-memory pools, then device pools on both
+//! sides over tcp (the decode's receiver copies each piece into its device
+//! pools); every byte is verified (device pools read back) and the GB/s of
+//! each is printed.
 //!
 //! Exit codes: 0 all passed (and the ratio target met, when `--min-ratio`),
 //! 1 a correctness or ratio failure, 2 usage, 3 no usable kernels or device.
@@ -77,16 +79,29 @@ struct Args {
     engine_staging: u64,
 }
 
-/// One engine run: a prefill with pools on `device` (or host memory) sends
-/// `rooms` requests of `tokens` to `dcp` host-memory decode ranks over cma;
-/// every byte is verified. Returns (bytes per room, best seconds per room).
-fn engine_run(a: &Args, device: Option<&GpuRelayout>) -> Result<(u64, f64), String> {
+/// Where one engine run keeps its KV pools and how it moves them.
+#[derive(Clone, Copy)]
+struct EngineMode {
+    /// Name in the report.
+    what: &'static str,
+    /// Prefill pools in device memory.
+    prefill_device: bool,
+    /// Decode pools in device memory (read back to verify).
+    decode_device: bool,
+    /// Transport of both sides.
+    transport: pdxfer::transport::TransportKind,
+}
+
+/// One engine run: a prefill with pools in device or host memory sends
+/// `rooms` requests of `tokens` to `dcp` decode ranks (pools in device or
+/// host memory); every byte is verified (device pools read back after the
+/// completion). Returns (bytes per room, best seconds per room).
+fn engine_run(a: &Args, g: &GpuRelayout, m: EngineMode) -> Result<(u64, f64), String> {
     use pdxfer::bootstrap::schema::Role;
     use pdxfer::bootstrap::server::{BootstrapServer, ServerConfig};
     use pdxfer::engine::synthetic::SyntheticPools;
     use pdxfer::engine::{Engine, EngineConfig, KvPoll, KvPool};
     use pdxfer::layout::{DcpLayout, Side};
-    use pdxfer::transport::TransportKind;
     use std::time::Duration;
     let e = |x: pdxfer::Error| x.to_string();
     let (p, row, dcp, tokens) = (64u64, 1152u64, a.engine_dcp, a.engine_tokens);
@@ -94,11 +109,9 @@ fn engine_run(a: &Args, device: Option<&GpuRelayout>) -> Result<(u64, f64), Stri
     let dst_n = tokens.div_ceil(p * dcp as u64);
     let server = BootstrapServer::start(ServerConfig::default()).map_err(e)?;
     let url = server.url();
-    let cluster = if device.is_some() {
-        "gpu-check-dev"
-    } else {
-        "gpu-check-host"
-    };
+    let cluster = format!("gpu-check-{}", m.what.replace(' ', "-"));
+    let cluster = cluster.as_str();
+    let device = m.prefill_device.then_some(g);
     let mut host = SyntheticPools::new(a.engine_layers, row, p, src_n, 4, 64).map_err(e)?;
     let mut dev = Vec::new();
     if let Some(g) = device {
@@ -118,24 +131,30 @@ fn engine_run(a: &Args, device: Option<&GpuRelayout>) -> Result<(u64, f64), Stri
     let mut cfg = EngineConfig::new(Role::Prefill, cluster, &url, host.topology(1, 0), pools);
     cfg.pool_device = device.map(|_| a.device as u32);
     cfg.aux = host.aux_buffers();
-    cfg.transport = TransportKind::Cma;
+    cfg.transport = m.transport;
     cfg.staging_bytes = a.engine_staging;
     // SAFETY: the pools (device buffers, host SyntheticPools) outlive the engine (closed below).
     let prefill = unsafe { Engine::new(cfg) }.map_err(e)?;
     let mut decode = Vec::new();
     for r in 0..dcp {
         let pools = SyntheticPools::new(a.engine_layers, row, p, dst_n, 4, 64).map_err(e)?;
-        let mut cfg = EngineConfig::new(
-            Role::Decode,
-            cluster,
-            &url,
-            pools.topology(dcp, r),
-            pools.kv_pools(),
-        );
+        let mut bufs = Vec::new();
+        let mut kv = pools.kv_pools();
+        if m.decode_device {
+            for (l, k) in kv.iter_mut().enumerate() {
+                let b = g.alloc(pools.layer_bytes(l).len()).map_err(e)?;
+                g.memset(&b, 0).map_err(e)?;
+                k.base = b.ptr();
+                bufs.push(b);
+            }
+            g.record(false).map_err(e)?.wait().map_err(e)?;
+        }
+        let mut cfg = EngineConfig::new(Role::Decode, cluster, &url, pools.topology(dcp, r), kv);
+        cfg.pool_device = m.decode_device.then_some(a.device as u32);
         cfg.aux = pools.aux_buffers();
-        cfg.transport = TransportKind::Cma;
-        // SAFETY: the pools live in `decode` beside the engine.
-        decode.push((unsafe { Engine::new(cfg) }.map_err(e)?, pools));
+        cfg.transport = m.transport;
+        // SAFETY: the pools (host, or device buffers) live in `decode` beside the engine.
+        decode.push((unsafe { Engine::new(cfg) }.map_err(e)?, pools, bufs));
     }
     let src_pages: Vec<u64> = (0..src_n).map(|i| (i * 7) % src_n).collect();
     let dst_pages: Vec<u64> = (0..dst_n).map(|i| (i * 5) % dst_n).collect();
@@ -156,7 +175,7 @@ fn engine_run(a: &Args, device: Option<&GpuRelayout>) -> Result<(u64, f64), Stri
             }
             g.record(false).map_err(e)?.wait().map_err(e)?;
         }
-        for (d, _) in &decode {
+        for (d, _, _) in &decode {
             d.receiver(room, 0, Some(wait)).map_err(e)?;
             d.send_metadata(room, &dst_pages, 0, 2).map_err(e)?;
         }
@@ -175,9 +194,13 @@ fn engine_run(a: &Args, device: Option<&GpuRelayout>) -> Result<(u64, f64), Stri
         }
         let secs = t0.elapsed().as_secs_f64();
         let mut checked = 0;
-        for (r, (d, pools)) in decode.iter().enumerate() {
+        for (r, (d, pools, bufs)) in decode.iter_mut().enumerate() {
             if d.wait(room, wait) != KvPoll::Success {
                 return Err(format!("decode {r} room {room}: {:?}", d.failure(room)));
+            }
+            // device pools: read back with a plain copy (waits for no stream)
+            for (l, b) in bufs.iter().enumerate() {
+                b.read(0, pools.layer_bytes_mut(l)).map_err(e)?;
             }
             let side = Side {
                 layout: DcpLayout::sglang(p, dcp as u64).map_err(e)?,
@@ -198,22 +221,53 @@ fn engine_run(a: &Args, device: Option<&GpuRelayout>) -> Result<(u64, f64), Stri
         best = best.min(secs);
     }
     prefill.close();
-    for (d, _) in &decode {
+    for (d, _, _) in &decode {
         d.close();
     }
     Ok((bytes, best))
 }
 
-/// The engine check: device-memory pools, then host-memory pools, same request.
+/// The engine check, same request each time: prefill pools in device memory
+/// to host decode pools over cma, the same from host-memory pools, then
+/// device pools on both sides over tcp (the decode's receiver copies into
+/// its device pools).
 fn engine_check(a: &Args, g: &GpuRelayout) -> i32 {
+    use pdxfer::transport::TransportKind;
     let t0 = Instant::now();
     let mut code = 0;
-    for (what, dev) in [("device", Some(g)), ("host", None)] {
-        match engine_run(a, dev) {
+    let modes = [
+        EngineMode {
+            what: "device",
+            prefill_device: true,
+            decode_device: false,
+            transport: TransportKind::Cma,
+        },
+        EngineMode {
+            what: "host",
+            prefill_device: false,
+            decode_device: false,
+            transport: TransportKind::Cma,
+        },
+        EngineMode {
+            what: "device to device",
+            prefill_device: true,
+            decode_device: true,
+            transport: TransportKind::Tcp,
+        },
+    ];
+    for m in modes {
+        let what = m.what;
+        let path = format!(
+            "prefill pools in {} memory -> {} decode ranks with pools in {} memory over {}",
+            if m.prefill_device { "device" } else { "host" },
+            a.engine_dcp,
+            if m.decode_device { "device" } else { "host" },
+            m.transport.name()
+        );
+        match engine_run(a, g, m) {
             Ok((bytes, secs)) => {
                 println!(
-                    "engine: prefill pools in {what} memory -> {} host decode ranks over cma: {} tokens x {} layers ({:.1} MB) in {:.1} ms = {:.2} GB/s (best of {}), every byte verified",
-                    a.engine_dcp,
+                    "engine: {path}: {} tokens x {} layers ({:.1} MB) in {:.1} ms = {:.2} GB/s (best of {}), every byte verified",
                     a.engine_tokens,
                     a.engine_layers,
                     bytes as f64 / 1e6,
@@ -223,13 +277,14 @@ fn engine_check(a: &Args, g: &GpuRelayout) -> i32 {
                 );
                 println!(
                     "engine-json: {}",
-                    serde_json::json!({"pools": what, "dcp": a.engine_dcp, "tokens": a.engine_tokens,
+                    serde_json::json!({"pools": what, "decode_pools": if m.decode_device { "device" } else { "host" },
+                        "transport": m.transport.name(), "dcp": a.engine_dcp, "tokens": a.engine_tokens,
                         "layers": a.engine_layers, "bytes": bytes, "seconds": secs,
                         "gb_per_s": bytes as f64 / secs / 1e9})
                 );
             }
             Err(err) => {
-                eprintln!("gpu-check: FAIL: engine with {what}-memory pools: {err}");
+                eprintln!("gpu-check: FAIL: engine, {path}: {err}");
                 code = 1;
             }
         }

@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # GPU check: kernel correctness against the CPU relayout, then the gather
 # kernel against a device-to-device memcpy of the same bytes (131,072 tokens,
-# 61 layers, 576 bf16 per row, DCP 4 and 16), then the engine with prefill KV
-# pools in device memory (`--engine-only`: 16,384 tokens x 61 layers to 4
-# host-memory decode ranks over cma in one process, every byte verified, GB/s
-# beside the same request from host-memory pools). Runs on a machine with an NVIDIA
+# 61 layers, 576 bf16 per row, DCP 4 and 16), then the engine with KV pools in
+# device memory (`--engine-only`: 16,384 tokens x 61 layers to 4 decode ranks
+# in one process: prefill device pools to host decode pools over cma, the same
+# from host-memory pools, and device pools on both sides over tcp, the decode
+# copying each piece into its device pools; every byte verified, device pools
+# read back; GB/s of each). Runs on a machine with an NVIDIA
 # GPU and no Rust toolchain, from a binary built on a build machine:
 #
 #   # on the build machine (nvcc from scripts/cuda-deps.sh embeds an sm_90 cubin + PTX)
@@ -24,7 +26,7 @@
 # e.g. "--min-ratio 0.85" to fail below the target), GPU_CHECK_TIMEOUT
 # (seconds, default 360), ENGINE_CHECK_ARGS (extra arguments of the engine
 # step, e.g. "--engine-tokens 32768"), ENGINE_CHECK_TIMEOUT (seconds, default
-# 90; the whole script stays within 8 minutes on one H200).
+# 120; the whole script stays within 8 minutes on one H200).
 # Output: the log on stdout, and $OUT/gpu-check.log when $OUT is set.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -79,11 +81,11 @@ if [ "$rc" -eq 3 ] && local_module; then
     rc=${PIPESTATUS[0]}
 fi
 
-# The engine with device-memory prefill pools (skipped when no kernels load).
+# The engine with device-memory KV pools (skipped when no kernels load).
 if [ "$rc" -ne 3 ]; then
-    say "gpu-check: engine with prefill KV pools in device memory"
+    say "gpu-check: engine with KV pools in device memory (prefill; then prefill and decode)"
     # shellcheck disable=SC2086 # ENGINE_CHECK_ARGS is a list of arguments
-    timeout "${ENGINE_CHECK_TIMEOUT:-90}" "$bin" --engine-only ${ENGINE_CHECK_ARGS:-} 2>&1 | tee -a "$log"
+    timeout "${ENGINE_CHECK_TIMEOUT:-120}" "$bin" --engine-only ${ENGINE_CHECK_ARGS:-} 2>&1 | tee -a "$log"
     erc=${PIPESTATUS[0]}
     [ "$erc" -ne 0 ] && say "gpu-check: engine step failed (exit $erc)" && [ "$rc" -eq 0 ] && rc=$erc
 fi
