@@ -62,6 +62,7 @@ static bool g_inited = false;
 static unsigned long long g_pinned_dtoh = 0;  // async DtoH copies into pinned memory
 static unsigned long long g_launches = 0;     // kernel launches
 static unsigned long long g_htod_landed = 0;  // stream-ordered HtoD copies applied
+static unsigned long long g_pinned_htod = 0;  // stream-ordered HtoD copies from pinned memory
 // Stream -> HtoD copies not yet applied (destination, staged host bytes).
 static std::map<void*, std::vector<std::pair<CUdeviceptr, std::vector<unsigned char>>>> g_pending;
 
@@ -247,6 +248,12 @@ CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr d, const void* h, size_t n, CUstream s
     }
     const unsigned char* b = (const unsigned char*)h;
     std::lock_guard<std::mutex> l(g_mu);
+    CUdeviceptr base;
+    size_t size;
+    if (find_alloc(g_host_allocs, (CUdeviceptr)h, &base, &size)) {
+        if ((CUdeviceptr)h + n > base + size) return ERR_INVALID_VALUE;
+        ++g_pinned_htod;
+    }
     g_pending[s].emplace_back(d, std::vector<unsigned char>(b, b + n));
     return OK;
 }
@@ -385,6 +392,12 @@ unsigned long long pdx_fake_pinned_dtoh_copies() {
 unsigned long long pdx_fake_htod_copies() {
     std::lock_guard<std::mutex> l(g_mu);
     return g_htod_landed;
+}
+
+// Not a driver call: stream-ordered host-to-device copies from pinned memory.
+unsigned long long pdx_fake_pinned_htod_copies() {
+    std::lock_guard<std::mutex> l(g_mu);
+    return g_pinned_htod;
 }
 
 // Not a driver call: kernel launches so far (tests check what was enqueued when).

@@ -372,6 +372,10 @@ fn fake_htod_copies() -> u64 {
     fake_counter(c"pdx_fake_htod_copies")
 }
 
+fn fake_pinned_htod_copies() -> u64 {
+    fake_counter(c"pdx_fake_pinned_htod_copies")
+}
+
 /// `GpuRelayout::gather_to_host` on its own: slice `i+1` is gathered and
 /// copied before slice `i` is handed to the sender (the overlap), the host
 /// halves hold the CPU gather of each slice, and an error from the sender
@@ -752,7 +756,7 @@ fn child_engine_decode_device_pools_on_fake_driver() {
             let e = unsafe { Engine::new(cfg) }.unwrap();
             decode.push((e, mirror, bufs));
         }
-        let htod_before = fake_htod_copies();
+        let (mut htod, mut pinned) = (0u64, 0u64);
         let v = P * dcp as u64;
         for (room, total, prefix, chunk_pages) in
             [(1u64, 300u64, 0u64, 4usize), (2, 517, v * 2, 100)]
@@ -776,6 +780,8 @@ fn child_engine_decode_device_pools_on_fake_driver() {
                 }
                 g.record(false).unwrap().wait().unwrap();
             }
+            // the transfer's copies only (not the uploads above)
+            let (htod_before, pinned_before) = (fake_htod_copies(), fake_pinned_htod_copies());
             for (e, _, _) in &decode {
                 e.receiver(room, 0, Some(Duration::from_secs(20))).unwrap();
                 e.send_metadata(room, &dst_pages, prefix, 5).unwrap();
@@ -830,12 +836,24 @@ fn child_engine_decode_device_pools_on_fake_driver() {
             }
             assert_eq!(verified, n * token + dcp as u64 * 32, "{case} room {room}");
             prefill.clear(room).unwrap();
+            htod += fake_htod_copies() - htod_before;
+            pinned += fake_pinned_htod_copies() - pinned_before;
         }
-        let htod = fake_htod_copies() - htod_before;
         assert!(
             htod >= 2 * dcp as u64,
             "{case}: only {htod} waited host-to-device copies"
         );
+        // the tcp streams' bounce buffers are page-locked: with host prefill
+        // pools every copy is the decode's, from pinned memory (a device
+        // prefill also uploads its gather tables from the heap)
+        if prefill_device {
+            assert!(pinned >= 2 * dcp as u64, "{case}: {pinned} pinned copies");
+        } else {
+            assert_eq!(
+                pinned, htod,
+                "{case}: a host-to-device copy from pageable memory"
+            );
+        }
         println!(
             "fake-driver decode child: {case} DCP 1->{dcp} over {htod} host-to-device copies, every byte checked"
         );

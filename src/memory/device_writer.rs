@@ -17,4 +17,131 @@ pub trait DeviceWriter: Send + Sync {
     /// by a wait): the caller reuses `src` and may report the bytes as
     /// delivered as soon as this returns.
     fn write(&self, dst: u64, src: &[u8]) -> Result<()>;
+
+    /// A host buffer of `len` bytes for a receiver to land bytes in before
+    /// [`write`](Self::write)ing them: page-locked memory where the writer
+    /// can allocate it (the copy then runs as DMA straight from it), else
+    /// ordinary heap memory (the default).
+    fn bounce(&self, len: usize) -> BounceBuffer {
+        BounceBuffer::heap(len)
+    }
+}
+
+/// Host memory a receiver lands bytes in before a [`DeviceWriter`] copies
+/// them to the device: heap memory, or memory the writer allocated (e.g.
+/// page-locked) and releases when the buffer drops.
+pub struct BounceBuffer {
+    mem: Bounce,
+}
+
+enum Bounce {
+    Heap(Vec<u8>),
+    Raw {
+        ptr: *mut u8,
+        len: usize,
+        release: Option<Box<dyn FnOnce(*mut u8) + Send>>,
+    },
+}
+
+// SAFETY: the buffer exclusively owns its memory (heap or handed over by
+// `from_raw`); it is only accessed through `&mut self`.
+unsafe impl Send for BounceBuffer {}
+
+impl BounceBuffer {
+    /// `len` zeroed bytes of heap memory.
+    pub fn heap(len: usize) -> BounceBuffer {
+        BounceBuffer {
+            mem: Bounce::Heap(vec![0u8; len]),
+        }
+    }
+
+    /// Takes `[ptr, ptr + len)`, handed back to `release` when the buffer drops.
+    ///
+    /// # Safety
+    /// The range must be valid, writable host memory used by nothing else
+    /// until `release` is called; `release` must not panic.
+    pub unsafe fn from_raw(
+        ptr: *mut u8,
+        len: usize,
+        release: Box<dyn FnOnce(*mut u8) + Send>,
+    ) -> BounceBuffer {
+        BounceBuffer {
+            mem: Bounce::Raw {
+                ptr,
+                len,
+                release: Some(release),
+            },
+        }
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        match &self.mem {
+            Bounce::Heap(v) => v.len(),
+            Bounce::Raw { len, .. } => *len,
+        }
+    }
+
+    /// True for a zero-length buffer.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The bytes, writable.
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        match &mut self.mem {
+            Bounce::Heap(v) => v,
+            // SAFETY: from_raw's contract: valid, writable and exclusively ours.
+            Bounce::Raw { ptr, len, .. } => unsafe { std::slice::from_raw_parts_mut(*ptr, *len) },
+        }
+    }
+}
+
+impl std::fmt::Debug for BounceBuffer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let kind = match self.mem {
+            Bounce::Heap(_) => "heap",
+            Bounce::Raw { .. } => "writer-allocated",
+        };
+        write!(f, "BounceBuffer({kind}, {} B)", self.len())
+    }
+}
+
+impl Drop for BounceBuffer {
+    fn drop(&mut self) {
+        if let Bounce::Raw { ptr, release, .. } = &mut self.mem {
+            if let Some(r) = release.take() {
+                r(*ptr);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+
+    #[test]
+    fn raw_bounce_buffers_are_released_once_on_drop() {
+        let mut b = BounceBuffer::heap(16);
+        assert_eq!(b.len(), 16);
+        b.as_mut_slice()[15] = 1;
+        let released = Arc::new(AtomicUsize::new(0));
+        let mem = Box::into_raw(vec![0u8; 32].into_boxed_slice()) as *mut u8;
+        let r = released.clone();
+        let release: Box<dyn FnOnce(*mut u8) + Send> = Box::new(move |p| {
+            r.fetch_add(1, Ordering::SeqCst);
+            // SAFETY: p is the pointer from Box::into_raw above, 32 bytes.
+            drop(unsafe { Box::from_raw(std::ptr::slice_from_raw_parts_mut(p, 32)) });
+        });
+        // SAFETY: mem is a leaked 32-byte box, given back to a Box in the release.
+        let mut b = unsafe { BounceBuffer::from_raw(mem, 32, release) };
+        b.as_mut_slice()[31] = 7;
+        assert_eq!(b.as_mut_slice()[31], 7);
+        assert_eq!(released.load(Ordering::SeqCst), 0);
+        drop(b);
+        assert_eq!(released.load(Ordering::SeqCst), 1);
+    }
 }

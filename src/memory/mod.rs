@@ -11,6 +11,6 @@ mod device_writer;
 mod region;
 mod registry;
 
-pub use device_writer::DeviceWriter;
+pub use device_writer::{BounceBuffer, DeviceWriter};
 pub use region::{RegionDesc, RegionKind};
 pub use registry::{AccessGuard, Registry, MEMFD_KEY};

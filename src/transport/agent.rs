@@ -976,8 +976,8 @@ fn stream_loop(
     peer: &ProcIdentity,
 ) -> Result<()> {
     let mut scratch = vec![0u8; 64 << 10];
-    // allocated on the first write into a device region
-    let mut bounce: Vec<u8> = Vec::new();
+    // from the first device writer met (page-locked where it can)
+    let mut bounce: Option<crate::memory::BounceBuffer> = None;
     let mut hb = [0u8; DATA_HEADER_LEN];
     loop {
         if sess.closed.load(Ordering::SeqCst) {
@@ -1017,7 +1017,8 @@ fn stream_loop(
 const DEVICE_BOUNCE_BYTES: usize = 4 << 20;
 
 /// Receives the payload of one data piece `h` from `s` into its destination:
-/// straight into a host region, or through `bounce` and the region's
+/// straight into a host region, or through `bounce` (allocated by the first
+/// device writer met, [`DEVICE_BOUNCE_BYTES`]) and the region's
 /// [`DeviceWriter`](crate::memory::DeviceWriter) into a device region (the
 /// piece counts as received only once the writer has every byte in device
 /// memory). The outer error is the socket's (the stream is lost); the inner
@@ -1029,7 +1030,7 @@ fn receive_piece(
     s: &mut impl Read,
     h: &DataHeader,
     scratch: &mut [u8],
-    bounce: &mut Vec<u8>,
+    bounce: &mut Option<crate::memory::BounceBuffer>,
 ) -> Result<Result<u64>> {
     let want_sum = h.flags & wire::DATA_FLAG_CHECKSUM != 0;
     let access = reg.acquire(h.region, h.offset, h.len).and_then(|g| {
@@ -1062,10 +1063,8 @@ fn receive_piece(
             return Ok(Ok(sum));
         }
         Ok((g, Some(w))) => {
-            if bounce.is_empty() {
-                bounce.resize(DEVICE_BOUNCE_BYTES, 0);
-            }
-            let r = receive_into_device(s, h, g.addr(), &*w, bounce, scratch)?;
+            let b = bounce.get_or_insert_with(|| w.bounce(DEVICE_BOUNCE_BYTES));
+            let r = receive_into_device(s, h, g.addr(), &*w, b.as_mut_slice(), scratch)?;
             drop(g);
             return Ok(r);
         }
@@ -1469,7 +1468,7 @@ mod tests {
             len: 1000,
         };
         let mut scratch = vec![0u8; 100];
-        let mut bounce = vec![0u8; 64];
+        let mut bounce = Some(crate::memory::BounceBuffer::heap(64));
         let mut s = std::io::Cursor::new(payload.clone());
         let sum = receive_piece(&reg, &mut s, &h, &mut scratch, &mut bounce)
             .unwrap()

@@ -782,6 +782,35 @@ impl std::fmt::Debug for HostToDevice {
 }
 
 impl crate::memory::DeviceWriter for HostToDevice {
+    /// Page-locked (`cuMemHostAlloc`, portable) when the driver gives it,
+    /// else heap memory.
+    fn bounce(&self, len: usize) -> crate::memory::BounceBuffer {
+        let ctx = self.ctx.clone();
+        let pinned = guard("cuMemHostAlloc", || {
+            ctx.bind_to_thread()?;
+            // SAFETY: plain allocation in the bound context (u8 has no invalid values).
+            unsafe { result::malloc_host(len.max(1), sys::CU_MEMHOSTALLOC_PORTABLE) }
+        });
+        match pinned {
+            Ok(p) => {
+                let release: Box<dyn FnOnce(*mut u8) + Send> = Box::new(move |p| {
+                    // Errors cannot be reported from a drop; they are ignored, never panicked on.
+                    let _ = catch_unwind(AssertUnwindSafe(|| {
+                        ctx.bind_to_thread()?;
+                        // SAFETY: p came from cuMemHostAlloc above and is freed once.
+                        unsafe { result::free_host(p as *mut std::ffi::c_void) }
+                    }));
+                });
+                // SAFETY: a fresh allocation of len bytes, owned by the buffer until released.
+                unsafe { crate::memory::BounceBuffer::from_raw(p as *mut u8, len, release) }
+            }
+            Err(e) => {
+                log::warn!("host-to-device bounce buffer not page-locked ({e}); using heap memory");
+                crate::memory::BounceBuffer::heap(len)
+            }
+        }
+    }
+
     fn write(&self, dst: u64, src: &[u8]) -> Result<()> {
         let pooled = self.streams.lock().unwrap_or_else(|p| p.into_inner()).pop();
         let stream = match pooled {
