@@ -5,6 +5,12 @@
 //! call, partial writes resumed). The receiver reads the header, validates
 //! the destination against its registry, and reads the payload straight into
 //! it (an invalid destination is drained into scratch: nothing is written).
+//! A destination in device memory (a region registered with a
+//! [`DeviceWriter`](crate::memory::DeviceWriter)) is read into the stream's
+//! bounded bounce buffer (page-locked where the writer can allocate it) and
+//! copied to the device slice by slice; the piece counts only once the
+//! writer has every byte on the device, and its checksum is computed on the
+//! bytes received.
 //! After its last piece, the last stream of a batch sends the commit record
 //! on the control connection; the receiver delivers the completion once all
 //! bytes counted across streams have landed and answers Ack (or Nack with
