@@ -197,6 +197,10 @@ enum PdxStatus
   PDX_STATUS_RDMA_HANDSHAKE = -702,
   // An RDMA work request completed with an error; the batch failed and was not retried.
   PDX_STATUS_RDMA_COMPLETION = -703,
+  // Device (GPU) memory cannot be registered with the RDMA NIC (no
+  // GPUDirect RDMA: no `cuda` feature, no driver, no dma-buf or
+  // nvidia-peermem); the detail names the reason.
+  PDX_STATUS_NO_GPU_DIRECT = -704,
   // No NCCL library could be loaded.
   PDX_STATUS_NO_NCCL = -800,
   // An NCCL call failed.

@@ -20,7 +20,7 @@ use super::slice::Span;
 use super::tracker::BatchState;
 use super::wr::Direction;
 use crate::error::{Error, Result, Status};
-use crate::memory::{AccessGuard, RegionDesc};
+use crate::memory::{AccessGuard, RegionDesc, RegionKind};
 use crate::transport::batch::Stage;
 use crate::transport::conn::{checksum_pieces, Conn, Piece};
 use crate::transport::wire::{self, Commit, FrameType, Range};
@@ -80,7 +80,8 @@ impl RdmaLink {
 
     /// Makes sure every local region of `ops` is registered with the NIC and
     /// its lkeys are known to the data path (regions registered with the agent
-    /// after the connection included).
+    /// after the connection included). Device regions go through the NIC's GPU
+    /// path (`NoGpuDirect` with the reason without one).
     fn ensure_local(&self, ops: &[WriteOp]) -> Result<()> {
         let mut known = super::session::lock(&self.known);
         for op in ops {
@@ -88,9 +89,10 @@ impl RdmaLink {
             if known.contains(&(d.id, d.addr, d.len)) {
                 continue;
             }
-            // SAFETY: a registry region stays valid until it is unregistered, and the
-            // batch pins it (validate_ops) while the NIC uses it.
-            let keys = unsafe { self.nic.register(d.addr, d.len) }.map_err(|e| {
+            // SAFETY: a registry region stays valid until it is unregistered (whose
+            // hook deregisters it from the NIC first), and the batch pins it
+            // (validate_ops) while the NIC uses it.
+            let keys = unsafe { self.nic.register(d.addr, d.len, d.kind) }.map_err(|e| {
                 Error::new(
                     e.status(),
                     format!(
@@ -100,14 +102,45 @@ impl RdmaLink {
                     ),
                 )
             })?;
+            // Regions known before over these addresses were unregistered (live
+            // regions never overlap): their lkeys are gone, forget them.
+            let end = d.addr + d.len;
+            known.retain(|(_, a, l)| {
+                let stale = *a < end && d.addr < a + l;
+                if stale {
+                    self.path.remove_local(*a, *l);
+                }
+                !stale
+            });
             self.path.add_local(&keys);
             known.insert((d.id, d.addr, d.len));
         }
         Ok(())
     }
 
+    /// Batches the data path's completion tracker holds (bounded; for tests).
+    pub fn tracked(&self) -> usize {
+        self.path.tracked()
+    }
+
     fn submit_dir(&self, ops: &[WriteOp], opts: &BatchOptions, read: bool) -> Result<BatchId> {
-        let (pieces, guards, bytes) = self.conn.validate(ops)?;
+        let (pieces, guards, bytes) = self.conn.validate_with(ops, true)?;
+        if opts.checksum {
+            // The CPU cannot read device memory: no checksum over it.
+            let device = |d: Option<RegionDesc>| d.is_some_and(|d| d.kind != RegionKind::Host);
+            if let Some(op) = ops.iter().find(|o| {
+                device(self.conn.registry.get(o.local_region).ok())
+                    || device(self.conn.regions.get(&o.remote_region).cloned())
+            }) {
+                return Err(Error::new(
+                    Status::Unsupported,
+                    format!(
+                        "a checksum over device memory is not supported (the CPU cannot read it): op on local region {} / remote region {} touches device memory; submit without checksum",
+                        op.local_region, op.remote_region
+                    ),
+                ));
+            }
+        }
         self.ensure_local(ops)?;
         // Writes: checksum of the source now. Reads: computed after the read landed.
         let checksum = opts
