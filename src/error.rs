@@ -348,9 +348,8 @@ mod tests {
                 "prefix_misaligned" | "tokens_exceed_source" | "dcp_rank_mismatch" => -299..=-200,
                 "null_argument" | "panic" | "buffer_too_small" => -199..=-100,
                 "no_cuda_driver" => -699..=-600,
-                "no_rdma_device" | "rdma" | "rdma_handshake" | "rdma_completion" | "no_gpudirect" => {
-                    -799..=-700
-                }
+                "no_rdma_device" | "rdma" | "rdma_handshake" | "rdma_completion"
+                | "no_gpudirect" => -799..=-700,
                 _ => -999..=1,
             };
             assert!(range.contains(&c), "{} = {c} outside {range:?}", s.kind());

@@ -286,7 +286,12 @@ impl Agent {
     ///
     /// # Safety
     /// As [`Registry::register_device`]: the allocation must stay valid until unregistered.
-    pub unsafe fn register_device(&self, dptr: u64, len: usize, ordinal: u32) -> Result<RegionDesc> {
+    pub unsafe fn register_device(
+        &self,
+        dptr: u64,
+        len: usize,
+        ordinal: u32,
+    ) -> Result<RegionDesc> {
         // SAFETY: forwarded contract.
         unsafe { self.inner.registry.register_device(dptr, len, ordinal) }
     }
@@ -745,7 +750,10 @@ fn register_all(reg: &Registry, nic: &dyn NicProvider) -> Result<()> {
     let gpu = nic.gpu_direct();
     for d in reg.descriptors() {
         if let (RegionKind::Device { .. }, Err(e)) = (d.kind, &gpu) {
-            log::debug!("rdma: device region {} not registered with the NIC: {e}", d.id);
+            log::debug!(
+                "rdma: device region {} not registered with the NIC: {e}",
+                d.id
+            );
             continue;
         }
         // SAFETY: a registry region stays valid until unregistered, and the

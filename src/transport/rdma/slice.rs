@@ -421,7 +421,11 @@ mod tests {
         assert!(k2.resolve(&sp(0x1000, 0x10_0000, 1)).is_err());
         assert_eq!(k2.resolve(&sp(0x2000, 0x10_0000, 1)).unwrap().lkey, 2);
         k2.remove_local(0x1000, 0x1000);
-        assert_eq!(k2.resolve(&sp(0x2000, 0x10_0000, 1)).unwrap().lkey, 2, "adjacent, not overlapping");
+        assert_eq!(
+            k2.resolve(&sp(0x2000, 0x10_0000, 1)).unwrap().lkey,
+            2,
+            "adjacent, not overlapping"
+        );
         assert_eq!(
             keys.resolve_all(&[sp(0x1000, 0x10_0000, 1), sp(0x2000, 0x10_0001, 1)])
                 .unwrap()

@@ -163,8 +163,7 @@ impl Tracker {
     /// rail (those on dead rails may never complete, e.g. after a CQ failure).
     fn settled(&self, e: &Entry) -> bool {
         e.failed.is_some()
-            && e
-                .pending
+            && e.pending
                 .iter()
                 .all(|(r, n)| *n == 0 || self.dead.get(*r).is_some_and(|d| d.is_some()))
     }
@@ -599,7 +598,11 @@ mod tests {
         assert!(matches!(t.finish(8), Some(BatchState::Failed(_))));
         assert_eq!(t.len(), 1);
         t.on_send_completion(1, wr_id(8, 1), WC_SUCCESS, 0);
-        assert_eq!((t.len(), t.awaited()), (0, 0), "retired, rail 0's WR dropped");
+        assert_eq!(
+            (t.len(), t.awaited()),
+            (0, 0),
+            "retired, rail 0's WR dropped"
+        );
         // A failure nobody has been told about yet is kept until it is asked once.
         t.begin(9, &[1], 10).unwrap();
         t.posted(9, &[posted(1, 9, 1, 1)]);
