@@ -622,7 +622,8 @@ mod tests {
         let r = Registry::new();
         let mut buf = vec![0u8; 256];
         let d = reg_buf(&r, &mut buf[..128]);
-        let seen: Arc<Mutex<Vec<(u64, u64, u64, u64)>>> = Arc::default();
+        type Seen = Vec<(u64, u64, u64, u64)>;
+        let seen: Arc<Mutex<Seen>> = Arc::default();
         let pinned = Arc::new(AtomicU64::new(u64::MAX));
         let (s, p, r2) = (seen.clone(), pinned.clone(), r.clone());
         let id = r.add_unregister_hook(Arc::new(move |d: &RegionDesc| {

@@ -367,7 +367,8 @@ impl RdmaTransport {
     pub fn endpoint(&self) -> Result<RdmaEndpoint> {
         // Keys only: a region's MRs go away when it is deregistered, even while
         // endpoints that advertised it live (its rkeys must stop working then).
-        let regions: Vec<(u64, u64, Vec<(u32, u32)>)> = lock(&self.regions)
+        type Keys = (u64, u64, Vec<(u32, u32)>);
+        let regions: Vec<Keys> = lock(&self.regions)
             .iter()
             .map(|g| (g.addr, g.len, g.keys.clone()))
             .collect();

@@ -155,12 +155,14 @@ mod verbs_provider {
             });
             match ctx {
                 Ok(Ok(())) => {}
-                Ok(Err(e)) => return Err(Error::new(
-                    Status::NoGpuDirect,
-                    format!(
+                Ok(Err(e)) => {
+                    return Err(Error::new(
+                        Status::NoGpuDirect,
+                        format!(
                         "GPUDirect RDMA: cannot make device {ordinal}'s CUDA context current: {e}"
                     ),
-                )),
+                    ))
+                }
                 Err(_) => {
                     return Err(Error::new(
                         Status::NoGpuDirect,
