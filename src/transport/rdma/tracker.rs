@@ -13,6 +13,9 @@
 use crate::error::{Error, Status};
 use std::collections::{HashMap, HashSet, VecDeque};
 
+/// Incoming batch ids (newest first) whose partial records are kept.
+const PARTIAL_WINDOW: u32 = 4096;
+
 /// `IBV_WC_SUCCESS`.
 pub(crate) const WC_SUCCESS: u32 = 0;
 /// `IBV_WC_WR_FLUSH_ERR`.
@@ -408,7 +411,17 @@ impl Tracker {
         if *seen >= rails.max(1) {
             self.partial.remove(&batch);
             self.incoming.push_back(batch);
+        } else if self.partial.len() > 2 * PARTIAL_WINDOW as usize {
+            // Records of a batch that failed on another rail never complete:
+            // keep only the newest window of ids (24-bit, wrapping; amortised).
+            self.partial
+                .retain(|b, _| batch.wrapping_sub(*b) & 0x00ff_ffff < PARTIAL_WINDOW);
         }
+    }
+
+    /// Incoming batches with some but not all of their records (bounded).
+    pub fn partial_incoming(&self) -> usize {
+        self.partial.len()
     }
 
     /// The next batch id the peer announced as fully written, if any.
@@ -627,6 +640,18 @@ mod tests {
         assert_eq!(t.next_incoming(), Some(1));
         assert_eq!(t.next_incoming(), Some(3));
         assert_eq!(t.next_incoming(), None);
+        // Batches whose other rails' records never come (failed there) do not pile
+        // up, and a recent incomplete batch still completes.
+        for b in 10..30_000u32 {
+            t.on_recv_imm(imm_encode(b, 2).unwrap());
+        }
+        assert!(
+            t.partial_incoming() <= 2 * PARTIAL_WINDOW as usize + 1,
+            "{}",
+            t.partial_incoming()
+        );
+        t.on_recv_imm(imm_encode(29_990, 2).unwrap());
+        assert_eq!(t.next_incoming(), Some(29_990));
         assert_eq!(t.on_send_completion(0, 42, WC_SUCCESS, 0), None);
         assert_eq!(t.on_send_completion(9, 42, WC_SUCCESS, 0), None);
         assert!(t.begin(1, &[3], 1).is_err());
