@@ -13,8 +13,15 @@
 //! RETRY_EXC, RNR_RETRY_EXC) and moves the QP to the error state, where
 //! every later WR is flushed.
 //!
-//! Tests can kill a QP ([`kill_qp`]) or make it fail after some WRs
-//! ([`fail_qp_after`]). The fabric only connects QPs of one process; it is
+//! Registration behaves like verbs: a range overlapping another registration
+//! is refused (`RegionOverlap`), deregistering removes its keys from the
+//! fabric at once, and device-kind regions (plain memory here) are accepted
+//! and recorded unless the NIC is set without GPUDirect RDMA
+//! ([`FakeNic::set_gpu_direct`]: `NoGpuDirect`).
+//!
+//! Tests can kill a QP ([`kill_qp`]), make it fail after some WRs
+//! ([`fail_qp_after`]) or make its next posts accepted only part-way
+//! ([`refuse_posts`]). The fabric only connects QPs of one process; it is
 //! selected explicitly (`AgentOptions::nic`), never in production.
 
 use super::handshake::{

@@ -14,6 +14,12 @@
 //! acknowledges. A failed work request fails the batch with the verbs
 //! reason and is never retried (the bytes may or may not have landed); the
 //! receiver then drops its grant and delivers nothing.
+//!
+//! Device regions (GPU memory) move like host ones: the NIC reads and writes
+//! them directly (GPUDirect RDMA), registered through the provider's GPU
+//! path; a NIC without one refuses them with `NoGpuDirect` (the sender's for
+//! its sources, the receiver's at grant). A checksum needs the CPU to read
+//! the bytes, so it is refused for batches touching device memory.
 
 use super::nic::{DataPath, NicProvider};
 use super::slice::Span;
