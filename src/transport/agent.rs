@@ -742,18 +742,24 @@ fn accept_rdma(
 }
 
 /// Registers every region of `reg` with the NIC (already registered ranges
-/// are skipped by the provider). Device regions are registered through the
-/// NIC's GPU path when it has one (a failure then fails the call, naming the
-/// region); without one they are skipped, and a peer's batch into them is
-/// refused at grant with the reason.
+/// are skipped by the provider). Device regions go through the NIC's GPU
+/// path; where that fails (no GPUDirect RDMA) they are skipped with a
+/// warning, since the host regions still work: batches into them are refused
+/// at grant, and from them at submit, with the reason.
 fn register_all(reg: &Registry, nic: &dyn NicProvider) -> Result<()> {
     let gpu = nic.gpu_direct();
     for d in reg.descriptors() {
-        if let (RegionKind::Device { .. }, Err(e)) = (d.kind, &gpu) {
-            log::debug!(
-                "rdma: device region {} not registered with the NIC: {e}",
-                d.id
-            );
+        if d.kind != RegionKind::Host {
+            let r = gpu.clone().and_then(|()| {
+                // SAFETY: as for host regions below.
+                unsafe { nic.register(d.addr, d.len, d.kind) }
+            });
+            if let Err(e) = r {
+                log::warn!(
+                    "rdma: device region {} is not registered with the NIC, so rdma cannot move it: {e}",
+                    d.id
+                );
+            }
             continue;
         }
         // SAFETY: a registry region stays valid until unregistered, and the
@@ -802,11 +808,22 @@ fn control_loop(
                 if !a.stall.is_zero() {
                     std::thread::sleep(a.stall);
                 }
-                // Device memory only over rdma, and only with GPUDirect RDMA.
-                let device = lock(&sess.rdma)
-                    .is_some()
-                    .then(|| a.nic().and_then(|n| n.gpu_direct()));
-                match grant(&a.registry, &ranges, device.as_ref()) {
+                // Device memory only over rdma, and only once the NIC registered
+                // it (GPUDirect RDMA; an exact range registered before is a lookup).
+                let nic = lock(&sess.rdma).is_some().then(|| a.nic());
+                let device = |d: &RegionDesc| -> Result<()> {
+                    match &nic {
+                        // SAFETY: a registry region stays valid until unregistered,
+                        // whose hook deregisters it from the NIC first.
+                        Some(Ok(n)) => unsafe { n.register(d.addr, d.len, d.kind) }.map(|_| ()),
+                        Some(Err(e)) => Err(e.clone()),
+                        None => Err(Error::new(
+                            Status::Unsupported,
+                            "cma writes host memory only",
+                        )),
+                    }
+                };
+                match grant(&a.registry, &ranges, &device) {
                     Ok((guards, device)) => {
                         lock(&sess.granted).insert(
                             batch,
@@ -875,13 +892,13 @@ fn completion(c: &Commit) -> Completion {
 }
 
 /// Validates and pins every range of a cma or rdma intent; all or nothing.
-/// `device` says whether device regions may be written: `None` (cma: host
-/// memory only), or over rdma whether the NIC has GPUDirect RDMA (the error
-/// names why not). Returns the guards and whether a range is device memory.
+/// `device` says whether a device region may be written (cma: never; rdma:
+/// once the NIC registered it), or why not. Returns the guards and whether
+/// a range is device memory.
 fn grant(
     reg: &Registry,
     ranges: &[Range],
-    device: Option<&Result<()>>,
+    device: &dyn Fn(&RegionDesc) -> Result<()>,
 ) -> Result<(Vec<AccessGuard>, bool)> {
     let mut guards: Vec<AccessGuard> = Vec::new();
     let mut descs: HashMap<u64, RegionDesc> = HashMap::new();
@@ -893,24 +910,13 @@ fn grant(
             std::collections::hash_map::Entry::Vacant(v) => {
                 let d = reg.get(r.region).map_err(ctx)?;
                 if d.kind != RegionKind::Host {
-                    match device {
-                        None => {
-                            return Err(ctx(Error::new(
-                                Status::Unsupported,
-                                format!(
-                                    "region {} is device memory; cma writes host memory only",
-                                    r.region
-                                ),
-                            )))
-                        }
-                        Some(Err(e)) => {
-                            return Err(ctx(Error::new(
-                                e.status(),
-                                format!("region {} is device memory: {}", r.region, e.detail()),
-                            )))
-                        }
-                        Some(Ok(())) => any_device = true,
-                    }
+                    device(&d).map_err(|e| {
+                        ctx(Error::new(
+                            e.status(),
+                            format!("region {} is device memory: {}", r.region, e.detail()),
+                        ))
+                    })?;
+                    any_device = true;
                 }
                 guards.push(reg.acquire(r.region, 0, 0).map_err(ctx)?);
                 v.insert(d)
