@@ -10,7 +10,8 @@ use std::time::{Duration, Instant};
 struct Entry {
     desc: RegionDesc,
     inflight: u64,
-    closing: bool,
+    /// Unregister calls waiting on it (new accesses are refused while > 0).
+    closing: u32,
     /// Memory the registry allocated itself (freed on unregister).
     _owned: Option<SharedMapping>,
 }
@@ -261,7 +262,7 @@ impl Registry {
             Entry {
                 desc: desc.clone(),
                 inflight: 0,
-                closing: false,
+                closing: 0,
                 _owned: None,
             },
         );
@@ -351,7 +352,7 @@ impl Registry {
         let mut st = self.lock();
         match st.regions.get_mut(&region) {
             None => return Err(not_found(region)),
-            Some(e) => e.closing = true,
+            Some(e) => e.closing += 1,
         }
         loop {
             let inflight = st.regions.get(&region).map_or(0, |e| e.inflight);
@@ -361,7 +362,7 @@ impl Registry {
             let now = Instant::now();
             if now >= deadline {
                 if let Some(e) = st.regions.get_mut(&region) {
-                    e.closing = false;
+                    e.closing -= 1;
                 }
                 return Err(Error::new(
                     Status::RegionBusy,
@@ -441,7 +442,7 @@ impl Registry {
             .regions
             .get_mut(&region)
             .ok_or_else(|| not_found(region))?;
-        if e.closing {
+        if e.closing > 0 {
             return Err(Error::new(
                 Status::RegionBusy,
                 format!("region {region} is being unregistered; no new accesses"),

@@ -143,18 +143,22 @@ mod verbs_provider {
         unsafe fn register_device(&self, addr: u64, len: u64, ordinal: u32) -> Result<()> {
             gpu_direct_available()?;
             use cudarc::driver::result as cu;
+            // Make the device's primary context current for the export, and put
+            // back whatever this (possibly engine-owned) thread had current.
             let ctx = std::panic::catch_unwind(|| {
                 cu::init()?;
                 let dev = cu::device::get(ordinal as i32)?;
+                let before = cu::ctx::get_current()?;
                 // SAFETY: dev comes from device::get; the primary context stays retained
                 // for the process (the registry's device regions live in it).
                 unsafe {
                     let ctx = cu::primary_ctx::retain(dev)?;
-                    cu::ctx::set_current(ctx)
+                    cu::ctx::set_current(ctx)?;
                 }
+                Ok::<_, cudarc::driver::DriverError>(before)
             });
-            match ctx {
-                Ok(Ok(())) => {}
+            let before = match ctx {
+                Ok(Ok(b)) => b,
                 Ok(Err(e)) => {
                     return Err(Error::new(
                         Status::NoGpuDirect,
@@ -169,9 +173,11 @@ mod verbs_provider {
                         "GPUDirect RDMA: the CUDA driver library is missing a required symbol",
                     ))
                 }
-            }
+            };
             // SAFETY: forwarded from this function's contract.
             let r = unsafe { self.t.register_gpu(addr, len) };
+            // SAFETY: `before` was current on this thread a moment ago (or none was).
+            let _ = unsafe { cu::ctx::set_current(before.unwrap_or(std::ptr::null_mut())) };
             r.map(|_| ()).map_err(|e| {
                 Error::new(
                     Status::NoGpuDirect,
