@@ -351,14 +351,22 @@ static void bad_inputs(void) {
     CHECK(pdxfer_engine_create(NULL, &h) == PDX_STATUS_NULL_ARGUMENT);
     CHECK(h == NULL);
     /* ABI 1.2 pool memory: unknown kinds refused; CUDA pools refused on a
-     * decode (cma/tcp write pools with the CPU); a prefill whose "CUDA" pools
-     * are host memory fails typed: no driver here, or not device memory */
+     * decode over cma (process_vm_writev cannot reach device memory); a
+     * decode over tcp and a prefill whose "CUDA" pools are host memory fail
+     * typed: no driver here, or not device memory */
     c = config(&p0, PDXFER_ROLE_PREFILL, "c-bad", url);
     c.pool_memory = 7;
     CHECK(pdxfer_engine_create(&c, &h) == PDX_STATUS_INVALID_ARGUMENT);
     c = config(&d0, PDXFER_ROLE_DECODE, "c-bad", url);
     c.pool_memory = PDXFER_POOL_CUDA;
+    c.transport = "cma";
     CHECK(pdxfer_engine_create(&c, &h) == PDX_STATUS_UNSUPPORTED);
+    c = config(&d0, PDXFER_ROLE_DECODE, "c-bad", url);
+    c.pool_memory = PDXFER_POOL_CUDA;
+    c.transport = "tcp";
+    PdxStatus dst = pdxfer_engine_create(&c, &h);
+    CHECK(dst == PDX_STATUS_NO_CUDA_DRIVER || dst == PDX_STATUS_INVALID_ARGUMENT);
+    CHECK(h == NULL);
     c = config(&p0, PDXFER_ROLE_PREFILL, "c-bad", url);
     c.pool_memory = PDXFER_POOL_CUDA;
     PdxStatus cst = pdxfer_engine_create(&c, &h);

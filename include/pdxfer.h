@@ -207,6 +207,10 @@ enum PdxStatus
   PDX_STATUS_RDMA_HANDSHAKE = -702,
   // An RDMA work request completed with an error; the batch failed and was not retried.
   PDX_STATUS_RDMA_COMPLETION = -703,
+  // Device (GPU) memory cannot be registered with the RDMA NIC (no
+  // GPUDirect RDMA: no `cuda` feature, no driver, no dma-buf or
+  // nvidia-peermem); the detail names the reason.
+  PDX_STATUS_NO_GPU_DIRECT = -704,
   // No NCCL library could be loaded.
   PDX_STATUS_NO_NCCL = -800,
   // An NCCL call failed.
@@ -852,7 +856,10 @@ PdxStatus pdxfer_alloc_shared_memory(const struct PdxAgent *agent,
 
 // Registers `len` bytes of CUDA device memory at device address `dptr` on
 // device `ordinal`. `PDX_STATUS_NO_CUDA_DRIVER` without a driver,
-// `PDX_STATUS_UNSUPPORTED` without the `cuda` feature.
+// `PDX_STATUS_UNSUPPORTED` without the `cuda` feature. Only the rdma
+// transport moves device regions (GPUDirect RDMA: the NIC reads and writes
+// GPU memory directly; `PDX_STATUS_NO_GPU_DIRECT` with the reason where the
+// NIC cannot); cma and tcp refuse them.
 PdxStatus pdxfer_register_device_memory(const struct PdxAgent *agent,
                                         uint64_t dptr,
                                         size_t len,

@@ -127,6 +127,10 @@ pub enum PdxStatus {
     RdmaHandshake = -702,
     /// An RDMA work request completed with an error; the batch failed and was not retried.
     RdmaCompletion = -703,
+    /// Device (GPU) memory cannot be registered with the RDMA NIC (no
+    /// GPUDirect RDMA: no `cuda` feature, no driver, no dma-buf or
+    /// nvidia-peermem); the detail names the reason.
+    NoGpuDirect = -704,
 
     /// No NCCL library could be loaded.
     NoNccl = -800,
@@ -237,6 +241,7 @@ status_table! {
     Rdma => "rdma", "RDMA verbs call failed";
     RdmaHandshake => "rdma_handshake", "RDMA handshake failed (the detail names the field)";
     RdmaCompletion => "rdma_completion", "RDMA work request completed with an error; not retried";
+    NoGpuDirect => "no_gpudirect", "GPU memory cannot be registered with the RDMA NIC (no GPUDirect RDMA)";
     NoNccl => "no_nccl", "no NCCL library could be loaded";
     Nccl => "nccl", "NCCL call failed";
     NcclPlanMismatch => "nccl_plan_mismatch", "NCCL sender and receiver plans differ";
@@ -343,7 +348,8 @@ mod tests {
                 "prefix_misaligned" | "tokens_exceed_source" | "dcp_rank_mismatch" => -299..=-200,
                 "null_argument" | "panic" | "buffer_too_small" => -199..=-100,
                 "no_cuda_driver" => -699..=-600,
-                "no_rdma_device" | "rdma" | "rdma_handshake" | "rdma_completion" => -799..=-700,
+                "no_rdma_device" | "rdma" | "rdma_handshake" | "rdma_completion"
+                | "no_gpudirect" => -799..=-700,
                 _ => -999..=1,
             };
             assert!(range.contains(&c), "{} = {c} outside {range:?}", s.kind());

@@ -103,7 +103,10 @@ pub extern "C" fn pdxfer_alloc_shared_memory(
 
 /// Registers `len` bytes of CUDA device memory at device address `dptr` on
 /// device `ordinal`. `PDX_STATUS_NO_CUDA_DRIVER` without a driver,
-/// `PDX_STATUS_UNSUPPORTED` without the `cuda` feature.
+/// `PDX_STATUS_UNSUPPORTED` without the `cuda` feature. Only the rdma
+/// transport moves device regions (GPUDirect RDMA: the NIC reads and writes
+/// GPU memory directly; `PDX_STATUS_NO_GPU_DIRECT` with the reason where the
+/// NIC cannot); cma and tcp refuse them.
 #[no_mangle]
 pub extern "C" fn pdxfer_register_device_memory(
     agent: *const PdxAgent,

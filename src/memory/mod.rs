@@ -5,7 +5,10 @@
 //! source range or a remote destination range) is checked against it
 //! ([`Registry::check_access`]) and pinned while the bytes move
 //! ([`Registry::acquire`] returns an [`AccessGuard`]); unregistering waits
-//! for pinned accesses to finish, so nothing writes into freed memory.
+//! for pinned accesses to finish, so nothing writes into freed memory, and
+//! then runs the unregister hooks transports installed
+//! ([`Registry::add_unregister_hook`]: e.g. the RDMA NIC drops the region's
+//! memory registration, so its rkey stops working) before it returns.
 
 mod device_writer;
 mod region;
@@ -13,4 +16,4 @@ mod registry;
 
 pub use device_writer::{BounceBuffer, DeviceWriter};
 pub use region::{RegionDesc, RegionKind};
-pub use registry::{AccessGuard, Registry, MEMFD_KEY};
+pub use registry::{AccessGuard, Registry, UnregisterHook, MEMFD_KEY};

@@ -11,7 +11,8 @@ use std::time::{Duration, Instant};
 struct Entry {
     desc: RegionDesc,
     inflight: u64,
-    closing: bool,
+    /// Unregister calls waiting on it (new accesses are refused while > 0).
+    closing: u32,
     /// Memory the registry allocated itself (freed on unregister).
     _owned: Option<SharedMapping>,
     /// How host-side receivers copy into this device region (`None`: they cannot).
@@ -46,9 +47,19 @@ struct State {
     next_id: u64,
 }
 
+/// Called with the descriptor of every unregistered region (see
+/// [`Registry::add_unregister_hook`]).
+pub type UnregisterHook = Arc<dyn Fn(&RegionDesc) + Send + Sync>;
+
 struct Inner {
     state: Mutex<State>,
     idle: Condvar,
+    /// Serialises inserts with the hooks of an unregister, so a new region over
+    /// the same addresses is never registered with a transport before the old
+    /// one's transport registrations are gone.
+    changes: Mutex<()>,
+    hooks: Mutex<Vec<(u64, UnregisterHook)>>,
+    next_hook: std::sync::atomic::AtomicU64,
 }
 
 /// The registered regions of one process (cheap to clone; clones share state).
@@ -119,8 +130,37 @@ impl Registry {
                     next_id: 1,
                 }),
                 idle: Condvar::new(),
+                changes: Mutex::new(()),
+                hooks: Mutex::new(Vec::new()),
+                next_hook: std::sync::atomic::AtomicU64::new(1),
             }),
         }
+    }
+
+    /// Installs `hook`, called for every region unregistered from now on:
+    /// after its in-flight accesses drained and it left the registry, and
+    /// before [`unregister`](Self::unregister) returns. Transports use it to
+    /// drop their own registrations of the memory (e.g. an RDMA NIC's memory
+    /// region and rkey), so no peer can write into memory about to be freed.
+    /// A hook must not register or unregister regions of this registry (it
+    /// would deadlock); reading it is fine. Returns an id for
+    /// [`remove_unregister_hook`](Self::remove_unregister_hook).
+    pub fn add_unregister_hook(&self, hook: UnregisterHook) -> u64 {
+        let id = self
+            .inner
+            .next_hook
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        relock(&self.inner.hooks).push((id, hook));
+        id
+    }
+
+    /// Removes a hook installed by [`add_unregister_hook`](Self::add_unregister_hook);
+    /// false when there is none with that id.
+    pub fn remove_unregister_hook(&self, id: u64) -> bool {
+        let mut h = relock(&self.inner.hooks);
+        let before = h.len();
+        h.retain(|(i, _)| *i != id);
+        h.len() != before
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {
@@ -184,20 +224,44 @@ impl Registry {
         Ok(desc)
     }
 
-    /// Test knob: a `Device` region at `addr` without asking a CUDA driver,
+    /// Test knob: registers `len` bytes at `addr` as device memory of device
+    /// `ordinal` without asking the CUDA driver, so transports that see device
+    /// regions only as addresses (the fake NIC fabric) can be tested on hosts
+    /// without a GPU. Never use it for real device memory.
+    ///
+    /// # Safety
+    /// As [`register_host`](Self::register_host): `[addr, addr + len)` must be
+    /// valid, writable host memory of this process until unregistered (the
+    /// fake fabric copies into it).
+    #[doc(hidden)]
+    pub unsafe fn register_device_unchecked(
+        &self,
+        addr: u64,
+        len: usize,
+        ordinal: u32,
+    ) -> Result<RegionDesc> {
+        if addr == 0 {
+            return Err(Error::new(Status::NullArgument, "device pointer is 0"));
+        }
+        self.insert(addr, len as u64, RegionKind::Device { ordinal })
+    }
+
+    /// Test knob: [`register_device_unchecked`](Self::register_device_unchecked)
     /// written through `writer` (e.g. a host-memory stand-in), or by no one.
     ///
     /// # Safety
-    /// `writer` must accept every address of `[addr, addr + len)`.
+    /// As `register_device_unchecked`; `writer` must accept every address of
+    /// `[addr, addr + len)`.
     #[cfg(test)]
-    pub(crate) unsafe fn register_device_unchecked(
+    pub(crate) unsafe fn register_device_unchecked_with(
         &self,
         addr: u64,
         len: usize,
         ordinal: u32,
         writer: Option<Arc<dyn DeviceWriter>>,
     ) -> Result<RegionDesc> {
-        let desc = self.insert(addr, len as u64, RegionKind::Device { ordinal })?;
+        // SAFETY: forwarded contract.
+        let desc = unsafe { self.register_device_unchecked(addr, len, ordinal)? };
         if let Some(w) = writer {
             self.set_writer(desc.id, w);
         }
@@ -227,6 +291,7 @@ impl Registry {
         let end = addr
             .checked_add(len)
             .ok_or_else(|| Error::invalid(format!("region 0x{addr:x}+{len} overflows")))?;
+        let _changes = relock(&self.inner.changes);
         let mut st = self.lock();
         for e in st.regions.values() {
             let d = &e.desc;
@@ -259,7 +324,7 @@ impl Registry {
             Entry {
                 desc: desc.clone(),
                 inflight: 0,
-                closing: false,
+                closing: 0,
                 _owned: None,
                 writer: None,
             },
@@ -350,18 +415,17 @@ impl Registry {
         let mut st = self.lock();
         match st.regions.get_mut(&region) {
             None => return Err(not_found(region)),
-            Some(e) => e.closing = true,
+            Some(e) => e.closing += 1,
         }
         loop {
             let inflight = st.regions.get(&region).map_or(0, |e| e.inflight);
             if inflight == 0 {
-                st.regions.remove(&region);
-                return Ok(());
+                break;
             }
             let now = Instant::now();
             if now >= deadline {
                 if let Some(e) = st.regions.get_mut(&region) {
-                    e.closing = false;
+                    e.closing -= 1;
                 }
                 return Err(Error::new(
                     Status::RegionBusy,
@@ -377,6 +441,24 @@ impl Registry {
                 .unwrap_or_else(|p| p.into_inner())
                 .0;
         }
+        // Drained, and `closing` refuses new accesses. Remove it and run the
+        // hooks with inserts held off, so no new region over these addresses
+        // reaches a transport before the old registrations are gone.
+        drop(st);
+        let _changes = relock(&self.inner.changes);
+        let Some(entry) = self.lock().regions.remove(&region) else {
+            return Err(not_found(region));
+        };
+        let hooks: Vec<UnregisterHook> = relock(&self.inner.hooks)
+            .iter()
+            .map(|(_, h)| h.clone())
+            .collect();
+        for h in hooks {
+            h(&entry.desc);
+        }
+        // Registry-owned memory is freed only after the transports let go of it.
+        drop(entry);
+        Ok(())
     }
 
     /// The descriptor of one region.
@@ -423,7 +505,7 @@ impl Registry {
             .regions
             .get_mut(&region)
             .ok_or_else(|| not_found(region))?;
-        if e.closing {
+        if e.closing > 0 {
             return Err(Error::new(
                 Status::RegionBusy,
                 format!("region {region} is being unregistered; no new accesses"),
@@ -455,6 +537,10 @@ impl Registry {
             }
         }
     }
+}
+
+fn relock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 fn not_found(region: u64) -> Error {
@@ -592,6 +678,52 @@ mod tests {
         assert!(t0.elapsed() >= Duration::from_millis(20));
         t.join().unwrap();
         assert_eq!(r.get(d.id).unwrap_err().status(), Status::RegionNotFound);
+    }
+
+    #[test]
+    fn unregister_hooks_run_after_the_drain_and_before_unregister_returns() {
+        use std::sync::atomic::{AtomicU64, Ordering};
+        let r = Registry::new();
+        let mut buf = vec![0u8; 256];
+        let d = reg_buf(&r, &mut buf[..128]);
+        type Seen = Vec<(u64, u64, u64, u64)>;
+        let seen: Arc<Mutex<Seen>> = Arc::default();
+        let pinned = Arc::new(AtomicU64::new(u64::MAX));
+        let (s, p, r2) = (seen.clone(), pinned.clone(), r.clone());
+        let id = r.add_unregister_hook(Arc::new(move |d: &RegionDesc| {
+            // The region already left the registry when the hook runs.
+            assert_eq!(r2.get(d.id).unwrap_err().status(), Status::RegionNotFound);
+            relock(&s).push((d.id, d.addr, d.len, p.load(Ordering::SeqCst)));
+        }));
+        let g = r.acquire(d.id, 0, 8).unwrap();
+        // Busy: the hook does not run for a region that stays registered.
+        assert_eq!(
+            r.unregister(d.id, Duration::from_millis(10))
+                .unwrap_err()
+                .status(),
+            Status::RegionBusy
+        );
+        assert!(relock(&seen).is_empty());
+        let t = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(20));
+            pinned.store(0, Ordering::SeqCst);
+            drop(g);
+        });
+        r.unregister(d.id, Duration::from_secs(5)).unwrap();
+        t.join().unwrap();
+        // Ran once, after the guard dropped, before unregister returned.
+        assert_eq!(
+            *relock(&seen),
+            vec![(d.id, buf.as_ptr() as u64, 128, 0)],
+            "hook calls"
+        );
+        // The same addresses register again; a removed hook no longer runs.
+        let d2 = reg_buf(&r, &mut buf);
+        assert_ne!(d2.id, d.id);
+        assert!(r.remove_unregister_hook(id));
+        assert!(!r.remove_unregister_hook(id));
+        r.unregister(d2.id, Duration::from_secs(1)).unwrap();
+        assert_eq!(relock(&seen).len(), 1);
     }
 
     #[test]

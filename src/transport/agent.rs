@@ -111,6 +111,8 @@ impl TcpRecv {
 struct Granted {
     ranges: Vec<Range>,
     guards: Vec<AccessGuard>,
+    /// Some range lies in device memory (rdma only; never read by the CPU).
+    device: bool,
     /// The peer reads these ranges (no completion record is delivered here).
     read: bool,
 }
@@ -227,6 +229,24 @@ impl Agent {
             },
             deny_same_host: opts.deny_same_host,
         });
+        // Unregistering a region drops its NIC registration before the memory
+        // can be freed, so a peer holding its rkey cannot write into it.
+        let weak = Arc::downgrade(&inner);
+        inner
+            .registry
+            .add_unregister_hook(Arc::new(move |d: &RegionDesc| {
+                let Some(a) = weak.upgrade() else { return };
+                if let Some(Ok(nic)) = a.nic.get() {
+                    if let Err(e) = nic.deregister(d.addr, d.len) {
+                        log::error!(
+                            "rdma: region {} ({:#x}+{}) could not be deregistered from the NIC: {e}",
+                            d.id,
+                            d.addr,
+                            d.len
+                        );
+                    }
+                }
+            }));
         if let Some(l) = listener {
             let weak = Arc::downgrade(&inner);
             std::thread::Builder::new()
@@ -260,6 +280,22 @@ impl Agent {
         unsafe { self.inner.registry.register_host(ptr, len) }
     }
 
+    /// Registers CUDA device memory (see [`Registry::register_device`]). Only
+    /// the rdma transport moves it (GPUDirect RDMA: the NIC reads and writes
+    /// the GPU's memory directly); cma and tcp refuse device regions.
+    ///
+    /// # Safety
+    /// As [`Registry::register_device`]: the allocation must stay valid until unregistered.
+    pub unsafe fn register_device(
+        &self,
+        dptr: u64,
+        len: usize,
+        ordinal: u32,
+    ) -> Result<RegionDesc> {
+        // SAFETY: forwarded contract.
+        unsafe { self.inner.registry.register_device(dptr, len, ordinal) }
+    }
+
     /// The next completion record received, waiting up to `timeout`.
     pub fn next_completion(&self, timeout: Duration) -> Option<Incoming> {
         self.inner.rx.recv_timeout(timeout).ok()
@@ -276,7 +312,8 @@ impl Agent {
         self.inner.nic().map(|n| n.describe())
     }
 
-    /// Registers every host region of the registry with the RDMA NICs now
+    /// Registers every region of the registry with the RDMA NICs now (device
+    /// regions too where the NIC has GPUDirect RDMA)
     /// (registration of large pools takes time; otherwise the first RDMA
     /// connection does it inside its handshake deadline, and a sender on its
     /// first batch). `NoRdmaDevice` with the reason when there is no NIC.
@@ -528,7 +565,11 @@ impl Drop for Agent {
 fn is_rdma_error(e: &Error) -> bool {
     matches!(
         e.status(),
-        Status::NoRdmaDevice | Status::Rdma | Status::RdmaHandshake | Status::RdmaCompletion
+        Status::NoRdmaDevice
+            | Status::Rdma
+            | Status::RdmaHandshake
+            | Status::RdmaCompletion
+            | Status::NoGpuDirect
     )
 }
 
@@ -684,8 +725,8 @@ fn serve_control(a: Arc<AgentInner>, mut s: TcpStream, hello: &[u8]) {
     lock(&a.sessions).remove(&id);
 }
 
-/// The receiver's half of the RDMA handshake: registers every host region
-/// with the NIC (so rkeys exist), creates the endpoint, negotiates with the
+/// The receiver's half of the RDMA handshake: registers every region with
+/// the NIC (so rkeys exist; device regions where it has GPUDirect RDMA), creates the endpoint, negotiates with the
 /// client's handshake and brings the QPs up. Returns the encoded local
 /// handshake and the connected data path.
 fn accept_rdma(
@@ -705,16 +746,31 @@ fn accept_rdma(
     Ok((local, path))
 }
 
-/// Registers every host region of `reg` with the NIC (already registered
-/// ranges are skipped by the provider).
+/// Registers every region of `reg` with the NIC (already registered ranges
+/// are skipped by the provider). Device regions go through the NIC's GPU
+/// path; where that fails (no GPUDirect RDMA) they are skipped with a
+/// warning, since the host regions still work: batches into them are refused
+/// at grant, and from them at submit, with the reason.
 fn register_all(reg: &Registry, nic: &dyn NicProvider) -> Result<()> {
+    let gpu = nic.gpu_direct();
     for d in reg.descriptors() {
         if d.kind != RegionKind::Host {
+            let r = gpu.clone().and_then(|()| {
+                // SAFETY: as for host regions below.
+                unsafe { nic.register(d.addr, d.len, d.kind) }
+            });
+            if let Err(e) = r {
+                log::warn!(
+                    "rdma: device region {} is not registered with the NIC, so rdma cannot move it: {e}",
+                    d.id
+                );
+            }
             continue;
         }
-        // SAFETY: a registry region stays valid until unregistered; peers
+        // SAFETY: a registry region stays valid until unregistered, and the
+        // registry's unregister hook deregisters it from the NIC first; peers
         // write only into ranges this side granted and pinned.
-        unsafe { nic.register(d.addr, d.len) }.map_err(|e| {
+        unsafe { nic.register(d.addr, d.len, d.kind) }.map_err(|e| {
             Error::new(
                 e.status(),
                 format!(
@@ -757,13 +813,29 @@ fn control_loop(
                 if !a.stall.is_zero() {
                     std::thread::sleep(a.stall);
                 }
-                match grant(&a.registry, &ranges) {
-                    Ok(guards) => {
+                // Device memory only over rdma, and only once the NIC registered
+                // it (GPUDirect RDMA; an exact range registered before is a lookup).
+                let nic = lock(&sess.rdma).is_some().then(|| a.nic());
+                let device = |d: &RegionDesc| -> Result<()> {
+                    match &nic {
+                        // SAFETY: a registry region stays valid until unregistered,
+                        // whose hook deregisters it from the NIC first.
+                        Some(Ok(n)) => unsafe { n.register(d.addr, d.len, d.kind) }.map(|_| ()),
+                        Some(Err(e)) => Err(e.clone()),
+                        None => Err(Error::new(
+                            Status::Unsupported,
+                            "cma writes host memory only",
+                        )),
+                    }
+                };
+                match grant(&a.registry, &ranges, &device) {
+                    Ok((guards, device)) => {
                         lock(&sess.granted).insert(
                             batch,
                             Granted {
                                 ranges,
                                 guards,
+                                device,
                                 read,
                             },
                         );
@@ -824,10 +896,18 @@ fn completion(c: &Commit) -> Completion {
     }
 }
 
-/// Validates and pins every range of a cma intent; all or nothing.
-fn grant(reg: &Registry, ranges: &[Range]) -> Result<Vec<AccessGuard>> {
+/// Validates and pins every range of a cma or rdma intent; all or nothing.
+/// `device` says whether a device region may be written (cma: never; rdma:
+/// once the NIC registered it), or why not. Returns the guards and whether
+/// a range is device memory.
+fn grant(
+    reg: &Registry,
+    ranges: &[Range],
+    device: &dyn Fn(&RegionDesc) -> Result<()>,
+) -> Result<(Vec<AccessGuard>, bool)> {
     let mut guards: Vec<AccessGuard> = Vec::new();
     let mut descs: HashMap<u64, RegionDesc> = HashMap::new();
+    let mut any_device = false;
     for (i, r) in ranges.iter().enumerate() {
         let ctx = |e: Error| Error::new(e.status(), format!("range {i}: {}", e.detail()));
         let d = match descs.entry(r.region) {
@@ -835,13 +915,13 @@ fn grant(reg: &Registry, ranges: &[Range]) -> Result<Vec<AccessGuard>> {
             std::collections::hash_map::Entry::Vacant(v) => {
                 let d = reg.get(r.region).map_err(ctx)?;
                 if d.kind != RegionKind::Host {
-                    return Err(ctx(Error::new(
-                        Status::Unsupported,
-                        format!(
-                            "region {} is device memory; cma writes host memory only",
-                            r.region
-                        ),
-                    )));
+                    device(&d).map_err(|e| {
+                        ctx(Error::new(
+                            e.status(),
+                            format!("region {} is device memory: {}", r.region, e.detail()),
+                        ))
+                    })?;
+                    any_device = true;
                 }
                 guards.push(reg.acquire(r.region, 0, 0).map_err(ctx)?);
                 v.insert(d)
@@ -849,7 +929,7 @@ fn grant(reg: &Registry, ranges: &[Range]) -> Result<Vec<AccessGuard>> {
         };
         d.check(r.offset, r.len).map_err(ctx)?;
     }
-    Ok(guards)
+    Ok((guards, any_device))
 }
 
 fn finish_cma(g: &Granted, c: &Commit) -> Result<()> {
@@ -861,6 +941,12 @@ fn finish_cma(g: &Granted, c: &Commit) -> Result<()> {
         ));
     }
     if let Some(want) = c.checksum {
+        if g.device {
+            return Err(Error::new(
+                Status::Unsupported,
+                "a checksum over device memory is not supported (the CPU cannot read it); submit without checksum",
+            ));
+        }
         let mut got = 0u64;
         for (r, addr) in g.ranges.iter().zip(range_addrs(g)) {
             // SAFETY: the range was bounds-checked at grant and its region is pinned by g.guards.
@@ -1457,7 +1543,8 @@ mod tests {
         let w = HostAsDevice::new(&mut mem, None);
         let reg = Registry::new();
         // SAFETY: the writer accepts exactly the buffer's addresses.
-        let d = unsafe { reg.register_device_unchecked(w.base, 4096, 0, Some(w.clone())) }.unwrap();
+        let d = unsafe { reg.register_device_unchecked_with(w.base, 4096, 0, Some(w.clone())) }
+            .unwrap();
         assert!(matches!(d.kind, RegionKind::Device { ordinal: 0 }));
         let payload: Vec<u8> = (0..1000u32).map(|i| (i * 13 + 1) as u8).collect();
         let h = DataHeader {
@@ -1500,8 +1587,8 @@ mod tests {
         let mut mem2 = vec![0u8; 4096];
         let w2 = HostAsDevice::new(&mut mem2, Some(1));
         // SAFETY: as above.
-        let d2 =
-            unsafe { reg.register_device_unchecked(w2.base, 4096, 0, Some(w2.clone())) }.unwrap();
+        let d2 = unsafe { reg.register_device_unchecked_with(w2.base, 4096, 0, Some(w2.clone())) }
+            .unwrap();
         let mut s = std::io::Cursor::new(payload.clone());
         let h2 = DataHeader { region: d2.id, ..h };
         let e = receive_piece(&reg, &mut s, &h2, &mut scratch, &mut bounce)
@@ -1513,8 +1600,9 @@ mod tests {
         // A device region without a writer: refused as unsupported, drained.
         let mut mem3 = vec![0u8; 64];
         // SAFETY: no writer: nothing may write it.
-        let d3 = unsafe { reg.register_device_unchecked(mem3.as_mut_ptr() as u64, 64, 0, None) }
-            .unwrap();
+        let d3 =
+            unsafe { reg.register_device_unchecked_with(mem3.as_mut_ptr() as u64, 64, 0, None) }
+                .unwrap();
         let mut s = std::io::Cursor::new(vec![1u8; 8]);
         let h3 = DataHeader {
             region: d3.id,
@@ -1543,7 +1631,7 @@ mod tests {
         // SAFETY: the writer accepts exactly the buffer's addresses; dev outlives the agents' use.
         let d = unsafe {
             rx.registry()
-                .register_device_unchecked(w.base, dev.len(), 0, Some(w.clone()))
+                .register_device_unchecked_with(w.base, dev.len(), 0, Some(w.clone()))
         }
         .unwrap();
         let mut src: Vec<u8> = (0..(6u32 << 20)).map(|i| (i * 7 + 3) as u8).collect();

@@ -137,10 +137,25 @@ impl Conn {
     /// Validates every op (local source against our registry, destination
     /// against the peer's descriptors) and pins the local sources.
     pub fn validate(&self, ops: &[WriteOp]) -> Result<(Vec<Piece>, Arc<Vec<AccessGuard>>, u64)> {
+        self.validate_with(ops, false)
+    }
+
+    /// [`validate`](Self::validate), allowing device regions on both sides
+    /// when `device_ok` (rdma: the NIC moves device memory).
+    pub fn validate_with(
+        &self,
+        ops: &[WriteOp],
+        device_ok: bool,
+    ) -> Result<(Vec<Piece>, Arc<Vec<AccessGuard>>, u64)> {
         if let Some(e) = self.table.dead() {
             return Err(e);
         }
-        validate_ops(&self.registry, |id| self.regions.get(&id).cloned(), ops)
+        let remote = |id| self.regions.get(&id).cloned();
+        if device_ok {
+            validate_ops_any_memory(&self.registry, remote, ops)
+        } else {
+            validate_ops(&self.registry, remote, ops)
+        }
     }
 }
 
@@ -167,11 +182,30 @@ impl Conn {
     }
 }
 
-/// Shared by every transport: checks ops, pins the local sources, returns pieces.
+/// Shared by every host-memory transport: checks ops (device regions are
+/// refused), pins the local sources, returns pieces.
 pub(crate) fn validate_ops(
     registry: &Registry,
     remote: impl Fn(u64) -> Option<RegionDesc>,
     ops: &[WriteOp],
+) -> Result<(Vec<Piece>, Arc<Vec<AccessGuard>>, u64)> {
+    check_ops(registry, remote, ops, false)
+}
+
+/// [`validate_ops`] for a transport that moves device memory too (rdma).
+pub(crate) fn validate_ops_any_memory(
+    registry: &Registry,
+    remote: impl Fn(u64) -> Option<RegionDesc>,
+    ops: &[WriteOp],
+) -> Result<(Vec<Piece>, Arc<Vec<AccessGuard>>, u64)> {
+    check_ops(registry, remote, ops, true)
+}
+
+fn check_ops(
+    registry: &Registry,
+    remote: impl Fn(u64) -> Option<RegionDesc>,
+    ops: &[WriteOp],
+    device_ok: bool,
 ) -> Result<(Vec<Piece>, Arc<Vec<AccessGuard>>, u64)> {
     let mut pieces = Vec::with_capacity(ops.len());
     let mut total = 0u64;
@@ -192,7 +226,7 @@ pub(crate) fn validate_ops(
             }
         };
         ldesc.check(op.local_offset, op.len).map_err(ctx)?;
-        if ldesc.kind != RegionKind::Host {
+        if ldesc.kind != RegionKind::Host && !device_ok {
             return Err(ctx(Error::new(
                 Status::Unsupported,
                 format!(
@@ -212,7 +246,7 @@ pub(crate) fn validate_ops(
                 ))
             })?;
         rdesc.check(op.remote_offset, op.len).map_err(ctx)?;
-        if rdesc.kind != RegionKind::Host {
+        if rdesc.kind != RegionKind::Host && !device_ok {
             return Err(ctx(Error::new(
                 Status::Unsupported,
                 format!(
@@ -280,6 +314,9 @@ mod tests {
         };
         let e = validate_ops(&reg, remote, &[op]).unwrap_err();
         assert_eq!(e.status(), Status::Unsupported, "{e}");
+        // A device-capable transport (rdma) takes the same op.
+        let (pieces, _, _) = validate_ops_any_memory(&reg, remote, &[op]).unwrap();
+        assert_eq!(pieces[0].dst, 0x7000_0000);
         let op = WriteOp {
             remote_region: 8,
             ..op

@@ -10,7 +10,8 @@
 //! Implementations: [`local`] (same process), [`cma`] (same host, one-sided
 //! `process_vm_writev`), [`tcp`] (several streams, no intermediate copy),
 //! [`rdma`] (one-sided RDMA WRITE/READ on RC queue pairs, sliced across the
-//! NICs; [`rdma::link::RdmaLink`]). [`Agent::connect`] chooses one
+//! NICs; [`rdma::link::RdmaLink`]; the only one that moves device regions,
+//! through the NIC's GPUDirect RDMA path). [`Agent::connect`] chooses one
 //! automatically with [`choose_auto`]: cma when the peer is on this host and
 //! proves it, else rdma when both sides have a usable NIC, else tcp; a peer
 //! with device-memory regions never gets cma ([`choose_auto_for`]); or it
@@ -185,6 +186,8 @@ pub enum TransportKind {
     /// RDMA: one-sided WRITE/READ on RC queue pairs. Explicitly chosen
     /// without a usable NIC here: `NoRdmaDevice` with the reason; when the
     /// peer has none: `TransportUnavailable` naming the peer's reason.
+    /// Moves host and device regions (device ones where the NIC has
+    /// GPUDirect RDMA, `NoGpuDirect` with the reason otherwise).
     Rdma,
 }
 

@@ -66,7 +66,10 @@ pub struct Region {
     pub len: u64,
     /// Host or GPU.
     pub kind: MemoryKind,
-    mrs: Vec<Mr>,
+    /// (lkey, rkey) per rail.
+    keys: Vec<(u32, u32)>,
+    /// The MRs; dropped (`ibv_dereg_mr`) by [`RdmaTransport::deregister`].
+    _mrs: Vec<Mr>,
 }
 
 /// What one registration call did.
@@ -88,7 +91,7 @@ pub struct RegistrationReport {
 pub struct RdmaTransport {
     cfg: RdmaConfig,
     rails: Vec<Arc<Rail>>,
-    regions: Mutex<Vec<Arc<Region>>>,
+    regions: Mutex<Vec<Region>>,
     instance_id: u64,
 }
 
@@ -293,12 +296,13 @@ impl RdmaTransport {
         let mut it = mrs.into_iter();
         for (addr, len) in ranges {
             let mrs: Vec<Mr> = it.by_ref().take(nr).collect();
-            regs.push(Arc::new(Region {
+            regs.push(Region {
                 addr: *addr,
                 len: *len,
                 kind,
-                mrs,
-            }));
+                keys: mrs.iter().map(|m| (m.lkey, m.rkey)).collect(),
+                _mrs: mrs,
+            });
         }
         let report = RegistrationReport {
             regions: ranges.len(),
@@ -318,18 +322,27 @@ impl RdmaTransport {
         Ok(report)
     }
 
-    /// Forgets the region starting at `addr`. Its MRs are released once no
-    /// endpoint that advertised it is alive.
+    /// Deregisters the region starting at `addr` on every rail now
+    /// (`ibv_dereg_mr`): its rkeys stop working at once, so a peer's WRITE
+    /// with one fails with `IBV_WC_REM_ACCESS_ERR` and writes nothing, and
+    /// local work requests with its lkeys fail. Call it only once no batch
+    /// of this process uses the memory (the agent calls it from the
+    /// registry's unregister hook, after the region's accesses drained).
     pub fn deregister(&self, addr: u64) -> Result<()> {
-        let mut regs = lock(&self.regions);
-        let before = regs.len();
-        regs.retain(|r| r.addr != addr);
-        if regs.len() == before {
+        let gone: Vec<Region> = {
+            let mut regs = lock(&self.regions);
+            let (gone, keep) = regs.drain(..).partition(|r| r.addr == addr);
+            *regs = keep;
+            gone
+        };
+        if gone.is_empty() {
             return Err(Error::new(
                 Status::RegionNotFound,
                 format!("no RDMA region starts at {addr:#x}"),
             ));
         }
+        // Endpoints keep only the keys: the MRs are deregistered here.
+        drop(gone);
         Ok(())
     }
 
@@ -338,12 +351,12 @@ impl RdmaTransport {
         let regs = lock(&self.regions);
         let g = regs.iter().find(|r| r.addr == addr)?;
         Some(
-            g.mrs
+            g.keys
                 .iter()
-                .map(|m| LocalRegion {
+                .map(|(lkey, _)| LocalRegion {
                     addr: g.addr,
                     len: g.len,
-                    lkey: m.lkey,
+                    lkey: *lkey,
                 })
                 .collect(),
         )
@@ -352,7 +365,13 @@ impl RdmaTransport {
     /// Creates an endpoint: one CQ and one RC QP per rail, advertising every
     /// region registered so far.
     pub fn endpoint(&self) -> Result<RdmaEndpoint> {
-        let regions: Vec<Arc<Region>> = lock(&self.regions).clone();
+        // Keys only: a region's MRs go away when it is deregistered, even while
+        // endpoints that advertised it live (its rkeys must stop working then).
+        type Keys = (u64, u64, Vec<(u32, u32)>);
+        let regions: Vec<Keys> = lock(&self.regions)
+            .iter()
+            .map(|g| (g.addr, g.len, g.keys.clone()))
+            .collect();
         let depth = (self.cfg.sq_depth + self.cfg.recv_depth) as i32;
         let mut rails = Vec::with_capacity(self.rails.len());
         let mut infos = Vec::with_capacity(self.rails.len());
@@ -364,10 +383,10 @@ impl RdmaTransport {
             let qp = Qp::create(&r.pd, &cq, sq, rq)?;
             let local: Vec<LocalRegion> = regions
                 .iter()
-                .map(|g| LocalRegion {
-                    addr: g.addr,
-                    len: g.len,
-                    lkey: g.mrs[i].lkey,
+                .map(|(addr, len, k)| LocalRegion {
+                    addr: *addr,
+                    len: *len,
+                    lkey: k[i].0,
                 })
                 .collect();
             infos.push(RailInfo {
@@ -382,10 +401,10 @@ impl RdmaTransport {
                 mtu: r.mtu,
                 regions: regions
                     .iter()
-                    .map(|g| RemoteRegion {
-                        addr: g.addr,
-                        len: g.len,
-                        rkey: g.mrs[i].rkey,
+                    .map(|(addr, len, k)| RemoteRegion {
+                        addr: *addr,
+                        len: *len,
+                        rkey: k[i].1,
                     })
                     .collect(),
             });
@@ -416,7 +435,6 @@ impl RdmaTransport {
             },
             negotiated: Vec::new(),
             cfg: self.cfg.clone(),
-            _regions: regions,
         })
     }
 }
@@ -446,7 +464,6 @@ pub struct RdmaEndpoint {
     local: Handshake,
     negotiated: Vec<Negotiated>,
     cfg: RdmaConfig,
-    _regions: Vec<Arc<Region>>,
 }
 
 impl RdmaEndpoint {
@@ -534,6 +551,16 @@ impl RdmaEndpoint {
     /// local source or destination (`per_rail[i]` holds its lkey on rail `i`).
     pub fn session_add_local(&self, per_rail: &[LocalRegion]) {
         self.session.add_local(per_rail)
+    }
+
+    /// Forgets every local region overlapping `[addr, addr+len)` (deregistered).
+    pub fn session_remove_local(&self, addr: u64, len: u64) {
+        self.session.remove_local(addr, len)
+    }
+
+    /// Batches the completion tracker still holds.
+    pub fn session_tracked(&self) -> usize {
+        self.session.tracked()
     }
 
     /// The batch's state; a finished batch is forgotten after it is reported once.

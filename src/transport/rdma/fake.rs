@@ -13,8 +13,15 @@
 //! RETRY_EXC, RNR_RETRY_EXC) and moves the QP to the error state, where
 //! every later WR is flushed.
 //!
-//! Tests can kill a QP ([`kill_qp`]) or make it fail after some WRs
-//! ([`fail_qp_after`]). The fabric only connects QPs of one process; it is
+//! Registration behaves like verbs: a range overlapping another registration
+//! is refused (`RegionOverlap`), deregistering removes its keys from the
+//! fabric at once, and device-kind regions (plain memory here) are accepted
+//! and recorded unless the NIC is set without GPUDirect RDMA
+//! ([`FakeNic::set_gpu_direct`]: `NoGpuDirect`).
+//!
+//! Tests can kill a QP ([`kill_qp`]), make it fail after some WRs
+//! ([`fail_qp_after`]) or make its next posts accepted only part-way
+//! ([`refuse_posts`]). The fabric only connects QPs of one process; it is
 //! selected explicitly (`AgentOptions::nic`), never in production.
 
 use super::handshake::{
@@ -26,7 +33,8 @@ use super::slice::{LocalRegion, RailKeys};
 use super::tracker::Completion;
 use super::wr::{Opcode, WorkRequest};
 use super::RecordMode;
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, Status};
+use crate::memory::RegionKind;
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
@@ -55,6 +63,9 @@ struct Qp {
     error: AtomicBool,
     /// Fail the WR after this many more have executed (`u64::MAX`: never).
     fail_after: AtomicU64,
+    /// Refuse part of this many next `post_send` calls (as `ibv_post_send`
+    /// does when out of resources; the QP stays usable).
+    refuse_posts: AtomicU64,
     cq: Mutex<VecDeque<Completion>>,
     recvs: AtomicUsize,
 }
@@ -92,6 +103,16 @@ pub fn kill_qp(qpn: u32) {
 pub fn fail_qp_after(qpn: u32, n: u64) {
     if let Some(q) = lock(fabric()).qps.get(&qpn) {
         q.fail_after.store(n, Ordering::SeqCst);
+    }
+}
+
+/// Makes the next `n` `post_send` calls on QP `qpn` accept only the first
+/// half of their work-request list and refuse the rest with `ENOMEM`, as
+/// `ibv_post_send` does when the NIC runs out of resources; the QP stays
+/// healthy and the accepted WRs execute.
+pub fn refuse_posts(qpn: u32, n: u64) {
+    if let Some(q) = lock(fabric()).qps.get(&qpn) {
+        q.refuse_posts.store(n, Ordering::SeqCst);
     }
 }
 
@@ -207,8 +228,26 @@ impl Drop for FakeRail {
 
 impl RailIo for FakeRail {
     fn post_send(&self, wrs: &[WorkRequest]) -> std::result::Result<(), (usize, Error)> {
-        for w in wrs {
+        let refuse = self
+            .qp
+            .refuse_posts
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+            .is_ok();
+        let accepted = if refuse { wrs.len() / 2 } else { wrs.len() };
+        for w in &wrs[..accepted] {
             self.qp.execute(w);
+        }
+        if accepted < wrs.len() {
+            return Err((
+                accepted,
+                Error::new(
+                    Status::Rdma,
+                    format!(
+                        "ibv_post_send refused work request {accepted} of {}: ENOMEM (fake fabric)",
+                        wrs.len()
+                    ),
+                ),
+            ));
         }
         Ok(())
     }
@@ -224,15 +263,29 @@ impl RailIo for FakeRail {
     }
 }
 
+/// One range registered on every rail of a [`FakeNic`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FakeRegion {
+    /// Start address.
+    pub addr: u64,
+    /// Length in bytes.
+    pub len: u64,
+    /// The kind it was registered as (device memory is plain memory here).
+    pub kind: RegionKind,
+    /// Its key on each rail (lkey = rkey on this fabric).
+    pub keys: Vec<u32>,
+}
+
 /// A software NIC with one or more rails ("devices") on the fake fabric.
 pub struct FakeNic {
     name: String,
     devices: Vec<u64>,
     mtu: Mtu,
     link_layer: LinkLayer,
-    regions: Mutex<Vec<(u64, u64, Vec<u32>)>>,
+    regions: Mutex<Vec<FakeRegion>>,
     qps: Mutex<Vec<u32>>,
     instance_id: u64,
+    gpu_direct: AtomicBool,
 }
 
 impl FakeNic {
@@ -265,7 +318,19 @@ impl FakeNic {
             regions: Mutex::new(Vec::new()),
             qps: Mutex::new(Vec::new()),
             instance_id: random_u64(),
+            gpu_direct: AtomicBool::new(true),
         })
+    }
+
+    /// Whether this NIC accepts device-memory registrations (true by default;
+    /// false acts like a NIC without GPUDirect RDMA: `NoGpuDirect`).
+    pub fn set_gpu_direct(&self, on: bool) {
+        self.gpu_direct.store(on, Ordering::SeqCst);
+    }
+
+    /// Every range registered now, in registration order.
+    pub fn regions(&self) -> Vec<FakeRegion> {
+        lock(&self.regions).clone()
     }
 
     /// The QP numbers of every endpoint created on this NIC, oldest first
@@ -280,18 +345,35 @@ impl NicProvider for FakeNic {
         format!("fake {} ({} rail(s))", self.name, self.devices.len())
     }
 
-    unsafe fn register(&self, addr: u64, len: u64) -> Result<Vec<LocalRegion>> {
-        let mut regs = lock(&self.regions);
-        if let Some((_, _, keys)) = regs.iter().find(|r| r.0 == addr && r.1 == len) {
-            return Ok(keys
+    unsafe fn register(&self, addr: u64, len: u64, kind: RegionKind) -> Result<Vec<LocalRegion>> {
+        let locals = |r: &FakeRegion| {
+            r.keys
                 .iter()
                 .map(|k| LocalRegion {
-                    addr,
-                    len,
+                    addr: r.addr,
+                    len: r.len,
                     lkey: *k,
                 })
-                .collect());
+                .collect()
+        };
+        let mut regs = lock(&self.regions);
+        if let Some(r) = regs.iter().find(|r| r.addr == addr && r.len == len) {
+            return Ok(locals(r));
         }
+        if let RegionKind::Device { ordinal } = kind {
+            if !self.gpu_direct.load(Ordering::SeqCst) {
+                return Err(Error::new(
+                    Status::NoGpuDirect,
+                    format!(
+                        "GPUDirect RDMA unavailable on {}: this NIC cannot register device {ordinal} memory ({addr:#x}+{len})",
+                        self.describe()
+                    ),
+                ));
+            }
+        }
+        // Like verbs: every byte is registered once per NIC.
+        let have: Vec<(u64, u64)> = regs.iter().map(|r| (r.addr, r.len)).collect();
+        super::slice::check_new_regions(&have, &[(addr, len)])?;
         let mut f = lock(fabric());
         let mut keys = Vec::with_capacity(self.devices.len());
         for d in &self.devices {
@@ -307,11 +389,42 @@ impl NicProvider for FakeNic {
             );
             keys.push(k);
         }
-        regs.push((addr, len, keys.clone()));
-        Ok(keys
-            .into_iter()
-            .map(|k| LocalRegion { addr, len, lkey: k })
-            .collect())
+        let r = FakeRegion {
+            addr,
+            len,
+            kind,
+            keys,
+        };
+        let out = locals(&r);
+        regs.push(r);
+        Ok(out)
+    }
+
+    fn deregister(&self, addr: u64, len: u64) -> Result<bool> {
+        let mut regs = lock(&self.regions);
+        let Some(i) = regs.iter().position(|r| r.addr == addr && r.len == len) else {
+            return Ok(false);
+        };
+        let r = regs.remove(i);
+        let mut f = lock(fabric());
+        for k in r.keys {
+            f.mrs.remove(&k);
+        }
+        Ok(true)
+    }
+
+    fn gpu_direct(&self) -> Result<()> {
+        if self.gpu_direct.load(Ordering::SeqCst) {
+            Ok(())
+        } else {
+            Err(Error::new(
+                Status::NoGpuDirect,
+                format!(
+                    "GPUDirect RDMA unavailable on {}: configured without GPU support",
+                    self.describe()
+                ),
+            ))
+        }
     }
 
     fn endpoint(&self) -> Result<Box<dyn NicEndpoint>> {
@@ -333,6 +446,7 @@ impl NicProvider for FakeNic {
                 remote: AtomicU32::new(0),
                 error: AtomicBool::new(false),
                 fail_after: AtomicU64::new(u64::MAX),
+                refuse_posts: AtomicU64::new(0),
                 cq: Mutex::new(VecDeque::new()),
                 recvs: AtomicUsize::new(0),
             });
@@ -359,20 +473,20 @@ impl NicProvider for FakeNic {
                 mtu: self.mtu,
                 regions: regions
                     .iter()
-                    .map(|(a, l, k)| super::handshake::RemoteRegion {
-                        addr: *a,
-                        len: *l,
-                        rkey: k[i],
+                    .map(|r| super::handshake::RemoteRegion {
+                        addr: r.addr,
+                        len: r.len,
+                        rkey: r.keys[i],
                     })
                     .collect(),
             });
             locals.push(
                 regions
                     .iter()
-                    .map(|(a, l, k)| LocalRegion {
-                        addr: *a,
-                        len: *l,
-                        lkey: k[i],
+                    .map(|r| LocalRegion {
+                        addr: r.addr,
+                        len: r.len,
+                        lkey: r.keys[i],
                     })
                     .collect::<Vec<_>>(),
             );
@@ -450,9 +564,12 @@ mod tests {
         // SAFETY: the buffers outlive every work request below.
         let (ls, ld, lo) = unsafe {
             (
-                a.register(src.as_ptr() as u64, 8192).unwrap()[0],
-                b.register(dst.as_ptr() as u64, 8192).unwrap()[0],
-                a.register(other.as_ptr() as u64, 8192).unwrap()[0],
+                a.register(src.as_ptr() as u64, 8192, RegionKind::Host)
+                    .unwrap()[0],
+                b.register(dst.as_ptr() as u64, 8192, RegionKind::Host)
+                    .unwrap()[0],
+                a.register(other.as_ptr() as u64, 8192, RegionKind::Host)
+                    .unwrap()[0],
             )
         };
         let _ea = a.endpoint().unwrap();
@@ -511,8 +628,10 @@ mod tests {
         let dst = vec![0u8; 300_000];
         // SAFETY: both buffers outlive the endpoints below.
         unsafe {
-            a.register(src.as_ptr() as u64, src.len() as u64).unwrap();
-            b.register(dst.as_ptr() as u64, dst.len() as u64).unwrap();
+            a.register(src.as_ptr() as u64, src.len() as u64, RegionKind::Host)
+                .unwrap();
+            b.register(dst.as_ptr() as u64, dst.len() as u64, RegionKind::Host)
+                .unwrap();
         }
         let ea = a.endpoint().unwrap();
         let eb = b.endpoint().unwrap();

@@ -14,13 +14,19 @@
 //! acknowledges. A failed work request fails the batch with the verbs
 //! reason and is never retried (the bytes may or may not have landed); the
 //! receiver then drops its grant and delivers nothing.
+//!
+//! Device regions (GPU memory) move like host ones: the NIC reads and writes
+//! them directly (GPUDirect RDMA), registered through the provider's GPU
+//! path; a NIC without one refuses them with `NoGpuDirect` (the sender's for
+//! its sources, the receiver's at grant). A checksum needs the CPU to read
+//! the bytes, so it is refused for batches touching device memory.
 
 use super::nic::{DataPath, NicProvider};
 use super::slice::Span;
 use super::tracker::BatchState;
 use super::wr::Direction;
 use crate::error::{Error, Result, Status};
-use crate::memory::{AccessGuard, RegionDesc};
+use crate::memory::{AccessGuard, RegionDesc, RegionKind};
 use crate::transport::batch::Stage;
 use crate::transport::conn::{checksum_pieces, Conn, Piece};
 use crate::transport::wire::{self, Commit, FrameType, Range};
@@ -80,7 +86,8 @@ impl RdmaLink {
 
     /// Makes sure every local region of `ops` is registered with the NIC and
     /// its lkeys are known to the data path (regions registered with the agent
-    /// after the connection included).
+    /// after the connection included). Device regions go through the NIC's GPU
+    /// path (`NoGpuDirect` with the reason without one).
     fn ensure_local(&self, ops: &[WriteOp]) -> Result<()> {
         let mut known = super::session::lock(&self.known);
         for op in ops {
@@ -88,9 +95,10 @@ impl RdmaLink {
             if known.contains(&(d.id, d.addr, d.len)) {
                 continue;
             }
-            // SAFETY: a registry region stays valid until it is unregistered, and the
-            // batch pins it (validate_ops) while the NIC uses it.
-            let keys = unsafe { self.nic.register(d.addr, d.len) }.map_err(|e| {
+            // SAFETY: a registry region stays valid until it is unregistered (whose
+            // hook deregisters it from the NIC first), and the batch pins it
+            // (validate_ops) while the NIC uses it.
+            let keys = unsafe { self.nic.register(d.addr, d.len, d.kind) }.map_err(|e| {
                 Error::new(
                     e.status(),
                     format!(
@@ -100,14 +108,45 @@ impl RdmaLink {
                     ),
                 )
             })?;
+            // Regions known before over these addresses were unregistered (live
+            // regions never overlap): their lkeys are gone, forget them.
+            let end = d.addr + d.len;
+            known.retain(|(_, a, l)| {
+                let stale = *a < end && d.addr < a + l;
+                if stale {
+                    self.path.remove_local(*a, *l);
+                }
+                !stale
+            });
             self.path.add_local(&keys);
             known.insert((d.id, d.addr, d.len));
         }
         Ok(())
     }
 
+    /// Batches the data path's completion tracker holds (bounded; for tests).
+    pub fn tracked(&self) -> usize {
+        self.path.tracked()
+    }
+
     fn submit_dir(&self, ops: &[WriteOp], opts: &BatchOptions, read: bool) -> Result<BatchId> {
-        let (pieces, guards, bytes) = self.conn.validate(ops)?;
+        let (pieces, guards, bytes) = self.conn.validate_with(ops, true)?;
+        if opts.checksum {
+            // The CPU cannot read device memory: no checksum over it.
+            let device = |d: Option<RegionDesc>| d.is_some_and(|d| d.kind != RegionKind::Host);
+            if let Some(op) = ops.iter().find(|o| {
+                device(self.conn.registry.get(o.local_region).ok())
+                    || device(self.conn.regions.get(&o.remote_region).cloned())
+            }) {
+                return Err(Error::new(
+                    Status::Unsupported,
+                    format!(
+                        "a checksum over device memory is not supported (the CPU cannot read it): op on local region {} / remote region {} touches device memory; submit without checksum",
+                        op.local_region, op.remote_region
+                    ),
+                ));
+            }
+        }
         self.ensure_local(ops)?;
         // Writes: checksum of the source now. Reads: computed after the read landed.
         let checksum = opts
@@ -359,9 +398,10 @@ impl Drop for RdmaLink {
 #[cfg(test)]
 mod tests {
     use crate::error::Status;
-    use crate::memory::RegionDesc;
+    use crate::memory::{RegionDesc, RegionKind};
     use crate::transport::rdma::fake::{self, FakeNic};
     use crate::transport::rdma::handshake::Mtu;
+    use crate::transport::rdma::nic::NicProvider;
     use crate::transport::{
         Agent, AgentOptions, BatchOptions, ConnectOptions, ReadOp, Transport, TransportKind,
         WriteOp,
@@ -737,6 +777,361 @@ mod tests {
         .unwrap();
         assert!(buf.iter().all(|b| *b == 9));
         drop(src);
+    }
+
+    fn write_op(s: &RegionDesc, d: &RegionDesc, lo: u64, ro: u64, len: u64) -> WriteOp {
+        WriteOp {
+            local_region: s.id,
+            local_offset: lo,
+            remote_region: d.id,
+            remote_offset: ro,
+            len,
+        }
+    }
+
+    fn run(t: &dyn Transport, ops: &[WriteOp]) -> crate::Result<crate::transport::Completion> {
+        t.submit(ops, &BatchOptions::default())
+            .and_then(|id| t.wait(id, Duration::from_secs(10)))
+    }
+
+    /// Connects a bare data path of `tx` to one of `rx` (no agent, no grant):
+    /// what a peer holding rx's rkeys could post.
+    fn raw_pair(
+        tx: &FakeNic,
+        rx: &FakeNic,
+    ) -> (
+        Box<dyn crate::transport::rdma::nic::DataPath>,
+        Box<dyn crate::transport::rdma::nic::DataPath>,
+    ) {
+        use crate::transport::rdma::nic::NicProvider;
+        let (et, er) = (tx.endpoint().unwrap(), rx.endpoint().unwrap());
+        let (ht, hr) = (et.local().clone(), er.local().clone());
+        let (pt, _) = et.connect(&hr).unwrap();
+        let (pr, _) = er.connect(&ht).unwrap();
+        (pt, pr)
+    }
+
+    fn state(
+        p: &dyn crate::transport::rdma::nic::DataPath,
+        batch: u32,
+        spans: &[crate::transport::rdma::Span],
+    ) -> crate::transport::rdma::BatchState {
+        use crate::transport::rdma::{BatchState, Direction};
+        match p.post_batch(batch, Direction::Write, spans) {
+            Ok(()) => p.wait(batch, Duration::from_secs(5)).unwrap(),
+            Err(e) => BatchState::Failed(e),
+        }
+    }
+
+    #[test]
+    fn unregistering_drops_the_nic_registration_so_old_rkeys_write_nothing() {
+        use crate::transport::rdma::{BatchState, Span};
+        let rn = FakeNic::new("unreg-rx", 2, Mtu::Mtu4096);
+        let tn = FakeNic::new("unreg-tx", 2, Mtu::Mtu4096);
+        let rx = agent(true, Some(rn.clone()));
+        let mut dst = vec![0u8; 1 << 20];
+        let src: Vec<u8> = (0..1u32 << 20).map(|i| (i % 251) as u8 + 1).collect();
+        // SAFETY: dst outlives every use below (unregistered before it drops).
+        let d = unsafe { rx.register_host(dst.as_mut_ptr(), dst.len()) }.unwrap();
+        rx.rdma_register_all().unwrap();
+        // SAFETY: src outlives the data paths below.
+        unsafe {
+            tn.register(src.as_ptr() as u64, src.len() as u64, RegionKind::Host)
+                .unwrap()
+        };
+        let old = rn.regions();
+        assert_eq!(old.len(), 1);
+        assert_eq!((old[0].addr, old[0].kind), (d.addr, RegionKind::Host));
+        // A peer connected while the region was registered holds its rkeys.
+        let (pt, _pr) = raw_pair(&tn, &rn);
+        let span = |off: u64| Span {
+            local_addr: src.as_ptr() as u64,
+            remote_addr: d.addr + off,
+            len: 300_000,
+        };
+        assert_eq!(
+            state(&*pt, 1, &[span(0)]),
+            BatchState::Done { bytes: 300_000 }
+        );
+        assert_eq!(&dst[..300_000], &src[..300_000]);
+        rx.registry()
+            .unregister(d.id, Duration::from_secs(2))
+            .unwrap();
+        assert!(rn.regions().is_empty(), "the MR is gone with the region");
+        // The same peer writes with the old rkeys: the NIC refuses, nothing lands.
+        match state(&*pt, 2, &[span(500_000)]) {
+            BatchState::Failed(e) => assert!(e.detail().contains("REM_ACCESS"), "{e}"),
+            s => panic!("a write with a deregistered rkey gave {s:?}"),
+        }
+        assert!(
+            dst[300_000..].iter().all(|b| *b == 0),
+            "bytes landed in unregistered memory"
+        );
+        // The same addresses registered again get fresh keys, and they work.
+        // SAFETY: as above.
+        let d2 = unsafe { rx.register_host(dst.as_mut_ptr(), dst.len()) }.unwrap();
+        rx.rdma_register_all().unwrap();
+        let new = rn.regions();
+        assert_eq!(new.len(), 1);
+        assert!(
+            new[0].keys.iter().all(|k| !old[0].keys.contains(k)),
+            "{new:?} vs {old:?}"
+        );
+        let (pt2, _pr2) = raw_pair(&tn, &rn);
+        assert_eq!(
+            state(&*pt2, 3, &[span(500_000)]),
+            BatchState::Done { bytes: 300_000 }
+        );
+        assert_eq!(&dst[500_000..800_000], &src[..300_000]);
+        // And through the agents: a sender connecting now writes into the new region.
+        let tx = agent(false, Some(tn.clone()));
+        let mut s2: Vec<u8> = (0..4096u32).map(|i| (i % 7) as u8 + 100).collect();
+        // SAFETY: s2 outlives the transport below.
+        let sd = unsafe { tx.register_host(s2.as_mut_ptr(), s2.len()) }.unwrap();
+        let t = connect(&tx, &rx, TransportKind::Rdma).unwrap();
+        run(&*t, &[write_op(&sd, &d2, 0, 900_000, 4096)]).unwrap();
+        assert_eq!(&dst[900_000..904_096], &s2[..]);
+        drop(t);
+        rx.registry()
+            .unregister(d2.id, Duration::from_secs(2))
+            .unwrap();
+        drop((s2, src));
+    }
+
+    #[test]
+    fn regions_re_registered_over_the_same_addresses_work_on_both_sides() {
+        let rn = FakeNic::new("rereg-rx", 2, Mtu::Mtu4096);
+        let tn = FakeNic::new("rereg-tx", 2, Mtu::Mtu4096);
+        let rx = agent(true, Some(rn.clone()));
+        let tx = agent(false, Some(tn.clone()));
+        let mut dst = vec![0u8; 1 << 20];
+        let mut src: Vec<u8> = (0..1u32 << 20).map(|i| (i % 241) as u8 + 1).collect();
+        let (sp, dp) = (src.as_mut_ptr(), dst.as_mut_ptr());
+        // SAFETY: dst and src outlive every region and transport below.
+        let d = unsafe { rx.register_host(dp.add(4096), 8192) }.unwrap();
+        // SAFETY: as above.
+        let s = unsafe { tx.register_host(sp.add(65_536), 65_536) }.unwrap();
+        let t = connect(&tx, &rx, TransportKind::Rdma).unwrap();
+        run(&*t, &[write_op(&s, &d, 0, 0, 8192)]).unwrap();
+        assert_eq!(&dst[4096..12_288], &src[65_536..73_728]);
+        // Without deregistration the NIC refuses an overlapping range, like verbs.
+        // SAFETY: the range is only checked (refused), never used.
+        let e = unsafe { tn.register(sp as u64 + 100_000, 4096, RegionKind::Host) }.unwrap_err();
+        assert_eq!(e.status(), Status::RegionOverlap, "{e}");
+        // The sender frees its source and registers a larger region starting
+        // earlier over the same addresses: the live link drops the stale lkey
+        // and uses the new one (a stale key would fail the QP with LOC_PROT).
+        tx.registry()
+            .unregister(s.id, Duration::from_secs(2))
+            .unwrap();
+        // SAFETY: as above.
+        let s2 = unsafe { tx.register_host(sp, 1 << 20) }.unwrap();
+        run(&*t, &[write_op(&s2, &d, 70_000, 0, 8192)]).unwrap();
+        assert_eq!(&dst[4096..12_288], &src[70_000..78_192]);
+        assert_eq!(tn.regions().len(), 1);
+        assert_eq!(
+            (tn.regions()[0].addr, tn.regions()[0].len),
+            (sp as u64, 1 << 20)
+        );
+        // The receiver does the same; a new connection sees the new region.
+        rx.registry()
+            .unregister(d.id, Duration::from_secs(2))
+            .unwrap();
+        // The old descriptor is refused by the receiver, nothing lands.
+        let e = run(&*t, &[write_op(&s2, &d, 0, 0, 8192)]).unwrap_err();
+        assert_eq!(e.status(), Status::RegionNotFound, "{e}");
+        // SAFETY: as above.
+        let d2 = unsafe { rx.register_host(dp, 1 << 20) }.unwrap();
+        let t2 = connect(&tx, &rx, TransportKind::Rdma).unwrap();
+        run(&*t2, &[write_op(&s2, &d2, 0, 100_000, 500_000)]).unwrap();
+        assert_eq!(&dst[100_000..600_000], &src[..500_000]);
+        assert_eq!(rn.regions().len(), 1);
+        drop((t, t2));
+    }
+
+    #[test]
+    fn many_failed_batches_leave_nothing_in_the_tracker() {
+        use crate::transport::rdma::{BatchState, Direction, Span};
+        let an = FakeNic::new("fail-a", 2, Mtu::Mtu4096);
+        let bn = FakeNic::new("fail-b", 2, Mtu::Mtu4096);
+        let src: Vec<u8> = (0..1u32 << 21).map(|i| (i % 239) as u8).collect();
+        let dst = vec![0u8; 1 << 21];
+        // SAFETY: both buffers outlive the data paths below.
+        unsafe {
+            an.register(src.as_ptr() as u64, src.len() as u64, RegionKind::Host)
+                .unwrap();
+            bn.register(dst.as_ptr() as u64, dst.len() as u64, RegionKind::Host)
+                .unwrap();
+        }
+        let (pa, _pb) = raw_pair(&an, &bn);
+        assert_eq!(pa.rails(), 2);
+        let rail1 = an.qpns()[1];
+        // 20 pieces of 64 KiB: about 10 work requests on each rail, one group each.
+        let spans: Vec<Span> = (0..20u64)
+            .map(|k| Span {
+                local_addr: src.as_ptr() as u64 + k * 100_000,
+                remote_addr: dst.as_ptr() as u64 + k * 100_000,
+                len: 65_536,
+            })
+            .collect();
+        let settle = |what: &str| {
+            let t0 = Instant::now();
+            while pa.tracked() > 0 && t0.elapsed() < Duration::from_secs(2) {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            assert_eq!(pa.tracked(), 0, "{what}: the tracker kept batches");
+        };
+        for round in 0..150u32 {
+            // Rail 1's NIC refuses half of its next post (out of resources): the
+            // batch fails with rail 0's part in flight and both rails healthy.
+            fake::refuse_posts(rail1, 1);
+            let e = pa
+                .post_batch(2 * round + 1, Direction::Write, &spans)
+                .unwrap_err();
+            assert!(e.detail().contains("ENOMEM"), "{e}");
+            // Nobody waits for the failed batch: it must retire by itself.
+            settle(&format!("round {round}"));
+            // The rails stay usable and their send slots come back.
+            let b = 2 * round + 2;
+            pa.post_batch(b, Direction::Write, &spans).unwrap();
+            assert_eq!(
+                pa.wait(b, Duration::from_secs(5)).unwrap(),
+                BatchState::Done { bytes: 20 * 65_536 }
+            );
+        }
+        settle("end");
+        assert!(fake::qp_alive(rail1));
+        for k in 0..20 {
+            let o = k * 100_000;
+            assert_eq!(&dst[o..o + 65_536], &src[o..o + 65_536]);
+        }
+    }
+
+    #[test]
+    fn device_regions_move_over_rdma_and_a_nic_without_gpudirect_refuses_them() {
+        let rn = FakeNic::new("gpu-rx", 2, Mtu::Mtu4096);
+        let tn = FakeNic::new("gpu-tx", 2, Mtu::Mtu4096);
+        let rx = agent(true, Some(rn.clone()));
+        let tx = agent(false, Some(tn.clone()));
+        // "Device" memory on the fake fabric is plain memory registered as Device.
+        let mut dpool = vec![0u8; 1 << 20];
+        let mut spool: Vec<u8> = (0..1u32 << 20).map(|i| (i * 3 % 253) as u8 + 1).collect();
+        let mut host = vec![0u8; 65_536];
+        // SAFETY: the buffers outlive every region and transport below.
+        let (d, s, h) = unsafe {
+            (
+                rx.registry()
+                    .register_device_unchecked(dpool.as_mut_ptr() as u64, dpool.len(), 0)
+                    .unwrap(),
+                tx.registry()
+                    .register_device_unchecked(spool.as_mut_ptr() as u64, spool.len(), 1)
+                    .unwrap(),
+                rx.register_host(host.as_mut_ptr(), host.len()).unwrap(),
+            )
+        };
+        assert_eq!(d.kind, RegionKind::Device { ordinal: 0 });
+        let t = connect(&tx, &rx, TransportKind::Rdma).unwrap();
+        // Device to device, and device to host.
+        let c = run(
+            &*t,
+            &[
+                write_op(&s, &d, 1000, 0, 400_000),
+                write_op(&s, &d, 0, 600_000, 300_000),
+                write_op(&s, &h, 5, 0, 65_536),
+            ],
+        )
+        .unwrap();
+        assert_eq!(c.bytes, 765_536);
+        assert_eq!(&dpool[..400_000], &spool[1000..401_000]);
+        assert_eq!(&dpool[600_000..900_000], &spool[..300_000]);
+        assert_eq!(&host[..], &spool[5..65_541]);
+        let inc = rx.next_completion(Duration::from_secs(5)).unwrap();
+        assert_eq!(inc.completion.bytes, 765_536);
+        // Both NICs registered the device regions through their GPU path.
+        assert!(rn
+            .regions()
+            .iter()
+            .any(|r| r.addr == d.addr && r.kind == RegionKind::Device { ordinal: 0 }));
+        assert!(tn
+            .regions()
+            .iter()
+            .any(|r| r.addr == s.addr && r.kind == RegionKind::Device { ordinal: 1 }));
+        // Reads from device memory into device memory.
+        let r = [crate::transport::ReadOp {
+            local_region: s.id,
+            local_offset: 900_000,
+            remote_region: d.id,
+            remote_offset: 0,
+            len: 100_000,
+        }];
+        t.wait(
+            t.submit_reads(&r, &BatchOptions::default()).unwrap(),
+            Duration::from_secs(10),
+        )
+        .unwrap();
+        assert_eq!(&spool[900_000..1_000_000], &dpool[..100_000]);
+        // The CPU cannot checksum device memory: refused before anything moves.
+        let opts = BatchOptions {
+            checksum: true,
+            ..Default::default()
+        };
+        let e = t.submit(&[write_op(&s, &h, 0, 0, 16)], &opts).unwrap_err();
+        assert_eq!(e.status(), Status::Unsupported, "{e}");
+        assert!(e.detail().contains("device memory"), "{e}");
+        // cma and tcp still refuse device memory.
+        let tcp = connect(&tx, &rx, TransportKind::Tcp).unwrap();
+        let e = run(&*tcp, &[write_op(&s, &d, 0, 0, 16)]).unwrap_err();
+        assert_eq!(e.status(), Status::Unsupported, "{e}");
+
+        // A sender whose NIC has no GPUDirect RDMA: its device source is refused
+        // with the typed reason; host sources still move.
+        let tn2 = FakeNic::new("nogpu-tx", 1, Mtu::Mtu4096);
+        tn2.set_gpu_direct(false);
+        let tx2 = agent(false, Some(tn2.clone()));
+        let mut spool2 = vec![7u8; 65_536];
+        let mut hsrc = vec![9u8; 4096];
+        // SAFETY: as above.
+        let (s2, hs) = unsafe {
+            (
+                tx2.registry()
+                    .register_device_unchecked(spool2.as_mut_ptr() as u64, spool2.len(), 0)
+                    .unwrap(),
+                tx2.register_host(hsrc.as_mut_ptr(), hsrc.len()).unwrap(),
+            )
+        };
+        let t2 = connect(&tx2, &rx, TransportKind::Rdma).unwrap();
+        let e = run(&*t2, &[write_op(&s2, &h, 0, 0, 4096)]).unwrap_err();
+        assert_eq!(e.status(), Status::NoGpuDirect, "{e}");
+        assert!(
+            e.detail().contains("GPUDirect") && e.detail().contains("nogpu-tx"),
+            "{e}"
+        );
+        assert!(tn2.regions().iter().all(|r| r.kind == RegionKind::Host));
+        run(&*t2, &[write_op(&hs, &h, 0, 0, 4096)]).unwrap();
+        assert!(host[..4096].iter().all(|b| *b == 9));
+
+        // A receiver whose NIC has no GPUDirect RDMA: its device region is not
+        // registered with the NIC, connections still come up, and a batch into
+        // it is refused at grant with the reason; nothing lands.
+        let rn3 = FakeNic::new("nogpu-rx", 1, Mtu::Mtu4096);
+        rn3.set_gpu_direct(false);
+        let rx3 = agent(true, Some(rn3.clone()));
+        let mut dpool3 = vec![0u8; 65_536];
+        // SAFETY: as above.
+        let d3 = unsafe {
+            rx3.registry()
+                .register_device_unchecked(dpool3.as_mut_ptr() as u64, dpool3.len(), 0)
+                .unwrap()
+        };
+        // Registering everything up front (the engine does) skips it, not fails.
+        rx3.rdma_register_all().unwrap();
+        let t3 = connect(&tx2, &rx3, TransportKind::Rdma).unwrap();
+        assert!(rn3.regions().is_empty());
+        let e = run(&*t3, &[write_op(&hs, &d3, 0, 0, 4096)]).unwrap_err();
+        assert_eq!(e.status(), Status::NoGpuDirect, "{e}");
+        assert!(e.detail().contains("device memory"), "{e}");
+        assert!(dpool3.iter().all(|b| *b == 0));
+        drop((t, tcp, t2, t3));
     }
 
     #[test]

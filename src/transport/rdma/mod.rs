@@ -28,6 +28,15 @@
 //!   real bytes after key and bounds checks, selected only explicitly
 //!   (`AgentOptions::nic`).
 //!
+//! Registrations follow the agent's registry: every region is registered
+//! with the NIC (device regions through the GPU path: dma-buf, else
+//! nvidia-peermem; `NoGpuDirect` with the reason where neither exists), and
+//! unregistering a region deregisters its memory region on the NIC from the
+//! registry's unregister hook, after its in-flight accesses drained and
+//! before `unregister` returns: a peer still holding its rkey gets
+//! `IBV_WC_REM_ACCESS_ERR` and writes nothing, and the same addresses can be
+//! registered again (fresh keys).
+//!
 //! The agent's handshake carries it: the server offers its NICs in
 //! `HelloAck.rdma`, the client sends its `Handshake` in `Select`, the server
 //! answers with its own in `SelectOk`, and both `negotiate` and bring their

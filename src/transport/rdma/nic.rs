@@ -15,6 +15,7 @@ use super::slice::{LocalRegion, Span};
 use super::tracker::BatchState;
 use super::wr::Direction;
 use crate::error::Result;
+use crate::memory::RegionKind;
 use std::time::Duration;
 
 /// A connected RDMA data path (one QP per rail).
@@ -26,6 +27,12 @@ pub trait DataPath: Send + Sync {
     fn wait(&self, batch: u32, timeout: Duration) -> Result<BatchState>;
     /// Adds a local region registered after connecting (`per_rail[i]` on rail `i`).
     fn add_local(&self, per_rail: &[LocalRegion]);
+    /// Forgets every local region overlapping `[addr, addr+len)` (their
+    /// registrations are gone; a stale lkey would fail the QP).
+    fn remove_local(&self, addr: u64, len: u64);
+    /// Batches the tracker still holds (in flight, or finished and not yet
+    /// reported): bounded, for tests and diagnostics.
+    fn tracked(&self) -> usize;
     /// Connected rails.
     fn rails(&self) -> usize;
 }
@@ -39,6 +46,12 @@ impl<R: RailIo> DataPath for Session<R> {
     }
     fn add_local(&self, per_rail: &[LocalRegion]) {
         Session::add_local(self, per_rail)
+    }
+    fn remove_local(&self, addr: u64, len: u64) {
+        Session::remove_local(self, addr, len)
+    }
+    fn tracked(&self) -> usize {
+        Session::tracked(self)
     }
     fn rails(&self) -> usize {
         self.connected_rails()
@@ -60,13 +73,25 @@ pub trait NicEndpoint: Send {
 pub trait NicProvider: Send + Sync {
     /// What the NICs are, in words (for the handshake offer and reports).
     fn describe(&self) -> String;
-    /// Registers `[addr, addr+len)` on every rail (an exact range registered
-    /// before returns its keys again); returns the lkey per rail.
+    /// Registers `[addr, addr+len)` of `kind` memory on every rail (an exact
+    /// range registered before returns its keys again; a range overlapping
+    /// another registration is refused with `RegionOverlap`, as verbs does);
+    /// returns the lkey per rail. Device memory goes through the NIC's GPU path
+    /// (GPUDirect RDMA); without one: `NoGpuDirect` naming the reason.
     ///
     /// # Safety
-    /// The memory must stay valid while the registration can be used (the
-    /// agent passes registry regions, valid until unregistered).
-    unsafe fn register(&self, addr: u64, len: u64) -> Result<Vec<LocalRegion>>;
+    /// The memory must stay valid until [`deregister`](Self::deregister)ed
+    /// (the agent passes registry regions and deregisters them from the
+    /// registry's unregister hook).
+    unsafe fn register(&self, addr: u64, len: u64, kind: RegionKind) -> Result<Vec<LocalRegion>>;
+    /// Deregisters the range registered as exactly `[addr, addr+len)` on every
+    /// rail: its keys stop working at once (a peer's WRITE with the old rkey
+    /// fails with a remote access error, nothing is written). False when no
+    /// such range is registered.
+    fn deregister(&self, addr: u64, len: u64) -> Result<bool>;
+    /// Whether device (GPU) memory can be registered, or why not
+    /// (`NoGpuDirect` with the reason).
+    fn gpu_direct(&self) -> Result<()>;
     /// A new endpoint (one QP per rail) advertising every region registered so far.
     fn endpoint(&self) -> Result<Box<dyn NicEndpoint>>;
 }
@@ -108,6 +133,87 @@ mod verbs_provider {
         }
     }
 
+    impl VerbsProvider {
+        /// Registers device memory through the GPU path (dma-buf, else
+        /// nvidia-peermem) with device `ordinal`'s primary context current.
+        ///
+        /// # Safety
+        /// As [`NicProvider::register`].
+        #[cfg(feature = "cuda")]
+        unsafe fn register_device(&self, addr: u64, len: u64, ordinal: u32) -> Result<()> {
+            gpu_direct_available()?;
+            use cudarc::driver::result as cu;
+            // Make the device's primary context current for the export, and put
+            // back whatever this (possibly engine-owned) thread had current.
+            let ctx = std::panic::catch_unwind(|| {
+                cu::init()?;
+                let dev = cu::device::get(ordinal as i32)?;
+                let before = cu::ctx::get_current()?;
+                // SAFETY: dev comes from device::get; the primary context stays retained
+                // for the process (the registry's device regions live in it).
+                unsafe {
+                    let ctx = cu::primary_ctx::retain(dev)?;
+                    cu::ctx::set_current(ctx)?;
+                }
+                Ok::<_, cudarc::driver::DriverError>(before)
+            });
+            let before = match ctx {
+                Ok(Ok(b)) => b,
+                Ok(Err(e)) => {
+                    return Err(Error::new(
+                        Status::NoGpuDirect,
+                        format!(
+                        "GPUDirect RDMA: cannot make device {ordinal}'s CUDA context current: {e}"
+                    ),
+                    ))
+                }
+                Err(_) => {
+                    return Err(Error::new(
+                        Status::NoGpuDirect,
+                        "GPUDirect RDMA: the CUDA driver library is missing a required symbol",
+                    ))
+                }
+            };
+            // SAFETY: forwarded from this function's contract.
+            let r = unsafe { self.t.register_gpu(addr, len) };
+            // SAFETY: `before` was current on this thread a moment ago (or none was).
+            let _ = unsafe { cu::ctx::set_current(before.unwrap_or(std::ptr::null_mut())) };
+            r.map(|_| ()).map_err(|e| {
+                Error::new(
+                    Status::NoGpuDirect,
+                    format!("device {ordinal} memory {addr:#x}+{len}: {}", e.detail()),
+                )
+            })
+        }
+
+        /// Without the `cuda` feature device memory cannot be exported to the NIC.
+        #[cfg(not(feature = "cuda"))]
+        unsafe fn register_device(&self, _addr: u64, _len: u64, _ordinal: u32) -> Result<()> {
+            gpu_direct_available()
+        }
+    }
+
+    /// Whether this build and machine can register GPU memory with a NIC.
+    fn gpu_direct_available() -> Result<()> {
+        #[cfg(feature = "cuda")]
+        {
+            // SAFETY: only tries to dlopen libcuda.
+            if unsafe { cudarc::driver::sys::is_culib_present() } {
+                Ok(())
+            } else {
+                Err(Error::new(
+                    Status::NoGpuDirect,
+                    "GPUDirect RDMA unavailable: libcuda could not be loaded (no NVIDIA driver here)",
+                ))
+            }
+        }
+        #[cfg(not(feature = "cuda"))]
+        Err(Error::new(
+            Status::NoGpuDirect,
+            "GPUDirect RDMA unavailable: this build of pdxfer has no `cuda` feature",
+        ))
+    }
+
     impl NicProvider for VerbsProvider {
         fn describe(&self) -> String {
             let names: Vec<String> = self
@@ -119,13 +225,26 @@ mod verbs_provider {
             format!("verbs {}", names.join(","))
         }
 
-        unsafe fn register(&self, addr: u64, len: u64) -> Result<Vec<LocalRegion>> {
+        unsafe fn register(
+            &self,
+            addr: u64,
+            len: u64,
+            kind: RegionKind,
+        ) -> Result<Vec<LocalRegion>> {
             let mut m = crate::transport::rdma::session::lock(&self.registered);
             if let Some(k) = m.get(&(addr, len)) {
                 return Ok(k.clone());
             }
-            // SAFETY: forwarded from this function's contract.
-            unsafe { self.t.register_host(&[(addr, len)]) }?;
+            match kind {
+                RegionKind::Host => {
+                    // SAFETY: forwarded from this function's contract.
+                    unsafe { self.t.register_host(&[(addr, len)]) }?;
+                }
+                RegionKind::Device { ordinal } => {
+                    // SAFETY: forwarded from this function's contract.
+                    unsafe { self.register_device(addr, len, ordinal) }?;
+                }
+            }
             let keys = self.t.local_keys(addr).ok_or_else(|| {
                 Error::new(
                     Status::Rdma,
@@ -134,6 +253,19 @@ mod verbs_provider {
             })?;
             m.insert((addr, len), keys.clone());
             Ok(keys)
+        }
+
+        fn deregister(&self, addr: u64, len: u64) -> Result<bool> {
+            let mut m = crate::transport::rdma::session::lock(&self.registered);
+            if m.remove(&(addr, len)).is_none() {
+                return Ok(false);
+            }
+            self.t.deregister(addr)?;
+            Ok(true)
+        }
+
+        fn gpu_direct(&self) -> Result<()> {
+            gpu_direct_available()
         }
 
         fn endpoint(&self) -> Result<Box<dyn NicEndpoint>> {
@@ -163,6 +295,12 @@ mod verbs_provider {
         }
         fn add_local(&self, per_rail: &[LocalRegion]) {
             self.session_add_local(per_rail)
+        }
+        fn remove_local(&self, addr: u64, len: u64) {
+            self.session_remove_local(addr, len)
+        }
+        fn tracked(&self) -> usize {
+            self.session_tracked()
         }
         fn rails(&self) -> usize {
             self.negotiated().len()

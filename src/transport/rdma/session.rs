@@ -162,6 +162,21 @@ impl<R: RailIo> Session<R> {
         }
     }
 
+    /// Forgets every local region overlapping `[addr, addr+len)` on every rail
+    /// (deregistered: its lkeys are gone).
+    pub fn remove_local(&self, addr: u64, len: u64) {
+        for r in &self.shared.rails[..self.connected] {
+            if let Some(k) = lock(&r.keys).as_mut() {
+                k.remove_local(addr, len);
+            }
+        }
+    }
+
+    /// Batches the tracker still holds (in flight, or finished and not yet reported).
+    pub fn tracked(&self) -> usize {
+        lock(&self.shared.tracker).len()
+    }
+
     /// The number of connected rails (0 before [`start`](Self::start)).
     pub fn connected_rails(&self) -> usize {
         self.connected
@@ -295,8 +310,10 @@ impl<R: RailIo> Session<R> {
                 }
                 if let Err((accepted, e)) = rails[*i].io.post_send(group) {
                     let mut t = lock(&self.shared.tracker);
-                    // The refused WRs (including the signalled one) will never complete.
+                    // The refused WRs (including the signalled one) will never complete;
+                    // the accepted ones before it have no completion to return their slots.
                     t.unpost(batch, &signalled);
+                    t.orphan(*i, accepted as u32);
                     t.post_failed(
                         batch,
                         *i,

@@ -192,6 +192,14 @@ impl RailKeys {
         self.local.insert(i, l);
     }
 
+    /// Forgets every local region overlapping `[addr, addr+len)` (deregistered:
+    /// a work request with its lkey would fail the QP).
+    pub fn remove_local(&mut self, addr: u64, len: u64) {
+        let end = addr.saturating_add(len);
+        self.local
+            .retain(|r| !(r.addr < end && addr < r.addr.saturating_add(r.len)));
+    }
+
     /// Resolves one span to a transfer with this rail's keys; the whole span must lie
     /// inside one local and one remote region ([`Status::OutOfBounds`] otherwise).
     pub fn resolve(&self, s: &Span) -> Result<Transfer> {
@@ -407,6 +415,17 @@ mod tests {
             .unwrap_err();
         assert!(e.detail().contains("remote"), "{e}");
         assert!(keys.resolve(&sp(u64::MAX - 1, 0x10_0000, 4)).is_err());
+        // A removed (deregistered) local region no longer resolves; its neighbour does.
+        let mut k2 = keys.clone();
+        k2.remove_local(0x1800, 0x100);
+        assert!(k2.resolve(&sp(0x1000, 0x10_0000, 1)).is_err());
+        assert_eq!(k2.resolve(&sp(0x2000, 0x10_0000, 1)).unwrap().lkey, 2);
+        k2.remove_local(0x1000, 0x1000);
+        assert_eq!(
+            k2.resolve(&sp(0x2000, 0x10_0000, 1)).unwrap().lkey,
+            2,
+            "adjacent, not overlapping"
+        );
         assert_eq!(
             keys.resolve_all(&[sp(0x1000, 0x10_0000, 1), sp(0x2000, 0x10_0001, 1)])
                 .unwrap()

@@ -13,6 +13,9 @@
 use crate::error::{Error, Status};
 use std::collections::{HashMap, HashSet, VecDeque};
 
+/// Incoming batch ids (newest first) whose partial records are kept.
+const PARTIAL_WINDOW: u32 = 4096;
+
 /// `IBV_WC_SUCCESS`.
 pub(crate) const WC_SUCCESS: u32 = 0;
 /// `IBV_WC_WR_FLUSH_ERR`.
@@ -85,10 +88,20 @@ pub enum BatchState {
 
 #[derive(Debug)]
 struct Entry {
-    pending: usize,
+    /// Signalled work requests still awaited, per rail.
+    pending: HashMap<usize, usize>,
     bytes: u64,
     rails: HashSet<usize>,
     failed: Option<Error>,
+    /// Its failure was reported (by [`Tracker::finish`] or by the error of a
+    /// failed post): it is forgotten as soon as it settles.
+    reported: bool,
+}
+
+impl Entry {
+    fn pending(&self) -> usize {
+        self.pending.values().sum()
+    }
 }
 
 /// Bookkeeping for all batches of one endpoint.
@@ -105,6 +118,9 @@ pub struct Tracker {
     incoming: VecDeque<u32>,
     /// Records seen so far per incoming batch (a batch over k rails sends k).
     partial: HashMap<u32, usize>,
+    /// Send slots of WRs a refused post left without a signalled WR, per rail:
+    /// returned with the rail's next completion (a send queue completes in order).
+    orphans: Vec<u32>,
 }
 
 /// One signalled work request of a batch, as posted on a rail.
@@ -124,7 +140,54 @@ impl Tracker {
         Tracker {
             credits: vec![sq_depth; rails],
             dead: vec![None; rails],
+            orphans: vec![0; rails],
             ..Default::default()
+        }
+    }
+
+    /// Batches held: in flight, or finished and not yet reported. Bounded by
+    /// what the caller has in flight: every batch is forgotten once it is
+    /// reported and none of its work requests is awaited on a live rail.
+    pub fn len(&self) -> usize {
+        self.batches.len()
+    }
+
+    /// True when no batch is held.
+    pub fn is_empty(&self) -> bool {
+        self.batches.is_empty()
+    }
+
+    /// Signalled work requests awaited (all batches, all rails).
+    pub fn awaited(&self) -> usize {
+        self.inflight.len()
+    }
+
+    /// Whether a failed batch no longer waits for any work request on a live
+    /// rail (those on dead rails may never complete, e.g. after a CQ failure).
+    fn settled(&self, e: &Entry) -> bool {
+        e.failed.is_some()
+            && e.pending
+                .iter()
+                .all(|(r, n)| *n == 0 || self.dead.get(*r).is_some_and(|d| d.is_some()))
+    }
+
+    /// Forgets `batch` if it failed, was reported and settled.
+    fn maybe_retire(&mut self, batch: u32) {
+        let retire = self
+            .batches
+            .get(&batch)
+            .is_some_and(|e| e.reported && self.settled(e));
+        if retire {
+            self.retire(batch);
+        }
+    }
+
+    fn retire(&mut self, batch: u32) {
+        if let Some(e) = self.batches.remove(&batch) {
+            if e.pending() > 0 {
+                // Awaited only on dead rails: nothing will return those slots anyway.
+                self.inflight.retain(|_, (b, _)| *b != batch);
+            }
         }
     }
 
@@ -159,10 +222,11 @@ impl Tracker {
         self.batches.insert(
             batch,
             Entry {
-                pending: 0,
+                pending: HashMap::new(),
                 bytes,
                 rails: rails.iter().copied().collect(),
                 failed: None,
+                reported: false,
             },
         );
         Ok(())
@@ -182,30 +246,45 @@ impl Tracker {
 
     /// Records a group as posted: its signalled WRs are now awaited.
     pub fn posted(&mut self, batch: u32, signalled: &[Posted]) {
+        let e = self.batches.get_mut(&batch);
+        let Some(e) = e else { return };
         for p in signalled {
             self.inflight.insert((p.rail, p.wr_id), (batch, p.retires));
-        }
-        if let Some(e) = self.batches.get_mut(&batch) {
-            e.pending += signalled.len();
+            *e.pending.entry(p.rail).or_insert(0) += 1;
         }
     }
 
     /// Withdraws signalled WRs recorded by [`posted`](Self::posted) that the NIC
     /// refused (they will never complete).
     pub fn unpost(&mut self, batch: u32, signalled: &[Posted]) {
-        let mut n = 0;
         for p in signalled {
             if self.inflight.remove(&(p.rail, p.wr_id)).is_some() {
-                n += 1;
+                if let Some(n) = self
+                    .batches
+                    .get_mut(&batch)
+                    .and_then(|e| e.pending.get_mut(&p.rail))
+                {
+                    *n = n.saturating_sub(1);
+                }
             }
         }
-        if let Some(e) = self.batches.get_mut(&batch) {
-            e.pending = e.pending.saturating_sub(n);
+        self.maybe_retire(batch);
+    }
+
+    /// `n` WRs were posted on `rail` without the signalled WR that would have
+    /// returned their send slots (the post was refused part-way): their slots
+    /// come back with the rail's next completion.
+    pub fn orphan(&mut self, rail: usize, n: u32) {
+        if let Some(o) = self.orphans.get_mut(rail) {
+            *o += n;
         }
     }
 
-    /// Fails a batch whose posting stopped part-way (`ibv_post_send` refused a WR).
-    /// Completions of the WRs already posted still return their slots.
+    /// Fails a batch whose posting stopped part-way (`ibv_post_send` refused a WR,
+    /// a rail died, or the send queues stayed full). Completions of the WRs
+    /// already posted still return their slots. The poster reports this
+    /// failure with its error, so the batch is forgotten once it settles, even
+    /// if nobody asks for its state.
     pub fn post_failed(
         &mut self,
         batch: u32,
@@ -227,7 +306,9 @@ impl Tracker {
                     ),
                 )
             });
+            e.reported = true;
         }
+        self.maybe_retire(batch);
     }
 
     /// One send-queue completion. `status` is the `ibv_wc_status`, `vendor_err` the
@@ -239,6 +320,13 @@ impl Tracker {
         status: u32,
         vendor_err: u32,
     ) -> Option<u32> {
+        if let Some(o) = self.orphans.get_mut(rail) {
+            // Any completion on the rail means every earlier WR on it completed.
+            if let Some(c) = self.credits.get_mut(rail) {
+                *c += *o;
+            }
+            *o = 0;
+        }
         let (batch, retires) = match self.inflight.remove(&(rail, wr_id)) {
             Some(x) => x,
             None => {
@@ -254,7 +342,9 @@ impl Tracker {
             *c += retires;
         }
         if let Some(e) = self.batches.get_mut(&batch) {
-            e.pending = e.pending.saturating_sub(1);
+            if let Some(n) = e.pending.get_mut(&rail) {
+                *n = n.saturating_sub(1);
+            }
             if status != WC_SUCCESS && e.failed.is_none() {
                 let (name, hint) = wc_status_text(status);
                 let (b, seq) = super::wr::split_wr_id(wr_id);
@@ -269,6 +359,7 @@ impl Tracker {
         if status != WC_SUCCESS {
             self.kill_rail(rail, status, vendor_err, wr_id);
         }
+        self.maybe_retire(batch);
         Some(batch)
     }
 
@@ -296,12 +387,17 @@ impl Tracker {
         // Every other in-flight batch on this rail will be flushed: fail them now
         // with the real cause rather than with "flushed".
         for (id, e) in self.batches.iter_mut() {
-            if e.rails.contains(&rail) && e.pending > 0 && e.failed.is_none() {
+            if e.rails.contains(&rail) && e.pending() > 0 && e.failed.is_none() {
                 e.failed = Some(Error::new(
                     Status::RdmaCompletion,
                     format!("batch {id}: rail {rail}'s QP failed ({reason}); the batch may be partly written and was not retried"),
                 ));
             }
+        }
+        // Reported batches that now wait only on dead rails are done with.
+        let ids: Vec<u32> = self.batches.keys().copied().collect();
+        for id in ids {
+            self.maybe_retire(id);
         }
     }
 
@@ -315,7 +411,17 @@ impl Tracker {
         if *seen >= rails.max(1) {
             self.partial.remove(&batch);
             self.incoming.push_back(batch);
+        } else if self.partial.len() > 2 * PARTIAL_WINDOW as usize {
+            // Records of a batch that failed on another rail never complete:
+            // keep only the newest window of ids (24-bit, wrapping; amortised).
+            self.partial
+                .retain(|b, _| batch.wrapping_sub(*b) & 0x00ff_ffff < PARTIAL_WINDOW);
         }
+    }
+
+    /// Incoming batches with some but not all of their records (bounded).
+    pub fn partial_incoming(&self) -> usize {
+        self.partial.len()
     }
 
     /// The next batch id the peer announced as fully written, if any.
@@ -326,7 +432,7 @@ impl Tracker {
     /// The state of `batch` (`None` if unknown).
     pub fn state(&self, batch: u32) -> Option<BatchState> {
         let e = self.batches.get(&batch)?;
-        Some(match (&e.failed, e.pending) {
+        Some(match (&e.failed, e.pending()) {
             (Some(err), _) => BatchState::Failed(err.clone()),
             (None, 0) => BatchState::Done { bytes: e.bytes },
             (None, _) => BatchState::InProgress,
@@ -334,19 +440,21 @@ impl Tracker {
     }
 
     /// Returns the final state of `batch` and forgets it once it is done, or once
-    /// it failed and none of its posted WRs is still outstanding.
+    /// it failed and none of its posted WRs is still awaited on a live rail. A
+    /// failed batch reported here while WRs are still outstanding is forgotten
+    /// by itself as soon as they complete (or their rails die), so entries
+    /// never pile up even if nobody asks again.
     pub fn finish(&mut self, batch: u32) -> Option<BatchState> {
         let s = self.state(batch)?;
-        let e = self.batches.get(&batch)?;
-        let settled = match s {
-            BatchState::InProgress => false,
-            BatchState::Done { .. } => true,
+        match s {
+            BatchState::InProgress => {}
+            BatchState::Done { .. } => self.retire(batch),
             BatchState::Failed(_) => {
-                e.pending == 0 || e.rails.iter().all(|r| self.dead[*r].is_some())
+                if let Some(e) = self.batches.get_mut(&batch) {
+                    e.reported = true;
+                }
+                self.maybe_retire(batch);
             }
-        };
-        if settled {
-            self.batches.remove(&batch);
         }
         Some(s)
     }
@@ -448,8 +556,76 @@ mod tests {
         assert!(t.state(2).is_some());
         t.on_send_completion(0, wr_id(2, 3), WC_SUCCESS, 0);
         assert_eq!(t.credits(0), 8);
-        assert!(matches!(t.finish(2), Some(BatchState::Failed(_))));
+        // Reported (by the failed post) and settled: forgotten without another ask.
         assert_eq!(t.state(2), None);
+        assert_eq!(t.finish(2), None);
+        assert!(t.is_empty());
+    }
+
+    #[test]
+    fn failed_batches_always_retire_so_the_tracker_stays_bounded() {
+        // Two rails; every batch fails on rail 1 (post refused part-way) while
+        // rail 0 stays healthy and its WRs complete later. Nobody asks for the
+        // state again after the failed post reported it.
+        let mut t = Tracker::new(2, 64);
+        for b in 0..5000u32 {
+            t.begin(b, &[0, 1], 100).unwrap();
+            assert!(t.take_credits(0, 4));
+            t.posted(b, &[posted(0, b, 3, 4)]);
+            assert!(t.take_credits(1, 4));
+            t.posted(b, &[posted(1, b, 3, 4)]);
+            // Rail 1 accepted 2 of its 4 WRs, not the signalled one.
+            t.unpost(b, &[posted(1, b, 3, 4)]);
+            t.orphan(1, 2);
+            t.post_failed(b, 1, 2, 4, "ENOMEM", 2);
+            // Some waiters look once while rail 0 is still busy.
+            if b % 2 == 0 {
+                assert!(matches!(t.finish(b), Some(BatchState::Failed(_))));
+            }
+            assert!(t.len() <= 1, "batch {b}: {} held", t.len());
+            t.on_send_completion(0, wr_id(b, 3), WC_SUCCESS, 0);
+            assert!(t.is_empty(), "batch {b} stayed after it settled");
+            // Rail 1's next completion returns the orphaned slots.
+            if b % 10 == 9 {
+                t.begin(u32::MAX, &[1], 1).unwrap();
+                assert!(t.take_credits(1, 1));
+                t.posted(u32::MAX, &[posted(1, u32::MAX, 0, 1)]);
+                t.on_send_completion(1, wr_id(u32::MAX, 0), WC_SUCCESS, 0);
+                assert_eq!(t.finish(u32::MAX), Some(BatchState::Done { bytes: 1 }));
+                assert_eq!(t.credits(1), 64, "orphaned slots came back");
+            }
+        }
+        assert_eq!((t.len(), t.awaited()), (0, 0));
+        assert_eq!(t.credits(0), 64);
+    }
+
+    #[test]
+    fn a_batch_awaiting_only_a_dead_rails_completions_retires() {
+        // Rail 0's CQ fails (its completions will never be polled); rail 1 stays
+        // healthy and completes its part.
+        let mut t = Tracker::new(2, 16);
+        t.begin(8, &[0, 1], 10).unwrap();
+        t.posted(8, &[posted(0, 8, 1, 1), posted(1, 8, 1, 1)]);
+        t.fail_rail(0, "ibv_poll_cq failed: EIO");
+        // Still waiting for rail 1: kept, reported once.
+        assert!(matches!(t.finish(8), Some(BatchState::Failed(_))));
+        assert_eq!(t.len(), 1);
+        t.on_send_completion(1, wr_id(8, 1), WC_SUCCESS, 0);
+        assert_eq!(
+            (t.len(), t.awaited()),
+            (0, 0),
+            "retired, rail 0's WR dropped"
+        );
+        // A failure nobody has been told about yet is kept until it is asked once.
+        t.begin(9, &[1], 10).unwrap();
+        t.posted(9, &[posted(1, 9, 1, 1)]);
+        t.on_send_completion(1, wr_id(9, 1), 10, 0);
+        assert_eq!(t.len(), 1);
+        match t.finish(9) {
+            Some(BatchState::Failed(e)) => assert!(e.detail().contains("REM_ACCESS"), "{e}"),
+            s => panic!("{s:?}"),
+        }
+        assert!(t.is_empty());
     }
 
     #[test]
@@ -464,6 +640,18 @@ mod tests {
         assert_eq!(t.next_incoming(), Some(1));
         assert_eq!(t.next_incoming(), Some(3));
         assert_eq!(t.next_incoming(), None);
+        // Batches whose other rails' records never come (failed there) do not pile
+        // up, and a recent incomplete batch still completes.
+        for b in 10..30_000u32 {
+            t.on_recv_imm(imm_encode(b, 2).unwrap());
+        }
+        assert!(
+            t.partial_incoming() <= 2 * PARTIAL_WINDOW as usize + 1,
+            "{}",
+            t.partial_incoming()
+        );
+        t.on_recv_imm(imm_encode(29_990, 2).unwrap());
+        assert_eq!(t.next_incoming(), Some(29_990));
         assert_eq!(t.on_send_completion(0, 42, WC_SUCCESS, 0), None);
         assert_eq!(t.on_send_completion(9, 42, WC_SUCCESS, 0), None);
         assert!(t.begin(1, &[3], 1).is_err());
