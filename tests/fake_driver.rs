@@ -862,5 +862,46 @@ fn child_engine_decode_device_pools_on_fake_driver() {
             e.close();
         }
     }
+
+    // A prefill told to use cma refuses a decode whose pools are device
+    // memory at the handshake, naming why; nothing is written.
+    let host = SyntheticPools::new(LAYERS, ROW, P, PAGES, 8, 32).unwrap();
+    let mut cfg = EngineConfig::new(
+        Role::Prefill,
+        "fake-decode-dev-cma",
+        &url,
+        host.topology(1, 0),
+        host.kv_pools(),
+    );
+    cfg.aux = host.aux_buffers();
+    cfg.transport = TransportKind::Cma;
+    // SAFETY: the host pools outlive the engine (closed below).
+    let prefill = unsafe { Engine::new(cfg) }.unwrap();
+    let mirror = SyntheticPools::new(LAYERS, ROW, P, DPAGES, 8, 32).unwrap();
+    let (bufs, kv) = on_device(&mirror);
+    let mut cfg = EngineConfig::new(
+        Role::Decode,
+        "fake-decode-dev-cma",
+        &url,
+        mirror.topology(1, 0),
+        kv,
+    );
+    cfg.pool_device = Some(0);
+    cfg.aux = mirror.aux_buffers();
+    cfg.transport = TransportKind::Tcp;
+    // SAFETY: the device pools and the aux live until the engine is closed below.
+    let decode = unsafe { Engine::new(cfg) }.unwrap();
+    let err = match decode.receiver(9, 0, Some(Duration::from_secs(10))) {
+        Err(e) => e,
+        Ok(()) => {
+            assert_eq!(decode.wait(9, Duration::from_secs(20)), KvPoll::Failed);
+            decode.failure(9).expect("a failed room has its reason")
+        }
+    };
+    assert_eq!(err.status(), pdxfer::Status::Unsupported, "{err}");
+    assert!(err.detail().contains("cma"), "{err}");
+    decode.close();
+    prefill.close();
+    drop(bufs);
     println!("fake-driver decode child: all checks passed");
 }
