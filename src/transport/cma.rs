@@ -20,16 +20,13 @@ use super::batch::Stage;
 use super::conn::{checksum_pieces, Conn, Piece};
 use super::identity::ProcIdentity;
 use super::wire::{self, Commit, FrameType, Range};
-use super::{
-    BatchId, BatchOptions, BatchStatus, Completion, ReadOp, Transport, TransportKind, WriteOp,
-};
+use super::{BatchId, BatchOptions, Completion, ReadOp, Transport, TransportKind, WriteOp};
 use crate::error::{Error, Result, Status};
 use crate::memory::{AccessGuard, RegionDesc};
 use crossbeam::channel::{unbounded, Sender};
 use std::collections::HashMap;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::Arc;
-use std::time::Duration;
 
 /// Most iovecs per `process_vm_writev` call (Linux IOV_MAX).
 const IOV_MAX: usize = 1024;
@@ -563,11 +560,7 @@ impl Transport for CmaTransport {
         }
     }
 
-    fn remote_regions(&self) -> Vec<RegionDesc> {
-        let mut v: Vec<RegionDesc> = self.conn.regions.values().cloned().collect();
-        v.sort_by_key(|d| d.id);
-        v
-    }
+    super::conn::conn_backed_transport!();
 
     fn submit(&self, ops: &[WriteOp], opts: &BatchOptions) -> Result<BatchId> {
         self.submit_dir(ops, opts, false)
@@ -578,20 +571,8 @@ impl Transport for CmaTransport {
         self.submit_dir(&w, opts, true)
     }
 
-    fn poll(&self, id: BatchId) -> Result<BatchStatus> {
-        self.conn.table.poll(id)
-    }
-
-    fn wait(&self, id: BatchId, timeout: Duration) -> Result<Completion> {
-        self.conn.table.wait(id, timeout)
-    }
-
     fn close(&self) {
         self.conn.close();
-    }
-
-    fn is_alive(&self) -> bool {
-        self.conn.alive()
     }
 }
 

@@ -281,6 +281,41 @@ pub(crate) fn checksum_pieces(pieces: &[Piece]) -> u64 {
     })
 }
 
+/// The `Transport` methods every connection-backed transport (cma, tcp, rdma)
+/// answers from its [`Conn`] alone: the peer's regions as of the handshake,
+/// batch status and waits from the batch table, and liveness. Expands inside
+/// an `impl Transport for T` block whose `T` has a `conn: Arc<Conn>` field.
+macro_rules! conn_backed_transport {
+    () => {
+        fn remote_regions(&self) -> Vec<$crate::memory::RegionDesc> {
+            let mut v: Vec<$crate::memory::RegionDesc> =
+                self.conn.regions.values().cloned().collect();
+            v.sort_by_key(|d| d.id);
+            v
+        }
+
+        fn poll(
+            &self,
+            id: $crate::transport::BatchId,
+        ) -> $crate::error::Result<$crate::transport::BatchStatus> {
+            self.conn.table.poll(id)
+        }
+
+        fn wait(
+            &self,
+            id: $crate::transport::BatchId,
+            timeout: std::time::Duration,
+        ) -> $crate::error::Result<$crate::transport::Completion> {
+            self.conn.table.wait(id, timeout)
+        }
+
+        fn is_alive(&self) -> bool {
+            self.conn.alive()
+        }
+    };
+}
+pub(crate) use conn_backed_transport;
+
 #[cfg(test)]
 mod tests {
     use super::*;

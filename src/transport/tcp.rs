@@ -21,9 +21,9 @@
 use super::batch::Stage;
 use super::conn::{checksum_pieces, Conn, Piece};
 use super::wire::{self, Commit, DataHeader, FrameType, DATA_HEADER_LEN};
-use super::{BatchId, BatchOptions, BatchStatus, Completion, Transport, TransportKind, WriteOp};
+use super::{BatchId, BatchOptions, Completion, Transport, TransportKind, WriteOp};
 use crate::error::{Error, Result, Status};
-use crate::memory::{AccessGuard, RegionDesc};
+use crate::memory::AccessGuard;
 use crossbeam::channel::{unbounded, Sender};
 use std::net::{Shutdown, TcpStream};
 use std::os::fd::AsRawFd;
@@ -207,11 +207,7 @@ impl Transport for TcpTransport {
         TransportKind::Tcp
     }
 
-    fn remote_regions(&self) -> Vec<RegionDesc> {
-        let mut v: Vec<RegionDesc> = self.conn.regions.values().cloned().collect();
-        v.sort_by_key(|d| d.id);
-        v
-    }
+    super::conn::conn_backed_transport!();
 
     fn submit(&self, ops: &[WriteOp], opts: &BatchOptions) -> Result<BatchId> {
         // device destinations are landed by the receiver's device writer
@@ -273,23 +269,11 @@ impl Transport for TcpTransport {
         Ok(BatchId(id))
     }
 
-    fn poll(&self, id: BatchId) -> Result<BatchStatus> {
-        self.conn.table.poll(id)
-    }
-
-    fn wait(&self, id: BatchId, timeout: Duration) -> Result<Completion> {
-        self.conn.table.wait(id, timeout)
-    }
-
     fn close(&self) {
         self.conn.close();
         for s in &self.sockets {
             let _ = s.shutdown(Shutdown::Both);
         }
-    }
-
-    fn is_alive(&self) -> bool {
-        self.conn.alive()
     }
 }
 

@@ -31,7 +31,7 @@ use crate::transport::batch::Stage;
 use crate::transport::conn::{checksum_pieces, Conn, Piece};
 use crate::transport::wire::{self, Commit, FrameType, Range};
 use crate::transport::{
-    BatchId, BatchOptions, BatchStatus, Completion, ReadOp, Transport, TransportKind, WriteOp,
+    BatchId, BatchOptions, Completion, ReadOp, Transport, TransportKind, WriteOp,
 };
 use crossbeam::channel::{unbounded, Receiver, Sender};
 use std::collections::HashSet;
@@ -357,11 +357,7 @@ impl Transport for RdmaLink {
         }
     }
 
-    fn remote_regions(&self) -> Vec<RegionDesc> {
-        let mut v: Vec<RegionDesc> = self.conn.regions.values().cloned().collect();
-        v.sort_by_key(|d| d.id);
-        v
-    }
+    crate::transport::conn::conn_backed_transport!();
 
     fn submit(&self, ops: &[WriteOp], opts: &BatchOptions) -> Result<BatchId> {
         self.submit_dir(ops, opts, false)
@@ -372,20 +368,8 @@ impl Transport for RdmaLink {
         self.submit_dir(&w, opts, true)
     }
 
-    fn poll(&self, id: BatchId) -> Result<BatchStatus> {
-        self.conn.table.poll(id)
-    }
-
-    fn wait(&self, id: BatchId, timeout: Duration) -> Result<Completion> {
-        self.conn.table.wait(id, timeout)
-    }
-
     fn close(&self) {
         self.conn.close();
-    }
-
-    fn is_alive(&self) -> bool {
-        self.conn.alive()
     }
 }
 
