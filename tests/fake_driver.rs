@@ -670,6 +670,11 @@ fn child_engine_device_pools_on_fake_driver() {
 /// Decode engines whose KV pools are (fake) device memory, DCP 1 -> 2 over
 /// tcp: first from a prefill with host pools (explicit tcp), then from a
 /// prefill with device pools (both sides `auto`, which must not pick cma).
+/// Then device pools to device pools over rdma on the fake NIC fabric: with
+/// GPUDirect RDMA on the prefill's NIC the slices go from its device staging
+/// straight to the decode's pools (no device-to-host copy at all); without
+/// (the NIC says so up front, or refuses the device staging at the first
+/// batch) the same bytes go through pinned host staging.
 /// The decode's tcp receiver lands each piece through the host-to-device
 /// writer; the fake defers stream copies until they are waited on, so the
 /// bytes read back from device memory after the completion (every KV byte
@@ -682,8 +687,13 @@ fn child_engine_decode_device_pools_on_fake_driver() {
     use pdxfer::engine::synthetic::SyntheticPools;
     use pdxfer::engine::{Engine, EngineConfig, KvPoll, KvPool};
     use pdxfer::layout::{DcpLayout, Side};
+    use pdxfer::memory::RegionKind;
     use pdxfer::relayout::gpu::{DeviceBuffer, GpuRelayout};
+    use pdxfer::transport::rdma::fake::FakeNic;
+    use pdxfer::transport::rdma::handshake::Mtu;
+    use pdxfer::transport::rdma::nic::NicProvider;
     use pdxfer::transport::TransportKind;
+    use std::sync::Arc;
     use std::time::Duration;
 
     assert!(
@@ -713,11 +723,22 @@ fn child_engine_decode_device_pools_on_fake_driver() {
         (bufs, kv)
     };
 
-    for (case, prefill_device, transport) in [
-        ("host-to-device", false, TransportKind::Tcp),
-        ("device-to-device", true, TransportKind::Auto),
+    // rdma runs on the fake NIC fabric; the prefill's NIC has GPUDirect RDMA,
+    // says up front it has none, or claims it and refuses the registration
+    for (case, prefill_device, transport, nic) in [
+        ("host-to-device", false, TransportKind::Tcp, ""),
+        ("device-to-device", true, TransportKind::Auto, ""),
+        ("rdma-gpudirect", true, TransportKind::Rdma, "gpudirect"),
+        ("rdma-no-gpudirect", true, TransportKind::Rdma, "none"),
+        ("rdma-refused", true, TransportKind::Rdma, "refuses"),
     ] {
         let name = format!("fake-decode-dev-{case}");
+        let rdma = transport == TransportKind::Rdma;
+        let prefill_nic = rdma.then(|| FakeNic::new(&format!("{case}-p"), 2, Mtu::Mtu4096));
+        if let Some(n) = &prefill_nic {
+            n.set_gpu_direct(nic != "none");
+            n.refuse_device_registrations(nic == "refuses");
+        }
         let mut host = SyntheticPools::new(LAYERS, ROW, P, PAGES, 8, 32).unwrap();
         let (src_dev, src_dev_pools) = on_device(&host);
         let mut cfg = EngineConfig::new(
@@ -737,6 +758,7 @@ fn child_engine_decode_device_pools_on_fake_driver() {
         }
         cfg.aux = host.aux_buffers();
         cfg.transport = transport;
+        cfg.nic = prefill_nic.clone().map(|n| n as Arc<dyn NicProvider>);
         cfg.room_timeout = Duration::from_secs(20);
         // SAFETY: the pools (host or device) and aux outlive the engine (closed below).
         let prefill = unsafe { Engine::new(cfg) }.unwrap();
@@ -752,11 +774,12 @@ fn child_engine_decode_device_pools_on_fake_driver() {
             cfg.pool_device = Some(0);
             cfg.aux = mirror.aux_buffers();
             cfg.transport = transport;
+            cfg.nic = rdma.then(|| FakeNic::new(&format!("{case}-d{r}"), 2, Mtu::Mtu4096) as _);
             // SAFETY: the device pools and the mirror's aux live in `decode` beside the engine.
             let e = unsafe { Engine::new(cfg) }.unwrap();
             decode.push((e, mirror, bufs));
         }
-        let (mut htod, mut pinned) = (0u64, 0u64);
+        let (mut htod, mut pinned, mut dtoh) = (0u64, 0u64, 0u64);
         let v = P * dcp as u64;
         for (room, total, prefix, chunk_pages) in
             [(1u64, 300u64, 0u64, 4usize), (2, 517, v * 2, 100)]
@@ -782,6 +805,7 @@ fn child_engine_decode_device_pools_on_fake_driver() {
             }
             // the transfer's copies only (not the uploads above)
             let (htod_before, pinned_before) = (fake_htod_copies(), fake_pinned_htod_copies());
+            let dtoh_before = fake_pinned_copies();
             for (e, _, _) in &decode {
                 e.receiver(room, 0, Some(Duration::from_secs(20))).unwrap();
                 e.send_metadata(room, &dst_pages, prefix, 5).unwrap();
@@ -810,6 +834,8 @@ fn child_engine_decode_device_pools_on_fake_driver() {
                 "{case}: {:?}",
                 prefill.failure(room)
             );
+            // the prefill's device-to-host staging copies (before the read-back below)
+            dtoh += fake_pinned_copies() - dtoh_before;
             let mut verified = 0;
             for (r, (e, mirror, bufs)) in decode.iter_mut().enumerate() {
                 assert_eq!(
@@ -838,6 +864,38 @@ fn child_engine_decode_device_pools_on_fake_driver() {
             prefill.clear(room).unwrap();
             htod += fake_htod_copies() - htod_before;
             pinned += fake_pinned_htod_copies() - pinned_before;
+        }
+        // the prefill NIC's device registrations: its device staging buffers
+        let device_regions = prefill_nic.as_ref().map_or(0, |n| {
+            n.regions()
+                .iter()
+                .filter(|r| matches!(r.kind, RegionKind::Device { .. }))
+                .count()
+        });
+        if rdma {
+            // every slice crossed from device memory to device memory, or
+            // every slice was copied to pinned host staging first
+            if nic == "gpudirect" {
+                assert_eq!(
+                    dtoh, 0,
+                    "{case}: device-to-host copies on the zero-copy path"
+                );
+                assert!(device_regions >= 1, "{case}: no device staging registered");
+            } else {
+                assert!(dtoh > 2 * dcp as u64, "{case}: only {dtoh} staged copies");
+                assert_eq!(device_regions, 0, "{case}: device memory registered");
+            }
+            println!(
+                "fake-driver decode child: {case} DCP 1->{dcp} with {dtoh} device-to-host staging copies, every byte checked"
+            );
+            prefill.close();
+            for (e, _, _) in &decode {
+                e.close();
+            }
+            continue;
+        }
+        if prefill_device {
+            assert!(dtoh > 2 * dcp as u64, "{case}: only {dtoh} staged copies");
         }
         assert!(
             htod >= 2 * dcp as u64,

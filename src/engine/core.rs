@@ -76,8 +76,10 @@ pub struct EngineConfig {
     pub pools: Vec<KvPool>,
     /// Where the KV pools live: `None` host memory; `Some(n)` device memory
     /// of CUDA device `n`. Prefill: gathered on the GPU into staging buffers
-    /// of `staging_bytes` per worker, on the device and pinned on the host,
-    /// then sent over cma/tcp. Decode: registered as device regions; over tcp
+    /// of `staging_bytes` per worker, on the device and pinned on the host;
+    /// over rdma with GPUDirect RDMA written straight from the device staging
+    /// (no host copy), otherwise (cma, tcp, or a NIC without GPUDirect,
+    /// logged once) copied to the pinned staging and sent from there. Decode: registered as device regions; over tcp
     /// the receiver copies each piece into them (host-to-device, waited on
     /// before the piece counts), over rdma the NIC writes them (GPUDirect);
     /// a decode with device pools and `transport` cma is refused
@@ -154,6 +156,10 @@ struct DecodeLink {
     writer: CtlWriter,
     data: Box<dyn Transport>,
     alive: AtomicBool,
+    /// Device pools: slices are written straight from the device staging
+    /// buffer (rdma with GPUDirect RDMA), not copied to the host first;
+    /// cleared for good when the NIC refuses device memory.
+    zero_copy: AtomicBool,
 }
 
 /// What one decode rank asked for in one room.
@@ -221,6 +227,8 @@ struct Inner {
     state_regions: Vec<RegionDesc>,
     staging: Vec<(Vec<u8>, RegionDesc)>,
     closed: AtomicBool,
+    /// Device pools over rdma: why the zero-copy path is not used was logged.
+    gpu_direct_logged: AtomicBool,
     // prefill
     prefill_rooms: Mutex<HashMap<u64, PrefillRoom>>,
     pending_meta: Mutex<HashMap<u64, Vec<MetaInfo>>>,
@@ -410,6 +418,7 @@ impl Engine {
             state_regions,
             staging,
             closed: AtomicBool::new(false),
+            gpu_direct_logged: AtomicBool::new(false),
             prefill_rooms: Mutex::new(HashMap::new()),
             pending_meta: Mutex::new(HashMap::new()),
             decode_links: Mutex::new(Vec::new()),
@@ -955,6 +964,35 @@ fn region_descriptor(r: &RegionDesc, kind: &str, layer: Option<u32>) -> RegionDe
 }
 
 impl Inner {
+    /// Whether a new link to a decode rank sends device-pool slices straight
+    /// from the device staging buffer: device pools, an rdma link, and a NIC
+    /// that can register device memory (GPUDirect RDMA). Otherwise slices go
+    /// through the pinned host staging (logged once when rdma lacks GPUDirect).
+    fn zero_copy_for(&self, data: &dyn Transport, peer: impl std::fmt::Display) -> bool {
+        if self.cfg.pool_device.is_none() || data.kind() != TransportKind::Rdma {
+            return false;
+        }
+        match self.agent.rdma_gpu_direct() {
+            Ok(()) => {
+                log::info!("engine: rdma to decode {peer} writes device-pool slices from device memory (GPUDirect RDMA, no host copy)");
+                true
+            }
+            Err(e) => {
+                self.log_no_gpu_direct(&e);
+                false
+            }
+        }
+    }
+
+    /// Logs (once per engine) why device-pool slices go through host memory over rdma.
+    fn log_no_gpu_direct(&self, e: &Error) {
+        if !self.gpu_direct_logged.swap(true, Ordering::AcqRel) {
+            log::warn!(
+                "engine: the RDMA NIC cannot send from GPU memory ({e}); device-pool slices are copied to pinned host staging and sent from there"
+            );
+        }
+    }
+
     fn region_map(&self) -> RegionMap {
         RegionMap {
             kv: self
@@ -1240,12 +1278,14 @@ fn prefill_conn(w: std::sync::Weak<Inner>, s: TcpStream) {
         )));
         return;
     }
+    let zero_copy = inner.zero_copy_for(&*data, hello.instance_id);
     let link = Arc::new(DecodeLink {
         hello,
         regions,
         writer,
         data,
         alive: AtomicBool::new(true),
+        zero_copy: AtomicBool::new(zero_copy),
     });
     if link
         .writer
@@ -1887,9 +1927,12 @@ fn staged_ops(
 }
 
 /// Writes one pair's tokens of a chunk from device pools: gathered on the
-/// GPU slice by slice into the worker's staging, copied to its pinned host
-/// half, and written from there; slice `i+1` is gathered and copied while
-/// slice `i` is on the wire.
+/// GPU slice by slice into the worker's device staging and written from there
+/// (zero copy, the link's `zero_copy`: rdma with GPUDirect RDMA), or copied
+/// to its pinned host half and written from there; slice `i+1` is gathered
+/// (and copied) while slice `i` is on the wire. A NIC that refuses the device
+/// staging (`NoGpuDirect`) moves the link to the host path for good and the
+/// pair is written again through it (rewriting the same bytes is harmless).
 #[allow(clippy::too_many_arguments)]
 fn write_pair_device(
     inner: &Inner,
@@ -1905,28 +1948,47 @@ fn write_pair_device(
     if tokens == 0 {
         return Ok(0);
     }
+    // the CPU cannot read device memory: never a checksum over these batches
+    let opts = BatchOptions {
+        checksum: false,
+        ..*opts
+    };
     let subs = slice_requests(req, stage.slice_tokens(row_bytes))?;
     let spans = subs
         .iter()
         .map(crate::relayout::gather_spans)
         .collect::<Result<Vec<_>>>()?;
     let bases: Vec<u64> = inner.pool_regions.iter().map(|r| r.addr).collect();
-    let region = stage.host_region();
-    // SAFETY: the pools were checked as device memory of the stage's device
-    // at creation and stay valid for the engine's life (Engine::new contract);
-    // the plan's rows lie inside them (page ids checked by `send`).
-    unsafe {
-        stage.run(&bases, row_bytes, &spans, |s| {
-            let ops = staged_ops(
-                &subs[s.index],
-                row_bytes,
-                dst_regions,
-                region,
-                s.offset,
-                &s.entry_offsets,
-            )?;
-            submit_wait(inner, link, &ops, opts, room)
-        })?;
+    let run = |stage: &mut DeviceStage, zero_copy: bool| {
+        // SAFETY: the pools were checked as device memory of the stage's device
+        // at creation and stay valid for the engine's life (Engine::new contract);
+        // the plan's rows lie inside them (page ids checked by `send`).
+        unsafe {
+            stage.run(&bases, row_bytes, &spans, zero_copy, |s| {
+                let ops = staged_ops(
+                    &subs[s.index],
+                    row_bytes,
+                    dst_regions,
+                    s.region,
+                    s.offset,
+                    &s.entry_offsets,
+                )?;
+                submit_wait(inner, link, &ops, &opts, room)
+            })
+        }
+    };
+    let zero_copy = link.zero_copy.load(Ordering::Acquire);
+    match run(stage, zero_copy) {
+        Err(e) if zero_copy && e.status() == Status::NoGpuDirect => {
+            // The NIC refused to register the device staging (nothing was
+            // posted from it). Only a host-path success
+            // proves the device staging was the problem (not the peer's pools).
+            run(stage, false)?;
+            if link.zero_copy.swap(false, Ordering::AcqRel) {
+                inner.log_no_gpu_direct(&e);
+            }
+        }
+        r => r?,
     }
     Ok(tokens * row_bytes.iter().sum::<u64>())
 }

@@ -4,16 +4,22 @@
 //! (its own context binding, stream and kernels), a device staging buffer and
 //! a pinned host staging buffer of `staging_bytes` each, both used as two
 //! halves. A pair's packed rows are gathered on the GPU (entry-major, the
-//! same pack layout as the CPU path), copied device-to-host into the pinned
-//! half, and written from there with the agent's transport; the gather and
-//! copy of slice `i+1` run while slice `i` is on the wire, ordered by events
-//! (`GpuRelayout::gather_to_host`).
+//! same pack layout as the CPU path) into a device half, and then either
 //!
-//! The device staging buffer is registered with the agent as a device region
-//! ([`DeviceStage::device_region`]): a transport that sends device memory
-//! itself (GPUDirect RDMA) can write from it directly and skip the host copy
-//! (`gather_to_host` without a host buffer). cma and tcp cannot, so they
-//! always go through the pinned host buffer.
+//! * written straight from the device half (zero copy): when the link to the
+//!   decode rank is rdma and the NIC can register device memory (GPUDirect
+//!   RDMA); the device staging buffer is registered with the agent as a
+//!   device region ([`DeviceStage::device_region`]) and its bytes never
+//!   touch host memory; or
+//! * copied device-to-host into the pinned half and written from there:
+//!   over cma and tcp (which reach host memory only), and over rdma when the
+//!   NIC has no GPUDirect RDMA (its provider says so up front, or it refuses
+//!   the device staging region with `NoGpuDirect` on the first batch: that
+//!   link then stays on this path, logged once).
+//!
+//! Either way the gather (and copy) of slice `i+1` runs while slice `i` is
+//! on the wire, ordered by events (`GpuRelayout::gather_to_host`), and no
+//! batch asks for a checksum (the CPU cannot read device memory).
 //!
 //! Decode: the pools are registered as device regions. Over tcp the
 //! receiver reads each piece into a bounded host bounce buffer and copies it
@@ -93,12 +99,15 @@ pub(super) fn decode_writer(
     ))
 }
 
-/// One slice of a staged device gather, ready in the host staging buffer.
+/// One slice of a staged device gather, ready in a staging buffer.
 #[derive(Debug, Clone)]
 pub(super) struct StagedSlice {
     /// Slice number, from 0 (index into the slices given to `run`).
     pub index: usize,
-    /// Byte offset of the slice's pack block in the host staging buffer.
+    /// Registry id of the staging buffer holding the slice: the device
+    /// staging region (zero copy) or the pinned host one.
+    pub region: u64,
+    /// Byte offset of the slice's pack block in that staging buffer.
     pub offset: u64,
     /// Byte offset of each entry's block within the slice's pack block.
     pub entry_offsets: Vec<u64>,
@@ -162,15 +171,14 @@ impl DeviceStage {
     }
 
     /// Registry id of the pinned host staging buffer (the `local_region` of
-    /// the writes of a staged slice).
+    /// the writes of a slice copied to the host).
     pub(super) fn host_region(&self) -> u64 {
         self.host_region
     }
 
     /// Registry id of the device staging buffer: where a transport that reads
-    /// device memory (GPUDirect RDMA) would write slices from, skipping the
-    /// host copy.
-    #[allow(dead_code)]
+    /// device memory (GPUDirect RDMA) writes slices from, skipping the host
+    /// copy (`run` with `zero_copy`).
     pub(super) fn device_region(&self) -> u64 {
         self.device_region
     }
@@ -182,9 +190,11 @@ impl DeviceStage {
     }
 
     /// Gathers each slice's spans (pool row -> packed index of the slice) on
-    /// the GPU, copies it into the host staging, and calls `send` for it with
-    /// its bytes in place; slice `i+1` is gathered and copied during `send`
-    /// of slice `i`.
+    /// the GPU into a device staging half and calls `send` for it with its
+    /// bytes in place: with `zero_copy` in the device staging buffer (for a
+    /// transport that reads device memory, GPUDirect RDMA), else copied into
+    /// the pinned host staging buffer first. Slice `i+1` is gathered (and
+    /// copied) during `send` of slice `i`.
     ///
     /// # Safety
     /// `pool_bases` must be device memory of the stage's device holding every
@@ -194,16 +204,25 @@ impl DeviceStage {
         pool_bases: &[u64],
         row_bytes: &[u64],
         slices: &[Vec<Run>],
+        zero_copy: bool,
         mut send: impl FnMut(&StagedSlice) -> Result<()>,
     ) -> Result<()> {
         let (device, host) = (&self.device, &self.host);
+        let (base, region) = (device.ptr(), self.device_region());
+        let host_region = self.host_region();
+        let host = (!zero_copy).then_some(host);
         // SAFETY: the caller guarantees the pools; the staging buffers are this stage's.
         unsafe {
             self.gpu
-                .gather_to_host(pool_bases, row_bytes, slices, device, Some(host), |s| {
+                .gather_to_host(pool_bases, row_bytes, slices, device, host, |s| {
+                    let (region, offset) = match host {
+                        Some(_) => (host_region, s.host_offset as u64),
+                        None => (region, s.device_addr - base),
+                    };
                     send(&StagedSlice {
                         index: s.index,
-                        offset: s.host_offset as u64,
+                        region,
+                        offset,
                         entry_offsets: s.pack.entry_offsets.clone(),
                     })
                 })
@@ -226,10 +245,6 @@ impl DeviceStage {
         ))
     }
 
-    pub(super) fn host_region(&self) -> u64 {
-        match *self {}
-    }
-
     pub(super) fn slice_tokens(&self, _row_bytes: &[u64]) -> u64 {
         match *self {}
     }
@@ -239,6 +254,7 @@ impl DeviceStage {
         _pool_bases: &[u64],
         _row_bytes: &[u64],
         _slices: &[Vec<Run>],
+        _zero_copy: bool,
         _send: impl FnMut(&StagedSlice) -> Result<()>,
     ) -> Result<()> {
         match *self {}

@@ -312,6 +312,14 @@ impl Agent {
         self.inner.nic().map(|n| n.describe())
     }
 
+    /// Whether the RDMA NICs can register device (GPU) memory (GPUDirect
+    /// RDMA), or why not: `NoGpuDirect` with the reason, `NoRdmaDevice`
+    /// without a NIC. A NIC that says yes may still refuse a registration
+    /// (`NoGpuDirect` on the first batch from device memory).
+    pub fn rdma_gpu_direct(&self) -> Result<()> {
+        self.inner.nic()?.gpu_direct()
+    }
+
     /// Registers every region of the registry with the RDMA NICs now (device
     /// regions too where the NIC has GPUDirect RDMA)
     /// (registration of large pools takes time; otherwise the first RDMA

@@ -17,7 +17,8 @@
 //! is refused (`RegionOverlap`), deregistering removes its keys from the
 //! fabric at once, and device-kind regions (plain memory here) are accepted
 //! and recorded unless the NIC is set without GPUDirect RDMA
-//! ([`FakeNic::set_gpu_direct`]: `NoGpuDirect`).
+//! ([`FakeNic::set_gpu_direct`]: `NoGpuDirect`), or set to refuse them at
+//! registration only ([`FakeNic::refuse_device_registrations`]).
 //!
 //! Tests can kill a QP ([`kill_qp`]), make it fail after some WRs
 //! ([`fail_qp_after`]) or make its next posts accepted only part-way
@@ -286,6 +287,7 @@ pub struct FakeNic {
     qps: Mutex<Vec<u32>>,
     instance_id: u64,
     gpu_direct: AtomicBool,
+    refuse_device: AtomicBool,
 }
 
 impl FakeNic {
@@ -319,6 +321,7 @@ impl FakeNic {
             qps: Mutex::new(Vec::new()),
             instance_id: random_u64(),
             gpu_direct: AtomicBool::new(true),
+            refuse_device: AtomicBool::new(false),
         })
     }
 
@@ -326,6 +329,13 @@ impl FakeNic {
     /// false acts like a NIC without GPUDirect RDMA: `NoGpuDirect`).
     pub fn set_gpu_direct(&self, on: bool) {
         self.gpu_direct.store(on, Ordering::SeqCst);
+    }
+
+    /// Whether device-memory registrations are refused (`NoGpuDirect`) while
+    /// [`gpu_direct`](NicProvider::gpu_direct) still reports support: a NIC
+    /// whose GPU path looks present up front but fails at registration.
+    pub fn refuse_device_registrations(&self, on: bool) {
+        self.refuse_device.store(on, Ordering::SeqCst);
     }
 
     /// Every range registered now, in registration order.
@@ -361,7 +371,8 @@ impl NicProvider for FakeNic {
             return Ok(locals(r));
         }
         if let RegionKind::Device { ordinal } = kind {
-            if !self.gpu_direct.load(Ordering::SeqCst) {
+            if !self.gpu_direct.load(Ordering::SeqCst) || self.refuse_device.load(Ordering::SeqCst)
+            {
                 return Err(Error::new(
                     Status::NoGpuDirect,
                     format!(
@@ -671,5 +682,33 @@ mod tests {
             BatchState::Failed(e) => assert!(e.detail().contains("RETRY_EXC"), "{e}"),
             s => panic!("expected failure, got {s:?}"),
         }
+    }
+
+    #[test]
+    fn device_registrations_follow_the_gpu_direct_knobs() {
+        let n = FakeNic::new("gd", 1, Mtu::Mtu4096);
+        let buf = vec![0u8; 256];
+        let (addr, dev) = (buf.as_ptr() as u64, RegionKind::Device { ordinal: 0 });
+        // GPU path claimed up front but refused at registration
+        n.refuse_device_registrations(true);
+        assert!(n.gpu_direct().is_ok());
+        // SAFETY: `buf` outlives the registration attempts (deregistered below).
+        let e = unsafe { n.register(addr, 128, dev) }.unwrap_err();
+        assert_eq!(e.status(), Status::NoGpuDirect, "{e}");
+        // host memory is still accepted
+        // SAFETY: as above.
+        unsafe { n.register(addr + 128, 128, RegionKind::Host) }.unwrap();
+        n.refuse_device_registrations(false);
+        // SAFETY: as above.
+        unsafe { n.register(addr, 128, dev) }.unwrap();
+        let kinds: Vec<RegionKind> = n.regions().iter().map(|r| r.kind).collect();
+        assert_eq!(kinds, vec![RegionKind::Host, dev]);
+        assert!(n.deregister(addr, 128).unwrap());
+        n.set_gpu_direct(false);
+        assert_eq!(n.gpu_direct().unwrap_err().status(), Status::NoGpuDirect);
+        // SAFETY: as above.
+        let e = unsafe { n.register(addr, 128, dev) }.unwrap_err();
+        assert_eq!(e.status(), Status::NoGpuDirect, "{e}");
+        assert!(n.deregister(addr + 128, 128).unwrap());
     }
 }
