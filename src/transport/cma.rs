@@ -17,10 +17,10 @@
 //! exited (and whose pid might be reused) is never written to.
 
 use super::batch::Stage;
-use super::conn::{checksum_pieces, Conn, Piece};
+use super::conn::{Conn, Piece};
 use super::identity::ProcIdentity;
-use super::wire::{self, Commit, FrameType, Range};
-use super::{BatchId, BatchOptions, Completion, ReadOp, Transport, TransportKind, WriteOp};
+use super::wire::{self, Commit, FrameType};
+use super::{BatchId, BatchOptions, ReadOp, Transport, TransportKind, WriteOp};
 use crate::error::{Error, Result, Status};
 use crate::memory::{AccessGuard, RegionDesc};
 use crossbeam::channel::{unbounded, Sender};
@@ -501,40 +501,13 @@ impl CmaTransport {
                 std::mem::swap(&mut p.src, &mut p.dst);
             }
         }
-        // Writes: checksum of the source now. Reads: a placeholder, computed after the read.
-        let checksum = opts
-            .checksum
-            .then(|| if read { 0 } else { checksum_pieces(&pieces) });
-        let template = Completion::pending(bytes, checksum, opts);
-        let id = self
-            .conn
-            .table
-            .insert(opts.timeout, template, guards.clone())?;
-        let ranges: Vec<Range> = pieces
-            .iter()
-            .map(|p| Range {
-                region: p.region,
-                offset: p.offset,
-                len: p.len,
-            })
-            .collect();
-        let ty = if read {
-            FrameType::ReadIntent
-        } else {
-            FrameType::Intent
-        };
-        self.conn.send(ty, &wire::encode_intent(id, &ranges))?;
+        let commit = self.conn.announce(&pieces, &guards, bytes, opts, read)?;
+        let id = commit.batch;
         let job = Job {
             id,
             read,
             pieces,
-            commit: Commit {
-                batch: id,
-                bytes,
-                checksum,
-                room: opts.room,
-                epoch: opts.epoch,
-            },
+            commit,
             _guards: guards,
         };
         if self.tx.send(job).is_err() {

@@ -134,6 +134,47 @@ impl Conn {
         self.table.dead().is_none()
     }
 
+    /// Numbers a one-sided batch and announces it to the peer: the checksum of
+    /// the source pieces for writes (a placeholder for reads, computed once the
+    /// bytes landed), the batch-table entry holding `guards` until the batch
+    /// ends, and the `Intent` (`ReadIntent`) listing the peer's ranges for it to
+    /// validate and pin. Returns the commit record to send once the data is placed.
+    pub fn announce(
+        &self,
+        pieces: &[Piece],
+        guards: &Arc<Vec<AccessGuard>>,
+        bytes: u64,
+        opts: &super::BatchOptions,
+        read: bool,
+    ) -> Result<wire::Commit> {
+        let checksum = opts
+            .checksum
+            .then(|| if read { 0 } else { checksum_pieces(pieces) });
+        let template = super::Completion::pending(bytes, checksum, opts);
+        let id = self.table.insert(opts.timeout, template, guards.clone())?;
+        let ranges: Vec<wire::Range> = pieces
+            .iter()
+            .map(|p| wire::Range {
+                region: p.region,
+                offset: p.offset,
+                len: p.len,
+            })
+            .collect();
+        let ty = if read {
+            FrameType::ReadIntent
+        } else {
+            FrameType::Intent
+        };
+        self.send(ty, &wire::encode_intent(id, &ranges))?;
+        Ok(wire::Commit {
+            batch: id,
+            bytes,
+            checksum,
+            room: opts.room,
+            epoch: opts.epoch,
+        })
+    }
+
     /// Validates every op (local source against our registry, destination
     /// against the peer's descriptors) and pins the local sources.
     pub fn validate(&self, ops: &[WriteOp]) -> Result<(Vec<Piece>, Arc<Vec<AccessGuard>>, u64)> {

@@ -28,11 +28,9 @@ use super::wr::Direction;
 use crate::error::{Error, Result, Status};
 use crate::memory::{AccessGuard, RegionDesc, RegionKind};
 use crate::transport::batch::Stage;
-use crate::transport::conn::{checksum_pieces, Conn, Piece};
-use crate::transport::wire::{self, Commit, FrameType, Range};
-use crate::transport::{
-    BatchId, BatchOptions, Completion, ReadOp, Transport, TransportKind, WriteOp,
-};
+use crate::transport::conn::{Conn, Piece};
+use crate::transport::wire::{self, Commit, FrameType};
+use crate::transport::{BatchId, BatchOptions, ReadOp, Transport, TransportKind, WriteOp};
 use crossbeam::channel::{unbounded, Receiver, Sender};
 use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
@@ -148,40 +146,13 @@ impl RdmaLink {
             }
         }
         self.ensure_local(ops)?;
-        // Writes: checksum of the source now. Reads: computed after the read landed.
-        let checksum = opts
-            .checksum
-            .then(|| if read { 0 } else { checksum_pieces(&pieces) });
-        let template = Completion::pending(bytes, checksum, opts);
-        let id = self
-            .conn
-            .table
-            .insert(opts.timeout, template, guards.clone())?;
-        let ranges: Vec<Range> = pieces
-            .iter()
-            .map(|p| Range {
-                region: p.region,
-                offset: p.offset,
-                len: p.len,
-            })
-            .collect();
-        let ty = if read {
-            FrameType::ReadIntent
-        } else {
-            FrameType::Intent
-        };
-        self.conn.send(ty, &wire::encode_intent(id, &ranges))?;
+        let commit = self.conn.announce(&pieces, &guards, bytes, opts, read)?;
+        let id = commit.batch;
         let job = Job {
             id,
             read,
             pieces,
-            commit: Commit {
-                batch: id,
-                bytes,
-                checksum,
-                room: opts.room,
-                epoch: opts.epoch,
-            },
+            commit,
             deadline: Instant::now() + opts.timeout,
             _guards: guards,
         };
