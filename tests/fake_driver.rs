@@ -349,6 +349,46 @@ fn nccl_transfers() {
     }
 }
 
+/// Tokens per page in the engine children.
+const PAGE: u64 = 16;
+
+/// Drives a prefill room: opens the sender, waits until every decode rank's
+/// metadata arrived, sends `src_pages` in chunks of `chunk_pages` pages
+/// (`n` tokens in all, pages of `PAGE` tokens, aux row 3) and waits for `Success`.
+fn send_room(
+    prefill: &pdxfer::engine::Engine,
+    room: u64,
+    src_pages: &[u64],
+    chunk_pages: usize,
+    n: u64,
+    what: &str,
+) {
+    prefill.sender(room).unwrap();
+    for _ in 0..2000 {
+        if prefill.poll(room) != pdxfer::engine::KvPoll::Bootstrapping {
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    let mut sent = 0;
+    for (i, chunk) in src_pages.chunks(chunk_pages).enumerate() {
+        let last = (i + 1) * chunk_pages >= src_pages.len();
+        let t = if last {
+            n - sent
+        } else {
+            chunk.len() as u64 * PAGE
+        };
+        prefill.send(room, chunk, t, last, 3).unwrap();
+        sent += t;
+    }
+    assert_eq!(
+        prefill.wait(room, std::time::Duration::from_secs(20)),
+        pdxfer::engine::KvPoll::Success,
+        "{what}: {:?}",
+        prefill.failure(room)
+    );
+}
+
 /// A counter of the fake libcuda this process loaded
 /// (`pdx_fake_pinned_dtoh_copies`, `pdx_fake_launches`).
 fn fake_counter(name: &std::ffi::CStr) -> u64 {
@@ -499,7 +539,7 @@ fn child_engine_device_pools_on_fake_driver() {
     gather_to_host_pipeline();
     const LAYERS: u32 = 3;
     const ROW: u64 = 96;
-    const P: u64 = 16;
+    const P: u64 = PAGE;
     const PAGES: u64 = 48;
     let token = LAYERS as u64 * ROW;
     let server = BootstrapServer::start(ServerConfig::default()).unwrap();
@@ -575,30 +615,7 @@ fn child_engine_device_pools_on_fake_driver() {
                 e.receiver(room, 0, Some(Duration::from_secs(20))).unwrap();
                 e.send_metadata(room, &dst_pages, prefix, 5).unwrap();
             }
-            prefill.sender(room).unwrap();
-            for _ in 0..2000 {
-                if prefill.poll(room) != KvPoll::Bootstrapping {
-                    break;
-                }
-                std::thread::sleep(Duration::from_millis(5));
-            }
-            let mut sent = 0;
-            for (i, chunk) in src_pages.chunks(chunk_pages).enumerate() {
-                let last = (i + 1) * chunk_pages >= src_pages.len();
-                let t = if last {
-                    n - sent
-                } else {
-                    chunk.len() as u64 * P
-                };
-                prefill.send(room, chunk, t, last, 3).unwrap();
-                sent += t;
-            }
-            assert_eq!(
-                prefill.wait(room, Duration::from_secs(20)),
-                KvPoll::Success,
-                "{:?}",
-                prefill.failure(room)
-            );
+            send_room(&prefill, room, &src_pages, chunk_pages, n, "prefill");
             let mut verified = 0;
             for (r, (e, pools)) in decode.iter().enumerate() {
                 assert_eq!(
@@ -702,7 +719,7 @@ fn child_engine_decode_device_pools_on_fake_driver() {
     );
     const LAYERS: u32 = 3;
     const ROW: u64 = 96;
-    const P: u64 = 16;
+    const P: u64 = PAGE;
     const PAGES: u64 = 48;
     const DPAGES: u64 = 24;
     let dcp = 2u32;
@@ -810,30 +827,7 @@ fn child_engine_decode_device_pools_on_fake_driver() {
                 e.receiver(room, 0, Some(Duration::from_secs(20))).unwrap();
                 e.send_metadata(room, &dst_pages, prefix, 5).unwrap();
             }
-            prefill.sender(room).unwrap();
-            for _ in 0..2000 {
-                if prefill.poll(room) != KvPoll::Bootstrapping {
-                    break;
-                }
-                std::thread::sleep(Duration::from_millis(5));
-            }
-            let mut sent = 0;
-            for (i, chunk) in src_pages.chunks(chunk_pages).enumerate() {
-                let last = (i + 1) * chunk_pages >= src_pages.len();
-                let t = if last {
-                    n - sent
-                } else {
-                    chunk.len() as u64 * P
-                };
-                prefill.send(room, chunk, t, last, 3).unwrap();
-                sent += t;
-            }
-            assert_eq!(
-                prefill.wait(room, Duration::from_secs(20)),
-                KvPoll::Success,
-                "{case}: {:?}",
-                prefill.failure(room)
-            );
+            send_room(&prefill, room, &src_pages, chunk_pages, n, case);
             // the prefill's device-to-host staging copies (before the read-back below)
             dtoh += fake_pinned_copies() - dtoh_before;
             let mut verified = 0;
