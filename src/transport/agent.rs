@@ -411,7 +411,17 @@ impl Agent {
             }
             k => k,
         };
-        let regions = ack.regions.clone();
+        // the control connection becomes the session's once the transport is agreed
+        let start = |s: TcpStream| {
+            Conn::start(
+                s,
+                ack.identity.clone(),
+                ack.regions.clone(),
+                self.inner.registry.clone(),
+                ack.session,
+                addr.to_string(),
+            )
+        };
         match kind {
             TransportKind::Cma => {
                 let pidfd = super::cma::PeerProcess::open(me, &ack.identity)?;
@@ -428,14 +438,7 @@ impl Agent {
                 )?;
                 let _: serde_json::Value = wire::read_json(&mut s, FrameType::SelectOk)?;
                 s.set_read_timeout(None)?;
-                let conn = Conn::start(
-                    s,
-                    ack.identity,
-                    regions,
-                    self.inner.registry.clone(),
-                    ack.session,
-                    addr.to_string(),
-                )?;
+                let conn = start(s)?;
                 Ok(Box::new(super::cma::CmaTransport::new(
                     conn,
                     pidfd,
@@ -489,14 +492,7 @@ impl Agent {
                     negotiated.first().map(|n| n.mtu.bytes()).unwrap_or(0)
                 );
                 s.set_read_timeout(None)?;
-                let conn = Conn::start(
-                    s,
-                    ack.identity,
-                    regions,
-                    self.inner.registry.clone(),
-                    ack.session,
-                    addr.to_string(),
-                )?;
+                let conn = start(s)?;
                 Ok(Box::new(RdmaLink::new(conn, path, nic)?))
             }
             TransportKind::Tcp => {
@@ -535,14 +531,7 @@ impl Agent {
                     streams.push(d);
                 }
                 s.set_read_timeout(None)?;
-                let conn = Conn::start(
-                    s,
-                    ack.identity,
-                    regions,
-                    self.inner.registry.clone(),
-                    ack.session,
-                    addr.to_string(),
-                )?;
+                let conn = start(s)?;
                 Ok(Box::new(super::tcp::TcpTransport::new(conn, streams)?))
             }
             _ => Err(Error::new(
