@@ -170,6 +170,23 @@ fn dcp_1_to_2_over_rdma_on_the_fake_fabric_packed_and_unpacked() {
     assert_eq!(request(&mut c, 3, 333, 64, 2), 269 * row_total + 2 * 32);
 }
 
+/// A staging buffer of 6 tokens (256 B each) is two halves of 3 tokens: a
+/// 250-token pair needs 84 slices, so each half is gathered into again about
+/// 170 times per chunk across the 4 decode ranks while the other half's batch
+/// is on the wire; a reused half before its batch completed would corrupt rows.
+#[test]
+fn dcp_1_to_4_tiny_staging_reuses_both_halves_byte_exact() {
+    let row_total = LAYERS as u64 * ROW;
+    for t in [TransportKind::Cma, TransportKind::Tcp, TransportKind::Rdma] {
+        let mut c = cluster(&format!("e2e-halves-{}", t.name()), 1, 4, t, 6 * row_total);
+        assert_eq!(request(&mut c, 1, 1000, 0, 100), 1000 * row_total + 4 * 32);
+        assert_eq!(request(&mut c, 2, 700, 128, 3), 572 * row_total + 4 * 32);
+    }
+    // under two tokens the staging is one slot: gathered, sent and waited in turn
+    let mut c = cluster("e2e-one-slot", 1, 4, TransportKind::Cma, row_total + 100);
+    assert_eq!(request(&mut c, 3, 300, 0, 100), 300 * row_total + 4 * 32);
+}
+
 #[test]
 fn dcp_1_to_1_pages() {
     let mut c = cluster("e2e-1to1", 1, 1, TransportKind::Cma, 1 << 20);

@@ -21,7 +21,7 @@ use crate::layout::plan::RunMerger;
 use crate::layout::{prefill_unique_rank, DcpLayout, PackLayout, PairRequest, Run, Side, Topology};
 use crate::memory::RegionDesc;
 use crate::transport::{
-    Agent, AgentOptions, BatchOptions, ConnectOptions, Transport, TransportKind, WriteOp,
+    Agent, AgentOptions, BatchId, BatchOptions, ConnectOptions, Transport, TransportKind, WriteOp,
 };
 use crossbeam::channel::{unbounded, Receiver, Sender};
 use std::collections::{BTreeSet, HashMap};
@@ -1565,13 +1565,41 @@ fn worker_loop(
     }
 }
 
-/// Moves one chunk to every decode rank of the room (and aux on the last chunk).
-fn run_job(
+/// Moves one chunk to every decode rank of the room (and aux and state on
+/// the last chunk): the batches of all decode ranks are in flight together
+/// (a [`Flight`]), and the chunk is done once every one of them completed.
+fn run_job(inner: &Inner, idx: usize, job: &Job, stage: Option<&mut DeviceStage>) -> Result<()> {
+    let opts = BatchOptions {
+        timeout: inner.cfg.batch_timeout,
+        checksum: false,
+        room: job.room,
+        epoch: job.attempt,
+    };
+    let mut flight = Flight::new(inner, opts);
+    let sent = send_chunk(inner, idx, job, stage, &mut flight);
+    // every batch completes (or fails) before the chunk ends, error or not:
+    // the room's in-flight count falls back and the staging is free again
+    let drained = flight.drain();
+    let bytes = sent?;
+    drained?;
+    if let Some(r) = lock(&inner.prefill_rooms).get_mut(&job.room) {
+        for (x, b) in r.infos.iter_mut().zip(bytes) {
+            x.bytes += b;
+        }
+    }
+    Ok(())
+}
+
+/// Submits one chunk's batches to every decode rank of the room into
+/// `flight`; returns the KV bytes for each decode rank (in `infos` order),
+/// counted once the flight drained without error.
+fn send_chunk(
     inner: &Inner,
     idx: usize,
     job: &Job,
     mut stage: Option<&mut DeviceStage>,
-) -> Result<()> {
+    flight: &mut Flight<'_>,
+) -> Result<Vec<u64>> {
     let infos = lock(&inner.prefill_rooms)
         .get(&job.room)
         .map(|r| r.infos.clone())
@@ -1585,13 +1613,9 @@ fn run_job(
     let topo = &inner.cfg.topology;
     let src_l = topo.dcp_layout()?;
     let row_bytes: Vec<u64> = topo.entries.iter().map(|e| e.row_bytes).collect();
-    let opts = BatchOptions {
-        timeout: inner.cfg.batch_timeout,
-        checksum: false,
-        room: job.room,
-        epoch: job.attempt,
-    };
-    for (k, m) in infos.iter().enumerate() {
+    let opts = flight.opts;
+    let mut sent = Vec::with_capacity(infos.len());
+    for m in &infos {
         if !m.link.alive.load(Ordering::Acquire) {
             return Err(Error::new(
                 Status::PeerUnreachable,
@@ -1644,22 +1668,9 @@ fn run_job(
                 &opts,
                 job.room,
             )?,
-            None => write_pair(
-                inner,
-                idx,
-                &req,
-                &row_bytes,
-                &dst_regions,
-                &m.link,
-                &opts,
-                job.room,
-            )?,
+            None => write_pair(inner, idx, &req, &row_bytes, &dst_regions, &m.link, flight)?,
         };
-        if let Some(r) = lock(&inner.prefill_rooms).get_mut(&job.room) {
-            if let Some(x) = r.infos.get_mut(k) {
-                x.bytes += bytes;
-            }
-        }
+        sent.push(bytes);
         if job.last && !inner.cfg.aux.is_empty() {
             let mut ops = Vec::new();
             for (i, (a, r)) in inner.cfg.aux.iter().zip(&inner.aux_regions).enumerate() {
@@ -1690,15 +1701,15 @@ fn run_job(
                     len: a.item_bytes,
                 });
             }
-            submit_wait(inner, &m.link, &ops, &opts, job.room)?;
+            flight.submit(&m.link, &ops, None)?;
         }
         // a request without state rows on either side moves no state
         if job.last && !(job.state_indices.is_empty() && m.state_indices.is_empty()) {
             let ops = state_ops(inner, job, m)?;
-            submit_wait(inner, &m.link, &ops, &opts, job.room)?;
+            flight.submit(&m.link, &ops, None)?;
         }
     }
-    Ok(())
+    Ok(sent)
 }
 
 /// The state rows of the room's last chunk, whole, to one decode rank.
@@ -1757,30 +1768,148 @@ fn submit_wait(
         .submit(ops, opts)
         .and_then(|id| link.data.wait(id, opts.timeout + Duration::from_secs(1)));
     lock(&inner.rooms).end_write(room, opts.epoch);
-    r.map(|_| ()).map_err(|e| {
-        Error::new(
-            e.status(),
-            format!(
-                "writing room {room} to decode rank instance {}: {}",
-                link.hello.instance_id,
-                e.detail()
-            ),
-        )
-    })
+    r.map(|_| ()).map_err(|e| write_error(room, link, &e))
 }
 
-/// Writes one pair's tokens of a chunk: packed through the staging buffer when
-/// that makes fewer writes (in slices if it does not fit), else straight from the pool.
-#[allow(clippy::too_many_arguments)]
+/// A transport error of one batch, naming the room and the decode rank.
+fn write_error(room: u64, link: &DecodeLink, e: &Error) -> Error {
+    Error::new(
+        e.status(),
+        format!(
+            "writing room {room} to decode rank instance {}: {}",
+            link.hello.instance_id,
+            e.detail()
+        ),
+    )
+}
+
+/// One submitted batch of a [`Flight`]: its link, its id, and the host
+/// staging slot it reads (`None`: it reads the caller's memory only).
+struct InFlight {
+    link: Arc<DecodeLink>,
+    id: BatchId,
+    slot: Option<usize>,
+}
+
+/// The batches of one chunk in flight together, over every decode rank's
+/// link. Each is one of the room's writes in flight (`begin_write` before
+/// its submit, `end_write` once waited), so an abort stays fenced until
+/// every one completed; a host staging slot is waited free before it is
+/// gathered into again ([`Flight::free_slot`]); and nothing outlives the
+/// chunk: [`Flight::drain`] waits for them all (dropping a flight does too).
+struct Flight<'a> {
+    inner: &'a Inner,
+    opts: BatchOptions,
+    pending: Vec<InFlight>,
+    /// Slots handed out so far (the next slot is this modulo the slot count).
+    turns: usize,
+}
+
+impl<'a> Flight<'a> {
+    fn new(inner: &'a Inner, opts: BatchOptions) -> Flight<'a> {
+        Flight {
+            inner,
+            opts,
+            pending: Vec::new(),
+            turns: 0,
+        }
+    }
+
+    /// Submits `ops` over `link` without waiting (nothing for no ops).
+    fn submit(
+        &mut self,
+        link: &Arc<DecodeLink>,
+        ops: &[WriteOp],
+        slot: Option<usize>,
+    ) -> Result<()> {
+        if ops.is_empty() {
+            return Ok(());
+        }
+        let (room, epoch) = (self.opts.room, self.opts.epoch);
+        lock(&self.inner.rooms).begin_write(room, epoch)?;
+        match link.data.submit(ops, &self.opts) {
+            Ok(id) => {
+                self.pending.push(InFlight {
+                    link: link.clone(),
+                    id,
+                    slot,
+                });
+                Ok(())
+            }
+            Err(e) => {
+                lock(&self.inner.rooms).end_write(room, epoch);
+                Err(write_error(room, link, &e))
+            }
+        }
+    }
+
+    /// Waits for the `i`-th pending batch (removed either way).
+    fn wait_at(&mut self, i: usize) -> Result<()> {
+        let b = self.pending.remove(i);
+        let r = b
+            .link
+            .data
+            .wait(b.id, self.opts.timeout + Duration::from_secs(1));
+        lock(&self.inner.rooms).end_write(self.opts.room, self.opts.epoch);
+        r.map(|_| ())
+            .map_err(|e| write_error(self.opts.room, &b.link, &e))
+    }
+
+    /// The next of `slots` staging slots in turn, waited free (every batch
+    /// that reads it completed).
+    fn next_slot(&mut self, slots: usize) -> Result<usize> {
+        let slot = self.turns % slots.max(1);
+        self.turns += 1;
+        self.free_slot(slot)?;
+        Ok(slot)
+    }
+
+    /// Waits for every pending batch that reads staging slot `slot`.
+    fn free_slot(&mut self, slot: usize) -> Result<()> {
+        while let Some(i) = self.pending.iter().position(|b| b.slot == Some(slot)) {
+            self.wait_at(i)?;
+        }
+        Ok(())
+    }
+
+    /// Waits for every pending batch, oldest first; the first failure is
+    /// returned once all of them completed or failed.
+    fn drain(&mut self) -> Result<()> {
+        let mut first = None;
+        while !self.pending.is_empty() {
+            if let Err(e) = self.wait_at(0) {
+                first.get_or_insert(e);
+            }
+        }
+        first.map_or(Ok(()), Err)
+    }
+}
+
+impl Drop for Flight<'_> {
+    fn drop(&mut self) {
+        // only after a panic mid-chunk: `run_job` drains every flight
+        let _ = self.drain();
+    }
+}
+
+/// Slots a worker's host staging buffer is cut into (fewer when a slot
+/// would not hold one token): two halves, one gathered into while the other
+/// is on the wire (four measured no faster on the demo).
+const STAGING_SLOTS: u64 = 2;
+
+/// Submits one pair's tokens of a chunk into `flight`: packed through the
+/// worker's host staging buffer when that makes fewer writes, else straight
+/// from the pool. The staging is used as [`STAGING_SLOTS`] slots: each slice
+/// is gathered into the next slot, waited free first, while the batches of
+/// the others are on the wire.
 fn write_pair(
     inner: &Inner,
     idx: usize,
     req: &PairRequest<'_>,
     row_bytes: &[u64],
     dst_regions: &[u64],
-    link: &DecodeLink,
-    opts: &BatchOptions,
-    room: u64,
+    link: &Arc<DecodeLink>,
+    flight: &mut Flight<'_>,
 ) -> Result<u64> {
     let tokens = req.token_count();
     if tokens == 0 {
@@ -1800,7 +1929,12 @@ fn write_pair(
     mu.finish(&mut |_| unpacked += 1);
     mp.finish(&mut |_| packed += 1);
     let staging = inner.staging.get(idx);
-    let cap_tokens = staging.map_or(0, |(b, _)| b.len() as u64 / token_bytes.max(1));
+    let (slots, slot_bytes) = staging.map_or((1, 0), |(b, _)| {
+        let len = b.len() as u64;
+        let n = (len / token_bytes.max(1)).clamp(1, STAGING_SLOTS);
+        (n as usize, len / n)
+    });
+    let cap_tokens = slot_bytes / token_bytes.max(1);
     if staging.is_none() || packed * 2 > unpacked || cap_tokens == 0 {
         let mut ops = Vec::new();
         req.for_each_run(false, |r| {
@@ -1814,10 +1948,16 @@ fn write_pair(
                 });
             }
         })?;
-        submit_wait(inner, link, &ops, opts, room)?;
+        flight.submit(link, &ops, None)?;
         return Ok(tokens * token_bytes);
     }
     let (buf, desc) = staging.expect("checked above");
+    // SAFETY: pool memory is valid for the engine's life (Engine::new contract); read-only here.
+    let pools: Vec<&[u8]> = inner
+        .pool_regions
+        .iter()
+        .map(|r| unsafe { std::slice::from_raw_parts(r.addr as *const u8, r.len as usize) })
+        .collect();
     for sub in slice_requests(req, cap_tokens)? {
         let n = sub.token_count();
         let pack = PackLayout::new(n, row_bytes)?;
@@ -1829,15 +1969,16 @@ fn write_pair(
             next += seg.len;
         })?;
         m.finish(&mut |r: Run| spans.push(r));
-        // SAFETY: pool memory is valid for the engine's life (Engine::new contract); read-only here.
-        let pools: Vec<&[u8]> = inner
-            .pool_regions
-            .iter()
-            .map(|r| unsafe { std::slice::from_raw_parts(r.addr as *const u8, r.len as usize) })
-            .collect();
-        // SAFETY: this worker is the only user of its staging buffer; batches using it completed (submit_wait) before reuse.
+        let slot = flight.next_slot(slots)?;
+        let offset = slot as u64 * slot_bytes;
+        // SAFETY: this worker is the only user of its staging buffer, and every
+        // batch reading this slot completed (next_slot); the slot's
+        // `slot_bytes` hold the pack (`cap_tokens` tokens at most) and lie in the buffer.
         let out = unsafe {
-            std::slice::from_raw_parts_mut(buf.as_ptr() as *mut u8, pack.total_bytes as usize)
+            std::slice::from_raw_parts_mut(
+                buf.as_ptr().add(offset as usize) as *mut u8,
+                pack.total_bytes as usize,
+            )
         };
         crate::relayout::cpu::gather(&pools, row_bytes, &spans, &pack, out)?;
         let ops = staged_ops(
@@ -1845,10 +1986,10 @@ fn write_pair(
             row_bytes,
             dst_regions,
             desc.id,
-            0,
+            offset,
             &pack.entry_offsets,
         )?;
-        submit_wait(inner, link, &ops, opts, room)?;
+        flight.submit(link, &ops, Some(slot))?;
     }
     Ok(tokens * token_bytes)
 }
