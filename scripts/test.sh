@@ -20,8 +20,8 @@ cargo fmt --all -- --check
 step "cargo clippy --all-targets -- -D warnings"
 cargo clippy --all-targets -- -D warnings
 
-step "host-only build (--no-default-features)"
-cargo check --no-default-features --all-targets
+step "host-only build, clippy (--no-default-features)"
+cargo clippy --no-default-features --all-targets -- -D warnings
 
 step "cargo build (regenerates include/pdxfer.h)"
 cargo build --all-targets
