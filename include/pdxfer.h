@@ -449,8 +449,9 @@ typedef struct PdxEngineConfig {
   // worker (device and pinned host) and sends them over cma/tcp; the pool
   // addresses must be allocations of device `pool_device`. A decode with
   // CUDA pools receives over tcp (its receiver copies each piece into the
-  // pools, host-to-device, before the piece counts) or rdma (GPUDirect);
-  // with transport "cma" it is refused (`PDX_STATUS_UNSUPPORTED`:
+  // pools, host-to-device, before the piece counts) or rdma (GPUDirect; a
+  // NIC without it is refused at creation, `PDX_STATUS_NO_GPU_DIRECT`, and
+  // "auto" gives such a decode tcp); with transport "cma" it is refused (`PDX_STATUS_UNSUPPORTED`:
   // process_vm_writev cannot reach device memory), and "auto" never picks
   // cma for it. Without a CUDA driver creation fails with
   // `PDX_STATUS_NO_CUDA_DRIVER`. Aux and state buffers stay host memory.

@@ -953,7 +953,26 @@ fn child_engine_decode_device_pools_on_fake_driver() {
     assert_eq!(err.status(), pdxfer::Status::Unsupported, "{err}");
     assert!(err.detail().contains("cma"), "{err}");
     decode.close();
+    // A decode with device pools over rdma needs GPUDirect: refused at creation without it.
+    let nic = FakeNic::new("decode-no-gdr", 1, Mtu::Mtu4096);
+    nic.set_gpu_direct(false);
+    let (bufs2, kv2) = on_device(&mirror);
+    let mut cfg = EngineConfig::new(
+        Role::Decode,
+        "fake-decode-dev-nogdr",
+        &url,
+        mirror.topology(1, 0),
+        kv2,
+    );
+    cfg.pool_device = Some(0);
+    cfg.aux = mirror.aux_buffers();
+    cfg.transport = TransportKind::Rdma;
+    cfg.nic = Some(nic as Arc<dyn NicProvider>);
+    // SAFETY: as above (the engine is not created).
+    let e = unsafe { Engine::new(cfg) }.unwrap_err();
+    assert_eq!(e.status(), pdxfer::Status::NoGpuDirect, "{e}");
+    assert!(e.detail().contains("use transport tcp"), "{e}");
     prefill.close();
-    drop(bufs);
+    drop((bufs, bufs2));
     println!("fake-driver decode child: all checks passed");
 }

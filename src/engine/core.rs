@@ -316,6 +316,18 @@ impl Engine {
             // Without a usable NIC: the typed `no_rdma_device` naming the reason.
             let nics = agent.rdma_nics()?;
             log::info!("engine: transport rdma over {nics}");
+            if cfg.role == Role::Decode && cfg.pool_device.is_some() {
+                // Peers write the decode's device pools straight through the NIC.
+                agent.rdma_gpu_direct().map_err(|e| {
+                    Error::new(
+                        Status::NoGpuDirect,
+                        format!(
+                            "decode KV pools in device memory over rdma need GPUDirect RDMA, which {nics} cannot do: {}; use transport tcp (the receiver copies into device memory) or auto",
+                            e.detail()
+                        ),
+                    )
+                })?;
+            }
         }
         let store = crate::bootstrap::open_store(&cfg.bootstrap, cfg.token.as_deref())?;
         let reg = agent.registry();

@@ -399,12 +399,13 @@ impl Agent {
                 let same_host = !self.inner.deny_same_host
                     && me.same_host(&ack.identity)
                     && me.verify_local_peer(&ack.identity).is_ok();
-                let peer_nic = ack.rdma.is_some();
-                // cma cannot write device memory: a peer with device regions never gets it.
+                // cma cannot write device memory: a peer with device regions never gets it,
+                // and gets rdma only when its NICs can take GPU memory (GPUDirect).
                 let peer_device = ack
                     .regions
                     .iter()
                     .any(|r| matches!(r.kind, RegionKind::Device { .. }));
+                let peer_nic = ack.rdma.is_some() && (!peer_device || ack.rdma_gpu_direct);
                 // Open the local NICs only when rdma could be chosen.
                 let local_nic = (!same_host || peer_device) && peer_nic && self.inner.nic().is_ok();
                 super::choose_auto_for(same_host, local_nic, peer_nic, peer_device)
@@ -673,6 +674,7 @@ fn serve_control(a: Arc<AgentInner>, mut s: TcpStream, hello: &[u8]) {
         nonce_addr: &*session.nonce as *const u64 as u64,
         rdma: nic.as_ref().ok().map(|n| n.describe()),
         rdma_unavailable: nic.as_ref().err().map(|e| e.detail().to_string()),
+        rdma_gpu_direct: nic.as_ref().is_ok_and(|n| n.gpu_direct().is_ok()),
     };
     lock(&a.sessions).insert(id, session.clone());
     let mut run = || -> Result<()> {

@@ -38,6 +38,10 @@ pub struct HelloAck {
     /// Why the server has no usable RDMA NIC.
     #[serde(default)]
     pub rdma_unavailable: Option<String>,
+    /// Whether the server's NICs can register its GPU memory (GPUDirect RDMA);
+    /// `false` from servers that predate it.
+    #[serde(default)]
+    pub rdma_gpu_direct: bool,
 }
 
 /// Client -> server: the transport chosen for this session.

@@ -236,8 +236,9 @@ pub fn choose_auto(same_host: bool, local_nic: bool, peer_nic: bool) -> Transpor
 /// [`choose_auto`] for a peer whose registered regions include device
 /// memory (`peer_device`): cma writes with `process_vm_writev`, which cannot
 /// reach CUDA device memory, so such a peer gets rdma when both sides have a
-/// usable NIC (GPUDirect) and tcp otherwise (its receiver copies into device
-/// memory), even on the same host.
+/// usable NIC and the peer's NICs take GPU memory (GPUDirect; the agent passes
+/// `peer_nic = false` otherwise), and tcp otherwise (its receiver copies into
+/// device memory), even on the same host.
 pub fn choose_auto_for(
     same_host: bool,
     local_nic: bool,

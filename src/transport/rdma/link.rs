@@ -385,20 +385,6 @@ mod tests {
         )
     }
 
-    /// Deterministic pseudo-random numbers (xorshift).
-    struct Rng(u64);
-    impl Rng {
-        fn next(&mut self) -> u64 {
-            self.0 ^= self.0 << 13;
-            self.0 ^= self.0 >> 7;
-            self.0 ^= self.0 << 17;
-            self.0
-        }
-        fn below(&mut self, n: u64) -> u64 {
-            self.next() % n.max(1)
-        }
-    }
-
     const LEN: usize = 2 << 20;
 
     struct Setup {
@@ -441,7 +427,7 @@ mod tests {
         assert!(t.data_path().contains("several NICs"), "{}", t.data_path());
         assert_eq!(t.remote_regions(), vec![st.d.clone()]);
         let mut model = vec![0u8; LEN];
-        let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
+        let mut rng = crate::rng::SplitMix64::new(0x9e37_79b9_7f4a_7c15);
         for round in 0..24u64 {
             // Disjoint destination pieces inside one batch (slicing may reorder them).
             let n = 1 + rng.below(12);
@@ -1110,6 +1096,35 @@ mod tests {
             assert!(e.detail().contains("offers no RDMA"), "{e}");
             let t = connect(&tx, &bare, TransportKind::Auto).unwrap();
             assert_eq!(t.kind(), TransportKind::Tcp);
+        }
+    }
+
+    /// A peer whose regions include device memory gets rdma from `auto` only
+    /// when its NICs take GPU memory (GPUDirect); otherwise tcp, whose
+    /// receiver copies into device memory.
+    #[test]
+    fn auto_gives_a_peer_with_device_regions_rdma_only_with_gpudirect() {
+        for gpu_direct in [true, false] {
+            let rn = FakeNic::new("gdrx", 1, Mtu::Mtu4096);
+            rn.set_gpu_direct(gpu_direct);
+            let rx = agent(true, Some(rn));
+            let tx = agent(false, Some(FakeNic::new("gdtx", 1, Mtu::Mtu4096)));
+            let mut dpool = vec![0u8; 1 << 16];
+            // SAFETY: the buffer outlives the registration (rx is dropped first).
+            unsafe {
+                rx.registry()
+                    .register_device_unchecked(dpool.as_mut_ptr() as u64, dpool.len(), 0)
+                    .unwrap();
+            }
+            let t = connect(&tx, &rx, TransportKind::Auto).unwrap();
+            let want = if gpu_direct {
+                TransportKind::Rdma
+            } else {
+                TransportKind::Tcp
+            };
+            assert_eq!(t.kind(), want, "gpu_direct {gpu_direct}");
+            drop(t);
+            drop(rx);
         }
     }
 }
