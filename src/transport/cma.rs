@@ -284,12 +284,12 @@ impl PeerProcess {
                 off = 0;
                 continue;
             }
-            // SAFETY: local iovecs lie in registered, pinned regions of this process; remote ones were granted by the peer.
             let f = if read {
                 libc::process_vm_readv
             } else {
                 libc::process_vm_writev
             };
+            // SAFETY: local iovecs lie in registered, pinned regions of this process; remote ones were granted by the peer.
             let n = unsafe {
                 f(
                     self.pid,
