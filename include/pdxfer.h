@@ -63,7 +63,7 @@
 // CUDA device memory.
 #define PDXFER_REGION_DEVICE 1
 
-// Choose automatically (cma on this host, else tcp).
+// Choose automatically: cma on this host, else rdma when both sides have a NIC, else tcp.
 #define PDXFER_TRANSPORT_AUTO 0
 
 // Same process (`pdxfer_peer_open_local`).
@@ -75,7 +75,7 @@
 // TCP streams.
 #define PDXFER_TRANSPORT_TCP 3
 
-// RDMA (not available in this layer yet: `PDX_STATUS_TRANSPORT_UNAVAILABLE`).
+// RDMA: one-sided RDMA WRITE/READ (`PDX_STATUS_NO_RDMA_DEVICE` without a usable NIC).
 #define PDXFER_TRANSPORT_RDMA 4
 
 // Plan only the packed layout: source rows are indices into a staging buffer.

@@ -276,7 +276,7 @@ class Agent:
         return [Region._from_c(arr[i]) for i in range(n.value)]
 
     def connect(self, addr: str, transport: str = "auto", streams: int = 1, threads: int = 1, timeout: float = 10.0) -> "Peer":
-        """Connects to the agent at ``addr`` over ``transport`` (auto, cma, tcp)."""
+        """Connects to the agent at ``addr`` over ``transport`` (auto, cma, tcp, rdma)."""
         if transport not in TRANSPORTS:
             raise ArgumentError(-101, f"unknown transport {transport!r} ({', '.join(TRANSPORTS)})")
         o = _PeerOptions(struct_size=ctypes.sizeof(_PeerOptions), transport=TRANSPORTS[transport], streams=streams, threads=threads, timeout_ms=int(timeout * 1000))

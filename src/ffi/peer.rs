@@ -9,7 +9,7 @@ use crate::transport::{ConnectOptions, Transport, TransportKind};
 use std::ffi::c_char;
 use std::time::Duration;
 
-/// Choose automatically (cma on this host, else tcp).
+/// Choose automatically: cma on this host, else rdma when both sides have a NIC, else tcp.
 pub const PDXFER_TRANSPORT_AUTO: u32 = 0;
 /// Same process (`pdxfer_peer_open_local`).
 pub const PDXFER_TRANSPORT_LOCAL: u32 = 1;
@@ -17,7 +17,7 @@ pub const PDXFER_TRANSPORT_LOCAL: u32 = 1;
 pub const PDXFER_TRANSPORT_CMA: u32 = 2;
 /// TCP streams.
 pub const PDXFER_TRANSPORT_TCP: u32 = 3;
-/// RDMA (not available in this layer yet: `PDX_STATUS_TRANSPORT_UNAVAILABLE`).
+/// RDMA: one-sided RDMA WRITE/READ (`PDX_STATUS_NO_RDMA_DEVICE` without a usable NIC).
 pub const PDXFER_TRANSPORT_RDMA: u32 = 4;
 
 /// Opaque peer handle (`pdxfer_peer_open` / `pdxfer_peer_close`).
