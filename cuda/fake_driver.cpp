@@ -4,9 +4,10 @@
 // is host memory and every operation completes before it returns, so events
 // are always complete, except one: a host-to-device copy on a stream is
 // deferred (its host bytes taken at the call, as the driver stages pageable
-// memory) until that stream is synchronised or given later work or an event,
-// the context is synchronised, or memory is freed; so a caller that reports
-// bytes as landed without waiting for its copy is caught. tests/fake_driver.rs builds it with g++ as
+// memory; read when it lands from pinned memory, as DMA does) until that stream is synchronised or given later work, an event
+// recorded after it is synchronised, queried or waited by a stream, the
+// context is synchronised, or memory is freed; so a caller that reports bytes
+// as landed without waiting for its copy (or for an event after it) is caught. tests/fake_driver.rs builds it with g++ as
 // libcuda.so and runs the device code path (GpuRelayout, the self-check and
 // the benchmark loop) in a child process whose LD_LIBRARY_PATH finds it.
 //
@@ -57,14 +58,24 @@ static std::mutex g_mu;
 static std::map<CUdeviceptr, size_t> g_allocs;  // base -> size
 static std::map<void*, double> g_events;        // event -> record time (ms)
 static std::map<void*, int> g_streams;
+static std::map<void*, void*> g_event_stream;  // event -> stream it was last recorded on
 static std::map<CUdeviceptr, size_t> g_host_allocs;  // pinned host base -> size
 static bool g_inited = false;
 static unsigned long long g_pinned_dtoh = 0;  // async DtoH copies into pinned memory
 static unsigned long long g_launches = 0;     // kernel launches
 static unsigned long long g_htod_landed = 0;  // stream-ordered HtoD copies applied
 static unsigned long long g_pinned_htod = 0;  // stream-ordered HtoD copies from pinned memory
-// Stream -> HtoD copies not yet applied (destination, staged host bytes).
-static std::map<void*, std::vector<std::pair<CUdeviceptr, std::vector<unsigned char>>>> g_pending;
+// A host-to-device copy not yet applied: from pageable memory its host bytes
+// were staged at the call; from pinned memory they are read when it lands
+// (as the DMA engine does), so rewriting the source before waiting shows.
+struct PendingCopy {
+    CUdeviceptr dst;
+    const unsigned char* pinned;        // source, when pinned
+    std::vector<unsigned char> staged;  // staged bytes, when pageable
+    size_t n;
+};
+// Stream -> HtoD copies not yet applied.
+static std::map<void*, std::vector<PendingCopy>> g_pending;
 
 static double now_ms() {
     using namespace std::chrono;
@@ -102,7 +113,7 @@ static void flush(CUstream s, bool all = false) {
             continue;
         }
         for (auto& c : it->second) {
-            memcpy((void*)c.first, c.second.data(), c.second.size());
+            memcpy((void*)c.dst, c.pinned ? c.pinned : c.staged.data(), c.n);
             ++g_htod_landed;
         }
         it = g_pending.erase(it);
@@ -185,8 +196,21 @@ CUresult cuStreamSynchronize(CUstream s) {
     flush(s);
     return OK;
 }
-CUresult cuStreamWaitEvent(CUstream s, CUevent, unsigned int) {
+// Applies the deferred copies of the stream event `e` was recorded on.
+static void flush_event(CUevent e) {
+    CUstream s = nullptr;
+    {
+        std::lock_guard<std::mutex> l(g_mu);
+        auto it = g_event_stream.find(e);
+        if (it == g_event_stream.end()) return;
+        s = it->second;
+    }
+    flush(s);
+}
+
+CUresult cuStreamWaitEvent(CUstream s, CUevent e, unsigned int) {
     if (!stream_ok(s)) return ERR_INVALID_HANDLE;
+    flush_event(e);
     flush(s);
     return OK;
 }
@@ -217,6 +241,7 @@ CUresult cuMemHostAlloc(void** p, size_t n, unsigned int) {
     return OK;
 }
 CUresult cuMemFreeHost(void* p) {
+    flush(nullptr, true);  // the driver synchronises before freeing
     std::lock_guard<std::mutex> l(g_mu);
     if (!g_host_allocs.erase((CUdeviceptr)p)) return ERR_INVALID_VALUE;
     free(p);
@@ -253,8 +278,10 @@ CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr d, const void* h, size_t n, CUstream s
     if (find_alloc(g_host_allocs, (CUdeviceptr)h, &base, &size)) {
         if ((CUdeviceptr)h + n > base + size) return ERR_INVALID_VALUE;
         ++g_pinned_htod;
+        g_pending[s].push_back(PendingCopy{d, b, {}, n});
+    } else {
+        g_pending[s].push_back(PendingCopy{d, nullptr, std::vector<unsigned char>(b, b + n), n});
     }
-    g_pending[s].emplace_back(d, std::vector<unsigned char>(b, b + n));
     return OK;
 }
 CUresult cuMemcpyHtoD_v2(CUdeviceptr d, const void* h, size_t n) {
@@ -300,21 +327,28 @@ CUresult cuEventCreate(CUevent* e, unsigned int) {
 CUresult cuEventDestroy_v2(CUevent e) {
     std::lock_guard<std::mutex> l(g_mu);
     if (!g_events.erase(e)) return ERR_INVALID_HANDLE;
+    g_event_stream.erase(e);  // destroying an event waits for nothing
     free(e);
     return OK;
 }
 CUresult cuEventRecord(CUevent e, CUstream s) {
     if (!stream_ok(s)) return ERR_INVALID_HANDLE;
-    flush(s);
+    // The stream's deferred copies stay deferred: they land when this event
+    // (or the stream) is waited.
     std::lock_guard<std::mutex> l(g_mu);
     auto it = g_events.find(e);
     if (it == g_events.end()) return ERR_INVALID_HANDLE;
     it->second = now_ms();
+    g_event_stream[e] = s;
     return OK;
 }
 CUresult cuEventQuery(CUevent e) {
-    std::lock_guard<std::mutex> l(g_mu);
-    return g_events.count(e) ? OK : ERR_INVALID_HANDLE;
+    {
+        std::lock_guard<std::mutex> l(g_mu);
+        if (!g_events.count(e)) return ERR_INVALID_HANDLE;
+    }
+    flush_event(e);  // observed complete: the work before it has landed
+    return OK;
 }
 CUresult cuEventSynchronize(CUevent e) { return cuEventQuery(e); }
 CUresult cuEventElapsedTime(float* ms, CUevent a, CUevent b) {

@@ -18,12 +18,81 @@ pub trait DeviceWriter: Send + Sync {
     /// delivered as soon as this returns.
     fn write(&self, dst: u64, src: &[u8]) -> Result<()>;
 
+    /// Starts copying `len` bytes at `src` to device address `dst`
+    /// (bounds-checked as for [`write`](Self::write)) and returns a [`Fence`]
+    /// that is complete once every byte is in device memory. The default
+    /// copies synchronously through [`write`](Self::write) and returns a
+    /// completed fence; a writer with asynchronous copies (a CUDA stream)
+    /// overrides it so a receiver can read the next bytes meanwhile.
+    ///
+    /// # Safety
+    /// `[src, src + len)` must be valid host memory that stays allocated and
+    /// unmodified until the returned fence is waited or dropped.
+    unsafe fn write_async(&self, dst: u64, src: *const u8, len: usize) -> Result<Fence> {
+        // SAFETY: the caller's contract: `[src, src + len)` is valid host memory.
+        let bytes = unsafe { std::slice::from_raw_parts(src, len) };
+        self.write(dst, bytes).map(|()| Fence::done())
+    }
+
     /// A host buffer of `len` bytes for a receiver to land bytes in before
     /// [`write`](Self::write)ing them: page-locked memory where the writer
     /// can allocate it (the copy then runs as DMA straight from it), else
     /// ordinary heap memory (the default).
     fn bounce(&self, len: usize) -> BounceBuffer {
         BounceBuffer::heap(len)
+    }
+}
+
+/// The completion of a copy started by
+/// [`DeviceWriter::write_async`]: [`wait`](Fence::wait) blocks until the
+/// copy's bytes are in device memory and reports its failure. A fence dropped
+/// unwaited waits too (its error is lost), so the copy's source is never
+/// released or rewritten while the copy may still read it.
+#[must_use = "a copy counts as landed only once its fence is waited"]
+pub struct Fence {
+    wait: Option<Box<dyn FnOnce() -> Result<()> + Send>>,
+}
+
+impl Fence {
+    /// A fence that is already complete (a synchronous copy).
+    pub fn done() -> Fence {
+        Fence { wait: None }
+    }
+
+    /// A fence completed by `wait`, which blocks until the copy is done
+    /// (it must not panic: it also runs when the fence drops).
+    pub fn new(wait: impl FnOnce() -> Result<()> + Send + 'static) -> Fence {
+        Fence {
+            wait: Some(Box::new(wait)),
+        }
+    }
+
+    /// Blocks until the copy is in device memory; its error if it failed.
+    pub fn wait(mut self) -> Result<()> {
+        match self.wait.take() {
+            Some(w) => w(),
+            None => Ok(()),
+        }
+    }
+}
+
+impl std::fmt::Debug for Fence {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let state = if self.wait.is_some() {
+            "pending"
+        } else {
+            "complete"
+        };
+        write!(f, "Fence({state})")
+    }
+}
+
+impl Drop for Fence {
+    fn drop(&mut self) {
+        if let Some(w) = self.wait.take() {
+            // Errors cannot be reported from a drop: the copy is only waited for.
+            let _ = w();
+        }
     }
 }
 
@@ -143,5 +212,28 @@ mod tests {
         assert_eq!(released.load(Ordering::SeqCst), 0);
         drop(b);
         assert_eq!(released.load(Ordering::SeqCst), 1);
+    }
+
+    #[test]
+    fn fences_wait_once_whether_waited_or_dropped() {
+        assert!(Fence::done().wait().is_ok());
+        let waits = Arc::new(AtomicUsize::new(0));
+        let w = waits.clone();
+        let f = Fence::new(move || {
+            w.fetch_add(1, Ordering::SeqCst);
+            Err(crate::error::Error::new(
+                crate::error::Status::Io,
+                "copy failed",
+            ))
+        });
+        assert!(f.wait().is_err());
+        assert_eq!(waits.load(Ordering::SeqCst), 1);
+        let w = waits.clone();
+        let f = Fence::new(move || {
+            w.fetch_add(1, Ordering::SeqCst);
+            Ok(())
+        });
+        drop(f);
+        assert_eq!(waits.load(Ordering::SeqCst), 2);
     }
 }

@@ -14,6 +14,6 @@ mod device_writer;
 mod region;
 mod registry;
 
-pub use device_writer::{BounceBuffer, DeviceWriter};
+pub use device_writer::{BounceBuffer, DeviceWriter, Fence};
 pub use region::{RegionDesc, RegionKind};
 pub use registry::{AccessGuard, Registry, UnregisterHook, MEMFD_KEY};

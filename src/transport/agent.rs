@@ -1179,9 +1179,14 @@ fn drain(s: &mut impl Read, mut left: u64, scratch: &mut [u8]) -> Result<()> {
 }
 
 /// Lands one piece in device memory at `dst` (bounds-checked and pinned by
-/// the caller): reads it slice by slice into `bounce` and hands each slice to
-/// `w`, which returns once the slice is in device memory. A failed copy
-/// drains the rest of the payload and fails the piece.
+/// the caller), double-buffered: `bounce` is split in two halves, and while
+/// the copy of one slice (started with
+/// [`write_async`](crate::memory::DeviceWriter::write_async)) runs from one
+/// half, the next slice is read from the socket into the other. A half is
+/// rewritten only after its previous copy was waited, and every copy is
+/// waited before this returns, so the piece counts as received only once all
+/// its bytes are in device memory. A failed copy drains the rest of the
+/// payload and fails the piece.
 fn receive_into_device(
     s: &mut impl Read,
     h: &DataHeader,
@@ -1192,27 +1197,75 @@ fn receive_into_device(
 ) -> Result<Result<u64>> {
     let mut hasher = (h.flags & wire::DATA_FLAG_CHECKSUM != 0)
         .then(|| checksum::PieceHasher::new(h.region, h.offset));
+    if bounce.is_empty() {
+        return Err(Error::new(
+            Status::InvalidArgument,
+            "empty device bounce buffer",
+        ));
+    }
+    // A one-byte bounce buffer is used as one half (the second is empty).
+    let (first, second) = bounce.split_at_mut((bounce.len() / 2).max(1));
+    let halves = [first, second];
+    // Per half: the copy still reading it (fence, piece-relative offset, length).
+    // Dropping a fence waits for it, so an early return (a lost socket)
+    // never leaves a copy reading a half that is released or rewritten.
+    let mut pending: [Option<(crate::memory::Fence, u64, usize)>; 2] = [None, None];
+    let mut failed: Option<(Error, u64, usize)> = None;
     let mut done = 0u64;
+    let mut k = 0usize;
     while done < h.len {
-        let n = (h.len - done).min(bounce.len() as u64) as usize;
-        let buf = &mut bounce[..n];
+        if halves[k].is_empty() {
+            k = 0;
+        }
+        // Reusing half k: its previous copy must be done reading it.
+        if let Some((f, at, n)) = pending[k].take() {
+            if let Err(e) = f.wait() {
+                failed = Some((e, at, n));
+                break;
+            }
+        }
+        let n = (h.len - done).min(halves[k].len() as u64) as usize;
+        let buf = &mut halves[k][..n];
         s.read_exact(buf)?;
         if let Some(x) = hasher.as_mut() {
             x.update(buf);
         }
-        if let Err(e) = w.write(dst + done, buf) {
-            drain(s, h.len - done - n as u64, scratch)?;
-            return Ok(Err(Error::new(
-                e.status(),
-                format!(
-                    "copying {n} bytes into device region {} at offset {}: {}",
-                    h.region,
-                    h.offset + done,
-                    e.detail()
-                ),
-            )));
+        // SAFETY: `buf` lies in `bounce`, which outlives this call; half k is
+        // rewritten only after this copy's fence was waited (above), and
+        // every fence is waited, or dropped (which waits), before this returns.
+        match unsafe { w.write_async(dst + done, buf.as_ptr(), n) } {
+            Ok(f) => pending[k] = Some((f, done, n)),
+            Err(e) => {
+                failed = Some((e, done, n));
+                done += n as u64;
+                break;
+            }
         }
         done += n as u64;
+        k ^= 1;
+    }
+    // Every copy still running is waited, the older first (k is the next half
+    // to be reused, hence the older copy).
+    for i in [k, k ^ 1] {
+        if let Some((f, at, n)) = pending[i].take() {
+            if let Err(e) = f.wait() {
+                if failed.is_none() {
+                    failed = Some((e, at, n));
+                }
+            }
+        }
+    }
+    if let Some((e, at, n)) = failed {
+        drain(s, h.len - done, scratch)?;
+        return Ok(Err(Error::new(
+            e.status(),
+            format!(
+                "copying {n} bytes into device region {} at offset {}: {}",
+                h.region,
+                h.offset + at,
+                e.detail()
+            ),
+        )));
     }
     Ok(Ok(hasher.map_or(0, |x| x.finish())))
 }
@@ -1562,8 +1615,9 @@ mod tests {
         assert_eq!(sum, checksum::piece(d.id, 100, &payload));
         assert_eq!(&mem[100..1100], &payload[..]);
         assert!(mem[..100].iter().chain(&mem[1100..]).all(|&b| b == 0));
-        assert_eq!(w.writes.load(Ordering::SeqCst), 1000u64.div_ceil(64));
-        assert_eq!(w.largest.load(Ordering::SeqCst), 64);
+        // two 32-byte halves of the 64-byte bounce buffer
+        assert_eq!(w.writes.load(Ordering::SeqCst), 1000u64.div_ceil(32));
+        assert_eq!(w.largest.load(Ordering::SeqCst), 32);
         assert_eq!(reg.inflight(d.id).unwrap(), 0);
 
         // Out of bounds: refused, nothing written, the payload drained.
@@ -1580,7 +1634,7 @@ mod tests {
         assert_eq!(e.status(), Status::OutOfBounds, "{e}");
         assert_eq!(s.position(), 200);
         assert_eq!(mem, before);
-        assert_eq!(w.writes.load(Ordering::SeqCst), 1000u64.div_ceil(64));
+        assert_eq!(w.writes.load(Ordering::SeqCst), 1000u64.div_ceil(32));
 
         // A failed copy fails the piece and drains the rest of it.
         let mut mem2 = vec![0u8; 4096];
@@ -1615,6 +1669,193 @@ mod tests {
         assert_eq!(e.status(), Status::Unsupported, "{e}");
         assert!(mem3.iter().all(|&b| b == 0));
         assert_eq!(s.position(), 8);
+    }
+
+    /// One copy started by [`DeferredDevice`] and not yet waited.
+    struct PendingCopy {
+        id: u64,
+        dst: u64,
+        src: usize,
+        len: usize,
+        /// The source bytes when the copy was started.
+        snapshot: Vec<u8>,
+    }
+
+    #[derive(Default)]
+    struct DeferredState {
+        pending: Vec<PendingCopy>,
+        next: u64,
+        started: u64,
+        landed: u64,
+        most_pending: usize,
+        /// Copies whose source changed between their start and their wait.
+        overwritten: u64,
+        /// Socket reads into memory a pending copy still reads.
+        reads_into_pending: u64,
+        fail_wait_of: Option<u64>,
+    }
+
+    /// A host-memory "device" whose asynchronous copies land only when their
+    /// fence is waited (or dropped), reading the source at that moment as a
+    /// DMA from pinned memory does.
+    struct DeferredDevice {
+        base: u64,
+        len: u64,
+        st: Arc<Mutex<DeferredState>>,
+    }
+
+    impl DeferredDevice {
+        fn land(st: &Mutex<DeferredState>, id: u64) -> Result<()> {
+            let mut g = lock(st);
+            let i = g.pending.iter().position(|c| c.id == id).unwrap();
+            let c = g.pending.remove(i);
+            if g.fail_wait_of == Some(id) {
+                return Err(Error::new(Status::Cuda, "injected copy failure"));
+            }
+            // SAFETY: the receiver keeps the source alive until the fence is waited.
+            let now = unsafe { std::slice::from_raw_parts(c.src as *const u8, c.len) };
+            if now != &c.snapshot[..] {
+                g.overwritten += 1;
+            }
+            // SAFETY: dst was checked against the fake device memory at the start.
+            unsafe { std::ptr::copy_nonoverlapping(now.as_ptr(), c.dst as *mut u8, c.len) };
+            g.landed += 1;
+            Ok(())
+        }
+    }
+
+    impl crate::memory::DeviceWriter for DeferredDevice {
+        fn write(&self, _dst: u64, _src: &[u8]) -> Result<()> {
+            panic!("the receiver must use write_async");
+        }
+
+        unsafe fn write_async(
+            &self,
+            dst: u64,
+            src: *const u8,
+            len: usize,
+        ) -> Result<crate::memory::Fence> {
+            assert!(dst >= self.base && dst + len as u64 <= self.base + self.len);
+            let mut g = lock(&self.st);
+            let id = g.next;
+            g.next += 1;
+            g.started += 1;
+            // SAFETY: the caller's contract: the source is valid host memory.
+            let snapshot = unsafe { std::slice::from_raw_parts(src, len) }.to_vec();
+            g.pending.push(PendingCopy {
+                id,
+                dst,
+                src: src as usize,
+                len,
+                snapshot,
+            });
+            g.most_pending = g.most_pending.max(g.pending.len());
+            let st = self.st.clone();
+            Ok(crate::memory::Fence::new(move || {
+                DeferredDevice::land(&st, id)
+            }))
+        }
+    }
+
+    /// A socket stand-in returning a few bytes per read, which counts reads
+    /// into memory a pending copy of `st` still reads.
+    struct WatchedSocket {
+        data: Vec<u8>,
+        pos: usize,
+        st: Arc<Mutex<DeferredState>>,
+    }
+
+    impl Read for WatchedSocket {
+        fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+            let n = buf.len().min(7).min(self.data.len() - self.pos);
+            let (lo, hi) = (buf.as_ptr() as usize, buf.as_ptr() as usize + n);
+            let mut g = lock(&self.st);
+            let clash = g.pending.iter().any(|c| lo < c.src + c.len && c.src < hi);
+            if clash {
+                g.reads_into_pending += 1;
+            }
+            drop(g);
+            buf[..n].copy_from_slice(&self.data[self.pos..self.pos + n]);
+            self.pos += n;
+            Ok(n)
+        }
+    }
+
+    #[test]
+    fn tcp_receiver_double_buffers_device_copies_and_waits_for_each() {
+        let mut mem = vec![0u8; 4096];
+        let st = Arc::new(Mutex::new(DeferredState::default()));
+        let w = Arc::new(DeferredDevice {
+            base: mem.as_mut_ptr() as u64,
+            len: mem.len() as u64,
+            st: st.clone(),
+        });
+        let reg = Registry::new();
+        // SAFETY: the writer accepts exactly the buffer's addresses.
+        let d = unsafe { reg.register_device_unchecked_with(w.base, 4096, 0, Some(w.clone())) }
+            .unwrap();
+        let payload: Vec<u8> = (0..1000u32).map(|i| (i * 29 + 5) as u8).collect();
+        let h = DataHeader {
+            flags: wire::DATA_FLAG_CHECKSUM,
+            batch: 1,
+            region: d.id,
+            offset: 300,
+            len: 1000,
+        };
+        let mut scratch = vec![0u8; 100];
+        let mut bounce = Some(crate::memory::BounceBuffer::heap(64));
+        let mut s = WatchedSocket {
+            data: payload.clone(),
+            pos: 0,
+            st: st.clone(),
+        };
+        let sum = receive_piece(&reg, &mut s, &h, &mut scratch, &mut bounce)
+            .unwrap()
+            .unwrap();
+        assert_eq!(sum, checksum::piece(d.id, 300, &payload));
+        assert_eq!(&mem[300..1300], &payload[..]);
+        assert!(mem[..300].iter().chain(&mem[1300..]).all(|&b| b == 0));
+        {
+            let g = lock(&st);
+            assert!(
+                g.pending.is_empty(),
+                "a copy was not waited before the piece counted"
+            );
+            assert_eq!(g.started, 1000u64.div_ceil(32));
+            assert_eq!(g.landed, g.started);
+            assert_eq!(g.most_pending, 2, "the copies did not overlap the reads");
+            assert_eq!(g.overwritten, 0);
+            assert_eq!(g.reads_into_pending, 0);
+        }
+
+        // A copy failing at its wait fails the piece with its reason, after
+        // every other copy was waited, and the payload is drained.
+        {
+            let mut g = lock(&st);
+            g.fail_wait_of = Some(g.next + 4);
+        }
+        mem[300..1300].fill(0);
+        let mut s = WatchedSocket {
+            data: [payload.clone(), vec![9u8; 5]].concat(),
+            pos: 0,
+            st: st.clone(),
+        };
+        let e = receive_piece(&reg, &mut s, &h, &mut scratch, &mut bounce)
+            .unwrap()
+            .unwrap_err();
+        assert_eq!(e.status(), Status::Cuda, "{e}");
+        assert!(e.detail().contains("at offset 428"), "{e}");
+        assert_eq!(s.pos, 1000);
+        let g = lock(&st);
+        assert!(g.pending.is_empty());
+        assert_eq!(g.overwritten, 0);
+        assert_eq!(g.reads_into_pending, 0);
+        // Slices 0-3 landed, 4 failed (waited before half 0 was reused for
+        // slice 6, so 6 was never read), and 5, already started, was waited.
+        assert_eq!(&mem[300..428], &payload[..128]);
+        assert!(mem[428..460].iter().all(|&b| b == 0));
+        assert_eq!(&mem[460..492], &payload[160..192]);
+        assert!(mem[492..].iter().all(|&b| b == 0));
     }
 
     #[test]

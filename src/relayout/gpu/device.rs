@@ -743,7 +743,9 @@ fn check_device_range_in(ctx: &Arc<CudaContext>, ptr: u64, len: u64) -> Result<(
 /// are device memory): each [`write`](crate::memory::DeviceWriter::write) is
 /// an asynchronous host-to-device copy on a stream of its own (a small pool,
 /// one per concurrent caller) followed by a wait on that stream, so it
-/// returns only once the bytes are in device memory. Needs no kernels.
+/// returns only once the bytes are in device memory;
+/// [`write_async`](crate::memory::DeviceWriter::write_async) enqueues the
+/// copy and returns a fence on an event recorded after it. Needs no kernels.
 pub struct HostToDevice {
     ctx: Arc<CudaContext>,
     streams: Mutex<Vec<Arc<CudaStream>>>,
@@ -830,6 +832,44 @@ impl crate::memory::DeviceWriter for HostToDevice {
             .unwrap_or_else(|p| p.into_inner())
             .push(stream);
         Ok(())
+    }
+
+    /// Enqueues the copy on a pooled stream and records an event after it;
+    /// the fence synchronises that event (the copy only), so the stream goes
+    /// straight back to the pool for the next copy.
+    unsafe fn write_async(
+        &self,
+        dst: u64,
+        src: *const u8,
+        len: usize,
+    ) -> Result<crate::memory::Fence> {
+        let pooled = self.streams.lock().unwrap_or_else(|p| p.into_inner()).pop();
+        let stream = match pooled {
+            Some(s) => s,
+            None => guard("cuStreamCreate", || self.ctx.new_stream())?,
+        };
+        let ev = guard("cuMemcpyHtoDAsync + cuEventRecord", || {
+            self.ctx.bind_to_thread()?;
+            // SAFETY: the caller checked [dst, dst + len) against a registered
+            // device region of this device and keeps [src, src + len) intact
+            // until the fence (which synchronises the event) is waited or dropped.
+            let bytes = unsafe { std::slice::from_raw_parts(src, len) };
+            // SAFETY: as above.
+            unsafe { result::memcpy_htod_async(dst, bytes, stream.cu_stream()) }?;
+            stream.record_event(Some(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING))
+        });
+        self.streams
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(stream);
+        let ev = ev?;
+        let ctx = self.ctx.clone();
+        Ok(crate::memory::Fence::new(move || {
+            guard("cuEventSynchronize", || {
+                ctx.bind_to_thread()?;
+                ev.synchronize()
+            })
+        }))
     }
 }
 
