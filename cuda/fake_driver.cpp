@@ -4,10 +4,13 @@
 // is host memory and every operation completes before it returns, so events
 // are always complete, except one: a host-to-device copy on a stream is
 // deferred (its host bytes taken at the call, as the driver stages pageable
-// memory; read when it lands from pinned memory, as DMA does) until that stream is synchronised or given later work, an event
-// recorded after it is synchronised, queried or waited by a stream, the
-// context is synchronised, or memory is freed; so a caller that reports bytes
-// as landed without waiting for its copy (or for an event after it) is caught. tests/fake_driver.rs builds it with g++ as
+// memory; read when it lands from pinned memory, as DMA does) until that
+// stream is synchronised or given later work, an event recorded after it is
+// synchronised, queried or waited by a stream, the context is synchronised,
+// or memory is freed; so a caller that reports bytes as landed without
+// waiting for its copy (or for an event after it) is caught, and so is one
+// that rewrites a pinned source before its copy was waited.
+// tests/fake_driver.rs builds it with g++ as
 // libcuda.so and runs the device code path (GpuRelayout, the self-check and
 // the benchmark loop) in a child process whose LD_LIBRARY_PATH finds it.
 //
