@@ -1098,7 +1098,8 @@ fn stream_loop(
 }
 
 /// Bytes of the host bounce buffer a tcp stream lands device-region payloads
-/// in before its device writer copies them (one per stream, on first use).
+/// in before its device writer copies them (one per stream, on first use),
+/// used as two halves of 2 MiB: one is read into while the other is copied.
 const DEVICE_BOUNCE_BYTES: usize = 4 << 20;
 
 /// Receives the payload of one data piece `h` from `s` into its destination:

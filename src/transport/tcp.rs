@@ -8,9 +8,11 @@
 //! A destination in device memory (a region registered with a
 //! [`DeviceWriter`](crate::memory::DeviceWriter)) is read into the stream's
 //! bounded bounce buffer (page-locked where the writer can allocate it) and
-//! copied to the device slice by slice; the piece counts only once the
-//! writer has every byte on the device, and its checksum is computed on the
-//! bytes received.
+//! copied to the device slice by slice, double-buffered: the buffer's two
+//! halves alternate, the asynchronous copy of one slice running while the
+//! next is read from the socket into the other half (a half is reused only
+//! after its copy was waited); the piece counts only once every copy was
+//! waited, and its checksum is computed on the bytes received.
 //! After its last piece, the last stream of a batch sends the commit record
 //! on the control connection; the receiver delivers the completion once all
 //! bytes counted across streams have landed and answers Ack (or Nack with
