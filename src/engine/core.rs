@@ -1670,16 +1670,9 @@ fn send_chunk(
             })
             .collect::<Result<_>>()?;
         let bytes = match stage.as_deref_mut() {
-            Some(st) => write_pair_device(
-                inner,
-                st,
-                &req,
-                &row_bytes,
-                &dst_regions,
-                &m.link,
-                &opts,
-                job.room,
-            )?,
+            Some(st) => {
+                write_pair_device(inner, st, &req, &row_bytes, &dst_regions, &m.link, &opts)?
+            }
             None => write_pair(inner, idx, &req, &row_bytes, &dst_regions, &m.link, flight)?,
         };
         sent.push(bytes);
@@ -1762,25 +1755,6 @@ fn state_ops(inner: &Inner, job: &Job, m: &MetaInfo) -> Result<Vec<WriteOp>> {
         });
     }
     Ok(ops)
-}
-
-fn submit_wait(
-    inner: &Inner,
-    link: &DecodeLink,
-    ops: &[WriteOp],
-    opts: &BatchOptions,
-    room: u64,
-) -> Result<()> {
-    if ops.is_empty() {
-        return Ok(());
-    }
-    lock(&inner.rooms).begin_write(room, opts.epoch)?;
-    let r = link
-        .data
-        .submit(ops, opts)
-        .and_then(|id| link.data.wait(id, opts.timeout + Duration::from_secs(1)));
-    lock(&inner.rooms).end_write(room, opts.epoch);
-    r.map(|_| ()).map_err(|e| write_error(room, link, &e))
 }
 
 /// A transport error of one batch, naming the room and the decode rank.
@@ -2086,16 +2060,14 @@ fn staged_ops(
 /// (and copied) while slice `i` is on the wire. A NIC that refuses the device
 /// staging (`NoGpuDirect`) moves the link to the host path for good and the
 /// pair is written again through it (rewriting the same bytes is harmless).
-#[allow(clippy::too_many_arguments)]
 fn write_pair_device(
     inner: &Inner,
     stage: &mut DeviceStage,
     req: &PairRequest<'_>,
     row_bytes: &[u64],
     dst_regions: &[u64],
-    link: &DecodeLink,
+    link: &Arc<DecodeLink>,
     opts: &BatchOptions,
-    room: u64,
 ) -> Result<u64> {
     let tokens = req.token_count();
     if tokens == 0 {
@@ -2126,7 +2098,10 @@ fn write_pair_device(
                     s.offset,
                     &s.entry_offsets,
                 )?;
-                submit_wait(inner, link, &ops, &opts, room)
+                // each slice completes before its staging half is gathered into again
+                let mut f = Flight::new(inner, opts);
+                f.submit(link, &ops, None)?;
+                f.drain()
             })
         }
     };
