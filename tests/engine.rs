@@ -33,6 +33,25 @@ fn fake_nic(
     (transport == TransportKind::Rdma).then(|| FakeNic::new(name, 2, Mtu::Mtu4096) as _)
 }
 
+/// One engine rank over fresh synthetic pools of `pages` pages, DCP `dcp`
+/// rank `r` (rdma on the software NIC fabric); the pools live beside it.
+fn rank(
+    role: Role,
+    name: &str,
+    url: &str,
+    pages: u64,
+    (dcp, r): (u32, u32),
+    transport: TransportKind,
+) -> (Engine, SyntheticPools) {
+    let pools = SyntheticPools::new(LAYERS, ROW, P, pages, 8, 32).unwrap();
+    let mut cfg = EngineConfig::new(role, name, url, pools.topology(dcp, r), pools.kv_pools());
+    cfg.aux = pools.aux_buffers();
+    cfg.transport = transport;
+    cfg.nic = fake_nic(transport, role.as_str());
+    // SAFETY: the pools are returned with the engine and kept alive next to it.
+    (unsafe { Engine::new(cfg) }.unwrap(), pools)
+}
+
 fn cluster(name: &str, src_dcp: u32, dcp: u32, transport: TransportKind, staging: u64) -> Cluster {
     let server = BootstrapServer::start(ServerConfig::default()).unwrap();
     let url = server.url();
@@ -54,20 +73,7 @@ fn cluster(name: &str, src_dcp: u32, dcp: u32, transport: TransportKind, staging
     let prefill = unsafe { Engine::new(cfg) }.unwrap();
     let mut decode = Vec::new();
     for r in 0..dcp {
-        let pools = SyntheticPools::new(LAYERS, ROW, P, 32, 8, 32).unwrap();
-        let mut cfg = EngineConfig::new(
-            Role::Decode,
-            name,
-            &url,
-            pools.topology(dcp, r),
-            pools.kv_pools(),
-        );
-        cfg.aux = pools.aux_buffers();
-        cfg.transport = transport;
-        cfg.nic = fake_nic(transport, "decode");
-        // SAFETY: as above.
-        let e = unsafe { Engine::new(cfg) }.unwrap();
-        decode.push((e, pools));
+        decode.push(rank(Role::Decode, name, &url, 32, (dcp, r), transport));
     }
     Cluster {
         _server: server,
@@ -240,31 +246,24 @@ fn dcp_4_to_4_matching_ranks() {
     let mut prefill = Vec::new();
     let mut decode = Vec::new();
     for r in 0..4u32 {
-        let pools = SyntheticPools::new(LAYERS, ROW, P, 32, 8, 32).unwrap();
-        let mut cfg = EngineConfig::new(
+        prefill.push(rank(
             Role::Prefill,
             "e2e-4to4",
             &url,
-            pools.topology(4, r),
-            pools.kv_pools(),
-        );
-        cfg.aux = pools.aux_buffers();
-        cfg.transport = TransportKind::Cma;
-        // SAFETY: the pools are kept alive next to the engine until the test ends.
-        prefill.push((unsafe { Engine::new(cfg) }.unwrap(), pools));
+            32,
+            (4, r),
+            TransportKind::Cma,
+        ));
     }
     for r in 0..4u32 {
-        let pools = SyntheticPools::new(LAYERS, ROW, P, 32, 8, 32).unwrap();
-        let mut cfg = EngineConfig::new(
+        decode.push(rank(
             Role::Decode,
             "e2e-4to4",
             &url,
-            pools.topology(4, r),
-            pools.kv_pools(),
-        );
-        cfg.aux = pools.aux_buffers();
-        // SAFETY: as above.
-        decode.push((unsafe { Engine::new(cfg) }.unwrap(), pools));
+            32,
+            (4, r),
+            TransportKind::Auto,
+        ));
     }
     let v = P * 4;
     let (room, prefix, total) = (21u64, v, 900u64);
