@@ -17,7 +17,7 @@
 //! exited (and whose pid might be reused) is never written to.
 
 use super::batch::Stage;
-use super::conn::{Conn, Piece};
+use super::conn::{Conn, Piece, Reach};
 use super::identity::ProcIdentity;
 use super::wire::{self, Commit, FrameType};
 use super::{BatchId, BatchOptions, ReadOp, Transport, TransportKind, WriteOp};
@@ -495,7 +495,7 @@ fn read_checksum(pieces: &[Piece]) -> u64 {
 
 impl CmaTransport {
     fn submit_dir(&self, ops: &[WriteOp], opts: &BatchOptions, read: bool) -> Result<BatchId> {
-        let (mut pieces, guards, bytes) = self.conn.validate(ops)?;
+        let (mut pieces, guards, bytes) = self.conn.validate(ops, Reach::Host)?;
         if read {
             for p in &mut pieces {
                 std::mem::swap(&mut p.src, &mut p.dst);

@@ -176,77 +176,44 @@ impl Conn {
     }
 
     /// Validates every op (local source against our registry, destination
-    /// against the peer's descriptors) and pins the local sources.
-    pub fn validate(&self, ops: &[WriteOp]) -> Result<(Vec<Piece>, Arc<Vec<AccessGuard>>, u64)> {
-        self.validate_with(ops, false)
-    }
-
-    /// [`validate`](Self::validate), allowing device regions on both sides
-    /// when `device_ok` (rdma: the NIC moves device memory).
-    pub fn validate_with(
+    /// against the peer's descriptors, device memory only where `reach`
+    /// allows it) and pins the local sources.
+    pub fn validate(
         &self,
         ops: &[WriteOp],
-        device_ok: bool,
+        reach: Reach,
     ) -> Result<(Vec<Piece>, Arc<Vec<AccessGuard>>, u64)> {
         if let Some(e) = self.table.dead() {
             return Err(e);
         }
-        let remote = |id| self.regions.get(&id).cloned();
-        if device_ok {
-            validate_ops_any_memory(&self.registry, remote, ops)
-        } else {
-            validate_ops(&self.registry, remote, ops)
-        }
+        validate_ops(
+            &self.registry,
+            |id| self.regions.get(&id).cloned(),
+            ops,
+            reach,
+        )
     }
 }
 
-impl Conn {
-    /// [`validate`](Self::validate) for a transport whose receiver lands the
-    /// bytes itself (tcp): destinations may be device regions of the peer
-    /// (its receiver copies them in with the region's device writer, or
-    /// refuses the write); sources must still be host memory.
-    pub fn validate_any_destination(
-        &self,
-        ops: &[WriteOp],
-    ) -> Result<(Vec<Piece>, Arc<Vec<AccessGuard>>, u64)> {
-        if let Some(e) = self.table.dead() {
-            return Err(e);
-        }
-        let remote = |id| {
-            self.regions.get(&id).cloned().map(|mut d: RegionDesc| {
-                // only its bounds matter here: the receiver checks the kind
-                d.kind = RegionKind::Host;
-                d
-            })
-        };
-        validate_ops(&self.registry, remote, ops)
-    }
+/// Which memory a byte mover reaches, so which sides of an op may be device memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Reach {
+    /// Host memory on both sides (local, cma).
+    Host,
+    /// Host sources, destinations of any kind: the receiver lands the bytes
+    /// itself (tcp: with the region's device writer, or it refuses the write).
+    AnyDestination,
+    /// Host or device memory on both sides (rdma: the NIC moves device memory).
+    Any,
 }
 
-/// Shared by every host-memory transport: checks ops (device regions are
-/// refused), pins the local sources, returns pieces.
+/// Shared by every transport: checks ops (device regions only where `reach`
+/// allows them), pins the local sources, returns pieces.
 pub(crate) fn validate_ops(
     registry: &Registry,
     remote: impl Fn(u64) -> Option<RegionDesc>,
     ops: &[WriteOp],
-) -> Result<(Vec<Piece>, Arc<Vec<AccessGuard>>, u64)> {
-    check_ops(registry, remote, ops, false)
-}
-
-/// [`validate_ops`] for a transport that moves device memory too (rdma).
-pub(crate) fn validate_ops_any_memory(
-    registry: &Registry,
-    remote: impl Fn(u64) -> Option<RegionDesc>,
-    ops: &[WriteOp],
-) -> Result<(Vec<Piece>, Arc<Vec<AccessGuard>>, u64)> {
-    check_ops(registry, remote, ops, true)
-}
-
-fn check_ops(
-    registry: &Registry,
-    remote: impl Fn(u64) -> Option<RegionDesc>,
-    ops: &[WriteOp],
-    device_ok: bool,
+    reach: Reach,
 ) -> Result<(Vec<Piece>, Arc<Vec<AccessGuard>>, u64)> {
     let mut pieces = Vec::with_capacity(ops.len());
     let mut total = 0u64;
@@ -267,7 +234,7 @@ fn check_ops(
             }
         };
         ldesc.check(op.local_offset, op.len).map_err(ctx)?;
-        if ldesc.kind != RegionKind::Host && !device_ok {
+        if ldesc.kind != RegionKind::Host && reach != Reach::Any {
             return Err(ctx(Error::new(
                 Status::Unsupported,
                 format!(
@@ -287,7 +254,7 @@ fn check_ops(
                 ))
             })?;
         rdesc.check(op.remote_offset, op.len).map_err(ctx)?;
-        if rdesc.kind != RegionKind::Host && !device_ok {
+        if rdesc.kind != RegionKind::Host && reach == Reach::Host {
             return Err(ctx(Error::new(
                 Status::Unsupported,
                 format!(
@@ -388,16 +355,16 @@ mod tests {
             remote_offset: 0,
             len: 16,
         };
-        let e = validate_ops(&reg, remote, &[op]).unwrap_err();
+        let e = validate_ops(&reg, remote, &[op], Reach::Host).unwrap_err();
         assert_eq!(e.status(), Status::Unsupported, "{e}");
         // A device-capable transport (rdma) takes the same op.
-        let (pieces, _, _) = validate_ops_any_memory(&reg, remote, &[op]).unwrap();
+        let (pieces, _, _) = validate_ops(&reg, remote, &[op], Reach::Any).unwrap();
         assert_eq!(pieces[0].dst, 0x7000_0000);
         let op = WriteOp {
             remote_region: 8,
             ..op
         };
-        let (pieces, guards, bytes) = validate_ops(&reg, remote, &[op, op]).unwrap();
+        let (pieces, guards, bytes) = validate_ops(&reg, remote, &[op, op], Reach::Host).unwrap();
         assert_eq!((pieces.len(), guards.len(), bytes), (2, 1, 32));
         assert_eq!(pieces[0].dst, 0x7000_0000);
         // The local source is pinned while the batch lives.
@@ -409,7 +376,9 @@ mod tests {
             ..op
         };
         assert_eq!(
-            validate_ops(&reg, remote, &[op, bad]).unwrap_err().status(),
+            validate_ops(&reg, remote, &[op, bad], Reach::Host)
+                .unwrap_err()
+                .status(),
             Status::OutOfBounds
         );
         assert_eq!(

@@ -2,7 +2,7 @@
 
 use super::agent::AgentInner;
 use super::batch::{BatchTable, Stage};
-use super::conn::{checksum_pieces, validate_ops};
+use super::conn::{checksum_pieces, validate_ops, Reach};
 use super::identity::ProcIdentity;
 use super::{
     BatchId, BatchOptions, BatchStatus, Completion, ReadOp, Transport, TransportKind, WriteOp,
@@ -43,7 +43,8 @@ impl Transport for LocalTransport {
 
     fn submit(&self, ops: &[WriteOp], opts: &BatchOptions) -> Result<BatchId> {
         let dst = &self.target.registry;
-        let (pieces, guards, bytes) = validate_ops(&self.src, |id| dst.get(id).ok(), ops)?;
+        let (pieces, guards, bytes) =
+            validate_ops(&self.src, |id| dst.get(id).ok(), ops, Reach::Host)?;
         // Pin the destinations for the copy (the descriptors could be stale).
         let mut pins = Vec::with_capacity(pieces.len());
         for p in &pieces {
@@ -75,7 +76,8 @@ impl Transport for LocalTransport {
     fn submit_reads(&self, ops: &[ReadOp], opts: &BatchOptions) -> Result<BatchId> {
         let dst = &self.target.registry;
         let w: Vec<WriteOp> = ops.iter().map(ReadOp::as_write).collect();
-        let (pieces, guards, bytes) = validate_ops(&self.src, |id| dst.get(id).ok(), &w)?;
+        let (pieces, guards, bytes) =
+            validate_ops(&self.src, |id| dst.get(id).ok(), &w, Reach::Host)?;
         let mut pins = Vec::with_capacity(pieces.len());
         for p in &pieces {
             pins.push(dst.acquire(p.region, p.offset, p.len)?);

@@ -21,7 +21,7 @@
 //! stalled one).
 
 use super::batch::Stage;
-use super::conn::{checksum_pieces, Conn, Piece};
+use super::conn::{checksum_pieces, Conn, Piece, Reach};
 use super::wire::{self, Commit, DataHeader, FrameType, DATA_HEADER_LEN};
 use super::{BatchId, BatchOptions, Completion, Transport, TransportKind, WriteOp};
 use crate::error::{Error, Result, Status};
@@ -213,7 +213,7 @@ impl Transport for TcpTransport {
 
     fn submit(&self, ops: &[WriteOp], opts: &BatchOptions) -> Result<BatchId> {
         // device destinations are landed by the receiver's device writer
-        let (pieces, guards, bytes) = self.conn.validate_any_destination(ops)?;
+        let (pieces, guards, bytes) = self.conn.validate(ops, Reach::AnyDestination)?;
         let parts = assign(pieces, self.streams.len());
         // The checksum is over the pieces as sent (the receiver sums the same pieces).
         let checksum = opts.checksum.then(|| {

@@ -28,7 +28,7 @@ use super::wr::Direction;
 use crate::error::{Error, Result, Status};
 use crate::memory::{AccessGuard, RegionDesc, RegionKind};
 use crate::transport::batch::Stage;
-use crate::transport::conn::{Conn, Piece};
+use crate::transport::conn::{Conn, Piece, Reach};
 use crate::transport::wire::{self, Commit, FrameType};
 use crate::transport::{BatchId, BatchOptions, ReadOp, Transport, TransportKind, WriteOp};
 use crossbeam::channel::{unbounded, Receiver, Sender};
@@ -128,7 +128,7 @@ impl RdmaLink {
     }
 
     fn submit_dir(&self, ops: &[WriteOp], opts: &BatchOptions, read: bool) -> Result<BatchId> {
-        let (pieces, guards, bytes) = self.conn.validate_with(ops, true)?;
+        let (pieces, guards, bytes) = self.conn.validate(ops, Reach::Any)?;
         if opts.checksum {
             // The CPU cannot read device memory: no checksum over it.
             let device = |d: Option<RegionDesc>| d.is_some_and(|d| d.kind != RegionKind::Host);
