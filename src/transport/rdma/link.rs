@@ -88,7 +88,12 @@ impl RdmaLink {
     /// path (`NoGpuDirect` with the reason without one).
     fn ensure_local(&self, ops: &[WriteOp]) -> Result<()> {
         let mut known = super::session::lock(&self.known);
+        // a batch names few regions in many ops: look each up once
+        let mut seen = std::collections::HashSet::new();
         for op in ops {
+            if !seen.insert(op.local_region) {
+                continue;
+            }
             let d = self.conn.registry.get(op.local_region)?;
             if known.contains(&(d.id, d.addr, d.len)) {
                 continue;
