@@ -31,6 +31,8 @@ pub mod nccl;
 /// cbindgen:ignore
 pub mod rdma;
 pub mod tcp;
+#[cfg(test)]
+pub(crate) mod testing;
 pub mod wire;
 
 pub use agent::{Agent, AgentOptions, ConnectOptions, Incoming};

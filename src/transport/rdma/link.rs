@@ -21,14 +21,17 @@
 //! its sources, the receiver's at grant). A checksum needs the CPU to read
 //! the bytes, so it is refused for batches touching device memory.
 
+use super::handshake::Handshake;
 use super::nic::{DataPath, NicProvider};
 use super::slice::Span;
 use super::tracker::BatchState;
 use super::wr::Direction;
 use crate::error::{Error, Result, Status};
 use crate::memory::{AccessGuard, RegionDesc, RegionKind};
+use crate::transport::agent::Dialed;
 use crate::transport::batch::Stage;
 use crate::transport::conn::{Conn, Piece, Reach};
+use crate::transport::handshake::{Select, SelectOk};
 use crate::transport::wire::{self, Commit, FrameType};
 use crate::transport::{BatchId, BatchOptions, ReadOp, Transport, TransportKind, WriteOp};
 use crossbeam::channel::{unbounded, Receiver, Sender};
@@ -318,6 +321,47 @@ fn read_checksum(pieces: &[Piece]) -> u64 {
             crate::transport::checksum::piece(p.region, p.offset, d),
         )
     })
+}
+
+/// The sender's rdma setup on a dialed control connection to a peer that
+/// offers RDMA: makes an endpoint on this side's NICs, sends its handshake
+/// in Select, negotiates with the peer's from SelectOk, brings the QPs up
+/// and starts the transport.
+pub(crate) fn connect(mut d: Dialed<'_>, nic: Arc<dyn NicProvider>) -> Result<Box<dyn Transport>> {
+    let addr = d.addr;
+    let ep = nic.endpoint()?;
+    wire::write_json(
+        &mut d.stream,
+        FrameType::Select,
+        &Select {
+            transport: TransportKind::Rdma,
+            streams: 0,
+            proof: 0,
+            rdma: Some(ep.local().encode()?),
+        },
+    )?;
+    let ok: SelectOk = wire::read_json(&mut d.stream, FrameType::SelectOk).map_err(|e| {
+        Error::new(
+            e.status(),
+            format!("rdma handshake with {addr}: {}", e.detail()),
+        )
+    })?;
+    let remote = ok.rdma.ok_or_else(|| {
+        Error::new(
+            Status::Protocol,
+            format!("{addr} accepted rdma without sending its RDMA handshake"),
+        )
+    })?;
+    let remote = Handshake::decode(&remote).map_err(Error::from)?;
+    let (path, negotiated) = ep.connect(&remote)?;
+    log::info!(
+        "rdma: connected to {addr} over {} rail(s) of {} (path MTU {})",
+        negotiated.len(),
+        nic.describe(),
+        negotiated.first().map(|n| n.mtu.bytes()).unwrap_or(0)
+    );
+    let conn = d.start()?;
+    Ok(Box::new(RdmaLink::new(conn, path, nic)?))
 }
 
 impl Transport for RdmaLink {
