@@ -24,6 +24,7 @@ pub(crate) use grant::completion;
 pub(crate) use session::Session;
 
 use super::identity::ProcIdentity;
+use super::local::{LocalTarget, LocalTransport};
 use super::rdma::nic::NicProvider;
 use super::{Completion, Transport, TransportKind};
 use crate::error::{Error, Result, Status};
@@ -123,6 +124,16 @@ impl AgentInner {
             session,
             completion,
         });
+    }
+}
+
+impl LocalTarget for AgentInner {
+    fn registry(&self) -> &Registry {
+        &self.registry
+    }
+
+    fn deliver(&self, peer: ProcIdentity, session: u64, completion: Completion) {
+        AgentInner::deliver(self, peer, session, completion)
     }
 }
 
@@ -277,7 +288,7 @@ impl Agent {
 
     /// A transport into another agent of this process (`local`).
     pub fn connect_local(&self, target: &Agent) -> Box<dyn Transport> {
-        Box::new(super::local::LocalTransport::new(
+        Box::new(LocalTransport::new(
             self.inner.registry.clone(),
             self.inner.identity.clone(),
             target.inner.clone(),
