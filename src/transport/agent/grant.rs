@@ -3,7 +3,7 @@
 //! read); this side validates and pins them (Grant) or refuses (Refuse:
 //! nothing is written); the sender moves the bytes itself (cma:
 //! `process_vm_writev`; rdma: one-sided WRITE/READ) and commits; this side
-//! checks the commit against the grant ([`finish_cma`]), delivers the
+//! checks the commit against the grant ([`finish_granted`]), delivers the
 //! completion record (writes only) and answers Ack or Nack. A commit for a
 //! batch without a grant is a tcp batch's: it goes to the tcp receiver.
 
@@ -82,7 +82,7 @@ pub(super) fn control_loop(
                 let g = lock(&sess.granted).remove(&c.batch);
                 match g {
                     Some(g) => {
-                        let r = finish_cma(&g, &c);
+                        let r = finish_granted(&g, &c);
                         let read = g.read;
                         drop(g);
                         match r {
@@ -161,7 +161,10 @@ fn grant(
     Ok((guards, any_device))
 }
 
-fn finish_cma(g: &Granted, c: &Commit) -> Result<()> {
+/// Checks the commit of a granted cma or rdma batch against its grant: the
+/// byte count, and the checksum over the landed bytes when the sender sent
+/// one (refused for device memory, which the CPU cannot read).
+fn finish_granted(g: &Granted, c: &Commit) -> Result<()> {
     let total: u64 = g.ranges.iter().map(|r| r.len).sum();
     if total != c.bytes {
         return Err(Error::new(
