@@ -10,7 +10,7 @@
 //! Implementations: [`local`] (same process), [`cma`] (same host, one-sided
 //! `process_vm_writev`), [`tcp`] (several streams, no intermediate copy),
 //! [`rdma`] (one-sided RDMA WRITE/READ on RC queue pairs, sliced across the
-//! NICs; [`rdma::link::RdmaLink`]; the only one that moves device regions,
+//! NICs; [`rdma::RdmaTransport`]; the only one that moves device regions,
 //! through the NIC's GPUDirect RDMA path). [`Agent::connect`] chooses one
 //! automatically with [`choose_auto`]: cma when the peer is on this host and
 //! proves it, else rdma when both sides have a usable NIC, else tcp; a peer

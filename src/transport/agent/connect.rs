@@ -144,7 +144,7 @@ impl Agent {
                     ));
                 }
                 let nic = self.inner.nic()?;
-                rdma::link::connect(d, nic)
+                rdma::transport::connect(d, nic)
             }
             TransportKind::Tcp => tcp::connect(d),
             _ => Err(Error::new(

@@ -21,7 +21,7 @@
 //!   (`NicProvider` registers memory and makes endpoints, `NicEndpoint`
 //!   connects with the peer's handshake, `DataPath` posts and waits; every
 //!   `Session<R: RailIo>` is one); `VerbsProvider` (feature `rdma`) on real NICs;
-//! - `link`: `RdmaLink`, the RDMA transport behind the
+//! - `transport`: `RdmaTransport`, the RDMA transport behind the
 //!   [`Transport`](crate::transport::Transport) trait: the agent's control
 //!   channel (intent, grant, commit) around one-sided WRITE/READ on a `DataPath`;
 //! - `fake` (tests): an in-process software fabric of QPs and MRs that moves
@@ -52,12 +52,12 @@ pub mod endpoint;
 #[doc(hidden)]
 pub mod fake;
 pub mod handshake;
-pub mod link;
 pub mod nic;
 pub mod qp;
 pub mod session;
 pub mod slice;
 pub mod tracker;
+pub mod transport;
 #[cfg(feature = "rdma")]
 pub mod verbs;
 pub mod wr;
@@ -69,6 +69,7 @@ pub use endpoint::{MemoryKind, RdmaEndpoint, RegistrationReport, VerbsNic};
 pub use handshake::{Handshake, HandshakeField, Negotiated};
 pub use slice::Span;
 pub use tracker::BatchState;
+pub use transport::RdmaTransport;
 pub use wr::Direction;
 
 #[allow(unused_imports)] // Error and Status are used only without the `rdma` feature.

@@ -49,7 +49,7 @@ struct Job {
 }
 
 /// The sender side of an RDMA connection.
-pub struct RdmaLink {
+pub struct RdmaTransport {
     conn: Arc<Conn>,
     tx: Sender<Job>,
     path: Arc<dyn DataPath>,
@@ -58,13 +58,13 @@ pub struct RdmaLink {
     known: Mutex<HashSet<(u64, u64, u64)>>,
 }
 
-impl RdmaLink {
-    /// Starts the link over a connected control channel and data path.
+impl RdmaTransport {
+    /// Starts the transport over a connected control channel and data path.
     pub(crate) fn new(
         conn: Arc<Conn>,
         path: Box<dyn DataPath>,
         nic: Arc<dyn NicProvider>,
-    ) -> Result<RdmaLink> {
+    ) -> Result<RdmaTransport> {
         let path: Arc<dyn DataPath> = Arc::from(path);
         let (tx, rx) = unbounded::<Job>();
         let (done_tx, done_rx) = unbounded::<Job>();
@@ -76,7 +76,7 @@ impl RdmaLink {
         std::thread::Builder::new()
             .name("pdxfer-rdma-done".into())
             .spawn(move || completer(&c, &*p, done_rx))?;
-        Ok(RdmaLink {
+        Ok(RdmaTransport {
             conn,
             tx,
             path,
@@ -361,10 +361,10 @@ pub(crate) fn connect(mut d: Dialed<'_>, nic: Arc<dyn NicProvider>) -> Result<Bo
         negotiated.first().map(|n| n.mtu.bytes()).unwrap_or(0)
     );
     let conn = d.start()?;
-    Ok(Box::new(RdmaLink::new(conn, path, nic)?))
+    Ok(Box::new(RdmaTransport::new(conn, path, nic)?))
 }
 
-impl Transport for RdmaLink {
+impl Transport for RdmaTransport {
     fn kind(&self) -> TransportKind {
         TransportKind::Rdma
     }
@@ -393,7 +393,7 @@ impl Transport for RdmaLink {
     }
 }
 
-impl Drop for RdmaLink {
+impl Drop for RdmaTransport {
     fn drop(&mut self) {
         self.conn.close();
     }
