@@ -5,7 +5,7 @@
 //! regions with the RDMA NICs.
 
 use super::grant::control_loop;
-use super::{lock, AgentInner, Session};
+use super::{lock, AgentInner, ReceiverSession};
 use crate::error::{Error, Result, Status};
 use crate::memory::{RegionKind, Registry};
 use crate::transport::handshake::{random_u64, Hello, HelloAck, Select, SelectOk};
@@ -95,7 +95,7 @@ fn serve_control(a: Arc<AgentInner>, mut s: TcpStream, hello: &[u8]) {
         );
     }
     let id = a.next_session.fetch_add(1, Ordering::SeqCst);
-    let session = Arc::new(Session {
+    let session = Arc::new(ReceiverSession {
         id,
         token: random_u64(),
         nonce: Box::new(random_u64()),

@@ -7,7 +7,7 @@
 //! completion record (writes only) and answers Ack or Nack. A commit for a
 //! batch without a grant is a tcp batch's: it goes to the tcp receiver.
 
-use super::{lock, AgentInner, Session};
+use super::{lock, AgentInner, ReceiverSession};
 use crate::error::{Error, Result, Status};
 use crate::memory::{AccessGuard, RegionDesc, RegionKind, Registry};
 use crate::transport::identity::ProcIdentity;
@@ -29,7 +29,7 @@ pub(crate) struct Granted {
 
 pub(super) fn control_loop(
     a: &AgentInner,
-    sess: &Session,
+    sess: &ReceiverSession,
     s: &mut TcpStream,
     peer: ProcIdentity,
 ) -> Result<()> {

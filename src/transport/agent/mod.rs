@@ -21,7 +21,7 @@ mod tests;
 pub(crate) use accept::refuse;
 pub(crate) use connect::Dialed;
 pub(crate) use grant::completion;
-pub(crate) use session::Session;
+pub(crate) use session::ReceiverSession;
 
 use super::identity::ProcIdentity;
 use super::local::{LocalTarget, LocalTransport};
@@ -103,7 +103,7 @@ pub(crate) struct AgentInner {
     shutdown: AtomicBool,
     tx: Sender<Incoming>,
     rx: Receiver<Incoming>,
-    pub(crate) sessions: Mutex<HashMap<u64, Arc<Session>>>,
+    pub(crate) sessions: Mutex<HashMap<u64, Arc<ReceiverSession>>>,
     next_session: AtomicU64,
     /// Test knob: see [`AgentOptions::stall`].
     pub(crate) stall: Duration,
@@ -298,7 +298,7 @@ impl Agent {
     /// Stops accepting peers and closes every receiver session.
     pub fn shutdown(&self) {
         self.inner.shutdown.store(true, Ordering::SeqCst);
-        let sessions: Vec<Arc<Session>> =
+        let sessions: Vec<Arc<ReceiverSession>> =
             lock(&self.inner.sessions).drain().map(|(_, s)| s).collect();
         for s in sessions {
             s.close();

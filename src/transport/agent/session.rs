@@ -14,7 +14,9 @@ use std::net::{Shutdown, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
 
-pub(crate) struct Session {
+/// One sender connection as the receiver sees it (the sender's side of it is
+/// its [`Transport`](crate::transport::Transport)).
+pub(crate) struct ReceiverSession {
     pub(crate) id: u64,
     pub(crate) token: u64,
     pub(crate) nonce: Box<u64>,
@@ -28,7 +30,7 @@ pub(crate) struct Session {
     pub(crate) closed: AtomicBool,
 }
 
-impl Session {
+impl ReceiverSession {
     pub(crate) fn close(&self) {
         self.closed.store(true, Ordering::SeqCst);
         for s in lock(&self.sockets).iter() {

@@ -8,7 +8,7 @@
 use super::device::{receive_into_device, DEVICE_BOUNCE_BYTES};
 use crate::error::{Error, Result, Status};
 use crate::memory::{RegionKind, Registry};
-use crate::transport::agent::{completion, lock, refuse, AgentInner, Session};
+use crate::transport::agent::{completion, lock, refuse, AgentInner, ReceiverSession};
 use crate::transport::checksum;
 use crate::transport::handshake::Attach;
 use crate::transport::identity::ProcIdentity;
@@ -55,7 +55,7 @@ impl TcpRecv {
 /// piece failed): delivers it and answers Ack, or answers Nack with why.
 pub(crate) fn finalize_tcp(
     a: &AgentInner,
-    sess: &Session,
+    sess: &ReceiverSession,
     t: &mut TcpRecv,
     batch: u64,
     peer: &ProcIdentity,
@@ -145,7 +145,7 @@ pub(crate) fn serve_stream(a: Arc<AgentInner>, mut s: TcpStream, p: &[u8]) {
 
 fn stream_loop(
     a: &AgentInner,
-    sess: &Session,
+    sess: &ReceiverSession,
     s: &mut TcpStream,
     peer: &ProcIdentity,
 ) -> Result<()> {
