@@ -21,7 +21,7 @@ use super::handshake::{
 use super::qp::transitions;
 use super::session::{lock, RailIo, Session, SessionParams, SessionRail};
 use super::slice::{check_new_regions, LocalRegion, RailKeys, Span};
-use super::tracker::{BatchState, Completion};
+use super::tracker::{BatchState, WorkCompletion};
 use super::verbs::{region_access, Context, Cq, DeviceAttr, Mr, Pd, PortAttr, Qp};
 use super::wr::{Direction, WorkRequest};
 use crate::error::{Error, Result, Status};
@@ -455,7 +455,7 @@ impl RailIo for VerbsRail {
     fn post_recvs(&self, n: usize) -> Result<()> {
         self.qp.post_recvs(n, RECV_WR_ID)
     }
-    fn poll(&self, out: &mut Vec<Completion>, max: usize) -> Result<usize> {
+    fn poll(&self, out: &mut Vec<WorkCompletion>, max: usize) -> Result<usize> {
         self.cq.poll(out, max)
     }
 }

@@ -10,7 +10,7 @@
 
 use super::config::RecordMode;
 use super::slice::{slice_across, LocalRegion, RailKeys, Span};
-use super::tracker::{BatchState, Completion, Posted, Tracker};
+use super::tracker::{BatchState, Posted, Tracker, WorkCompletion};
 use super::wr::{
     build_batch, imm_encode, post_groups, BatchParams, CompletionRecord, Direction, Transfer,
     WorkRequest,
@@ -32,7 +32,7 @@ pub trait RailIo: Send + Sync + 'static {
     /// Posts `n` receives for incoming WRITE_WITH_IMM records.
     fn post_recvs(&self, n: usize) -> Result<()>;
     /// Appends up to `max` completions to `out`; returns how many.
-    fn poll(&self, out: &mut Vec<Completion>, max: usize) -> Result<usize>;
+    fn poll(&self, out: &mut Vec<WorkCompletion>, max: usize) -> Result<usize>;
 }
 
 /// One rail of a session.
@@ -503,8 +503,8 @@ mod tests {
         sq_depth: usize,
         lkeys: Vec<(u64, u64, u32)>,
         rkeys: Vec<(u64, u64, u32)>,
-        cq: Arc<Mutex<VecDeque<Completion>>>,
-        peer_cq: Arc<Mutex<VecDeque<Completion>>>,
+        cq: Arc<Mutex<VecDeque<WorkCompletion>>>,
+        peer_cq: Arc<Mutex<VecDeque<WorkCompletion>>>,
         recvs: Arc<AtomicUsize>,
         peer_recvs: Arc<AtomicUsize>,
         /// WR ids posted and not yet retired by a polled signalled completion.
@@ -522,7 +522,7 @@ mod tests {
 
     impl FakeNic {
         fn complete(&self, wr_id: u64, status: u32, opcode: u32) {
-            lock(&self.cq).push_back(Completion {
+            lock(&self.cq).push_back(WorkCompletion {
                 wr_id,
                 status,
                 vendor_err: 0,
@@ -583,7 +583,7 @@ mod tests {
                         continue;
                     }
                     self.peer_recvs.fetch_sub(1, Ordering::SeqCst);
-                    lock(&self.peer_cq).push_back(Completion {
+                    lock(&self.peer_cq).push_back(WorkCompletion {
                         wr_id: u64::MAX,
                         status: 0,
                         vendor_err: 0,
@@ -603,7 +603,7 @@ mod tests {
             Ok(())
         }
 
-        fn poll(&self, out: &mut Vec<Completion>, max: usize) -> Result<usize> {
+        fn poll(&self, out: &mut Vec<WorkCompletion>, max: usize) -> Result<usize> {
             let mut cq = lock(&self.cq);
             let mut got = 0;
             while got < max {
@@ -641,7 +641,7 @@ mod tests {
         fn post_recvs(&self, n: usize) -> Result<()> {
             (**self).post_recvs(n)
         }
-        fn poll(&self, out: &mut Vec<Completion>, max: usize) -> Result<usize> {
+        fn poll(&self, out: &mut Vec<WorkCompletion>, max: usize) -> Result<usize> {
             (**self).poll(out, max)
         }
     }
