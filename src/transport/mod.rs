@@ -16,7 +16,10 @@
 //! proves it, else rdma when both sides have a usable NIC, else tcp; a peer
 //! with device-memory regions never gets cma ([`choose_auto_for`]); or it
 //! takes an explicit [`TransportKind`] (an explicit cma write into a device
-//! region is refused with `unsupported`). `nccl` is a probe so far.
+//! region is refused with `unsupported`).
+//!
+//! [`nccl`] is not a `Transport`: NCCL point-to-point plans and communicator
+//! pairs, used by the `probe` CLI and tests so far.
 
 mod agent;
 mod batch;
