@@ -64,9 +64,7 @@ mod imp {
     use super::RdmaBenchArgs;
     use crate::error::{Error, Result, Status};
     use crate::transport::rdma::handshake::exchange;
-    use crate::transport::rdma::{
-        BatchState, Direction, RdmaConfig, RdmaEndpoint, RdmaTransport, Span,
-    };
+    use crate::transport::rdma::{BatchState, Direction, RdmaConfig, RdmaEndpoint, Span, VerbsNic};
     use std::io::{Read, Write};
     use std::time::{Duration, Instant};
 
@@ -117,7 +115,7 @@ mod imp {
         Ok(start.elapsed())
     }
 
-    fn report(a: &RdmaBenchArgs, mode: &str, t: &RdmaTransport, elapsed: Duration, reg_ms: f64) {
+    fn report(a: &RdmaBenchArgs, mode: &str, t: &VerbsNic, elapsed: Duration, reg_ms: f64) {
         let bytes = a.block_size * a.batch_size * a.iters as u64;
         let s = elapsed.as_secs_f64().max(1e-9);
         let v = serde_json::json!({
@@ -155,7 +153,7 @@ mod imp {
     }
 
     pub(super) fn run(a: &RdmaBenchArgs) -> Result<()> {
-        let t = RdmaTransport::new(RdmaConfig::from_env()?)?;
+        let t = VerbsNic::new(RdmaConfig::from_env()?)?;
         let total = a
             .block_size
             .checked_mul(a.batch_size)

@@ -16,8 +16,10 @@
 //! control connection. The pidfd is polled before each batch: a peer that
 //! exited (and whose pid might be reused) is never written to.
 
+use super::agent::Dialed;
 use super::batch::Stage;
 use super::conn::{Conn, Piece, Reach};
+use super::handshake::Select;
 use super::identity::ProcIdentity;
 use super::wire::{self, Commit, FrameType};
 use super::{BatchId, BatchOptions, ReadOp, Transport, TransportKind, WriteOp};
@@ -404,6 +406,28 @@ impl CmaTransport {
             })?;
         Ok(CmaTransport { conn, tx, mapped })
     }
+}
+
+/// The sender's cma setup on a dialed control connection: opens the peer
+/// process (pidfd and identity checks), proves it by reading the nonce the
+/// receiver named in its HelloAck, selects cma and starts the transport.
+pub(crate) fn connect(mut d: Dialed<'_>) -> Result<Box<dyn Transport>> {
+    let pidfd = PeerProcess::open(d.identity, &d.ack.identity)?;
+    let proof = pidfd.read_u64(d.ack.nonce_addr)?;
+    wire::write_json(
+        &mut d.stream,
+        FrameType::Select,
+        &Select {
+            transport: TransportKind::Cma,
+            streams: 0,
+            proof,
+            rdma: None,
+        },
+    )?;
+    let _: serde_json::Value = wire::read_json(&mut d.stream, FrameType::SelectOk)?;
+    let threads = d.opts.threads.max(1) as usize;
+    let conn = d.start()?;
+    Ok(Box::new(CmaTransport::new(conn, pidfd, threads)?))
 }
 
 impl Conn {

@@ -1,6 +1,5 @@
 //! Same-process transport: validated `memcpy` between two agents' regions.
 
-use super::agent::AgentInner;
 use super::batch::{BatchTable, Stage};
 use super::conn::{checksum_pieces, validate_ops, Reach};
 use super::identity::ProcIdentity;
@@ -12,17 +11,25 @@ use crate::memory::{RegionDesc, Registry};
 use std::sync::Arc;
 use std::time::Duration;
 
+/// What a local transport needs from the agent it writes into.
+pub(crate) trait LocalTarget: Send + Sync {
+    /// The target's registry (destinations are checked and pinned in it).
+    fn registry(&self) -> &Registry;
+    /// Hands the target a completion record, as its receiver would.
+    fn deliver(&self, peer: ProcIdentity, session: u64, completion: Completion);
+}
+
 /// Writes into another agent of this process with `memcpy`; the target's
 /// registry is checked and its regions pinned for every op.
 pub struct LocalTransport {
     src: Registry,
     me: ProcIdentity,
-    target: Arc<AgentInner>,
+    target: Arc<dyn LocalTarget>,
     table: BatchTable,
 }
 
 impl LocalTransport {
-    pub(crate) fn new(src: Registry, me: ProcIdentity, target: Arc<AgentInner>) -> Self {
+    pub(crate) fn new(src: Registry, me: ProcIdentity, target: Arc<dyn LocalTarget>) -> Self {
         LocalTransport {
             src,
             me,
@@ -38,11 +45,11 @@ impl Transport for LocalTransport {
     }
 
     fn remote_regions(&self) -> Vec<RegionDesc> {
-        self.target.registry.descriptors()
+        self.target.registry().descriptors()
     }
 
     fn submit(&self, ops: &[WriteOp], opts: &BatchOptions) -> Result<BatchId> {
-        let dst = &self.target.registry;
+        let dst = self.target.registry();
         let (pieces, guards, bytes) =
             validate_ops(&self.src, |id| dst.get(id).ok(), ops, Reach::Host)?;
         // Pin the destinations for the copy (the descriptors could be stale).
@@ -74,7 +81,7 @@ impl Transport for LocalTransport {
     }
 
     fn submit_reads(&self, ops: &[ReadOp], opts: &BatchOptions) -> Result<BatchId> {
-        let dst = &self.target.registry;
+        let dst = self.target.registry();
         let w: Vec<WriteOp> = ops.iter().map(ReadOp::as_write).collect();
         let (pieces, guards, bytes) =
             validate_ops(&self.src, |id| dst.get(id).ok(), &w, Reach::Host)?;

@@ -10,13 +10,16 @@
 //! Implementations: [`local`] (same process), [`cma`] (same host, one-sided
 //! `process_vm_writev`), [`tcp`] (several streams, no intermediate copy),
 //! [`rdma`] (one-sided RDMA WRITE/READ on RC queue pairs, sliced across the
-//! NICs; [`rdma::link::RdmaLink`]; the only one that moves device regions,
+//! NICs; [`rdma::RdmaTransport`]; the only one that moves device regions,
 //! through the NIC's GPUDirect RDMA path). [`Agent::connect`] chooses one
 //! automatically with [`choose_auto`]: cma when the peer is on this host and
 //! proves it, else rdma when both sides have a usable NIC, else tcp; a peer
 //! with device-memory regions never gets cma ([`choose_auto_for`]); or it
 //! takes an explicit [`TransportKind`] (an explicit cma write into a device
-//! region is refused with `unsupported`). `nccl` is a probe so far.
+//! region is refused with `unsupported`).
+//!
+//! [`nccl`] is not a `Transport`: NCCL point-to-point plans and communicator
+//! pairs, used by the `probe` CLI and tests so far.
 
 mod agent;
 mod batch;
@@ -31,6 +34,8 @@ pub mod nccl;
 /// cbindgen:ignore
 pub mod rdma;
 pub mod tcp;
+#[cfg(test)]
+pub(crate) mod testing;
 pub mod wire;
 
 pub use agent::{Agent, AgentOptions, ConnectOptions, Incoming};

@@ -1,8 +1,9 @@
-//! The RDMA transport on real NICs (feature `rdma`): rails, memory registration,
-//! endpoints (one RC QP per rail), batch posting and the completion poller thread.
+//! Real NICs through verbs (feature `rdma`): [`VerbsNic`] (rails, memory
+//! registration) and its endpoints (one RC QP per rail), batch posting and
+//! the completion poller thread.
 //!
 //! ```text
-//! let t = RdmaTransport::new(RdmaConfig::from_env()?)?;       // NoRdmaDevice without NICs
+//! let t = VerbsNic::new(RdmaConfig::from_env()?)?;           // NoRdmaDevice without NICs
 //! unsafe { t.register_host(&[(ptr, len)])? };                 // parallel, timed
 //! let mut ep = t.endpoint()?;                                  // QPs in RESET
 //! send(ep.local_handshake().encode()?); let remote = Handshake::decode(&recv())?;
@@ -20,7 +21,7 @@ use super::handshake::{
 use super::qp::transitions;
 use super::session::{lock, RailIo, Session, SessionParams, SessionRail};
 use super::slice::{check_new_regions, LocalRegion, RailKeys, Span};
-use super::tracker::{BatchState, Completion};
+use super::tracker::{BatchState, WorkCompletion};
 use super::verbs::{region_access, Context, Cq, DeviceAttr, Mr, Pd, PortAttr, Qp};
 use super::wr::{Direction, WorkRequest};
 use crate::error::{Error, Result, Status};
@@ -68,7 +69,7 @@ pub struct Region {
     pub kind: MemoryKind,
     /// (lkey, rkey) per rail.
     keys: Vec<(u32, u32)>,
-    /// The MRs; dropped (`ibv_dereg_mr`) by [`RdmaTransport::deregister`].
+    /// The MRs; dropped (`ibv_dereg_mr`) by [`VerbsNic::deregister`].
     _mrs: Vec<Mr>,
 }
 
@@ -87,18 +88,20 @@ pub struct RegistrationReport {
     pub elapsed: Duration,
 }
 
-/// The RDMA transport: the chosen rails and the registered memory.
-pub struct RdmaTransport {
+/// The NICs opened through verbs: the chosen rails and the memory registered
+/// on them. Not a [`Transport`](crate::transport::Transport): the rdma
+/// transport moves batches over a connected endpoint of it.
+pub struct VerbsNic {
     cfg: RdmaConfig,
     rails: Vec<Arc<Rail>>,
     regions: Mutex<Vec<Region>>,
     instance_id: u64,
 }
 
-impl RdmaTransport {
+impl VerbsNic {
     /// Discovers NICs, picks rails (logging one line per rail with the reason) and
     /// opens them. Without a usable NIC: [`Status::NoRdmaDevice`] with the reason.
-    pub fn new(cfg: RdmaConfig) -> Result<RdmaTransport> {
+    pub fn new(cfg: RdmaConfig) -> Result<VerbsNic> {
         cfg.validate()?;
         let devs = super::device::scan(&cfg.sys_root)?;
         let choices = select_rails(
@@ -169,7 +172,7 @@ impl RdmaTransport {
                 "no rail selected (max_rails = 0 devices?)",
             ));
         }
-        Ok(RdmaTransport {
+        Ok(VerbsNic {
             cfg,
             rails,
             regions: Mutex::new(Vec::new()),
@@ -452,7 +455,7 @@ impl RailIo for VerbsRail {
     fn post_recvs(&self, n: usize) -> Result<()> {
         self.qp.post_recvs(n, RECV_WR_ID)
     }
-    fn poll(&self, out: &mut Vec<Completion>, max: usize) -> Result<usize> {
+    fn poll(&self, out: &mut Vec<WorkCompletion>, max: usize) -> Result<usize> {
         self.cq.poll(out, max)
     }
 }

@@ -31,7 +31,7 @@ use super::handshake::{
 use super::nic::{DataPath, NicEndpoint, NicProvider};
 use super::session::{lock, RailIo, Session, SessionParams, SessionRail};
 use super::slice::{LocalRegion, RailKeys};
-use super::tracker::Completion;
+use super::tracker::WorkCompletion;
 use super::wr::{Opcode, WorkRequest};
 use super::RecordMode;
 use crate::error::{Error, Result, Status};
@@ -67,7 +67,7 @@ struct Qp {
     /// Refuse part of this many next `post_send` calls (as `ibv_post_send`
     /// does when out of resources; the QP stays usable).
     refuse_posts: AtomicU64,
-    cq: Mutex<VecDeque<Completion>>,
+    cq: Mutex<VecDeque<WorkCompletion>>,
     recvs: AtomicUsize,
 }
 
@@ -135,7 +135,7 @@ fn covers(mrs: &HashMap<u32, Mr>, key: u32, device: u64, addr: u64, len: u64) ->
 
 impl Qp {
     fn complete(&self, wr_id: u64, status: u32, opcode: u32) {
-        lock(&self.cq).push_back(Completion {
+        lock(&self.cq).push_back(WorkCompletion {
             wr_id,
             status,
             vendor_err: 0,
@@ -195,7 +195,7 @@ impl Qp {
         }
         if let Some(imm) = w.imm {
             peer.recvs.fetch_sub(1, Ordering::SeqCst);
-            lock(&peer.cq).push_back(Completion {
+            lock(&peer.cq).push_back(WorkCompletion {
                 wr_id: u64::MAX,
                 status: 0,
                 vendor_err: 0,
@@ -256,7 +256,7 @@ impl RailIo for FakeRail {
         self.qp.recvs.fetch_add(n, Ordering::SeqCst);
         Ok(())
     }
-    fn poll(&self, out: &mut Vec<Completion>, max: usize) -> Result<usize> {
+    fn poll(&self, out: &mut Vec<WorkCompletion>, max: usize) -> Result<usize> {
         let mut cq = lock(&self.qp.cq);
         let n = max.min(cq.len());
         out.extend(cq.drain(..n));

@@ -14,14 +14,14 @@
 //! - `device`: sysfs discovery and NUMA/PCIe-aware NIC selection;
 //! - `config`: settings and their `PDXFER_RDMA_*` environment variables;
 //! - `verbs` (feature `rdma`): RAII wrappers over `ibverbs-sys`;
-//! - `endpoint` (feature `rdma`): `RdmaTransport` (rails, parallel timed
+//! - `endpoint` (feature `rdma`): `VerbsNic` (rails, parallel timed
 //!   registration of host and GPU memory) and `RdmaEndpoint` (`connect`,
 //!   `post_batch`, `poll`/`wait`, the completion poller thread).
 //! - `nic`: what the agent needs from a NIC, independent of verbs
 //!   (`NicProvider` registers memory and makes endpoints, `NicEndpoint`
 //!   connects with the peer's handshake, `DataPath` posts and waits; every
 //!   `Session<R: RailIo>` is one); `VerbsProvider` (feature `rdma`) on real NICs;
-//! - `link`: `RdmaLink`, the RDMA transport behind the
+//! - `transport`: `RdmaTransport`, the RDMA transport behind the
 //!   [`Transport`](crate::transport::Transport) trait: the agent's control
 //!   channel (intent, grant, commit) around one-sided WRITE/READ on a `DataPath`;
 //! - `fake` (tests): an in-process software fabric of QPs and MRs that moves
@@ -52,12 +52,12 @@ pub mod endpoint;
 #[doc(hidden)]
 pub mod fake;
 pub mod handshake;
-pub mod link;
 pub mod nic;
 pub mod qp;
 pub mod session;
 pub mod slice;
 pub mod tracker;
+pub mod transport;
 #[cfg(feature = "rdma")]
 pub mod verbs;
 pub mod wr;
@@ -65,10 +65,11 @@ pub mod wr;
 pub use config::{RdmaConfig, RecordMode};
 pub use device::{RdmaDevice, RdmaPort};
 #[cfg(feature = "rdma")]
-pub use endpoint::{MemoryKind, RdmaEndpoint, RdmaTransport, RegistrationReport};
+pub use endpoint::{MemoryKind, RdmaEndpoint, RegistrationReport, VerbsNic};
 pub use handshake::{Handshake, HandshakeField, Negotiated};
 pub use slice::Span;
 pub use tracker::BatchState;
+pub use transport::RdmaTransport;
 pub use wr::Direction;
 
 #[allow(unused_imports)] // Error and Status are used only without the `rdma` feature.
@@ -94,15 +95,15 @@ pub fn list_devices_at(sys_root: &Path) -> Result<Vec<RdmaDevice>> {
     Ok(devs)
 }
 
-/// Opens the RDMA transport the way an engine created with `transport=rdma` does:
+/// Opens the NICs the way an engine created with `transport=rdma` does:
 /// [`Status::NoRdmaDevice`] with the reason when there is no usable NIC,
 /// [`Status::Unsupported`] when built without the `rdma` feature.
 #[cfg(feature = "rdma")]
-pub fn open(cfg: RdmaConfig) -> Result<RdmaTransport> {
-    RdmaTransport::new(cfg)
+pub fn open(cfg: RdmaConfig) -> Result<VerbsNic> {
+    VerbsNic::new(cfg)
 }
 
-/// Without the `rdma` feature there is no RDMA transport.
+/// Without the `rdma` feature there are no verbs NICs.
 #[cfg(not(feature = "rdma"))]
 pub fn open(cfg: RdmaConfig) -> Result<()> {
     let _ = cfg;

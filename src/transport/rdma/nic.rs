@@ -5,7 +5,7 @@
 //! reports their completions.
 //!
 //! Providers: [`VerbsProvider`] (feature `rdma`: real NICs through
-//! `RdmaTransport`) and [`super::fake::FakeNic`] (an in-process software
+//! `VerbsNic`) and [`super::fake::FakeNic`] (an in-process software
 //! fabric that moves real bytes after key and bounds checks; tests only,
 //! never chosen unless passed explicitly in `AgentOptions::nic`).
 
@@ -110,13 +110,13 @@ mod verbs_provider {
     use super::*;
     use crate::error::{Error, Status};
     use crate::transport::rdma::config::{RdmaConfig, RecordMode};
-    use crate::transport::rdma::endpoint::{RdmaEndpoint, RdmaTransport};
+    use crate::transport::rdma::endpoint::{RdmaEndpoint, VerbsNic};
     use std::collections::HashMap;
     use std::sync::Mutex;
 
-    /// Real NICs through [`RdmaTransport`].
+    /// Real NICs through [`VerbsNic`].
     pub struct VerbsProvider {
-        t: RdmaTransport,
+        t: VerbsNic,
         registered: Mutex<HashMap<(u64, u64), Vec<LocalRegion>>>,
     }
 
@@ -127,7 +127,7 @@ mod verbs_provider {
         pub fn open(mut cfg: RdmaConfig) -> Result<VerbsProvider> {
             cfg.record = RecordMode::None;
             Ok(VerbsProvider {
-                t: RdmaTransport::new(cfg)?,
+                t: VerbsNic::new(cfg)?,
                 registered: Mutex::new(HashMap::new()),
             })
         }

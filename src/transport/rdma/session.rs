@@ -10,7 +10,7 @@
 
 use super::config::RecordMode;
 use super::slice::{slice_across, LocalRegion, RailKeys, Span};
-use super::tracker::{BatchState, Completion, Posted, Tracker};
+use super::tracker::{BatchState, Posted, Tracker, WorkCompletion};
 use super::wr::{
     build_batch, imm_encode, post_groups, BatchParams, CompletionRecord, Direction, Transfer,
     WorkRequest,
@@ -32,7 +32,7 @@ pub trait RailIo: Send + Sync + 'static {
     /// Posts `n` receives for incoming WRITE_WITH_IMM records.
     fn post_recvs(&self, n: usize) -> Result<()>;
     /// Appends up to `max` completions to `out`; returns how many.
-    fn poll(&self, out: &mut Vec<Completion>, max: usize) -> Result<usize>;
+    fn poll(&self, out: &mut Vec<WorkCompletion>, max: usize) -> Result<usize>;
 }
 
 /// One rail of a session.
@@ -494,17 +494,19 @@ mod tests {
     use std::collections::VecDeque;
     use std::sync::atomic::AtomicUsize;
 
-    /// An in-memory NIC: executes WRs synchronously at post time by copying bytes
-    /// between real buffers of this process, checks keys, enforces the send-queue
-    /// depth like hardware (ENOMEM when full), generates completions, delivers
+    /// An in-memory queue pair: the [`RailIo`] of one rail, one layer below the
+    /// whole software NIC of `rdma::fake` (`FakeNic`, used by the agent-level
+    /// tests). Executes WRs synchronously at post time by copying bytes between
+    /// real buffers of this process, checks keys, enforces the send-queue depth
+    /// like hardware (ENOMEM when full), generates completions, delivers
     /// WRITE_WITH_IMM immediates to the peer's receive queue, and can be told to
     /// fail after `fail_after` WRs (then flushes everything, as a QP in error does).
-    struct FakeNic {
+    struct FakeQueuePair {
         sq_depth: usize,
         lkeys: Vec<(u64, u64, u32)>,
         rkeys: Vec<(u64, u64, u32)>,
-        cq: Arc<Mutex<VecDeque<Completion>>>,
-        peer_cq: Arc<Mutex<VecDeque<Completion>>>,
+        cq: Arc<Mutex<VecDeque<WorkCompletion>>>,
+        peer_cq: Arc<Mutex<VecDeque<WorkCompletion>>>,
         recvs: Arc<AtomicUsize>,
         peer_recvs: Arc<AtomicUsize>,
         /// WR ids posted and not yet retired by a polled signalled completion.
@@ -520,9 +522,9 @@ mod tests {
             .any(|(a, l, k)| *k == key && addr >= *a && addr + len <= a + l)
     }
 
-    impl FakeNic {
+    impl FakeQueuePair {
         fn complete(&self, wr_id: u64, status: u32, opcode: u32) {
-            lock(&self.cq).push_back(Completion {
+            lock(&self.cq).push_back(WorkCompletion {
                 wr_id,
                 status,
                 vendor_err: 0,
@@ -532,7 +534,7 @@ mod tests {
         }
     }
 
-    impl RailIo for FakeNic {
+    impl RailIo for FakeQueuePair {
         fn post_send(&self, wrs: &[WorkRequest]) -> std::result::Result<(), (usize, Error)> {
             {
                 let mut sq = lock(&self.sq);
@@ -583,7 +585,7 @@ mod tests {
                         continue;
                     }
                     self.peer_recvs.fetch_sub(1, Ordering::SeqCst);
-                    lock(&self.peer_cq).push_back(Completion {
+                    lock(&self.peer_cq).push_back(WorkCompletion {
                         wr_id: u64::MAX,
                         status: 0,
                         vendor_err: 0,
@@ -603,7 +605,7 @@ mod tests {
             Ok(())
         }
 
-        fn poll(&self, out: &mut Vec<Completion>, max: usize) -> Result<usize> {
+        fn poll(&self, out: &mut Vec<WorkCompletion>, max: usize) -> Result<usize> {
             let mut cq = lock(&self.cq);
             let mut got = 0;
             while got < max {
@@ -629,19 +631,19 @@ mod tests {
     const SQ: u32 = 16;
 
     struct Pair {
-        a: Session<Arc<FakeNic>>,
-        b: Session<Arc<FakeNic>>,
-        a_nics: Vec<Arc<FakeNic>>,
+        a: Session<Arc<FakeQueuePair>>,
+        b: Session<Arc<FakeQueuePair>>,
+        a_nics: Vec<Arc<FakeQueuePair>>,
     }
 
-    impl RailIo for Arc<FakeNic> {
+    impl RailIo for Arc<FakeQueuePair> {
         fn post_send(&self, wrs: &[WorkRequest]) -> std::result::Result<(), (usize, Error)> {
             (**self).post_send(wrs)
         }
         fn post_recvs(&self, n: usize) -> Result<()> {
             (**self).post_recvs(n)
         }
-        fn poll(&self, out: &mut Vec<Completion>, max: usize) -> Result<usize> {
+        fn poll(&self, out: &mut Vec<WorkCompletion>, max: usize) -> Result<usize> {
             (**self).poll(out, max)
         }
     }
@@ -676,7 +678,7 @@ mod tests {
             );
             let (ra, rb) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
             let nic = |lk, rk, cq: &Arc<_>, pcq: &Arc<_>, rc: &Arc<_>, prc: &Arc<_>, fail_after| {
-                Arc::new(FakeNic {
+                Arc::new(FakeQueuePair {
                     sq_depth: SQ as usize,
                     lkeys: lk,
                     rkeys: rk,
@@ -751,7 +753,7 @@ mod tests {
             .collect()
     }
 
-    fn wait_incoming(s: &Session<Arc<FakeNic>>) -> Option<u32> {
+    fn wait_incoming(s: &Session<Arc<FakeQueuePair>>) -> Option<u32> {
         for _ in 0..500 {
             if let Some(b) = s.next_incoming() {
                 return Some(b);
@@ -938,7 +940,7 @@ mod tests {
             p.a.wait(5, Duration::from_secs(5)).unwrap(),
             BatchState::Done { .. }
         ));
-        let idle: Session<Arc<FakeNic>> = Session::new(Vec::new(), p.a.params);
+        let idle: Session<Arc<FakeQueuePair>> = Session::new(Vec::new(), p.a.params);
         let e = idle.post_batch(1, Direction::Write, &[s]).unwrap_err();
         assert_eq!(e.status(), Status::PeerUnreachable);
     }

@@ -23,7 +23,7 @@ pub(crate) const WC_WR_FLUSH_ERR: u32 = 5;
 
 /// One work completion, copied out of `ibv_wc`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Completion {
+pub struct WorkCompletion {
     /// The WR's id.
     pub wr_id: u64,
     /// `ibv_wc_status` (0 = success).
@@ -45,7 +45,7 @@ pub(crate) const WC_OP_RDMA_WRITE: u32 = 1;
 #[allow(dead_code)]
 pub(crate) const WC_OP_RECV_RDMA_WITH_IMM: u32 = 129;
 
-impl Completion {
+impl WorkCompletion {
     /// True for a receive-queue completion.
     pub fn is_recv(&self) -> bool {
         self.opcode & WC_RECV != 0

@@ -12,7 +12,7 @@
 use super::device::RdmaDevice;
 use super::handshake::{Gid, LinkLayer, Mtu};
 use super::qp::QpAttrs;
-use super::tracker::Completion;
+use super::tracker::WorkCompletion;
 use super::wr::{Opcode, WorkRequest};
 use crate::error::{Error, Result, Status};
 use ibverbs_sys as ffi;
@@ -480,7 +480,7 @@ impl Cq {
     }
 
     /// Polls up to `out.len()` completions; returns how many were written.
-    pub fn poll(&self, out: &mut Vec<Completion>, max: usize) -> Result<usize> {
+    pub fn poll(&self, out: &mut Vec<WorkCompletion>, max: usize) -> Result<usize> {
         // SAFETY: ibv_wc is plain data (integers); zero is valid.
         let mut raw: [ffi::ibv_wc; 32] = unsafe { std::mem::zeroed() };
         let n = max.min(raw.len()) as i32;
@@ -499,7 +499,7 @@ impl Cq {
         }
         for w in &raw[..got as usize] {
             let (status, vendor_err) = w.error().unwrap_or((0, 0));
-            out.push(Completion {
+            out.push(WorkCompletion {
                 wr_id: w.wr_id(),
                 status,
                 vendor_err,

@@ -21,14 +21,17 @@
 //! its sources, the receiver's at grant). A checksum needs the CPU to read
 //! the bytes, so it is refused for batches touching device memory.
 
+use super::handshake::Handshake;
 use super::nic::{DataPath, NicProvider};
 use super::slice::Span;
 use super::tracker::BatchState;
 use super::wr::Direction;
 use crate::error::{Error, Result, Status};
 use crate::memory::{AccessGuard, RegionDesc, RegionKind};
+use crate::transport::agent::Dialed;
 use crate::transport::batch::Stage;
 use crate::transport::conn::{Conn, Piece, Reach};
+use crate::transport::handshake::{Select, SelectOk};
 use crate::transport::wire::{self, Commit, FrameType};
 use crate::transport::{BatchId, BatchOptions, ReadOp, Transport, TransportKind, WriteOp};
 use crossbeam::channel::{unbounded, Receiver, Sender};
@@ -46,7 +49,7 @@ struct Job {
 }
 
 /// The sender side of an RDMA connection.
-pub struct RdmaLink {
+pub struct RdmaTransport {
     conn: Arc<Conn>,
     tx: Sender<Job>,
     path: Arc<dyn DataPath>,
@@ -55,13 +58,13 @@ pub struct RdmaLink {
     known: Mutex<HashSet<(u64, u64, u64)>>,
 }
 
-impl RdmaLink {
-    /// Starts the link over a connected control channel and data path.
+impl RdmaTransport {
+    /// Starts the transport over a connected control channel and data path.
     pub(crate) fn new(
         conn: Arc<Conn>,
         path: Box<dyn DataPath>,
         nic: Arc<dyn NicProvider>,
-    ) -> Result<RdmaLink> {
+    ) -> Result<RdmaTransport> {
         let path: Arc<dyn DataPath> = Arc::from(path);
         let (tx, rx) = unbounded::<Job>();
         let (done_tx, done_rx) = unbounded::<Job>();
@@ -73,7 +76,7 @@ impl RdmaLink {
         std::thread::Builder::new()
             .name("pdxfer-rdma-done".into())
             .spawn(move || completer(&c, &*p, done_rx))?;
-        Ok(RdmaLink {
+        Ok(RdmaTransport {
             conn,
             tx,
             path,
@@ -320,7 +323,48 @@ fn read_checksum(pieces: &[Piece]) -> u64 {
     })
 }
 
-impl Transport for RdmaLink {
+/// The sender's rdma setup on a dialed control connection to a peer that
+/// offers RDMA: makes an endpoint on this side's NICs, sends its handshake
+/// in Select, negotiates with the peer's from SelectOk, brings the QPs up
+/// and starts the transport.
+pub(crate) fn connect(mut d: Dialed<'_>, nic: Arc<dyn NicProvider>) -> Result<Box<dyn Transport>> {
+    let addr = d.addr;
+    let ep = nic.endpoint()?;
+    wire::write_json(
+        &mut d.stream,
+        FrameType::Select,
+        &Select {
+            transport: TransportKind::Rdma,
+            streams: 0,
+            proof: 0,
+            rdma: Some(ep.local().encode()?),
+        },
+    )?;
+    let ok: SelectOk = wire::read_json(&mut d.stream, FrameType::SelectOk).map_err(|e| {
+        Error::new(
+            e.status(),
+            format!("rdma handshake with {addr}: {}", e.detail()),
+        )
+    })?;
+    let remote = ok.rdma.ok_or_else(|| {
+        Error::new(
+            Status::Protocol,
+            format!("{addr} accepted rdma without sending its RDMA handshake"),
+        )
+    })?;
+    let remote = Handshake::decode(&remote).map_err(Error::from)?;
+    let (path, negotiated) = ep.connect(&remote)?;
+    log::info!(
+        "rdma: connected to {addr} over {} rail(s) of {} (path MTU {})",
+        negotiated.len(),
+        nic.describe(),
+        negotiated.first().map(|n| n.mtu.bytes()).unwrap_or(0)
+    );
+    let conn = d.start()?;
+    Ok(Box::new(RdmaTransport::new(conn, path, nic)?))
+}
+
+impl Transport for RdmaTransport {
     fn kind(&self) -> TransportKind {
         TransportKind::Rdma
     }
@@ -349,7 +393,7 @@ impl Transport for RdmaLink {
     }
 }
 
-impl Drop for RdmaLink {
+impl Drop for RdmaTransport {
     fn drop(&mut self) {
         self.conn.close();
     }

@@ -1,31 +1,16 @@
-//! TCP: several data streams per peer plus the control connection.
-//!
-//! The sender writes each piece as a 48-byte header followed by the bytes,
-//! gathered straight from registered memory with `writev` (many pieces per
-//! call, partial writes resumed). The receiver reads the header, validates
-//! the destination against its registry, and reads the payload straight into
-//! it (an invalid destination is drained into scratch: nothing is written).
-//! A destination in device memory (a region registered with a
-//! [`DeviceWriter`](crate::memory::DeviceWriter)) is read into the stream's
-//! bounded bounce buffer (page-locked where the writer can allocate it) and
-//! copied to the device slice by slice, double-buffered: the buffer's two
-//! halves alternate, the asynchronous copy of one slice running while the
-//! next is read from the socket into the other half (a half is reused only
-//! after its copy was waited); the piece counts only once every copy was
-//! waited, and its checksum is computed on the bytes received.
-//! After its last piece, the last stream of a batch sends the commit record
-//! on the control connection; the receiver delivers the completion once all
-//! bytes counted across streams have landed and answers Ack (or Nack with
-//! the reason). A dead peer resets the sockets: every pending batch fails
-//! with the reason, never hangs (write timeouts and batch deadlines bound a
-//! stalled one).
+//! The tcp sender: one thread per data stream gathers pieces straight from
+//! registered memory with `writev`; the last stream of a batch sends its
+//! commit on the control connection.
 
-use super::batch::Stage;
-use super::conn::{checksum_pieces, Conn, Piece, Reach};
-use super::wire::{self, Commit, DataHeader, FrameType, DATA_HEADER_LEN};
-use super::{BatchId, BatchOptions, Completion, Transport, TransportKind, WriteOp};
 use crate::error::{Error, Result, Status};
 use crate::memory::AccessGuard;
+use crate::transport::agent::Dialed;
+use crate::transport::batch::Stage;
+use crate::transport::conn::{checksum_pieces, Conn, Piece, Reach};
+use crate::transport::handshake::Attach;
+use crate::transport::handshake::Select;
+use crate::transport::wire::{self, Commit, DataHeader, FrameType, DATA_HEADER_LEN};
+use crate::transport::{BatchId, BatchOptions, Completion, Transport, TransportKind, WriteOp};
 use crossbeam::channel::{unbounded, Sender};
 use std::net::{Shutdown, TcpStream};
 use std::os::fd::AsRawFd;
@@ -96,6 +81,49 @@ impl TcpTransport {
             sockets,
         })
     }
+}
+
+/// The sender's tcp setup on a dialed control connection: selects tcp with
+/// `opts.streams` (1 to 64) data streams, dials each and attaches it to the
+/// receiver's session with its token, and starts the transport.
+pub(crate) fn connect(mut d: Dialed<'_>) -> Result<Box<dyn Transport>> {
+    let (addr, opts) = (d.addr, d.opts);
+    let n = opts.streams.clamp(1, 64);
+    wire::write_json(
+        &mut d.stream,
+        FrameType::Select,
+        &Select {
+            transport: TransportKind::Tcp,
+            streams: n,
+            proof: 0,
+            rdma: None,
+        },
+    )?;
+    let _: serde_json::Value = wire::read_json(&mut d.stream, FrameType::SelectOk)?;
+    let mut streams = Vec::new();
+    for index in 0..n {
+        let mut s = TcpStream::connect_timeout(&d.sockaddr, opts.timeout).map_err(|e| {
+            Error::new(
+                Status::PeerUnreachable,
+                format!("data stream {index} to {addr}: {e}"),
+            )
+        })?;
+        s.set_nodelay(true)?;
+        s.set_read_timeout(Some(opts.timeout))?;
+        wire::write_json(
+            &mut s,
+            FrameType::Attach,
+            &Attach {
+                session: d.ack.session,
+                token: d.ack.token,
+                index,
+            },
+        )?;
+        let _: serde_json::Value = wire::read_json(&mut s, FrameType::AttachOk)?;
+        streams.push(s);
+    }
+    let conn = d.start()?;
+    Ok(Box::new(TcpTransport::new(conn, streams)?))
 }
 
 fn finish_part(c: &Conn, b: &BatchShared) {
@@ -209,7 +237,7 @@ impl Transport for TcpTransport {
         TransportKind::Tcp
     }
 
-    super::conn::conn_backed_transport!();
+    crate::transport::conn::conn_backed_transport!();
 
     fn submit(&self, ops: &[WriteOp], opts: &BatchOptions) -> Result<BatchId> {
         // device destinations are landed by the receiver's device writer

@@ -1,0 +1,243 @@
+//! The receiver's listener and handshake: the accept loop, the first frame of
+//! each connection (a Hello opens a session's control connection, an Attach
+//! adds a tcp data stream to one), the answer to the sender's transport
+//! choice (the cma proof, the RDMA handshake), and registering the registry's
+//! regions with the RDMA NICs.
+
+use super::grant::control_loop;
+use super::{lock, AgentInner, ReceiverSession};
+use crate::error::{Error, Result, Status};
+use crate::memory::{RegionKind, Registry};
+use crate::transport::handshake::{random_u64, Hello, HelloAck, Select, SelectOk};
+use crate::transport::rdma::nic::{DataPath, NicProvider};
+use crate::transport::rdma::Handshake;
+use crate::transport::tcp::{serve_stream, TcpRecv};
+use crate::transport::wire::{self, FrameType};
+use crate::transport::TransportKind;
+use std::collections::HashMap;
+use std::net::{TcpListener, TcpStream};
+use std::os::fd::AsRawFd;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+pub(super) fn accept_loop(l: TcpListener, agent: std::sync::Weak<AgentInner>) {
+    let fd = l.as_raw_fd();
+    loop {
+        let Some(a) = agent.upgrade() else { return };
+        if a.shutdown.load(Ordering::SeqCst) {
+            return;
+        }
+        drop(a);
+        let mut pfd = libc::pollfd {
+            fd,
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: pfd is one valid pollfd for the duration of the call.
+        let n = unsafe { libc::poll(&mut pfd, 1, 100) };
+        if n <= 0 {
+            continue;
+        }
+        let Ok((s, _)) = l.accept() else { continue };
+        let Some(a) = agent.upgrade() else { return };
+        let _ = std::thread::Builder::new()
+            .name("pdxfer-rx".into())
+            .spawn(move || serve_connection(a, s));
+    }
+}
+
+fn serve_connection(a: Arc<AgentInner>, mut s: TcpStream) {
+    let _ = s.set_nodelay(true);
+    let _ = s.set_read_timeout(Some(Duration::from_secs(10)));
+    let (ty, p) = match wire::read_frame(&mut s) {
+        Ok(f) => f,
+        Err(_) => return,
+    };
+    match ty {
+        FrameType::Hello => serve_control(a, s, &p),
+        FrameType::Attach => serve_stream(a, s, &p),
+        _ => {
+            let e = Error::new(
+                Status::Protocol,
+                format!("first frame must be Hello or Attach, got {ty:?}"),
+            );
+            let _ = wire::write_frame(&mut s, FrameType::Error, &wire::encode_error(&e));
+        }
+    }
+}
+
+pub(crate) fn refuse(s: &mut TcpStream, e: Error) {
+    let _ = wire::write_frame(s, FrameType::Error, &wire::encode_error(&e));
+}
+
+fn serve_control(a: Arc<AgentInner>, mut s: TcpStream, hello: &[u8]) {
+    let hello: Hello = match serde_json::from_slice(hello) {
+        Ok(h) => h,
+        Err(e) => {
+            return refuse(
+                &mut s,
+                Error::new(Status::Protocol, format!("malformed Hello: {e}")),
+            );
+        }
+    };
+    if hello.version != wire::VERSION {
+        return refuse(
+            &mut s,
+            Error::new(
+                Status::Protocol,
+                format!(
+                    "client speaks wire version {}, server {}",
+                    hello.version,
+                    wire::VERSION
+                ),
+            ),
+        );
+    }
+    let id = a.next_session.fetch_add(1, Ordering::SeqCst);
+    let session = Arc::new(ReceiverSession {
+        id,
+        token: random_u64(),
+        nonce: Box::new(random_u64()),
+        peer: Mutex::new(Some(hello.identity.clone())),
+        writer: Mutex::new(s.try_clone().ok()),
+        granted: Mutex::new(HashMap::new()),
+        tcp: Mutex::new(TcpRecv::default()),
+        sockets: Mutex::new(s.try_clone().into_iter().collect()),
+        rdma: Mutex::new(None),
+        closed: AtomicBool::new(false),
+    });
+    let nic = a.nic();
+    let ack = HelloAck {
+        version: wire::VERSION,
+        identity: a.identity.clone(),
+        regions: a.registry.descriptors(),
+        session: id,
+        token: session.token,
+        nonce_addr: &*session.nonce as *const u64 as u64,
+        rdma: nic.as_ref().ok().map(|n| n.describe()),
+        rdma_unavailable: nic.as_ref().err().map(|e| e.detail().to_string()),
+        rdma_gpu_direct: nic.as_ref().is_ok_and(|n| n.gpu_direct().is_ok()),
+    };
+    lock(&a.sessions).insert(id, session.clone());
+    let mut run = || -> Result<()> {
+        wire::write_json(&mut s, FrameType::HelloAck, &ack)?;
+        let sel: Select = wire::read_json(&mut s, FrameType::Select)?;
+        let mut ok = SelectOk::default();
+        match sel.transport {
+            TransportKind::Cma => {
+                if sel.proof != *session.nonce {
+                    return Err(Error::new(
+                        Status::PeerIdentity,
+                        "cma proof mismatch: the client read another process's memory (pid namespace or pid mix-up); use tcp",
+                    ));
+                }
+            }
+            TransportKind::Tcp => {}
+            TransportKind::Rdma => {
+                let nic = nic.clone()?;
+                let remote = sel.rdma.as_deref().ok_or_else(|| {
+                    Error::new(
+                        Status::Protocol,
+                        "rdma selected without the client's RDMA handshake",
+                    )
+                })?;
+                let remote = Handshake::decode(remote).map_err(Error::from)?;
+                let (local, path) = accept_rdma(&a.registry, &*nic, &remote)?;
+                *lock(&session.rdma) = Some(path);
+                ok.rdma = Some(local);
+            }
+            k => {
+                return Err(Error::new(
+                    Status::TransportUnavailable,
+                    format!("this receiver serves cma, tcp and rdma, not {}", k.name()),
+                ))
+            }
+        }
+        wire::write_json(&mut s, FrameType::SelectOk, &ok)?;
+        s.set_read_timeout(None)?;
+        control_loop(&a, &session, &mut s, hello.identity.clone())
+    };
+    if let Err(e) = run() {
+        if e.status() != Status::PeerUnreachable {
+            refuse(&mut s, e);
+        }
+    }
+    session.close();
+    lock(&a.sessions).remove(&id);
+}
+
+/// The receiver's half of the RDMA handshake: registers every region with
+/// the NIC (so rkeys exist; device regions where it has GPUDirect RDMA), creates the endpoint, negotiates with the
+/// client's handshake and brings the QPs up. Returns the encoded local
+/// handshake and the connected data path.
+fn accept_rdma(
+    reg: &Registry,
+    nic: &dyn NicProvider,
+    remote: &Handshake,
+) -> Result<(Vec<u8>, Box<dyn DataPath>)> {
+    register_all(reg, nic)?;
+    let ep = nic.endpoint()?;
+    let local = ep.local().encode()?;
+    let (path, negotiated) = ep.connect(remote)?;
+    log::info!(
+        "rdma: accepted a connection over {} rail(s) of {}",
+        negotiated.len(),
+        nic.describe()
+    );
+    Ok((local, path))
+}
+
+/// Registers every region of `reg` with the NIC (already registered ranges
+/// are skipped by the provider). Device regions go through the NIC's GPU
+/// path; where that fails (no GPUDirect RDMA) they are skipped with a
+/// warning, since the host regions still work: batches into them are refused
+/// at grant, and from them at submit, with the reason.
+pub(super) fn register_all(reg: &Registry, nic: &dyn NicProvider) -> Result<()> {
+    let gpu = nic.gpu_direct();
+    for d in reg.descriptors() {
+        if d.kind != RegionKind::Host {
+            let r = gpu.clone().and_then(|()| {
+                // SAFETY: as for host regions below.
+                unsafe { nic.register(d.addr, d.len, d.kind) }
+            });
+            if let Err(e) = r {
+                log::warn!(
+                    "rdma: device region {} is not registered with the NIC, so rdma cannot move it: {e}",
+                    d.id
+                );
+            }
+            continue;
+        }
+        // SAFETY: a registry region stays valid until unregistered, and the
+        // registry's unregister hook deregisters it from the NIC first; peers
+        // write only into ranges this side granted and pinned.
+        unsafe { nic.register(d.addr, d.len, d.kind) }.map_err(|e| {
+            Error::new(
+                e.status(),
+                format!(
+                    "region {} cannot be registered with the RDMA NIC: {}",
+                    d.id,
+                    e.detail()
+                ),
+            )
+        })?;
+    }
+    Ok(())
+}
+
+#[cfg(feature = "rdma")]
+pub(super) fn open_default_nic() -> Result<Arc<dyn NicProvider>> {
+    let cfg = crate::transport::rdma::RdmaConfig::from_env()?;
+    Ok(Arc::new(crate::transport::rdma::nic::VerbsProvider::open(
+        cfg,
+    )?))
+}
+
+#[cfg(not(feature = "rdma"))]
+pub(super) fn open_default_nic() -> Result<Arc<dyn NicProvider>> {
+    Err(Error::new(
+        Status::NoRdmaDevice,
+        "this build of pdxfer has no `rdma` feature (no verbs support)",
+    ))
+}

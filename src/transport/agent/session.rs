@@ -1,0 +1,52 @@
+//! The receiver's state for one sender connection: its control socket, the
+//! grants it holds (cma, rdma), its tcp batches in progress and its RDMA
+//! queue pairs. Created by the handshake, closed when the control
+//! connection ends or the agent shuts down.
+
+use super::grant::Granted;
+use super::lock;
+use crate::transport::identity::ProcIdentity;
+use crate::transport::rdma::nic::DataPath;
+use crate::transport::tcp::TcpRecv;
+use crate::transport::wire::{self, FrameType};
+use std::collections::HashMap;
+use std::net::{Shutdown, TcpStream};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Mutex;
+
+/// One sender connection as the receiver sees it (the sender's side of it is
+/// its [`Transport`](crate::transport::Transport)).
+pub(crate) struct ReceiverSession {
+    pub(crate) id: u64,
+    pub(crate) token: u64,
+    pub(crate) nonce: Box<u64>,
+    pub(crate) peer: Mutex<Option<ProcIdentity>>,
+    pub(crate) writer: Mutex<Option<TcpStream>>,
+    pub(crate) granted: Mutex<HashMap<u64, Granted>>,
+    pub(crate) tcp: Mutex<TcpRecv>,
+    pub(crate) sockets: Mutex<Vec<TcpStream>>,
+    /// rdma: this side's connected QPs (the peer writes through them).
+    pub(crate) rdma: Mutex<Option<Box<dyn DataPath>>>,
+    pub(crate) closed: AtomicBool,
+}
+
+impl ReceiverSession {
+    pub(crate) fn close(&self) {
+        self.closed.store(true, Ordering::SeqCst);
+        for s in lock(&self.sockets).iter() {
+            let _ = s.shutdown(Shutdown::Both);
+        }
+        lock(&self.granted).clear();
+        lock(&self.tcp).batches.clear();
+        let path = lock(&self.rdma).take();
+        drop(path);
+    }
+
+    pub(crate) fn send(&self, ty: FrameType, p: &[u8]) {
+        if let Some(w) = lock(&self.writer).as_mut() {
+            if wire::write_frame(w, ty, p).is_err() {
+                let _ = w.shutdown(Shutdown::Both);
+            }
+        }
+    }
+}

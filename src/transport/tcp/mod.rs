@@ -1,0 +1,37 @@
+//! TCP: several data streams per peer plus the control connection.
+//!
+//! The sender writes each piece as a 48-byte header followed by the bytes,
+//! gathered straight from registered memory with `writev` (many pieces per
+//! call, partial writes resumed). The receiver reads the header, validates
+//! the destination against its registry, and reads the payload straight into
+//! it (an invalid destination is drained into scratch: nothing is written).
+//! A destination in device memory (a region registered with a
+//! [`DeviceWriter`](crate::memory::DeviceWriter)) is read into the stream's
+//! bounded bounce buffer (page-locked where the writer can allocate it) and
+//! copied to the device slice by slice, double-buffered: the buffer's two
+//! halves alternate, the asynchronous copy of one slice running while the
+//! next is read from the socket into the other half (a half is reused only
+//! after its copy was waited); the piece counts only once every copy was
+//! waited, and its checksum is computed on the bytes received.
+//! After its last piece, the last stream of a batch sends the commit record
+//! on the control connection; the receiver delivers the completion once all
+//! bytes counted across streams have landed and answers Ack (or Nack with
+//! the reason). A dead peer resets the sockets: every pending batch fails
+//! with the reason, never hangs (write timeouts and batch deadlines bound a
+//! stalled one).
+
+//!
+//! - `send`: the sender ([`TcpTransport`]) and its setup on a dialed control
+//!   connection (the data streams attach to the receiver's session);
+//! - `recv`: the receiver: data streams, batch accounting, the verdict on commit;
+//! - `device`: the receiver's landing of a piece in device memory.
+
+mod device;
+mod recv;
+mod send;
+
+#[cfg(test)]
+pub(crate) use device::DEVICE_BOUNCE_BYTES;
+pub(crate) use recv::{finalize_tcp, serve_stream, TcpRecv};
+pub(crate) use send::connect;
+pub use send::TcpTransport;
