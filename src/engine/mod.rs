@@ -1,11 +1,33 @@
 //! The PD session layer: an [`Engine`] per rank, rooms (one per request) and
 //! the `KVPoll` state machine, the rank-to-rank control channel.
+//!
+//! - `config`: [`EngineConfig`], [`KvPool`], [`AuxBuffer`].
+//! - `handle`: the [`Engine`] handle and its shared state (`Inner`, with its
+//!   lock order), the queries of both roles, abort and close.
+//! - `setup`: `Engine::new` (checks, region registration, threads, bootstrap).
+//! - `prefill` / `decode`: each role's API and control plane.
+//! - `worker`: the prefill's transfer workers and chunk assembly.
+//! - `flight`: the batches of one chunk in flight (fenced writes, staging slots).
+//! - `staging`: the host staging path (CPU gather into a registered buffer).
+//! - `device`: KV pools in CUDA device memory (GPU staging, the device writer).
+//! - `deadline`: the deadline thread.
+//! - [`control`], [`room`], [`synthetic`]: control messages, the room table,
+//!   verifiable pools for the demo and tests.
 
+mod config;
 pub mod control;
-pub mod core;
+mod deadline;
+mod decode;
 mod device;
+mod flight;
+mod handle;
+mod prefill;
 pub mod room;
+mod setup;
+mod staging;
 pub mod synthetic;
+mod worker;
 
-pub use self::core::{AuxBuffer, Engine, EngineConfig, KvPool};
+pub use config::{AuxBuffer, EngineConfig, KvPool};
+pub use handle::Engine;
 pub use room::{KvPoll, Room, RoomTable};

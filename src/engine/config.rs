@@ -1,0 +1,126 @@
+//! How an engine is set up: [`EngineConfig`] and the memory it is given
+//! ([`KvPool`], [`AuxBuffer`]).
+
+use crate::bootstrap::schema::Role;
+use crate::layout::Topology;
+use crate::transport::TransportKind;
+use std::time::Duration;
+
+/// One KV entry's pool: `num_pages` pages of `page_bytes` at `base`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KvPool {
+    /// Global layer id (matches the topology entry).
+    pub layer_id: u32,
+    /// Start address: host memory, or a CUDA device address when the
+    /// engine's [`EngineConfig::pool_device`] is set.
+    pub base: u64,
+    /// Bytes of one page of this entry (`page_size * row_bytes`).
+    pub page_bytes: u64,
+    /// Pages in the pool.
+    pub num_pages: u64,
+}
+
+/// One aux buffer: `count` items of `item_bytes` at `base`; a request uses one row.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AuxBuffer {
+    /// Start address (host memory).
+    pub base: u64,
+    /// Bytes of one item (row).
+    pub item_bytes: u64,
+    /// Rows.
+    pub count: u64,
+}
+
+/// How an engine is set up.
+#[derive(Debug, Clone)]
+pub struct EngineConfig {
+    /// Prefill or decode.
+    pub role: Role,
+    /// Cluster name in the bootstrap namespace.
+    pub cluster: String,
+    /// Bootstrap store URL (`http://host:port` or `etcd://host:port`).
+    pub bootstrap: String,
+    /// Optional bootstrap token.
+    pub token: Option<String>,
+    /// This rank's topology; its entries must match `pools`.
+    pub topology: Topology,
+    /// Data-parallel size and rank.
+    pub dp_size: u32,
+    /// Data-parallel rank.
+    pub dp_rank: u32,
+    /// KV pools, one per topology entry, same order.
+    pub pools: Vec<KvPool>,
+    /// Where the KV pools live: `None` host memory; `Some(n)` device memory
+    /// of CUDA device `n`. Prefill: gathered on the GPU into staging buffers
+    /// of `staging_bytes` per worker, on the device and pinned on the host;
+    /// over rdma with GPUDirect RDMA written straight from the device staging
+    /// (no host copy), otherwise (cma, tcp, or a NIC without GPUDirect,
+    /// logged once) copied to the pinned staging and sent from there. Decode: registered as device regions; over tcp
+    /// the receiver copies each piece into them (host-to-device, waited on
+    /// before the piece counts), over rdma the NIC writes them (GPUDirect);
+    /// a decode with device pools and `transport` cma is refused
+    /// (`Unsupported`), and `auto` never picks cma for it. Aux and state
+    /// buffers stay host memory. Without a CUDA driver creation fails with
+    /// `NoCudaDriver` (without the `cuda` feature, `Unsupported`). A chunk's rows must be
+    /// complete on the device when `send` queues it (the gather runs on the
+    /// engine's own stream, unordered with the model's).
+    pub pool_device: Option<u32>,
+    /// Aux buffers (same count and item sizes on both sides).
+    pub aux: Vec<AuxBuffer>,
+    /// Optional state buffers (Mamba/SWA-like per-request state): one row per
+    /// buffer and request, sent whole to every decode rank after the KV
+    /// (state is not DCP-sharded, as in SGLang).
+    pub state: Vec<AuxBuffer>,
+    /// Transport for KV data (`Auto`: cma on one host, else rdma when both
+    /// sides have a usable NIC, else tcp; `Rdma` needs a NIC: `no_rdma_device`).
+    pub transport: TransportKind,
+    /// Host to listen on.
+    pub host: String,
+    /// Prefill: bytes of each worker's staging (pack) buffer; 0 disables packing.
+    pub staging_bytes: u64,
+    /// Prefill: transfer worker threads.
+    pub workers: usize,
+    /// Default room deadline.
+    pub room_timeout: Duration,
+    /// Deadline of one transfer batch.
+    pub batch_timeout: Duration,
+    /// Bootstrap lease TTL.
+    pub lease_ttl: Duration,
+    /// Test knob: the RDMA NIC provider of the engine's agent (the software
+    /// fabric in tests); `None` (production) uses the real NICs.
+    #[doc(hidden)]
+    pub nic: Option<std::sync::Arc<dyn crate::transport::rdma::nic::NicProvider>>,
+}
+
+impl EngineConfig {
+    /// Defaults for everything but the role, cluster, bootstrap, topology and pools.
+    pub fn new(
+        role: Role,
+        cluster: &str,
+        bootstrap: &str,
+        topology: Topology,
+        pools: Vec<KvPool>,
+    ) -> EngineConfig {
+        EngineConfig {
+            role,
+            cluster: cluster.to_string(),
+            bootstrap: bootstrap.to_string(),
+            token: None,
+            topology,
+            dp_size: 1,
+            dp_rank: 0,
+            pools,
+            pool_device: None,
+            aux: Vec::new(),
+            state: Vec::new(),
+            transport: TransportKind::Auto,
+            host: "127.0.0.1".to_string(),
+            staging_bytes: 64 << 20,
+            workers: 2,
+            room_timeout: Duration::from_secs(60),
+            batch_timeout: Duration::from_secs(30),
+            lease_ttl: Duration::from_secs(10),
+            nic: None,
+        }
+    }
+}

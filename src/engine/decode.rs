@@ -1,0 +1,368 @@
+//! The decode role: rooms opened by `receiver` against the prefill ranks,
+//! the metadata sent to them, the control link to each prefill rank and its
+//! reader (statuses, abort acknowledgements, disconnects).
+
+use super::control::{CtlMsg, CtlReader, CtlWriter, CONTROL_VERSION};
+use super::handle::{lock, Engine, Inner};
+use super::room::KvPoll;
+use crate::bootstrap::peer::{prefill_targets, verify_peer};
+use crate::bootstrap::schema::{PeerHello, Registration, Role};
+use crate::error::{Error, Result, Status};
+use std::collections::BTreeSet;
+use std::net::TcpStream;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// A prefill rank as the decode engine sees it.
+pub(super) struct PrefillLink {
+    pub(super) registration: Registration,
+    pub(super) writer: CtlWriter,
+    pub(super) alive: AtomicBool,
+}
+
+/// Decode-side room data beyond the state machine.
+pub(super) struct DecodeRoom {
+    pub(super) attempt: u64,
+    pub(super) targets: Vec<Arc<PrefillLink>>,
+    pub(super) responded: BTreeSet<u32>,
+    pub(super) bytes: u64,
+    pub(super) abort_acks: usize,
+    pub(super) state_indices: Vec<u64>,
+}
+
+impl Engine {
+    /// Decode: opens room `room` against the prefill instance's data-parallel
+    /// group `prefill_dp`: resolves the prefill ranks from current bootstrap
+    /// entries, connects (once per peer instance) and re-checks each peer.
+    pub fn receiver(&self, room: u64, prefill_dp: u32, timeout: Option<Duration>) -> Result<()> {
+        self.require(Role::Decode)?;
+        let attempt = self.create_room(room, timeout)?;
+        let r = (|| -> Result<Vec<Arc<PrefillLink>>> {
+            let local = self.registration()?;
+            let targets = prefill_targets(self.inner.store.as_ref(), &local, prefill_dp)?;
+            let mut links = Vec::new();
+            for t in targets.iter().filter(|t| !t.dummy) {
+                links.push(self.inner.prefill_link(&t.registration, &local)?);
+            }
+            Ok(links)
+        })();
+        match r {
+            Ok(links) => {
+                lock(&self.inner.decode_rooms).insert(
+                    room,
+                    DecodeRoom {
+                        attempt,
+                        targets: links,
+                        responded: BTreeSet::new(),
+                        bytes: 0,
+                        abort_acks: 0,
+                        state_indices: Vec::new(),
+                    },
+                );
+                Ok(())
+            }
+            Err(e) => {
+                lock(&self.inner.rooms).fail(room, attempt, e.clone());
+                self.inner.cv.notify_all();
+                Err(e)
+            }
+        }
+    }
+
+    /// Decode: tells every target prefill rank where the request's KV goes.
+    pub fn send_metadata(
+        &self,
+        room: u64,
+        dst_pages: &[u64],
+        decode_prefix_len: u64,
+        aux_index: u64,
+    ) -> Result<()> {
+        self.require(Role::Decode)?;
+        let lay = self.inner.cfg.topology.dcp_layout()?;
+        if !decode_prefix_len.is_multiple_of(lay.virtual_page()) {
+            return Err(Error::new(
+                Status::PrefixMisaligned,
+                format!(
+                    "decode_prefix_len {decode_prefix_len} must be a multiple of the virtual DCP page {} (page_size {} x dcp_size {}); round the reusable prefix down to {}",
+                    lay.virtual_page(), lay.page_size, lay.dcp_size, decode_prefix_len / lay.virtual_page() * lay.virtual_page()
+                ),
+            ));
+        }
+        let limit = self.inner.cfg.pools.first().map_or(0, |x| x.num_pages);
+        if let Some((i, pg)) = dst_pages.iter().enumerate().find(|(_, &pg)| pg >= limit) {
+            return Err(Error::new(
+                Status::OutOfBounds,
+                format!("dst_pages[{i}] = {pg} is outside the decode pool of {limit} pages"),
+            ));
+        }
+        if let Some(a) = self.inner.cfg.aux.first() {
+            if aux_index >= a.count {
+                return Err(Error::new(
+                    Status::OutOfBounds,
+                    format!("aux_index {aux_index} is outside the {} aux rows", a.count),
+                ));
+            }
+        }
+        let (attempt, targets) = {
+            let d = lock(&self.inner.decode_rooms);
+            let r = d.get(&room).ok_or_else(|| {
+                Error::new(
+                    Status::UnknownRoom,
+                    format!("room {room}: call receiver() first"),
+                )
+            })?;
+            (r.attempt, r.targets.clone())
+        };
+        let state_indices = lock(&self.inner.decode_rooms)
+            .get(&room)
+            .map(|r| r.state_indices.clone())
+            .unwrap_or_default();
+        let required = {
+            let local = self.registration()?;
+            let any = targets.first().map(|t| t.registration.topology.clone());
+            match any {
+                Some(p) => {
+                    crate::layout::resolve_rank_mapping(&local.topology, &p, Default::default())?
+                        .required_dst_info_num
+                }
+                None => 1,
+            }
+        };
+        let timeout_ms = lock(&self.inner.rooms)
+            .get(room)
+            .ok()
+            .and_then(|r| r.deadline)
+            .map_or(0, |d| {
+                d.saturating_duration_since(Instant::now()).as_millis() as u64
+            });
+        for t in &targets {
+            let m = CtlMsg::Meta {
+                room,
+                attempt,
+                dst_pages: dst_pages.to_vec(),
+                decode_prefix_len,
+                aux_index,
+                state_indices: state_indices.clone(),
+                required_dst_info_num: required,
+                timeout_ms,
+            };
+            if let Err(e) = t.writer.send(&m) {
+                let e = Error::new(
+                    e.status(),
+                    format!(
+                        "sending metadata to prefill {}: {}",
+                        t.registration.describe(),
+                        e.detail()
+                    ),
+                );
+                lock(&self.inner.rooms).fail(room, attempt, e.clone());
+                self.inner.cv.notify_all();
+                return Err(e);
+            }
+        }
+        lock(&self.inner.rooms).update(room, attempt, KvPoll::WaitingForInput);
+        Ok(())
+    }
+}
+
+impl Inner {
+    /// Decode: the control link to a prefill rank, reused while its instance and epoch hold.
+    fn prefill_link(
+        self: &Arc<Self>,
+        reg: &Registration,
+        local: &Registration,
+    ) -> Result<Arc<PrefillLink>> {
+        let key = (reg.instance_id, reg.epoch);
+        if let Some(l) = lock(&self.prefill_links).get(&key) {
+            if l.alive.load(Ordering::Acquire) {
+                return Ok(l.clone());
+            }
+        }
+        let addr = reg.endpoints.get("ctl").ok_or_else(|| {
+            Error::new(
+                Status::Bootstrap,
+                format!("prefill entry [{}] has no ctl endpoint", reg.describe()),
+            )
+        })?;
+        let s = TcpStream::connect_timeout(
+            &addr
+                .parse()
+                .map_err(|_| Error::invalid(format!("bad ctl address {addr}")))?,
+            Duration::from_secs(5),
+        )
+        .map_err(|e| {
+            Error::new(
+                Status::PeerUnreachable,
+                format!("connecting to prefill {} at {addr}: {e}", reg.describe()),
+            )
+        })?;
+        s.set_nodelay(true)?;
+        let writer = CtlWriter::new(s.try_clone()?);
+        let mut reader = CtlReader::new(s.try_clone()?);
+        let data_addr = self
+            .agent
+            .local_addr()
+            .map(|a| a.to_string())
+            .unwrap_or_default();
+        writer.send(&CtlMsg::Hello {
+            version: CONTROL_VERSION,
+            hello: PeerHello::from(local),
+            data_addr,
+            regions: self.region_map(),
+        })?;
+        s.set_read_timeout(Some(Duration::from_secs(15)))?;
+        let ack = reader.recv()?.ok_or_else(|| {
+            Error::new(
+                Status::PeerUnreachable,
+                format!(
+                    "prefill {} closed the control connection during the handshake",
+                    reg.describe()
+                ),
+            )
+        })?;
+        s.set_read_timeout(None)?;
+        let hello = match ack {
+            CtlMsg::HelloAck { version, hello } if version == CONTROL_VERSION => hello,
+            CtlMsg::Status {
+                ok: false,
+                reason,
+                code,
+                ..
+            } => {
+                return Err(Error::new(
+                    code.and_then(Status::from_code).unwrap_or(Status::Protocol),
+                    format!(
+                        "prefill {} refused this decode rank: {}",
+                        reg.describe(),
+                        reason.unwrap_or_default()
+                    ),
+                ))
+            }
+            other => {
+                return Err(Error::new(
+                    Status::Protocol,
+                    format!("expected hello_ack from prefill, got {other:?}"),
+                ))
+            }
+        };
+        // the peer must still be the process the bootstrap advertised, with a compatible layout
+        verify_peer(reg, &hello, local)?;
+        let link = Arc::new(PrefillLink {
+            registration: reg.clone(),
+            writer,
+            alive: AtomicBool::new(true),
+        });
+        {
+            let mut links = lock(&self.prefill_links);
+            // links to an older epoch of this instance, or dead ones, that no room
+            // uses any more (the map and the link's reader hold the only two
+            // references) are closed, so their sockets on both sides go away
+            links.retain(|(inst, ep), l| {
+                let stale = (*inst == key.0 && *ep < key.1) || !l.alive.load(Ordering::Acquire);
+                if stale && Arc::strong_count(l) <= 2 {
+                    l.writer.shutdown();
+                    return false;
+                }
+                true
+            });
+            links.insert(key, link.clone());
+        }
+        let w = Arc::downgrade(self);
+        let l2 = link.clone();
+        std::thread::Builder::new()
+            .name("pdxfer-ctl-d".into())
+            .spawn(move || decode_reader(w, l2, reader))?;
+        Ok(link)
+    }
+}
+
+/// Decode: status messages from one prefill rank.
+fn decode_reader(w: std::sync::Weak<Inner>, link: Arc<PrefillLink>, mut reader: CtlReader) {
+    loop {
+        let msg = reader.recv();
+        let Some(inner) = w.upgrade() else { return };
+        match msg {
+            Ok(Some(CtlMsg::Status {
+                room,
+                attempt,
+                ok,
+                prefill_rank,
+                bytes,
+                reason,
+                code,
+            })) => {
+                let mut d = lock(&inner.decode_rooms);
+                let Some(r) = d.get_mut(&room).filter(|r| r.attempt == attempt) else {
+                    continue;
+                };
+                if ok {
+                    r.responded.insert(prefill_rank);
+                    r.bytes += bytes;
+                    let done = r.responded.len() >= r.targets.len();
+                    drop(d);
+                    if done {
+                        lock(&inner.rooms).update(room, attempt, KvPoll::Success);
+                    } else {
+                        lock(&inner.rooms).update(room, attempt, KvPoll::Transferring);
+                    }
+                } else {
+                    drop(d);
+                    let st = code
+                        .and_then(Status::from_code)
+                        .unwrap_or(Status::RoomFailed);
+                    inner.fail_room(
+                        room,
+                        attempt,
+                        Error::new(
+                            st,
+                            format!(
+                                "prefill {} reported: {}",
+                                link.registration.describe(),
+                                reason.unwrap_or_default()
+                            ),
+                        ),
+                    );
+                }
+                inner.cv.notify_all();
+            }
+            Ok(Some(CtlMsg::AbortAck { room, attempt })) => {
+                let mut d = lock(&inner.decode_rooms);
+                if let Some(r) = d.get_mut(&room).filter(|r| r.attempt == attempt) {
+                    r.abort_acks += 1;
+                }
+                inner.cv.notify_all();
+            }
+            Ok(Some(_)) => {}
+            Ok(None) | Err(_) => {
+                link.alive.store(false, Ordering::Release);
+                let d = lock(&inner.decode_rooms);
+                let hit: Vec<(u64, u64)> = d
+                    .iter()
+                    .filter(|(_, r)| r.targets.iter().any(|t| Arc::ptr_eq(t, &link)))
+                    .map(|(id, r)| (*id, r.attempt))
+                    .collect();
+                drop(d);
+                for (room, a) in hit {
+                    if !lock(&inner.rooms)
+                        .get(room)
+                        .is_ok_and(|r| r.poll.is_terminal())
+                    {
+                        inner.fail_room(
+                            room,
+                            a,
+                            Error::new(
+                                Status::PeerUnreachable,
+                                format!(
+                                    "lost the control connection to prefill {}; it may have died",
+                                    link.registration.describe()
+                                ),
+                            ),
+                        );
+                    }
+                }
+                return;
+            }
+        }
+    }
+}

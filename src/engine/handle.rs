@@ -1,0 +1,305 @@
+//! [`Engine`]: one per rank. Joins the layout core (plans), the relayout
+//! (CPU gather into a registered staging buffer), the data plane (agent and
+//! transports) and the bootstrap (registration, peer lookup, handshake re-check)
+//! into prefill and decode engines with SGLang's room lifecycle.
+//!
+//! Threads: a control listener (prefill) and one reader per control
+//! connection; `workers` transfer threads on the prefill (a room always uses
+//! the same worker, so its chunks stay in order); a deadline thread. Every
+//! failure is kept on its room (reason + code), and one failing peer or room
+//! never stops the others: workers and readers catch errors and panics per job.
+
+use super::control::{CtlMsg, RegionMap};
+use super::decode::{DecodeRoom, PrefillLink};
+use super::prefill::{DecodeLink, MetaInfo, PrefillRoom};
+use super::room::{KvPoll, RoomTable};
+use super::worker::Job;
+use super::EngineConfig;
+use crate::bootstrap::client::Registrar;
+use crate::bootstrap::schema::{InstanceId, Registration, Role};
+use crate::bootstrap::store::Store;
+use crate::error::{Error, Result, Status};
+use crate::memory::RegionDesc;
+use crate::transport::{Agent, TransportKind};
+use crossbeam::channel::Sender;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+pub(super) struct Inner {
+    pub(super) cfg: EngineConfig,
+    pub(super) agent: Agent,
+    pub(super) store: Arc<dyn Store>,
+    pub(super) registrar: Mutex<Option<Registrar>>,
+    pub(super) rooms: Mutex<RoomTable>,
+    pub(super) cv: Condvar,
+    pub(super) pool_regions: Vec<RegionDesc>,
+    pub(super) aux_regions: Vec<RegionDesc>,
+    pub(super) state_regions: Vec<RegionDesc>,
+    pub(super) staging: Vec<(Vec<u8>, RegionDesc)>,
+    pub(super) closed: AtomicBool,
+    /// Device pools over rdma: why the zero-copy path is not used was logged.
+    pub(super) gpu_direct_logged: AtomicBool,
+    // prefill
+    pub(super) prefill_rooms: Mutex<HashMap<u64, PrefillRoom>>,
+    pub(super) pending_meta: Mutex<HashMap<u64, Vec<MetaInfo>>>,
+    pub(super) decode_links: Mutex<Vec<Arc<DecodeLink>>>,
+    pub(super) jobs: Vec<Sender<Job>>,
+    // decode
+    pub(super) decode_rooms: Mutex<HashMap<u64, DecodeRoom>>,
+    pub(super) prefill_links: Mutex<HashMap<(InstanceId, u64), Arc<PrefillLink>>>,
+}
+
+/// One rank's transfer engine.
+#[derive(Clone)]
+pub struct Engine {
+    pub(super) inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for Engine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Engine")
+            .field("role", &self.inner.cfg.role)
+            .field("cluster", &self.inner.cfg.cluster)
+            .finish()
+    }
+}
+
+pub(super) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+pub(super) fn catch<T>(what: &str, f: impl FnOnce() -> Result<T>) -> Result<T> {
+    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)) {
+        Ok(r) => r,
+        Err(_) => Err(Error::new(
+            Status::Panic,
+            format!("internal panic in {what}"),
+        )),
+    }
+}
+
+impl Engine {
+    /// This rank's current bootstrap entry (with its epoch).
+    pub fn registration(&self) -> Result<Registration> {
+        lock(&self.inner.registrar)
+            .as_ref()
+            .map(|r| r.registration())
+            .ok_or_else(|| Error::new(Status::EngineClosed, "engine is closed"))
+    }
+
+    /// The room's state (`Failed` for an unknown room, like SGLang).
+    pub fn poll(&self, room: u64) -> KvPoll {
+        lock(&self.inner.rooms)
+            .get(room)
+            .map_or(KvPoll::Failed, |r| r.poll)
+    }
+
+    /// Why the room failed (or why it is unknown).
+    pub fn failure(&self, room: u64) -> Option<Error> {
+        match lock(&self.inner.rooms).get(room) {
+            Ok(r) => r.failure.clone(),
+            Err(e) => Some(e),
+        }
+    }
+
+    /// Waits until the room is terminal or `timeout` passes; returns its state.
+    pub fn wait(&self, room: u64, timeout: Duration) -> KvPoll {
+        let end = Instant::now() + timeout;
+        let mut rooms = lock(&self.inner.rooms);
+        loop {
+            let p = rooms.get(room).map_or(KvPoll::Failed, |r| r.poll);
+            let now = Instant::now();
+            if p.is_terminal() || now >= end {
+                return p;
+            }
+            rooms = self
+                .inner
+                .cv
+                .wait_timeout(rooms, end - now)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+    }
+
+    /// Forgets a terminal room (refused while writes for it are in flight).
+    pub fn clear(&self, room: u64) -> Result<()> {
+        lock(&self.inner.rooms).clear(room)?;
+        lock(&self.inner.prefill_rooms).remove(&room);
+        lock(&self.inner.decode_rooms).remove(&room);
+        Ok(())
+    }
+
+    pub(super) fn create_room(&self, room: u64, timeout: Option<Duration>) -> Result<u64> {
+        let t = timeout.unwrap_or(self.inner.cfg.room_timeout);
+        lock(&self.inner.rooms).create(room, KvPoll::Bootstrapping, Some(t), Instant::now())
+    }
+
+    pub(super) fn require(&self, role: Role) -> Result<()> {
+        if self.inner.closed.load(Ordering::Acquire) {
+            return Err(Error::new(Status::EngineClosed, "engine is closed"));
+        }
+        if self.inner.cfg.role != role {
+            return Err(Error::new(
+                Status::Unsupported,
+                format!(
+                    "this is a {} engine; that call belongs to a {} engine",
+                    self.inner.cfg.role.as_str(),
+                    role.as_str()
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Sets the room's state rows, one per configured state buffer: on the
+    /// prefill the rows sent with the last chunk, on the decode the rows they
+    /// land in (call before `send_metadata`). Both sides must give one row per
+    /// state buffer; the rows follow the KV and aux, to every decode rank.
+    pub fn set_state_indices(&self, room: u64, rows: &[u64]) -> Result<()> {
+        if rows.len() != self.inner.cfg.state.len() {
+            return Err(Error::invalid(format!(
+                "room {room}: {} state rows given for {} state buffers",
+                rows.len(),
+                self.inner.cfg.state.len()
+            )));
+        }
+        for (i, (&row, b)) in rows.iter().zip(&self.inner.cfg.state).enumerate() {
+            if row >= b.count {
+                return Err(Error::new(
+                    Status::OutOfBounds,
+                    format!(
+                        "state row {row} of buffer {i} is outside its {} rows",
+                        b.count
+                    ),
+                ));
+            }
+        }
+        match self.inner.cfg.role {
+            Role::Prefill => {
+                let mut pr = lock(&self.inner.prefill_rooms);
+                let r = pr.get_mut(&room).ok_or_else(|| {
+                    Error::new(
+                        Status::UnknownRoom,
+                        format!("room {room}: call sender() first"),
+                    )
+                })?;
+                if r.queued_last {
+                    return Err(Error::invalid(format!(
+                        "room {room}: the last chunk was already queued; set state rows before it"
+                    )));
+                }
+                r.state_indices = rows.to_vec();
+            }
+            Role::Decode => {
+                let mut d = lock(&self.inner.decode_rooms);
+                let r = d.get_mut(&room).ok_or_else(|| {
+                    Error::new(
+                        Status::UnknownRoom,
+                        format!("room {room}: call receiver() first"),
+                    )
+                })?;
+                r.state_indices = rows.to_vec();
+            }
+        }
+        Ok(())
+    }
+
+    /// Aborts a room. On decode the prefill ranks are told and answer once no
+    /// write for the room can still land; [`is_fenced`](Self::is_fenced) says
+    /// when the pages may be reused. Returns whether it is fenced already.
+    pub fn abort(&self, room: u64) -> Result<bool> {
+        let attempt = lock(&self.inner.rooms).get(room)?.attempt;
+        let fenced = lock(&self.inner.rooms).abort(room, attempt)?;
+        self.inner.cv.notify_all();
+        if self.inner.cfg.role == Role::Decode {
+            let targets = lock(&self.inner.decode_rooms)
+                .get(&room)
+                .map(|r| r.targets.clone())
+                .unwrap_or_default();
+            for t in &targets {
+                let _ = t.writer.send(&CtlMsg::Abort { room, attempt });
+            }
+            return Ok(self.is_fenced(room));
+        }
+        Ok(fenced)
+    }
+
+    /// True when no write for an aborted room can still land in local memory
+    /// (decode: every live prefill rank acknowledged the abort; a dead one cannot write).
+    pub fn is_fenced(&self, room: u64) -> bool {
+        if self.inner.cfg.role == Role::Decode {
+            let d = lock(&self.inner.decode_rooms);
+            return d.get(&room).is_none_or(|r| {
+                r.abort_acks
+                    >= r.targets
+                        .iter()
+                        .filter(|t| t.alive.load(Ordering::Acquire))
+                        .count()
+            });
+        }
+        lock(&self.inner.rooms).is_fenced(room)
+    }
+
+    /// Bytes received for a decode room (from the prefill ranks' completion records).
+    pub fn room_bytes(&self, room: u64) -> u64 {
+        lock(&self.inner.decode_rooms)
+            .get(&room)
+            .map_or(0, |r| r.bytes)
+    }
+
+    /// The transport the data of this engine moves over (decode: as chosen by the prefill).
+    pub fn transport(&self) -> TransportKind {
+        self.inner.cfg.transport
+    }
+
+    /// Deregisters from the bootstrap and stops the threads.
+    pub fn close(&self) {
+        self.inner.closed.store(true, Ordering::Release);
+        if let Some(r) = lock(&self.inner.registrar).take() {
+            let _ = r.deregister();
+        }
+        for l in lock(&self.inner.decode_links).drain(..) {
+            l.writer.shutdown();
+            l.data.close();
+        }
+        for (_, l) in lock(&self.inner.prefill_links).drain() {
+            l.writer.shutdown();
+        }
+        self.inner.agent.shutdown();
+    }
+}
+
+impl Inner {
+    pub(super) fn region_map(&self) -> RegionMap {
+        RegionMap {
+            kv: self
+                .cfg
+                .pools
+                .iter()
+                .zip(&self.pool_regions)
+                .map(|(p, r)| (p.layer_id, r.id))
+                .collect(),
+            aux: self
+                .cfg
+                .aux
+                .iter()
+                .zip(&self.aux_regions)
+                .map(|(a, r)| (r.id, a.item_bytes))
+                .collect(),
+            state: self
+                .cfg
+                .state
+                .iter()
+                .zip(&self.state_regions)
+                .map(|(a, r)| (r.id, a.item_bytes))
+                .collect(),
+        }
+    }
+
+    pub(super) fn fail_room(&self, room: u64, attempt: u64, e: Error) {
+        lock(&self.rooms).fail(room, attempt, e);
+        self.cv.notify_all();
+    }
+}

@@ -1,0 +1,455 @@
+//! The prefill role: the decode ranks linked to this rank, rooms opened by
+//! `sender` and fed by `send`, the control listener and one connection per
+//! decode rank (handshake, metadata, aborts), and the final status sent back.
+
+use super::control::{CtlMsg, CtlReader, CtlWriter, RegionMap, CONTROL_VERSION};
+use super::handle::{catch, lock, Engine, Inner};
+use super::room::KvPoll;
+use super::worker::Job;
+use crate::bootstrap::peer::check_pair;
+use crate::bootstrap::schema::{PeerHello, Role};
+use crate::error::{Error, Result, Status};
+use crate::layout::prefill_unique_rank;
+use crate::transport::{ConnectOptions, Transport, TransportKind};
+use std::net::{TcpListener, TcpStream};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+
+/// A decode rank as the prefill engine sees it.
+pub(super) struct DecodeLink {
+    pub(super) hello: PeerHello,
+    pub(super) regions: RegionMap,
+    pub(super) writer: CtlWriter,
+    pub(super) data: Box<dyn Transport>,
+    pub(super) alive: AtomicBool,
+    /// Device pools: slices are written straight from the device staging
+    /// buffer (rdma with GPUDirect RDMA), not copied to the host first;
+    /// cleared for good when the NIC refuses device memory.
+    pub(super) zero_copy: AtomicBool,
+}
+
+/// What one decode rank asked for in one room.
+#[derive(Clone)]
+pub(super) struct MetaInfo {
+    pub(super) link: Arc<DecodeLink>,
+    pub(super) attempt: u64,
+    pub(super) dst_pages: Vec<u64>,
+    pub(super) prefix: u64,
+    pub(super) aux_index: u64,
+    pub(super) state_indices: Vec<u64>,
+    pub(super) required: u32,
+    pub(super) bytes: u64,
+    pub(super) arrived: Instant,
+}
+
+/// Prefill-side room data beyond the state machine.
+#[derive(Default)]
+pub(super) struct PrefillRoom {
+    pub(super) attempt: u64,
+    pub(super) infos: Vec<MetaInfo>,
+    pub(super) sent_positions: u64,
+    pub(super) queued_last: bool,
+    pub(super) abort_pending: Vec<(Arc<DecodeLink>, u64)>,
+    pub(super) state_indices: Vec<u64>,
+}
+
+impl Engine {
+    /// Prefill: opens room `room`; it becomes `WaitingForInput` once every
+    /// decode rank that targets this rank sent its metadata.
+    pub fn sender(&self, room: u64) -> Result<()> {
+        self.require(Role::Prefill)?;
+        let attempt = self.create_room(room, None)?;
+        // Take the parked metadata and publish the room under the prefill_rooms
+        // lock (add_meta parks under it too): otherwise a Meta arriving between
+        // the two steps is parked after the drain and the room never leaves
+        // Bootstrapping (found by the soak run).
+        let pending = {
+            let mut pr = lock(&self.inner.prefill_rooms);
+            let pending = lock(&self.inner.pending_meta)
+                .remove(&room)
+                .unwrap_or_default();
+            pr.insert(
+                room,
+                PrefillRoom {
+                    attempt,
+                    ..Default::default()
+                },
+            );
+            pending
+        };
+        for m in pending {
+            self.inner.add_meta(room, m);
+        }
+        Ok(())
+    }
+
+    /// Prefill: queues a chunk of the request: this rank's `pages` holding
+    /// `num_tokens` tokens (only the last page may be partial), in order (with
+    /// prefill DCP: this rank's local pages, `num_tokens` counting sequence
+    /// positions, `page_size * dcp_size` per page);
+    /// `last` marks the final chunk, after which the aux row `aux_index` follows.
+    pub fn send(
+        &self,
+        room: u64,
+        pages: &[u64],
+        num_tokens: u64,
+        last: bool,
+        aux_index: u64,
+    ) -> Result<()> {
+        self.require(Role::Prefill)?;
+        let attempt;
+        {
+            let rooms = lock(&self.inner.rooms);
+            let r = rooms.get(room)?;
+            if r.poll == KvPoll::Failed {
+                return Err(Error::new(
+                    Status::RoomFailed,
+                    format!(
+                        "room {room} failed: {}",
+                        r.failure.as_ref().map_or("", |e| e.detail())
+                    ),
+                ));
+            }
+            if r.poll < KvPoll::WaitingForInput {
+                return Err(Error::new(
+                    Status::InvalidArgument,
+                    format!(
+                        "room {room} is still {:?}: poll until WaitingForInput before sending",
+                        r.poll
+                    ),
+                ));
+            }
+            attempt = r.attempt;
+        }
+        // a page of this rank covers a virtual page of positions (P x its DCP size)
+        let vs = self.inner.cfg.topology.dcp_layout()?.virtual_page();
+        let cap = pages.len() as u64 * vs;
+        if num_tokens > cap {
+            return Err(Error::new(
+                Status::TokensExceedSource,
+                format!(
+                    "num_tokens={num_tokens} exceeds the {} pages given (capacity {cap} positions)",
+                    pages.len()
+                ),
+            ));
+        }
+        for (i, &pg) in pages.iter().enumerate() {
+            let limit = self.inner.cfg.pools.first().map_or(0, |x| x.num_pages);
+            if pg >= limit {
+                return Err(Error::new(
+                    Status::OutOfBounds,
+                    format!("pages[{i}] = {pg} is outside the prefill pool of {limit} pages"),
+                ));
+            }
+        }
+        let start = {
+            let mut pr = lock(&self.inner.prefill_rooms);
+            let r = pr
+                .get_mut(&room)
+                .ok_or_else(|| Error::new(Status::UnknownRoom, format!("room {room}")))?;
+            if r.queued_last {
+                return Err(Error::invalid(format!(
+                    "room {room}: the last chunk was already sent"
+                )));
+            }
+            if !last && num_tokens != cap {
+                return Err(Error::invalid(format!(
+                    "room {room}: only the last chunk may end in a partial page ({num_tokens} tokens in {} pages)",
+                    pages.len()
+                )));
+            }
+            let prefix = r.infos.first().map_or(0, |m| m.prefix);
+            let start = prefix + r.sent_positions;
+            r.sent_positions += pages.len() as u64 * vs;
+            r.queued_last = last;
+            (
+                start,
+                if last {
+                    r.state_indices.clone()
+                } else {
+                    Vec::new()
+                },
+            )
+        };
+        let (start, state_indices) = start;
+        let w = (room as usize) % self.inner.jobs.len().max(1);
+        self.inner.jobs[w]
+            .send(Job {
+                room,
+                attempt,
+                pages: pages.to_vec(),
+                start,
+                num_tokens,
+                last,
+                aux_index,
+                state_indices,
+            })
+            .map_err(|_| Error::new(Status::EngineClosed, "transfer workers stopped"))?;
+        lock(&self.inner.rooms).update(room, attempt, KvPoll::Transferring);
+        Ok(())
+    }
+}
+
+impl Inner {
+    /// Prefill: records one decode rank's metadata for a room.
+    fn add_meta(&self, room: u64, m: MetaInfo) {
+        let mut pr = lock(&self.prefill_rooms);
+        let Some(r) = pr.get_mut(&room) else {
+            // parked while prefill_rooms is held (lock order: prefill_rooms, then pending_meta)
+            lock(&self.pending_meta).entry(room).or_default().push(m);
+            return;
+        };
+        if let Some(first) = r.infos.first() {
+            if first.prefix != m.prefix {
+                let e = Error::invalid(format!(
+                    "room {room}: decode ranks disagree on decode_prefix_len ({} vs {})",
+                    first.prefix, m.prefix
+                ));
+                let a = r.attempt;
+                drop(pr);
+                self.fail_room(room, a, e);
+                return;
+            }
+        }
+        r.infos
+            .retain(|x| x.link.hello.instance_id != m.link.hello.instance_id);
+        r.infos.push(m);
+        let required = r.infos.iter().map(|x| x.required).max().unwrap_or(1) as usize;
+        let attempt = r.attempt;
+        if r.infos.len() >= required {
+            drop(pr);
+            lock(&self.rooms).update(room, attempt, KvPoll::WaitingForInput);
+            self.cv.notify_all();
+        }
+    }
+}
+
+pub(super) fn accept_loop(w: std::sync::Weak<Inner>, l: TcpListener) {
+    for s in l.incoming() {
+        let Some(inner) = w.upgrade() else { return };
+        if inner.closed.load(Ordering::Acquire) {
+            return;
+        }
+        let Ok(s) = s else { continue };
+        let w2 = Arc::downgrade(&inner);
+        let _ = std::thread::Builder::new()
+            .name("pdxfer-ctl-p".into())
+            .spawn(move || prefill_conn(w2, s));
+    }
+}
+
+/// The answer to a Hello that cannot be accepted.
+fn refusal(e: &Error) -> CtlMsg {
+    CtlMsg::Status {
+        room: 0,
+        attempt: 0,
+        ok: false,
+        prefill_rank: 0,
+        bytes: 0,
+        reason: Some(e.detail().to_string()),
+        code: Some(e.status() as i32),
+    }
+}
+
+/// Prefill: one decode rank's control connection.
+fn prefill_conn(w: std::sync::Weak<Inner>, s: TcpStream) {
+    let _ = s.set_nodelay(true);
+    let (Ok(ws), Ok(rs)) = (s.try_clone(), s.try_clone()) else {
+        return;
+    };
+    let writer = CtlWriter::new(ws);
+    let mut reader = CtlReader::new(rs);
+    let (version, hello, data_addr, regions) = match reader.recv() {
+        Ok(Some(CtlMsg::Hello {
+            version,
+            hello,
+            data_addr,
+            regions,
+        })) => (version, hello, data_addr, regions),
+        Ok(None) => return,
+        Ok(Some(other)) => {
+            let _ = writer.send(&refusal(&Error::new(
+                Status::Protocol,
+                format!("expected hello first, got {other:?}"),
+            )));
+            return;
+        }
+        Err(e) => {
+            let _ = writer.send(&refusal(&e));
+            return;
+        }
+    };
+    let Some(inner) = w.upgrade() else { return };
+    let setup = catch("control handshake", || {
+        if version != CONTROL_VERSION {
+            return Err(Error::new(
+                Status::Protocol,
+                format!("control protocol {version}, this build {CONTROL_VERSION}"),
+            ));
+        }
+        let local = lock(&inner.registrar)
+            .as_ref()
+            .map(|r| r.registration())
+            .ok_or_else(|| Error::new(Status::EngineClosed, "closing"))?;
+        let mut peer = local.clone();
+        peer.role = Role::Decode;
+        peer.topology = hello.topology.clone();
+        peer.instance_id = hello.instance_id;
+        peer.epoch = hello.epoch;
+        peer.registered_at_ms = hello.registered_at_ms;
+        check_pair(&local, &peer)?;
+        Ok(local)
+    });
+    let local = match setup {
+        Ok(l) => l,
+        Err(e) => {
+            let _ = writer.send(&refusal(&e));
+            return;
+        }
+    };
+    let data = match inner.agent.connect(
+        &data_addr,
+        &ConnectOptions {
+            transport: inner.cfg.transport,
+            ..Default::default()
+        },
+    ) {
+        Ok(d) => d,
+        Err(e) => {
+            let _ = writer.send(&refusal(&e));
+            return;
+        }
+    };
+    if data.kind() == TransportKind::Cma
+        && data
+            .remote_regions()
+            .iter()
+            .any(|r| matches!(r.kind, crate::memory::RegionKind::Device { .. }))
+    {
+        data.close();
+        let _ = writer.send(&refusal(&Error::new(
+            Status::Unsupported,
+            format!(
+                "decode {} has KV pools in CUDA device memory, which cma (process_vm_writev) cannot write; use tcp, rdma or auto on the prefill",
+                hello.instance_id
+            ),
+        )));
+        return;
+    }
+    let zero_copy = inner.zero_copy_for(&*data, hello.instance_id);
+    let link = Arc::new(DecodeLink {
+        hello,
+        regions,
+        writer,
+        data,
+        alive: AtomicBool::new(true),
+        zero_copy: AtomicBool::new(zero_copy),
+    });
+    if link
+        .writer
+        .send(&CtlMsg::HelloAck {
+            version: CONTROL_VERSION,
+            hello: PeerHello::from(&local),
+        })
+        .is_err()
+    {
+        return;
+    }
+    lock(&inner.decode_links).push(link.clone());
+    drop(inner);
+    loop {
+        let msg = reader.recv();
+        let Some(inner) = w.upgrade() else { return };
+        match msg {
+            Ok(Some(CtlMsg::Meta {
+                room,
+                attempt,
+                dst_pages,
+                decode_prefix_len,
+                aux_index,
+                state_indices,
+                required_dst_info_num,
+                ..
+            })) => {
+                inner.add_meta(
+                    room,
+                    MetaInfo {
+                        link: link.clone(),
+                        attempt,
+                        dst_pages,
+                        prefix: decode_prefix_len,
+                        aux_index,
+                        state_indices,
+                        required: required_dst_info_num,
+                        bytes: 0,
+                        arrived: Instant::now(),
+                    },
+                );
+            }
+            Ok(Some(CtlMsg::Abort { room, attempt })) if lock(&inner.rooms).get(room).is_ok() => {
+                let local_attempt = lock(&inner.rooms).get(room).map(|r| r.attempt).unwrap_or(0);
+                let fenced = lock(&inner.rooms)
+                    .abort(room, local_attempt)
+                    .unwrap_or(true);
+                inner.cv.notify_all();
+                if fenced {
+                    let _ = link.writer.send(&CtlMsg::AbortAck { room, attempt });
+                } else if let Some(r) = lock(&inner.prefill_rooms).get_mut(&room) {
+                    r.abort_pending.push((link.clone(), attempt));
+                }
+            }
+            Ok(Some(CtlMsg::Abort { room, attempt })) => {
+                let _ = link.writer.send(&CtlMsg::AbortAck { room, attempt });
+            }
+            Ok(Some(_)) => {}
+            Ok(None) | Err(_) => {
+                link.alive.store(false, Ordering::Release);
+                link.data.close();
+                // rooms waiting on this decode rank fail; others go on
+                let pr = lock(&inner.prefill_rooms);
+                let hit: Vec<(u64, u64)> = pr
+                    .iter()
+                    .filter(|(_, r)| r.infos.iter().any(|m| Arc::ptr_eq(&m.link, &link)))
+                    .map(|(id, r)| (*id, r.attempt))
+                    .collect();
+                drop(pr);
+                for (room, a) in hit {
+                    inner.fail_room(
+                        room,
+                        a,
+                        Error::new(
+                            Status::PeerUnreachable,
+                            format!(
+                                "decode rank instance {} (dcp_rank {}) disconnected",
+                                link.hello.instance_id, link.hello.topology.dcp_rank
+                            ),
+                        ),
+                    );
+                }
+                lock(&inner.decode_links).retain(|l| !Arc::ptr_eq(l, &link));
+                return;
+            }
+        }
+    }
+}
+
+/// Prefill: sends the room's final status to every decode rank of the room.
+pub(super) fn notify_decode(inner: &Inner, room: u64, ok: bool, err: Option<Error>) {
+    let infos = lock(&inner.prefill_rooms)
+        .get(&room)
+        .map(|r| r.infos.clone())
+        .unwrap_or_default();
+    let rank = prefill_unique_rank(&inner.cfg.topology);
+    for m in infos {
+        let _ = m.link.writer.send(&CtlMsg::Status {
+            room,
+            attempt: m.attempt,
+            ok,
+            prefill_rank: rank,
+            bytes: m.bytes,
+            reason: err.as_ref().map(|e| e.detail().to_string()),
+            code: err.as_ref().map(|e| e.status() as i32),
+        });
+    }
+}

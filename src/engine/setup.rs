@@ -1,0 +1,268 @@
+//! Creating an [`Engine`]: the pools checked against the topology, the
+//! memory registered with the agent, the threads started and the rank
+//! registered with the bootstrap.
+
+use super::deadline::deadline_loop;
+use super::device::DeviceStage;
+use super::handle::{lock, Engine, Inner};
+use super::prefill::accept_loop;
+use super::room::RoomTable;
+use super::worker::worker_loop;
+use super::EngineConfig;
+use crate::bootstrap::client::Registrar;
+use crate::bootstrap::schema::{InstanceId, RegionDescriptor, Registration, Role};
+use crate::error::{Error, Result, Status};
+use crate::memory::RegionDesc;
+use crate::transport::{Agent, AgentOptions, TransportKind};
+use crossbeam::channel::unbounded;
+use std::collections::HashMap;
+use std::net::TcpListener;
+use std::sync::atomic::AtomicBool;
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::Duration;
+
+impl Engine {
+    /// Creates the engine: registers the pools, starts the agent and threads,
+    /// and registers the rank with the bootstrap.
+    ///
+    /// # Safety
+    /// Every pool and aux buffer must be valid, writable host memory of the
+    /// given size for the engine's whole life (peers write into decode pools,
+    /// the prefill reads its pools); with `pool_device`, the pools are device
+    /// memory of that device instead (checked against the driver), and the
+    /// rows of a chunk must be written (the forward pass finished) before
+    /// `send` queues it: the GPU gather runs on the engine's own stream.
+    pub unsafe fn new(cfg: EngineConfig) -> Result<Engine> {
+        cfg.topology.validate(cfg.role.as_str())?;
+        if cfg.pools.len() != cfg.topology.entries.len() {
+            return Err(Error::new(
+                Status::GeometryMismatch,
+                format!(
+                    "{} pools for {} topology entries",
+                    cfg.pools.len(),
+                    cfg.topology.entries.len()
+                ),
+            ));
+        }
+        let p = u64::from(cfg.topology.page_size);
+        for (i, (pool, e)) in cfg.pools.iter().zip(&cfg.topology.entries).enumerate() {
+            if pool.layer_id != e.layer_id || pool.page_bytes != e.row_bytes * p {
+                return Err(Error::new(
+                    Status::GeometryMismatch,
+                    format!(
+                        "pool {i} (layer {}, {} B pages) does not match topology entry (layer {}, {} B rows x page {p})",
+                        pool.layer_id, pool.page_bytes, e.layer_id, e.row_bytes
+                    ),
+                ));
+            }
+        }
+        if let Some(ordinal) = cfg.pool_device {
+            super::device::preflight(&cfg, ordinal)?;
+        }
+        let agent = Agent::new(&AgentOptions {
+            listen: (cfg.role == Role::Decode).then(|| format!("{}:0", cfg.host)),
+            stall: Duration::ZERO,
+            nic: cfg.nic.clone(),
+            ..Default::default()
+        })?;
+        if cfg.transport == TransportKind::Rdma {
+            // Without a usable NIC: the typed `no_rdma_device` naming the reason.
+            let nics = agent.rdma_nics()?;
+            log::info!("engine: transport rdma over {nics}");
+            if cfg.role == Role::Decode && cfg.pool_device.is_some() {
+                // Peers write the decode's device pools straight through the NIC.
+                agent.rdma_gpu_direct().map_err(|e| {
+                    Error::new(
+                        Status::NoGpuDirect,
+                        format!(
+                            "decode KV pools in device memory over rdma need GPUDirect RDMA, which {nics} cannot do: {}; use transport tcp (the receiver copies into device memory) or auto",
+                            e.detail()
+                        ),
+                    )
+                })?;
+            }
+        }
+        let store = crate::bootstrap::open_store(&cfg.bootstrap, cfg.token.as_deref())?;
+        let reg = agent.registry();
+        let workers = if cfg.role == Role::Prefill {
+            cfg.workers.max(1)
+        } else {
+            0
+        };
+        let mut pool_spans = Vec::new();
+        for pool in &cfg.pools {
+            let len = pool
+                .page_bytes
+                .checked_mul(pool.num_pages)
+                .ok_or_else(|| Error::invalid("pool size overflows"))?;
+            pool_spans.push((pool.base, len));
+        }
+        // device pools: one GPU stage per worker (checks the pools first)
+        let mut stages = match cfg.pool_device {
+            Some(ordinal) => {
+                DeviceStage::open(ordinal, cfg.staging_bytes, &pool_spans, reg, workers)?
+            }
+            None => Vec::new(),
+        };
+        // decode device pools: the tcp receiver copies into them through this writer
+        let decode_writer = match (cfg.role, cfg.pool_device) {
+            (Role::Decode, Some(ordinal)) => {
+                Some(super::device::decode_writer(ordinal, &pool_spans)?)
+            }
+            _ => None,
+        };
+        let mut pool_regions = Vec::new();
+        for &(base, len) in &pool_spans {
+            pool_regions.push(match (cfg.pool_device, &decode_writer) {
+                // SAFETY: the caller guarantees the pool memory is valid for the engine's life (function contract).
+                (Some(ordinal), Some(w)) => unsafe {
+                    reg.register_device_with(base, len as usize, ordinal, w.clone())?
+                },
+                // SAFETY: as above.
+                (Some(ordinal), None) => unsafe {
+                    reg.register_device(base, len as usize, ordinal)?
+                },
+                // SAFETY: as above.
+                (None, _) => unsafe { reg.register_host(base as *mut u8, len as usize)? },
+            });
+        }
+        let mut aux_regions = Vec::new();
+        for a in &cfg.aux {
+            let len = a
+                .item_bytes
+                .checked_mul(a.count)
+                .ok_or_else(|| Error::invalid("aux size overflows"))?;
+            // SAFETY: as above, the caller guarantees the aux memory.
+            aux_regions.push(unsafe { reg.register_host(a.base as *mut u8, len as usize)? });
+        }
+        let mut state_regions = Vec::new();
+        for a in &cfg.state {
+            let len = a
+                .item_bytes
+                .checked_mul(a.count)
+                .ok_or_else(|| Error::invalid("state buffer size overflows"))?;
+            // SAFETY: as above, the caller guarantees the state memory (function contract).
+            state_regions.push(unsafe { reg.register_host(a.base as *mut u8, len as usize)? });
+        }
+        let mut staging = Vec::new();
+        for _ in 0..workers {
+            if cfg.staging_bytes == 0 || cfg.pool_device.is_some() {
+                break;
+            }
+            let mut buf = vec![0u8; cfg.staging_bytes as usize];
+            // SAFETY: the buffer is owned by the engine and unregistered (registry dropped) before it is freed.
+            let desc = unsafe { reg.register_host(buf.as_mut_ptr(), buf.len())? };
+            staging.push((buf, desc));
+        }
+        if cfg.transport == TransportKind::Rdma {
+            // Register the pools with the NICs now, not inside the first handshake.
+            let t0 = std::time::Instant::now();
+            agent.rdma_register_all()?;
+            log::info!(
+                "engine: registered {} region(s) with the RDMA NICs in {:?}",
+                agent.registry().descriptors().len(),
+                t0.elapsed()
+            );
+        }
+        let mut txs = Vec::new();
+        let mut rxs = Vec::new();
+        for _ in 0..workers {
+            let (t, r) = unbounded();
+            txs.push(t);
+            rxs.push(r);
+        }
+        let inner = Arc::new(Inner {
+            cfg,
+            agent,
+            store,
+            registrar: Mutex::new(None),
+            rooms: Mutex::new(RoomTable::new()),
+            cv: Condvar::new(),
+            pool_regions,
+            aux_regions,
+            state_regions,
+            staging,
+            closed: AtomicBool::new(false),
+            gpu_direct_logged: AtomicBool::new(false),
+            prefill_rooms: Mutex::new(HashMap::new()),
+            pending_meta: Mutex::new(HashMap::new()),
+            decode_links: Mutex::new(Vec::new()),
+            jobs: txs,
+            decode_rooms: Mutex::new(HashMap::new()),
+            prefill_links: Mutex::new(HashMap::new()),
+        });
+        let mut endpoints = std::collections::BTreeMap::new();
+        let mut listener = None;
+        if inner.cfg.role == Role::Prefill {
+            let l = TcpListener::bind(format!("{}:0", inner.cfg.host))?;
+            endpoints.insert("ctl".to_string(), l.local_addr()?.to_string());
+            // accepted only once the registration is stored (below); peers wait in the backlog
+            listener = Some(l);
+            for (i, rx) in rxs.into_iter().enumerate() {
+                let w = Arc::downgrade(&inner);
+                // the worker owns its GPU stage (device pools) for its whole life
+                let stage = (!stages.is_empty()).then(|| stages.remove(0));
+                std::thread::Builder::new()
+                    .name(format!("pdxfer-worker-{i}"))
+                    .spawn(move || worker_loop(w, i, rx, stage))?;
+            }
+        } else if let Some(a) = inner.agent.local_addr() {
+            endpoints.insert("data".to_string(), a.to_string());
+        }
+        let w = Arc::downgrade(&inner);
+        std::thread::Builder::new()
+            .name("pdxfer-deadlines".into())
+            .spawn(move || deadline_loop(w))?;
+
+        let mut registration = Registration::new(
+            &inner.cfg.cluster,
+            inner.cfg.role,
+            InstanceId::random()?,
+            inner.cfg.topology.clone(),
+        );
+        registration.dp_size = inner.cfg.dp_size;
+        registration.dp_rank = inner.cfg.dp_rank;
+        registration.endpoints = endpoints;
+        registration.regions = inner
+            .pool_regions
+            .iter()
+            .zip(&inner.cfg.pools)
+            .map(|(r, p)| {
+                let mut d = region_descriptor(r, "kv", Some(p.layer_id));
+                if let Some(o) = inner.cfg.pool_device {
+                    d.keys.insert("memory".to_string(), format!("cuda:{o}"));
+                }
+                d
+            })
+            .chain(
+                inner
+                    .aux_regions
+                    .iter()
+                    .map(|r| region_descriptor(r, "aux", None)),
+            )
+            .collect();
+        let registrar = Registrar::start(inner.store.clone(), registration, inner.cfg.lease_ttl)?;
+        *lock(&inner.registrar) = Some(registrar);
+        if let Some(l) = listener {
+            let w = Arc::downgrade(&inner);
+            std::thread::Builder::new()
+                .name("pdxfer-ctl".into())
+                .spawn(move || accept_loop(w, l))?;
+        }
+        Ok(Engine { inner })
+    }
+}
+
+fn region_descriptor(r: &RegionDesc, kind: &str, layer: Option<u32>) -> RegionDescriptor {
+    let mut keys = std::collections::BTreeMap::new();
+    if let Some(l) = layer {
+        keys.insert("layer".to_string(), l.to_string());
+    }
+    RegionDescriptor {
+        id: r.id,
+        addr: r.addr,
+        len: r.len,
+        kind: kind.to_string(),
+        keys,
+    }
+}

@@ -1,0 +1,190 @@
+//! The host staging path of a prefill worker: a pair's rows written
+//! straight from the pools, or gathered on the CPU into the worker's
+//! registered staging buffer slice by slice and written from there.
+
+use super::flight::Flight;
+use super::handle::Inner;
+use super::prefill::DecodeLink;
+use crate::error::{Error, Result, Status};
+use crate::layout::plan::RunMerger;
+use crate::layout::{PackLayout, PairRequest, Run};
+use crate::transport::WriteOp;
+use std::sync::Arc;
+
+/// Slots a worker's host staging buffer is cut into (fewer when a slot
+/// would not hold one token): two halves, one gathered into while the other
+/// is on the wire (four measured no faster on the demo).
+const STAGING_SLOTS: u64 = 2;
+
+/// Submits one pair's tokens of a chunk into `flight`: packed through the
+/// worker's host staging buffer when that makes fewer writes, else straight
+/// from the pool. The staging is used as [`STAGING_SLOTS`] slots: each slice
+/// is gathered into the next slot, waited free first, while the batches of
+/// the others are on the wire.
+pub(super) fn write_pair(
+    inner: &Inner,
+    idx: usize,
+    req: &PairRequest<'_>,
+    row_bytes: &[u64],
+    dst_regions: &[u64],
+    link: &Arc<DecodeLink>,
+    flight: &mut Flight<'_>,
+) -> Result<u64> {
+    let tokens = req.token_count();
+    if tokens == 0 {
+        return Ok(0);
+    }
+    let token_bytes: u64 = row_bytes.iter().sum();
+    // one walk counts the writes both ways: unpacked runs (pool rows) and
+    // packed runs (consecutive staging indices)
+    let (mut unpacked, mut packed) = (0u64, 0u64);
+    let (mut mu, mut mp) = (RunMerger::default(), RunMerger::default());
+    let mut next = 0u64;
+    req.for_each_segment(|seg| {
+        mu.push(seg.src_row, seg.dst_row, seg.len, &mut |_| unpacked += 1);
+        mp.push(next, seg.dst_row, seg.len, &mut |_| packed += 1);
+        next += seg.len;
+    })?;
+    mu.finish(&mut |_| unpacked += 1);
+    mp.finish(&mut |_| packed += 1);
+    let staging = inner.staging.get(idx);
+    let (slots, slot_bytes) = staging.map_or((1, 0), |(b, _)| {
+        let len = b.len() as u64;
+        let n = (len / token_bytes.max(1)).clamp(1, STAGING_SLOTS);
+        (n as usize, len / n)
+    });
+    let cap_tokens = slot_bytes / token_bytes.max(1);
+    if staging.is_none() || packed * 2 > unpacked || cap_tokens == 0 {
+        let mut ops = Vec::new();
+        req.for_each_run(false, |r| {
+            for (e, &rb) in row_bytes.iter().enumerate() {
+                ops.push(WriteOp {
+                    local_region: inner.pool_regions[e].id,
+                    local_offset: r.src * rb,
+                    remote_region: dst_regions[e],
+                    remote_offset: r.dst * rb,
+                    len: r.len * rb,
+                });
+            }
+        })?;
+        flight.submit(link, &ops, None)?;
+        return Ok(tokens * token_bytes);
+    }
+    let (buf, desc) = staging.expect("checked above");
+    // SAFETY: pool memory is valid for the engine's life (Engine::new contract); read-only here.
+    let pools: Vec<&[u8]> = inner
+        .pool_regions
+        .iter()
+        .map(|r| unsafe { std::slice::from_raw_parts(r.addr as *const u8, r.len as usize) })
+        .collect();
+    for sub in slice_requests(req, cap_tokens)? {
+        let n = sub.token_count();
+        let pack = PackLayout::new(n, row_bytes)?;
+        let mut spans = Vec::new();
+        let mut next = 0u64;
+        let mut m = RunMerger::default();
+        sub.for_each_segment(|seg| {
+            m.push(seg.src_row, next, seg.len, &mut |r: Run| spans.push(r));
+            next += seg.len;
+        })?;
+        m.finish(&mut |r: Run| spans.push(r));
+        let slot = flight.next_slot(slots)?;
+        let offset = slot as u64 * slot_bytes;
+        // SAFETY: this worker is the only user of its staging buffer, and every
+        // batch reading this slot completed (next_slot); the slot's
+        // `slot_bytes` hold the pack (`cap_tokens` tokens at most) and lie in the buffer.
+        let out = unsafe {
+            std::slice::from_raw_parts_mut(
+                buf.as_ptr().add(offset as usize) as *mut u8,
+                pack.total_bytes as usize,
+            )
+        };
+        crate::relayout::cpu::gather(&pools, row_bytes, &spans, &pack, out)?;
+        let ops = staged_ops(
+            &sub,
+            row_bytes,
+            dst_regions,
+            desc.id,
+            offset,
+            &pack.entry_offsets,
+        )?;
+        flight.submit(link, &ops, Some(slot))?;
+    }
+    Ok(tokens * token_bytes)
+}
+
+/// The chunk's pair cut into consecutive sub-requests of at most
+/// `cap_tokens` pair tokens each (one staging slice each); sub-requests
+/// without tokens of the pair are left out.
+pub(super) fn slice_requests<'a>(
+    req: &PairRequest<'a>,
+    cap_tokens: u64,
+) -> Result<Vec<PairRequest<'a>>> {
+    if cap_tokens == 0 {
+        return Err(Error::new(
+            Status::Relayout,
+            "the staging buffer cannot hold one token",
+        ));
+    }
+    let mut out = Vec::new();
+    let end = req.start + req.num_tokens;
+    let mut s = req.start;
+    while s < end {
+        let (mut lo, mut hi) = (s + 1, end);
+        let count = |e: u64| {
+            PairRequest {
+                start: s,
+                num_tokens: e - s,
+                ..*req
+            }
+            .token_count()
+        };
+        if count(hi) > cap_tokens {
+            while lo < hi {
+                let mid = lo + (hi - lo).div_ceil(2);
+                if count(mid) <= cap_tokens {
+                    lo = mid
+                } else {
+                    hi = mid - 1
+                }
+            }
+        } else {
+            lo = hi;
+        }
+        let sub = PairRequest {
+            start: s,
+            num_tokens: lo - s,
+            ..*req
+        };
+        if sub.token_count() > 0 {
+            out.push(sub);
+        }
+        s = lo;
+    }
+    Ok(out)
+}
+
+/// Writes of one staged slice: packed rows (entry-major at `entry_offsets`
+/// from `offset` in staging region `region`) to the decode rank's pool rows.
+pub(super) fn staged_ops(
+    sub: &PairRequest<'_>,
+    row_bytes: &[u64],
+    dst_regions: &[u64],
+    region: u64,
+    offset: u64,
+    entry_offsets: &[u64],
+) -> Result<Vec<WriteOp>> {
+    let mut ops = Vec::new();
+    sub.for_each_run(true, |r| {
+        for (e, &rb) in row_bytes.iter().enumerate() {
+            ops.push(WriteOp {
+                local_region: region,
+                local_offset: offset + entry_offsets[e] + r.src * rb,
+                remote_region: dst_regions[e],
+                remote_offset: r.dst * rb,
+                len: r.len * rb,
+            });
+        }
+    })?;
+    Ok(ops)
+}

@@ -1,0 +1,249 @@
+//! The prefill's transfer workers: each moves its rooms' chunks in order to
+//! every decode rank of the room (aux and state rows after the last chunk),
+//! and reports the room's outcome.
+
+use super::control::CtlMsg;
+use super::device::{write_pair_device, DeviceStage};
+use super::flight::Flight;
+use super::handle::{catch, lock, Inner};
+use super::prefill::{notify_decode, MetaInfo};
+use super::room::KvPoll;
+use super::staging::write_pair;
+use crate::error::{Error, Result, Status};
+use crate::layout::{DcpLayout, PairRequest, Side};
+use crate::transport::{BatchOptions, WriteOp};
+use crossbeam::channel::Receiver;
+use std::sync::atomic::Ordering;
+
+pub(super) struct Job {
+    pub(super) room: u64,
+    pub(super) attempt: u64,
+    pub(super) pages: Vec<u64>,
+    pub(super) start: u64,
+    pub(super) num_tokens: u64,
+    pub(super) last: bool,
+    pub(super) aux_index: u64,
+    pub(super) state_indices: Vec<u64>,
+}
+
+pub(super) fn worker_loop(
+    w: std::sync::Weak<Inner>,
+    idx: usize,
+    rx: Receiver<Job>,
+    mut stage: Option<DeviceStage>,
+) {
+    while let Ok(job) = rx.recv() {
+        let Some(inner) = w.upgrade() else { return };
+        let (room, attempt, last) = (job.room, job.attempt, job.last);
+        let r = catch("transfer worker", || {
+            run_job(&inner, idx, &job, stage.as_mut())
+        });
+        match r {
+            Ok(()) if last => {
+                if lock(&inner.rooms)
+                    .get(room)
+                    .is_ok_and(|r| r.attempt == attempt && r.poll != KvPoll::Failed)
+                {
+                    notify_decode(&inner, room, true, None);
+                    lock(&inner.rooms).update(room, attempt, KvPoll::Success);
+                }
+            }
+            Ok(()) => {}
+            Err(e) => {
+                inner.fail_room(room, attempt, e.clone());
+                notify_decode(&inner, room, false, Some(e));
+            }
+        }
+        // answer aborts that waited for in-flight writes
+        if lock(&inner.rooms).is_fenced(room) {
+            let pending = lock(&inner.prefill_rooms)
+                .get_mut(&room)
+                .map(|r| std::mem::take(&mut r.abort_pending))
+                .unwrap_or_default();
+            for (l, a) in pending {
+                let _ = l.writer.send(&CtlMsg::AbortAck { room, attempt: a });
+            }
+        }
+        inner.cv.notify_all();
+    }
+}
+
+/// Moves one chunk to every decode rank of the room (and aux and state on
+/// the last chunk): the batches of all decode ranks are in flight together
+/// (a [`Flight`]), and the chunk is done once every one of them completed.
+fn run_job(inner: &Inner, idx: usize, job: &Job, stage: Option<&mut DeviceStage>) -> Result<()> {
+    let opts = BatchOptions {
+        timeout: inner.cfg.batch_timeout,
+        checksum: false,
+        room: job.room,
+        epoch: job.attempt,
+    };
+    let mut flight = Flight::new(inner, opts);
+    let sent = send_chunk(inner, idx, job, stage, &mut flight);
+    // every batch completes (or fails) before the chunk ends, error or not:
+    // the room's in-flight count falls back and the staging is free again
+    let drained = flight.drain();
+    let bytes = sent?;
+    drained?;
+    if let Some(r) = lock(&inner.prefill_rooms).get_mut(&job.room) {
+        for (x, b) in r.infos.iter_mut().zip(bytes) {
+            x.bytes += b;
+        }
+    }
+    Ok(())
+}
+
+/// Submits one chunk's batches to every decode rank of the room into
+/// `flight`; returns the KV bytes for each decode rank (in `infos` order),
+/// counted once the flight drained without error.
+fn send_chunk(
+    inner: &Inner,
+    idx: usize,
+    job: &Job,
+    mut stage: Option<&mut DeviceStage>,
+    flight: &mut Flight<'_>,
+) -> Result<Vec<u64>> {
+    let infos = lock(&inner.prefill_rooms)
+        .get(&job.room)
+        .map(|r| r.infos.clone())
+        .unwrap_or_default();
+    if infos.is_empty() {
+        return Err(Error::new(
+            Status::UnknownRoom,
+            format!("room {}: no decode metadata", job.room),
+        ));
+    }
+    let topo = &inner.cfg.topology;
+    let src_l = topo.dcp_layout()?;
+    let row_bytes: Vec<u64> = topo.entries.iter().map(|e| e.row_bytes).collect();
+    let opts = flight.opts;
+    let mut sent = Vec::with_capacity(infos.len());
+    for m in &infos {
+        if !m.link.alive.load(Ordering::Acquire) {
+            return Err(Error::new(
+                Status::PeerUnreachable,
+                format!("decode rank instance {} is gone", m.link.hello.instance_id),
+            ));
+        }
+        let dt = &m.link.hello.topology;
+        let dst_l = DcpLayout::new(
+            u64::from(dt.page_size),
+            u64::from(dt.dcp_size),
+            u64::from(dt.dcp_interleave),
+        )?;
+        let req = PairRequest {
+            src: Side {
+                layout: src_l,
+                rank: u64::from(topo.dcp_rank),
+                pages: &job.pages,
+                origin: job.start,
+            },
+            dst: Side {
+                layout: dst_l,
+                rank: u64::from(dt.dcp_rank),
+                pages: &m.dst_pages,
+                origin: m.prefix,
+            },
+            start: job.start,
+            num_tokens: job.num_tokens,
+        };
+        req.validate()?;
+        let dst_regions: Vec<u64> = topo
+            .entries
+            .iter()
+            .map(|e| {
+                m.link.regions.kv_region(e.layer_id).ok_or_else(|| {
+                    Error::new(
+                        Status::GeometryMismatch,
+                        format!("decode rank has no KV region for layer {}", e.layer_id),
+                    )
+                })
+            })
+            .collect::<Result<_>>()?;
+        let bytes = match stage.as_deref_mut() {
+            Some(st) => {
+                write_pair_device(inner, st, &req, &row_bytes, &dst_regions, &m.link, &opts)?
+            }
+            None => write_pair(inner, idx, &req, &row_bytes, &dst_regions, &m.link, flight)?,
+        };
+        sent.push(bytes);
+        if job.last && !inner.cfg.aux.is_empty() {
+            let mut ops = Vec::new();
+            for (i, (a, r)) in inner.cfg.aux.iter().zip(&inner.aux_regions).enumerate() {
+                let (dr, ditem) = *m.link.regions.aux.get(i).ok_or_else(|| {
+                    Error::new(
+                        Status::GeometryMismatch,
+                        format!(
+                            "decode rank has {} aux buffers, prefill {}",
+                            m.link.regions.aux.len(),
+                            inner.cfg.aux.len()
+                        ),
+                    )
+                })?;
+                if ditem != a.item_bytes {
+                    return Err(Error::new(
+                        Status::GeometryMismatch,
+                        format!(
+                            "aux buffer {i}: prefill rows are {} B, decode rows {ditem} B",
+                            a.item_bytes
+                        ),
+                    ));
+                }
+                ops.push(WriteOp {
+                    local_region: r.id,
+                    local_offset: job.aux_index * a.item_bytes,
+                    remote_region: dr,
+                    remote_offset: m.aux_index * ditem,
+                    len: a.item_bytes,
+                });
+            }
+            flight.submit(&m.link, &ops, None)?;
+        }
+        // a request without state rows on either side moves no state
+        if job.last && !(job.state_indices.is_empty() && m.state_indices.is_empty()) {
+            let ops = state_ops(inner, job, m)?;
+            flight.submit(&m.link, &ops, None)?;
+        }
+    }
+    Ok(sent)
+}
+
+/// The state rows of the room's last chunk, whole, to one decode rank.
+fn state_ops(inner: &Inner, job: &Job, m: &MetaInfo) -> Result<Vec<WriteOp>> {
+    let n = inner.cfg.state.len();
+    if job.state_indices.len() != n || m.state_indices.len() != n || m.link.regions.state.len() != n
+    {
+        return Err(Error::new(
+            Status::GeometryMismatch,
+            format!(
+                "room {}: state rows: prefill has {n} state buffers and gave {} rows; decode instance {} has {} buffers and gave {} rows",
+                job.room,
+                job.state_indices.len(),
+                m.link.hello.instance_id,
+                m.link.regions.state.len(),
+                m.state_indices.len()
+            ),
+        ));
+    }
+    let mut ops = Vec::with_capacity(n);
+    for (i, (b, r)) in inner.cfg.state.iter().zip(&inner.state_regions).enumerate() {
+        let (dr, ditem) = m.link.regions.state[i];
+        if ditem != b.item_bytes {
+            return Err(Error::new(
+                Status::GeometryMismatch,
+                format!(
+                    "state buffer {i}: prefill rows are {} B, decode rows {ditem} B",
+                    b.item_bytes
+                ),
+            ));
+        }
+        ops.push(WriteOp {
+            local_region: r.id,
+            local_offset: job.state_indices[i] * b.item_bytes,
+            remote_region: dr,
+            remote_offset: m.state_indices[i] * ditem,
+            len: b.item_bytes,
+        });
+    }
+    Ok(ops)
+}
