@@ -27,6 +27,25 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
+/// The state an [`Engine`] handle shares with its threads. One struct for
+/// both roles: the prefill fields stay empty on a decode engine and the
+/// decode fields on a prefill engine.
+///
+/// # Lock order
+///
+/// A thread that takes one of these mutexes while it holds another takes
+/// them in this order, never the reverse:
+///
+/// 1. `rooms` (`cv` waits on it);
+/// 2. `prefill_rooms`: the deadline thread holds `rooms` while it tells an
+///    expired room's decode ranks (`notify_decode` reads `prefill_rooms`);
+/// 3. `pending_meta`: `sender` drains and `add_meta` parks a room's
+///    metadata under `prefill_rooms`, so none is parked after the drain.
+///
+/// `registrar`, `decode_links`, `decode_rooms` and `prefill_links` are never
+/// held while another of these is taken, nor taken under one. A control
+/// writer's own lock (`CtlWriter::send`, `shutdown`) may be taken under any
+/// of them and takes none.
 pub(super) struct Inner {
     pub(super) cfg: EngineConfig,
     pub(super) agent: Agent,

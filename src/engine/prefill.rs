@@ -196,7 +196,7 @@ impl Inner {
     fn add_meta(&self, room: u64, m: MetaInfo) {
         let mut pr = lock(&self.prefill_rooms);
         let Some(r) = pr.get_mut(&room) else {
-            // parked while prefill_rooms is held (lock order: prefill_rooms, then pending_meta)
+            // parked while prefill_rooms is held (the lock order on `Inner`)
             lock(&self.pending_meta).entry(room).or_default().push(m);
             return;
         };
