@@ -7,15 +7,15 @@ use super::device::DeviceStage;
 use super::handle::{lock, Engine, Inner};
 use super::prefill::accept_loop;
 use super::room::RoomTable;
-use super::worker::worker_loop;
+use super::worker::{worker_loop, Job};
 use super::EngineConfig;
 use crate::bootstrap::client::Registrar;
 use crate::bootstrap::schema::{InstanceId, RegionDescriptor, Registration, Role};
 use crate::error::{Error, Result, Status};
 use crate::memory::RegionDesc;
 use crate::transport::{Agent, AgentOptions, TransportKind};
-use crossbeam::channel::unbounded;
-use std::collections::HashMap;
+use crossbeam::channel::{unbounded, Receiver};
+use std::collections::{BTreeMap, HashMap};
 use std::net::TcpListener;
 use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Condvar, Mutex};
@@ -33,143 +33,22 @@ impl Engine {
     /// rows of a chunk must be written (the forward pass finished) before
     /// `send` queues it: the GPU gather runs on the engine's own stream.
     pub unsafe fn new(cfg: EngineConfig) -> Result<Engine> {
-        cfg.topology.validate(cfg.role.as_str())?;
-        if cfg.pools.len() != cfg.topology.entries.len() {
-            return Err(Error::new(
-                Status::GeometryMismatch,
-                format!(
-                    "{} pools for {} topology entries",
-                    cfg.pools.len(),
-                    cfg.topology.entries.len()
-                ),
-            ));
-        }
-        let p = u64::from(cfg.topology.page_size);
-        for (i, (pool, e)) in cfg.pools.iter().zip(&cfg.topology.entries).enumerate() {
-            if pool.layer_id != e.layer_id || pool.page_bytes != e.row_bytes * p {
-                return Err(Error::new(
-                    Status::GeometryMismatch,
-                    format!(
-                        "pool {i} (layer {}, {} B pages) does not match topology entry (layer {}, {} B rows x page {p})",
-                        pool.layer_id, pool.page_bytes, e.layer_id, e.row_bytes
-                    ),
-                ));
-            }
-        }
-        if let Some(ordinal) = cfg.pool_device {
-            super::device::preflight(&cfg, ordinal)?;
-        }
-        let agent = Agent::new(&AgentOptions {
-            listen: (cfg.role == Role::Decode).then(|| format!("{}:0", cfg.host)),
-            stall: Duration::ZERO,
-            nic: cfg.nic.clone(),
-            ..Default::default()
-        })?;
-        if cfg.transport == TransportKind::Rdma {
-            // Without a usable NIC: the typed `no_rdma_device` naming the reason.
-            let nics = agent.rdma_nics()?;
-            log::info!("engine: transport rdma over {nics}");
-            if cfg.role == Role::Decode && cfg.pool_device.is_some() {
-                // Peers write the decode's device pools straight through the NIC.
-                agent.rdma_gpu_direct().map_err(|e| {
-                    Error::new(
-                        Status::NoGpuDirect,
-                        format!(
-                            "decode KV pools in device memory over rdma need GPUDirect RDMA, which {nics} cannot do: {}; use transport tcp (the receiver copies into device memory) or auto",
-                            e.detail()
-                        ),
-                    )
-                })?;
-            }
-        }
+        validate(&cfg)?;
+        let agent = open_agent(&cfg)?;
         let store = crate::bootstrap::open_store(&cfg.bootstrap, cfg.token.as_deref())?;
-        let reg = agent.registry();
         let workers = if cfg.role == Role::Prefill {
             cfg.workers.max(1)
         } else {
             0
         };
-        let mut pool_spans = Vec::new();
-        for pool in &cfg.pools {
-            let len = pool
-                .page_bytes
-                .checked_mul(pool.num_pages)
-                .ok_or_else(|| Error::invalid("pool size overflows"))?;
-            pool_spans.push((pool.base, len));
-        }
-        // device pools: one GPU stage per worker (checks the pools first)
-        let mut stages = match cfg.pool_device {
-            Some(ordinal) => {
-                DeviceStage::open(ordinal, cfg.staging_bytes, &pool_spans, reg, workers)?
-            }
-            None => Vec::new(),
-        };
-        // decode device pools: the tcp receiver copies into them through this writer
-        let decode_writer = match (cfg.role, cfg.pool_device) {
-            (Role::Decode, Some(ordinal)) => {
-                Some(super::device::decode_writer(ordinal, &pool_spans)?)
-            }
-            _ => None,
-        };
-        let mut pool_regions = Vec::new();
-        for &(base, len) in &pool_spans {
-            pool_regions.push(match (cfg.pool_device, &decode_writer) {
-                // SAFETY: the caller guarantees the pool memory is valid for the engine's life (function contract).
-                (Some(ordinal), Some(w)) => unsafe {
-                    reg.register_device_with(base, len as usize, ordinal, w.clone())?
-                },
-                // SAFETY: as above.
-                (Some(ordinal), None) => unsafe {
-                    reg.register_device(base, len as usize, ordinal)?
-                },
-                // SAFETY: as above.
-                (None, _) => unsafe { reg.register_host(base as *mut u8, len as usize)? },
-            });
-        }
-        let mut aux_regions = Vec::new();
-        for a in &cfg.aux {
-            let len = a
-                .item_bytes
-                .checked_mul(a.count)
-                .ok_or_else(|| Error::invalid("aux size overflows"))?;
-            // SAFETY: as above, the caller guarantees the aux memory.
-            aux_regions.push(unsafe { reg.register_host(a.base as *mut u8, len as usize)? });
-        }
-        let mut state_regions = Vec::new();
-        for a in &cfg.state {
-            let len = a
-                .item_bytes
-                .checked_mul(a.count)
-                .ok_or_else(|| Error::invalid("state buffer size overflows"))?;
-            // SAFETY: as above, the caller guarantees the state memory (function contract).
-            state_regions.push(unsafe { reg.register_host(a.base as *mut u8, len as usize)? });
-        }
-        let mut staging = Vec::new();
-        for _ in 0..workers {
-            if cfg.staging_bytes == 0 || cfg.pool_device.is_some() {
-                break;
-            }
-            let mut buf = vec![0u8; cfg.staging_bytes as usize];
-            // SAFETY: the buffer is owned by the engine and unregistered (registry dropped) before it is freed.
-            let desc = unsafe { reg.register_host(buf.as_mut_ptr(), buf.len())? };
-            staging.push((buf, desc));
-        }
-        if cfg.transport == TransportKind::Rdma {
-            // Register the pools with the NICs now, not inside the first handshake.
-            let t0 = std::time::Instant::now();
-            agent.rdma_register_all()?;
-            log::info!(
-                "engine: registered {} region(s) with the RDMA NICs in {:?}",
-                agent.registry().descriptors().len(),
-                t0.elapsed()
-            );
-        }
-        let mut txs = Vec::new();
-        let mut rxs = Vec::new();
+        // SAFETY: this function's contract is `register_regions`' (valid pool, aux and state memory).
+        let regions = unsafe { register_regions(&cfg, &agent, workers)? };
+        let mut jobs = Vec::new();
+        let mut queues = Vec::new();
         for _ in 0..workers {
             let (t, r) = unbounded();
-            txs.push(t);
-            rxs.push(r);
+            jobs.push(t);
+            queues.push(r);
         }
         let inner = Arc::new(Inner {
             cfg,
@@ -178,71 +57,22 @@ impl Engine {
             registrar: Mutex::new(None),
             rooms: Mutex::new(RoomTable::new()),
             cv: Condvar::new(),
-            pool_regions,
-            aux_regions,
-            state_regions,
-            staging,
+            pool_regions: regions.pools,
+            aux_regions: regions.aux,
+            state_regions: regions.state,
+            staging: regions.staging,
             closed: AtomicBool::new(false),
             gpu_direct_logged: AtomicBool::new(false),
             prefill_rooms: Mutex::new(HashMap::new()),
             pending_meta: Mutex::new(HashMap::new()),
             decode_links: Mutex::new(Vec::new()),
-            jobs: txs,
+            jobs,
             decode_rooms: Mutex::new(HashMap::new()),
             prefill_links: Mutex::new(HashMap::new()),
         });
-        let mut endpoints = std::collections::BTreeMap::new();
-        let mut listener = None;
-        if inner.cfg.role == Role::Prefill {
-            let l = TcpListener::bind(format!("{}:0", inner.cfg.host))?;
-            endpoints.insert("ctl".to_string(), l.local_addr()?.to_string());
-            // accepted only once the registration is stored (below); peers wait in the backlog
-            listener = Some(l);
-            for (i, rx) in rxs.into_iter().enumerate() {
-                let w = Arc::downgrade(&inner);
-                // the worker owns its GPU stage (device pools) for its whole life
-                let stage = (!stages.is_empty()).then(|| stages.remove(0));
-                std::thread::Builder::new()
-                    .name(format!("pdxfer-worker-{i}"))
-                    .spawn(move || worker_loop(w, i, rx, stage))?;
-            }
-        } else if let Some(a) = inner.agent.local_addr() {
-            endpoints.insert("data".to_string(), a.to_string());
-        }
-        let w = Arc::downgrade(&inner);
-        std::thread::Builder::new()
-            .name("pdxfer-deadlines".into())
-            .spawn(move || deadline_loop(w))?;
-
-        let mut registration = Registration::new(
-            &inner.cfg.cluster,
-            inner.cfg.role,
-            InstanceId::random()?,
-            inner.cfg.topology.clone(),
-        );
-        registration.dp_size = inner.cfg.dp_size;
-        registration.dp_rank = inner.cfg.dp_rank;
-        registration.endpoints = endpoints;
-        registration.regions = inner
-            .pool_regions
-            .iter()
-            .zip(&inner.cfg.pools)
-            .map(|(r, p)| {
-                let mut d = region_descriptor(r, "kv", Some(p.layer_id));
-                if let Some(o) = inner.cfg.pool_device {
-                    d.keys.insert("memory".to_string(), format!("cuda:{o}"));
-                }
-                d
-            })
-            .chain(
-                inner
-                    .aux_regions
-                    .iter()
-                    .map(|r| region_descriptor(r, "aux", None)),
-            )
-            .collect();
-        let registrar = Registrar::start(inner.store.clone(), registration, inner.cfg.lease_ttl)?;
-        *lock(&inner.registrar) = Some(registrar);
+        let (endpoints, listener) = start_threads(&inner, queues, regions.stages)?;
+        register_with_bootstrap(&inner, endpoints)?;
+        // the prefill accepts decode ranks only once its registration is stored
         if let Some(l) = listener {
             let w = Arc::downgrade(&inner);
             std::thread::Builder::new()
@@ -251,6 +81,242 @@ impl Engine {
         }
         Ok(Engine { inner })
     }
+}
+
+/// Checks the configuration before anything is opened: the topology, one
+/// pool per topology entry with its layer and page size, and (device pools)
+/// the device preflight.
+fn validate(cfg: &EngineConfig) -> Result<()> {
+    cfg.topology.validate(cfg.role.as_str())?;
+    if cfg.pools.len() != cfg.topology.entries.len() {
+        return Err(Error::new(
+            Status::GeometryMismatch,
+            format!(
+                "{} pools for {} topology entries",
+                cfg.pools.len(),
+                cfg.topology.entries.len()
+            ),
+        ));
+    }
+    let p = u64::from(cfg.topology.page_size);
+    for (i, (pool, e)) in cfg.pools.iter().zip(&cfg.topology.entries).enumerate() {
+        if pool.layer_id != e.layer_id || pool.page_bytes != e.row_bytes * p {
+            return Err(Error::new(
+                Status::GeometryMismatch,
+                format!(
+                    "pool {i} (layer {}, {} B pages) does not match topology entry (layer {}, {} B rows x page {p})",
+                    pool.layer_id, pool.page_bytes, e.layer_id, e.row_bytes
+                ),
+            ));
+        }
+    }
+    if let Some(ordinal) = cfg.pool_device {
+        super::device::preflight(cfg, ordinal)?;
+    }
+    Ok(())
+}
+
+/// The engine's agent (the decode's listens for data connections); with
+/// transport rdma, checks there is a usable NIC, and for decode device
+/// pools that it can do GPUDirect RDMA.
+fn open_agent(cfg: &EngineConfig) -> Result<Agent> {
+    let agent = Agent::new(&AgentOptions {
+        listen: (cfg.role == Role::Decode).then(|| format!("{}:0", cfg.host)),
+        stall: Duration::ZERO,
+        nic: cfg.nic.clone(),
+        ..Default::default()
+    })?;
+    if cfg.transport == TransportKind::Rdma {
+        // Without a usable NIC: the typed `no_rdma_device` naming the reason.
+        let nics = agent.rdma_nics()?;
+        log::info!("engine: transport rdma over {nics}");
+        if cfg.role == Role::Decode && cfg.pool_device.is_some() {
+            // Peers write the decode's device pools straight through the NIC.
+            agent.rdma_gpu_direct().map_err(|e| {
+                Error::new(
+                    Status::NoGpuDirect,
+                    format!(
+                        "decode KV pools in device memory over rdma need GPUDirect RDMA, which {nics} cannot do: {}; use transport tcp (the receiver copies into device memory) or auto",
+                        e.detail()
+                    ),
+                )
+            })?;
+        }
+    }
+    Ok(agent)
+}
+
+/// The memory an engine registers with its agent.
+struct Regions {
+    /// One per KV pool, in `cfg.pools` order.
+    pools: Vec<RegionDesc>,
+    /// One per aux buffer.
+    aux: Vec<RegionDesc>,
+    /// One per state buffer.
+    state: Vec<RegionDesc>,
+    /// Host pools: each prefill worker's host staging buffer (none when
+    /// packing is off).
+    staging: Vec<(Vec<u8>, RegionDesc)>,
+    /// Device pools: each prefill worker's GPU stage.
+    stages: Vec<DeviceStage>,
+}
+
+/// Registers the pools, aux and state buffers and the workers' staging with
+/// the agent's registry (device pools: checked against the driver, one GPU
+/// stage per worker; decode device pools get the tcp receiver's
+/// host-to-device writer); with transport rdma, registers them all with the
+/// NICs now rather than inside the first handshake.
+///
+/// # Safety
+/// As [`Engine::new`]: every pool, aux and state buffer of `cfg` is valid
+/// memory of its size for the engine's whole life.
+unsafe fn register_regions(cfg: &EngineConfig, agent: &Agent, workers: usize) -> Result<Regions> {
+    let reg = agent.registry();
+    let mut pool_spans = Vec::new();
+    for pool in &cfg.pools {
+        let len = pool
+            .page_bytes
+            .checked_mul(pool.num_pages)
+            .ok_or_else(|| Error::invalid("pool size overflows"))?;
+        pool_spans.push((pool.base, len));
+    }
+    // device pools: one GPU stage per worker (checks the pools first)
+    let stages = match cfg.pool_device {
+        Some(ordinal) => DeviceStage::open(ordinal, cfg.staging_bytes, &pool_spans, reg, workers)?,
+        None => Vec::new(),
+    };
+    // decode device pools: the tcp receiver copies into them through this writer
+    let decode_writer = match (cfg.role, cfg.pool_device) {
+        (Role::Decode, Some(ordinal)) => Some(super::device::decode_writer(ordinal, &pool_spans)?),
+        _ => None,
+    };
+    let mut pool_regions = Vec::new();
+    for &(base, len) in &pool_spans {
+        pool_regions.push(match (cfg.pool_device, &decode_writer) {
+            // SAFETY: the caller guarantees the pool memory is valid for the engine's life (function contract).
+            (Some(ordinal), Some(w)) => unsafe {
+                reg.register_device_with(base, len as usize, ordinal, w.clone())?
+            },
+            // SAFETY: as above.
+            (Some(ordinal), None) => unsafe { reg.register_device(base, len as usize, ordinal)? },
+            // SAFETY: as above.
+            (None, _) => unsafe { reg.register_host(base as *mut u8, len as usize)? },
+        });
+    }
+    let mut aux_regions = Vec::new();
+    for a in &cfg.aux {
+        let len = a
+            .item_bytes
+            .checked_mul(a.count)
+            .ok_or_else(|| Error::invalid("aux size overflows"))?;
+        // SAFETY: as above, the caller guarantees the aux memory.
+        aux_regions.push(unsafe { reg.register_host(a.base as *mut u8, len as usize)? });
+    }
+    let mut state_regions = Vec::new();
+    for a in &cfg.state {
+        let len = a
+            .item_bytes
+            .checked_mul(a.count)
+            .ok_or_else(|| Error::invalid("state buffer size overflows"))?;
+        // SAFETY: as above, the caller guarantees the state memory (function contract).
+        state_regions.push(unsafe { reg.register_host(a.base as *mut u8, len as usize)? });
+    }
+    let mut staging = Vec::new();
+    for _ in 0..workers {
+        if cfg.staging_bytes == 0 || cfg.pool_device.is_some() {
+            break;
+        }
+        let mut buf = vec![0u8; cfg.staging_bytes as usize];
+        // SAFETY: the buffer is owned by the engine and unregistered (registry dropped) before it is freed.
+        let desc = unsafe { reg.register_host(buf.as_mut_ptr(), buf.len())? };
+        staging.push((buf, desc));
+    }
+    if cfg.transport == TransportKind::Rdma {
+        // Register the pools with the NICs now, not inside the first handshake.
+        let t0 = std::time::Instant::now();
+        agent.rdma_register_all()?;
+        log::info!(
+            "engine: registered {} region(s) with the RDMA NICs in {:?}",
+            agent.registry().descriptors().len(),
+            t0.elapsed()
+        );
+    }
+    Ok(Regions {
+        pools: pool_regions,
+        aux: aux_regions,
+        state: state_regions,
+        staging,
+        stages,
+    })
+}
+
+/// Binds the prefill's control listener (accepted from once the rank is
+/// registered; peers wait in the backlog) and starts its transfer workers
+/// (each owning its GPU stage, with device pools) and the deadline thread.
+/// Returns the endpoints to advertise and the listener.
+fn start_threads(
+    inner: &Arc<Inner>,
+    queues: Vec<Receiver<Job>>,
+    mut stages: Vec<DeviceStage>,
+) -> Result<(BTreeMap<String, String>, Option<TcpListener>)> {
+    let mut endpoints = BTreeMap::new();
+    let mut listener = None;
+    if inner.cfg.role == Role::Prefill {
+        let l = TcpListener::bind(format!("{}:0", inner.cfg.host))?;
+        endpoints.insert("ctl".to_string(), l.local_addr()?.to_string());
+        // accepted only once the registration is stored (below); peers wait in the backlog
+        listener = Some(l);
+        for (i, rx) in queues.into_iter().enumerate() {
+            let w = Arc::downgrade(inner);
+            // the worker owns its GPU stage (device pools) for its whole life
+            let stage = (!stages.is_empty()).then(|| stages.remove(0));
+            std::thread::Builder::new()
+                .name(format!("pdxfer-worker-{i}"))
+                .spawn(move || worker_loop(w, i, rx, stage))?;
+        }
+    } else if let Some(a) = inner.agent.local_addr() {
+        endpoints.insert("data".to_string(), a.to_string());
+    }
+    let w = Arc::downgrade(inner);
+    std::thread::Builder::new()
+        .name("pdxfer-deadlines".into())
+        .spawn(move || deadline_loop(w))?;
+    Ok((endpoints, listener))
+}
+
+/// Registers the rank with the bootstrap (its endpoints, KV and aux regions)
+/// and keeps the lease alive.
+fn register_with_bootstrap(inner: &Inner, endpoints: BTreeMap<String, String>) -> Result<()> {
+    let mut registration = Registration::new(
+        &inner.cfg.cluster,
+        inner.cfg.role,
+        InstanceId::random()?,
+        inner.cfg.topology.clone(),
+    );
+    registration.dp_size = inner.cfg.dp_size;
+    registration.dp_rank = inner.cfg.dp_rank;
+    registration.endpoints = endpoints;
+    registration.regions = inner
+        .pool_regions
+        .iter()
+        .zip(&inner.cfg.pools)
+        .map(|(r, p)| {
+            let mut d = region_descriptor(r, "kv", Some(p.layer_id));
+            if let Some(o) = inner.cfg.pool_device {
+                d.keys.insert("memory".to_string(), format!("cuda:{o}"));
+            }
+            d
+        })
+        .chain(
+            inner
+                .aux_regions
+                .iter()
+                .map(|r| region_descriptor(r, "aux", None)),
+        )
+        .collect();
+    let registrar = Registrar::start(inner.store.clone(), registration, inner.cfg.lease_ttl)?;
+    *lock(&inner.registrar) = Some(registrar);
+    Ok(())
 }
 
 fn region_descriptor(r: &RegionDesc, kind: &str, layer: Option<u32>) -> RegionDescriptor {
