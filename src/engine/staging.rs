@@ -5,9 +5,9 @@
 use super::flight::Flight;
 use super::handle::Inner;
 use super::prefill::DecodeLink;
-use crate::error::{Error, Result, Status};
+use crate::error::Result;
 use crate::layout::plan::RunMerger;
-use crate::layout::{PackLayout, PairRequest, Run};
+use crate::layout::{slice_requests, PackLayout, PairRequest, Run};
 use crate::transport::WriteOp;
 use std::sync::Arc;
 
@@ -111,57 +111,6 @@ pub(super) fn write_pair(
         flight.submit(link, &ops, Some(slot))?;
     }
     Ok(tokens * token_bytes)
-}
-
-/// The chunk's pair cut into consecutive sub-requests of at most
-/// `cap_tokens` pair tokens each (one staging slice each); sub-requests
-/// without tokens of the pair are left out.
-pub(super) fn slice_requests<'a>(
-    req: &PairRequest<'a>,
-    cap_tokens: u64,
-) -> Result<Vec<PairRequest<'a>>> {
-    if cap_tokens == 0 {
-        return Err(Error::new(
-            Status::Relayout,
-            "the staging buffer cannot hold one token",
-        ));
-    }
-    let mut out = Vec::new();
-    let end = req.start + req.num_tokens;
-    let mut s = req.start;
-    while s < end {
-        let (mut lo, mut hi) = (s + 1, end);
-        let count = |e: u64| {
-            PairRequest {
-                start: s,
-                num_tokens: e - s,
-                ..*req
-            }
-            .token_count()
-        };
-        if count(hi) > cap_tokens {
-            while lo < hi {
-                let mid = lo + (hi - lo).div_ceil(2);
-                if count(mid) <= cap_tokens {
-                    lo = mid
-                } else {
-                    hi = mid - 1
-                }
-            }
-        } else {
-            lo = hi;
-        }
-        let sub = PairRequest {
-            start: s,
-            num_tokens: lo - s,
-            ..*req
-        };
-        if sub.token_count() > 0 {
-            out.push(sub);
-        }
-        s = lo;
-    }
-    Ok(out)
 }
 
 /// Writes of one staged slice: packed rows (entry-major at `entry_offsets`

@@ -6,7 +6,8 @@
 //! - [`compat`]: whether a prefill rank may send to a decode rank, and how.
 //! - [`plan`]: token plans for one chunk and one rank pair, SGLang's and general.
 //! - [`runs`]: runs, byte operations per entry, packed layout and pack sizing.
-//! - [`chunk`]: splitting a request's send into chunks under a pack limit.
+//! - [`chunk`]: splitting a request's send into chunks under a pack limit, and
+//!   a chunk's pair into staging slices.
 
 pub mod chunk;
 pub mod compat;
@@ -15,7 +16,7 @@ pub mod rank_map;
 pub mod runs;
 pub mod topology;
 
-pub use chunk::{ChunkSpec, SendChunker};
+pub use chunk::{slice_requests, ChunkSpec, SendChunker};
 pub use compat::{check_peer, PeerCompat, TransferMode};
 pub use plan::{
     dcp_token_plan, pairs_with_share, PairRequest, Segment, SglangChunk, Side, TokenPlan,
