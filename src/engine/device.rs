@@ -346,7 +346,7 @@ pub(super) fn write_pair_device(
                     &s.entry_offsets,
                 )?;
                 // each slice completes before its staging half is gathered into again
-                let mut f = Flight::new(inner, opts);
+                let mut f = Flight::new(&inner.rooms, opts);
                 f.submit(link, &ops, None)?;
                 f.drain()
             })

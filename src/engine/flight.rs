@@ -1,11 +1,12 @@
 //! [`Flight`]: the batches of one chunk in flight together, each one of its
 //! room's fenced writes, and the host staging slots they read.
 
-use super::handle::{lock, Inner};
+use super::handle::lock;
 use super::prefill::DecodeLink;
+use super::room::RoomTable;
 use crate::error::{Error, Result};
 use crate::transport::{BatchId, BatchOptions, WriteOp};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 /// A transport error of one batch, naming the room and the decode rank.
@@ -35,7 +36,8 @@ struct InFlight {
 /// gathered into again ([`Flight::free_slot`]); and nothing outlives the
 /// chunk: [`Flight::drain`] waits for them all (dropping a flight does too).
 pub(super) struct Flight<'a> {
-    inner: &'a Inner,
+    /// The engine's rooms: each batch is one of its room's writes in flight.
+    rooms: &'a Mutex<RoomTable>,
     pub(super) opts: BatchOptions,
     pending: Vec<InFlight>,
     /// Slots handed out so far (the next slot is this modulo the slot count).
@@ -43,9 +45,9 @@ pub(super) struct Flight<'a> {
 }
 
 impl<'a> Flight<'a> {
-    pub(super) fn new(inner: &'a Inner, opts: BatchOptions) -> Flight<'a> {
+    pub(super) fn new(rooms: &'a Mutex<RoomTable>, opts: BatchOptions) -> Flight<'a> {
         Flight {
-            inner,
+            rooms,
             opts,
             pending: Vec::new(),
             turns: 0,
@@ -63,7 +65,7 @@ impl<'a> Flight<'a> {
             return Ok(());
         }
         let (room, epoch) = (self.opts.room, self.opts.epoch);
-        lock(&self.inner.rooms).begin_write(room, epoch)?;
+        lock(self.rooms).begin_write(room, epoch)?;
         match link.data.submit(ops, &self.opts) {
             Ok(id) => {
                 self.pending.push(InFlight {
@@ -74,7 +76,7 @@ impl<'a> Flight<'a> {
                 Ok(())
             }
             Err(e) => {
-                lock(&self.inner.rooms).end_write(room, epoch);
+                lock(self.rooms).end_write(room, epoch);
                 Err(write_error(room, link, &e))
             }
         }
@@ -87,7 +89,7 @@ impl<'a> Flight<'a> {
             .link
             .data
             .wait(b.id, self.opts.timeout + Duration::from_secs(1));
-        lock(&self.inner.rooms).end_write(self.opts.room, self.opts.epoch);
+        lock(self.rooms).end_write(self.opts.room, self.opts.epoch);
         r.map(|_| ())
             .map_err(|e| write_error(self.opts.room, &b.link, &e))
     }

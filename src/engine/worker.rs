@@ -78,7 +78,7 @@ fn run_job(inner: &Inner, idx: usize, job: &Job, stage: Option<&mut DeviceStage>
         room: job.room,
         epoch: job.attempt,
     };
-    let mut flight = Flight::new(inner, opts);
+    let mut flight = Flight::new(&inner.rooms, opts);
     let sent = send_chunk(inner, idx, job, stage, &mut flight);
     // every batch completes (or fails) before the chunk ends, error or not:
     // the room's in-flight count falls back and the staging is free again
