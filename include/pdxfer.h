@@ -444,17 +444,9 @@ typedef struct PdxEngineConfig {
   // ABI 1.1: number of `state`.
   uint64_t num_state;
   // ABI 1.2: where the KV pools live: `PDXFER_POOL_HOST` (0) or
-  // `PDXFER_POOL_CUDA`. With CUDA pools the prefill gathers each decode
-  // rank's rows on the GPU into staging buffers of `staging_bytes` per
-  // worker (device and pinned host) and sends them over cma/tcp; the pool
-  // addresses must be allocations of device `pool_device`. A decode with
-  // CUDA pools receives over tcp (its receiver copies each piece into the
-  // pools, host-to-device, before the piece counts) or rdma (GPUDirect; a
-  // NIC without it is refused at creation, `PDX_STATUS_NO_GPU_DIRECT`, and
-  // "auto" gives such a decode tcp); with transport "cma" it is refused (`PDX_STATUS_UNSUPPORTED`:
-  // process_vm_writev cannot reach device memory), and "auto" never picks
-  // cma for it. Without a CUDA driver creation fails with
-  // `PDX_STATUS_NO_CUDA_DRIVER`. Aux and state buffers stay host memory.
+  // `PDXFER_POOL_CUDA` (device memory of device `pool_device`). The rules
+  // for device pools (transports, staging, what is refused) are in the
+  // README, "KV pools in device memory".
   uint32_t pool_memory;
   // ABI 1.2: CUDA device ordinal of the pools with `PDXFER_POOL_CUDA`.
   uint32_t pool_device;

@@ -51,19 +51,8 @@ pub struct EngineConfig {
     /// KV pools, one per topology entry, same order.
     pub pools: Vec<KvPool>,
     /// Where the KV pools live: `None` host memory; `Some(n)` device memory
-    /// of CUDA device `n`. Prefill: gathered on the GPU into staging buffers
-    /// of `staging_bytes` per worker, on the device and pinned on the host;
-    /// over rdma with GPUDirect RDMA written straight from the device staging
-    /// (no host copy), otherwise (cma, tcp, or a NIC without GPUDirect,
-    /// logged once) copied to the pinned staging and sent from there. Decode: registered as device regions; over tcp
-    /// the receiver copies each piece into them (host-to-device, waited on
-    /// before the piece counts), over rdma the NIC writes them (GPUDirect);
-    /// a decode with device pools and `transport` cma is refused
-    /// (`Unsupported`), and `auto` never picks cma for it. Aux and state
-    /// buffers stay host memory. Without a CUDA driver creation fails with
-    /// `NoCudaDriver` (without the `cuda` feature, `Unsupported`). A chunk's rows must be
-    /// complete on the device when `send` queues it (the gather runs on the
-    /// engine's own stream, unordered with the model's).
+    /// of CUDA device `n`. The rules for device pools (transports, staging,
+    /// what is refused) are in the README, "KV pools in device memory".
     pub pool_device: Option<u32>,
     /// Aux buffers (same count and item sizes on both sides).
     pub aux: Vec<AuxBuffer>,
