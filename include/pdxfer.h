@@ -8,6 +8,12 @@
 #include <stddef.h>
 #include <stdint.h>
 
+// Version of the authentication exchange.
+#define AUTH_VERSION 1
+
+// Shortest secret accepted (bytes).
+#define MIN_SECRET_BYTES 16
+
 // Version of the control protocol; a peer with another version is refused.
 #define CONTROL_VERSION 1
 
@@ -179,6 +185,10 @@ enum PdxStatus
   PDX_STATUS_BATCH_FAILED = -403,
   // The requested transport is not available here.
   PDX_STATUS_TRANSPORT_UNAVAILABLE = -404,
+  // A peer failed mutual authentication with the cluster secret.
+  PDX_STATUS_AUTH_FAILED = -405,
+  // A listener on a non-loopback address needs a cluster secret.
+  PDX_STATUS_AUTH_REQUIRED = -406,
   // The bootstrap server answered with an error or could not be reached.
   PDX_STATUS_BOOTSTRAP = -500,
   // Bootstrap metadata is stale (older epoch or other instance id).

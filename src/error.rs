@@ -96,6 +96,10 @@ pub enum PdxStatus {
     BatchFailed = -403,
     /// The requested transport is not available here.
     TransportUnavailable = -404,
+    /// A peer failed mutual authentication with the cluster secret.
+    AuthFailed = -405,
+    /// A listener on a non-loopback address needs a cluster secret.
+    AuthRequired = -406,
 
     /// The bootstrap server answered with an error or could not be reached.
     Bootstrap = -500,
@@ -227,6 +231,8 @@ status_table! {
     PeerIdentity => "peer_identity", "peer is not the process it claims to be";
     BatchFailed => "batch_failed", "transfer batch failed";
     TransportUnavailable => "transport_unavailable", "transport not available here";
+    AuthFailed => "auth_failed", "peer failed authentication with the cluster secret";
+    AuthRequired => "auth_required", "a non-loopback listener needs a cluster secret";
     Bootstrap => "bootstrap", "bootstrap server error";
     StaleMetadata => "stale_metadata", "bootstrap metadata is stale";
     Unauthorized => "unauthorized", "missing or wrong bootstrap token";

@@ -5,6 +5,7 @@
 //! `memory` -> [`layout`] (pure). A layer uses the ones below it, never above.
 #![warn(missing_docs)]
 
+pub mod auth;
 pub mod bootstrap;
 pub mod cli;
 pub mod engine;
