@@ -322,8 +322,9 @@ typedef struct PdxBootstrapServerConfig {
   const char *token;
   // Largest accepted request body in bytes; 0 for the default (4 MiB).
   uint64_t max_body_bytes;
-  // Worker threads; 0 for the default (4).
-  uint32_t workers;
+  // Most connections served at once (more are answered 503 and closed);
+  // 0 for the default (256).
+  uint32_t max_connections;
   // Reserved, zero.
   uint32_t reserved;
 } PdxBootstrapServerConfig;

@@ -43,7 +43,7 @@ class _ServerConfig(ctypes.Structure):
         ("listen", ctypes.c_char_p),
         ("token", ctypes.c_char_p),
         ("max_body_bytes", ctypes.c_uint64),
-        ("workers", ctypes.c_uint32),
+        ("max_connections", ctypes.c_uint32),
         ("reserved", ctypes.c_uint32),
     ]
 
@@ -150,9 +150,9 @@ class BootstrapServer:
         listen: str = "127.0.0.1:0",
         token: Optional[str] = None,
         max_body_bytes: int = 0,
-        workers: int = 0,
+        max_connections: int = 0,
     ):
-        cfg = _ServerConfig(ctypes.sizeof(_ServerConfig), _b(listen), _b(token), max_body_bytes, workers, 0)
+        cfg = _ServerConfig(ctypes.sizeof(_ServerConfig), _b(listen), _b(token), max_body_bytes, max_connections, 0)
         h = _vp()
         check(lib.pdxfer_bootstrap_server_start(ctypes.byref(cfg), ctypes.byref(h)))
         self._h = h
