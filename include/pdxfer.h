@@ -653,12 +653,16 @@ PdxStatus pdxfer_submit_reads(const struct PdxPeer *peer,
 
 // Polls a batch: `PDX_STATUS_OK` (done; `out` filled, may be NULL),
 // `PDX_STATUS_IN_PROGRESS`, or the batch's failure (reason in
-// `pdxfer_last_error()`). A finished batch is reported once.
+// `pdxfer_last_error()`). A finished batch is reported once. An `out` whose
+// `struct_size` is too small is `PDX_STATUS_ABI_MISMATCH` before the batch
+// is looked at: its result stays to be reported.
 PdxStatus pdxfer_poll(const struct PdxPeer *peer, uint64_t batch, struct PdxCompletion *out);
 
 // Waits up to `timeout_ms` for a batch: `PDX_STATUS_OK` (`out` filled, may
 // be NULL), the batch's failure, or `PDX_STATUS_TIMEOUT` when the wait
-// ended first (the batch keeps its own deadline).
+// ended first (the batch keeps its own deadline). An `out` whose
+// `struct_size` is too small is `PDX_STATUS_ABI_MISMATCH` before waiting:
+// the result is not consumed and a later call still gets it.
 PdxStatus pdxfer_wait(const struct PdxPeer *peer,
                       uint64_t batch,
                       uint64_t timeout_ms,
@@ -831,7 +835,8 @@ PdxStatus pdxfer_engine_room_bytes(const struct PdxEngine *engine,
                                    uint64_t *out_bytes);
 
 // Registers `len` bytes of host memory at `ptr` with the agent; the
-// descriptor goes to `out` (may be NULL). The memory must stay valid until
+// descriptor goes to `out` (may be NULL; one whose `struct_size` is too
+// small is `PDX_STATUS_ABI_MISMATCH` and nothing is registered). The memory must stay valid until
 // `pdxfer_unregister_memory` returns for it. Overlapping an existing region
 // is `PDX_STATUS_REGION_OVERLAP`.
 PdxStatus pdxfer_register_memory(const struct PdxAgent *agent,

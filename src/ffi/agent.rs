@@ -93,6 +93,7 @@ pub extern "C" fn pdxfer_agent_create(
                 Some(ptr::c_str(o.listen, "listen")?.to_string())
             }
         };
+        ptr::check_out(out, "agent output pointer")?;
         let agent = Agent::new(&AgentOptions {
             listen,
             ..Default::default()
@@ -142,6 +143,7 @@ pub extern "C" fn pdxfer_agent_next_completion(
 ) -> PdxStatus {
     boundary(|| {
         let a = ptr::handle(agent, "agent")?;
+        ptr::check_versioned_out(out)?;
         match a.agent.next_completion(Duration::from_millis(timeout_ms)) {
             Some(inc) => {
                 ptr::write_versioned(out, &PdxCompletion::from_rust(&inc.completion, Some(&inc)))?;

@@ -282,9 +282,7 @@ pub extern "C" fn pdxfer_engine_create(
     out: *mut *mut PdxEngine,
 ) -> PdxStatus {
     boundary(|| {
-        if out.is_null() {
-            return Err(Error::new(Status::NullArgument, "out is NULL"));
-        }
+        ptr::check_out(out, "out")?;
         let cfg = config_from_c(config)?;
         // SAFETY: the caller keeps the pool and aux memory valid until destroy (documented contract above).
         let engine = unsafe { Engine::new(cfg) }?;
@@ -408,9 +406,7 @@ pub extern "C" fn pdxfer_engine_wait(
 ) -> PdxStatus {
     boundary(|| {
         let e = eng(engine)?;
-        if out_poll.is_null() {
-            return Err(Error::new(Status::NullArgument, "out_poll is NULL"));
-        }
+        ptr::check_out(out_poll, "out_poll")?;
         let p = e.wait(room, Duration::from_millis(timeout_ms));
         ptr::write_out(out_poll, p as i32, "out_poll")?;
         ok()
@@ -452,7 +448,11 @@ pub extern "C" fn pdxfer_engine_abort(
     out_fenced: *mut u32,
 ) -> PdxStatus {
     boundary(|| {
-        let f = eng(engine)?.abort(room)?;
+        let e = eng(engine)?;
+        if !out_fenced.is_null() {
+            ptr::check_out(out_fenced, "out_fenced")?;
+        }
+        let f = e.abort(room)?;
         if !out_fenced.is_null() {
             ptr::write_out(out_fenced, u32::from(f), "out_fenced")?;
         }

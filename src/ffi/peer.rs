@@ -87,6 +87,7 @@ pub extern "C" fn pdxfer_peer_open(
     boundary(|| {
         let a = ptr::handle(agent, "agent")?;
         let addr = ptr::c_str(addr, "addr")?;
+        ptr::check_out(out, "peer output pointer")?;
         let mut o = ConnectOptions::default();
         if !options.is_null() {
             let p = ptr::read_versioned(options)?;

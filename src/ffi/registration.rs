@@ -45,9 +45,7 @@ pub extern "C" fn pdxfer_bootstrap_register(
             }
         }
         let reg: Registration = from_json(v.to_string().as_bytes(), "registration")?;
-        if out.is_null() {
-            return Err(Error::new(crate::Status::NullArgument, "out is NULL"));
-        }
+        ptr::check_out(out, "out")?;
         let inner = Registrar::start(c.store.clone(), reg, Duration::from_millis(ttl_ms))?;
         ptr::new_handle(PdxRegistration { inner }, out, "out")?;
         ok()
