@@ -88,6 +88,12 @@ pub extern "C" fn pdxfer_bootstrap_server_url(
 }
 
 /// Stops the server, joins its threads and frees the handle. NULL is a no-op.
+///
+/// Threads: every other call on the same `PdxBootstrapServer` may run concurrently with the others,
+/// from any thread. This one may not race any of them: it frees the handle,
+/// so no call on the same `PdxBootstrapServer` may be in flight when it starts, and none may start
+/// after it. (The Python package enforces this: its `BootstrapServer.stop()` waits for the
+/// calls in flight and refuses later ones with a typed error.)
 #[no_mangle]
 pub extern "C" fn pdxfer_bootstrap_server_stop(server: *mut PdxBootstrapServer) -> PdxStatus {
     boundary(|| {

@@ -293,6 +293,12 @@ pub extern "C" fn pdxfer_engine_create(
 
 /// Deregisters the rank, stops the engine's threads and frees the handle.
 /// NULL is a no-op. The handle must not be used afterwards.
+///
+/// Threads: every other call on the same `PdxEngine` may run concurrently with the others,
+/// from any thread. This one may not race any of them: it frees the handle,
+/// so no call on the same `PdxEngine` may be in flight when it starts, and none may start
+/// after it. (The Python package enforces this: its `Engine.close()` waits for the
+/// calls in flight and refuses later ones with a typed error.)
 #[no_mangle]
 pub extern "C" fn pdxfer_engine_destroy(engine: *mut PdxEngine) -> PdxStatus {
     boundary(|| {
