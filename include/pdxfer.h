@@ -332,8 +332,9 @@ typedef struct PdxBootstrapServerConfig {
   const char *token;
   // Largest accepted request body in bytes; 0 for the default (4 MiB).
   uint64_t max_body_bytes;
-  // Worker threads; 0 for the default (4).
-  uint32_t workers;
+  // Most connections served at once (more are answered 503 and closed);
+  // 0 for the default (256).
+  uint32_t max_connections;
   // Reserved, zero.
   uint32_t reserved;
 } PdxBootstrapServerConfig;
@@ -623,6 +624,14 @@ PdxStatus pdxfer_agent_create(const struct PdxAgentOptions *options, struct PdxA
 
 // Destroys an agent: stops listening and closes its receiver sessions.
 // NULL is a no-op. The handle must not be used afterwards.
+//
+// Threads: every other call on the same `PdxAgent` may run concurrently with the others,
+// from any thread. This one may not race any of them: it frees the handle,
+// so no call on the same `PdxAgent` may be in flight when it starts, and none may start
+// after it. (The Python package enforces this: its `Agent.close()` waits for the
+// calls in flight and refuses later ones with a typed error.)
+// `PdxPeer` handles opened from the agent are separate handles, closed with
+// `pdxfer_peer_close` (close them first).
 void pdxfer_agent_destroy(struct PdxAgent *agent);
 
 // Writes the `host:port` the agent listens on (NUL-terminated) into `buf`
@@ -662,12 +671,16 @@ PdxStatus pdxfer_submit_reads(const struct PdxPeer *peer,
 
 // Polls a batch: `PDX_STATUS_OK` (done; `out` filled, may be NULL),
 // `PDX_STATUS_IN_PROGRESS`, or the batch's failure (reason in
-// `pdxfer_last_error()`). A finished batch is reported once.
+// `pdxfer_last_error()`). A finished batch is reported once. An `out` whose
+// `struct_size` is too small is `PDX_STATUS_ABI_MISMATCH` before the batch
+// is looked at: its result stays to be reported.
 PdxStatus pdxfer_poll(const struct PdxPeer *peer, uint64_t batch, struct PdxCompletion *out);
 
 // Waits up to `timeout_ms` for a batch: `PDX_STATUS_OK` (`out` filled, may
 // be NULL), the batch's failure, or `PDX_STATUS_TIMEOUT` when the wait
-// ended first (the batch keeps its own deadline).
+// ended first (the batch keeps its own deadline). An `out` whose
+// `struct_size` is too small is `PDX_STATUS_ABI_MISMATCH` before waiting:
+// the result is not consumed and a later call still gets it.
 PdxStatus pdxfer_wait(const struct PdxPeer *peer,
                       uint64_t batch,
                       uint64_t timeout_ms,
@@ -687,6 +700,12 @@ PdxStatus pdxfer_bootstrap_server_url(const struct PdxBootstrapServer *server,
                                       size_t *out_len);
 
 // Stops the server, joins its threads and frees the handle. NULL is a no-op.
+//
+// Threads: every other call on the same `PdxBootstrapServer` may run concurrently with the others,
+// from any thread. This one may not race any of them: it frees the handle,
+// so no call on the same `PdxBootstrapServer` may be in flight when it starts, and none may start
+// after it. (The Python package enforces this: its `BootstrapServer.stop()` waits for the
+// calls in flight and refuses later ones with a typed error.)
 PdxStatus pdxfer_bootstrap_server_stop(struct PdxBootstrapServer *server);
 
 // Opens a client for `url`: `http://HOST:PORT` (a bootstrap server) or
@@ -696,6 +715,12 @@ PdxStatus pdxfer_bootstrap_client_open(const char *url,
                                        struct PdxBootstrapClient **out);
 
 // Frees a client. NULL is a no-op. Registrations made through it keep working.
+//
+// Threads: every other call on the same `PdxBootstrapClient` may run concurrently with the others,
+// from any thread. This one may not race any of them: it frees the handle,
+// so no call on the same `PdxBootstrapClient` may be in flight when it starts, and none may start
+// after it. (The Python package enforces this: its `BootstrapClient.close()` waits for the
+// calls in flight and refuses later ones with a typed error.)
 PdxStatus pdxfer_bootstrap_client_close(struct PdxBootstrapClient *client);
 
 // The current entry of one rank as JSON. `role` is `"prefill"` or
@@ -745,6 +770,12 @@ PdxStatus pdxfer_engine_create(const struct PdxEngineConfig *config, struct PdxE
 
 // Deregisters the rank, stops the engine's threads and frees the handle.
 // NULL is a no-op. The handle must not be used afterwards.
+//
+// Threads: every other call on the same `PdxEngine` may run concurrently with the others,
+// from any thread. This one may not race any of them: it frees the handle,
+// so no call on the same `PdxEngine` may be in flight when it starts, and none may start
+// after it. (The Python package enforces this: its `Engine.close()` waits for the
+// calls in flight and refuses later ones with a typed error.)
 PdxStatus pdxfer_engine_destroy(struct PdxEngine *engine);
 
 // Prefill: opens room `room` (SGLang's `bootstrap_room`). It polls
@@ -840,7 +871,8 @@ PdxStatus pdxfer_engine_room_bytes(const struct PdxEngine *engine,
                                    uint64_t *out_bytes);
 
 // Registers `len` bytes of host memory at `ptr` with the agent; the
-// descriptor goes to `out` (may be NULL). The memory must stay valid until
+// descriptor goes to `out` (may be NULL; one whose `struct_size` is too
+// small is `PDX_STATUS_ABI_MISMATCH` and nothing is registered). The memory must stay valid until
 // `pdxfer_unregister_memory` returns for it. Overlapping an existing region
 // is `PDX_STATUS_REGION_OVERLAP`.
 PdxStatus pdxfer_register_memory(const struct PdxAgent *agent,
@@ -897,6 +929,12 @@ PdxStatus pdxfer_peer_open_local(const struct PdxAgent *agent,
                                  struct PdxPeer **out);
 
 // Closes and frees a peer; its pending batches fail. NULL is a no-op.
+//
+// Threads: every other call on the same `PdxPeer` may run concurrently with the others,
+// from any thread. This one may not race any of them: it frees the handle,
+// so no call on the same `PdxPeer` may be in flight when it starts, and none may start
+// after it. (The Python package enforces this: its `Peer.close()` waits for the
+// calls in flight and refuses later ones with a typed error.)
 void pdxfer_peer_close(struct PdxPeer *peer);
 
 // The transport the peer uses (`PDXFER_TRANSPORT_*`), written to `out`.
@@ -973,10 +1011,22 @@ PdxStatus pdxfer_registration_hello_json(const struct PdxRegistration *registrat
 
 // Removes the entry from the store at once, stops the keep-alive thread and
 // frees the handle (also when removal fails). NULL is a no-op.
+//
+// Threads: every other call on the same `PdxRegistration` may run concurrently with the others,
+// from any thread. This one may not race any of them: it frees the handle,
+// so no call on the same `PdxRegistration` may be in flight when it starts, and none may start
+// after it. (The Python package enforces this: its `Registration.deregister()` waits for the
+// calls in flight and refuses later ones with a typed error.)
 PdxStatus pdxfer_registration_deregister(struct PdxRegistration *registration);
 
 // Stops the keep-alive thread and frees the handle; the entry expires with
 // its lease. NULL is a no-op.
+//
+// Threads: every other call on the same `PdxRegistration` may run concurrently with the others,
+// from any thread. This one may not race any of them: it frees the handle,
+// so no call on the same `PdxRegistration` may be in flight when it starts, and none may start
+// after it. (The Python package enforces this: its `Registration.close()` waits for the
+// calls in flight and refuses later ones with a typed error.)
 PdxStatus pdxfer_registration_destroy(struct PdxRegistration *registration);
 
 // The library's ABI version: `(major << 16) | minor`.

@@ -93,6 +93,7 @@ pub extern "C" fn pdxfer_agent_create(
                 Some(ptr::c_str(o.listen, "listen")?.to_string())
             }
         };
+        ptr::check_out(out, "agent output pointer")?;
         let agent = Agent::new(&AgentOptions {
             listen,
             ..Default::default()
@@ -104,6 +105,14 @@ pub extern "C" fn pdxfer_agent_create(
 
 /// Destroys an agent: stops listening and closes its receiver sessions.
 /// NULL is a no-op. The handle must not be used afterwards.
+///
+/// Threads: every other call on the same `PdxAgent` may run concurrently with the others,
+/// from any thread. This one may not race any of them: it frees the handle,
+/// so no call on the same `PdxAgent` may be in flight when it starts, and none may start
+/// after it. (The Python package enforces this: its `Agent.close()` waits for the
+/// calls in flight and refuses later ones with a typed error.)
+/// `PdxPeer` handles opened from the agent are separate handles, closed with
+/// `pdxfer_peer_close` (close them first).
 #[no_mangle]
 pub extern "C" fn pdxfer_agent_destroy(agent: *mut PdxAgent) {
     let _ = boundary(|| {
@@ -142,6 +151,7 @@ pub extern "C" fn pdxfer_agent_next_completion(
 ) -> PdxStatus {
     boundary(|| {
         let a = ptr::handle(agent, "agent")?;
+        ptr::check_versioned_out(out)?;
         match a.agent.next_completion(Duration::from_millis(timeout_ms)) {
             Some(inc) => {
                 ptr::write_versioned(out, &PdxCompletion::from_rust(&inc.completion, Some(&inc)))?;

@@ -282,9 +282,7 @@ pub extern "C" fn pdxfer_engine_create(
     out: *mut *mut PdxEngine,
 ) -> PdxStatus {
     boundary(|| {
-        if out.is_null() {
-            return Err(Error::new(Status::NullArgument, "out is NULL"));
-        }
+        ptr::check_out(out, "out")?;
         let cfg = config_from_c(config)?;
         // SAFETY: the caller keeps the pool and aux memory valid until destroy (documented contract above).
         let engine = unsafe { Engine::new(cfg) }?;
@@ -295,6 +293,12 @@ pub extern "C" fn pdxfer_engine_create(
 
 /// Deregisters the rank, stops the engine's threads and frees the handle.
 /// NULL is a no-op. The handle must not be used afterwards.
+///
+/// Threads: every other call on the same `PdxEngine` may run concurrently with the others,
+/// from any thread. This one may not race any of them: it frees the handle,
+/// so no call on the same `PdxEngine` may be in flight when it starts, and none may start
+/// after it. (The Python package enforces this: its `Engine.close()` waits for the
+/// calls in flight and refuses later ones with a typed error.)
 #[no_mangle]
 pub extern "C" fn pdxfer_engine_destroy(engine: *mut PdxEngine) -> PdxStatus {
     boundary(|| {
@@ -408,9 +412,7 @@ pub extern "C" fn pdxfer_engine_wait(
 ) -> PdxStatus {
     boundary(|| {
         let e = eng(engine)?;
-        if out_poll.is_null() {
-            return Err(Error::new(Status::NullArgument, "out_poll is NULL"));
-        }
+        ptr::check_out(out_poll, "out_poll")?;
         let p = e.wait(room, Duration::from_millis(timeout_ms));
         ptr::write_out(out_poll, p as i32, "out_poll")?;
         ok()
@@ -452,7 +454,11 @@ pub extern "C" fn pdxfer_engine_abort(
     out_fenced: *mut u32,
 ) -> PdxStatus {
     boundary(|| {
-        let f = eng(engine)?.abort(room)?;
+        let e = eng(engine)?;
+        if !out_fenced.is_null() {
+            ptr::check_out(out_fenced, "out_fenced")?;
+        }
+        let f = e.abort(room)?;
         if !out_fenced.is_null() {
             ptr::write_out(out_fenced, u32::from(f), "out_fenced")?;
         }
