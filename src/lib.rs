@@ -6,7 +6,6 @@
 #![warn(missing_docs)]
 
 pub mod bootstrap;
-pub mod cli;
 pub mod engine;
 pub mod error;
 pub mod ffi;

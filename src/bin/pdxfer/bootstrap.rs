@@ -1,7 +1,7 @@
 //! `pdxfer bootstrap`: the standalone bootstrap server.
 
-use crate::bootstrap::{BootstrapServer, ServerConfig};
 use clap::Args;
+use pdxfer::bootstrap::{BootstrapServer, ServerConfig};
 use std::io::Write;
 
 /// Arguments of `pdxfer bootstrap`.
@@ -14,18 +14,18 @@ pub struct BootstrapArgs {
     #[arg(long, env = "PDXFER_BOOTSTRAP_TOKEN", hide_env_values = true)]
     token: Option<String>,
     /// Largest accepted request body in bytes.
-    #[arg(long, default_value_t = crate::bootstrap::server::DEFAULT_MAX_BODY)]
+    #[arg(long, default_value_t = pdxfer::bootstrap::server::DEFAULT_MAX_BODY)]
     max_body: usize,
     /// Worker threads.
     #[arg(long, default_value_t = 4)]
     workers: usize,
     /// Most live entries held (bounds memory; new keys beyond it get 503).
-    #[arg(long, default_value_t = crate::bootstrap::store::DEFAULT_MAX_ENTRIES)]
+    #[arg(long, default_value_t = pdxfer::bootstrap::store::DEFAULT_MAX_ENTRIES)]
     max_entries: usize,
 }
 
 /// Runs the server until the process is killed.
-pub fn run(a: &BootstrapArgs) -> crate::Result<()> {
+pub fn run(a: &BootstrapArgs) -> pdxfer::Result<()> {
     let server = BootstrapServer::start(ServerConfig {
         listen: a.listen.clone(),
         token: a.token.clone(),
