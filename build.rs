@@ -20,14 +20,30 @@ fn header(crate_dir: &Path) {
     println!("cargo:rerun-if-changed=src/ffi");
     println!("cargo:rerun-if-changed=src/error.rs");
     println!("cargo:rerun-if-changed=cbindgen.toml");
-    let config =
+    let mut config =
         cbindgen::Config::from_file(crate_dir.join("cbindgen.toml")).expect("read cbindgen.toml");
     std::fs::create_dir_all(crate_dir.join("include")).expect("create include/");
-    match cbindgen::Builder::new()
-        .with_crate(crate_dir)
-        .with_config(config)
-        .generate()
-    {
+    let generate = |config: &cbindgen::Config| {
+        cbindgen::Builder::new()
+            .with_crate(crate_dir)
+            .with_config(config.clone())
+            .generate()
+    };
+    // cbindgen exports every `pub const` of the crate as a macro. Internal
+    // constants (wire versions, limits) must not reach C users, where names
+    // like `VERSION` collide with autoconf's: a first pass finds the unprefixed
+    // macros, the second pass excludes them. `tests/header.rs` checks the result.
+    let bindings = generate(&config).and_then(|first| {
+        let mut text = Vec::new();
+        first.write(&mut text);
+        let internal = unprefixed_macros(&String::from_utf8_lossy(&text), &config);
+        if internal.is_empty() {
+            return Ok(first);
+        }
+        config.export.exclude.extend(internal);
+        generate(&config)
+    });
+    match bindings {
         Ok(bindings) => {
             bindings.write_to_file(crate_dir.join("include/pdxfer.h"));
         }
@@ -36,6 +52,19 @@ fn header(crate_dir: &Path) {
             println!("cargo:warning=cbindgen could not generate include/pdxfer.h: {e}");
         }
     }
+}
+
+/// Names of the `#define`d macros in `header` that lack the `PDXFER_` prefix,
+/// except the include guard.
+fn unprefixed_macros(header: &str, config: &cbindgen::Config) -> Vec<String> {
+    header
+        .lines()
+        .filter_map(|l| l.trim_start().strip_prefix("#define "))
+        .filter_map(|rest| rest.split_whitespace().next())
+        .filter(|name| !name.starts_with("PDXFER_"))
+        .filter(|name| config.include_guard.as_deref() != Some(*name))
+        .map(|name| name.split('(').next().unwrap_or(name).to_string())
+        .collect()
 }
 
 /// The nvcc to use, if any.

@@ -8,22 +8,6 @@
 #include <stddef.h>
 #include <stdint.h>
 
-// Version of the authentication exchange.
-#define AUTH_VERSION 1
-
-// Shortest secret accepted (bytes).
-#define MIN_SECRET_BYTES 16
-
-// Version of the control protocol; a peer with another version is refused.
-#define CONTROL_VERSION 1
-
-// Largest accepted control line (a page list of a very long request fits).
-#define MAX_LINE (64 << 20)
-
-// Cleared rooms remembered; older tombstones are forgotten (a message for a
-// room cleared that long ago is then "unknown room", still never applied).
-#define MAX_TOMBSTONES 65536
-
 // Compute a checksum; the receiver verifies it over the landed bytes.
 #define PDXFER_BATCH_CHECKSUM 1
 
@@ -97,21 +81,6 @@
 
 // Every prefill CP rank transfers its shard.
 #define PDXFER_MAP_ALL_CP_RANKS 1
-
-// Spans each warp copies per entry by default (see [`launch_dims`]).
-#define DEFAULT_SPANS_PER_WARP 4
-
-// Wire protocol version; peers with another version are refused at the handshake.
-#define VERSION 1
-
-// Largest control payload accepted (descriptor lists, write intents).
-#define MAX_CONTROL_PAYLOAD (64 << 20)
-
-// Size of a data frame header.
-#define DATA_HEADER_LEN 48
-
-// Data frame flag: the receiver sums piece checksums for this batch.
-#define DATA_FLAG_CHECKSUM 1
 
 // Stable status codes shared by Rust, C (`PdxStatus`) and Python (`.code`).
 enum PdxStatus

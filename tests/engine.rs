@@ -3,6 +3,8 @@
 //! transports, and rdma over the in-process fake NIC fabric; every received
 //! byte is checked.
 
+mod common;
+
 use pdxfer::bootstrap::schema::Role;
 use pdxfer::bootstrap::server::{BootstrapServer, ServerConfig};
 use pdxfer::engine::synthetic::SyntheticPools;
@@ -458,7 +460,7 @@ fn state_rows_follow_the_kv_to_every_decode_rank() {
 #[test]
 fn rdma_engine_without_a_nic_is_typed() {
     if std::path::Path::new("/sys/class/infiniband").exists() {
-        eprintln!("skipped: this machine has /sys/class/infiniband");
+        common::skip("rdma-nic", "this machine has /sys/class/infiniband");
         return;
     }
     let pools = SyntheticPools::new(LAYERS, ROW, P, 4, 8, 32).unwrap();
