@@ -409,6 +409,8 @@ mod tests {
                     "peer_identity",
                     "batch_failed",
                     "transport_unavailable",
+                    "auth_failed",
+                    "auth_required",
                 ],
             ),
             (
