@@ -72,6 +72,16 @@ pub fn main() -> i32 {
 fn info(json: bool) -> crate::Result<()> {
     let cuda = crate::relayout::gpu::probe();
     let nvrtc = crate::relayout::gpu::probe_nvrtc();
+    // which kernel image device 0's driver loads (only where a device exists)
+    let kernels = match &cuda {
+        Ok(i) if i.device_count > 0 => crate::relayout::gpu::probe_kernels(0),
+        Ok(_) => Err(crate::Error::new(crate::Status::Cuda, "no CUDA device")),
+        Err(e) => Err(e.clone()),
+    };
+    let images: Vec<String> = crate::relayout::gpu::kernels::IMAGES
+        .iter()
+        .map(|i| i.describe())
+        .collect();
     let nccl = crate::transport::nccl::probe();
     let rdma = crate::transport::rdma::list_devices();
     let rdma_json = rdma_info(&rdma);
@@ -85,8 +95,10 @@ fn info(json: bool) -> crate::Result<()> {
         "version": env!("CARGO_PKG_VERSION"),
         "abi_version": format!("{}.{}", crate::ABI_VERSION_MAJOR, crate::ABI_VERSION_MINOR),
         "features": {"rdma": cfg!(feature = "rdma"), "cuda": cfg!(feature = "cuda"), "nccl": cfg!(feature = "nccl")},
-        "cuda": show(cuda.map(|i| format!("{} device(s)", i.device_count))),
-        "nvrtc": show(nvrtc.map(|_| "loaded".to_string())),
+        "cuda": show(cuda.map(|i| i.describe())),
+        "kernels": show(kernels),
+        "kernel_images": images,
+        "nvrtc": show(nvrtc),
         "nccl": show(nccl.map(|v| format!("version {v}"))),
         "rdma": rdma_json,
     });
@@ -98,7 +110,7 @@ fn info(json: bool) -> crate::Result<()> {
             env!("CARGO_PKG_VERSION"),
             v["abi_version"].as_str().unwrap_or("")
         );
-        for k in ["cuda", "nvrtc", "nccl", "rdma"] {
+        for k in ["cuda", "kernels", "nvrtc", "nccl", "rdma"] {
             let e = &v[k];
             let state = if e["available"].as_bool() == Some(true) {
                 "yes"
@@ -106,7 +118,7 @@ fn info(json: bool) -> crate::Result<()> {
                 "no "
             };
             println!(
-                "  {k:<6} {state}  {}{}",
+                "  {k:<7} {state}  {}{}",
                 e["kind"]
                     .as_str()
                     .map(|k| format!("[{k}] "))
