@@ -298,7 +298,7 @@ fn child_kernel_images_on_fake_driver() {
         );
     }
     set_driver(12080);
-    let g = GpuRelayout::new(0).unwrap();
+    let mut g = GpuRelayout::new(0).unwrap();
 
     // Stream work runs only when waited: an upload is not visible to a
     // plain read until an event after it is waited; a query before that
@@ -332,6 +332,46 @@ fn child_kernel_images_on_fake_driver() {
     // SAFETY: the copy's event completed; the buffer holds 64 bytes.
     let got = unsafe { std::slice::from_raw_parts(pinned.as_ptr(), 64) };
     assert_eq!(got, &[9u8; 64][..], "the copy did not run at its event");
+    // Gathers enqueued back to back without a wait: each uploads its tables
+    // through a pinned staging buffer the next-but-one reuses, which must not
+    // be rewritten before its copy ran (the fake reads a pinned source only
+    // when the copy runs). Each destination must hold its own gather.
+    {
+        use pdxfer::layout::Run;
+        use pdxfer::relayout::CopyEntry;
+        let rows = 16u64;
+        let src_bytes: Vec<u8> = (0..rows * 32).map(|i| (i * 7 + 1) as u8).collect();
+        let src = g.alloc(src_bytes.len()).unwrap();
+        g.upload(&src, 0, &src_bytes).unwrap();
+        let dsts: Vec<_> = (0..3).map(|_| g.alloc(4 * 32).unwrap()).collect();
+        let mut last = None;
+        for (k, d) in dsts.iter().enumerate() {
+            let e = [CopyEntry {
+                src: src.ptr(),
+                dst: d.ptr(),
+                row_bytes: 32,
+                reserved: 0,
+            }];
+            let spans = [Run {
+                src: 3 * k as u64 + 1,
+                dst: 0,
+                len: 4,
+            }];
+            // SAFETY: rows 1..11 of a 16-row source, 4 rows into a 4-row destination.
+            last = Some(unsafe { g.gather(&e, &spans) }.unwrap());
+        }
+        last.unwrap().wait().unwrap();
+        for (k, d) in dsts.iter().enumerate() {
+            let mut got = vec![0u8; 4 * 32];
+            d.read(0, &mut got).unwrap();
+            let at = (3 * k + 1) * 32;
+            assert_eq!(
+                got,
+                src_bytes[at..at + 4 * 32],
+                "gather {k} ran another's tables"
+            );
+        }
+    }
     println!("fake-driver images child: stream work waits for its event");
 
     // VMM: one VA range of 4 KiB chunks; RANGE_SIZE covers one chunk, the
@@ -1179,17 +1219,12 @@ fn child_engine_decode_device_pools_on_fake_driver() {
             htod >= 2 * dcp as u64,
             "{case}: only {htod} waited host-to-device copies"
         );
-        // the tcp streams' bounce buffers are page-locked: with host prefill
-        // pools every copy is the decode's, from pinned memory (a device
-        // prefill also uploads its gather tables from the heap)
-        if prefill_device {
-            assert!(pinned >= 2 * dcp as u64, "{case}: {pinned} pinned copies");
-        } else {
-            assert_eq!(
-                pinned, htod,
-                "{case}: a host-to-device copy from pageable memory"
-            );
-        }
+        // the tcp streams' bounce buffers are page-locked, and so are a device
+        // prefill's table staging buffers: no copy is from pageable memory
+        assert_eq!(
+            pinned, htod,
+            "{case}: a host-to-device copy from pageable memory"
+        );
         println!(
             "fake-driver decode child: {case} DCP 1->{dcp} over {htod} host-to-device copies, every byte checked"
         );

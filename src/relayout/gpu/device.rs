@@ -290,6 +290,16 @@ pub struct GatherSlice {
     pub base: u64,
 }
 
+/// A page-locked host buffer the relayout tables are copied from, and the
+/// event after the last copy out of it: a table upload from pageable memory
+/// may make the driver wait for the stream (it stages through pinned memory),
+/// which would stall the host between slices.
+#[derive(Default)]
+struct TableStage {
+    buf: Option<PinnedBuffer>,
+    copied: Option<GpuEvent>,
+}
+
 /// The relayout engine of one device: context, stream, kernels, tables.
 pub struct GpuRelayout {
     ctx: Arc<CudaContext>,
@@ -301,6 +311,8 @@ pub struct GpuRelayout {
     driver: i32,
     tables: Option<DeviceBuffer>,
     retired: Vec<(DeviceBuffer, GpuEvent)>,
+    staging: [TableStage; 2],
+    next_stage: usize,
     spans_per_warp: u32,
 }
 
@@ -342,6 +354,8 @@ impl GpuRelayout {
             driver,
             tables: None,
             retired: Vec::new(),
+            staging: [TableStage::default(), TableStage::default()],
+            next_stage: 0,
             spans_per_warp: crate::relayout::DEFAULT_SPANS_PER_WARP,
         })
     }
@@ -480,21 +494,58 @@ impl GpuRelayout {
         Ok(self.tables.as_ref().map_or(0, |t| t.ptr))
     }
 
-    /// Uploads `entries` and `spans` to the table buffer, stream-ordered.
-    /// Returns the device addresses of the two tables.
+    /// Uploads `entries` and `spans` to the table buffer, stream-ordered,
+    /// through one of two pinned staging buffers (used in turn, each
+    /// rewritten only after the event of its previous copy: in the slice
+    /// pipeline that copy belongs to a slice already waited on, so this does
+    /// not block). Falls back to a copy from pageable memory when pinned
+    /// memory cannot be had. Returns the device addresses of the two tables.
     fn upload_tables(&mut self, entries: &[CopyEntry], spans: &[Run]) -> Result<(u64, u64)> {
         let eb = std::mem::size_of_val(entries);
         let sb = std::mem::size_of_val(spans);
         let base = self.tables(eb + sb)?;
         self.bind()?;
         let stream = self.stream.cu_stream();
-        // SAFETY: both copies fit in the table buffer (sized above); the host
-        // slices outlive the calls, and async copies from pageable memory have
-        // taken the bytes when they return.
+        let slot = self.next_stage;
+        self.next_stage ^= 1;
+        if let Some(ev) = self.staging[slot].copied.take() {
+            ev.wait()?;
+        }
+        if self.staging[slot]
+            .buf
+            .as_ref()
+            .is_none_or(|b| b.len < eb + sb)
+        {
+            self.staging[slot].buf = None;
+            match self.alloc_pinned((eb + sb).next_power_of_two().max(4096)) {
+                Ok(b) => self.staging[slot].buf = Some(b),
+                Err(e) => log::debug!("relayout tables from pageable memory: {e}"),
+            }
+        }
+        let Some(stage) = self.staging[slot].buf.as_ref() else {
+            // SAFETY: both copies fit in the table buffer (sized above); the host
+            // slices outlive the calls, and async copies from pageable memory have
+            // taken the bytes when they return.
+            guard("cuMemcpyHtoDAsync(tables)", || unsafe {
+                result::memcpy_htod_async(base, entries, stream)?;
+                result::memcpy_htod_async(base + eb as u64, spans, stream)
+            })?;
+            return Ok((base, base + eb as u64));
+        };
+        // SAFETY: the staging buffer holds eb + sb bytes (sized above) and no
+        // copy reads it any more (its last copy's event was waited above); the
+        // sources are plain-old-data tables of those sizes.
+        let bytes = unsafe {
+            std::ptr::copy_nonoverlapping(entries.as_ptr() as *const u8, stage.ptr, eb);
+            std::ptr::copy_nonoverlapping(spans.as_ptr() as *const u8, stage.ptr.add(eb), sb);
+            std::slice::from_raw_parts(stage.ptr as *const u8, eb + sb)
+        };
+        // SAFETY: the copy fits in the table buffer; the pinned source stays
+        // untouched until the event recorded below has completed.
         guard("cuMemcpyHtoDAsync(tables)", || unsafe {
-            result::memcpy_htod_async(base, entries, stream)?;
-            result::memcpy_htod_async(base + eb as u64, spans, stream)
+            result::memcpy_htod_async(base, bytes, stream)
         })?;
+        self.staging[slot].copied = Some(self.record(false)?);
         Ok((base, base + eb as u64))
     }
 
