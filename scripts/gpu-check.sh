@@ -63,6 +63,16 @@ within() { # seconds wanted -> seconds allowed now (at least 1)
 }
 say() { echo "$@" | tee -a "$log"; }
 
+# NVRTC fallback: the binary finds libnvrtc.so.13/.12 on the loader path and in
+# Python site-packages itself; a toolkit's lib64 is added in case it is not on
+# the loader path.
+for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib; do
+    if [ -e "$d/libnvrtc.so.13" ] || [ -e "$d/libnvrtc.so.12" ] || [ -e "$d/libnvrtc.so" ]; then
+        export LD_LIBRARY_PATH="${LD_LIBRARY_PATH:+$LD_LIBRARY_PATH:}$d"
+        break
+    fi
+done
+
 say "gpu-check: $(date -u +%FT%TZ) binary $bin"
 # First: driver, kernel image, GPUDirect (the binary's --summary; its exit 3
 # means no embedded image or NVRTC loads, which the nvcc step below may fix).
@@ -72,11 +82,6 @@ src=${PIPESTATUS[0]}
 if command -v nvidia-smi >/dev/null; then
     nvidia-smi --query-gpu=name,driver_version,compute_cap,memory.total --format=csv,noheader 2>&1 | tee -a "$log"
 fi
-
-# NVRTC fallback: a toolkit's lib64 has the libnvrtc.so name cudarc looks for.
-for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib; do
-    [ -e "$d/libnvrtc.so" ] && export LD_LIBRARY_PATH="${LD_LIBRARY_PATH:+$LD_LIBRARY_PATH:}$d" && break
-done
 
 nvcc_bin=$(command -v nvcc || true)
 [ -z "$nvcc_bin" ] && [ -x /usr/local/cuda/bin/nvcc ] && nvcc_bin=/usr/local/cuda/bin/nvcc
