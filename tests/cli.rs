@@ -81,7 +81,7 @@ fn info_reports_absent_hardware_as_typed_entries() {
     let (code, out, err) = pdxfer(&["info", "--json"]);
     assert_eq!(code, 0, "{err}");
     let v: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
-    for k in ["cuda", "nvrtc", "nccl", "rdma"] {
+    for k in ["cuda", "kernels", "nvrtc", "nccl", "rdma"] {
         let e = v
             .get(k)
             .unwrap_or_else(|| panic!("info --json has no {k:?} entry: {v}"));

@@ -77,6 +77,16 @@ fn run() -> i32 {
 fn info(json: bool) -> pdxfer::Result<()> {
     let cuda = pdxfer::relayout::gpu::probe();
     let nvrtc = pdxfer::relayout::gpu::probe_nvrtc();
+    // which kernel image device 0's driver loads (only where a device exists)
+    let kernels = match &cuda {
+        Ok(i) if i.device_count > 0 => pdxfer::relayout::gpu::probe_kernels(0),
+        Ok(_) => Err(pdxfer::Error::new(pdxfer::Status::Cuda, "no CUDA device")),
+        Err(e) => Err(e.clone()),
+    };
+    let images: Vec<String> = pdxfer::relayout::gpu::kernels::IMAGES
+        .iter()
+        .map(|i| i.describe())
+        .collect();
     let nccl = pdxfer::transport::nccl::probe();
     let rdma = pdxfer::transport::rdma::list_devices();
     let rdma_json = rdma_info(&rdma);
@@ -90,8 +100,10 @@ fn info(json: bool) -> pdxfer::Result<()> {
         "version": env!("CARGO_PKG_VERSION"),
         "abi_version": format!("{}.{}", pdxfer::ABI_VERSION_MAJOR, pdxfer::ABI_VERSION_MINOR),
         "features": {"rdma": cfg!(feature = "rdma"), "cuda": cfg!(feature = "cuda"), "nccl": cfg!(feature = "nccl")},
-        "cuda": show(cuda.map(|i| format!("{} device(s)", i.device_count))),
-        "nvrtc": show(nvrtc.map(|_| "loaded".to_string())),
+        "cuda": show(cuda.map(|i| i.describe())),
+        "kernels": show(kernels),
+        "kernel_images": images,
+        "nvrtc": show(nvrtc),
         "nccl": show(nccl.map(|v| format!("version {v}"))),
         "rdma": rdma_json,
     });
@@ -103,7 +115,7 @@ fn info(json: bool) -> pdxfer::Result<()> {
             env!("CARGO_PKG_VERSION"),
             v["abi_version"].as_str().unwrap_or("")
         );
-        for k in ["cuda", "nvrtc", "nccl", "rdma"] {
+        for k in ["cuda", "kernels", "nvrtc", "nccl", "rdma"] {
             let e = &v[k];
             let state = if e["available"].as_bool() == Some(true) {
                 "yes"
@@ -111,7 +123,7 @@ fn info(json: bool) -> pdxfer::Result<()> {
                 "no "
             };
             println!(
-                "  {k:<6} {state}  {}{}",
+                "  {k:<7} {state}  {}{}",
                 e["kind"]
                     .as_str()
                     .map(|k| format!("[{k}] "))
