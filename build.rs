@@ -6,6 +6,9 @@
 //!    (compiled at run time by NVRTC), plus sm_90 PTX and an sm_90 cubin when
 //!    `nvcc` is found (`$PDXFER_NVCC`, `$CUDA_HOME/bin/nvcc`, then `PATH`).
 //!    Without nvcc the build still succeeds; see `relayout::gpu::kernels`.
+//! 3. Gives the cdylib the soname `libpdxfer.so.<ABI major>` (the major of
+//!    `src/ffi/status.rs`), so programs linked against it keep working across
+//!    minor versions and refuse another major at load time.
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -14,6 +17,25 @@ fn main() {
         PathBuf::from(std::env::var("CARGO_MANIFEST_DIR").expect("cargo sets CARGO_MANIFEST_DIR"));
     header(&crate_dir);
     kernels(&crate_dir);
+    soname(&crate_dir);
+}
+
+/// The value of `pub const NAME: u32 = N;` in `src`.
+fn const_u32(src: &str, name: &str) -> u32 {
+    let pat = format!("pub const {name}: u32 = ");
+    src.lines()
+        .find_map(|l| l.trim().strip_prefix(&pat)?.strip_suffix(';')?.parse().ok())
+        .unwrap_or_else(|| panic!("src/ffi/status.rs has no `{pat}N;`"))
+}
+
+fn soname(crate_dir: &Path) {
+    let status = crate_dir.join("src/ffi/status.rs");
+    println!("cargo:rerun-if-changed=src/ffi/status.rs");
+    let src = std::fs::read_to_string(&status).expect("read src/ffi/status.rs");
+    let major = const_u32(&src, "PDXFER_ABI_VERSION_MAJOR");
+    if std::env::var("CARGO_CFG_TARGET_OS").as_deref() == Ok("linux") {
+        println!("cargo:rustc-cdylib-link-arg=-Wl,-soname,libpdxfer.so.{major}");
+    }
 }
 
 fn header(crate_dir: &Path) {
