@@ -4,6 +4,7 @@
 mod bench;
 mod bootstrap;
 mod demo;
+pub mod logging;
 mod plan;
 mod rank;
 mod rdma_bench;
@@ -49,6 +50,7 @@ enum Cmd {
 /// Runs the CLI; returns the process exit code.
 pub fn main() -> i32 {
     let cli = Cli::parse();
+    logging::init();
     let r = match cli.cmd {
         Cmd::Info { json } => info(json),
         Cmd::Plan(a) => plan::run(&a),
