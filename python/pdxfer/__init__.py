@@ -1,8 +1,8 @@
 """pdxfer: KV-cache transfer for prefill/decode disaggregated LLM serving.
 
-A ctypes binding of ``libpdxfer.so`` (the one installed inside this package,
-else ``PDXFER_LIB`` or a source checkout's cargo target directory; see
-:func:`library_path`). The library's log records go to :mod:`logging`
+A ctypes binding of ``libpdxfer.so`` (``PDXFER_LIB`` if set, else the one
+installed inside this package, else a source checkout's cargo target
+directory; see :func:`library_path`). The library's log records go to :mod:`logging`
 (loggers ``pdxfer.*``, see :mod:`pdxfer.log`). Errors are :class:`PdxError` subclasses with ``.code`` (the
 stable status number shared with C) and ``.kind`` (its snake_case name).
 """
