@@ -47,5 +47,11 @@ make -s -C c_tests asan LIBDIR="$PWD/target/debug"
 step "Python tests"
 PDXFER_LIB="$PWD/target/debug/libpdxfer.so" python3 -m pytest -q python/tests
 
+step "C/C++ install: scripts/install.sh, examples/cpp with CMake and pkg-config"
+bash scripts/check-install.sh
+
+step "Python wheel: pip wheel ., installed into a fresh venv, python/tests against it"
+bash scripts/check-wheel.sh
+
 echo
 echo "all tests passed"
