@@ -35,8 +35,17 @@ _TO_PYTHON = {
 
 LogFn = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_uint32, ctypes.c_char_p, ctypes.c_char_p)
 
-lib.pdxfer_set_log_callback.restype = ctypes.c_int32
-lib.pdxfer_set_log_callback.argtypes = [ctypes.c_uint32, LogFn, ctypes.c_void_p]
+# ABI 1.3 added the callback; an older 1.x library (PDXFER_LIB) loads without it.
+_AVAILABLE = hasattr(lib, "pdxfer_set_log_callback")
+if _AVAILABLE:
+    lib.pdxfer_set_log_callback.restype = ctypes.c_int32
+    lib.pdxfer_set_log_callback.argtypes = [ctypes.c_uint32, LogFn, ctypes.c_void_p]
+
+
+def _set(level: int, fn) -> None:
+    if not _AVAILABLE:
+        raise NotImplementedError("the loaded libpdxfer predates pdxfer_set_log_callback (ABI 1.3)")
+    check(lib.pdxfer_set_log_callback(level, fn, None))
 
 
 def logger_name(target: str) -> str:
@@ -76,12 +85,12 @@ def _library_level(pylevel: int) -> int:
 def forward_to_logging(level: int = logging.INFO) -> None:
     """Forwards the library's records at ``level`` and more severe (a
     :mod:`logging` level; :data:`TRACE` for everything)."""
-    check(lib.pdxfer_set_log_callback(_library_level(level), _CALLBACK, None))
+    _set(_library_level(level), _CALLBACK)
 
 
 def stop() -> None:
     """Stops forwarding; when it returns no thread is inside the callback."""
-    check(lib.pdxfer_set_log_callback(LOG_OFF, LogFn(), None))
+    _set(LOG_OFF, LogFn())
 
 
 def _stop_at_exit() -> None:
@@ -93,6 +102,8 @@ def _stop_at_exit() -> None:
 
 
 def _start() -> None:
+    if not _AVAILABLE:
+        return
     try:
         forward_to_logging(min(logging.getLogger("pdxfer").getEffectiveLevel(), logging.INFO))
     except PdxError as e:
