@@ -47,6 +47,24 @@
 // `KVPoll`: every byte landed and was acknowledged.
 #define PDXFER_POLL_SUCCESS 4
 
+// Log level: forward nothing (`pdxfer_set_log_callback` level only).
+#define PDXFER_LOG_OFF 0
+
+// Log level: errors.
+#define PDXFER_LOG_ERROR 1
+
+// Log level: warnings (refused pairings, fallbacks).
+#define PDXFER_LOG_WARN 2
+
+// Log level: informational (transports chosen, engines started).
+#define PDXFER_LOG_INFO 3
+
+// Log level: debugging detail.
+#define PDXFER_LOG_DEBUG 4
+
+// Log level: tracing detail.
+#define PDXFER_LOG_TRACE 5
+
 // Host memory.
 #define PDXFER_REGION_HOST 0
 
@@ -77,7 +95,8 @@
 // ABI minor version of this header (functions or struct fields added).
 // 1.1: `PdxEngineConfig.state`, `pdxfer_engine_set_state_indices`.
 // 1.2: `PdxEngineConfig.pool_memory` / `pool_device` (KV pools in CUDA memory).
-#define PDXFER_ABI_VERSION_MINOR 2
+// 1.3: `pdxfer_set_log_callback`.
+#define PDXFER_ABI_VERSION_MINOR 3
 
 // Every prefill CP rank transfers its shard.
 #define PDXFER_MAP_ALL_CP_RANKS 1
@@ -431,6 +450,13 @@ typedef struct PdxEngineConfig {
   // ABI 1.2: CUDA device ordinal of the pools with `PDXFER_POOL_CUDA`.
   uint32_t pool_device;
 } PdxEngineConfig;
+
+// A log callback: `user` as given to `pdxfer_set_log_callback`, the record's
+// `PDXFER_LOG_*` level, its target (the Rust module path, e.g.
+// `"pdxfer::bootstrap::peer"`) and its message, both NUL-terminated and valid
+// only during the call. It may be called from any thread, including threads
+// the library started; it must not unwind (no C++ exception may leave it).
+typedef void (*PdxLogFn)(void *user, uint32_t level, const char *target, const char *message);
 
 // A registered region's descriptor.
 typedef struct PdxRegion {
@@ -838,6 +864,17 @@ PdxStatus pdxfer_engine_clear(const struct PdxEngine *engine, uint64_t room);
 PdxStatus pdxfer_engine_room_bytes(const struct PdxEngine *engine,
                                    uint64_t room,
                                    uint64_t *out_bytes);
+
+// Sets the callback that receives the library's log records at `level`
+// (`PDXFER_LOG_ERROR` .. `PDXFER_LOG_TRACE`) and more severe, replacing any
+// previous one. `callback` NULL or `level` `PDXFER_LOG_OFF` turns forwarding off.
+//
+// When it returns, the previous callback is running on no thread and will not
+// be called again, so its `user` may be freed. It must not be called from
+// inside the callback (`PDX_STATUS_INVALID_ARGUMENT`); records logged from
+// inside the callback are dropped. `PDX_STATUS_UNSUPPORTED` when the process
+// already has another Rust `log` logger (a Rust program linking the crate).
+PdxStatus pdxfer_set_log_callback(uint32_t level, PdxLogFn callback, void *user);
 
 // Registers `len` bytes of host memory at `ptr` with the agent; the
 // descriptor goes to `out` (may be NULL; one whose `struct_size` is too

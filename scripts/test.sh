@@ -92,5 +92,11 @@ if [ "$refused" -gt 0 ]; then
   exit 1
 fi
 
+step "C/C++ install: scripts/install.sh, examples/cpp with CMake and pkg-config"
+bash scripts/check-install.sh
+
+step "Python wheel: pip wheel ., installed into a fresh venv, python/tests against it"
+bash scripts/check-wheel.sh
+
 echo
 echo "all tests passed"

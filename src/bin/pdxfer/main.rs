@@ -5,6 +5,7 @@
 mod bench;
 mod bootstrap;
 mod demo;
+mod logging;
 mod plan;
 mod rank;
 mod rdma_bench;
@@ -54,6 +55,7 @@ fn main() {
 /// Runs the CLI; returns the process exit code.
 fn run() -> i32 {
     let cli = Cli::parse();
+    logging::init();
     let r = match cli.cmd {
         Cmd::Info { json } => info(json),
         Cmd::Plan(a) => plan::run(&a),

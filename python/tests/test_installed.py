@@ -1,0 +1,35 @@
+"""With PDXFER_EXPECT_INSTALLED=1 (scripts/test.sh runs the tests so, against
+the wheel installed into a fresh venv) the package under test must be the
+installed one, loading the library inside it, with no PDXFER_LIB."""
+
+import os
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+import pdxfer
+
+pytestmark = pytest.mark.skipif(os.environ.get("PDXFER_EXPECT_INSTALLED") != "1",
+                                reason="runs against an installed wheel (PDXFER_EXPECT_INSTALLED=1)")
+
+
+def test_the_installed_package_and_its_library_are_under_test():
+    assert "PDXFER_LIB" not in os.environ
+    prefix = Path(sys.prefix).resolve()
+    assert sys.prefix != sys.base_prefix, "not inside a virtual environment"
+    pkg = Path(pdxfer.__file__).resolve().parent
+    assert prefix in pkg.parents, f"pdxfer imported from {pkg}, not from the venv {prefix}"
+    lib = Path(pdxfer.library_path()).resolve()
+    assert lib.parent == pkg and lib.name.startswith("libpdxfer")
+    assert pdxfer.abi_version()[0] == pdxfer.ABI_VERSION_MAJOR
+
+
+def test_the_pdxfer_command_is_installed():
+    exe = Path(sysconfig.get_path("scripts")) / "pdxfer"
+    assert exe.is_file() and os.access(exe, os.X_OK)
+    out = subprocess.run([str(exe), "info", "--json"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert '"abi_version"' in out.stdout
