@@ -26,4 +26,9 @@ python3 -m venv "$OUT/venv"
 "$OUT/venv/bin/python" -m pip install -q numpy pytest "$wheel"
 cd "$OUT"
 env -u PDXFER_LIB -u PYTHONPATH PDXFER_EXPECT_INSTALLED=1 \
-  "$OUT/venv/bin/python" -m pytest -q -p no:cacheprovider --rootdir "$REPO/python/tests" "$REPO/python/tests"
+  "$OUT/venv/bin/python" -m pytest -q -rs -p no:cacheprovider --rootdir "$REPO/python/tests" "$REPO/python/tests" \
+  2>&1 | tee "$OUT/pytest.log"
+# skips of the installed run are recorded like the source run's (scripts/test.sh reports them)
+if [ -n "${PDXFER_SKIP_LOG:-}" ]; then
+  grep '^SKIPPED' "$OUT/pytest.log" | sed 's/^/python\twheel-pytest\t/' >>"$PDXFER_SKIP_LOG" || true
+fi

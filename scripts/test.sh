@@ -74,6 +74,12 @@ PDXFER_LIB="$PWD/target/debug/libpdxfer.so" python3 -m pytest -q -rs python/test
 grep '^SKIPPED' target/pytest.log | sed 's/^/python\tpytest\t/' >>"$PDXFER_SKIP_LOG" || true
 echo "pytest: $(grep -oE '[0-9]+ skipped' target/pytest.log | tail -n 1 || echo '0 skipped')"
 
+step "C/C++ install: scripts/install.sh, examples/cpp with CMake and pkg-config"
+bash scripts/check-install.sh
+
+step "Python wheel: pip wheel ., installed into a fresh venv, python/tests against it"
+bash scripts/check-wheel.sh
+
 step "skipped tests"
 skips=$(wc -l <"$PDXFER_SKIP_LOG")
 if [ "$skips" -gt 0 ]; then
@@ -91,12 +97,6 @@ if [ "$refused" -gt 0 ]; then
   echo "skips are allowed only by kind: PDXFER_ALLOW_SKIP=netns,etcd,cuda-tools,rdma-nic,python" >&2
   exit 1
 fi
-
-step "C/C++ install: scripts/install.sh, examples/cpp with CMake and pkg-config"
-bash scripts/check-install.sh
-
-step "Python wheel: pip wheel ., installed into a fresh venv, python/tests against it"
-bash scripts/check-wheel.sh
 
 echo
 echo "all tests passed"
