@@ -837,6 +837,14 @@ PdxStatus pdxfer_engine_room_bytes(const struct PdxEngine *engine,
                                    uint64_t room,
                                    uint64_t *out_bytes);
 
+// Prefill: the decode prefix length the decode ranks sent for the room into
+// `*out_len` and 1 into `*out_known` once their metadata has arrived; 0 and 0
+// before (and for an unknown room).
+PdxStatus pdxfer_engine_decode_prefix_len(const struct PdxEngine *engine,
+                                          uint64_t room,
+                                          uint64_t *out_len,
+                                          uint32_t *out_known);
+
 // Registers `len` bytes of host memory at `ptr` with the agent; the
 // descriptor goes to `out` (may be NULL). The memory must stay valid until
 // `pdxfer_unregister_memory` returns for it. Overlapping an existing region

@@ -932,6 +932,16 @@ impl Engine {
         lock(&self.inner.rooms).is_fenced(room)
     }
 
+    /// Prefill: the `decode_prefix_len` the decode ranks sent for the room,
+    /// once their metadata has arrived (`None` before, or for an unknown room).
+    /// The prefill's chunks start right after it: SGLang's
+    /// `pop_decode_prefix_len` reads it to skip the prefix the decode holds.
+    pub fn decode_prefix_len(&self, room: u64) -> Option<u64> {
+        lock(&self.inner.prefill_rooms)
+            .get(&room)
+            .and_then(|r| r.infos.first().map(|m| m.prefix))
+    }
+
     /// Bytes received for a decode room (from the prefill ranks' completion records).
     pub fn room_bytes(&self, room: u64) -> u64 {
         lock(&self.inner.decode_rooms)
