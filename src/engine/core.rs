@@ -898,7 +898,8 @@ impl Engine {
 
     /// Aborts a room. On decode the prefill ranks are told and answer once no
     /// write for the room can still land; [`is_fenced`](Self::is_fenced) says
-    /// when the pages may be reused. Returns whether it is fenced already.
+    /// when the pages may be reused. On prefill the decode ranks that sent
+    /// metadata are told the room failed. Returns whether it is fenced already.
     pub fn abort(&self, room: u64) -> Result<bool> {
         let attempt = lock(&self.inner.rooms).get(room)?.attempt;
         let fenced = lock(&self.inner.rooms).abort(room, attempt)?;
@@ -913,6 +914,12 @@ impl Engine {
             }
             return Ok(self.is_fenced(room));
         }
+        // the decode ranks of the room learn it now rather than at their timeout
+        let failure = lock(&self.inner.rooms)
+            .get(room)
+            .ok()
+            .and_then(|r| r.failure.clone());
+        notify_decode(&self.inner, room, false, failure);
         Ok(fenced)
     }
 
