@@ -310,3 +310,34 @@ def test_the_plugin_makes_sglangs_get_kv_class_return_pdxfer(plugin_site):
     """)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+
+
+def test_a_decode_room_fails_after_sglangs_waiting_timeout(server, monkeypatch):
+    import time
+
+    monkeypatch.setenv("PDXFER_SGLANG_POOL_MEMORY", "host")
+    monkeypatch.setenv("PDXFER_SGLANG_CLUSTER", "waiting")
+    a, keep = addr_of(server), []
+    pre = S.KVManager(_Args(0, keep), "prefill", _sa(server.port), True, parallel=dict_ns(parallel()))
+    monkeypatch.setenv("SGLANG_DISAGGREGATION_WAITING_TIMEOUT", "1")
+    dec = S.KVManager(_Args(0, keep), "decode", _sa(0), True, parallel=dict_ns(parallel()))
+    assert (pre.room_timeout, dec.room_timeout) == (600, 1)
+    try:
+        assert dec.try_ensure_parallel_info(a)
+        rcv = S.KVReceiver(dec, a, 91)
+        rcv.init(0)
+        assert rcv.poll() == S.KVPoll.WaitingForInput
+        rcv.send_metadata([1, 2], 0, None, decode_prefix_len=0)
+        t0 = time.monotonic()
+        while rcv.poll() != S.KVPoll.Failed:  # the prefill never opens the room
+            assert time.monotonic() - t0 < 10, rcv.poll()
+            time.sleep(0.02)
+        assert time.monotonic() - t0 > 0.5
+        with pytest.raises(S.KVTransferError) as e:
+            rcv.failure_exception()
+        assert e.value.kind == "timeout", e.value
+        assert not any(b.any() for b in keep[1].bufs), "nothing written"
+        rcv.clear()
+    finally:
+        dec.close()
+        pre.close()

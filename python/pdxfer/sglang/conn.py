@@ -28,7 +28,10 @@ server arguments to change where a launch setting is the cause.
 Settings (environment): ``PDXFER_SGLANG_CLUSTER`` (default ``sglang``; the
 same on prefill and decode), ``PDXFER_SGLANG_TRANSPORT`` (default ``auto``),
 ``PDXFER_SGLANG_POOL_MEMORY`` (``device``, the default, or ``host``),
-``PDXFER_SGLANG_BOOTSTRAP_TOKEN``.
+``PDXFER_SGLANG_BOOTSTRAP_TOKEN``; SGLang's own
+``SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT`` / ``SGLANG_DISAGGREGATION_WAITING_TIMEOUT``
+(300 s each) bound a room's life (prefill: both, decode: the waiting one) and
+``SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE`` turns on deferred release.
 """
 
 from __future__ import annotations
@@ -192,6 +195,11 @@ class KVManager(BaseKVManager):
         self.cluster = getattr(server_args, "pdxfer_cluster", None) or _env("PDXFER_SGLANG_CLUSTER", "sglang")
         self.transport = getattr(server_args, "pdxfer_transport", None) or _env("PDXFER_SGLANG_TRANSPORT", "auto")
         self.token = _env("PDXFER_SGLANG_BOOTSTRAP_TOKEN", None)
+        # SGLang's deadlines: a prefill room may wait for its decode (bootstrap) and
+        # then for the transfer; a decode room waits from init to the last byte
+        bootstrap_s = float(os.environ.get("SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT", "") or 300)
+        waiting_s = float(os.environ.get("SGLANG_DISAGGREGATION_WAITING_TIMEOUT", "") or 300)
+        self.room_timeout = bootstrap_s + waiting_s if self.mode == "prefill" else waiting_s
         self.enable_deferred_decode_kv_release = (
             os.environ.get("SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE", "").lower() in ("1", "true")
         )
@@ -231,14 +239,16 @@ class KVManager(BaseKVManager):
             e = self._engines.get((url, draft))
             if e is None:
                 lay = self.layout
+                tmo = self.room_timeout
                 if draft:
                     e = Engine(self.mode, self.cluster + ".draft", url, self.draft_topology, self.draft_pools,
                                token=self.token, transport=self.transport, dp_size=lay.dp_size,
-                               dp_rank=lay.dp_rank, pool_device=self.pool_device)
+                               dp_rank=lay.dp_rank, pool_device=self.pool_device, room_timeout=tmo)
                 else:
                     e = Engine(self.mode, self.cluster, url, self.topology, self.pools, aux=self.aux,
                                state=self.state, token=self.token, transport=self.transport,
-                               dp_size=lay.dp_size, dp_rank=lay.dp_rank, pool_device=self.pool_device)
+                               dp_size=lay.dp_size, dp_rank=lay.dp_rank, pool_device=self.pool_device,
+                               room_timeout=tmo)
                 self._engines[(url, draft)] = e
             return e
 
