@@ -23,6 +23,7 @@ Nothing of SGLang is modified on disk.
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -73,6 +74,9 @@ def handle_pd_disaggregation_hook(original: Any, server_args: Any, *args: Any, *
                   and int(cfg.dcp_size or 1) > 1)
     if not dcp_decode:
         return original(server_args, *args, **kwargs)
+    if os.environ.get("SGLANG_DISAGG_STAGING_BUFFER", "").lower() in ("1", "true"):
+        raise ValueError("SGLANG_DISAGG_STAGING_BUFFER requires disaggregation_transfer_backend='mooncake' or "
+                         "'nixl', got 'pdxfer' (pdxfer stages through its own buffers: unset it)")
     declare_resolution(server_args, "pdxfer.sglang.plugin", disaggregation_transfer_backend="nixl")
     try:
         return original(server_args, *args, **kwargs)
