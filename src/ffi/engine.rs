@@ -818,6 +818,14 @@ mod tests {
             PdxStatus::Ok
         );
         assert_eq!((plen, known), (0, 0), "no metadata for an unknown room");
+        assert_eq!(
+            pdxfer_engine_decode_prefix_len(pe, room, null_mut(), &mut known),
+            PdxStatus::NullArgument
+        );
+        assert_eq!(
+            pdxfer_engine_decode_prefix_len(null(), room, &mut plen, &mut known),
+            PdxStatus::NullArgument
+        );
         // 118 tokens: 5 full pages, then 3 pages holding 38
         assert_eq!(
             pdxfer_engine_send(pe, room, src.as_ptr(), 5, 80, 0, 2),
