@@ -341,3 +341,23 @@ def test_a_decode_room_fails_after_sglangs_waiting_timeout(server, monkeypatch):
     finally:
         dec.close()
         pre.close()
+
+
+def test_a_failed_prefill_room_is_forgotten_by_failure_exception(server, monkeypatch):
+    monkeypatch.setenv("PDXFER_SGLANG_POOL_MEMORY", "host")
+    monkeypatch.setenv("PDXFER_SGLANG_CLUSTER", "reuse")
+    pre = S.KVManager(_Args(0, []), "prefill", _sa(server.port), True, parallel=dict_ns(parallel()))
+    try:
+        snd = S.KVSender(pre, addr_of(server), 95)
+        assert snd.poll() == S.KVPoll.Bootstrapping
+        snd.abort()  # the scheduler aborts the request; it never calls clear() on this path
+        assert snd.poll() == S.KVPoll.Failed
+        with pytest.raises(S.KVTransferError) as e:
+            snd.failure_exception()
+        assert not e.value.is_from_another_rank and "aborted" in e.value.failure_reason
+        again = S.KVSender(pre, addr_of(server), 95)
+        assert again.poll() == S.KVPoll.Bootstrapping, "the room id is free again"
+        again.abort()
+        again.clear()
+    finally:
+        pre.close()

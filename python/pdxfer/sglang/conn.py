@@ -390,13 +390,15 @@ class _Room:
 
     def failure_exception(self) -> None:
         """Raises why the room failed (:class:`KVTransferError`, typed ``.kind``)."""
-        if self._error is not None:
-            raise self._error
-        for r in self._rooms:
-            cause = r.failure_exception()
-            if cause is not None:
-                raise KVTransferError(self.bootstrap_room, sglang_hint(cause), cause)
-        raise KVTransferError(self.bootstrap_room, "room failed without a recorded reason")
+        if self._error is None:
+            for r in self._rooms:
+                cause = r.failure_exception()
+                if cause is not None:
+                    self._error = KVTransferError(self.bootstrap_room, sglang_hint(cause), cause)
+                    break
+            else:
+                self._error = KVTransferError(self.bootstrap_room, "room failed without a recorded reason")
+        raise self._error
 
     def abort(self) -> None:
         """Aborts the room (the peers are told; see ``is_abort_release_safe``)."""
@@ -410,13 +412,15 @@ class _Room:
         return all(r.is_fenced() for r in self._rooms)
 
     def clear(self) -> None:
-        """Forgets the (terminal) room so its id can be reused."""
+        """Forgets the (terminal) room so its id can be reused; a room whose
+        writes are still in flight is kept, and forgotten by a later ``clear``."""
+        kept = []
         for r in self._rooms:
             try:
                 r.clear()
             except PdxError:
-                pass
-        self._rooms = []
+                kept.append(r)
+        self._rooms = kept
 
 
 class KVSender(_Room, BaseKVSender):
@@ -446,6 +450,14 @@ class KVSender(_Room, BaseKVSender):
         if st == KVPoll.Success and self._t_done is None:
             self._t_done = time.monotonic()
         return st
+
+    def failure_exception(self) -> None:
+        """Raises why the room failed and forgets the room, as SGLang's senders
+        do (the scheduler does not ``clear`` a failed prefill request)."""
+        try:
+            super().failure_exception()
+        finally:
+            self.clear()
 
     def poll_pp_consensus(self) -> int:
         """PP rank 0's poll, which SGLang forwards to the other PP ranks."""
