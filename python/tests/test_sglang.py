@@ -166,6 +166,7 @@ def test_pp2_prefill_to_one_decode(server):
     assert [x["poll"] for x in d] == [SUCCESS, SUCCESS], d
     assert d[0]["bytes_checked"] == 77 * ROW * 4
     assert [x["prefix_seen"] for x in p0 + p1] == [0, 8, 0, 8]
+    assert not d[0]["checksum_comparable"], "each PP stage digests its own layers"
 
 
 def test_hybrid_model_state_pools_move_with_the_room(server):
@@ -174,6 +175,16 @@ def test_hybrid_model_state_pools_move_with_the_room(server):
     (p,), (d,) = run([spec("prefill", a, rooms, mla=False, state=True, port=server.port)],
                      [spec("decode", a, rooms, mla=False, state=True)])
     assert [x["poll"] for x in d] == [SUCCESS, SUCCESS], d
+
+
+def test_state_rows_reach_every_decode_dcp_rank(server):
+    """Mamba state is not DCP-sharded: every DCP rank gets the request's rows."""
+    a = addr_of(server)
+    rooms = [{"room": 63, "total": 70, "prefix": 0, "chunk": 32}]
+    (p,), ds = run([spec("prefill", a, rooms, state=True, port=server.port)],
+                   [spec("decode", a, rooms, state=True, par=parallel(tp=2, rank=r, dcp=2), engine_rank=r)
+                    for r in range(2)])
+    assert [[x["poll"] for x in d] for d in ds] == [[SUCCESS], [SUCCESS]], ds
 
 
 class _Args:

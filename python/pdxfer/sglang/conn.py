@@ -298,11 +298,12 @@ class KVManager(BaseKVManager):
 
     def should_verify_kv_checksum(self, bootstrap_addr: str) -> bool:
         """A decode rank's KV equals the prefill's digested range only when
-        neither DCP relayout nor a TP width change splits it."""
+        neither DCP relayout, a TP width change nor PP stages split it."""
         info = self.prefill_info_table.get(bootstrap_addr)
         if info is None:
             return False
-        return info.dcp_size == self.layout.dcp_size and info.attn_tp_size == self.layout.attn_tp_size
+        lay = self.layout
+        return (info.dcp_size, info.attn_tp_size, info.pp_size) == (lay.dcp_size, lay.attn_tp_size, lay.pp_size)
 
     # ----- decode-side helpers the scheduler calls -----
 
