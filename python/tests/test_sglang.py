@@ -90,13 +90,16 @@ def addr_of(srv):
     return f"127.0.0.1:{srv.port}"
 
 
-def test_mha_one_to_one_chunked_with_decode_prefix_hit(server):
+@pytest.mark.parametrize("path", ["plugin", "classes"])
+def test_mha_one_to_one_chunked_with_decode_prefix_hit(server, plugin_site, path):
+    """``plugin``: the classes come from SGLang's get_kv_class; ``classes``: from pdxfer.sglang."""
     a = addr_of(server)
+    site = plugin_site if path == "plugin" else None
     rooms = [{"room": 11, "total": 45, "prefix": 0, "chunk": 16},
              {"room": 12, "total": 61, "prefix": 16, "chunk": 24},  # decode prefix-cache hit
              {"room": 13, "total": 8, "prefix": 0, "chunk": 0}]
-    (p,), (d,) = run([spec("prefill", a, rooms, mla=False, port=server.port)],
-                     [spec("decode", a, rooms, mla=False)])
+    (p,), (d,) = run([spec("prefill", a, rooms, mla=False, port=server.port, site=site)],
+                     [spec("decode", a, rooms, mla=False, site=site)])
     assert [r["poll"] for r in d] == [SUCCESS] * 3, d
     assert [r["poll"] for r in p] == [SUCCESS] * 3, p
     assert [r["prefix_seen"] for r in p] == [0, 16, 0], "pop_decode_prefix_len is the decode's prefix"
@@ -123,7 +126,8 @@ def test_mla_one_to_dcp_ranks_through_the_plugin(server, plugin_site, dcp):
 
 def test_speculative_draft_entry_is_replicated_to_every_dcp_rank(server, plugin_site):
     a = addr_of(server)
-    rooms = [{"room": 81, "total": 100, "prefix": 0, "chunk": 32}, {"room": 82, "total": 70, "prefix": 2 * PAGE * 2, "chunk": 0}]
+    rooms = [{"room": 81, "total": 100, "prefix": 0, "chunk": 32},
+             {"room": 82, "total": 70, "prefix": 2 * PAGE * 2, "chunk": 0}]
     (p,), ds = run([spec("prefill", a, rooms, draft=1, port=server.port, site=plugin_site)],
                    [spec("decode", a, rooms, draft=1, par=parallel(tp=2, rank=r, dcp=2), engine_rank=r,
                          site=plugin_site) for r in range(2)])
@@ -134,12 +138,13 @@ def test_speculative_draft_entry_is_replicated_to_every_dcp_rank(server, plugin_
     assert [x["poll"] for x in p] == [SUCCESS, SUCCESS], p
 
 
-def test_abort_mid_transfer_on_either_side(server):
+def test_abort_mid_transfer_on_either_side(server, plugin_site):
     a = addr_of(server)
     rooms = [{"room": 31, "total": 160, "prefix": 0, "chunk": 16, "abort": "decode"},
              {"room": 32, "total": 160, "prefix": 0, "chunk": 16, "abort": "prefill"},
              {"room": 33, "total": 40, "prefix": 0, "chunk": 16}]
-    (p,), (d,) = run([spec("prefill", a, rooms, port=server.port)], [spec("decode", a, rooms)])
+    (p,), (d,) = run([spec("prefill", a, rooms, site=plugin_site, port=server.port)],
+                     [spec("decode", a, rooms, site=plugin_site)])
     assert [x["poll"] for x in d] == [FAILED, FAILED, SUCCESS], d
     assert d[0]["fenced"]
     assert d[0]["error"][0] == "KVTransferError" and d[0]["error"][3], "SGLang reads failure_reason"
@@ -147,42 +152,43 @@ def test_abort_mid_transfer_on_either_side(server):
     assert p[1]["error"][0] == "KVTransferError"
 
 
-def test_dp_prefill_follows_the_bootstrap_room(server):
+def test_dp_prefill_follows_the_bootstrap_room(server, plugin_site):
     a = addr_of(server)
     rooms = [{"room": 40 + i, "total": 30 + 7 * i, "prefix": 0, "chunk": 16} for i in range(4)]
-    prefills = [spec("prefill", a, [r for r in rooms if r["room"] % 2 == g], port=server.port, dp_rank=g,
-                     par=parallel(dp=2)) for g in range(2)]
-    (p0, p1), (d,) = run(prefills, [spec("decode", a, rooms)])
+    prefills = [spec("prefill", a, [r for r in rooms if r["room"] % 2 == g], site=plugin_site,
+                     port=server.port, dp_rank=g, par=parallel(dp=2)) for g in range(2)]
+    (p0, p1), (d,) = run(prefills, [spec("decode", a, rooms, site=plugin_site)])
     assert [x["poll"] for x in d] == [SUCCESS] * 4, d
     assert [x["room"] for x in p0] == [40, 42] and all(x["poll"] == SUCCESS for x in p0 + p1)
 
 
-def test_pp2_prefill_to_one_decode(server):
+def test_pp2_prefill_to_one_decode(server, plugin_site):
     a = addr_of(server)
     rooms = [{"room": 51, "total": 77, "prefix": 0, "chunk": 32}, {"room": 52, "total": 40, "prefix": 8, "chunk": 0}]
-    prefills = [spec("prefill", a, rooms, layers=4, local_layers=2, start_layer=2 * k, port=server.port,
-                     par=parallel(pp=2, pp_rank=k)) for k in range(2)]
-    (p0, p1), (d,) = run(prefills, [spec("decode", a, rooms, layers=4)])
+    prefills = [spec("prefill", a, rooms, site=plugin_site, layers=4, local_layers=2, start_layer=2 * k,
+                     port=server.port, par=parallel(pp=2, pp_rank=k)) for k in range(2)]
+    (p0, p1), (d,) = run(prefills, [spec("decode", a, rooms, site=plugin_site, layers=4)])
     assert [x["poll"] for x in d] == [SUCCESS, SUCCESS], d
     assert d[0]["bytes_checked"] == 77 * ROW * 4
     assert [x["prefix_seen"] for x in p0 + p1] == [0, 8, 0, 8]
     assert not d[0]["checksum_comparable"], "each PP stage digests its own layers"
 
 
-def test_hybrid_model_state_pools_move_with_the_room(server):
+def test_hybrid_model_state_pools_move_with_the_room(server, plugin_site):
     a = addr_of(server)
     rooms = [{"room": 61, "total": 50, "prefix": 0, "chunk": 16}, {"room": 62, "total": 20, "prefix": 8, "chunk": 0}]
-    (p,), (d,) = run([spec("prefill", a, rooms, mla=False, state=True, port=server.port)],
-                     [spec("decode", a, rooms, mla=False, state=True)])
+    (p,), (d,) = run([spec("prefill", a, rooms, site=plugin_site, mla=False, state=True, port=server.port)],
+                     [spec("decode", a, rooms, site=plugin_site, mla=False, state=True)])
     assert [x["poll"] for x in d] == [SUCCESS, SUCCESS], d
 
 
-def test_state_rows_reach_every_decode_dcp_rank(server):
+def test_state_rows_reach_every_decode_dcp_rank(server, plugin_site):
     """Mamba state is not DCP-sharded: every DCP rank gets the request's rows."""
     a = addr_of(server)
     rooms = [{"room": 63, "total": 70, "prefix": 0, "chunk": 32}]
-    (p,), ds = run([spec("prefill", a, rooms, state=True, port=server.port)],
-                   [spec("decode", a, rooms, state=True, par=parallel(tp=2, rank=r, dcp=2), engine_rank=r)
+    (p,), ds = run([spec("prefill", a, rooms, site=plugin_site, state=True, port=server.port)],
+                   [spec("decode", a, rooms, site=plugin_site, state=True, par=parallel(tp=2, rank=r, dcp=2),
+                         engine_rank=r)
                     for r in range(2)])
     assert [[x["poll"] for x in d] for d in ds] == [[SUCCESS], [SUCCESS]], ds
 
@@ -310,7 +316,8 @@ def test_the_plugin_makes_sglangs_get_kv_class_return_pdxfer(plugin_site):
         assert got[K.MANAGER] is conn.KVManager and issubclass(conn.KVManager, BaseKVManager)
         assert got[K.SENDER] is conn.KVSender and issubclass(conn.KVSender, BaseKVSender)
         assert got[K.RECEIVER] is conn.KVReceiver and issubclass(conn.KVReceiver, BaseKVReceiver)
-        assert got[K.BOOTSTRAP_SERVER] is conn.BootstrapServer and issubclass(conn.BootstrapServer, BaseKVBootstrapServer)
+        assert got[K.BOOTSTRAP_SERVER] is conn.BootstrapServer
+        assert issubclass(conn.BootstrapServer, BaseKVBootstrapServer)
         assert conn.HAVE_SGLANG
         import sglang.srt.disaggregation.utils as again
         assert again.get_kv_class(again.TransferBackend.FAKE, K.KVARGS) is KVArgs, "other backends unchanged"
