@@ -379,3 +379,33 @@ def test_a_failed_prefill_room_is_forgotten_by_failure_exception(server, monkeyp
         again.clear()
     finally:
         pre.close()
+
+
+def test_the_prefill_registers_once_the_bootstrap_server_is_up(monkeypatch):
+    """SGLang starts the bootstrap server and the schedulers at once."""
+    import socket
+    import threading
+    import time
+
+    monkeypatch.setenv("PDXFER_SGLANG_POOL_MEMORY", "host")
+    monkeypatch.setenv("PDXFER_SGLANG_CLUSTER", "late")
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    started = []
+    t = threading.Timer(0.5, lambda: started.append(S.BootstrapServer("127.0.0.1", port)))
+    t.start()
+    t0 = time.monotonic()
+    mgr = S.KVManager(_Args(0, []), "prefill", _sa(port), True, parallel=dict_ns(parallel()))
+    try:
+        assert time.monotonic() - t0 >= 0.4 and started, "it waited for the server"
+        snd = S.KVSender(mgr, f"127.0.0.1:{port}", 97)
+        assert snd.poll() == S.KVPoll.Bootstrapping
+        snd.abort()
+        snd.clear()
+    finally:
+        t.join()
+        mgr.close()
+        for srv in started:
+            srv.close()

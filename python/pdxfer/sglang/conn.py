@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import logging
 import os
 import threading
 import time
@@ -71,6 +72,8 @@ except Exception:  # noqa: BLE001 - sglang absent or not importable here
     )
 
     HAVE_SGLANG = False
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["KVManager", "KVSender", "KVReceiver", "BootstrapServer", "KVTransferError",
            "PrefillServerInfo", "HAVE_SGLANG", "sglang_hint"]
@@ -260,9 +263,26 @@ class KVManager(BaseKVManager):
         return out
 
     def register_to_bootstrap(self) -> None:
-        """Prefill: registers the rank (creates its engines); idempotent."""
-        if self.mode == "prefill":
-            self.engines()
+        """Prefill: registers the rank (creates its engines); idempotent. The
+        bootstrap server may start after the scheduler (SGLang starts both at
+        once): unreachable, it is retried with back-off for up to
+        ``PDXFER_SGLANG_REGISTER_TIMEOUT`` seconds (60), then logged; the first
+        sender tries again and fails its room (typed) if it still cannot."""
+        if self.mode != "prefill":
+            return
+        deadline = time.monotonic() + float(_env("PDXFER_SGLANG_REGISTER_TIMEOUT", "60"))
+        pause = 0.05
+        while True:
+            try:
+                self.engines()
+                return
+            except BootstrapError as e:
+                if time.monotonic() + pause > deadline:
+                    logger.error("pdxfer: could not register with the bootstrap at %s: %s",
+                                 self.own_bootstrap_url(), e)
+                    return
+                time.sleep(pause)
+                pause = min(pause * 2, 2.0)
 
     def try_ensure_parallel_info(self, bootstrap_addr: str) -> bool:
         """Decode: True once the prefill instance at ``bootstrap_addr`` lists
@@ -286,7 +306,10 @@ class KVManager(BaseKVManager):
                 f"PD decode DCP currently requires prefill attention CP=1, got {lay['attn_cp_size']} "
                 f"(decode dcp_size={self.layout.dcp_size}, prefill at {bootstrap_addr})"))
             raise SGLangCompatError(err.code, sglang_hint(err).split(": ", 1)[1])
-        self.engines(bootstrap_addr)
+        try:
+            self.engines(bootstrap_addr)  # registers this decode rank there
+        except BootstrapError:
+            return False
         self._prefill_topology[bootstrap_addr] = lay
         self.prefill_info_table[bootstrap_addr] = PrefillServerInfo(
             attn_tp_size=int(lay["attn_tp_size"]), attn_cp_size=int(lay["attn_cp_size"]),
