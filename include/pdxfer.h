@@ -865,6 +865,14 @@ PdxStatus pdxfer_engine_room_bytes(const struct PdxEngine *engine,
                                    uint64_t room,
                                    uint64_t *out_bytes);
 
+// Prefill: the decode prefix length the decode ranks sent for the room into
+// `*out_len` and 1 into `*out_known` once their metadata has arrived; 0 and 0
+// before (and for an unknown room).
+PdxStatus pdxfer_engine_decode_prefix_len(const struct PdxEngine *engine,
+                                          uint64_t room,
+                                          uint64_t *out_len,
+                                          uint32_t *out_known);
+
 // Sets the callback that receives the library's log records at `level`
 // (`PDXFER_LOG_ERROR` .. `PDXFER_LOG_TRACE`) and more severe, replacing any
 // previous one. `callback` NULL or `level` `PDXFER_LOG_OFF` turns forwarding off.

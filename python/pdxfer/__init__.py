@@ -29,7 +29,6 @@ from ._lib import (
 from . import bootstrap
 from . import engine
 from . import log
-from . import sglang
 from .engine import Engine, KVPoll, Receiver, Sender
 from .layout import (
     PeerCompat,
@@ -47,6 +46,16 @@ from .transfer import Agent, Completion, Peer, Region, WriteOp
 
 
 log._start()
+
+
+def __getattr__(name: str):
+    # pdxfer.sglang is imported on first use: with SGLang installed it loads
+    # SGLang's connector base classes (and with them SGLang itself)
+    if name == "sglang":
+        import importlib
+
+        return importlib.import_module(".sglang", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def abi_version() -> tuple:

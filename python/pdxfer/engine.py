@@ -140,6 +140,7 @@ _sig("pdxfer_engine_is_fenced", [_vp, _u64, ctypes.POINTER(ctypes.c_uint32)])
 _sig("pdxfer_engine_clear", [_vp, _u64])
 _sig("pdxfer_engine_set_state_indices", [_vp, _u64, ctypes.POINTER(ctypes.c_int64), ctypes.c_size_t])
 _sig("pdxfer_engine_room_bytes", [_vp, _u64, ctypes.POINTER(ctypes.c_uint64)])
+_sig("pdxfer_engine_decode_prefix_len", [_vp, _u64, ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint32)])
 
 
 def buffer_address(buf: Any) -> Tuple[int, Optional[int]]:
@@ -414,6 +415,14 @@ class Engine:
         check(lib.pdxfer_engine_room_bytes(self._live(), room, ctypes.byref(v)))
         return v.value
 
+    def decode_prefix_len(self, room: int) -> Optional[int]:
+        """Prefill: the decode prefix length the decode ranks sent for the room
+        (the first chunk starts right after it), or None before their metadata."""
+        v = ctypes.c_uint64()
+        known = ctypes.c_uint32()
+        check(lib.pdxfer_engine_decode_prefix_len(self._live(), room, ctypes.byref(v), ctypes.byref(known)))
+        return v.value if known.value else None
+
 
 class _Room:
     def __init__(self, engine: Engine, room: int):
@@ -451,6 +460,10 @@ class Sender(_Room):
     def set_state_indices(self, rows: Sequence[int]) -> None:
         """State rows (one per state buffer) sent after the last chunk's KV."""
         self.engine.set_state_indices(self.room, rows)
+
+    def decode_prefix_len(self) -> Optional[int]:
+        """The decode prefix the decode ranks hold (None before their metadata)."""
+        return self.engine.decode_prefix_len(self.room)
 
     def send(self, pages: Any, num_tokens: Optional[int] = None, last: bool = True, aux_index: int = 0) -> None:
         """Queues a chunk: this rank's page ids (list or numpy) holding ``num_tokens``

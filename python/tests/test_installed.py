@@ -31,3 +31,13 @@ def test_the_pdxfer_command_is_installed():
     out = subprocess.run([str(exe), "info", "--json"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert '"abi_version"' in out.stdout
+
+
+def test_the_sglang_plugin_entry_point_is_declared():
+    from importlib.metadata import entry_points
+
+    eps = {e.name: e.value for e in entry_points(group="sglang.srt.plugins")}
+    assert eps.get("pdxfer") == "pdxfer.sglang.plugin:register", eps
+    import pdxfer.sglang.plugin as plugin
+
+    assert callable(plugin.register)

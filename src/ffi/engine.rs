@@ -529,6 +529,24 @@ pub extern "C" fn pdxfer_engine_room_bytes(
     })
 }
 
+/// Prefill: the decode prefix length the decode ranks sent for the room into
+/// `*out_len` and 1 into `*out_known` once their metadata has arrived; 0 and 0
+/// before (and for an unknown room).
+#[no_mangle]
+pub extern "C" fn pdxfer_engine_decode_prefix_len(
+    engine: *const PdxEngine,
+    room: u64,
+    out_len: *mut u64,
+    out_known: *mut u32,
+) -> PdxStatus {
+    boundary(|| {
+        let p = eng(engine)?.decode_prefix_len(room);
+        ptr::write_out(out_len, p.unwrap_or(0), "out_len")?;
+        ptr::write_out(out_known, u32::from(p.is_some()), "out_known")?;
+        ok()
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -783,6 +801,29 @@ mod tests {
             std::thread::sleep(Duration::from_millis(5));
         }
         assert_eq!(poll, PDXFER_POLL_WAITING_FOR_INPUT);
+        let (mut plen, mut known) = (u64::MAX, 9u32);
+        assert_eq!(
+            pdxfer_engine_decode_prefix_len(pe, room, &mut plen, &mut known),
+            PdxStatus::Ok
+        );
+        assert_eq!(
+            (plen, known),
+            (prefix, 1),
+            "the prefix the decode ranks sent"
+        );
+        assert_eq!(
+            pdxfer_engine_decode_prefix_len(pe, room + 1000, &mut plen, &mut known),
+            PdxStatus::Ok
+        );
+        assert_eq!((plen, known), (0, 0), "no metadata for an unknown room");
+        assert_eq!(
+            pdxfer_engine_decode_prefix_len(pe, room, null_mut(), &mut known),
+            PdxStatus::NullArgument
+        );
+        assert_eq!(
+            pdxfer_engine_decode_prefix_len(null(), room, &mut plen, &mut known),
+            PdxStatus::NullArgument
+        );
         // 118 tokens: 5 full pages, then 3 pages holding 38
         assert_eq!(
             pdxfer_engine_send(pe, room, src.as_ptr(), 5, 80, 0, 2),
