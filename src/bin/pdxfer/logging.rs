@@ -46,8 +46,8 @@ pub fn qualify(spec: &str) -> String {
 
 /// The crate's top-level modules (`src/lib.rs`).
 const MODULES: &[&str] = &[
+    "auth",
     "bootstrap",
-    "cli",
     "engine",
     "error",
     "ffi",
@@ -124,8 +124,8 @@ mod tests {
             "info,pdxfer::transport=debug"
         );
         assert_eq!(
-            qualify("engine::core=trace, pdxfer::layout=off,ureq=warn"),
-            "pdxfer::engine::core=trace,pdxfer::layout=off,ureq=warn"
+            qualify("engine::worker=trace, pdxfer::layout=off,ureq=warn"),
+            "pdxfer::engine::worker=trace,pdxfer::layout=off,ureq=warn"
         );
         assert_eq!(qualify("bootstrap/refused"), "pdxfer::bootstrap/refused");
         assert_eq!(qualify("debug"), "debug");
