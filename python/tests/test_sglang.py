@@ -65,7 +65,13 @@ def run(prefills, decodes, timeout=90):
         dres = []
         for d in ds:
             out, err = d.communicate(timeout=timeout)
-            assert d.returncode == 0, f"decode rank failed:\n{err[-4000:]}"
+            if d.returncode != 0:
+                # the cause is often on the prefill side: show its stderr too
+                perr = []
+                for p in ps:
+                    p.kill()
+                    perr.append(p.communicate()[1][-3000:])
+                raise AssertionError(f"decode rank failed:\n{err[-4000:]}\nprefill stderr:\n" + "\n".join(perr))
             dres.append([json.loads(line) for line in out.splitlines() if line.startswith("{")])
         pres = []
         for p in ps:
