@@ -472,7 +472,7 @@ mod tests {
                     std::env::var_os("PDXFER_REQUIRE_CUDA_TOOLS").is_none(),
                     "PDXFER_REQUIRE_CUDA_TOOLS is set but NVRTC is unusable: {e}"
                 );
-                eprintln!("skipped: {e}");
+                crate::test_skip::skip("cuda-tools", &e.to_string());
             }
         }
     }
@@ -485,7 +485,7 @@ mod tests {
                 std::env::var_os("PDXFER_REQUIRE_CUDA_TOOLS").is_none(),
                 "PDXFER_REQUIRE_CUDA_TOOLS is set but no NVRTC was found"
             );
-            eprintln!("skipped: no libnvrtc");
+            crate::test_skip::skip("cuda-tools", "no libnvrtc");
             return;
         }
         let newest = pick_nvrtc(None).unwrap();
@@ -509,7 +509,7 @@ mod tests {
                 std::env::var_os("PDXFER_REQUIRE_CUDA_TOOLS").is_none(),
                 "PDXFER_REQUIRE_CUDA_TOOLS is set but NVRTC is unusable: {e}"
             );
-            eprintln!("skipped: no libnvrtc: {e}");
+            crate::test_skip::skip("cuda-tools", &format!("no libnvrtc: {e}"));
             return;
         }
         let e = nvrtc_compile("sm_1").unwrap_err();
@@ -529,7 +529,7 @@ mod tests {
     #[test]
     fn no_driver_is_typed_everywhere() {
         if device::driver_present().is_ok() {
-            eprintln!("skipped: a CUDA driver is present");
+            crate::test_skip::skip("gpu-present", "a CUDA driver is present");
             return;
         }
         let e = GpuRelayout::new(0).unwrap_err();
