@@ -25,6 +25,7 @@ pub mod bootstrap;
 pub mod bootstrap_client;
 pub mod engine;
 pub mod memory;
+pub mod metrics;
 pub mod peer;
 pub mod plan;
 pub mod ptr;
