@@ -181,7 +181,8 @@ fn nanos(d: Duration) -> u64 {
 #[derive(Debug, Default)]
 pub(crate) struct EngineMetrics {
     /// Every link's counters: taken when a link is made and at a snapshot
-    /// only, never per batch. Counters outlive their link (Prometheus
+    /// only, never per batch, and never while another lock is held (a leaf
+    /// in `Inner`'s lock order). Counters outlive their link (Prometheus
     /// counters never go down); a link to the same peer over the same
     /// transport reuses them.
     peers: Mutex<Vec<Arc<PeerCounters>>>,
