@@ -93,8 +93,8 @@ impl Histogram {
 
 /// The room table's lifecycle totals, kept under its lock: rooms created,
 /// and the finished rooms it has cleared (their outcome, failure kind and
-/// transfer latency). Live rooms are added at the snapshot
-/// ([`RoomTotals::with_live`]), so a finished room counts once, cleared or not.
+/// transfer latency). [`RoomTable::totals`](super::RoomTable::totals) adds
+/// the finished live rooms, so a finished room counts once, cleared or not.
 #[derive(Debug, Clone, Default)]
 pub struct RoomTotals {
     /// Rooms created (every attempt of a reused id counts).
