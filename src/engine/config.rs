@@ -75,6 +75,13 @@ pub struct EngineConfig {
     pub batch_timeout: Duration,
     /// Bootstrap lease TTL.
     pub lease_ttl: Duration,
+    /// Where to serve the engine's Prometheus text over HTTP (`GET
+    /// /metrics`), `host:port` (port 0 picks one; see
+    /// [`Engine::metrics_addr`](super::Engine::metrics_addr)); `None` serves
+    /// nothing ([`Engine::metrics`](super::Engine::metrics) still answers).
+    /// The responder has no authentication: keep it on loopback or a
+    /// monitoring network.
+    pub metrics_listen: Option<String>,
     /// Test knob: the RDMA NIC provider of the engine's agent (the software
     /// fabric in tests); `None` (production) uses the real NICs.
     #[doc(hidden)]
@@ -109,6 +116,7 @@ impl EngineConfig {
             room_timeout: Duration::from_secs(60),
             batch_timeout: Duration::from_secs(30),
             lease_ttl: Duration::from_secs(10),
+            metrics_listen: None,
             nic: None,
         }
     }

@@ -6,8 +6,9 @@ use super::prefill::DecodeLink;
 use super::room::RoomTable;
 use crate::error::{Error, Result};
 use crate::transport::{BatchId, BatchOptions, WriteOp};
+use std::sync::atomic::Ordering::Relaxed;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// A transport error of one batch, naming the room and the decode rank.
 fn write_error(room: u64, link: &DecodeLink, e: &Error) -> Error {
@@ -27,6 +28,8 @@ struct InFlight {
     link: Arc<DecodeLink>,
     id: BatchId,
     slot: Option<usize>,
+    /// Bytes the batch writes (all of them read from staging with a slot).
+    bytes: u64,
 }
 
 /// The batches of one chunk in flight together, over every decode rank's
@@ -66,16 +69,25 @@ impl<'a> Flight<'a> {
         }
         let (room, epoch) = (self.opts.room, self.opts.epoch);
         lock(self.rooms).begin_write(room, epoch)?;
-        match link.data.submit(ops, &self.opts) {
+        let bytes = ops.iter().map(|o| o.len).sum();
+        let t0 = Instant::now();
+        let r = link.data.submit(ops, &self.opts);
+        link.counters.add_wire(t0);
+        match r {
             Ok(id) => {
+                if slot.is_some() {
+                    link.counters.staged_bytes.fetch_add(bytes, Relaxed);
+                }
                 self.pending.push(InFlight {
                     link: link.clone(),
                     id,
                     slot,
+                    bytes,
                 });
                 Ok(())
             }
             Err(e) => {
+                link.counters.failed_batches.fetch_add(1, Relaxed);
                 lock(self.rooms).end_write(room, epoch);
                 Err(write_error(room, link, &e))
             }
@@ -85,10 +97,22 @@ impl<'a> Flight<'a> {
     /// Waits for the `i`-th pending batch (removed either way).
     fn wait_at(&mut self, i: usize) -> Result<()> {
         let b = self.pending.remove(i);
+        let t0 = Instant::now();
         let r = b
             .link
             .data
             .wait(b.id, self.opts.timeout + Duration::from_secs(1));
+        let c = &b.link.counters;
+        c.add_wire(t0);
+        if b.slot.is_some() {
+            c.staged_bytes.fetch_sub(b.bytes, Relaxed);
+        }
+        if r.is_ok() {
+            c.batches.fetch_add(1, Relaxed);
+            c.bytes.fetch_add(b.bytes, Relaxed);
+        } else {
+            c.failed_batches.fetch_add(1, Relaxed);
+        }
         lock(self.rooms).end_write(self.opts.room, self.opts.epoch);
         r.map(|_| ())
             .map_err(|e| write_error(self.opts.room, &b.link, &e))
@@ -145,7 +169,6 @@ mod tests {
     use std::net::{TcpListener, TcpStream};
     use std::sync::atomic::AtomicBool;
     use std::sync::Condvar;
-    use std::time::Instant;
 
     /// The batches of every fake link. Ids are unique across links, and a
     /// batch completes only once the test finishes it (from any thread).
@@ -273,6 +296,7 @@ mod tests {
             data: Box::new(FakeTransport(fabric.clone())),
             alive: AtomicBool::new(true),
             zero_copy: AtomicBool::new(false),
+            counters: Default::default(),
         })
     }
 

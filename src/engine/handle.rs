@@ -11,6 +11,7 @@
 
 use super::control::{CtlMsg, RegionMap};
 use super::decode::{DecodeRoom, PrefillLink};
+use super::metrics::EngineMetrics;
 use super::prefill::{DecodeLink, MetaInfo, PrefillRoom};
 use super::room::{KvPoll, RoomTable};
 use super::worker::Job;
@@ -58,6 +59,10 @@ pub(super) struct Inner {
     pub(super) state_regions: Vec<RegionDesc>,
     pub(super) staging: Vec<(Vec<u8>, RegionDesc)>,
     pub(super) closed: AtomicBool,
+    /// The engine's counters (atomics; see `metrics`).
+    pub(super) metrics: EngineMetrics,
+    /// Where the `/metrics` responder listens, when `metrics_listen` is set.
+    pub(super) metrics_addr: Option<std::net::SocketAddr>,
     /// Device pools over rdma: why the zero-copy path is not used was logged.
     pub(super) gpu_direct_logged: AtomicBool,
     // prefill

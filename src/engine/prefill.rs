@@ -4,6 +4,7 @@
 
 use super::control::{CtlMsg, CtlReader, CtlWriter, RegionMap, CONTROL_VERSION};
 use super::handle::{catch, lock, Engine, Inner};
+use super::metrics::PeerCounters;
 use super::room::KvPoll;
 use super::worker::Job;
 use crate::bootstrap::peer::check_pair;
@@ -27,6 +28,8 @@ pub(super) struct DecodeLink {
     /// buffer (rdma with GPUDirect RDMA), not copied to the host first;
     /// cleared for good when the NIC refuses device memory.
     pub(super) zero_copy: AtomicBool,
+    /// Bytes, batches and wire time of the writes to this decode rank.
+    pub(super) counters: Arc<PeerCounters>,
 }
 
 /// What one decode rank asked for in one room.
@@ -184,6 +187,7 @@ impl Engine {
                 last,
                 aux_index,
                 state_indices,
+                queued: Instant::now(),
             })
             .map_err(|_| Error::new(Status::EngineClosed, "transfer workers stopped"))?;
         lock(&self.inner.rooms).update(room, attempt, KvPoll::Transferring);
@@ -237,6 +241,18 @@ pub(super) fn accept_loop(w: std::sync::Weak<Inner>, l: TcpListener) {
             .name("pdxfer-ctl-p".into())
             .spawn(move || prefill_conn(w2, s));
     }
+}
+
+/// A peer's label in the metrics: its rank key (`dp0-tp1-cp0-pp0`), which
+/// names one rank of a cluster and role.
+pub(super) fn peer_label(h: &PeerHello) -> String {
+    crate::bootstrap::schema::RankKey {
+        dp: h.dp_rank,
+        tp: h.topology.attn_tp_rank,
+        cp: h.topology.attn_cp_rank,
+        pp: h.topology.pp_rank,
+    }
+    .to_string()
 }
 
 /// The answer to a Hello that cannot be accepted.
@@ -338,6 +354,7 @@ fn prefill_conn(w: std::sync::Weak<Inner>, s: TcpStream) {
         return;
     }
     let zero_copy = inner.zero_copy_for(&*data, hello.instance_id);
+    let counters = inner.metrics.peer(data.kind().name(), peer_label(&hello));
     let link = Arc::new(DecodeLink {
         hello,
         regions,
@@ -345,6 +362,7 @@ fn prefill_conn(w: std::sync::Weak<Inner>, s: TcpStream) {
         data,
         alive: AtomicBool::new(true),
         zero_copy: AtomicBool::new(zero_copy),
+        counters,
     });
     if link
         .writer

@@ -131,12 +131,18 @@ pub struct PdxEngineConfig {
     pub pool_memory: u32,
     /// ABI 1.2: CUDA device ordinal of the pools with `PDXFER_POOL_CUDA`.
     pub pool_device: u32,
+    /// ABI 1.3: where to serve the engine's Prometheus text over HTTP
+    /// (`GET /metrics`), `"host:port"` (port 0 picks one; read it with
+    /// `pdxfer_engine_metrics_address`); NULL serves nothing
+    /// (`pdxfer_engine_metrics` still answers). No authentication: keep it
+    /// on loopback or a monitoring network.
+    pub metrics_listen: *const c_char,
 }
 
 // SAFETY: repr(C), starts with u64 struct_size, integers and raw pointers only (zero is valid).
 unsafe impl Versioned for PdxEngineConfig {
-    /// ABI 1.0 callers (without `state` and the pool memory) are accepted.
-    const MIN_SIZE: usize = std::mem::size_of::<PdxEngineConfig>() - 24;
+    /// ABI 1.0 callers (without `state`, the pool memory and `metrics_listen`) are accepted.
+    const MIN_SIZE: usize = std::mem::size_of::<PdxEngineConfig>() - 32;
     const NAME: &'static str = "PdxEngineConfig";
 }
 
@@ -243,6 +249,8 @@ fn config_from_c(p: *const PdxEngineConfig) -> Result<EngineConfig> {
     if let Some(d) = ms(c.lease_ttl_ms) {
         cfg.lease_ttl = d;
     }
+    cfg.metrics_listen =
+        ptr::opt_c_str(c.metrics_listen, "config.metrics_listen")?.map(str::to_string);
     cfg.pool_device = match c.pool_memory {
         PDXFER_POOL_HOST => None,
         PDXFER_POOL_CUDA => Some(c.pool_device),
@@ -255,7 +263,7 @@ fn config_from_c(p: *const PdxEngineConfig) -> Result<EngineConfig> {
     Ok(cfg)
 }
 
-fn eng<'a>(p: *const PdxEngine) -> Result<&'a Engine> {
+pub(super) fn eng<'a>(p: *const PdxEngine) -> Result<&'a Engine> {
     ptr::handle(p, "engine").map(|e| &e.engine)
 }
 
@@ -562,7 +570,7 @@ mod tests {
         use std::mem::size_of;
         assert_eq!(size_of::<PdxKvPool>(), 32);
         assert_eq!(size_of::<PdxAuxBuffer>(), 24);
-        assert_eq!(size_of::<PdxEngineConfig>(), 168);
+        assert_eq!(size_of::<PdxEngineConfig>(), 176);
         for p in [
             KvPoll::Failed,
             KvPoll::Bootstrapping,
@@ -674,6 +682,7 @@ mod tests {
             num_state: 0,
             pool_memory: PDXFER_POOL_HOST,
             pool_device: 0,
+            metrics_listen: null(),
         }
     }
 
@@ -694,6 +703,15 @@ mod tests {
             c.struct_size = old;
             assert_eq!(config_from_c(&c).unwrap().pool_device, None, "size {old}");
         }
+        // ABI 1.3 metrics_listen: read from a 1.3 struct, not from a 1.2 one
+        c.metrics_listen = c"127.0.0.1:0".as_ptr();
+        c.struct_size = 168;
+        let old = config_from_c(&c).unwrap();
+        assert_eq!((old.pool_device, old.metrics_listen), (Some(3), None));
+        c.struct_size = std::mem::size_of::<PdxEngineConfig>() as u64;
+        let new = config_from_c(&c).unwrap();
+        assert_eq!(new.metrics_listen.as_deref(), Some("127.0.0.1:0"));
+        c.metrics_listen = std::ptr::null();
         c.struct_size = 136;
         assert_eq!(config_from_c(&c).unwrap_err().status(), Status::AbiMismatch);
         c.struct_size = std::mem::size_of::<PdxEngineConfig>() as u64;

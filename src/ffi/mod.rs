@@ -26,6 +26,7 @@ pub mod bootstrap_client;
 pub mod engine;
 pub mod log;
 pub mod memory;
+pub mod metrics;
 pub mod peer;
 pub mod plan;
 pub mod ptr;
