@@ -134,15 +134,7 @@ impl Engine {
                 ),
             ));
         }
-        for (i, &pg) in pages.iter().enumerate() {
-            let limit = self.inner.cfg.pools.first().map_or(0, |x| x.num_pages);
-            if pg >= limit {
-                return Err(Error::new(
-                    Status::OutOfBounds,
-                    format!("pages[{i}] = {pg} is outside the prefill pool of {limit} pages"),
-                ));
-            }
-        }
+        self.inner.cfg.check_pages(pages, "pages", "prefill")?;
         let start = {
             let mut pr = lock(&self.inner.prefill_rooms);
             let r = pr
