@@ -21,16 +21,13 @@ use super::handshake::{
 use super::qp::transitions;
 use super::session::{lock, RailIo, Session, SessionParams, SessionRail};
 use super::slice::{check_new_regions, LocalRegion, RailKeys, Span};
-use super::tracker::{BatchState, WorkCompletion};
+use super::tracker::{BatchState, WorkCompletion, RECV_WR_ID};
 use super::verbs::{region_access, Context, Cq, DeviceAttr, Mr, Pd, PortAttr, Qp};
 use super::wr::{Direction, WorkRequest};
 use crate::error::{Error, Result, Status};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
-
-/// `wr_id` of the receives posted for incoming WRITE_WITH_IMM records.
-const RECV_WR_ID: u64 = u64::MAX;
 
 /// One opened NIC port.
 pub struct Rail {

@@ -866,8 +866,9 @@ mod tests {
         mask, QpState, ACCESS_LOCAL_WRITE, ACCESS_REMOTE_READ, ACCESS_REMOTE_WRITE,
     };
     use super::super::tracker::{
-        wc_status_text, WC_OP_RDMA_WRITE, WC_OP_RECV_RDMA_WITH_IMM, WC_RECV, WC_SUCCESS,
-        WC_WR_FLUSH_ERR,
+        wc_status_text, WC_LOC_PROT_ERR, WC_OP_RDMA_READ, WC_OP_RDMA_WRITE,
+        WC_OP_RECV_RDMA_WITH_IMM, WC_RECV, WC_REM_ACCESS_ERR, WC_RETRY_EXC_ERR,
+        WC_RNR_RETRY_EXC_ERR, WC_SUCCESS, WC_WR_FLUSH_ERR,
     };
     use super::super::wr::{build_batch, BatchParams, CompletionRecord, Direction, Transfer};
     use super::*;
@@ -905,6 +906,11 @@ mod tests {
         assert_eq!(WC_WR_FLUSH_ERR, S::IBV_WC_WR_FLUSH_ERR);
         assert_eq!(WC_RECV, ffi::ibv_wc_opcode::IBV_WC_RECV);
         assert_eq!(WC_OP_RDMA_WRITE, ffi::ibv_wc_opcode::IBV_WC_RDMA_WRITE);
+        assert_eq!(WC_OP_RDMA_READ, ffi::ibv_wc_opcode::IBV_WC_RDMA_READ);
+        assert_eq!(WC_LOC_PROT_ERR, S::IBV_WC_LOC_PROT_ERR);
+        assert_eq!(WC_REM_ACCESS_ERR, S::IBV_WC_REM_ACCESS_ERR);
+        assert_eq!(WC_RETRY_EXC_ERR, S::IBV_WC_RETRY_EXC_ERR);
+        assert_eq!(WC_RNR_RETRY_EXC_ERR, S::IBV_WC_RNR_RETRY_EXC_ERR);
         assert_eq!(
             WC_OP_RECV_RDMA_WITH_IMM,
             ffi::ibv_wc_opcode::IBV_WC_RECV_RDMA_WITH_IMM
