@@ -69,7 +69,14 @@ pub enum QpState {
 /// Timeouts and retry counts of an RC QP.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 pub struct QpTuning {
-    /// Local ACK timeout exponent: 4.096 us * 2^timeout (14 = about 67 ms).
+    /// Local ACK timeout exponent: 4.096 us * 2^timeout per attempt.
+    ///
+    /// Default 18 (about 1.07 s per attempt; with `retry_cnt` 7, about 8.6 s
+    /// without an ACK before `IBV_WC_RETRY_EXC_ERR`). 14 (67 ms, about 0.5 s
+    /// in all) turns a short congestion episode, a link flap or a subnet
+    /// manager sweep into a QP error; NCCL's default is 20 for the same
+    /// reason. 18 rides out about a second of silence while a dead peer is
+    /// still noticed well within a batch deadline (30 s by default).
     pub timeout: u8,
     /// Transport retries before the WR fails with RETRY_EXC_ERR (0..=7).
     pub retry_cnt: u8,
@@ -94,7 +101,7 @@ pub struct QpTuning {
 impl Default for QpTuning {
     fn default() -> Self {
         QpTuning {
-            timeout: 14,
+            timeout: 18,
             retry_cnt: 7,
             rnr_retry: 7,
             min_rnr_timer: 12,
