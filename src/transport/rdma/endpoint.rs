@@ -558,6 +558,11 @@ impl RdmaEndpoint {
         self.session.remove_local(addr, len)
     }
 
+    /// Why the endpoint cannot carry batches any more (a dead rail), if so.
+    pub fn session_broken(&self) -> Option<String> {
+        self.session.broken()
+    }
+
     /// Batches the completion tracker still holds.
     pub fn session_tracked(&self) -> usize {
         self.session.tracked()

@@ -35,6 +35,9 @@ pub trait DataPath: Send + Sync {
     fn tracked(&self) -> usize;
     /// Connected rails.
     fn rails(&self) -> usize;
+    /// Why the data path cannot carry batches any more (a rail's QP is in
+    /// the error state), if so: the connection must be made again.
+    fn broken(&self) -> Option<String>;
 }
 
 impl<R: RailIo> DataPath for Session<R> {
@@ -55,6 +58,9 @@ impl<R: RailIo> DataPath for Session<R> {
     }
     fn rails(&self) -> usize {
         self.connected_rails()
+    }
+    fn broken(&self) -> Option<String> {
+        Session::broken(self)
     }
 }
 
@@ -304,6 +310,9 @@ mod verbs_provider {
         }
         fn rails(&self) -> usize {
             self.negotiated().len()
+        }
+        fn broken(&self) -> Option<String> {
+            self.session_broken()
         }
     }
 }

@@ -217,6 +217,14 @@ impl<R: RailIo> Session<R> {
         self.shared.sleeps.load(Ordering::Relaxed)
     }
 
+    /// Why the session is unusable, if a rail died (its QP went to the
+    /// error state: every later batch on it fails, so the connection must
+    /// be made again).
+    pub fn broken(&self) -> Option<String> {
+        let t = lock(&self.shared.tracker);
+        (0..self.connected).find_map(|i| t.rail_dead(i).map(|w| format!("rail {i}: {w}")))
+    }
+
     /// The number of connected rails (0 before [`start`](Self::start)).
     pub fn connected_rails(&self) -> usize {
         self.connected
