@@ -638,3 +638,78 @@ fn page_ids_are_checked_against_every_pool_not_only_the_first() {
     drop((prefill, decode));
     drop((p_pools, d_pools));
 }
+
+/// One QP error fails the rooms in flight on that data link, not the pair:
+/// the prefill drops the broken rdma link and makes a new one (a fresh
+/// handshake) for the next room, so later rooms succeed.
+#[test]
+fn a_qp_error_fails_its_room_and_later_rooms_reconnect_over_rdma() {
+    use pdxfer::transport::rdma::fake;
+    let server = BootstrapServer::start(ServerConfig::default()).unwrap();
+    let url = server.url();
+    let p_pools = SyntheticPools::new(LAYERS, ROW, P, 64, 8, 32).unwrap();
+    let mut cfg = EngineConfig::new(
+        Role::Prefill,
+        "e2e-redial",
+        &url,
+        p_pools.topology(1, 0),
+        p_pools.kv_pools(),
+    );
+    cfg.aux = p_pools.aux_buffers();
+    cfg.transport = TransportKind::Rdma;
+    let nic = FakeNic::new("redial-p", 2, Mtu::Mtu4096);
+    cfg.nic = Some(nic.clone() as _);
+    cfg.staging_bytes = 1 << 20;
+    cfg.room_timeout = Duration::from_secs(20);
+    // SAFETY: the pools live in the Cluster below, alongside the engine.
+    let prefill = unsafe { Engine::new(cfg) }.unwrap();
+    let decode = vec![rank(
+        Role::Decode,
+        "e2e-redial",
+        &url,
+        32,
+        (1, 0),
+        TransportKind::Rdma,
+    )];
+    let mut c = Cluster {
+        _server: server,
+        prefill,
+        p_pools,
+        decode,
+    };
+    let row_total = LAYERS as u64 * ROW;
+    assert_eq!(request(&mut c, 1, 300, 0, 100), 300 * row_total + 32);
+    let first = nic.qpns();
+    assert_eq!(first.len(), 2, "one data link of two rails");
+    // Both rails of the data link fail on their next work request.
+    for q in &first {
+        fake::fail_qp_after(*q, 0);
+    }
+    let room = 2;
+    let (d, _) = &c.decode[0];
+    d.receiver(room, 0, Some(Duration::from_secs(20))).unwrap();
+    d.send_metadata(room, &[1, 2], 0, 5).unwrap();
+    c.prefill.sender(room).unwrap();
+    while c.prefill.poll(room) == KvPoll::Bootstrapping {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    c.prefill.send(room, &[3, 4], 2 * P, true, 3).unwrap();
+    assert_eq!(
+        c.prefill.wait(room, Duration::from_secs(20)),
+        KvPoll::Failed
+    );
+    let e = c.prefill.failure(room).unwrap();
+    assert_eq!(e.status(), Status::RdmaCompletion, "{e}");
+    assert!(e.detail().contains("IBV_WC_RETRY_EXC_ERR"), "{e}");
+    assert_eq!(d.wait(room, Duration::from_secs(20)), KvPoll::Failed);
+    d.clear(room).unwrap();
+    c.prefill.clear(room).unwrap();
+    assert!(first.iter().all(|q| !fake::qp_alive(*q)));
+    // The next rooms of the same pair reconnect and move every byte (at
+    // most 32 distinct decode pages a room).
+    assert_eq!(request(&mut c, 3, 400, 128, 3), 272 * row_total + 32);
+    assert_eq!(request(&mut c, 4, 300, 0, 100), 300 * row_total + 32);
+    let qpns = nic.qpns();
+    assert_eq!(qpns.len(), 4, "one new data link: {qpns:?}");
+    assert!(qpns[2..].iter().all(|q| fake::qp_alive(*q)));
+}

@@ -66,7 +66,7 @@ impl<'a> Flight<'a> {
         }
         let (room, epoch) = (self.opts.room, self.opts.epoch);
         lock(self.rooms).begin_write(room, epoch)?;
-        match link.data.submit(ops, &self.opts) {
+        match link.data().submit(ops, &self.opts) {
             Ok(id) => {
                 self.pending.push(InFlight {
                     link: link.clone(),
@@ -87,7 +87,7 @@ impl<'a> Flight<'a> {
         let b = self.pending.remove(i);
         let r = b
             .link
-            .data
+            .data()
             .wait(b.id, self.opts.timeout + Duration::from_secs(1));
         lock(self.rooms).end_write(self.opts.room, self.opts.epoch);
         r.map(|_| ())
@@ -270,7 +270,8 @@ mod tests {
             hello: PeerHello::from(&reg),
             regions: RegionMap::default(),
             writer: CtlWriter::new(ctl),
-            data: Box::new(FakeTransport(fabric.clone())),
+            data: Mutex::new(Arc::new(FakeTransport(fabric.clone()))),
+            data_addr: String::new(),
             alive: AtomicBool::new(true),
             zero_copy: AtomicBool::new(false),
         })
