@@ -15,6 +15,9 @@ pub(crate) const ACCESS_LOCAL_WRITE: u32 = 1;
 pub(crate) const ACCESS_REMOTE_WRITE: u32 = 2;
 /// `IBV_ACCESS_REMOTE_READ`.
 pub(crate) const ACCESS_REMOTE_READ: u32 = 4;
+/// `IBV_ACCESS_RELAXED_ORDERING` (memory regions only, never a QP's access).
+#[allow(dead_code)]
+pub(crate) const ACCESS_RELAXED_ORDERING: u32 = 1 << 20;
 
 /// `ibv_qp_attr_mask` bits (values from verbs.h).
 pub(crate) mod mask {
