@@ -29,6 +29,18 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+/// What the RoCE traffic class of the QPs means, for the per-rail log line.
+pub fn traffic_class_note(tc: u8) -> String {
+    if tc == 0 {
+        "RoCE traffic class 0 (DSCP 0): the default class, lossy on most fabrics; set PDXFER_RDMA_TRAFFIC_CLASS to the fabric's lossless class (commonly 106, DSCP 26) for N-to-1 incast".to_string()
+    } else {
+        format!(
+            "RoCE traffic class {tc} (DSCP {}, from PDXFER_RDMA_TRAFFIC_CLASS)",
+            tc >> 2
+        )
+    }
+}
+
 /// One opened NIC port.
 pub struct Rail {
     /// Why and how it was chosen.
@@ -153,6 +165,12 @@ impl VerbsNic {
                 c.weight,
                 c.reason
             );
+            if port.link_layer == LinkLayer::Ethernet {
+                log::info!(
+                    "rdma rail {i}: {}",
+                    traffic_class_note(cfg.tuning.traffic_class)
+                );
+            }
             rails.push(Arc::new(Rail {
                 choice: c,
                 port,
@@ -344,6 +362,14 @@ impl VerbsNic {
         // Endpoints keep only the keys: the MRs are deregistered here.
         drop(gone);
         Ok(())
+    }
+
+    /// How the region starting at `addr` was registered, if it is.
+    pub fn region_kind(&self, addr: u64) -> Option<MemoryKind> {
+        lock(&self.regions)
+            .iter()
+            .find(|r| r.addr == addr)
+            .map(|r| r.kind)
     }
 
     /// The lkeys of the region starting at `addr`, one per rail.

@@ -116,15 +116,23 @@ mod verbs_provider {
     use super::*;
     use crate::error::{Error, Status};
     use crate::transport::rdma::config::{RdmaConfig, RecordMode};
-    use crate::transport::rdma::endpoint::{RdmaEndpoint, VerbsNic};
+    use crate::transport::rdma::endpoint::{MemoryKind, RdmaEndpoint, VerbsNic};
     use std::collections::HashMap;
-    use std::sync::Mutex;
+    use std::sync::{Mutex, OnceLock};
 
     /// Real NICs through [`VerbsNic`].
     pub struct VerbsProvider {
         t: VerbsNic,
         registered: Mutex<HashMap<(u64, u64), Vec<LocalRegion>>>,
+        /// The CUDA device GPUDirect RDMA is probed on.
+        gpu_ordinal: u32,
+        /// The outcome of that probe (made once, on first ask).
+        gpu: OnceLock<Result<MemoryKind>>,
     }
+
+    /// Bytes of device memory the GPUDirect probe registers.
+    #[cfg(feature = "cuda")]
+    const PROBE_BYTES: usize = 2 << 20;
 
     impl VerbsProvider {
         /// Opens the NICs `cfg` selects ([`Status::NoRdmaDevice`] with the
@@ -132,10 +140,88 @@ mod verbs_provider {
         /// completion record, so no WRITE_WITH_IMM record is posted.
         pub fn open(mut cfg: RdmaConfig) -> Result<VerbsProvider> {
             cfg.record = RecordMode::None;
+            let gpu_ordinal = cfg.gpu_ordinal.unwrap_or(0);
             Ok(VerbsProvider {
                 t: VerbsNic::new(cfg)?,
                 registered: Mutex::new(HashMap::new()),
+                gpu_ordinal,
+                gpu: OnceLock::new(),
             })
+        }
+
+        /// The rails in use, with why each was chosen.
+        pub fn rails(&self) -> Vec<crate::transport::rdma::device::RailChoice> {
+            self.t.rails()
+        }
+
+        /// How this host registers GPU memory with the NICs, found by a real
+        /// registration of device memory on the probed device (made once):
+        /// [`MemoryKind::GpuDmabuf`] or [`MemoryKind::GpuPeermem`], or
+        /// `NoGpuDirect` with why neither works (no libcuda, no dma-buf
+        /// support and no nvidia_peermem, a driver refusing the export).
+        pub fn gpu_direct_path(&self) -> Result<MemoryKind> {
+            self.gpu.get_or_init(|| self.probe_gpu_direct()).clone()
+        }
+
+        /// Allocates [`PROBE_BYTES`] on the device, registers them through the
+        /// GPU path exactly as a device region would be, and releases both.
+        #[cfg(feature = "cuda")]
+        fn probe_gpu_direct(&self) -> Result<MemoryKind> {
+            gpu_direct_available()?;
+            use cudarc::driver::result as cu;
+            let ordinal = self.gpu_ordinal;
+            let fail = |what: String| {
+                Error::new(
+                    Status::NoGpuDirect,
+                    format!("GPUDirect RDMA probe on device {ordinal}: {what}"),
+                )
+            };
+            // Runs `f` with the device's primary context current, then puts back
+            // whatever this thread had current.
+            let in_ctx = |f: &dyn Fn() -> std::result::Result<u64, cudarc::driver::DriverError>| {
+                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    cu::init()?;
+                    let dev = cu::device::get(ordinal as i32)?;
+                    let before = cu::ctx::get_current()?;
+                    // SAFETY: dev comes from device::get; the primary context stays
+                    // retained for the process.
+                    unsafe { cu::ctx::set_current(cu::primary_ctx::retain(dev)?)? };
+                    let r = f();
+                    // SAFETY: `before` was current on this thread a moment ago (or none was).
+                    let _ = unsafe { cu::ctx::set_current(before.unwrap_or(std::ptr::null_mut())) };
+                    r
+                }))
+                .map_err(|_| fail("the CUDA driver library is missing a required symbol".into()))?
+                .map_err(|e| fail(format!("{e}")))
+            };
+            // SAFETY: a plain device allocation, freed below.
+            let ptr = in_ctx(&|| unsafe { cu::malloc_sync(PROBE_BYTES) })?;
+            // SAFETY: the allocation lives until it is freed below, after deregistration.
+            let reg = unsafe { self.register_device(ptr, PROBE_BYTES as u64, ordinal) };
+            let kind = reg.map(|()| self.t.region_kind(ptr).unwrap_or(MemoryKind::GpuPeermem));
+            if kind.is_ok() {
+                let _ = self.t.deregister(ptr);
+            }
+            // SAFETY: ptr came from malloc_sync above and is no longer registered.
+            let _ = in_ctx(&|| unsafe { cu::free_sync(ptr) }.map(|()| 0));
+            match &kind {
+                Ok(k) => log::info!(
+                    "rdma: GPUDirect RDMA works on device {ordinal} through {} (a {} MiB probe registration)",
+                    match k {
+                        MemoryKind::GpuDmabuf => "dma-buf",
+                        _ => "nvidia-peermem",
+                    },
+                    PROBE_BYTES >> 20
+                ),
+                Err(e) => log::warn!("rdma: no GPUDirect RDMA on device {ordinal}: {e}"),
+            }
+            kind.map_err(|e| fail(e.detail().to_string()))
+        }
+
+        /// Without the `cuda` feature device memory cannot be exported to the NIC.
+        #[cfg(not(feature = "cuda"))]
+        fn probe_gpu_direct(&self) -> Result<MemoryKind> {
+            gpu_direct_available().map(|()| MemoryKind::GpuPeermem)
         }
     }
 
@@ -270,8 +356,12 @@ mod verbs_provider {
             Ok(true)
         }
 
+        /// Answered by a real registration of device memory (made once): a
+        /// host whose libcuda loads but where neither dma-buf nor
+        /// nvidia-peermem registration works says so here, at creation, not
+        /// at the first batch.
         fn gpu_direct(&self) -> Result<()> {
-            gpu_direct_available()
+            self.gpu_direct_path().map(|_| ())
         }
 
         fn endpoint(&self) -> Result<Box<dyn NicEndpoint>> {

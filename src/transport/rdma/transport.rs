@@ -1184,9 +1184,12 @@ mod tests {
     /// receiver copies into device memory.
     #[test]
     fn auto_gives_a_peer_with_device_regions_rdma_only_with_gpudirect() {
-        for gpu_direct in [true, false] {
+        // "refuses": libcuda loads but GPU registrations fail, found by the probe
+        for mode in ["gpudirect", "none", "refuses"] {
+            let gpu_direct = mode == "gpudirect";
             let rn = FakeNic::new("gdrx", 1, Mtu::Mtu4096);
-            rn.set_gpu_direct(gpu_direct);
+            rn.set_gpu_direct(mode != "none");
+            rn.refuse_device_registrations(mode == "refuses");
             let rx = agent(true, Some(rn));
             let tx = agent(false, Some(FakeNic::new("gdtx", 1, Mtu::Mtu4096)));
             let mut dpool = vec![0u8; 1 << 16];
@@ -1202,7 +1205,7 @@ mod tests {
             } else {
                 TransportKind::Tcp
             };
-            assert_eq!(t.kind(), want, "gpu_direct {gpu_direct}");
+            assert_eq!(t.kind(), want, "{mode}");
             drop(t);
             drop(rx);
         }
