@@ -54,6 +54,7 @@ pub mod fake;
 pub mod handshake;
 pub mod nic;
 pub mod qp;
+pub mod report;
 pub mod session;
 pub mod slice;
 pub mod tracker;
