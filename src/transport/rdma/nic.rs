@@ -221,7 +221,14 @@ mod verbs_provider {
         /// Without the `cuda` feature device memory cannot be exported to the NIC.
         #[cfg(not(feature = "cuda"))]
         fn probe_gpu_direct(&self) -> Result<MemoryKind> {
-            gpu_direct_available().map(|()| MemoryKind::GpuPeermem)
+            gpu_direct_available()
+                .map(|()| MemoryKind::GpuPeermem)
+                .map_err(|e| {
+                    Error::new(
+                        e.status(),
+                        format!("device {}: {}", self.gpu_ordinal, e.detail()),
+                    )
+                })
         }
     }
 
