@@ -124,8 +124,11 @@ mod verbs_provider {
     pub struct VerbsProvider {
         t: VerbsNic,
         registered: Mutex<HashMap<(u64, u64), Vec<LocalRegion>>>,
-        /// The CUDA device GPUDirect RDMA is probed on.
-        gpu_ordinal: u32,
+        /// The CUDA device GPUDirect RDMA is probed on (`None`: no device
+        /// given, nothing is allocated on any GPU; see [`Self::gpu_direct_path`]).
+        gpu_ordinal: Option<u32>,
+        /// sysfs root (for the kernel modules when no device is given).
+        sys_root: std::path::PathBuf,
         /// The outcome of that probe (made once, on first ask).
         gpu: OnceLock<Result<MemoryKind>>,
     }
@@ -140,11 +143,13 @@ mod verbs_provider {
         /// completion record, so no WRITE_WITH_IMM record is posted.
         pub fn open(mut cfg: RdmaConfig) -> Result<VerbsProvider> {
             cfg.record = RecordMode::None;
-            let gpu_ordinal = cfg.gpu_ordinal.unwrap_or(0);
+            let gpu_ordinal = cfg.gpu_ordinal;
+            let sys_root = cfg.sys_root.clone();
             Ok(VerbsProvider {
                 t: VerbsNic::new(cfg)?,
                 registered: Mutex::new(HashMap::new()),
                 gpu_ordinal,
+                sys_root,
                 gpu: OnceLock::new(),
             })
         }
@@ -155,21 +160,47 @@ mod verbs_provider {
         }
 
         /// How this host registers GPU memory with the NICs, found by a real
-        /// registration of device memory on the probed device (made once):
+        /// registration of device memory on the served device (made once):
         /// [`MemoryKind::GpuDmabuf`] or [`MemoryKind::GpuPeermem`], or
         /// `NoGpuDirect` with why neither works (no libcuda, no dma-buf
         /// support and no nvidia_peermem, a driver refusing the export).
+        ///
+        /// Without a served device (`RdmaConfig::gpu_ordinal`; engines with
+        /// device pools always give one) no GPU is touched: the answer comes
+        /// from the kernel modules (nvidia_peermem loaded, else the nvidia
+        /// module for dma-buf) and libcuda, untested, and a registration
+        /// that then fails is reported on its region.
         pub fn gpu_direct_path(&self) -> Result<MemoryKind> {
-            self.gpu.get_or_init(|| self.probe_gpu_direct()).clone()
+            self.gpu
+                .get_or_init(|| match self.gpu_ordinal {
+                    Some(o) => self.probe_gpu_direct(o),
+                    None => self.gpu_direct_modules(),
+                })
+                .clone()
+        }
+
+        /// The untested answer from libcuda and the kernel modules.
+        fn gpu_direct_modules(&self) -> Result<MemoryKind> {
+            gpu_direct_available()?;
+            let m = crate::transport::rdma::device::gpudirect(&self.sys_root);
+            if m.peermem {
+                Ok(MemoryKind::GpuPeermem)
+            } else if m.nvidia {
+                Ok(MemoryKind::GpuDmabuf)
+            } else {
+                Err(Error::new(
+                    Status::NoGpuDirect,
+                    "GPUDirect RDMA unavailable: neither nvidia_peermem nor the nvidia kernel module is loaded",
+                ))
+            }
         }
 
         /// Allocates [`PROBE_BYTES`] on the device, registers them through the
         /// GPU path exactly as a device region would be, and releases both.
         #[cfg(feature = "cuda")]
-        fn probe_gpu_direct(&self) -> Result<MemoryKind> {
+        fn probe_gpu_direct(&self, ordinal: u32) -> Result<MemoryKind> {
             gpu_direct_available()?;
             use cudarc::driver::result as cu;
-            let ordinal = self.gpu_ordinal;
             let fail = |what: String| {
                 Error::new(
                     Status::NoGpuDirect,
@@ -220,15 +251,10 @@ mod verbs_provider {
 
         /// Without the `cuda` feature device memory cannot be exported to the NIC.
         #[cfg(not(feature = "cuda"))]
-        fn probe_gpu_direct(&self) -> Result<MemoryKind> {
+        fn probe_gpu_direct(&self, ordinal: u32) -> Result<MemoryKind> {
             gpu_direct_available()
                 .map(|()| MemoryKind::GpuPeermem)
-                .map_err(|e| {
-                    Error::new(
-                        e.status(),
-                        format!("device {}: {}", self.gpu_ordinal, e.detail()),
-                    )
-                })
+                .map_err(|e| Error::new(e.status(), format!("device {ordinal}: {}", e.detail())))
         }
     }
 
