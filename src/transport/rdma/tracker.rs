@@ -624,6 +624,36 @@ mod tests {
         assert_eq!(t.credits(0), 64);
     }
 
+    /// A send completion covers the WRs posted before it only: slots orphaned
+    /// by a part-refused post come back with a later WR's completion, not
+    /// with an older one's (which would over-commit the send queue).
+    #[test]
+    fn orphaned_slots_return_only_with_a_later_wrs_completion() {
+        let mut t = Tracker::new(1, 16);
+        // batch 1: a group of 8 in flight
+        t.begin(1, &[0], 100).unwrap();
+        assert!(t.take_credits(0, 8));
+        t.posted(1, &[posted(0, 1, 7, 8)]);
+        // batch 2: a group of 8 of which the NIC accepted 4, not the signalled one
+        t.begin(2, &[0], 100).unwrap();
+        assert!(t.take_credits(0, 8));
+        t.posted(2, &[posted(0, 2, 7, 8)]);
+        t.unpost(2, &[posted(0, 2, 7, 8)]);
+        t.orphan(0, 4);
+        t.post_failed(2, 0, 4, 8, "ENOMEM", 4);
+        assert_eq!(t.credits(0), 4);
+        // batch 1's completion is older than the orphans: 8 come back, not 12
+        t.on_send_completion(0, wr_id(1, 7), WC_SUCCESS, 0);
+        assert_eq!(t.credits(0), 12, "orphans returned by an older completion");
+        // the next signalled WR carries them
+        t.begin(3, &[0], 1).unwrap();
+        assert!(t.take_credits(0, 2));
+        t.posted(3, &[posted(0, 3, 1, 2)]);
+        t.on_send_completion(0, wr_id(3, 1), WC_SUCCESS, 0);
+        assert_eq!(t.credits(0), 16);
+        assert_eq!(t.finish(3), Some(BatchState::Done { bytes: 1 }));
+    }
+
     #[test]
     fn a_batch_awaiting_only_a_dead_rails_completions_retires() {
         // Rail 0's CQ fails (its completions will never be polled); rail 1 stays
