@@ -5,7 +5,7 @@ use super::handle::lock;
 use super::prefill::DecodeLink;
 use super::room::RoomTable;
 use crate::error::{Error, Result};
-use crate::transport::{BatchId, BatchOptions, WriteOp};
+use crate::transport::{BatchId, BatchOptions, Transport, WriteOp};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -25,6 +25,9 @@ fn write_error(room: u64, link: &DecodeLink, e: &Error) -> Error {
 /// staging slot it reads (`None`: it reads the caller's memory only).
 struct InFlight {
     link: Arc<DecodeLink>,
+    /// The data connection it was submitted on (the link may have made a
+    /// new one since: batch ids are per connection).
+    data: Arc<dyn Transport>,
     id: BatchId,
     slot: Option<usize>,
 }
@@ -66,10 +69,12 @@ impl<'a> Flight<'a> {
         }
         let (room, epoch) = (self.opts.room, self.opts.epoch);
         lock(self.rooms).begin_write(room, epoch)?;
-        match link.data().submit(ops, &self.opts) {
+        let data = link.data();
+        match data.submit(ops, &self.opts) {
             Ok(id) => {
                 self.pending.push(InFlight {
                     link: link.clone(),
+                    data,
                     id,
                     slot,
                 });
@@ -86,8 +91,7 @@ impl<'a> Flight<'a> {
     fn wait_at(&mut self, i: usize) -> Result<()> {
         let b = self.pending.remove(i);
         let r = b
-            .link
-            .data()
+            .data
             .wait(b.id, self.opts.timeout + Duration::from_secs(1));
         lock(self.rooms).end_write(self.opts.room, self.opts.epoch);
         r.map(|_| ())
