@@ -1065,13 +1065,21 @@ fn child_engine_decode_device_pools_on_fake_driver() {
     };
 
     // rdma runs on the fake NIC fabric; the prefill's NIC has GPUDirect RDMA,
-    // says up front it has none, or claims it and refuses the registration
+    // has no GPU path, has one whose registrations fail (the probe finds it
+    // out up front), or passes the probe and refuses the staging buffer at
+    // the first batch (the link then falls back to host staging)
     for (case, prefill_device, transport, nic) in [
         ("host-to-device", false, TransportKind::Tcp, ""),
         ("device-to-device", true, TransportKind::Auto, ""),
         ("rdma-gpudirect", true, TransportKind::Rdma, "gpudirect"),
         ("rdma-no-gpudirect", true, TransportKind::Rdma, "none"),
         ("rdma-refused", true, TransportKind::Rdma, "refuses"),
+        (
+            "rdma-refused-late",
+            true,
+            TransportKind::Rdma,
+            "refuses-late",
+        ),
     ] {
         let name = format!("fake-decode-dev-{case}");
         let rdma = transport == TransportKind::Rdma;
@@ -1079,6 +1087,7 @@ fn child_engine_decode_device_pools_on_fake_driver() {
         if let Some(n) = &prefill_nic {
             n.set_gpu_direct(nic != "none");
             n.refuse_device_registrations(nic == "refuses");
+            n.refuse_device_registrations_after_probe(nic == "refuses-late");
         }
         let mut host = SyntheticPools::new(LAYERS, ROW, P, PAGES, 8, 32).unwrap();
         let (src_dev, src_dev_pools) = on_device(&host);

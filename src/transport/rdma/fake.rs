@@ -572,6 +572,7 @@ pub struct FakeNic {
     instance_id: u64,
     gpu_direct: AtomicBool,
     refuse_device: AtomicBool,
+    refuse_device_late: AtomicBool,
     cfg: RdmaConfig,
     /// Completion-queue depth of later endpoints (default: send plus receive depth).
     cq_depth: Mutex<Option<usize>>,
@@ -622,6 +623,7 @@ impl FakeNic {
             instance_id: random_u64(),
             gpu_direct: AtomicBool::new(true),
             refuse_device: AtomicBool::new(false),
+            refuse_device_late: AtomicBool::new(false),
             cfg,
             cq_depth: Mutex::new(None),
         })
@@ -641,6 +643,13 @@ impl FakeNic {
         self.refuse_device.store(on, Ordering::SeqCst);
     }
 
+    /// Whether device-memory registrations fail although the GPUDirect
+    /// probe passes: a registration that fails for its own reasons (a range
+    /// the driver will not export, MR resources), found only on first use.
+    pub fn refuse_device_registrations_after_probe(&self, on: bool) {
+        self.refuse_device_late.store(on, Ordering::SeqCst);
+    }
+
     /// Sets the completion-queue depth of endpoints created from now on
     /// (default: send-queue plus receive-queue depth, as the verbs NIC).
     pub fn set_cq_depth(&self, depth: usize) {
@@ -652,8 +661,18 @@ impl FakeNic {
         &self.cfg
     }
 
-    /// Why a device-memory registration of `ordinal` fails here, if it does.
-    fn device_path(&self, ordinal: u32, what: &str) -> Result<()> {
+    /// Why a device-memory registration of `ordinal` fails here, if it does
+    /// (`probe`: the GPUDirect probe's registration).
+    fn device_path(&self, ordinal: u32, what: &str, probe: bool) -> Result<()> {
+        if !probe && self.refuse_device_late.load(Ordering::SeqCst) {
+            return Err(Error::new(
+                Status::NoGpuDirect,
+                format!(
+                    "GPUDirect RDMA: {} refused the registration of device {ordinal} memory ({what})",
+                    self.describe()
+                ),
+            ));
+        }
         if !self.gpu_direct.load(Ordering::SeqCst) {
             return Err(Error::new(
                 Status::NoGpuDirect,
@@ -708,7 +727,7 @@ impl NicProvider for FakeNic {
             return Ok(locals(r));
         }
         if let RegionKind::Device { ordinal } = kind {
-            self.device_path(ordinal, &format!("{addr:#x}+{len}"))?;
+            self.device_path(ordinal, &format!("{addr:#x}+{len}"), false)?;
         }
         // Like verbs: every byte is registered once per NIC.
         let have: Vec<(u64, u64)> = regs.iter().map(|r| (r.addr, r.len)).collect();
@@ -754,7 +773,7 @@ impl NicProvider for FakeNic {
 
     fn gpu_direct(&self) -> Result<()> {
         // A probe registration of device 0 memory, as the verbs provider makes.
-        self.device_path(0, "probe registration")
+        self.device_path(0, "probe registration", true)
     }
 
     fn endpoint(&self) -> Result<Box<dyn NicEndpoint>> {
@@ -1028,6 +1047,13 @@ mod tests {
         let e = unsafe { n.register(addr, 128, dev) }.unwrap_err();
         assert_eq!(e.status(), Status::NoGpuDirect, "{e}");
         assert!(n.deregister(addr + 128, 128).unwrap());
+        // The probe passes, a later registration fails on its own.
+        n.set_gpu_direct(true);
+        n.refuse_device_registrations_after_probe(true);
+        assert!(n.gpu_direct().is_ok());
+        // SAFETY: as above.
+        let e = unsafe { n.register(addr, 128, dev) }.unwrap_err();
+        assert_eq!(e.status(), Status::NoGpuDirect, "{e}");
     }
 
     /// Two connected rails of one NIC pair (a on `an`, b on `bn`) over the
