@@ -93,7 +93,12 @@ pub struct QpTuning {
     pub max_dest_rd_atomic: u8,
     /// Service level.
     pub sl: u8,
-    /// GRH traffic class (RoCE DSCP << 2).
+    /// GRH traffic class (RoCE DSCP << 2), `PDXFER_RDMA_TRAFFIC_CLASS`.
+    ///
+    /// Default 0 (DSCP 0, the default class): which class a fabric keeps
+    /// lossless (PFC/ECN) is its operator's choice (commonly 106, DSCP 26),
+    /// and a class the switches do not know is worse than the default, so
+    /// pdxfer does not guess; every RoCE rail logs the class in use.
     pub traffic_class: u8,
     /// GRH hop limit.
     pub hop_limit: u8,
