@@ -1073,7 +1073,7 @@ mod tests {
             len: 40_000,
         };
         for b in 1..=20u32 {
-            // idle long enough for the old poller to be in its fixed sleep
+            // idle long enough for a poller that sleeps at fixed intervals to be asleep
             std::thread::sleep(Duration::from_millis(2));
             p.a.post_batch(b, Direction::Write, &[span]).unwrap();
             assert_eq!(
