@@ -120,4 +120,30 @@ impl EngineConfig {
             nic: None,
         }
     }
+
+    /// Checks every page id against every pool: a page id addresses the same
+    /// page of each KV pool, so it must lie inside the smallest one (pools may
+    /// differ in size; a gather must never read or write past any of them).
+    /// `OutOfBounds` naming the first bad index and the pool it overruns.
+    pub(crate) fn check_pages(&self, pages: &[u64], what: &str, side: &str) -> crate::Result<()> {
+        let Some((p, pool)) = self
+            .pools
+            .iter()
+            .enumerate()
+            .min_by_key(|(_, p)| p.num_pages)
+        else {
+            return Ok(());
+        };
+        let limit = pool.num_pages;
+        match pages.iter().enumerate().find(|(_, &pg)| pg >= limit) {
+            None => Ok(()),
+            Some((i, pg)) => Err(crate::Error::new(
+                crate::Status::OutOfBounds,
+                format!(
+                    "{what}[{i}] = {pg} is outside the {side} pool {p} (layer {}) of {limit} pages",
+                    pool.layer_id
+                ),
+            )),
+        }
+    }
 }

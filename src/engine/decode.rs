@@ -93,13 +93,9 @@ impl Engine {
                 ),
             ));
         }
-        let limit = self.inner.cfg.pools.first().map_or(0, |x| x.num_pages);
-        if let Some((i, pg)) = dst_pages.iter().enumerate().find(|(_, &pg)| pg >= limit) {
-            return Err(Error::new(
-                Status::OutOfBounds,
-                format!("dst_pages[{i}] = {pg} is outside the decode pool of {limit} pages"),
-            ));
-        }
+        self.inner
+            .cfg
+            .check_pages(dst_pages, "dst_pages", "decode")?;
         if let Some(a) = self.inner.cfg.aux.first() {
             if aux_index >= a.count {
                 return Err(Error::new(

@@ -5,7 +5,7 @@ use super::handle::lock;
 use super::prefill::DecodeLink;
 use super::room::RoomTable;
 use crate::error::{Error, Result};
-use crate::transport::{BatchId, BatchOptions, WriteOp};
+use crate::transport::{BatchId, BatchOptions, Transport, WriteOp};
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -26,6 +26,9 @@ fn write_error(room: u64, link: &DecodeLink, e: &Error) -> Error {
 /// staging slot it reads (`None`: it reads the caller's memory only).
 struct InFlight {
     link: Arc<DecodeLink>,
+    /// The data connection it was submitted on (the link may have made a
+    /// new one since: batch ids are per connection).
+    data: Arc<dyn Transport>,
     id: BatchId,
     slot: Option<usize>,
     /// Bytes the batch writes (all of them read from staging with a slot).
@@ -70,8 +73,9 @@ impl<'a> Flight<'a> {
         let (room, epoch) = (self.opts.room, self.opts.epoch);
         lock(self.rooms).begin_write(room, epoch)?;
         let bytes = ops.iter().map(|o| o.len).sum();
+        let data = link.data();
         let t0 = Instant::now();
-        let r = link.data.submit(ops, &self.opts);
+        let r = data.submit(ops, &self.opts);
         link.counters.add_wire(t0);
         match r {
             Ok(id) => {
@@ -80,6 +84,7 @@ impl<'a> Flight<'a> {
                 }
                 self.pending.push(InFlight {
                     link: link.clone(),
+                    data,
                     id,
                     slot,
                     bytes,
@@ -99,7 +104,6 @@ impl<'a> Flight<'a> {
         let b = self.pending.remove(i);
         let t0 = Instant::now();
         let r = b
-            .link
             .data
             .wait(b.id, self.opts.timeout + Duration::from_secs(1));
         let c = &b.link.counters;
@@ -293,7 +297,8 @@ mod tests {
             hello: PeerHello::from(&reg),
             regions: RegionMap::default(),
             writer: CtlWriter::new(ctl),
-            data: Box::new(FakeTransport(fabric.clone())),
+            data: Mutex::new(Arc::new(FakeTransport(fabric.clone()))),
+            data_addr: String::new(),
             alive: AtomicBool::new(true),
             zero_copy: AtomicBool::new(false),
             counters: Default::default(),

@@ -303,7 +303,7 @@ impl Engine {
         }
         for l in lock(&self.inner.decode_links).drain(..) {
             l.writer.shutdown();
-            l.data.close();
+            l.data().close();
         }
         for (_, l) in lock(&self.inner.prefill_links).drain() {
             l.writer.shutdown();

@@ -142,6 +142,7 @@ fn open_agent(cfg: &EngineConfig) -> Result<Agent> {
         listen: (cfg.role == Role::Decode).then(|| format!("{}:0", cfg.host)),
         stall: Duration::ZERO,
         nic: cfg.nic.clone(),
+        gpu: cfg.pool_device,
         ..Default::default()
     })?;
     if cfg.transport == TransportKind::Rdma {
@@ -250,9 +251,15 @@ unsafe fn register_regions(cfg: &EngineConfig, agent: &Agent, workers: usize) ->
         staging.push((buf, desc));
     }
     if cfg.transport == TransportKind::Rdma {
-        // Register the pools with the NICs now, not inside the first handshake.
+        // Register the pools with the NICs now, not inside the first handshake;
+        // a prefill with device pools sends only from its staging buffers, so
+        // its pools (possibly most of the GPU's memory) are left out.
         let t0 = std::time::Instant::now();
-        agent.rdma_register_all()?;
+        let skip: Vec<u64> = match (cfg.role, cfg.pool_device) {
+            (Role::Prefill, Some(_)) => pool_regions.iter().map(|r| r.id).collect(),
+            _ => Vec::new(),
+        };
+        agent.rdma_register_all_but(&skip)?;
         log::info!(
             "engine: registered {} region(s) with the RDMA NICs in {:?}",
             agent.registry().descriptors().len(),

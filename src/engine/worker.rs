@@ -226,7 +226,7 @@ fn stamp_queued(inner: &Inner, job: &Job) {
 /// Stamps the room's planned time (now, once) and the transport label of
 /// its decode links (`mixed` when they differ).
 fn stamp_planned(inner: &Inner, job: &Job, infos: &[MetaInfo]) {
-    let mut kinds = infos.iter().map(|m| m.link.data.kind().name());
+    let mut kinds = infos.iter().map(|m| m.link.data().kind().name());
     let first = kinds.next().unwrap_or("unknown");
     let transport = if kinds.all(|k| k == first) {
         first
