@@ -31,15 +31,13 @@ pub(super) fn deadline_loop(w: std::sync::Weak<Inner>) {
             inner.cv.notify_all();
             if inner.cfg.role == Role::Prefill {
                 for room in expired {
-                    notify_decode(
-                        &inner,
-                        room,
-                        false,
-                        lock(&inner.rooms)
-                            .get(room)
-                            .ok()
-                            .and_then(|r| r.failure.clone()),
-                    );
+                    // read the failure first: the rooms lock is not held while
+                    // the decode ranks' control sockets are written
+                    let failure = lock(&inner.rooms)
+                        .get(room)
+                        .ok()
+                        .and_then(|r| r.failure.clone());
+                    notify_decode(&inner, room, false, failure);
                 }
             }
         }

@@ -36,16 +36,17 @@ use std::time::{Duration, Instant};
 /// A thread that takes one of these mutexes while it holds another takes
 /// them in this order, never the reverse:
 ///
-/// 1. `rooms` (`cv` waits on it);
-/// 2. `prefill_rooms`: the deadline thread holds `rooms` while it tells an
-///    expired room's decode ranks (`notify_decode` reads `prefill_rooms`);
-/// 3. `pending_meta`: `sender` drains and `add_meta` parks a room's
+/// 1. `prefill_rooms`;
+/// 2. `pending_meta`: `sender` drains and `add_meta` parks a room's
 ///    metadata under `prefill_rooms`, so none is parked after the drain.
 ///
-/// `registrar`, `decode_links`, `decode_rooms` and `prefill_links` are never
-/// held while another of these is taken, nor taken under one. A control
-/// writer's own lock (`CtlWriter::send`, `shutdown`) may be taken under any
-/// of them and takes none.
+/// `rooms` (`cv` waits on it), `registrar`, `decode_links`, `decode_rooms`,
+/// `prefill_links` and the job queue are never held while another of these
+/// is taken, nor taken under one. No control socket is written under any of
+/// them except a control writer's own lock (`CtlWriter::send`, `shutdown`),
+/// which takes none: a stuck decode socket then stalls only the thread
+/// writing to it (`notify_decode` copies the room's links out of
+/// `prefill_rooms` before it writes).
 pub(super) struct Inner {
     pub(super) cfg: EngineConfig,
     pub(super) agent: Agent,
