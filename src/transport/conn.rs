@@ -10,7 +10,9 @@ use crate::error::{Error, Result, Status};
 use crate::memory::{AccessGuard, RegionDesc, RegionKind, Registry};
 use std::collections::HashMap;
 use std::net::{Shutdown, TcpStream};
+use std::os::fd::AsRawFd;
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 /// One op after validation: absolute source address, destination region,
 /// offset and absolute destination address in the peer.
@@ -42,6 +44,7 @@ impl Conn {
         registry: Registry,
         session: u64,
         addr: String,
+        keepalive: Duration,
     ) -> Result<Arc<Conn>> {
         let reader = stream.try_clone()?;
         let shut = stream.try_clone()?;
@@ -58,12 +61,25 @@ impl Conn {
         let c = conn.clone();
         std::thread::Builder::new()
             .name("pdxfer-ctrl-rx".into())
-            .spawn(move || c.reader(reader))?;
+            .spawn(move || c.reader(reader, keepalive))?;
         Ok(conn)
     }
 
-    fn reader(self: Arc<Self>, mut r: TcpStream) {
+    /// Reads the receiver's frames; when none came for `keepalive`, sends a
+    /// keepalive (the receiver closes sessions idle past its idle timeout).
+    fn reader(self: Arc<Self>, mut r: TcpStream, keepalive: Duration) {
+        let keepalive = keepalive.max(Duration::from_millis(10));
         let err = loop {
+            match readable(&r, keepalive) {
+                Ok(true) => {}
+                Ok(false) => {
+                    if let Err(e) = self.send(FrameType::Keepalive, &[]) {
+                        break e;
+                    }
+                    continue;
+                }
+                Err(e) => break e,
+            }
             let (ty, p) = match wire::read_frame(&mut r) {
                 Ok(f) => f,
                 Err(e) => break e,
@@ -193,6 +209,26 @@ impl Conn {
             reach,
         )
     }
+}
+
+/// Waits up to `timeout` for `s` to become readable (a frame, or its end).
+pub(crate) fn readable(s: &TcpStream, timeout: Duration) -> Result<bool> {
+    let mut pfd = libc::pollfd {
+        fd: s.as_raw_fd(),
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    let ms = timeout.as_millis().clamp(1, i32::MAX as u128) as libc::c_int;
+    // SAFETY: pfd is one valid pollfd for the duration of the call.
+    let n = unsafe { libc::poll(&mut pfd, 1, ms) };
+    if n < 0 {
+        let e = std::io::Error::last_os_error();
+        if e.kind() == std::io::ErrorKind::Interrupted {
+            return Ok(false);
+        }
+        return Err(e.into());
+    }
+    Ok(n > 0)
 }
 
 /// Which memory a byte mover reaches, so which sides of an op may be device memory.

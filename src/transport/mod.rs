@@ -26,6 +26,7 @@ mod batch;
 pub mod checksum;
 pub mod cma;
 mod conn;
+pub mod listen;
 pub mod handshake;
 pub mod identity;
 pub mod local;
