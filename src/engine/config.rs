@@ -4,6 +4,7 @@
 use crate::bootstrap::schema::Role;
 use crate::layout::Topology;
 use crate::transport::TransportKind;
+use crate::transport::listen::ListenLimits;
 use std::time::Duration;
 
 /// One KV entry's pool: `num_pages` pages of `page_bytes` at `base`.
@@ -75,6 +76,20 @@ pub struct EngineConfig {
     pub batch_timeout: Duration,
     /// Bootstrap lease TTL.
     pub lease_ttl: Duration,
+    /// Bounds on the connections peers open to this rank (the decode's
+    /// agent, the prefill's control port): waiting for a first message,
+    /// in a handshake, live; the excess is refused.
+    pub listen_limits: ListenLimits,
+    /// The agent's peer timeouts: handshake, idle session, region pin
+    /// (see [`AgentOptions`](crate::transport::AgentOptions)).
+    pub handshake_timeout: Duration,
+    /// See [`AgentOptions::idle_timeout`](crate::transport::AgentOptions::idle_timeout).
+    pub idle_timeout: Duration,
+    /// See [`AgentOptions::pin_timeout`](crate::transport::AgentOptions::pin_timeout).
+    pub pin_timeout: Duration,
+    /// Prefill: keepalive interval of the idle data connections to decode
+    /// ranks (shorter than their `idle_timeout`).
+    pub keepalive: Duration,
     /// Test knob: the RDMA NIC provider of the engine's agent (the software
     /// fabric in tests); `None` (production) uses the real NICs.
     #[doc(hidden)]
@@ -109,6 +124,11 @@ impl EngineConfig {
             room_timeout: Duration::from_secs(60),
             batch_timeout: Duration::from_secs(30),
             lease_ttl: Duration::from_secs(10),
+            listen_limits: ListenLimits::default(),
+            handshake_timeout: Duration::from_secs(10),
+            idle_timeout: Duration::from_secs(120),
+            pin_timeout: Duration::from_secs(60),
+            keepalive: Duration::from_secs(15),
             nic: None,
         }
     }

@@ -122,6 +122,10 @@ fn validate(cfg: &EngineConfig) -> Result<()> {
 fn open_agent(cfg: &EngineConfig) -> Result<Agent> {
     let agent = Agent::new(&AgentOptions {
         listen: (cfg.role == Role::Decode).then(|| format!("{}:0", cfg.host)),
+        limits: cfg.listen_limits,
+        handshake_timeout: cfg.handshake_timeout,
+        idle_timeout: cfg.idle_timeout,
+        pin_timeout: cfg.pin_timeout,
         stall: Duration::ZERO,
         nic: cfg.nic.clone(),
         ..Default::default()
