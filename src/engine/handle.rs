@@ -13,7 +13,7 @@ use super::control::{CtlMsg, RegionMap};
 use super::decode::{DecodeRoom, PrefillLink};
 use super::prefill::{DecodeLink, MetaInfo, PrefillRoom};
 use super::room::{KvPoll, RoomTable};
-use super::worker::Job;
+use super::jobs::JobQueue;
 use super::EngineConfig;
 use crate::bootstrap::client::Registrar;
 use crate::bootstrap::schema::{InstanceId, Registration, Role};
@@ -21,7 +21,6 @@ use crate::bootstrap::store::Store;
 use crate::error::{Error, Result, Status};
 use crate::memory::RegionDesc;
 use crate::transport::{Agent, TransportKind};
-use crossbeam::channel::Sender;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
@@ -65,7 +64,7 @@ pub(super) struct Inner {
     pub(super) prefill_rooms: Mutex<HashMap<u64, PrefillRoom>>,
     pub(super) pending_meta: Mutex<HashMap<u64, Vec<MetaInfo>>>,
     pub(super) decode_links: Mutex<Vec<Arc<DecodeLink>>>,
-    pub(super) jobs: Vec<Sender<Job>>,
+    pub(super) jobs: JobQueue,
     // decode
     pub(super) decode_rooms: Mutex<HashMap<u64, DecodeRoom>>,
     pub(super) prefill_links: Mutex<HashMap<(InstanceId, u64), Arc<PrefillLink>>>,

@@ -171,22 +171,24 @@ impl Engine {
                 } else {
                     Vec::new()
                 },
+                r.infos
+                    .iter()
+                    .map(|m| Arc::as_ptr(&m.link) as usize)
+                    .collect(),
             )
         };
-        let (start, state_indices) = start;
-        let w = (room as usize) % self.inner.jobs.len().max(1);
-        self.inner.jobs[w]
-            .send(Job {
-                room,
-                attempt,
-                pages: pages.to_vec(),
-                start,
-                num_tokens,
-                last,
-                aux_index,
-                state_indices,
-            })
-            .map_err(|_| Error::new(Status::EngineClosed, "transfer workers stopped"))?;
+        let (start, state_indices, peers) = start;
+        self.inner.jobs.push(Job {
+            room,
+            attempt,
+            pages: pages.to_vec(),
+            start,
+            num_tokens,
+            last,
+            aux_index,
+            state_indices,
+            peers,
+        });
         lock(&self.inner.rooms).update(room, attempt, KvPoll::Transferring);
         Ok(())
     }

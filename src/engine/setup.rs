@@ -7,14 +7,14 @@ use super::device::DeviceStage;
 use super::handle::{lock, Engine, Inner};
 use super::prefill::accept_loop;
 use super::room::RoomTable;
-use super::worker::{worker_loop, Job};
+use super::jobs::JobQueue;
+use super::worker::worker_loop;
 use super::EngineConfig;
 use crate::bootstrap::client::Registrar;
 use crate::bootstrap::schema::{InstanceId, RegionDescriptor, Registration, Role};
 use crate::error::{Error, Result, Status};
 use crate::memory::RegionDesc;
 use crate::transport::{Agent, AgentOptions, TransportKind};
-use crossbeam::channel::{unbounded, Receiver};
 use std::collections::{BTreeMap, HashMap};
 use std::net::TcpListener;
 use std::sync::atomic::AtomicBool;
@@ -43,13 +43,6 @@ impl Engine {
         };
         // SAFETY: this function's contract is `register_regions`' (valid pool, aux and state memory).
         let regions = unsafe { register_regions(&cfg, &agent, workers)? };
-        let mut jobs = Vec::new();
-        let mut queues = Vec::new();
-        for _ in 0..workers {
-            let (t, r) = unbounded();
-            jobs.push(t);
-            queues.push(r);
-        }
         let inner = Arc::new(Inner {
             cfg,
             agent,
@@ -66,11 +59,11 @@ impl Engine {
             prefill_rooms: Mutex::new(HashMap::new()),
             pending_meta: Mutex::new(HashMap::new()),
             decode_links: Mutex::new(Vec::new()),
-            jobs,
+            jobs: JobQueue::default(),
             decode_rooms: Mutex::new(HashMap::new()),
             prefill_links: Mutex::new(HashMap::new()),
         });
-        let (endpoints, listener) = start_threads(&inner, queues, regions.stages)?;
+        let (endpoints, listener) = start_threads(&inner, workers, regions.stages)?;
         register_with_bootstrap(&inner, endpoints)?;
         // the prefill accepts decode ranks only once its registration is stored
         if let Some(l) = listener {
@@ -260,7 +253,7 @@ unsafe fn register_regions(cfg: &EngineConfig, agent: &Agent, workers: usize) ->
 /// Returns the endpoints to advertise and the listener.
 fn start_threads(
     inner: &Arc<Inner>,
-    queues: Vec<Receiver<Job>>,
+    workers: usize,
     mut stages: Vec<DeviceStage>,
 ) -> Result<(BTreeMap<String, String>, Option<TcpListener>)> {
     let mut endpoints = BTreeMap::new();
@@ -270,13 +263,13 @@ fn start_threads(
         endpoints.insert("ctl".to_string(), l.local_addr()?.to_string());
         // accepted only once the registration is stored (below); peers wait in the backlog
         listener = Some(l);
-        for (i, rx) in queues.into_iter().enumerate() {
+        for i in 0..workers {
             let w = Arc::downgrade(inner);
             // the worker owns its GPU stage (device pools) for its whole life
             let stage = (!stages.is_empty()).then(|| stages.remove(0));
             std::thread::Builder::new()
                 .name(format!("pdxfer-worker-{i}"))
-                .spawn(move || worker_loop(w, i, rx, stage))?;
+                .spawn(move || worker_loop(w, i, stage))?;
         }
     } else if let Some(a) = inner.agent.local_addr() {
         endpoints.insert("data".to_string(), a.to_string());

@@ -6,14 +6,15 @@ use super::control::CtlMsg;
 use super::device::{write_pair_device, DeviceStage};
 use super::flight::Flight;
 use super::handle::{catch, lock, Inner};
+use super::jobs::PeerKey;
 use super::prefill::{notify_decode, MetaInfo};
 use super::room::KvPoll;
 use super::staging::write_pair;
 use crate::error::{Error, Result, Status};
 use crate::layout::{DcpLayout, PairRequest, Side};
 use crate::transport::{BatchOptions, WriteOp};
-use crossbeam::channel::Receiver;
 use std::sync::atomic::Ordering;
+use std::time::Duration;
 
 pub(super) struct Job {
     pub(super) room: u64,
@@ -24,16 +25,20 @@ pub(super) struct Job {
     pub(super) last: bool,
     pub(super) aux_index: u64,
     pub(super) state_indices: Vec<u64>,
+    /// The room's decode ranks (see [`JobQueue`](super::jobs::JobQueue)).
+    pub(super) peers: Vec<PeerKey>,
 }
 
 pub(super) fn worker_loop(
     w: std::sync::Weak<Inner>,
     idx: usize,
-    rx: Receiver<Job>,
     mut stage: Option<DeviceStage>,
 ) {
-    while let Ok(job) = rx.recv() {
+    loop {
         let Some(inner) = w.upgrade() else { return };
+        let Some(job) = inner.jobs.take(Duration::from_millis(200)) else {
+            continue;
+        };
         let (room, attempt, last) = (job.room, job.attempt, job.last);
         let r = catch("transfer worker", || {
             run_job(&inner, idx, &job, stage.as_mut())
@@ -64,6 +69,7 @@ pub(super) fn worker_loop(
                 let _ = l.writer.send(&CtlMsg::AbortAck { room, attempt: a });
             }
         }
+        inner.jobs.done(&job);
         inner.cv.notify_all();
     }
 }
