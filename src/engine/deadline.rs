@@ -31,15 +31,42 @@ pub(super) fn deadline_loop(w: std::sync::Weak<Inner>) {
             inner.cv.notify_all();
             if inner.cfg.role == Role::Prefill {
                 for room in expired {
+                    let context = waiting_on(&inner, room);
                     // read the failure first: the rooms lock is not held while
                     // the decode ranks' control sockets are written
-                    let failure = lock(&inner.rooms)
-                        .get(room)
-                        .ok()
-                        .and_then(|r| r.failure.clone());
+                    let failure = {
+                        let mut rooms = lock(&inner.rooms);
+                        if !context.is_empty() {
+                            rooms.add_context(room, &context);
+                        }
+                        rooms.get(room).ok().and_then(|r| r.failure.clone())
+                    };
                     notify_decode(&inner, room, false, failure);
                 }
             }
         }
+    }
+}
+
+/// The decode ranks an expired prefill room was sending to, in words.
+fn waiting_on(inner: &Inner, room: u64) -> String {
+    let pr = lock(&inner.prefill_rooms);
+    let Some(r) = pr.get(&room).filter(|r| r.sent_positions > 0) else {
+        return String::new(); // nothing was queued: no writes to wait on
+    };
+    let names: Vec<String> = r
+        .infos
+        .iter()
+        .map(|m| {
+            format!(
+                "decode rank instance {} (dcp_rank {})",
+                m.link.hello.instance_id, m.link.hello.topology.dcp_rank
+            )
+        })
+        .collect();
+    if names.is_empty() {
+        String::new()
+    } else {
+        format!("its writes to {} did not complete", names.join(", "))
     }
 }

@@ -188,6 +188,19 @@ impl RoomTable {
         }
     }
 
+    /// Appends `context` to the reason room `id` failed with (which peers it
+    /// waited on, say); nothing for a room that did not fail.
+    pub(crate) fn add_context(&mut self, id: u64, context: &str) {
+        if let Some(r) = self.rooms.get_mut(&id) {
+            if let Some(e) = &r.failure {
+                r.failure = Some(Error::new(
+                    e.status(),
+                    format!("{} ({context})", e.detail()),
+                ));
+            }
+        }
+    }
+
     /// Counts a write about to be submitted for the room; refused once the room
     /// is terminal or aborted, so nothing new starts after an abort.
     pub fn begin_write(&mut self, id: u64, attempt: u64) -> Result<()> {
