@@ -5,6 +5,7 @@
 use super::handle::{lock, Inner};
 use super::prefill::notify_decode;
 use crate::bootstrap::schema::Role;
+use std::collections::HashMap;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
@@ -26,23 +27,33 @@ pub(super) fn deadline_loop(w: std::sync::Weak<Inner>) {
             let ttl = inner.cfg.room_timeout;
             lock(&inner.pending_meta).retain(|_, v| v.iter().any(|m| m.arrived.elapsed() < ttl));
         }
-        let expired = lock(&inner.rooms).expire(Instant::now());
-        if !expired.is_empty() {
-            inner.cv.notify_all();
-            if inner.cfg.role == Role::Prefill {
-                for room in expired {
-                    let context = waiting_on(&inner, room);
-                    // read the failure first: the rooms lock is not held while
-                    // the decode ranks' control sockets are written
-                    let failure = {
-                        let mut rooms = lock(&inner.rooms);
-                        if !context.is_empty() {
-                            rooms.add_context(room, &context);
-                        }
-                        rooms.get(room).ok().and_then(|r| r.failure.clone())
-                    };
-                    notify_decode(&inner, room, false, failure);
+        let now = Instant::now();
+        // the prefill names the decode ranks of each room it fails, read
+        // while the rooms lock is not held (it is a leaf of the lock order)
+        let mut context = HashMap::new();
+        if inner.cfg.role == Role::Prefill {
+            let due = lock(&inner.rooms).due(now);
+            for room in due {
+                let c = waiting_on(&inner, room);
+                if !c.is_empty() {
+                    context.insert(room, c);
                 }
+            }
+        }
+        let expired = lock(&inner.rooms).expire_with(now, &context);
+        if expired.is_empty() {
+            continue;
+        }
+        inner.cv.notify_all();
+        if inner.cfg.role == Role::Prefill {
+            for room in expired {
+                // read the failure first: the rooms lock is not held while
+                // the decode ranks' control sockets are written
+                let failure = lock(&inner.rooms)
+                    .get(room)
+                    .ok()
+                    .and_then(|r| r.failure.clone());
+                notify_decode(&inner, room, false, failure);
             }
         }
     }

@@ -188,19 +188,6 @@ impl RoomTable {
         }
     }
 
-    /// Appends `context` to the reason room `id` failed with (which peers it
-    /// waited on, say); nothing for a room that did not fail.
-    pub(crate) fn add_context(&mut self, id: u64, context: &str) {
-        if let Some(r) = self.rooms.get_mut(&id) {
-            if let Some(e) = &r.failure {
-                r.failure = Some(Error::new(
-                    e.status(),
-                    format!("{} ({context})", e.detail()),
-                ));
-            }
-        }
-    }
-
     /// Counts a write about to be submitted for the room; refused once the room
     /// is terminal or aborted, so nothing new starts after an abort.
     pub fn begin_write(&mut self, id: u64, attempt: u64) -> Result<()> {
@@ -249,16 +236,37 @@ impl RoomTable {
 
     /// Fails every non-terminal room whose deadline passed; returns their ids.
     pub fn expire(&mut self, now: Instant) -> Vec<u64> {
+        self.expire_with(now, &HashMap::new())
+    }
+
+    /// The non-terminal rooms whose deadline passed at `now` (not failed yet).
+    pub fn due(&self, now: Instant) -> Vec<u64> {
+        let mut out: Vec<u64> = self
+            .rooms
+            .values()
+            .filter(|r| r.deadline.is_some_and(|d| now >= d) && !r.poll.is_terminal())
+            .map(|r| r.id)
+            .collect();
+        out.sort_unstable();
+        out
+    }
+
+    /// Like [`expire`](Self::expire), with `context` appended to the reason
+    /// of the rooms it names (which peers the room waited on, say).
+    pub fn expire_with(&mut self, now: Instant, context: &HashMap<u64, String>) -> Vec<u64> {
         let mut out = Vec::new();
         for r in self.rooms.values_mut() {
             if let Some(d) = r.deadline {
                 if now >= d && !r.poll.is_terminal() {
                     let waited = now.duration_since(r.created);
                     let state = r.poll;
+                    let extra = context
+                        .get(&r.id)
+                        .map_or(String::new(), |c| format!(" ({c})"));
                     r.fail(Error::new(
                         Status::Timeout,
                         format!(
-                            "room {} exceeded its deadline after {:.1}s in state {state:?}",
+                            "room {} exceeded its deadline after {:.1}s in state {state:?}{extra}",
                             r.id,
                             waited.as_secs_f64()
                         ),
