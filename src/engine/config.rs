@@ -3,8 +3,8 @@
 
 use crate::bootstrap::schema::Role;
 use crate::layout::Topology;
-use crate::transport::TransportKind;
 use crate::transport::listen::ListenLimits;
+use crate::transport::TransportKind;
 use std::time::Duration;
 
 /// One KV entry's pool: `num_pages` pages of `page_bytes` at `base`.

@@ -11,9 +11,9 @@
 
 use super::control::{CtlMsg, RegionMap};
 use super::decode::{DecodeRoom, PrefillLink};
+use super::jobs::JobQueue;
 use super::prefill::{DecodeLink, MetaInfo, PrefillRoom};
 use super::room::{KvPoll, RoomTable};
-use super::jobs::JobQueue;
 use super::EngineConfig;
 use crate::bootstrap::client::Registrar;
 use crate::bootstrap::schema::{InstanceId, Registration, Role};

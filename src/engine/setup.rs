@@ -5,9 +5,9 @@
 use super::deadline::deadline_loop;
 use super::device::DeviceStage;
 use super::handle::{lock, Engine, Inner};
+use super::jobs::JobQueue;
 use super::prefill::accept_loop;
 use super::room::RoomTable;
-use super::jobs::JobQueue;
 use super::worker::worker_loop;
 use super::EngineConfig;
 use crate::bootstrap::client::Registrar;

@@ -29,11 +29,7 @@ pub(super) struct Job {
     pub(super) peers: Vec<PeerKey>,
 }
 
-pub(super) fn worker_loop(
-    w: std::sync::Weak<Inner>,
-    idx: usize,
-    mut stage: Option<DeviceStage>,
-) {
+pub(super) fn worker_loop(w: std::sync::Weak<Inner>, idx: usize, mut stage: Option<DeviceStage>) {
     loop {
         let Some(inner) = w.upgrade() else { return };
         let Some(job) = inner.jobs.take(Duration::from_millis(200)) else {

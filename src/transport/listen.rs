@@ -248,7 +248,8 @@ pub fn serve(
                     }
                     Err(e) if e.kind() == ErrorKind::WouldBlock => break,
                     Err(e) if out_of_resources(&e) => {
-                        backoff = (backoff * 2).clamp(Duration::from_millis(10), Duration::from_secs(1));
+                        backoff =
+                            (backoff * 2).clamp(Duration::from_millis(10), Duration::from_secs(1));
                         log::warn!(
                             "listener: accept failed ({e}); backing off {backoff:?} (lower the peers' connection count or raise RLIMIT_NOFILE)"
                         );
@@ -380,7 +381,10 @@ mod tests {
             }
         }
         assert_eq!(closed, 6);
-        assert!(got.lock().unwrap().is_empty(), "no handler for idle connections");
+        assert!(
+            got.lock().unwrap().is_empty(),
+            "no handler for idle connections"
+        );
         let mut real = TcpStream::connect(addr).unwrap();
         real.write_all(b"hello\n").unwrap();
         let end = Instant::now() + Duration::from_secs(5);

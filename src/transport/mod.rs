@@ -26,9 +26,9 @@ mod batch;
 pub mod checksum;
 pub mod cma;
 mod conn;
-pub mod listen;
 pub mod handshake;
 pub mod identity;
+pub mod listen;
 pub mod local;
 pub mod nccl;
 // Nothing in the RDMA transport crosses the C ABI: keep its items out of pdxfer.h.

@@ -9,10 +9,10 @@ use super::{lock, AgentInner, ReceiverSession};
 use crate::error::{Error, Result, Status};
 use crate::memory::{RegionKind, Registry};
 use crate::transport::handshake::{random_u64, Hello, HelloAck, Select, SelectOk};
+use crate::transport::listen::{self, Framing, ListenLimits, Slot};
 use crate::transport::rdma::nic::{DataPath, NicProvider};
 use crate::transport::rdma::Handshake;
 use crate::transport::tcp::{serve_stream, TcpRecv};
-use crate::transport::listen::{self, Framing, ListenLimits, Slot};
 use crate::transport::wire::{self, FrameType};
 use crate::transport::TransportKind;
 use std::collections::HashMap;
@@ -30,7 +30,11 @@ pub(super) fn accept_loop(
     };
     let stop = {
         let agent = agent.clone();
-        move || agent.upgrade().is_none_or(|a| a.shutdown.load(Ordering::SeqCst))
+        move || {
+            agent
+                .upgrade()
+                .is_none_or(|a| a.shutdown.load(Ordering::SeqCst))
+        }
     };
     listen::serve(l, limits, Framing::Wire, stats, stop, |s, first, slot| {
         let Some(a) = agent.upgrade() else { return };

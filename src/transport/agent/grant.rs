@@ -10,8 +10,8 @@
 use super::{lock, AgentInner, ReceiverSession};
 use crate::error::{Error, Result, Status};
 use crate::memory::{AccessGuard, RegionDesc, RegionKind, Registry};
-use crate::transport::identity::ProcIdentity;
 use crate::transport::conn::readable;
+use crate::transport::identity::ProcIdentity;
 use crate::transport::tcp::finalize_tcp;
 use crate::transport::wire::{self, Commit, FrameType, Range};
 use crate::transport::{checksum, BatchId, Completion};
