@@ -12,7 +12,7 @@ use std::collections::HashMap;
 use std::net::{Shutdown, TcpStream};
 use std::os::fd::AsRawFd;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// One op after validation: absolute source address, destination region,
 /// offset and absolute destination address in the peer.
@@ -27,7 +27,8 @@ pub(crate) struct Piece {
 
 pub(crate) struct Conn {
     pub table: BatchTable,
-    writer: Mutex<TcpStream>,
+    /// The control connection's write half, and when a frame was last sent on it.
+    writer: Mutex<(TcpStream, Instant)>,
     shut: TcpStream,
     pub peer: ProcIdentity,
     pub regions: HashMap<u64, RegionDesc>,
@@ -50,7 +51,7 @@ impl Conn {
         let shut = stream.try_clone()?;
         let conn = Arc::new(Conn {
             table: BatchTable::default(),
-            writer: Mutex::new(stream),
+            writer: Mutex::new((stream, Instant::now())),
             shut,
             peer,
             regions: regions.into_iter().map(|d| (d.id, d)).collect(),
@@ -65,19 +66,22 @@ impl Conn {
         Ok(conn)
     }
 
-    /// Reads the receiver's frames; when none came for `keepalive`, sends a
-    /// keepalive (the receiver closes sessions idle past its idle timeout).
+    /// Reads the receiver's frames; between them, sends a keepalive whenever
+    /// nothing was sent for `keepalive` (the receiver closes sessions whose
+    /// sender is silent past its idle timeout).
     fn reader(self: Arc<Self>, mut r: TcpStream, keepalive: Duration) {
         let keepalive = keepalive.max(Duration::from_millis(10));
         let err = loop {
-            match readable(&r, keepalive) {
-                Ok(true) => {}
-                Ok(false) => {
-                    if let Err(e) = self.send(FrameType::Keepalive, &[]) {
-                        break e;
-                    }
-                    continue;
+            let idle = self.idle();
+            if idle >= keepalive {
+                if let Err(e) = self.send(FrameType::Keepalive, &[]) {
+                    break e;
                 }
+                continue;
+            }
+            match readable(&r, keepalive - idle) {
+                Ok(true) => {}
+                Ok(false) => continue,
                 Err(e) => break e,
             }
             let (ty, p) = match wire::read_frame(&mut r) {
@@ -122,7 +126,8 @@ impl Conn {
     pub fn send(&self, ty: FrameType, payload: &[u8]) -> Result<()> {
         let r = {
             let mut w = self.writer.lock().unwrap_or_else(|p| p.into_inner());
-            wire::write_frame(&mut *w, ty, payload)
+            w.1 = Instant::now();
+            wire::write_frame(&mut w.0, ty, payload)
         };
         if let Err(e) = &r {
             self.table.fail_all(Error::new(
@@ -136,6 +141,15 @@ impl Conn {
             ));
         }
         r
+    }
+
+    /// How long since a frame was last sent.
+    fn idle(&self) -> Duration {
+        self.writer
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .1
+            .elapsed()
     }
 
     pub fn close(&self) {
