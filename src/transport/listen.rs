@@ -12,8 +12,10 @@
 //! does not arrive within [`ListenLimits::first_message_timeout`], or is
 //! larger than [`ListenLimits::max_first_message`], closes the connection.
 //! When `accept` fails for lack of descriptors or memory (`EMFILE`,
-//! `ENFILE`, `ENOBUFS`, `ENOMEM`) the listener backs off (10 ms doubling to
-//! 1 s) instead of polling the still-readable listener in a tight loop.
+//! `ENFILE`, `ENOBUFS`, `ENOMEM`) the listener closes the connection that
+//! waited longest (a descriptor for the next peer) and backs off (10 ms
+//! doubling to 1 s) instead of polling the still-readable listener in a
+//! tight loop.
 
 use std::collections::VecDeque;
 use std::io::{ErrorKind, Read};
@@ -248,6 +250,8 @@ pub fn serve(
                     }
                     Err(e) if e.kind() == ErrorKind::WouldBlock => break,
                     Err(e) if out_of_resources(&e) => {
+                        // free a descriptor for the next peer: the longest waiting is closed
+                        pending.pop_front();
                         backoff =
                             (backoff * 2).clamp(Duration::from_millis(10), Duration::from_secs(1));
                         log::warn!(
