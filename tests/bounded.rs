@@ -431,8 +431,9 @@ fn emfile_backs_off_and_keeps_serving() {
     let c0 = cpu_time(t.pid);
     std::thread::sleep(Duration::from_secs(2));
     let used = cpu_time(t.pid) - c0;
+    eprintln!("CPU while out of descriptors: {used:?} in 2 s");
     assert!(
-        used < Duration::from_millis(500),
+        used < Duration::from_millis(300),
         "the agent used {used:?} of CPU in 2 s while out of descriptors (spinning)"
     );
     drop(conns);
