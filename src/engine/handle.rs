@@ -64,7 +64,7 @@ pub(super) struct Inner {
     pub(super) prefill_rooms: Mutex<HashMap<u64, PrefillRoom>>,
     pub(super) pending_meta: Mutex<HashMap<u64, Vec<MetaInfo>>>,
     pub(super) decode_links: Mutex<Vec<Arc<DecodeLink>>>,
-    pub(super) jobs: JobQueue,
+    pub(super) jobs: Arc<JobQueue>,
     // decode
     pub(super) decode_rooms: Mutex<HashMap<u64, DecodeRoom>>,
     pub(super) prefill_links: Mutex<HashMap<(InstanceId, u64), Arc<PrefillLink>>>,

@@ -59,7 +59,7 @@ impl Engine {
             prefill_rooms: Mutex::new(HashMap::new()),
             pending_meta: Mutex::new(HashMap::new()),
             decode_links: Mutex::new(Vec::new()),
-            jobs: JobQueue::default(),
+            jobs: Arc::new(JobQueue::default()),
             decode_rooms: Mutex::new(HashMap::new()),
             prefill_links: Mutex::new(HashMap::new()),
         });
@@ -264,12 +264,12 @@ fn start_threads(
         // accepted only once the registration is stored (below); peers wait in the backlog
         listener = Some(l);
         for i in 0..workers {
-            let w = Arc::downgrade(inner);
+            let (w, jobs) = (Arc::downgrade(inner), inner.jobs.clone());
             // the worker owns its GPU stage (device pools) for its whole life
             let stage = (!stages.is_empty()).then(|| stages.remove(0));
             std::thread::Builder::new()
                 .name(format!("pdxfer-worker-{i}"))
-                .spawn(move || worker_loop(w, i, stage))?;
+                .spawn(move || worker_loop(w, jobs, i, stage))?;
         }
     } else if let Some(a) = inner.agent.local_addr() {
         endpoints.insert("data".to_string(), a.to_string());

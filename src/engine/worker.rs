@@ -6,7 +6,7 @@ use super::control::CtlMsg;
 use super::device::{write_pair_device, DeviceStage};
 use super::flight::Flight;
 use super::handle::{catch, lock, Inner};
-use super::jobs::PeerKey;
+use super::jobs::{JobQueue, PeerKey};
 use super::prefill::{notify_decode, MetaInfo};
 use super::room::KvPoll;
 use super::staging::write_pair;
@@ -14,6 +14,7 @@ use crate::error::{Error, Result, Status};
 use crate::layout::{DcpLayout, PairRequest, Side};
 use crate::transport::{BatchOptions, WriteOp};
 use std::sync::atomic::Ordering;
+use std::sync::Arc;
 use std::time::Duration;
 
 pub(super) struct Job {
@@ -29,12 +30,17 @@ pub(super) struct Job {
     pub(super) peers: Vec<PeerKey>,
 }
 
-pub(super) fn worker_loop(w: std::sync::Weak<Inner>, idx: usize, mut stage: Option<DeviceStage>) {
+pub(super) fn worker_loop(
+    w: std::sync::Weak<Inner>,
+    jobs: Arc<JobQueue>,
+    idx: usize,
+    mut stage: Option<DeviceStage>,
+) {
     loop {
+        // waits without holding the engine, so dropping it is not delayed
+        let job = jobs.take(Duration::from_millis(200));
         let Some(inner) = w.upgrade() else { return };
-        let Some(job) = inner.jobs.take(Duration::from_millis(200)) else {
-            continue;
-        };
+        let Some(job) = job else { continue };
         let (room, attempt, last) = (job.room, job.attempt, job.last);
         let r = catch("transfer worker", || {
             run_job(&inner, idx, &job, stage.as_mut())
