@@ -420,6 +420,48 @@ fn a_half_sent_piece_releases_its_pin_after_the_timeout() {
     );
 }
 
+/// A cma-style grant whose commit never comes pins the region only until
+/// the pin timeout: unregister then succeeds, and the late commit is refused.
+#[test]
+fn an_uncommitted_grant_expires_after_the_pin_timeout() {
+    let mut t = Target::spawn(&["--pin-timeout-ms", "1000"], None);
+    let (mut ctl, _) = raw_session(&t.addr);
+    let range = wire::Range {
+        region: t.region,
+        offset: 0,
+        len: 4096,
+    };
+    wire::write_frame(
+        &mut ctl,
+        wire::FrameType::Intent,
+        &wire::encode_intent(1, &[range]),
+    )
+    .unwrap();
+    assert_eq!(
+        wire::read_frame(&mut ctl).unwrap().0,
+        wire::FrameType::Grant
+    );
+    let busy = t.unregister(100);
+    assert_eq!(busy["ok"], false, "the grant pins the region: {busy}");
+    let t0 = Instant::now();
+    let r = t.unregister(5000);
+    assert_eq!(r["ok"], true, "the grant never expired: {r}");
+    assert!(t0.elapsed() < Duration::from_secs(4), "{:?}", t0.elapsed());
+    let c = wire::Commit {
+        batch: 1,
+        bytes: 4096,
+        checksum: None,
+        room: 0,
+        epoch: 0,
+    };
+    wire::write_frame(&mut ctl, wire::FrameType::Commit, &wire::encode_commit(&c)).unwrap();
+    let (ty, p) = wire::read_frame(&mut ctl).unwrap();
+    assert_eq!(ty, wire::FrameType::Nack);
+    let (batch, e) = wire::decode_reason(&p).unwrap();
+    assert_eq!(batch, 1);
+    assert!(e.detail().contains("expired"), "{e}");
+}
+
 /// Out of descriptors (RLIMIT_NOFILE 64, 150 connections), the agent backs
 /// off instead of spinning on accept, and serves again once they close.
 #[test]
