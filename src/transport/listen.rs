@@ -134,6 +134,9 @@ impl ListenStats {
     }
 }
 
+/// How often a listener out of descriptors says so.
+const WARN_EVERY: Duration = Duration::from_secs(10);
+
 struct Pending {
     stream: TcpStream,
     buf: Vec<u8>,
@@ -167,6 +170,7 @@ pub fn serve(
     let mut pending: VecDeque<Pending> = VecDeque::new();
     let mut backoff = Duration::ZERO;
     let mut backoff_until: Option<Instant> = None;
+    let (mut last_warn, mut failures): (Option<Instant>, u64) = (None, 0);
     let mut pfds: Vec<libc::pollfd> = Vec::new();
     loop {
         if stop() {
@@ -254,9 +258,15 @@ pub fn serve(
                         pending.pop_front();
                         backoff =
                             (backoff * 2).clamp(Duration::from_millis(10), Duration::from_secs(1));
-                        log::warn!(
-                            "listener: accept failed ({e}); backing off {backoff:?} (lower the peers' connection count or raise RLIMIT_NOFILE)"
-                        );
+                        // said once per interval, however often it happens
+                        failures += 1;
+                        if last_warn.is_none_or(|t| t.elapsed() >= WARN_EVERY) {
+                            log::warn!(
+                                "listener: accept failed {failures} time(s) since the last warning (now: {e}); backing off {backoff:?} each time and closing the longest-waiting connection (lower the peers' connection count or raise RLIMIT_NOFILE)"
+                            );
+                            last_warn = Some(Instant::now());
+                            failures = 0;
+                        }
                         backoff_until = Some(Instant::now() + backoff);
                         break;
                     }
