@@ -448,6 +448,10 @@ fn main() {
     cfg.dp_rank = num("dp-rank", 0) as u32;
     cfg.lease_ttl = Duration::from_millis(num("lease-ms", 3000));
     cfg.room_timeout = Duration::from_millis(num("timeout-ms", 10_000));
+    cfg.workers = num("workers", cfg.workers as u64) as usize;
+    cfg.idle_timeout = Duration::from_millis(num("idle-timeout-ms", 120_000));
+    cfg.keepalive = Duration::from_millis(num("keepalive-ms", 15_000));
+    cfg.pin_timeout = Duration::from_millis(num("pin-timeout-ms", 60_000));
     let out = Arc::new(Out(Mutex::new(std::io::stdout())));
     // SAFETY: the pools are kept alive (Arc) until after the engine is closed at exit.
     let engine = match unsafe { Engine::new(cfg) } {

@@ -3,6 +3,7 @@
 
 use crate::bootstrap::schema::Role;
 use crate::layout::Topology;
+use crate::transport::listen::ListenLimits;
 use crate::transport::TransportKind;
 use std::time::Duration;
 
@@ -82,6 +83,20 @@ pub struct EngineConfig {
     /// The responder has no authentication: keep it on loopback or a
     /// monitoring network.
     pub metrics_listen: Option<String>,
+    /// Bounds on the connections peers open to this rank (the decode's
+    /// agent, the prefill's control port): waiting for a first message,
+    /// in a handshake, live; the excess is refused.
+    pub listen_limits: ListenLimits,
+    /// The agent's peer timeouts: handshake, idle session, region pin
+    /// (see [`AgentOptions`](crate::transport::AgentOptions)).
+    pub handshake_timeout: Duration,
+    /// See [`AgentOptions::idle_timeout`](crate::transport::AgentOptions::idle_timeout).
+    pub idle_timeout: Duration,
+    /// See [`AgentOptions::pin_timeout`](crate::transport::AgentOptions::pin_timeout).
+    pub pin_timeout: Duration,
+    /// Prefill: keepalive interval of the idle data connections to decode
+    /// ranks (shorter than their `idle_timeout`).
+    pub keepalive: Duration,
     /// Test knob: the RDMA NIC provider of the engine's agent (the software
     /// fabric in tests); `None` (production) uses the real NICs.
     #[doc(hidden)]
@@ -117,6 +132,11 @@ impl EngineConfig {
             batch_timeout: Duration::from_secs(30),
             lease_ttl: Duration::from_secs(10),
             metrics_listen: None,
+            listen_limits: ListenLimits::default(),
+            handshake_timeout: Duration::from_secs(10),
+            idle_timeout: Duration::from_secs(120),
+            pin_timeout: Duration::from_secs(60),
+            keepalive: Duration::from_secs(15),
             nic: None,
         }
     }

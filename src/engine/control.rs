@@ -177,10 +177,14 @@ impl CtlReader {
                 },
             ));
         }
-        serde_json::from_slice(&self.buf[..n - 1])
-            .map(Some)
-            .map_err(|e| Error::new(Status::Protocol, format!("malformed control message: {e}")))
+        decode_line(&self.buf[..n - 1]).map(Some)
     }
+}
+
+/// One control message from its line (without the `\n`).
+pub fn decode_line(line: &[u8]) -> Result<CtlMsg> {
+    serde_json::from_slice(line)
+        .map_err(|e| Error::new(Status::Protocol, format!("malformed control message: {e}")))
 }
 
 use std::io::Read as _;

@@ -5,6 +5,7 @@
 use super::handle::{lock, Inner};
 use super::prefill::notify_decode;
 use crate::bootstrap::schema::Role;
+use std::collections::HashMap;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
@@ -30,22 +31,57 @@ pub(super) fn deadline_loop(w: std::sync::Weak<Inner>) {
             let ttl = inner.cfg.room_timeout;
             lock(&inner.pending_meta).retain(|_, v| v.iter().any(|m| m.arrived.elapsed() < ttl));
         }
-        let expired = lock(&inner.rooms).expire(Instant::now());
-        if !expired.is_empty() {
-            inner.cv.notify_all();
-            if inner.cfg.role == Role::Prefill {
-                for room in expired {
-                    notify_decode(
-                        &inner,
-                        room,
-                        false,
-                        lock(&inner.rooms)
-                            .get(room)
-                            .ok()
-                            .and_then(|r| r.failure.clone()),
-                    );
+        let now = Instant::now();
+        // the prefill names the decode ranks of each room it fails, read
+        // while the rooms lock is not held (it is a leaf of the lock order)
+        let mut context = HashMap::new();
+        if inner.cfg.role == Role::Prefill {
+            let due = lock(&inner.rooms).due(now);
+            for room in due {
+                let c = waiting_on(&inner, room);
+                if !c.is_empty() {
+                    context.insert(room, c);
                 }
             }
         }
+        let expired = lock(&inner.rooms).expire_with(now, &context);
+        if expired.is_empty() {
+            continue;
+        }
+        inner.cv.notify_all();
+        if inner.cfg.role == Role::Prefill {
+            for room in expired {
+                // read the failure first: the rooms lock is not held while
+                // the decode ranks' control sockets are written
+                let failure = lock(&inner.rooms)
+                    .get(room)
+                    .ok()
+                    .and_then(|r| r.failure.clone());
+                notify_decode(&inner, room, false, failure);
+            }
+        }
+    }
+}
+
+/// The decode ranks an expired prefill room was sending to, in words.
+fn waiting_on(inner: &Inner, room: u64) -> String {
+    let pr = lock(&inner.prefill_rooms);
+    let Some(r) = pr.get(&room).filter(|r| r.sent_positions > 0) else {
+        return String::new(); // nothing was queued: no writes to wait on
+    };
+    let names: Vec<String> = r
+        .infos
+        .iter()
+        .map(|m| {
+            format!(
+                "decode rank instance {} (dcp_rank {})",
+                m.link.hello.instance_id, m.link.hello.topology.dcp_rank
+            )
+        })
+        .collect();
+    if names.is_empty() {
+        String::new()
+    } else {
+        format!("its writes to {} did not complete", names.join(", "))
     }
 }

@@ -11,10 +11,10 @@
 
 use super::control::{CtlMsg, RegionMap};
 use super::decode::{DecodeRoom, PrefillLink};
+use super::jobs::JobQueue;
 use super::metrics::EngineMetrics;
 use super::prefill::{DecodeLink, MetaInfo, PrefillRoom};
 use super::room::{KvPoll, RoomTable};
-use super::worker::Job;
 use super::EngineConfig;
 use crate::bootstrap::client::Registrar;
 use crate::bootstrap::schema::{InstanceId, Registration, Role};
@@ -22,7 +22,6 @@ use crate::bootstrap::store::Store;
 use crate::error::{Error, Result, Status};
 use crate::memory::RegionDesc;
 use crate::transport::{Agent, TransportKind};
-use crossbeam::channel::Sender;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
@@ -37,16 +36,17 @@ use std::time::{Duration, Instant};
 /// A thread that takes one of these mutexes while it holds another takes
 /// them in this order, never the reverse:
 ///
-/// 1. `rooms` (`cv` waits on it);
-/// 2. `prefill_rooms`: the deadline thread holds `rooms` while it tells an
-///    expired room's decode ranks (`notify_decode` reads `prefill_rooms`);
-/// 3. `pending_meta`: `sender` drains and `add_meta` parks a room's
+/// 1. `prefill_rooms`;
+/// 2. `pending_meta`: `sender` drains and `add_meta` parks a room's
 ///    metadata under `prefill_rooms`, so none is parked after the drain.
 ///
-/// `registrar`, `decode_links`, `decode_rooms` and `prefill_links` are never
-/// held while another of these is taken, nor taken under one. A control
-/// writer's own lock (`CtlWriter::send`, `shutdown`) may be taken under any
-/// of them and takes none.
+/// `rooms` (`cv` waits on it), `registrar`, `decode_links`, `decode_rooms`,
+/// `prefill_links` and the job queue are never held while another of these
+/// is taken, nor taken under one. No control socket is written under any of
+/// them except a control writer's own lock (`CtlWriter::send`, `shutdown`),
+/// which takes none: a stuck decode socket then stalls only the thread
+/// writing to it (`notify_decode` copies the room's links out of
+/// `prefill_rooms` before it writes).
 pub(super) struct Inner {
     pub(super) cfg: EngineConfig,
     pub(super) agent: Agent,
@@ -69,7 +69,7 @@ pub(super) struct Inner {
     pub(super) prefill_rooms: Mutex<HashMap<u64, PrefillRoom>>,
     pub(super) pending_meta: Mutex<HashMap<u64, Vec<MetaInfo>>>,
     pub(super) decode_links: Mutex<Vec<Arc<DecodeLink>>>,
-    pub(super) jobs: Vec<Sender<Job>>,
+    pub(super) jobs: Arc<JobQueue>,
     // decode
     pub(super) decode_rooms: Mutex<HashMap<u64, DecodeRoom>>,
     pub(super) prefill_links: Mutex<HashMap<(InstanceId, u64), Arc<PrefillLink>>>,

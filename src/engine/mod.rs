@@ -6,6 +6,8 @@
 //!   lock order), the queries of both roles, abort and close.
 //! - `setup`: `Engine::new` (checks, region registration, threads, bootstrap).
 //! - `prefill` / `decode`: each role's API and control plane.
+//! - `jobs`: the prefill's job queue (a room's chunks in order, a decode
+//!   rank on one worker at a time, so a stalled one delays only its rooms).
 //! - `worker`: the prefill's transfer workers and chunk assembly.
 //! - `flight`: the batches of one chunk in flight (fenced writes, staging slots).
 //! - `staging`: the host staging path (CPU gather into a registered buffer).
@@ -24,6 +26,7 @@ mod decode;
 mod device;
 mod flight;
 mod handle;
+mod jobs;
 mod metrics;
 mod metrics_http;
 mod prefill;

@@ -2,7 +2,7 @@
 //! `sender` and fed by `send`, the control listener and one connection per
 //! decode rank (handshake, metadata, aborts), and the final status sent back.
 
-use super::control::{CtlMsg, CtlReader, CtlWriter, RegionMap, CONTROL_VERSION};
+use super::control::{decode_line, CtlMsg, CtlReader, CtlWriter, RegionMap, CONTROL_VERSION};
 use super::handle::{catch, lock, Engine, Inner};
 use super::metrics::PeerCounters;
 use super::room::KvPoll;
@@ -11,6 +11,7 @@ use crate::bootstrap::peer::check_pair;
 use crate::bootstrap::schema::{PeerHello, Role};
 use crate::error::{Error, Result, Status};
 use crate::layout::prefill_unique_rank;
+use crate::transport::listen::{self, Framing, ListenStats, Slot};
 use crate::transport::{ConnectOptions, Transport, TransportKind};
 use std::net::{TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -176,23 +177,25 @@ impl Engine {
                 } else {
                     Vec::new()
                 },
+                r.infos
+                    .iter()
+                    .map(|m| Arc::as_ptr(&m.link) as usize)
+                    .collect(),
             )
         };
-        let (start, state_indices) = start;
-        let w = (room as usize) % self.inner.jobs.len().max(1);
-        self.inner.jobs[w]
-            .send(Job {
-                room,
-                attempt,
-                pages: pages.to_vec(),
-                start,
-                num_tokens,
-                last,
-                aux_index,
-                state_indices,
-                queued: Instant::now(),
-            })
-            .map_err(|_| Error::new(Status::EngineClosed, "transfer workers stopped"))?;
+        let (start, state_indices, peers) = start;
+        self.inner.jobs.push(Job {
+            room,
+            attempt,
+            pages: pages.to_vec(),
+            start,
+            num_tokens,
+            last,
+            aux_index,
+            state_indices,
+            peers,
+            queued: Instant::now(),
+        });
         lock(&self.inner.rooms).update(room, attempt, KvPoll::Transferring);
         Ok(())
     }
@@ -271,17 +274,20 @@ impl Inner {
 }
 
 pub(super) fn accept_loop(w: std::sync::Weak<Inner>, l: TcpListener) {
-    for s in l.incoming() {
-        let Some(inner) = w.upgrade() else { return };
-        if inner.closed.load(Ordering::Acquire) {
-            return;
-        }
-        let Ok(s) = s else { continue };
-        let w2 = Arc::downgrade(&inner);
+    let Some(limits) = w.upgrade().map(|i| i.cfg.listen_limits) else {
+        return;
+    };
+    let stop = {
+        let w = w.clone();
+        move || w.upgrade().is_none_or(|i| i.closed.load(Ordering::Acquire))
+    };
+    let stats = ListenStats::default();
+    listen::serve(l, limits, Framing::Line, stats, stop, |s, first, slot| {
+        let w2 = w.clone();
         let _ = std::thread::Builder::new()
             .name("pdxfer-ctl-p".into())
-            .spawn(move || prefill_conn(w2, s));
-    }
+            .spawn(move || prefill_conn(w2, s, &first, slot));
+    });
 }
 
 /// A peer's label in the metrics: its rank key (`dp0-tp1-cp0-pp0`), which
@@ -309,23 +315,32 @@ fn refusal(e: &Error) -> CtlMsg {
     }
 }
 
-/// Prefill: one decode rank's control connection.
-fn prefill_conn(w: std::sync::Weak<Inner>, s: TcpStream) {
+/// Prefill: one decode rank's control connection, whose first line
+/// (`first`, read by the listener) arrived whole.
+fn prefill_conn(w: std::sync::Weak<Inner>, s: TcpStream, first: &[u8], mut slot: Slot) {
     let _ = s.set_nodelay(true);
     let (Ok(ws), Ok(rs)) = (s.try_clone(), s.try_clone()) else {
         return;
     };
+    let handshake = w.upgrade().map(|i| i.cfg.handshake_timeout);
+    let _ = s.set_write_timeout(handshake);
     let writer = CtlWriter::new(ws);
     let mut reader = CtlReader::new(rs);
-    let (version, hello, data_addr, regions) = match reader.recv() {
-        Ok(Some(CtlMsg::Hello {
+    let first = match first.iter().position(|&b| b == b'\n') {
+        Some(n) if n + 1 == first.len() => decode_line(&first[..n]),
+        _ => Err(Error::new(
+            Status::Protocol,
+            "data after the hello before it was answered",
+        )),
+    };
+    let (version, hello, data_addr, regions) = match first {
+        Ok(CtlMsg::Hello {
             version,
             hello,
             data_addr,
             regions,
-        })) => (version, hello, data_addr, regions),
-        Ok(None) => return,
-        Ok(Some(other)) => {
+        }) => (version, hello, data_addr, regions),
+        Ok(other) => {
             let _ = writer.send(&refusal(&Error::new(
                 Status::Protocol,
                 format!("expected hello first, got {other:?}"),
@@ -369,6 +384,7 @@ fn prefill_conn(w: std::sync::Weak<Inner>, s: TcpStream) {
         &data_addr,
         &ConnectOptions {
             transport: inner.cfg.transport,
+            keepalive: inner.cfg.keepalive,
             ..Default::default()
         },
     ) {
@@ -416,6 +432,8 @@ fn prefill_conn(w: std::sync::Weak<Inner>, s: TcpStream) {
     {
         return;
     }
+    slot.established();
+    let _ = s.set_write_timeout(None);
     lock(&inner.decode_links).push(link.clone());
     drop(inner);
     loop {

@@ -251,16 +251,37 @@ impl RoomTable {
 
     /// Fails every non-terminal room whose deadline passed; returns their ids.
     pub fn expire(&mut self, now: Instant) -> Vec<u64> {
+        self.expire_with(now, &HashMap::new())
+    }
+
+    /// The non-terminal rooms whose deadline passed at `now` (not failed yet).
+    pub fn due(&self, now: Instant) -> Vec<u64> {
+        let mut out: Vec<u64> = self
+            .rooms
+            .values()
+            .filter(|r| r.deadline.is_some_and(|d| now >= d) && !r.poll.is_terminal())
+            .map(|r| r.id)
+            .collect();
+        out.sort_unstable();
+        out
+    }
+
+    /// Like [`expire`](Self::expire), with `context` appended to the reason
+    /// of the rooms it names (which peers the room waited on, say).
+    pub fn expire_with(&mut self, now: Instant, context: &HashMap<u64, String>) -> Vec<u64> {
         let mut out = Vec::new();
         for r in self.rooms.values_mut() {
             if let Some(d) = r.deadline {
                 if now >= d && !r.poll.is_terminal() {
                     let waited = now.duration_since(r.created);
                     let state = r.poll;
+                    let extra = context
+                        .get(&r.id)
+                        .map_or(String::new(), |c| format!(" ({c})"));
                     r.fail(Error::new(
                         Status::Timeout,
                         format!(
-                            "room {} exceeded its deadline after {:.1}s in state {state:?}",
+                            "room {} exceeded its deadline after {:.1}s in state {state:?}{extra}",
                             r.id,
                             waited.as_secs_f64()
                         ),

@@ -5,16 +5,16 @@
 use super::deadline::deadline_loop;
 use super::device::DeviceStage;
 use super::handle::{lock, Engine, Inner};
+use super::jobs::JobQueue;
 use super::prefill::accept_loop;
 use super::room::RoomTable;
-use super::worker::{worker_loop, Job};
+use super::worker::worker_loop;
 use super::EngineConfig;
 use crate::bootstrap::client::Registrar;
 use crate::bootstrap::schema::{InstanceId, RegionDescriptor, Registration, Role};
 use crate::error::{Error, Result, Status};
 use crate::memory::RegionDesc;
 use crate::transport::{Agent, AgentOptions, TransportKind};
-use crossbeam::channel::{unbounded, Receiver};
 use std::collections::{BTreeMap, HashMap};
 use std::net::TcpListener;
 use std::sync::atomic::AtomicBool;
@@ -52,13 +52,6 @@ impl Engine {
             .as_ref()
             .map(|l| l.local_addr())
             .transpose()?;
-        let mut jobs = Vec::new();
-        let mut queues = Vec::new();
-        for _ in 0..workers {
-            let (t, r) = unbounded();
-            jobs.push(t);
-            queues.push(r);
-        }
         let inner = Arc::new(Inner {
             cfg,
             agent,
@@ -77,11 +70,11 @@ impl Engine {
             prefill_rooms: Mutex::new(HashMap::new()),
             pending_meta: Mutex::new(HashMap::new()),
             decode_links: Mutex::new(Vec::new()),
-            jobs,
+            jobs: Arc::new(JobQueue::default()),
             decode_rooms: Mutex::new(HashMap::new()),
             prefill_links: Mutex::new(HashMap::new()),
         });
-        let (mut endpoints, listener) = start_threads(&inner, queues, regions.stages)?;
+        let (mut endpoints, listener) = start_threads(&inner, workers, regions.stages)?;
         if let (Some(l), Some(addr)) = (metrics_listener, metrics_addr) {
             endpoints.insert("metrics".to_string(), addr.to_string());
             let w = Arc::downgrade(&inner);
@@ -140,6 +133,10 @@ fn validate(cfg: &EngineConfig) -> Result<()> {
 fn open_agent(cfg: &EngineConfig) -> Result<Agent> {
     let agent = Agent::new(&AgentOptions {
         listen: (cfg.role == Role::Decode).then(|| format!("{}:0", cfg.host)),
+        limits: cfg.listen_limits,
+        handshake_timeout: cfg.handshake_timeout,
+        idle_timeout: cfg.idle_timeout,
+        pin_timeout: cfg.pin_timeout,
         stall: Duration::ZERO,
         nic: cfg.nic.clone(),
         gpu: cfg.pool_device,
@@ -281,7 +278,7 @@ unsafe fn register_regions(cfg: &EngineConfig, agent: &Agent, workers: usize) ->
 /// Returns the endpoints to advertise and the listener.
 fn start_threads(
     inner: &Arc<Inner>,
-    queues: Vec<Receiver<Job>>,
+    workers: usize,
     mut stages: Vec<DeviceStage>,
 ) -> Result<(BTreeMap<String, String>, Option<TcpListener>)> {
     let mut endpoints = BTreeMap::new();
@@ -291,13 +288,13 @@ fn start_threads(
         endpoints.insert("ctl".to_string(), l.local_addr()?.to_string());
         // accepted only once the registration is stored (below); peers wait in the backlog
         listener = Some(l);
-        for (i, rx) in queues.into_iter().enumerate() {
-            let w = Arc::downgrade(inner);
+        for i in 0..workers {
+            let (w, jobs) = (Arc::downgrade(inner), inner.jobs.clone());
             // the worker owns its GPU stage (device pools) for its whole life
             let stage = (!stages.is_empty()).then(|| stages.remove(0));
             std::thread::Builder::new()
                 .name(format!("pdxfer-worker-{i}"))
-                .spawn(move || worker_loop(w, i, rx, stage))?;
+                .spawn(move || worker_loop(w, jobs, i, stage))?;
         }
     } else if let Some(a) = inner.agent.local_addr() {
         endpoints.insert("data".to_string(), a.to_string());

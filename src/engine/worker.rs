@@ -6,6 +6,7 @@ use super::control::CtlMsg;
 use super::device::{write_pair_device, DeviceStage};
 use super::flight::Flight;
 use super::handle::{catch, lock, Inner};
+use super::jobs::{JobQueue, PeerKey};
 use super::prefill::{notify_decode, MetaInfo};
 use super::room::KvPoll;
 use super::staging::write_pair;
@@ -13,8 +14,9 @@ use super::telemetry::RoomTimes;
 use crate::error::{Error, Result, Status};
 use crate::layout::{DcpLayout, PairRequest, Side};
 use crate::transport::{BatchOptions, WriteOp};
-use crossbeam::channel::Receiver;
 use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
 use std::time::Instant;
 
 pub(super) struct Job {
@@ -28,16 +30,21 @@ pub(super) struct Job {
     pub(super) state_indices: Vec<u64>,
     /// When `send` queued the chunk.
     pub(super) queued: Instant,
+    /// The room's decode ranks (see [`JobQueue`](super::jobs::JobQueue)).
+    pub(super) peers: Vec<PeerKey>,
 }
 
 pub(super) fn worker_loop(
     w: std::sync::Weak<Inner>,
+    jobs: Arc<JobQueue>,
     idx: usize,
-    rx: Receiver<Job>,
     mut stage: Option<DeviceStage>,
 ) {
-    while let Ok(job) = rx.recv() {
+    loop {
+        // waits without holding the engine, so dropping it is not delayed
+        let job = jobs.take(Duration::from_millis(200));
         let Some(inner) = w.upgrade() else { return };
+        let Some(job) = job else { continue };
         let (room, attempt, last) = (job.room, job.attempt, job.last);
         let r = catch("transfer worker", || {
             run_job(&inner, idx, &job, stage.as_mut())
@@ -68,6 +75,7 @@ pub(super) fn worker_loop(
                 let _ = l.writer.send(&CtlMsg::AbortAck { room, attempt: a });
             }
         }
+        inner.jobs.done(&job);
         inner.cv.notify_all();
     }
 }

@@ -10,7 +10,9 @@ use crate::error::{Error, Result, Status};
 use crate::memory::{AccessGuard, RegionDesc, RegionKind, Registry};
 use std::collections::HashMap;
 use std::net::{Shutdown, TcpStream};
+use std::os::fd::AsRawFd;
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 /// One op after validation: absolute source address, destination region,
 /// offset and absolute destination address in the peer.
@@ -25,7 +27,8 @@ pub(crate) struct Piece {
 
 pub(crate) struct Conn {
     pub table: BatchTable,
-    writer: Mutex<TcpStream>,
+    /// The control connection's write half, and when a frame was last sent on it.
+    writer: Mutex<(TcpStream, Instant)>,
     shut: TcpStream,
     pub peer: ProcIdentity,
     pub regions: HashMap<u64, RegionDesc>,
@@ -42,12 +45,13 @@ impl Conn {
         registry: Registry,
         session: u64,
         addr: String,
+        keepalive: Duration,
     ) -> Result<Arc<Conn>> {
         let reader = stream.try_clone()?;
         let shut = stream.try_clone()?;
         let conn = Arc::new(Conn {
             table: BatchTable::default(),
-            writer: Mutex::new(stream),
+            writer: Mutex::new((stream, Instant::now())),
             shut,
             peer,
             regions: regions.into_iter().map(|d| (d.id, d)).collect(),
@@ -58,12 +62,28 @@ impl Conn {
         let c = conn.clone();
         std::thread::Builder::new()
             .name("pdxfer-ctrl-rx".into())
-            .spawn(move || c.reader(reader))?;
+            .spawn(move || c.reader(reader, keepalive))?;
         Ok(conn)
     }
 
-    fn reader(self: Arc<Self>, mut r: TcpStream) {
+    /// Reads the receiver's frames; between them, sends a keepalive whenever
+    /// nothing was sent for `keepalive` (the receiver closes sessions whose
+    /// sender is silent past its idle timeout).
+    fn reader(self: Arc<Self>, mut r: TcpStream, keepalive: Duration) {
+        let keepalive = keepalive.max(Duration::from_millis(10));
         let err = loop {
+            let idle = self.idle();
+            if idle >= keepalive {
+                if let Err(e) = self.send(FrameType::Keepalive, &[]) {
+                    break e;
+                }
+                continue;
+            }
+            match readable(&r, keepalive - idle) {
+                Ok(true) => {}
+                Ok(false) => continue,
+                Err(e) => break e,
+            }
             let (ty, p) = match wire::read_frame(&mut r) {
                 Ok(f) => f,
                 Err(e) => break e,
@@ -106,7 +126,8 @@ impl Conn {
     pub fn send(&self, ty: FrameType, payload: &[u8]) -> Result<()> {
         let r = {
             let mut w = self.writer.lock().unwrap_or_else(|p| p.into_inner());
-            wire::write_frame(&mut *w, ty, payload)
+            w.1 = Instant::now();
+            wire::write_frame(&mut w.0, ty, payload)
         };
         if let Err(e) = &r {
             self.table.fail_all(Error::new(
@@ -120,6 +141,15 @@ impl Conn {
             ));
         }
         r
+    }
+
+    /// How long since a frame was last sent.
+    fn idle(&self) -> Duration {
+        self.writer
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .1
+            .elapsed()
     }
 
     pub fn close(&self) {
@@ -193,6 +223,26 @@ impl Conn {
             reach,
         )
     }
+}
+
+/// Waits up to `timeout` for `s` to become readable (a frame, or its end).
+pub(crate) fn readable(s: &TcpStream, timeout: Duration) -> Result<bool> {
+    let mut pfd = libc::pollfd {
+        fd: s.as_raw_fd(),
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    let ms = timeout.as_millis().clamp(1, i32::MAX as u128) as libc::c_int;
+    // SAFETY: pfd is one valid pollfd for the duration of the call.
+    let n = unsafe { libc::poll(&mut pfd, 1, ms) };
+    if n < 0 {
+        let e = std::io::Error::last_os_error();
+        if e.kind() == std::io::ErrorKind::Interrupted {
+            return Ok(false);
+        }
+        return Err(e.into());
+    }
+    Ok(n > 0)
 }
 
 /// Which memory a byte mover reaches, so which sides of an op may be device memory.

@@ -20,6 +20,10 @@
 //!
 //! [`nccl`] is not a `Transport`: NCCL point-to-point plans and communicator
 //! pairs, used by the `probe` CLI and tests so far.
+//!
+//! [`listen`] serves every port peers can reach (the agent's data port, the
+//! engine's control port) within bounds: no thread before a connection's
+//! first message, bounded handshakes and connections, back-off on `EMFILE`.
 
 mod agent;
 mod batch;
@@ -28,6 +32,7 @@ pub mod cma;
 mod conn;
 pub mod handshake;
 pub mod identity;
+pub mod listen;
 pub mod local;
 pub mod nccl;
 // Nothing in the RDMA transport crosses the C ABI: keep its items out of pdxfer.h.

@@ -53,6 +53,8 @@ pub enum FrameType {
     Abort = 16,
     /// Read intent (cma): like `Intent`, the ranges are read, not written.
     ReadIntent = 17,
+    /// Sender: the control connection is idle but alive (empty payload).
+    Keepalive = 18,
     /// tcp data frame.
     Data = 20,
 }
@@ -76,6 +78,7 @@ impl FrameType {
             15 => Nack,
             16 => Abort,
             17 => ReadIntent,
+            18 => Keepalive,
             20 => Data,
             _ => return None,
         })

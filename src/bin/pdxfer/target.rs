@@ -3,10 +3,12 @@
 //! Registers `--regions` zero-filled host regions of `--size` bytes each,
 //! listens, prints one JSON line `{"ready":true,"addr":..,"pid":..,"regions":[..]}`,
 //! then one JSON line per completion record received. Commands on stdin:
-//! `dump PATH` (write every region, in id order, to PATH), `quit`; end of
-//! stdin also quits.
+//! `dump PATH` (write every region, in id order, to PATH), `unregister ID
+//! [TIMEOUT_MS]` (answers `{"unregistered":ID,"ok":..}`), `stats` (sessions
+//! and connections), `quit`; end of stdin also quits.
 
 use clap::Args;
+use pdxfer::transport::listen::ListenLimits;
 use pdxfer::transport::{Agent, AgentOptions};
 use std::io::{BufRead, Write};
 use std::time::Duration;
@@ -29,6 +31,27 @@ pub struct TargetArgs {
     /// Do not print a line per completion (benchmarks).
     #[arg(long)]
     pub quiet: bool,
+    /// Connections waiting for their first frame (the oldest is closed when full).
+    #[arg(long, default_value_t = ListenLimits::default().max_pending)]
+    pub max_pending: usize,
+    /// Connections in their handshake at once (the excess is refused).
+    #[arg(long, default_value_t = ListenLimits::default().max_handshakes)]
+    pub max_handshakes: usize,
+    /// Live connections (the excess is refused).
+    #[arg(long, default_value_t = ListenLimits::default().max_connections)]
+    pub max_connections: usize,
+    /// Milliseconds a connection may take to send its first frame.
+    #[arg(long, default_value_t = 10_000)]
+    pub first_frame_timeout_ms: u64,
+    /// Milliseconds each handshake frame may take.
+    #[arg(long, default_value_t = 10_000)]
+    pub handshake_timeout_ms: u64,
+    /// Milliseconds of silence after which a sender's session is closed.
+    #[arg(long, default_value_t = 120_000)]
+    pub idle_timeout_ms: u64,
+    /// Milliseconds a batch may pin a region (a piece in progress, a grant).
+    #[arg(long, default_value_t = 60_000)]
+    pub pin_timeout_ms: u64,
     /// Register plain heap buffers instead of shared (memfd) regions: cma
     /// peers then write with process_vm_writev instead of memcpy.
     #[arg(long)]
@@ -48,6 +71,16 @@ pub fn run(a: &TargetArgs) -> pdxfer::Result<()> {
     let agent = Agent::new(&AgentOptions {
         listen: Some(a.listen.clone()),
         stall: Duration::from_millis(a.stall_ms),
+        limits: ListenLimits {
+            max_pending: a.max_pending,
+            max_handshakes: a.max_handshakes,
+            max_connections: a.max_connections,
+            first_message_timeout: Duration::from_millis(a.first_frame_timeout_ms),
+            ..ListenLimits::default()
+        },
+        handshake_timeout: Duration::from_millis(a.handshake_timeout_ms),
+        idle_timeout: Duration::from_millis(a.idle_timeout_ms),
+        pin_timeout: Duration::from_millis(a.pin_timeout_ms),
         ..Default::default()
     })?;
     let n = a.regions.max(1);
@@ -112,6 +145,22 @@ pub fn run(a: &TargetArgs) -> pdxfer::Result<()> {
                 f.sync_all()?;
                 println!("{}", serde_json::json!({"dumped": path}));
             }
+            (Some("unregister"), Some(id)) => {
+                let ms = it.next().and_then(|t| t.parse().ok()).unwrap_or(1000);
+                let r = id
+                    .parse::<u64>()
+                    .map_err(|e| pdxfer::Error::invalid(format!("region id {id:?}: {e}")))
+                    .and_then(|id| agent.registry().unregister(id, Duration::from_millis(ms)));
+                println!(
+                    "{}",
+                    serde_json::json!({"unregistered": id, "ok": r.is_ok(),
+                        "error": r.err().map(|e| e.to_string())})
+                );
+            }
+            (Some("stats"), _) => println!(
+                "{}",
+                serde_json::json!({"sessions": agent.sessions(), "connections": agent.connections()})
+            ),
             (Some("quit"), _) => break,
             (None, _) => {}
             _ => println!(

@@ -9,6 +9,7 @@ use super::{lock, AgentInner, ReceiverSession};
 use crate::error::{Error, Result, Status};
 use crate::memory::{RegionKind, Registry};
 use crate::transport::handshake::{random_u64, Hello, HelloAck, Select, SelectOk};
+use crate::transport::listen::{self, Framing, ListenLimits, Slot};
 use crate::transport::rdma::nic::{DataPath, NicProvider};
 use crate::transport::rdma::Handshake;
 use crate::transport::tcp::{serve_stream, TcpRecv};
@@ -16,47 +17,54 @@ use crate::transport::wire::{self, FrameType};
 use crate::transport::TransportKind;
 use std::collections::HashMap;
 use std::net::{TcpListener, TcpStream};
-use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
 
-pub(super) fn accept_loop(l: TcpListener, agent: std::sync::Weak<AgentInner>) {
-    let fd = l.as_raw_fd();
-    loop {
-        let Some(a) = agent.upgrade() else { return };
-        if a.shutdown.load(Ordering::SeqCst) {
-            return;
+pub(super) fn accept_loop(
+    l: TcpListener,
+    limits: ListenLimits,
+    agent: std::sync::Weak<AgentInner>,
+) {
+    let Some(stats) = agent.upgrade().map(|a| a.listen_stats.clone()) else {
+        return;
+    };
+    let stop = {
+        let agent = agent.clone();
+        move || {
+            agent
+                .upgrade()
+                .is_none_or(|a| a.shutdown.load(Ordering::SeqCst))
         }
-        drop(a);
-        let mut pfd = libc::pollfd {
-            fd,
-            events: libc::POLLIN,
-            revents: 0,
-        };
-        // SAFETY: pfd is one valid pollfd for the duration of the call.
-        let n = unsafe { libc::poll(&mut pfd, 1, 100) };
-        if n <= 0 {
-            continue;
-        }
-        let Ok((s, _)) = l.accept() else { continue };
+    };
+    listen::serve(l, limits, Framing::Wire, stats, stop, |s, first, slot| {
         let Some(a) = agent.upgrade() else { return };
         let _ = std::thread::Builder::new()
             .name("pdxfer-rx".into())
-            .spawn(move || serve_connection(a, s));
-    }
+            .spawn(move || serve_connection(a, s, &first, slot));
+    });
 }
 
-fn serve_connection(a: Arc<AgentInner>, mut s: TcpStream) {
+/// Serves one connection whose first frame (`first`, read by the listener)
+/// arrived whole: a Hello opens a session, an Attach adds a data stream.
+fn serve_connection(a: Arc<AgentInner>, mut s: TcpStream, first: &[u8], slot: Slot) {
     let _ = s.set_nodelay(true);
-    let _ = s.set_read_timeout(Some(Duration::from_secs(10)));
-    let (ty, p) = match wire::read_frame(&mut s) {
+    let _ = s.set_read_timeout(Some(a.handshake_timeout));
+    let _ = s.set_write_timeout(Some(a.handshake_timeout));
+    let mut rest = first;
+    let (ty, p) = match wire::read_frame(&mut rest) {
         Ok(f) => f,
-        Err(_) => return,
+        Err(e) => return refuse(&mut s, e),
     };
+    if !rest.is_empty() {
+        let e = Error::new(
+            Status::Protocol,
+            "data after the first frame before it was answered",
+        );
+        return refuse(&mut s, e);
+    }
     match ty {
-        FrameType::Hello => serve_control(a, s, &p),
-        FrameType::Attach => serve_stream(a, s, &p),
+        FrameType::Hello => serve_control(a, s, &p, slot),
+        FrameType::Attach => serve_stream(a, s, &p, slot),
         _ => {
             let e = Error::new(
                 Status::Protocol,
@@ -71,7 +79,7 @@ pub(crate) fn refuse(s: &mut TcpStream, e: Error) {
     let _ = wire::write_frame(s, FrameType::Error, &wire::encode_error(&e));
 }
 
-fn serve_control(a: Arc<AgentInner>, mut s: TcpStream, hello: &[u8]) {
+fn serve_control(a: Arc<AgentInner>, mut s: TcpStream, hello: &[u8], mut slot: Slot) {
     let hello: Hello = match serde_json::from_slice(hello) {
         Ok(h) => h,
         Err(e) => {
@@ -102,6 +110,7 @@ fn serve_control(a: Arc<AgentInner>, mut s: TcpStream, hello: &[u8]) {
         peer: Mutex::new(Some(hello.identity.clone())),
         writer: Mutex::new(s.try_clone().ok()),
         granted: Mutex::new(HashMap::new()),
+        expired: Mutex::new(Default::default()),
         tcp: Mutex::new(TcpRecv::default()),
         sockets: Mutex::new(s.try_clone().into_iter().collect()),
         rdma: Mutex::new(None),
@@ -155,7 +164,9 @@ fn serve_control(a: Arc<AgentInner>, mut s: TcpStream, hello: &[u8]) {
             }
         }
         wire::write_json(&mut s, FrameType::SelectOk, &ok)?;
-        s.set_read_timeout(None)?;
+        slot.established();
+        // a sender that stops reading cannot pin this thread in a write
+        s.set_write_timeout(Some(a.idle_timeout))?;
         control_loop(&a, &session, &mut s, hello.identity.clone())
     };
     if let Err(e) = run() {

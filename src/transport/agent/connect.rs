@@ -44,6 +44,7 @@ impl Dialed<'_> {
             self.registry.clone(),
             self.ack.session,
             self.addr.to_string(),
+            self.opts.keepalive,
         )
     }
 }

@@ -10,15 +10,19 @@
 use super::{lock, AgentInner, ReceiverSession};
 use crate::error::{Error, Result, Status};
 use crate::memory::{AccessGuard, RegionDesc, RegionKind, Registry};
+use crate::transport::conn::readable;
 use crate::transport::identity::ProcIdentity;
 use crate::transport::tcp::finalize_tcp;
 use crate::transport::wire::{self, Commit, FrameType, Range};
 use crate::transport::{checksum, BatchId, Completion};
 use std::collections::HashMap;
 use std::net::TcpStream;
+use std::time::{Duration, Instant};
 
-/// The ranges of one granted batch, pinned until its commit or abort.
+/// The ranges of one granted batch, pinned until its commit or abort, or
+/// until it expires ([`AgentOptions::pin_timeout`](super::AgentOptions::pin_timeout)).
 pub(crate) struct Granted {
+    since: Instant,
     ranges: Vec<Range>,
     guards: Vec<AccessGuard>,
     /// Some range lies in device memory (rdma only; never read by the CPU).
@@ -33,9 +37,33 @@ pub(super) fn control_loop(
     s: &mut TcpStream,
     peer: ProcIdentity,
 ) -> Result<()> {
+    let mut last = Instant::now();
     loop {
+        // Wait for the next frame in ticks: between them, grants past the
+        // pin timeout are dropped, and a sender silent past the idle timeout
+        // (no keepalive: gone, or never a real sender) ends the session.
+        let tick = (a.pin_timeout.min(a.idle_timeout) / 4)
+            .clamp(Duration::from_millis(10), Duration::from_secs(1));
+        if !readable(s, tick)? {
+            expire_grants(a, sess);
+            if last.elapsed() >= a.idle_timeout {
+                return Err(Error::new(
+                    Status::Timeout,
+                    format!(
+                        "session {}: no frame from the sender for {:?}; closed",
+                        sess.id, a.idle_timeout
+                    ),
+                ));
+            }
+            continue;
+        }
+        // a frame that started arrives whole within the handshake timeout
+        s.set_read_timeout(Some(a.handshake_timeout))?;
         let (ty, p) = wire::read_frame(s)?;
+        last = Instant::now();
+        expire_grants(a, sess);
         match ty {
+            FrameType::Keepalive => {}
             FrameType::Intent | FrameType::ReadIntent => {
                 let read = ty == FrameType::ReadIntent;
                 let (batch, ranges) = wire::decode_intent(&p)?;
@@ -62,6 +90,7 @@ pub(super) fn control_loop(
                         lock(&sess.granted).insert(
                             batch,
                             Granted {
+                                since: Instant::now(),
                                 ranges,
                                 guards,
                                 device,
@@ -95,6 +124,16 @@ pub(super) fn control_loop(
                             Err(e) => sess.send(FrameType::Nack, &wire::encode_reason(c.batch, &e)),
                         }
                     }
+                    None if lock(&sess.expired).contains(&c.batch) => {
+                        let e = Error::new(
+                            Status::Timeout,
+                            format!(
+                                "batch {}: its grant expired after {:?} without a commit; the ranges were released",
+                                c.batch, a.pin_timeout
+                            ),
+                        );
+                        sess.send(FrameType::Nack, &wire::encode_reason(c.batch, &e));
+                    }
                     None => {
                         let mut t = lock(&sess.tcp);
                         if t.finished.contains(&c.batch) {
@@ -114,6 +153,38 @@ pub(super) fn control_loop(
         }
     }
 }
+
+/// Drops the grants held longer than the pin timeout (their regions can be
+/// unregistered again); a late commit of one is refused.
+fn expire_grants(a: &AgentInner, sess: &ReceiverSession) {
+    let mut g = lock(&sess.granted);
+    let mut gone = Vec::new();
+    g.retain(|&b, x| {
+        let keep = x.since.elapsed() < a.pin_timeout;
+        if !keep {
+            gone.push(b);
+        }
+        keep
+    });
+    drop(g);
+    if !gone.is_empty() {
+        let mut ex = lock(&sess.expired);
+        for b in gone {
+            log::warn!(
+                "session {}: the grant of batch {b} expired after {:?} without a commit; its ranges are released",
+                sess.id,
+                a.pin_timeout
+            );
+            ex.push_back(b);
+            if ex.len() > EXPIRED_REMEMBERED {
+                ex.pop_front();
+            }
+        }
+    }
+}
+
+/// Expired grants remembered per session (to refuse their late commits).
+const EXPIRED_REMEMBERED: usize = 1024;
 
 pub(crate) fn completion(c: &Commit) -> Completion {
     Completion {

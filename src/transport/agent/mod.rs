@@ -24,6 +24,7 @@ pub(crate) use grant::completion;
 pub(crate) use session::ReceiverSession;
 
 use super::identity::ProcIdentity;
+use super::listen::{ListenLimits, ListenStats};
 use super::local::{LocalTarget, LocalTransport};
 use super::rdma::nic::NicProvider;
 use super::{Completion, Transport, TransportKind};
@@ -37,11 +38,27 @@ use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::Duration;
 
 /// Options of an [`Agent`].
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone)]
 pub struct AgentOptions {
     /// Address to accept peers on (`"127.0.0.1:0"` picks a port); `None`
     /// makes a send-only agent.
     pub listen: Option<String>,
+    /// Bounds on the connections peers open: connections waiting for their
+    /// first frame (no thread each), handshakes, live connections; the
+    /// excess is refused (closed).
+    pub limits: ListenLimits,
+    /// How long a connection may take from its first frame to the end of
+    /// its handshake (each frame of it must arrive within this).
+    pub handshake_timeout: Duration,
+    /// A session whose sender sent no frame for this long is closed (a
+    /// half-open or abandoned connection). Senders send a keepalive every
+    /// [`ConnectOptions::keepalive`], which must be shorter.
+    pub idle_timeout: Duration,
+    /// Longest a peer may pin a region for one batch: a tcp piece whose
+    /// payload stops arriving, or a cma / rdma grant without its commit, is
+    /// dropped after this (the session is closed, or the commit refused), so
+    /// the region can be unregistered.
+    pub pin_timeout: Duration,
     /// Test knob: the receiver sleeps this long before validating each new
     /// batch (simulates a stalled peer). Zero in production.
     pub stall: Duration,
@@ -61,6 +78,22 @@ pub struct AgentOptions {
     pub gpu: Option<u32>,
 }
 
+impl Default for AgentOptions {
+    fn default() -> Self {
+        AgentOptions {
+            listen: None,
+            limits: ListenLimits::default(),
+            handshake_timeout: Duration::from_secs(10),
+            idle_timeout: Duration::from_secs(120),
+            pin_timeout: Duration::from_secs(60),
+            stall: Duration::ZERO,
+            nic: None,
+            deny_same_host: false,
+            gpu: None,
+        }
+    }
+}
+
 /// Options of [`Agent::connect`].
 #[derive(Debug, Clone)]
 pub struct ConnectOptions {
@@ -72,6 +105,9 @@ pub struct ConnectOptions {
     pub threads: u32,
     /// Deadline for connecting and the handshake.
     pub timeout: Duration,
+    /// An idle control connection sends a keepalive this often, so the
+    /// receiver's [`AgentOptions::idle_timeout`] does not close it.
+    pub keepalive: Duration,
 }
 
 impl Default for ConnectOptions {
@@ -81,6 +117,7 @@ impl Default for ConnectOptions {
             streams: 1,
             threads: 1,
             timeout: Duration::from_secs(10),
+            keepalive: Duration::from_secs(15),
         }
     }
 }
@@ -111,6 +148,10 @@ pub(crate) struct AgentInner {
     next_session: AtomicU64,
     /// Test knob: see [`AgentOptions::stall`].
     pub(crate) stall: Duration,
+    pub(crate) handshake_timeout: Duration,
+    pub(crate) idle_timeout: Duration,
+    pub(crate) pin_timeout: Duration,
+    listen_stats: ListenStats,
     nic: OnceLock<Result<Arc<dyn NicProvider>>>,
     deny_same_host: bool,
     gpu: Option<u32>,
@@ -181,6 +222,10 @@ impl Agent {
             sessions: Mutex::new(HashMap::new()),
             next_session: AtomicU64::new(1),
             stall: opts.stall,
+            handshake_timeout: opts.handshake_timeout,
+            idle_timeout: opts.idle_timeout,
+            pin_timeout: opts.pin_timeout,
+            listen_stats: ListenStats::default(),
             nic: match &opts.nic {
                 Some(p) => OnceLock::from(Ok(p.clone())),
                 None => OnceLock::new(),
@@ -208,9 +253,10 @@ impl Agent {
             }));
         if let Some(l) = listener {
             let weak = Arc::downgrade(&inner);
+            let limits = opts.limits;
             std::thread::Builder::new()
                 .name("pdxfer-accept".into())
-                .spawn(move || accept::accept_loop(l, weak))?;
+                .spawn(move || accept::accept_loop(l, limits, weak))?;
         }
         Ok(Agent { inner })
     }
@@ -300,6 +346,12 @@ impl Agent {
     /// Number of sender sessions currently connected.
     pub fn sessions(&self) -> usize {
         lock(&self.inner.sessions).len()
+    }
+
+    /// Number of connections peers hold open past their first frame
+    /// (control connections and tcp data streams, handshakes included).
+    pub fn connections(&self) -> usize {
+        self.inner.listen_stats.connections()
     }
 
     /// A transport into another agent of this process (`local`).

@@ -9,7 +9,7 @@ use crate::transport::identity::ProcIdentity;
 use crate::transport::rdma::nic::DataPath;
 use crate::transport::tcp::TcpRecv;
 use crate::transport::wire::{self, FrameType};
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::net::{Shutdown, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
@@ -23,6 +23,8 @@ pub(crate) struct ReceiverSession {
     pub(crate) peer: Mutex<Option<ProcIdentity>>,
     pub(crate) writer: Mutex<Option<TcpStream>>,
     pub(crate) granted: Mutex<HashMap<u64, Granted>>,
+    /// Batches whose grant expired, newest last (their commits are refused).
+    pub(crate) expired: Mutex<VecDeque<u64>>,
     pub(crate) tcp: Mutex<TcpRecv>,
     pub(crate) sockets: Mutex<Vec<TcpStream>>,
     /// rdma: this side's connected QPs (the peer writes through them).

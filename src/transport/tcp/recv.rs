@@ -12,12 +12,14 @@ use crate::transport::agent::{completion, lock, refuse, AgentInner, ReceiverSess
 use crate::transport::checksum;
 use crate::transport::handshake::Attach;
 use crate::transport::identity::ProcIdentity;
+use crate::transport::listen::Slot;
 use crate::transport::wire::{self, Commit, DataHeader, FrameType, DATA_HEADER_LEN};
 use std::collections::{HashMap, HashSet};
 use std::io::Read;
 use std::net::TcpStream;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 /// One batch as the receiver counts it.
 #[derive(Default)]
@@ -105,7 +107,7 @@ pub(crate) fn finalize_tcp(
 }
 
 /// Serves one data stream whose first frame was an Attach.
-pub(crate) fn serve_stream(a: Arc<AgentInner>, mut s: TcpStream, p: &[u8]) {
+pub(crate) fn serve_stream(a: Arc<AgentInner>, mut s: TcpStream, p: &[u8], mut slot: Slot) {
     let att: Attach = match serde_json::from_slice(p) {
         Ok(x) => x,
         Err(e) => {
@@ -128,16 +130,24 @@ pub(crate) fn serve_stream(a: Arc<AgentInner>, mut s: TcpStream, p: &[u8]) {
     if wire::write_json(&mut s, FrameType::AttachOk, &serde_json::json!({})).is_err() {
         return;
     }
+    slot.established();
+    // idle between batches as long as the session lives (closing it shuts
+    // this socket); a piece's payload is bounded by the pin timeout
     let _ = s.set_read_timeout(None);
     if let Ok(c) = s.try_clone() {
         lock(&sess.sockets).push(c);
+    }
+    if sess.closed.load(Ordering::SeqCst) {
+        return;
     }
     let peer = lock(&sess.peer)
         .clone()
         .unwrap_or_else(|| a.identity.clone());
     if let Err(e) = stream_loop(&a, &sess, &mut s, &peer) {
-        if e.status() == Status::Protocol {
-            // A desynchronised stream cannot be trusted: end the session.
+        if matches!(e.status(), Status::Protocol | Status::Timeout) {
+            // A desynchronised stream (or one whose piece stopped arriving
+            // and released its pin) cannot be trusted: end the session.
+            log::warn!("session {}: data stream closed: {e}", sess.id);
             sess.close();
         }
     }
@@ -165,7 +175,10 @@ fn stream_loop(
                 std::thread::sleep(a.stall);
             }
         }
-        let outcome = receive_piece(&a.registry, s, &h, &mut scratch, &mut bounce)?;
+        let mut payload = PinDeadline::new(s, a.pin_timeout);
+        let outcome = receive_piece(&a.registry, &mut payload, &h, &mut scratch, &mut bounce);
+        let _ = s.set_read_timeout(None);
+        let outcome = outcome?;
         let mut t = lock(&sess.tcp);
         if t.finished.contains(&h.batch) {
             continue;
@@ -183,6 +196,52 @@ fn stream_loop(
             }
         }
         finalize_tcp(a, sess, &mut t, h.batch, peer);
+    }
+}
+
+/// The payload of one piece: reads fail with `TimedOut` once `timeout`
+/// passed since the piece began (its destination is pinned meanwhile).
+struct PinDeadline<'a> {
+    s: &'a mut TcpStream,
+    end: Instant,
+    timeout: Duration,
+}
+
+impl<'a> PinDeadline<'a> {
+    fn new(s: &'a mut TcpStream, timeout: Duration) -> PinDeadline<'a> {
+        PinDeadline {
+            s,
+            end: Instant::now() + timeout,
+            timeout,
+        }
+    }
+}
+
+impl Read for PinDeadline<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        let left = self.end.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                format!(
+                    "a piece's payload did not arrive within the pin timeout ({:?}); its pin was released",
+                    self.timeout
+                ),
+            ));
+        }
+        self.s.set_read_timeout(Some(left))?;
+        match self.s.read(buf) {
+            Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock) => {
+                Err(std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    format!(
+                        "a piece's payload did not arrive within the pin timeout ({:?}); its pin was released",
+                        self.timeout
+                    ),
+                ))
+            }
+            r => r,
+        }
     }
 }
 

@@ -1,0 +1,143 @@
+//! The prefill's job queue: the chunks `send` queued, handed to the transfer
+//! workers so that one stalled or dead decode rank delays only its own rooms.
+//!
+//! A worker takes the oldest job whose room and whose decode ranks no other
+//! worker is serving: a room's chunks stay in order (one at a time, oldest
+//! first), and a decode rank is in flight on one worker at most, so a decode
+//! that stops answering holds one worker (until its batches time out) while
+//! the others go on with the rooms of every other decode rank.
+
+use super::handle::lock;
+use super::worker::Job;
+use std::collections::{HashSet, VecDeque};
+use std::sync::{Condvar, Mutex};
+use std::time::Duration;
+
+/// A decode rank as the scheduler tells them apart (its link's address).
+pub(super) type PeerKey = usize;
+
+#[derive(Default)]
+struct State {
+    queue: VecDeque<Job>,
+    busy_rooms: HashSet<u64>,
+    busy_peers: HashSet<PeerKey>,
+}
+
+impl State {
+    fn eligible(&self, j: &Job) -> bool {
+        !self.busy_rooms.contains(&j.room) && j.peers.iter().all(|p| !self.busy_peers.contains(p))
+    }
+}
+
+/// See the module documentation.
+#[derive(Default)]
+pub(super) struct JobQueue {
+    state: Mutex<State>,
+    cv: Condvar,
+}
+
+impl JobQueue {
+    /// Queues a job.
+    pub(super) fn push(&self, job: Job) {
+        lock(&self.state).queue.push_back(job);
+        self.cv.notify_all();
+    }
+
+    /// The oldest job no other worker's room or decode rank blocks, marked
+    /// busy until [`done`](Self::done); `None` after `wait` without one.
+    pub(super) fn take(&self, wait: Duration) -> Option<Job> {
+        let mut st = lock(&self.state);
+        let end = std::time::Instant::now() + wait;
+        loop {
+            if let Some(i) = st.queue.iter().position(|j| st.eligible(j)) {
+                let j = st.queue.remove(i).expect("position is in the queue");
+                st.busy_rooms.insert(j.room);
+                st.busy_peers.extend(j.peers.iter().copied());
+                return Some(j);
+            }
+            let left = end.saturating_duration_since(std::time::Instant::now());
+            if left.is_zero() {
+                return None;
+            }
+            st = self
+                .cv
+                .wait_timeout(st, left)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+    }
+
+    /// The job taken is finished: its room and decode ranks are free again.
+    pub(super) fn done(&self, job: &Job) {
+        let mut st = lock(&self.state);
+        st.busy_rooms.remove(&job.room);
+        for p in &job.peers {
+            st.busy_peers.remove(p);
+        }
+        drop(st);
+        self.cv.notify_all();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn job(room: u64, peers: &[PeerKey]) -> Job {
+        Job {
+            room,
+            attempt: 1,
+            pages: Vec::new(),
+            start: 0,
+            num_tokens: 0,
+            last: false,
+            aux_index: 0,
+            state_indices: Vec::new(),
+            peers: peers.to_vec(),
+            queued: std::time::Instant::now(),
+        }
+    }
+
+    const NOW: Duration = Duration::ZERO;
+
+    #[test]
+    fn a_busy_peer_blocks_only_its_own_rooms() {
+        let q = JobQueue::default();
+        q.push(job(1, &[10])); // to the stalled decode
+        q.push(job(2, &[10])); // another room to it
+        q.push(job(3, &[20])); // healthy decodes
+        q.push(job(4, &[30]));
+        let stuck = q.take(NOW).unwrap();
+        assert_eq!(stuck.room, 1);
+        // while room 1's worker waits on decode 10, the others are served
+        let a = q.take(NOW).unwrap();
+        assert_eq!(a.room, 3);
+        q.done(&a);
+        let b = q.take(NOW).unwrap();
+        assert_eq!(b.room, 4);
+        q.done(&b);
+        assert!(q.take(NOW).is_none(), "room 2 waits for decode 10");
+        q.done(&stuck);
+        assert_eq!(q.take(NOW).unwrap().room, 2);
+    }
+
+    #[test]
+    fn a_rooms_chunks_run_one_at_a_time_in_order() {
+        let q = JobQueue::default();
+        let mut first = job(7, &[1]);
+        first.start = 0;
+        let mut second = job(7, &[1]);
+        second.start = 16;
+        q.push(first);
+        q.push(second);
+        q.push(job(8, &[2, 1])); // shares decode 1
+        let a = q.take(NOW).unwrap();
+        assert_eq!((a.room, a.start), (7, 0));
+        assert!(q.take(NOW).is_none());
+        q.done(&a);
+        let b = q.take(NOW).unwrap();
+        assert_eq!((b.room, b.start), (7, 16));
+        q.done(&b);
+        assert_eq!(q.take(NOW).unwrap().room, 8);
+    }
+}

@@ -1,0 +1,432 @@
+//! A bounded listener for connections from peers that have not proved
+//! anything yet (the agent's data plane, the engine's control port).
+//!
+//! Accepted connections wait in one poll set, without a thread, until their
+//! first message arrived whole (a wire frame, or a control line); only then
+//! is a handler started, and only within two bounds: connections still in
+//! their handshake ([`ListenLimits::max_handshakes`]) and live connections
+//! ([`ListenLimits::max_connections`]). The excess is refused (closed), never
+//! queued. The poll set itself is bounded ([`ListenLimits::max_pending`]):
+//! when it is full the connection that waited longest is closed, so a flood
+//! of idle connections cannot lock a real peer out. A first message that
+//! does not arrive within [`ListenLimits::first_message_timeout`], or is
+//! larger than [`ListenLimits::max_first_message`], closes the connection.
+//! When `accept` fails for lack of descriptors or memory (`EMFILE`,
+//! `ENFILE`, `ENOBUFS`, `ENOMEM`) the listener closes the connection that
+//! waited longest (a descriptor for the next peer) and backs off (10 ms
+//! doubling to 1 s) instead of polling the still-readable listener in a
+//! tight loop.
+
+use std::collections::VecDeque;
+use std::io::{ErrorKind, Read};
+use std::net::{TcpListener, TcpStream};
+use std::os::fd::AsRawFd;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// Bounds of a [`serve`]d listener.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ListenLimits {
+    /// Connections waiting for their first message (no thread each); when
+    /// full, the one that waited longest is closed.
+    pub max_pending: usize,
+    /// Connections past their first message but not yet through their
+    /// handshake (a thread each); the excess is refused.
+    pub max_handshakes: usize,
+    /// Live connections handed to a handler (handshakes included); the
+    /// excess is refused.
+    pub max_connections: usize,
+    /// How long a connection may take to send its first message.
+    pub first_message_timeout: Duration,
+    /// Largest first message accepted (bytes).
+    pub max_first_message: usize,
+}
+
+impl Default for ListenLimits {
+    fn default() -> Self {
+        ListenLimits {
+            max_pending: 256,
+            max_handshakes: 32,
+            max_connections: 1024,
+            first_message_timeout: Duration::from_secs(10),
+            max_first_message: 64 << 10,
+        }
+    }
+}
+
+/// How the first message of a connection ends.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Framing {
+    /// One wire control frame (`magic | version | type | len | payload`).
+    Wire,
+    /// One line ending in `\n`.
+    Line,
+}
+
+impl Framing {
+    /// `Some(n)`: the first message is `buf[..n]`; `None`: more is needed;
+    /// `Err`: it can never be accepted.
+    fn complete(self, buf: &[u8], max: usize) -> Result<Option<usize>, ()> {
+        match self {
+            Framing::Wire => {
+                if buf.len() >= 4 && buf[..4] != super::wire::MAGIC.to_le_bytes() {
+                    return Err(());
+                }
+                if buf.len() < 12 {
+                    return Ok(None);
+                }
+                let len = u32::from_le_bytes([buf[8], buf[9], buf[10], buf[11]]) as usize;
+                let n = 12usize.saturating_add(len);
+                if n > max {
+                    return Err(());
+                }
+                Ok((buf.len() >= n).then_some(n))
+            }
+            Framing::Line => match buf.iter().position(|&b| b == b'\n') {
+                Some(i) => Ok(Some(i + 1)),
+                None if buf.len() >= max => Err(()),
+                None => Ok(None),
+            },
+        }
+    }
+}
+
+/// A live connection's place under the listener's bounds: it counts as a
+/// handshake until [`established`](Self::established), and as a connection
+/// until dropped.
+#[derive(Debug)]
+pub struct Slot {
+    counts: Arc<Counts>,
+    handshaking: bool,
+}
+
+#[derive(Debug, Default)]
+struct Counts {
+    handshakes: AtomicUsize,
+    connections: AtomicUsize,
+}
+
+impl Slot {
+    /// The handshake succeeded: the connection no longer counts as one.
+    pub fn established(&mut self) {
+        if std::mem::take(&mut self.handshaking) {
+            self.counts.handshakes.fetch_sub(1, Ordering::SeqCst);
+        }
+    }
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        self.established();
+        self.counts.connections.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// Live connections of a listener, for tests and diagnostics.
+#[derive(Debug, Clone, Default)]
+pub struct ListenStats(Arc<Counts>);
+
+impl ListenStats {
+    /// Connections handed to a handler and not yet ended.
+    pub fn connections(&self) -> usize {
+        self.0.connections.load(Ordering::SeqCst)
+    }
+}
+
+/// How often a listener out of descriptors says so.
+const WARN_EVERY: Duration = Duration::from_secs(10);
+
+struct Pending {
+    stream: TcpStream,
+    buf: Vec<u8>,
+    since: Instant,
+}
+
+fn out_of_resources(e: &std::io::Error) -> bool {
+    matches!(
+        e.raw_os_error(),
+        Some(libc::EMFILE | libc::ENFILE | libc::ENOBUFS | libc::ENOMEM)
+    )
+}
+
+/// Serves `l` until `stop()` says so (checked at least every 100 ms): each
+/// connection whose first message arrived whole, within the bounds, goes to
+/// `handle` with that message (and any bytes after it) and its [`Slot`]
+/// (`handle` starts the connection's thread; the slot lives as long as it).
+pub fn serve(
+    l: TcpListener,
+    limits: ListenLimits,
+    framing: Framing,
+    stats: ListenStats,
+    stop: impl Fn() -> bool,
+    mut handle: impl FnMut(TcpStream, Vec<u8>, Slot),
+) {
+    if let Err(e) = l.set_nonblocking(true) {
+        log::error!("listener: cannot make it non-blocking ({e}); it is not served");
+        return;
+    }
+    let counts = stats.0;
+    let mut pending: VecDeque<Pending> = VecDeque::new();
+    let mut backoff = Duration::ZERO;
+    let mut backoff_until: Option<Instant> = None;
+    let (mut last_warn, mut failures): (Option<Instant>, u64) = (None, 0);
+    let mut pfds: Vec<libc::pollfd> = Vec::new();
+    loop {
+        if stop() {
+            return;
+        }
+        let now = Instant::now();
+        if backoff_until.is_some_and(|t| now >= t) {
+            backoff_until = None;
+        }
+        let listening = backoff_until.is_none();
+        pfds.clear();
+        pfds.push(libc::pollfd {
+            fd: l.as_raw_fd(),
+            events: if listening { libc::POLLIN } else { 0 },
+            revents: 0,
+        });
+        for p in &pending {
+            pfds.push(libc::pollfd {
+                fd: p.stream.as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            });
+        }
+        let mut wait = Duration::from_millis(100);
+        if let Some(t) = backoff_until {
+            wait = wait.min(t.saturating_duration_since(now));
+        }
+        if let Some(p) = pending.front() {
+            let expiry = p.since + limits.first_message_timeout;
+            wait = wait.min(expiry.saturating_duration_since(now));
+        }
+        let ms = wait.as_millis().clamp(1, 100) as libc::c_int;
+        // SAFETY: pfds is a valid array of pfds.len() pollfds for the duration of the call.
+        let n = unsafe { libc::poll(pfds.as_mut_ptr(), pfds.len() as libc::nfds_t, ms) };
+        if n < 0 {
+            // EINTR; anything else cannot be told from it here: wait a little
+            std::thread::sleep(Duration::from_millis(10));
+            continue;
+        }
+        // Read the pending connections first (indices match pfds[1..]).
+        let mut ready = Vec::new();
+        let mut keep = VecDeque::with_capacity(pending.len());
+        for (p, pfd) in pending.drain(..).zip(pfds[1..].iter()) {
+            let mut p = p;
+            if pfd.revents != 0 {
+                match read_more(&mut p, framing, limits.max_first_message) {
+                    Step::Wait => {}
+                    Step::Drop => continue,
+                    Step::Ready => {
+                        ready.push(p);
+                        continue;
+                    }
+                }
+            }
+            if p.since.elapsed() >= limits.first_message_timeout {
+                continue; // closed: its first message did not arrive in time
+            }
+            keep.push_back(p);
+        }
+        pending = keep;
+        for p in ready {
+            hand_off(p, &limits, &counts, &mut handle);
+        }
+        if listening && pfds[0].revents != 0 {
+            // Accept what is waiting (a bounded number per round).
+            for _ in 0..64 {
+                match l.accept() {
+                    Ok((s, _)) => {
+                        backoff = Duration::ZERO;
+                        if s.set_nonblocking(true).is_err() {
+                            continue;
+                        }
+                        if pending.len() >= limits.max_pending.max(1) {
+                            pending.pop_front(); // the longest waiting is closed
+                        }
+                        pending.push_back(Pending {
+                            stream: s,
+                            buf: Vec::new(),
+                            since: Instant::now(),
+                        });
+                    }
+                    Err(e) if e.kind() == ErrorKind::WouldBlock => break,
+                    Err(e) if out_of_resources(&e) => {
+                        // free a descriptor for the next peer: the longest waiting is closed
+                        pending.pop_front();
+                        backoff =
+                            (backoff * 2).clamp(Duration::from_millis(10), Duration::from_secs(1));
+                        // said once per interval, however often it happens
+                        failures += 1;
+                        if last_warn.is_none_or(|t| t.elapsed() >= WARN_EVERY) {
+                            log::warn!(
+                                "listener: accept failed {failures} time(s) since the last warning (now: {e}); backing off {backoff:?} each time and closing the longest-waiting connection (lower the peers' connection count or raise RLIMIT_NOFILE)"
+                            );
+                            last_warn = Some(Instant::now());
+                            failures = 0;
+                        }
+                        backoff_until = Some(Instant::now() + backoff);
+                        break;
+                    }
+                    Err(_) => break, // ECONNABORTED and the like: the next one
+                }
+            }
+        }
+    }
+}
+
+enum Step {
+    Wait,
+    Drop,
+    Ready,
+}
+
+fn read_more(p: &mut Pending, framing: Framing, max: usize) -> Step {
+    let mut chunk = [0u8; 4096];
+    loop {
+        match p.stream.read(&mut chunk) {
+            Ok(0) => return Step::Drop,
+            Ok(n) => {
+                p.buf.extend_from_slice(&chunk[..n]);
+                match framing.complete(&p.buf, max) {
+                    Ok(Some(_)) => return Step::Ready,
+                    Ok(None) if p.buf.len() > max => return Step::Drop,
+                    Ok(None) => {}
+                    Err(()) => return Step::Drop,
+                }
+            }
+            Err(e) if e.kind() == ErrorKind::WouldBlock => return Step::Wait,
+            Err(e) if e.kind() == ErrorKind::Interrupted => {}
+            Err(_) => return Step::Drop,
+        }
+    }
+}
+
+fn hand_off(
+    p: Pending,
+    limits: &ListenLimits,
+    counts: &Arc<Counts>,
+    handle: &mut impl FnMut(TcpStream, Vec<u8>, Slot),
+) {
+    if counts.connections.load(Ordering::SeqCst) >= limits.max_connections
+        || counts.handshakes.load(Ordering::SeqCst) >= limits.max_handshakes
+    {
+        return; // refused: closed
+    }
+    if p.stream.set_nonblocking(false).is_err() {
+        return;
+    }
+    counts.connections.fetch_add(1, Ordering::SeqCst);
+    counts.handshakes.fetch_add(1, Ordering::SeqCst);
+    let slot = Slot {
+        counts: counts.clone(),
+        handshaking: true,
+    };
+    handle(p.stream, p.buf, slot);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::Write;
+    use std::sync::atomic::AtomicBool;
+    use std::sync::Mutex;
+
+    fn frame(ty: u16, payload: &[u8]) -> Vec<u8> {
+        let mut v = super::super::wire::MAGIC.to_le_bytes().to_vec();
+        v.extend_from_slice(&super::super::wire::VERSION.to_le_bytes());
+        v.extend_from_slice(&ty.to_le_bytes());
+        v.extend_from_slice(&(payload.len() as u32).to_le_bytes());
+        v.extend_from_slice(payload);
+        v
+    }
+
+    #[test]
+    fn framing_finds_the_end_of_the_first_message() {
+        let f = frame(1, b"abc");
+        assert_eq!(Framing::Wire.complete(&f[..5], 100), Ok(None));
+        assert_eq!(Framing::Wire.complete(&f, 100), Ok(Some(15)));
+        assert_eq!(Framing::Wire.complete(&f, 14), Err(()));
+        assert_eq!(Framing::Wire.complete(b"GET / HTTP/1.1", 100), Err(()));
+        assert_eq!(Framing::Line.complete(b"{}\nx", 100), Ok(Some(3)));
+        assert_eq!(Framing::Line.complete(b"{", 100), Ok(None));
+        assert_eq!(Framing::Line.complete(&[b'x'; 8], 8), Err(()));
+    }
+
+    /// Idle connections stay in the poll set (no handler), the oldest is
+    /// closed when it is full, and a real first message still gets through;
+    /// live connections are bounded and the excess closed.
+    #[test]
+    fn pending_is_bounded_oldest_closed_first_and_real_peers_served() {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap();
+        let stop = Arc::new(AtomicBool::new(false));
+        let got = Arc::new(Mutex::new(Vec::new()));
+        let stats = ListenStats::default();
+        let limits = ListenLimits {
+            max_pending: 4,
+            max_handshakes: 8,
+            max_connections: 2,
+            first_message_timeout: Duration::from_secs(30),
+            max_first_message: 1024,
+        };
+        let (st, g, s2) = (stop.clone(), got.clone(), stats.clone());
+        let t = std::thread::spawn(move || {
+            serve(
+                l,
+                limits,
+                Framing::Line,
+                s2,
+                move || st.load(Ordering::SeqCst),
+                move |s, buf, slot| g.lock().unwrap().push((s, buf, slot)),
+            )
+        });
+        let idle: Vec<TcpStream> = (0..10).map(|_| TcpStream::connect(addr).unwrap()).collect();
+        std::thread::sleep(Duration::from_millis(300));
+        // the first six were closed as newer ones arrived
+        let mut closed = 0;
+        for mut s in idle.iter().take(6) {
+            s.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
+            let mut b = [0u8; 1];
+            if matches!(s.read(&mut b), Ok(0) | Err(_)) {
+                closed += 1;
+            }
+        }
+        assert_eq!(closed, 6);
+        assert!(
+            got.lock().unwrap().is_empty(),
+            "no handler for idle connections"
+        );
+        let mut real = TcpStream::connect(addr).unwrap();
+        real.write_all(b"hello\n").unwrap();
+        let end = Instant::now() + Duration::from_secs(5);
+        while got.lock().unwrap().is_empty() {
+            assert!(Instant::now() < end, "the real peer was not served");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        assert_eq!(got.lock().unwrap()[0].1, b"hello\n");
+        // connection bound: two live, the third refused
+        let mut live = Vec::new();
+        for _ in 0..2 {
+            let mut s = TcpStream::connect(addr).unwrap();
+            s.write_all(b"x\n").unwrap();
+            live.push(s);
+        }
+        let end = Instant::now() + Duration::from_secs(5);
+        let mut refused = false;
+        while Instant::now() < end && !refused {
+            std::thread::sleep(Duration::from_millis(50));
+            refused = got.lock().unwrap().len() == 2;
+        }
+        assert!(refused, "two connections live");
+        assert_eq!(stats.connections(), 2);
+        std::thread::sleep(Duration::from_millis(200));
+        assert_eq!(got.lock().unwrap().len(), 2, "the third is refused");
+        got.lock().unwrap().clear();
+        assert_eq!(stats.connections(), 0);
+        stop.store(true, Ordering::SeqCst);
+        t.join().unwrap();
+    }
+}
