@@ -12,7 +12,7 @@
 
 #include "check.h"
 
-_Static_assert(sizeof(PdxAgentOptions) == 16, "PdxAgentOptions size is ABI");
+_Static_assert(sizeof(PdxAgentOptions) == 24, "PdxAgentOptions size is ABI");
 _Static_assert(sizeof(PdxCompletion) == 64, "PdxCompletion size is ABI");
 _Static_assert(sizeof(PdxRegion) == 40, "PdxRegion size is ABI");
 _Static_assert(sizeof(PdxPeerOptions) == 32, "PdxPeerOptions size is ABI");

@@ -20,6 +20,10 @@
 // Largest accepted control line (a page list of a very long request fits).
 #define MAX_LINE (64 << 20)
 
+// Largest line accepted before the peer authenticated (the auth messages
+// are a few hundred bytes).
+#define MAX_UNAUTHENTICATED_LINE (4 << 10)
+
 // Cleared rooms remembered; older tombstones are forgotten (a message for a
 // room cleared that long ago is then "unknown room", still never applied).
 #define MAX_TOMBSTONES 65536
@@ -93,7 +97,8 @@
 // ABI minor version of this header (functions or struct fields added).
 // 1.1: `PdxEngineConfig.state`, `pdxfer_engine_set_state_indices`.
 // 1.2: `PdxEngineConfig.pool_memory` / `pool_device` (KV pools in CUDA memory).
-#define PDXFER_ABI_VERSION_MINOR 2
+// 1.3: `PdxAgentOptions.secret` (peer authentication).
+#define PDXFER_ABI_VERSION_MINOR 3
 
 // Every prefill CP rank transfers its shard.
 #define PDXFER_MAP_ALL_CP_RANKS 1
@@ -109,6 +114,11 @@
 
 // Size of a data frame header.
 #define DATA_HEADER_LEN 48
+
+// Largest frame accepted before the peer authenticated (the auth messages
+// are a few hundred bytes): an unauthenticated peer cannot make the
+// receiver allocate more.
+#define MAX_UNAUTHENTICATED_PAYLOAD (4 << 10)
 
 // Data frame flag: the receiver sums piece checksums for this batch.
 #define DATA_FLAG_CHECKSUM 1
@@ -268,6 +278,11 @@ typedef struct PdxAgentOptions {
   uint64_t struct_size;
   // Address to accept peers on (`"127.0.0.1:0"` picks a port); NULL: send-only agent.
   const char *listen;
+  // The cluster secret peers must prove (at least 16 bytes; copied); NULL
+  // reads `PDXFER_CLUSTER_SECRET`, and without either only a
+  // loopback-bound listener is allowed (`PDX_STATUS_AUTH_REQUIRED`).
+  // ABI 1.3; callers of 1.2 (a 16-byte struct) get NULL.
+  const char *secret;
 } PdxAgentOptions;
 
 // A completion record (sender: the batch finished; receiver: a batch landed).

@@ -6,9 +6,11 @@
 
 use super::grant::control_loop;
 use super::{lock, AgentInner, ReceiverSession};
+use crate::auth::PeerInstance;
 use crate::error::{Error, Result, Status};
 use crate::memory::{RegionKind, Registry};
-use crate::transport::handshake::{random_u64, Hello, HelloAck, Select, SelectOk};
+use crate::transport::handshake::{random_token, random_u64, Hello, HelloAck, Select, SelectOk};
+use crate::transport::peer_auth::authenticate_server;
 use crate::transport::rdma::nic::{DataPath, NicProvider};
 use crate::transport::rdma::Handshake;
 use crate::transport::tcp::{serve_stream, TcpRecv};
@@ -50,13 +52,17 @@ pub(super) fn accept_loop(l: TcpListener, agent: std::sync::Weak<AgentInner>) {
 fn serve_connection(a: Arc<AgentInner>, mut s: TcpStream) {
     let _ = s.set_nodelay(true);
     let _ = s.set_read_timeout(Some(Duration::from_secs(10)));
+    // Authentication first: nothing else is read, allocated or said before it.
+    let Ok(peer) = authenticate_server(&mut s, &a.auth, a.instance) else {
+        return;
+    };
     let (ty, p) = match wire::read_frame(&mut s) {
         Ok(f) => f,
         Err(_) => return,
     };
     match ty {
-        FrameType::Hello => serve_control(a, s, &p),
-        FrameType::Attach => serve_stream(a, s, &p),
+        FrameType::Hello => serve_control(a, s, &p, peer),
+        FrameType::Attach => serve_stream(a, s, &p, peer),
         _ => {
             let e = Error::new(
                 Status::Protocol,
@@ -71,7 +77,7 @@ pub(crate) fn refuse(s: &mut TcpStream, e: Error) {
     let _ = wire::write_frame(s, FrameType::Error, &wire::encode_error(&e));
 }
 
-fn serve_control(a: Arc<AgentInner>, mut s: TcpStream, hello: &[u8]) {
+fn serve_control(a: Arc<AgentInner>, mut s: TcpStream, hello: &[u8], peer: PeerInstance) {
     let hello: Hello = match serde_json::from_slice(hello) {
         Ok(h) => h,
         Err(e) => {
@@ -97,7 +103,11 @@ fn serve_control(a: Arc<AgentInner>, mut s: TcpStream, hello: &[u8]) {
     let id = a.next_session.fetch_add(1, Ordering::SeqCst);
     let session = Arc::new(ReceiverSession {
         id,
-        token: random_u64(),
+        token: match random_token() {
+            Ok(t) => t,
+            Err(e) => return refuse(&mut s, e),
+        },
+        instance: peer,
         nonce: Box::new(random_u64()),
         peer: Mutex::new(Some(hello.identity.clone())),
         writer: Mutex::new(s.try_clone().ok()),
@@ -113,7 +123,7 @@ fn serve_control(a: Arc<AgentInner>, mut s: TcpStream, hello: &[u8]) {
         identity: a.identity.clone(),
         regions: a.registry.descriptors(),
         session: id,
-        token: session.token,
+        token: session.token.clone(),
         nonce_addr: &*session.nonce as *const u64 as u64,
         rdma: nic.as_ref().ok().map(|n| n.describe()),
         rdma_unavailable: nic.as_ref().err().map(|e| e.detail().to_string()),

@@ -6,6 +6,7 @@
 //! (bytes, checksum) is delivered and answered with Ack or Nack.
 
 use super::device::{receive_into_device, DEVICE_BOUNCE_BYTES};
+use crate::auth::PeerInstance;
 use crate::error::{Error, Result, Status};
 use crate::memory::{RegionKind, Registry};
 use crate::transport::agent::{completion, lock, refuse, AgentInner, ReceiverSession};
@@ -18,6 +19,7 @@ use std::io::Read;
 use std::net::TcpStream;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
+use subtle::ConstantTimeEq;
 
 /// One batch as the receiver counts it.
 #[derive(Default)]
@@ -105,7 +107,9 @@ pub(crate) fn finalize_tcp(
 }
 
 /// Serves one data stream whose first frame was an Attach.
-pub(crate) fn serve_stream(a: Arc<AgentInner>, mut s: TcpStream, p: &[u8]) {
+/// The stream authenticated as `peer`; it attaches only to a session whose
+/// control connection authenticated as the same instance, with its token.
+pub(crate) fn serve_stream(a: Arc<AgentInner>, mut s: TcpStream, p: &[u8], peer: PeerInstance) {
     let att: Attach = match serde_json::from_slice(p) {
         Ok(x) => x,
         Err(e) => {
@@ -116,7 +120,9 @@ pub(crate) fn serve_stream(a: Arc<AgentInner>, mut s: TcpStream, p: &[u8]) {
         }
     };
     let sess = lock(&a.sessions).get(&att.session).cloned();
-    let Some(sess) = sess.filter(|x| x.token == att.token) else {
+    let Some(sess) = sess.filter(|x| {
+        x.instance == peer && bool::from(x.token.as_bytes().ct_eq(att.token.as_bytes()))
+    }) else {
         return refuse(
             &mut s,
             Error::new(
