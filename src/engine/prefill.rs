@@ -2,7 +2,9 @@
 //! `sender` and fed by `send`, the control listener and one connection per
 //! decode rank (handshake, metadata, aborts), and the final status sent back.
 
-use super::control::{CtlMsg, CtlReader, CtlWriter, RegionMap, CONTROL_VERSION};
+use super::control::{
+    authenticate_decode, CtlMsg, CtlReader, CtlWriter, RegionMap, CONTROL_VERSION,
+};
 use super::handle::{catch, lock, Engine, Inner};
 use super::room::KvPoll;
 use super::worker::Job;
@@ -260,7 +262,29 @@ fn prefill_conn(w: std::sync::Weak<Inner>, s: TcpStream) {
     };
     let writer = CtlWriter::new(ws);
     let mut reader = CtlReader::new(rs);
-    let (version, hello, data_addr, regions) = match reader.recv() {
+    // Authentication first: no other message is read, nothing is allocated
+    // or said before it (the refusal names no process or address).
+    let Some((mode, instance)) = w
+        .upgrade()
+        .map(|i| (i.agent.auth().clone(), i.agent.instance().0))
+    else {
+        return;
+    };
+    let _ = s.set_read_timeout(Some(std::time::Duration::from_secs(10)));
+    let peer = match authenticate_decode(&writer, &mut reader, &mode, instance) {
+        Ok(p) => p,
+        Err(e) => {
+            if e.status() != Status::PeerUnreachable {
+                log::warn!("prefill control channel: refused a peer: {e}");
+                let _ = writer.send(&refusal(&e));
+            }
+            return;
+        }
+    };
+    let _ = s.set_read_timeout(Some(std::time::Duration::from_secs(30)));
+    let hello_msg = reader.recv();
+    let _ = s.set_read_timeout(None);
+    let (version, hello, data_addr, regions) = match hello_msg {
         Ok(Some(CtlMsg::Hello {
             version,
             hello,
@@ -282,6 +306,15 @@ fn prefill_conn(w: std::sync::Weak<Inner>, s: TcpStream) {
     };
     let Some(inner) = w.upgrade() else { return };
     let setup = catch("control handshake", || {
+        if u128::from_be_bytes(peer.0) != hello.instance_id.0 {
+            return Err(Error::new(
+                Status::PeerIdentity,
+                format!(
+                    "the decode authenticated as instance {peer} but its hello names instance {}",
+                    hello.instance_id
+                ),
+            ));
+        }
         if version != CONTROL_VERSION {
             return Err(Error::new(
                 Status::Protocol,
@@ -312,6 +345,8 @@ fn prefill_conn(w: std::sync::Weak<Inner>, s: TcpStream) {
         &data_addr,
         &ConnectOptions {
             transport: inner.cfg.transport,
+            // the decode's data plane must be the instance this channel authenticated
+            expect_instance: Some(peer),
             ..Default::default()
         },
     ) {
