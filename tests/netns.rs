@@ -49,7 +49,10 @@ fn refused_without_secret() {
         String::from_utf8_lossy(&out.stderr)
     );
     assert!(!out.status.success(), "{text}");
-    assert!(text.contains("auth_required") || text.contains("cluster secret"), "{text}");
+    assert!(
+        text.contains("auth_required") || text.contains("cluster secret"),
+        "{text}"
+    );
 }
 
 #[test]
