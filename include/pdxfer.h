@@ -439,7 +439,9 @@ typedef struct PdxEngineConfig {
   const char *cluster;
   // Bootstrap URL, `http://host:port` or `etcd://host:port` (required).
   const char *bootstrap;
-  // Bootstrap token; NULL for none.
+  // The cluster secret (at least 16 bytes): guards bootstrap writes and
+  // authenticates every peer connection. NULL reads `PDXFER_CLUSTER_SECRET`;
+  // without either only loopback listeners are allowed (`PDX_STATUS_AUTH_REQUIRED`).
   const char *token;
   // This rank's topology (required); its entries must match `pools`.
   const struct PdxTopology *topology;

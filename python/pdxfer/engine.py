@@ -215,6 +215,10 @@ class Engine:
     ``pool_device``: CUDA device ordinal when the KV pools are device memory
     (a decode's: tcp, rdma or auto, not cma; see the module docs); aux and
     state stay host memory.
+    ``token``: the cluster secret (at least 16 bytes), which guards bootstrap
+    writes and authenticates every peer connection; ``None`` reads
+    ``PDXFER_CLUSTER_SECRET``, and without either only loopback listeners are
+    allowed (``auth_required``).
     """
 
     def __init__(
