@@ -52,7 +52,7 @@ pub fn authenticate_client<S: Read + Write>(
 /// only thing an unauthenticated peer ever receives besides a refusal) and
 /// checks the client's proof. A failure is sent to the peer as an `Error`
 /// frame and returned.
-pub(crate) fn authenticate_server<S: Read + Write>(
+pub fn authenticate_server<S: Read + Write>(
     s: &mut S,
     mode: &Mode,
     instance: [u8; 16],
