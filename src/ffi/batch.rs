@@ -248,7 +248,7 @@ mod tests {
             struct_size: 16,
             listen: lo.as_ptr(),
             // beyond the 1.2 struct: never read
-            secret: 1usize as *const std::ffi::c_char,
+            secret: std::ptr::dangling::<std::ffi::c_char>(),
         };
         assert_eq!(pdxfer_agent_create(&old, &mut a), PdxStatus::Ok);
         pdxfer_agent_destroy(a);
