@@ -822,3 +822,66 @@ fn auto_uses_tcp_for_a_peer_of_another_uid() {
     let _ = target.kill();
     let _ = target.wait();
 }
+
+/// Even a peer holding the secret cannot point the prefill at a data address
+/// the bootstrap does not advertise for the instance it claims, nor claim an
+/// instance the bootstrap does not know: refused with `peer_identity`, and
+/// the prefill dials nothing.
+#[test]
+fn a_cluster_member_cannot_redirect_the_prefill() {
+    use pdxfer::auth::{Mode, PeerInstance};
+    use pdxfer::engine::control::{authenticate_to_prefill, CtlMsg, CtlReader, CtlWriter};
+    let mut p = pair();
+    let reg = p.prefill.registration().unwrap();
+    let d_reg = p.decode.registration().unwrap();
+    let decoy = TcpListener::bind("127.0.0.1:0").unwrap();
+    decoy.set_nonblocking(true).unwrap();
+    let mode = Mode::from_option(Some(SECRET)).unwrap();
+    let mut unknown = PeerHello::from(&d_reg);
+    unknown.instance_id = pdxfer::bootstrap::schema::InstanceId(7);
+    for (hello, data_addr, want) in [
+        (
+            PeerHello::from(&d_reg),
+            decoy.local_addr().unwrap().to_string(),
+            "advertises",
+        ),
+        (unknown, d_reg.endpoints["data"].clone(), "no entry"),
+    ] {
+        let s = TcpStream::connect(&reg.endpoints["ctl"]).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        let w = CtlWriter::new(s.try_clone().unwrap());
+        let mut r = CtlReader::new(s);
+        authenticate_to_prefill(
+            &w,
+            &mut r,
+            &mode,
+            hello.instance_id.0.to_be_bytes(),
+            PeerInstance(reg.instance_id.0.to_be_bytes()),
+            "test",
+        )
+        .unwrap();
+        w.send(&CtlMsg::Hello {
+            version: 1,
+            hello,
+            data_addr,
+            regions: Default::default(),
+        })
+        .unwrap();
+        match r.recv().unwrap() {
+            Some(CtlMsg::Status {
+                ok: false,
+                code,
+                reason,
+                ..
+            }) => {
+                assert_eq!(code, Some(Status::PeerIdentity as i32), "{reason:?}");
+                assert!(reason.as_deref().unwrap().contains(want), "{reason:?}");
+            }
+            other => panic!("expected a refusal, got {other:?}"),
+        }
+    }
+    assert!(decoy.accept().is_err(), "the prefill dialed the decoy");
+    // the real decode is unaffected
+    let (src, dst) = open_room(&mut p, 77);
+    finish_room(&mut p, 77, &src, &dst);
+}

@@ -332,6 +332,7 @@ fn prefill_conn(w: std::sync::Weak<Inner>, s: TcpStream) {
         peer.epoch = hello.epoch;
         peer.registered_at_ms = hello.registered_at_ms;
         check_pair(&local, &peer)?;
+        check_advertised(&*inner.store, &local.cluster, &hello, &data_addr)?;
         Ok(local)
     });
     let local = match setup {
@@ -466,6 +467,45 @@ fn prefill_conn(w: std::sync::Weak<Inner>, s: TcpStream) {
                 return;
             }
         }
+    }
+}
+
+/// The decode's bootstrap entry (current or stale) names the instance the
+/// control channel authenticated and the data address it gave: the prefill
+/// dials only the data plane the bootstrap advertised for that instance.
+fn check_advertised(
+    store: &dyn crate::bootstrap::Store,
+    cluster: &str,
+    hello: &PeerHello,
+    data_addr: &str,
+) -> Result<()> {
+    let view = store.view(cluster, Role::Decode)?;
+    let entry = view
+        .current
+        .values()
+        .chain(view.stale.iter())
+        .find(|r| r.instance_id == hello.instance_id)
+        .ok_or_else(|| {
+            Error::new(
+                Status::PeerIdentity,
+                format!(
+                    "decode instance {} has no entry in the bootstrap of cluster {cluster:?} ({})",
+                    hello.instance_id,
+                    store.describe()
+                ),
+            )
+        })?;
+    match entry.endpoints.get("data") {
+        Some(a) if a == data_addr => Ok(()),
+        other => Err(Error::new(
+            Status::PeerIdentity,
+            format!(
+                "decode instance {} gave data address {data_addr:?}, but its bootstrap entry [{}] advertises {:?}",
+                hello.instance_id,
+                entry.describe(),
+                other
+            ),
+        )),
     }
 }
 
