@@ -3,31 +3,76 @@
 //!    header is committed; the test command regenerates it and fails when the
 //!    committed copy differs (`git diff --exit-code include/pdxfer.h`).
 //! 2. Embeds the CUDA relayout kernels (`cuda/relayout.cu`): always the source
-//!    (compiled at run time by NVRTC), plus sm_90 PTX and an sm_90 cubin when
-//!    `nvcc` is found (`$PDXFER_NVCC`, `$CUDA_HOME/bin/nvcc`, then `PATH`).
-//!    Without nvcc the build still succeeds; see `relayout::gpu::kernels`.
+//!    (compiled at run time by NVRTC), plus sm_90 PTX and an sm_90 cubin from
+//!    each compiler found: `nvcc` (`$PDXFER_NVCC`, `$CUDA_HOME/bin/nvcc`, then
+//!    `PATH`) and every NVRTC library named in `$PDXFER_KERNEL_NVRTC`
+//!    (`:`-separated paths, e.g. the CUDA 12.4 `libnvrtc.so.12` that
+//!    `scripts/cuda-deps.sh` installs, whose images load on CUDA 12.x drivers).
+//!    Without any the build still succeeds; see `relayout::gpu::kernels`.
+//! 3. Gives the cdylib the soname `libpdxfer.so.<ABI major>` (the major of
+//!    `src/ffi/status.rs`), so programs linked against it keep working across
+//!    minor versions and refuse another major at load time.
 use std::path::{Path, PathBuf};
 use std::process::Command;
+
+#[allow(dead_code)]
+#[path = "src/relayout/gpu/nvrtc.rs"]
+mod nvrtc;
 
 fn main() {
     let crate_dir =
         PathBuf::from(std::env::var("CARGO_MANIFEST_DIR").expect("cargo sets CARGO_MANIFEST_DIR"));
     header(&crate_dir);
     kernels(&crate_dir);
+    soname(&crate_dir);
+}
+
+/// The value of `pub const NAME: u32 = N;` in `src`.
+fn const_u32(src: &str, name: &str) -> u32 {
+    let pat = format!("pub const {name}: u32 = ");
+    src.lines()
+        .find_map(|l| l.trim().strip_prefix(&pat)?.strip_suffix(';')?.parse().ok())
+        .unwrap_or_else(|| panic!("src/ffi/status.rs has no `{pat}N;`"))
+}
+
+fn soname(crate_dir: &Path) {
+    let status = crate_dir.join("src/ffi/status.rs");
+    println!("cargo:rerun-if-changed=src/ffi/status.rs");
+    let src = std::fs::read_to_string(&status).expect("read src/ffi/status.rs");
+    let major = const_u32(&src, "PDXFER_ABI_VERSION_MAJOR");
+    if std::env::var("CARGO_CFG_TARGET_OS").as_deref() == Ok("linux") {
+        println!("cargo:rustc-cdylib-link-arg=-Wl,-soname,libpdxfer.so.{major}");
+    }
 }
 
 fn header(crate_dir: &Path) {
     println!("cargo:rerun-if-changed=src/ffi");
     println!("cargo:rerun-if-changed=src/error.rs");
     println!("cargo:rerun-if-changed=cbindgen.toml");
-    let config =
+    let mut config =
         cbindgen::Config::from_file(crate_dir.join("cbindgen.toml")).expect("read cbindgen.toml");
     std::fs::create_dir_all(crate_dir.join("include")).expect("create include/");
-    match cbindgen::Builder::new()
-        .with_crate(crate_dir)
-        .with_config(config)
-        .generate()
-    {
+    let generate = |config: &cbindgen::Config| {
+        cbindgen::Builder::new()
+            .with_crate(crate_dir)
+            .with_config(config.clone())
+            .generate()
+    };
+    // cbindgen exports every `pub const` of the crate as a macro. Internal
+    // constants (wire versions, limits) must not reach C users, where names
+    // like `VERSION` collide with autoconf's: a first pass finds the unprefixed
+    // macros, the second pass excludes them. `tests/header.rs` checks the result.
+    let bindings = generate(&config).and_then(|first| {
+        let mut text = Vec::new();
+        first.write(&mut text);
+        let internal = unprefixed_macros(&String::from_utf8_lossy(&text), &config);
+        if internal.is_empty() {
+            return Ok(first);
+        }
+        config.export.exclude.extend(internal);
+        generate(&config)
+    });
+    match bindings {
         Ok(bindings) => {
             bindings.write_to_file(crate_dir.join("include/pdxfer.h"));
         }
@@ -36,6 +81,19 @@ fn header(crate_dir: &Path) {
             println!("cargo:warning=cbindgen could not generate include/pdxfer.h: {e}");
         }
     }
+}
+
+/// Names of the `#define`d macros in `header` that lack the `PDXFER_` prefix,
+/// except the include guard.
+fn unprefixed_macros(header: &str, config: &cbindgen::Config) -> Vec<String> {
+    header
+        .lines()
+        .filter_map(|l| l.trim_start().strip_prefix("#define "))
+        .filter_map(|rest| rest.split_whitespace().next())
+        .filter(|name| !name.starts_with("PDXFER_"))
+        .filter(|name| config.include_guard.as_deref() != Some(*name))
+        .map(|name| name.split('(').next().unwrap_or(name).to_string())
+        .collect()
 }
 
 /// The nvcc to use, if any.
@@ -83,47 +141,134 @@ fn nvcc(nvcc: &Path, args: &[&str], src: &Path, out: &Path) -> bool {
     }
 }
 
+/// One image to embed: kind ("Cubin"/"Ptx"), toolkit (major, minor), compiler, file.
+struct Image {
+    kind: &'static str,
+    toolkit: (u32, u32),
+    compiler: String,
+    file: PathBuf,
+}
+
+/// `(major, minor, "13.5.37")` from nvcc's "release 13.5, V13.5.37" line.
+fn nvcc_release(nvcc: &Path) -> Option<(u32, u32, String)> {
+    let o = Command::new(nvcc).arg("--version").output().ok()?;
+    let text = String::from_utf8_lossy(&o.stdout).into_owned();
+    let at = text.find("release ")? + "release ".len();
+    let ver = text[at..]
+        .split(|c: char| c == ',' || c.is_whitespace())
+        .next()?;
+    let mut it = ver.split('.');
+    let major = it.next()?.parse().ok()?;
+    let minor = it.next()?.parse().ok()?;
+    let full = text[at..]
+        .split_whitespace()
+        .find_map(|w| w.strip_prefix('V'))
+        .unwrap_or(ver)
+        .to_string();
+    Some((major, minor, full))
+}
+
 fn kernels(crate_dir: &Path) {
     let src = crate_dir.join("cuda/relayout.cu");
     println!("cargo:rerun-if-changed=cuda/relayout.cu");
+    println!("cargo:rerun-if-changed=src/relayout/gpu/nvrtc.rs");
     println!("cargo:rerun-if-env-changed=PDXFER_NVCC");
     println!("cargo:rerun-if-env-changed=CUDA_HOME");
+    println!("cargo:rerun-if-env-changed=PDXFER_KERNEL_NVRTC");
     let out_dir = PathBuf::from(std::env::var("OUT_DIR").expect("cargo sets OUT_DIR"));
-    let ptx = out_dir.join("relayout_sm90.ptx");
-    let cubin = out_dir.join("relayout_sm90.cubin");
-    let (mut have_ptx, mut have_cubin, mut version) = (false, false, String::new());
+    let mut images: Vec<Image> = Vec::new();
     if let Some(n) = find_nvcc() {
-        have_ptx = nvcc(&n, &["-arch=sm_90", "-ptx"], &src, &ptx);
-        have_cubin = have_ptx && nvcc(&n, &["-arch=sm_90", "-cubin"], &src, &cubin);
-        if let Ok(o) = Command::new(&n).arg("--version").output() {
-            version = String::from_utf8_lossy(&o.stdout)
-                .lines()
-                .last()
-                .unwrap_or("")
-                .trim()
-                .to_string();
+        match nvcc_release(&n) {
+            Some((major, minor, full)) => {
+                let tag = format!("cu{major}{minor}");
+                let ptx = out_dir.join(format!("relayout_sm90_{tag}_nvcc.ptx"));
+                let cubin = out_dir.join(format!("relayout_sm90_{tag}_nvcc.cubin"));
+                let compiler = format!("nvcc {full}");
+                if nvcc(&n, &["-arch=sm_90", "-ptx"], &src, &ptx) {
+                    if nvcc(&n, &["-arch=sm_90", "-cubin"], &src, &cubin) {
+                        images.push(Image {
+                            kind: "Cubin",
+                            toolkit: (major, minor),
+                            compiler: compiler.clone(),
+                            file: cubin,
+                        });
+                    }
+                    images.push(Image {
+                        kind: "Ptx",
+                        toolkit: (major, minor),
+                        compiler,
+                        file: ptx,
+                    });
+                }
+            }
+            None => println!(
+                "cargo:warning=cannot read the CUDA release from `{} --version`; no nvcc images",
+                n.display()
+            ),
         }
     }
-    let opt = |have: bool, inc: &str, p: &Path| {
-        if have {
-            format!("Some({inc}!({:?}))", p.display().to_string())
-        } else {
-            "None".to_string()
+    let source = std::fs::read_to_string(&src).expect("read cuda/relayout.cu");
+    for lib in std::env::var("PDXFER_KERNEL_NVRTC")
+        .unwrap_or_default()
+        .split(':')
+        .filter(|s| !s.is_empty())
+    {
+        println!("cargo:rerun-if-changed={lib}");
+        let r = nvrtc::Nvrtc::open(lib).and_then(|nv| {
+            let c = nv.compile(&source, "relayout.cu", &["--gpu-architecture=sm_90"])?;
+            Ok((nv.version, c))
+        });
+        match r {
+            Ok(((major, minor), c)) => {
+                let (major, minor) = (major as u32, minor as u32);
+                let tag = format!("cu{major}{minor}");
+                let compiler = format!("NVRTC {major}.{minor}");
+                if let Some(cubin) = c.cubin {
+                    let f = out_dir.join(format!("relayout_sm90_{tag}_nvrtc.cubin"));
+                    std::fs::write(&f, cubin).expect("write cubin");
+                    images.push(Image {
+                        kind: "Cubin",
+                        toolkit: (major, minor),
+                        compiler: compiler.clone(),
+                        file: f,
+                    });
+                }
+                let f = out_dir.join(format!("relayout_sm90_{tag}_nvrtc.ptx"));
+                std::fs::write(&f, c.ptx).expect("write PTX");
+                images.push(Image {
+                    kind: "Ptx",
+                    toolkit: (major, minor),
+                    compiler,
+                    file: f,
+                });
+            }
+            Err(e) => {
+                println!("cargo:warning=PDXFER_KERNEL_NVRTC: {e}; its images are not embedded")
+            }
         }
-    };
+    }
+    // newest toolkit first; one image per (kind, toolkit)
+    images.sort_by(|a, b| b.toolkit.cmp(&a.toolkit).then(a.kind.cmp(b.kind)));
+    images.dedup_by(|a, b| a.kind == b.kind && a.toolkit == b.toolkit);
+    let list: String = images
+        .iter()
+        .map(|i| {
+            format!(
+                "    KernelImage {{ kind: ImageKind::{}, arch: \"sm_90\", toolkit: ({}, {}), compiler: {:?}, bytes: include_bytes!({:?}) }},\n",
+                i.kind,
+                i.toolkit.0,
+                i.toolkit.1,
+                i.compiler,
+                i.file.display().to_string()
+            )
+        })
+        .collect();
     let code = format!(
         "/// CUDA source of the relayout kernels (`cuda/relayout.cu`), for NVRTC.\n\
          pub const SOURCE: &str = include_str!({:?});\n\
-         /// sm_90 PTX from nvcc at build time, if nvcc was found.\n\
-         pub const PTX_SM90: Option<&str> = {};\n\
-         /// sm_90 cubin from nvcc at build time, if nvcc was found.\n\
-         pub const CUBIN_SM90: Option<&[u8]> = {};\n\
-         /// The nvcc that built them (`--version`, last line), empty if none.\n\
-         pub const NVCC_VERSION: &str = {:?};\n",
+         /// The images compiled at build time, newest toolkit first.\n\
+         pub const IMAGES: &[KernelImage] = &[\n{list}];\n",
         src.display().to_string(),
-        opt(have_ptx, "include_str", &ptx),
-        opt(have_cubin, "include_bytes", &cubin),
-        version
     );
     std::fs::write(out_dir.join("kernels.rs"), code).expect("write kernels.rs");
 }

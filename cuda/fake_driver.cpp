@@ -1,34 +1,74 @@
 // A stand-in libcuda.so for machines without a GPU: the CUDA driver calls that
-// pdxfer's relayout makes, implemented on the CPU, with kernel launches run by
-// the host harness (the very same cuda/relayout.cu source). "Device" memory
-// is host memory and every operation completes before it returns, so events
-// are always complete, except one: a host-to-device copy on a stream is
-// deferred (its host bytes taken at the call, as the driver stages pageable
-// memory; read when it lands from pinned memory, as DMA does) until that
-// stream is synchronised or given later work, an event recorded after it is
-// synchronised, queried or waited by a stream, the context is synchronised,
-// or memory is freed; so a caller that reports bytes as landed without
-// waiting for its copy (or for an event after it) is caught, and so is one
-// that rewrites a pinned source before its copy was waited.
-// tests/fake_driver.rs builds it with g++ as
-// libcuda.so and runs the device code path (GpuRelayout, the self-check and
-// the benchmark loop) in a child process whose LD_LIBRARY_PATH finds it.
+// pdxfer makes, implemented on the CPU, with kernel launches run by the host
+// harness (the very same cuda/relayout.cu source). "Device" memory is host
+// memory. tests/fake_driver.rs builds it with g++ as libcuda.so and runs the
+// device code paths in child processes whose LD_LIBRARY_PATH finds it.
 //
-// It checks what a real driver would reject where it is cheap to do so:
-// launches of functions it did not hand out, unknown streams/events, copies
-// touching memory it did not allocate, kernel rows outside device
-// allocations, a wrong kernel block size, and freeing pinned host memory it
-// did not hand out. cuPointerGetAttribute answers for its own allocations
-// (device or pinned host) and refuses any other address, as the driver does
-// for pageable memory.
+// What it models (the part a missing wait or a wrong assumption breaks):
+// - Stream order without progress: every operation enqueued on a stream
+//   (host-to-device, device-to-host into pinned memory, device-to-device,
+//   memset, kernel launch, event record) runs only when something waits for
+//   it: cuStreamSynchronize, cuEventSynchronize of an event recorded after it,
+//   cuEventQuery of such an event (which first answers CUDA_ERROR_NOT_READY
+//   and lets the work run, so the next query sees it complete), a stream that
+//   waits on such an event and is itself waited, cuCtxSynchronize, or a free
+//   (the driver synchronises). Host bytes of a pageable host-to-device copy
+//   are staged at the call; a pinned source or destination is read or
+//   written when the copy runs, as DMA does; a device-to-host copy into
+//   pageable memory blocks until the stream's earlier work ran (as the
+//   driver does). Calls on the null stream run at once.
+// - Faults inside enqueued work (a kernel row outside device memory) surface
+//   at the next synchronisation as a sticky CUDA_ERROR_ILLEGAL_ADDRESS.
+// - Driver version (PDXFER_FAKE_CUDA_DRIVER_VERSION, default 12080, or
+//   pdx_fake_set_driver_version): PTX whose `.version` needs a newer driver
+//   is refused with CUDA_ERROR_UNSUPPORTED_PTX_VERSION (ISA 9.x is CUDA 13.x,
+//   8.x is 12.x, 7.x is 11.x); a cubin in the CUDA 13 ELF format (OS/ABI
+//   0x41) on a 12.x driver, or whose toolkit note names a newer major than
+//   the driver's, is refused with CUDA_ERROR_NO_BINARY_FOR_GPU.
+// - VMM mappings (PDXFER_FAKE_CUDA_VMM_CHUNK bytes, or
+//   pdx_fake_set_vmm_chunk): allocations made while it is set are one VA
+//   range backed by chunks of that size, and CU_POINTER_ATTRIBUTE_RANGE_*
+//   and cuMemGetAddressRange answer the chunk holding the address only.
+// - GPUDirect RDMA attributes: writes ordering (PDXFER_FAKE_CUDA_RDMA_ORDERING
+//   0/100/200, default 100 = owner; pdx_fake_set_rdma_ordering), flush
+//   options (host flush supported), dma-buf support
+//   (PDXFER_FAKE_CUDA_DMA_BUF, default 1); cuFlushGPUDirectRDMAWrites counts
+//   its calls (pdx_fake_rdma_flushes).
+// It refuses what a real driver would where it is cheap to check: launches of
+// functions it did not hand out, unknown streams/events, copies touching
+// memory it did not allocate, tables outside device memory, a wrong kernel
+// block size, allocation or flush without a current context, and freeing
+// pinned host memory it did not hand out. cuPointerGetAttribute answers for
+// its own allocations (device or pinned host) and refuses any other address,
+// as the driver does for pageable memory.
+//
+// What this fake does not model:
+// - concurrency: enqueued work runs on the thread that waits for it, one
+//   operation at a time, never in parallel with the host or other streams;
+//   so races between streams that a real GPU shows as torn data cannot show
+//   here, only missing waits (work that has not run at all);
+// - more than one device, peer access, unified or managed memory, memory
+//   pools, graphs, cuMemGetHandleForAddressRange (dma-buf export) and
+//   nvidia-peermem; the exact error code a real driver gives a too-new cubin;
+// - that a kernel image holds the functions asked for, or its architecture
+//   (any image of a supported version yields pdx_gather and pdx_scatter);
+// - occupancy, registers, timing (event times are host clock readings when
+//   the record runs) and the legacy default stream's implicit synchronisation
+//   (calls on the null stream just run);
+// - contexts beyond "one primary context is current or not": streams, events
+//   and launches work without a current context.
 #include "host_harness.h"
 
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
+#include <functional>
 #include <map>
+#include <memory>
 #include <mutex>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -47,9 +87,16 @@ enum {
     ERR_OOM = 2,
     ERR_NOT_INIT = 3,
     ERR_INVALID_DEVICE = 101,
+    ERR_INVALID_IMAGE = 200,
+    ERR_INVALID_CONTEXT = 201,
+    ERR_NO_BINARY_FOR_GPU = 209,
+    ERR_UNSUPPORTED_PTX_VERSION = 222,
     ERR_INVALID_HANDLE = 400,
     ERR_NOT_FOUND = 500,
+    ERR_NOT_READY = 600,
+    ERR_ILLEGAL_ADDRESS = 700,
     ERR_LAUNCH_FAILED = 719,
+    ERR_NOT_SUPPORTED = 801,
 };
 
 static int g_ctx_token;
@@ -57,44 +104,54 @@ static int g_gather_token;
 static int g_scatter_token;
 static int g_module_token;
 static thread_local CUcontext g_current = nullptr;
-static std::mutex g_mu;
-static std::map<CUdeviceptr, size_t> g_allocs;  // base -> size
-static std::map<void*, double> g_events;        // event -> record time (ms)
-static std::map<void*, int> g_streams;
-static std::map<void*, void*> g_event_stream;  // event -> stream it was last recorded on
+static std::mutex g_mu;                 // guards every table below
+static std::recursive_mutex g_exec;     // one executor of enqueued work at a time
+static std::map<CUdeviceptr, size_t> g_allocs;       // device base -> size
+static std::map<CUdeviceptr, size_t> g_vmm;          // device base -> chunk size (VMM)
 static std::map<CUdeviceptr, size_t> g_host_allocs;  // pinned host base -> size
 static bool g_inited = false;
+static int g_driver_version = 12080;
+static size_t g_vmm_chunk = 0;
+static int g_rdma_ordering = 100;
+static int g_dma_buf = 1;
+static CUresult g_sticky = OK;                // a fault of enqueued work
 static unsigned long long g_pinned_dtoh = 0;  // async DtoH copies into pinned memory
-static unsigned long long g_launches = 0;     // kernel launches
+static unsigned long long g_launches = 0;     // kernel launches enqueued
 static unsigned long long g_htod_landed = 0;  // stream-ordered HtoD copies applied
 static unsigned long long g_pinned_htod = 0;  // stream-ordered HtoD copies from pinned memory
-// A host-to-device copy not yet applied: from pageable memory its host bytes
-// were staged at the call; from pinned memory they are read when it lands
-// (as the DMA engine does), so rewriting the source before waiting shows.
-struct PendingCopy {
-    CUdeviceptr dst;
-    const unsigned char* pinned;        // source, when pinned
-    std::vector<unsigned char> staged;  // staged bytes, when pageable
-    size_t n;
+static unsigned long long g_not_ready = 0;    // cuEventQuery answers of NOT_READY
+static unsigned long long g_rdma_flushes = 0; // cuFlushGPUDirectRDMAWrites calls
+
+// A stream: work not yet run, in order; `done` of `enq` operations have run.
+struct Stream {
+    std::deque<std::function<void()>> q;
+    unsigned long long enq = 0, done = 0;
 };
-// Stream -> HtoD copies not yet applied.
-static std::map<void*, std::vector<PendingCopy>> g_pending;
+static std::map<void*, Stream> g_streams;
+// An event: complete once its stream has run `seq` operations.
+struct Event {
+    CUstream stream = nullptr;
+    unsigned long long seq = 0;
+    double t = 0.0;
+};
+static std::map<void*, Event> g_events;
 
 static double now_ms() {
     using namespace std::chrono;
     return duration<double, std::milli>(steady_clock::now().time_since_epoch()).count();
 }
 
-// True when [p, p + n) lies inside one allocation.
-static bool owned(CUdeviceptr p, size_t n) {
+static void fault(CUresult rc) {
     std::lock_guard<std::mutex> l(g_mu);
-    auto it = g_allocs.upper_bound(p);
-    if (it == g_allocs.begin()) return false;
-    --it;
-    return p >= it->first && p + n <= it->first + it->second;
+    if (g_sticky == OK) g_sticky = rc;
 }
 
-// The allocation holding `p` in `m`: its base and size, or false.
+static CUresult sticky() {
+    std::lock_guard<std::mutex> l(g_mu);
+    return g_sticky;
+}
+
+// The allocation holding `p` in `m`: its base and size, or false (caller locks).
 static bool find_alloc(const std::map<CUdeviceptr, size_t>& m, CUdeviceptr p, CUdeviceptr* base,
                        size_t* size) {
     auto it = m.upper_bound(p);
@@ -106,21 +163,24 @@ static bool find_alloc(const std::map<CUdeviceptr, size_t>& m, CUdeviceptr p, CU
     return true;
 }
 
-// Applies the deferred host-to-device copies of stream `s` (every stream when
-// `all`), in order.
-static void flush(CUstream s, bool all = false) {
+// True when [p, p + n) lies inside one device allocation.
+static bool owned(CUdeviceptr p, size_t n) {
     std::lock_guard<std::mutex> l(g_mu);
-    for (auto it = g_pending.begin(); it != g_pending.end();) {
-        if (!all && it->first != s) {
-            ++it;
-            continue;
-        }
-        for (auto& c : it->second) {
-            memcpy((void*)c.dst, c.pinned ? c.pinned : c.staged.data(), c.n);
-            ++g_htod_landed;
-        }
-        it = g_pending.erase(it);
-    }
+    CUdeviceptr base;
+    size_t size;
+    return find_alloc(g_allocs, p, &base, &size) && p + n <= base + size;
+}
+
+// True when `p` is pinned host memory of this driver holding `n` bytes; sets
+// `bad` when it starts in pinned memory but runs past it.
+static bool pinned(const void* p, size_t n, bool* bad) {
+    std::lock_guard<std::mutex> l(g_mu);
+    CUdeviceptr base;
+    size_t size;
+    *bad = false;
+    if (!find_alloc(g_host_allocs, (CUdeviceptr)p, &base, &size)) return false;
+    *bad = (CUdeviceptr)p + n > base + size;
+    return true;
 }
 
 static bool stream_ok(CUstream s) {
@@ -128,14 +188,82 @@ static bool stream_ok(CUstream s) {
     return s == nullptr || g_streams.count(s) > 0;
 }
 
+// Appends `op` to stream `s` (which must exist and not be null).
+static void enqueue(CUstream s, std::function<void()> op) {
+    std::lock_guard<std::mutex> l(g_mu);
+    Stream& st = g_streams[s];
+    st.q.push_back(std::move(op));
+    st.enq++;
+}
+
+// Runs the work of stream `s` until it has run `seq` operations (all of it
+// when `seq` is ~0). Work may wait on other streams (cuStreamWaitEvent).
+static void drain(CUstream s, unsigned long long seq = ~0ull) {
+    if (s == nullptr) return;
+    std::lock_guard<std::recursive_mutex> ex(g_exec);
+    for (;;) {
+        std::function<void()> op;
+        {
+            std::lock_guard<std::mutex> l(g_mu);
+            auto it = g_streams.find(s);
+            if (it == g_streams.end() || it->second.done >= seq || it->second.q.empty()) return;
+            op = std::move(it->second.q.front());
+            it->second.q.pop_front();
+        }
+        op();
+        std::lock_guard<std::mutex> l(g_mu);
+        auto it = g_streams.find(s);
+        if (it != g_streams.end()) it->second.done++;
+    }
+}
+
+static void drain_all() {
+    std::vector<void*> all;
+    {
+        std::lock_guard<std::mutex> l(g_mu);
+        for (auto& kv : g_streams) all.push_back(kv.first);
+    }
+    for (void* s : all) drain(s);
+}
+
+// The stream and position of event `e`; false for an unknown event.
+static bool event_pos(CUevent e, CUstream* s, unsigned long long* seq) {
+    std::lock_guard<std::mutex> l(g_mu);
+    auto it = g_events.find(e);
+    if (it == g_events.end()) return false;
+    *s = it->second.stream;
+    *seq = it->second.seq;
+    return true;
+}
+
+static bool event_done(CUstream s, unsigned long long seq) {
+    if (s == nullptr) return true;
+    std::lock_guard<std::mutex> l(g_mu);
+    auto it = g_streams.find(s);
+    return it == g_streams.end() || it->second.done >= seq;
+}
+
+static long env_or(const char* name, long dflt) {
+    const char* v = getenv(name);
+    return v && *v ? strtol(v, nullptr, 0) : dflt;
+}
+
 extern "C" {
 
 CUresult cuInit(unsigned int) {
+    std::lock_guard<std::mutex> l(g_mu);
+    if (!g_inited) {
+        g_driver_version = (int)env_or("PDXFER_FAKE_CUDA_DRIVER_VERSION", g_driver_version);
+        g_vmm_chunk = (size_t)env_or("PDXFER_FAKE_CUDA_VMM_CHUNK", (long)g_vmm_chunk);
+        g_rdma_ordering = (int)env_or("PDXFER_FAKE_CUDA_RDMA_ORDERING", g_rdma_ordering);
+        g_dma_buf = (int)env_or("PDXFER_FAKE_CUDA_DMA_BUF", g_dma_buf);
+    }
     g_inited = true;
     return OK;
 }
 CUresult cuDriverGetVersion(int* v) {
-    *v = 12080;
+    std::lock_guard<std::mutex> l(g_mu);
+    *v = g_driver_version;
     return OK;
 }
 CUresult cuDeviceGetCount(int* n) {
@@ -153,11 +281,17 @@ CUresult cuDeviceGetName(char* name, int len, CUdevice) {
     snprintf(name, (size_t)len, "pdxfer fake CUDA device (CPU)");
     return OK;
 }
-CUresult cuDeviceGetAttribute(int* v, int attr, CUdevice) {
+CUresult cuDeviceGetAttribute(int* v, int attr, CUdevice d) {
+    if (d != 0) return ERR_INVALID_DEVICE;
+    std::lock_guard<std::mutex> l(g_mu);
     switch (attr) {
-        case 75: *v = 9; break;   // compute capability major
-        case 76: *v = 0; break;   // minor
-        default: *v = 0; break;   // no memory pools, nothing else
+        case 75: *v = 9; break;                 // compute capability major
+        case 76: *v = 0; break;                 // minor
+        case 116: *v = 1; break;                // GPUDirect RDMA supported
+        case 117: *v = 1; break;                // flush options: host flush
+        case 118: *v = g_rdma_ordering; break;  // GPUDirect RDMA writes ordering
+        case 124: *v = g_dma_buf; break;        // dma-buf supported
+        default: *v = 0; break;                 // no memory pools, nothing else
     }
     return OK;
 }
@@ -177,65 +311,65 @@ CUresult cuCtxSetCurrent(CUcontext c) {
     return OK;
 }
 CUresult cuCtxSynchronize() {
-    flush(nullptr, true);
-    return OK;
+    drain_all();
+    return sticky();
 }
 
 CUresult cuStreamCreate(CUstream* s, unsigned int) {
     std::lock_guard<std::mutex> l(g_mu);
     *s = malloc(1);
-    g_streams[*s] = 1;
+    g_streams[*s];
     return OK;
 }
 CUresult cuStreamDestroy_v2(CUstream s) {
-    flush(s);
+    if (!stream_ok(s) || s == nullptr) return ERR_INVALID_HANDLE;
+    drain(s);  // its work still completes (here: before the handle goes)
     std::lock_guard<std::mutex> l(g_mu);
-    if (!g_streams.erase(s)) return ERR_INVALID_HANDLE;
+    g_streams.erase(s);
+    for (auto& kv : g_events)
+        if (kv.second.stream == s) kv.second.stream = nullptr;
     free(s);
     return OK;
 }
 CUresult cuStreamSynchronize(CUstream s) {
     if (!stream_ok(s)) return ERR_INVALID_HANDLE;
-    flush(s);
-    return OK;
+    drain(s);
+    return sticky();
 }
-// Applies the deferred copies of the stream event `e` was recorded on.
-static void flush_event(CUevent e) {
-    CUstream s = nullptr;
-    {
-        std::lock_guard<std::mutex> l(g_mu);
-        auto it = g_event_stream.find(e);
-        if (it == g_event_stream.end()) return;
-        s = it->second;
-    }
-    flush(s);
-}
-
 CUresult cuStreamWaitEvent(CUstream s, CUevent e, unsigned int) {
     if (!stream_ok(s)) return ERR_INVALID_HANDLE;
-    flush_event(e);
-    flush(s);
+    CUstream es;
+    unsigned long long seq;
+    if (!event_pos(e, &es, &seq)) return ERR_INVALID_HANDLE;
+    if (s == nullptr) {
+        drain(es, seq);
+        return OK;
+    }
+    // later work on `s` runs after the event's work (run when `s` is waited)
+    enqueue(s, [es, seq] { drain(es, seq); });
     return OK;
 }
 
 CUresult cuMemAlloc_v2(CUdeviceptr* p, size_t n) {
-    if (g_current != &g_ctx_token) return ERR_INVALID_HANDLE;  // no context bound
+    if (g_current != &g_ctx_token) return ERR_INVALID_CONTEXT;  // no context bound
     void* m = aligned_alloc(256, (n + 255) / 256 * 256);
     if (!m) return ERR_OOM;
     std::lock_guard<std::mutex> l(g_mu);
     *p = (CUdeviceptr)m;
     g_allocs[*p] = n;
+    if (g_vmm_chunk > 0 && n > g_vmm_chunk) g_vmm[*p] = g_vmm_chunk;
     return OK;
 }
 CUresult cuMemFree_v2(CUdeviceptr p) {
-    flush(nullptr, true);  // the driver synchronises before freeing
+    drain_all();  // the driver synchronises before freeing
     std::lock_guard<std::mutex> l(g_mu);
     if (!g_allocs.erase(p)) return ERR_INVALID_VALUE;
+    g_vmm.erase(p);
     free((void*)p);
     return OK;
 }
 CUresult cuMemHostAlloc(void** p, size_t n, unsigned int) {
-    if (g_current != &g_ctx_token) return ERR_INVALID_HANDLE;  // no context bound
+    if (g_current != &g_ctx_token) return ERR_INVALID_CONTEXT;  // no context bound
     void* m = aligned_alloc(4096, (n + 4095) / 4096 * 4096);
     if (!m) return ERR_OOM;
     std::lock_guard<std::mutex> l(g_mu);
@@ -244,11 +378,24 @@ CUresult cuMemHostAlloc(void** p, size_t n, unsigned int) {
     return OK;
 }
 CUresult cuMemFreeHost(void* p) {
-    flush(nullptr, true);  // the driver synchronises before freeing
+    drain_all();  // the driver synchronises before freeing
     std::lock_guard<std::mutex> l(g_mu);
     if (!g_host_allocs.erase((CUdeviceptr)p)) return ERR_INVALID_VALUE;
     free(p);
     return OK;
+}
+// The mapped range holding device address `p`: its allocation, or with VMM
+// the chunk of it (caller locks).
+static bool mapped_range(CUdeviceptr p, CUdeviceptr* base, size_t* size) {
+    if (!find_alloc(g_allocs, p, base, size)) return false;
+    auto v = g_vmm.find(*base);
+    if (v != g_vmm.end()) {
+        size_t chunk = v->second;
+        CUdeviceptr end = *base + *size;
+        *base += (p - *base) / chunk * chunk;
+        *size = end - *base < chunk ? end - *base : chunk;
+    }
+    return true;
 }
 // Attributes: 2 memory type (1 host, 2 device), 9 device ordinal, 11 range
 // start, 12 range size.
@@ -257,7 +404,7 @@ CUresult cuPointerGetAttribute(void* data, int attr, CUdeviceptr p) {
     std::lock_guard<std::mutex> l(g_mu);
     CUdeviceptr base = 0;
     size_t size = 0;
-    bool device = find_alloc(g_allocs, p, &base, &size);
+    bool device = mapped_range(p, &base, &size);
     if (!device && !find_alloc(g_host_allocs, p, &base, &size)) return ERR_INVALID_VALUE;
     switch (attr) {
         case 2: *(unsigned int*)data = device ? 2 : 1; break;
@@ -268,22 +415,42 @@ CUresult cuPointerGetAttribute(void* data, int attr, CUdeviceptr p) {
     }
     return OK;
 }
+CUresult cuMemGetAddressRange_v2(CUdeviceptr* pbase, size_t* psize, CUdeviceptr p) {
+    std::lock_guard<std::mutex> l(g_mu);
+    CUdeviceptr base = 0;
+    size_t size = 0;
+    if (!mapped_range(p, &base, &size)) return ERR_NOT_FOUND;
+    if (pbase) *pbase = base;
+    if (psize) *psize = size;
+    return OK;
+}
 CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr d, const void* h, size_t n, CUstream s) {
     if (!stream_ok(s) || !owned(d, n)) return ERR_INVALID_VALUE;
     if (s == nullptr) {
         memcpy((void*)d, h, n);
         return OK;
     }
+    bool bad;
     const unsigned char* b = (const unsigned char*)h;
-    std::lock_guard<std::mutex> l(g_mu);
-    CUdeviceptr base;
-    size_t size;
-    if (find_alloc(g_host_allocs, (CUdeviceptr)h, &base, &size)) {
-        if ((CUdeviceptr)h + n > base + size) return ERR_INVALID_VALUE;
-        ++g_pinned_htod;
-        g_pending[s].push_back(PendingCopy{d, b, {}, n});
+    if (pinned(h, n, &bad)) {
+        if (bad) return ERR_INVALID_VALUE;
+        {
+            std::lock_guard<std::mutex> l(g_mu);
+            ++g_pinned_htod;
+        }
+        // read when the copy runs, as the DMA engine does
+        enqueue(s, [d, b, n] {
+            memcpy((void*)d, b, n);
+            std::lock_guard<std::mutex> l(g_mu);
+            ++g_htod_landed;
+        });
     } else {
-        g_pending[s].push_back(PendingCopy{d, nullptr, std::vector<unsigned char>(b, b + n), n});
+        auto staged = std::make_shared<std::vector<unsigned char>>(b, b + n);
+        enqueue(s, [d, staged] {
+            memcpy((void*)d, staged->data(), staged->size());
+            std::lock_guard<std::mutex> l(g_mu);
+            ++g_htod_landed;
+        });
     }
     return OK;
 }
@@ -292,81 +459,156 @@ CUresult cuMemcpyHtoD_v2(CUdeviceptr d, const void* h, size_t n) {
 }
 CUresult cuMemcpyDtoHAsync_v2(void* h, CUdeviceptr d, size_t n, CUstream s) {
     if (!stream_ok(s) || !owned(d, n)) return ERR_INVALID_VALUE;
-    if (s != nullptr) flush(s);
-    {
-        std::lock_guard<std::mutex> l(g_mu);
-        CUdeviceptr base;
-        size_t size;
-        if (s != nullptr && find_alloc(g_host_allocs, (CUdeviceptr)h, &base, &size)) {
-            if ((CUdeviceptr)h + n > base + size) return ERR_INVALID_VALUE;
+    bool bad;
+    if (s != nullptr && pinned(h, n, &bad)) {
+        if (bad) return ERR_INVALID_VALUE;
+        {
+            std::lock_guard<std::mutex> l(g_mu);
             ++g_pinned_dtoh;
         }
+        enqueue(s, [h, d, n] { memcpy(h, (const void*)d, n); });
+        return OK;
     }
+    // into pageable memory the copy is synchronous: after the stream's work
+    drain(s);
     memcpy(h, (const void*)d, n);
-    return OK;
+    return s == nullptr ? OK : sticky();
 }
 CUresult cuMemcpyDtoH_v2(void* h, CUdeviceptr d, size_t n) {
     return cuMemcpyDtoHAsync_v2(h, d, n, nullptr);
 }
 CUresult cuMemcpyDtoDAsync_v2(CUdeviceptr d, CUdeviceptr s, size_t n, CUstream st) {
     if (!stream_ok(st) || !owned(d, n) || !owned(s, n)) return ERR_INVALID_VALUE;
-    if (st != nullptr) flush(st);
-    memmove((void*)d, (const void*)s, n);
+    if (st == nullptr) {
+        memmove((void*)d, (const void*)s, n);
+        return OK;
+    }
+    enqueue(st, [d, s, n] { memmove((void*)d, (const void*)s, n); });
     return OK;
 }
 CUresult cuMemsetD8Async(CUdeviceptr d, unsigned char v, size_t n, CUstream s) {
     if (!stream_ok(s) || !owned(d, n)) return ERR_INVALID_VALUE;
-    if (s != nullptr) flush(s);
-    memset((void*)d, v, n);
+    if (s == nullptr) {
+        memset((void*)d, v, n);
+        return OK;
+    }
+    enqueue(s, [d, v, n] { memset((void*)d, v, n); });
     return OK;
 }
 
 CUresult cuEventCreate(CUevent* e, unsigned int) {
     std::lock_guard<std::mutex> l(g_mu);
     *e = malloc(1);
-    g_events[*e] = 0.0;
+    g_events[*e] = Event{};
     return OK;
 }
 CUresult cuEventDestroy_v2(CUevent e) {
     std::lock_guard<std::mutex> l(g_mu);
-    if (!g_events.erase(e)) return ERR_INVALID_HANDLE;
-    g_event_stream.erase(e);  // destroying an event waits for nothing
+    if (!g_events.erase(e)) return ERR_INVALID_HANDLE;  // destroying waits for nothing
     free(e);
     return OK;
 }
 CUresult cuEventRecord(CUevent e, CUstream s) {
     if (!stream_ok(s)) return ERR_INVALID_HANDLE;
-    // The stream's deferred copies stay deferred: they land when this event
-    // (or the stream) is waited.
+    {
+        std::lock_guard<std::mutex> l(g_mu);
+        auto it = g_events.find(e);
+        if (it == g_events.end()) return ERR_INVALID_HANDLE;
+        if (s == nullptr) {
+            it->second = Event{nullptr, 0, now_ms()};
+            return OK;
+        }
+    }
+    // the event completes when the work before it has run
+    enqueue(s, [e] {
+        std::lock_guard<std::mutex> l(g_mu);
+        auto it = g_events.find(e);
+        if (it != g_events.end()) it->second.t = now_ms();
+    });
     std::lock_guard<std::mutex> l(g_mu);
-    auto it = g_events.find(e);
-    if (it == g_events.end()) return ERR_INVALID_HANDLE;
-    it->second = now_ms();
-    g_event_stream[e] = s;
+    g_events[e] = Event{s, g_streams[s].enq, 0.0};
     return OK;
 }
 CUresult cuEventQuery(CUevent e) {
-    {
+    CUstream s;
+    unsigned long long seq;
+    if (!event_pos(e, &s, &seq)) return ERR_INVALID_HANDLE;
+    if (!event_done(s, seq)) {
+        // not yet: the device makes progress, a later query sees it
+        drain(s, seq);
         std::lock_guard<std::mutex> l(g_mu);
-        if (!g_events.count(e)) return ERR_INVALID_HANDLE;
+        ++g_not_ready;
+        return ERR_NOT_READY;
     }
-    flush_event(e);  // observed complete: the work before it has landed
-    return OK;
+    return sticky();
 }
-CUresult cuEventSynchronize(CUevent e) { return cuEventQuery(e); }
+CUresult cuEventSynchronize(CUevent e) {
+    CUstream s;
+    unsigned long long seq;
+    if (!event_pos(e, &s, &seq)) return ERR_INVALID_HANDLE;
+    drain(s, seq);
+    return sticky();
+}
 CUresult cuEventElapsedTime(float* ms, CUevent a, CUevent b) {
     std::lock_guard<std::mutex> l(g_mu);
     auto ia = g_events.find(a), ib = g_events.find(b);
     if (ia == g_events.end() || ib == g_events.end()) return ERR_INVALID_HANDLE;
-    *ms = (float)(ib->second - ia->second);
+    *ms = (float)(ib->second.t - ia->second.t);
     return OK;
 }
 CUresult cuEventElapsedTime_v2(float* ms, CUevent a, CUevent b) {
     return cuEventElapsedTime(ms, a, b);
 }
 
+// The driver version a PTX image's `.version M.m` needs (ISA 9.x came with
+// CUDA 13.x, 8.x with 12.x, 7.x with 11.x), or 0 when it names none.
+static int ptx_needs(const char* text) {
+    const char* v = strstr(text, ".version ");
+    if (v == nullptr) return 0;
+    int major = 0, minor = 0;
+    if (sscanf(v + 9, "%d.%d", &major, &minor) != 2) return 0;
+    return (major + 4) * 1000 + minor * 10;
+}
+
+// The CUDA major a cubin's toolkit was: 13 for the CUDA 13 ELF format (OS/ABI
+// 0x41), else the major its `.note.nv.tkinfo` names ("release M.m"), else 12.
+static int cubin_major(const unsigned char* img) {
+    if (img[7] == 0x41) return 13;
+    // e_shoff and section headers, to read the toolkit note when present
+    unsigned long long shoff;
+    unsigned short shentsize, shnum;
+    memcpy(&shoff, img + 0x28, 8);
+    memcpy(&shentsize, img + 0x3a, 2);
+    memcpy(&shnum, img + 0x3c, 2);
+    for (unsigned i = 0; i < shnum && shoff != 0; ++i) {
+        const unsigned char* sh = img + shoff + (unsigned long long)i * shentsize;
+        unsigned int type;
+        unsigned long long off, size;
+        memcpy(&type, sh + 4, 4);
+        memcpy(&off, sh + 0x18, 8);
+        memcpy(&size, sh + 0x20, 8);
+        if (type != 7) continue;  // SHT_NOTE
+        std::string note((const char*)img + off, size);
+        size_t r = note.find("release ");
+        if (r != std::string::npos) return atoi(note.c_str() + r + 8);
+    }
+    return 12;
+}
+
 CUresult cuModuleLoadData(CUmodule* m, const void* image) {
     if (image == nullptr) return ERR_INVALID_VALUE;
+    const unsigned char* img = (const unsigned char*)image;
+    int driver;
+    {
+        std::lock_guard<std::mutex> l(g_mu);
+        driver = g_driver_version;
+    }
+    if (memcmp(img, "\x7f" "ELF", 4) == 0) {
+        if (img[4] != 2) return ERR_INVALID_IMAGE;  // 64-bit ELF only
+        if (cubin_major(img) > driver / 1000) return ERR_NO_BINARY_FOR_GPU;
+    } else if (ptx_needs((const char*)image) > driver) {
+        return ERR_UNSUPPORTED_PTX_VERSION;
+    }
     *m = &g_module_token;
     return OK;
 }
@@ -381,19 +623,40 @@ CUresult cuModuleGetFunction(CUfunction* f, CUmodule m, const char* name) {
         return ERR_NOT_FOUND;
     return OK;
 }
+
+typedef void (*Kernel)(const PdxCopyEntry*, pdx_u32, const PdxSpan*, pdx_u64);
+
+// Runs one launch: checks every row it touches lies in device memory (a
+// fault otherwise, as an illegal address on the device), then the kernel.
+static void run_launch(Kernel k, pdx_dim3 grid, pdx_dim3 block, const PdxCopyEntry* entries,
+                       pdx_u32 ne, const PdxSpan* spans, pdx_u64 ns) {
+    for (pdx_u32 e = 0; e < ne; ++e)
+        for (pdx_u64 i = 0; i < ns; ++i) {
+            const PdxCopyEntry& en = entries[e];
+            const PdxSpan& sp = spans[i];
+            size_t n = (size_t)(sp.rows * en.row_bytes);
+            if (!owned(en.src + sp.src_row * en.row_bytes, n) ||
+                !owned(en.dst + sp.dst_row * en.row_bytes, n)) {
+                fault(ERR_ILLEGAL_ADDRESS);
+                return;
+            }
+        }
+    pdx_host_launch(k, grid, block, entries, ne, spans, ns);
+}
+
 CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx,
                         unsigned by, unsigned bz, unsigned shmem, CUstream s, void** params,
                         void** extra) {
     if (!stream_ok(s) || extra != nullptr || params == nullptr) return ERR_INVALID_VALUE;
-    flush(s);
     if (bx * by * bz > PDX_THREADS_PER_BLOCK || shmem != 0) return ERR_LAUNCH_FAILED;
-    void (*k)(const PdxCopyEntry*, pdx_u32, const PdxSpan*, pdx_u64);
+    Kernel k;
     if (f == &g_gather_token)
         k = pdx_gather;
     else if (f == &g_scatter_token)
         k = pdx_scatter;
     else
         return ERR_INVALID_HANDLE;
+    // the argument values are taken at the call, as the driver does
     const PdxCopyEntry* entries = (const PdxCopyEntry*)*(const pdx_u64*)params[0];
     pdx_u32 ne = *(const pdx_u32*)params[1];
     const PdxSpan* spans = (const PdxSpan*)*(const pdx_u64*)params[2];
@@ -401,54 +664,103 @@ CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigned gz, uns
     if (!owned((CUdeviceptr)entries, sizeof(PdxCopyEntry) * ne) ||
         !owned((CUdeviceptr)spans, sizeof(PdxSpan) * ns))
         return ERR_INVALID_VALUE;  // tables must live in device memory
-    // every row the launch reads or writes must lie in device memory
-    for (pdx_u32 e = 0; e < ne; ++e)
-        for (pdx_u64 i = 0; i < ns; ++i) {
-            const PdxCopyEntry& en = entries[e];
-            const PdxSpan& sp = spans[i];
-            size_t n = (size_t)(sp.rows * en.row_bytes);
-            if (!owned(en.src + sp.src_row * en.row_bytes, n) ||
-                !owned(en.dst + sp.dst_row * en.row_bytes, n))
-                return ERR_INVALID_VALUE;
-        }
-    pdx_host_launch(k, pdx_dim3{gx, gy, gz}, pdx_dim3{bx, by, bz}, entries, ne, spans, ns);
-    std::lock_guard<std::mutex> l(g_mu);
-    ++g_launches;
+    {
+        std::lock_guard<std::mutex> l(g_mu);
+        ++g_launches;
+    }
+    pdx_dim3 grid{gx, gy, gz}, block{bx, by, bz};
+    if (s == nullptr) {
+        run_launch(k, grid, block, entries, ne, spans, ns);
+        return OK;
+    }
+    enqueue(s, [=] { run_launch(k, grid, block, entries, ne, spans, ns); });
     return OK;
 }
 
-// Not a driver call: how many stream-ordered device-to-host copies landed in
-// pinned host memory (tests check that the engine's copies are asynchronous).
+CUresult cuFlushGPUDirectRDMAWrites(int target, int scope) {
+    if (g_current != &g_ctx_token) return ERR_INVALID_CONTEXT;
+    if (target != 0 || (scope != 100 && scope != 200)) return ERR_INVALID_VALUE;
+    std::lock_guard<std::mutex> l(g_mu);
+    ++g_rdma_flushes;
+    return OK;
+}
+
+// Not driver calls: counters and knobs for the tests.
+
+// Stream-ordered device-to-host copies into pinned host memory enqueued
+// (tests check that the engine's copies are asynchronous).
 unsigned long long pdx_fake_pinned_dtoh_copies() {
     std::lock_guard<std::mutex> l(g_mu);
     return g_pinned_dtoh;
 }
-
-// Not a driver call: stream-ordered host-to-device copies applied so far
-// (tests check that received bytes went through waited-on device copies).
+// Stream-ordered host-to-device copies that ran (tests check that received
+// bytes went through waited-on device copies).
 unsigned long long pdx_fake_htod_copies() {
     std::lock_guard<std::mutex> l(g_mu);
     return g_htod_landed;
 }
-
-// Not a driver call: stream-ordered host-to-device copies from pinned memory.
+// Stream-ordered host-to-device copies from pinned memory enqueued.
 unsigned long long pdx_fake_pinned_htod_copies() {
     std::lock_guard<std::mutex> l(g_mu);
     return g_pinned_htod;
 }
-
-// Not a driver call: kernel launches so far (tests check what was enqueued when).
+// Kernel launches enqueued so far (tests check what was enqueued when).
 unsigned long long pdx_fake_launches() {
     std::lock_guard<std::mutex> l(g_mu);
     return g_launches;
 }
+// cuEventQuery answers of CUDA_ERROR_NOT_READY so far.
+unsigned long long pdx_fake_not_ready_queries() {
+    std::lock_guard<std::mutex> l(g_mu);
+    return g_not_ready;
+}
+// cuFlushGPUDirectRDMAWrites calls so far.
+unsigned long long pdx_fake_rdma_flushes() {
+    std::lock_guard<std::mutex> l(g_mu);
+    return g_rdma_flushes;
+}
+// Operations enqueued on streams that have not run yet.
+unsigned long long pdx_fake_pending_ops() {
+    std::lock_guard<std::mutex> l(g_mu);
+    unsigned long long n = 0;
+    for (auto& kv : g_streams) n += kv.second.q.size();
+    return n;
+}
+void pdx_fake_set_driver_version(int v) {
+    std::lock_guard<std::mutex> l(g_mu);
+    g_driver_version = v;
+}
+// Later allocations larger than `chunk` bytes are VMM-style mappings of
+// `chunk`-byte pieces (0: one range per allocation).
+void pdx_fake_set_vmm_chunk(unsigned long long chunk) {
+    std::lock_guard<std::mutex> l(g_mu);
+    g_vmm_chunk = (size_t)chunk;
+}
+void pdx_fake_set_rdma_ordering(int v) {
+    std::lock_guard<std::mutex> l(g_mu);
+    g_rdma_ordering = v;
+}
 
-CUresult cuGetErrorString(CUresult, const char** s) {
-    *s = "fake CUDA driver error";
+CUresult cuGetErrorName(CUresult rc, const char** s) {
+    switch (rc) {
+        case OK: *s = "CUDA_SUCCESS"; break;
+        case ERR_INVALID_VALUE: *s = "CUDA_ERROR_INVALID_VALUE"; break;
+        case ERR_OOM: *s = "CUDA_ERROR_OUT_OF_MEMORY"; break;
+        case ERR_NOT_INIT: *s = "CUDA_ERROR_NOT_INITIALIZED"; break;
+        case ERR_INVALID_DEVICE: *s = "CUDA_ERROR_INVALID_DEVICE"; break;
+        case ERR_INVALID_IMAGE: *s = "CUDA_ERROR_INVALID_IMAGE"; break;
+        case ERR_INVALID_CONTEXT: *s = "CUDA_ERROR_INVALID_CONTEXT"; break;
+        case ERR_NO_BINARY_FOR_GPU: *s = "CUDA_ERROR_NO_BINARY_FOR_GPU"; break;
+        case ERR_UNSUPPORTED_PTX_VERSION: *s = "CUDA_ERROR_UNSUPPORTED_PTX_VERSION"; break;
+        case ERR_INVALID_HANDLE: *s = "CUDA_ERROR_INVALID_HANDLE"; break;
+        case ERR_NOT_FOUND: *s = "CUDA_ERROR_NOT_FOUND"; break;
+        case ERR_NOT_READY: *s = "CUDA_ERROR_NOT_READY"; break;
+        case ERR_ILLEGAL_ADDRESS: *s = "CUDA_ERROR_ILLEGAL_ADDRESS"; break;
+        case ERR_LAUNCH_FAILED: *s = "CUDA_ERROR_LAUNCH_FAILED"; break;
+        case ERR_NOT_SUPPORTED: *s = "CUDA_ERROR_NOT_SUPPORTED"; break;
+        default: *s = "CUDA_ERROR_UNKNOWN"; break;
+    }
     return OK;
 }
-CUresult cuGetErrorName(CUresult, const char** s) {
-    *s = "CUDA_ERROR_FAKE";
-    return OK;
-}
+CUresult cuGetErrorString(CUresult rc, const char** s) { return cuGetErrorName(rc, s); }
 }

@@ -4,7 +4,13 @@
 // copies the matching send's bytes (host memory, as with cuda/fake_driver.cpp).
 // Mismatched sizes fail with ncclInvalidUsage; every wait is bounded (10 s)
 // and fails with ncclSystemError instead of hanging. tests/fake_driver.rs
-// uses it for end-to-end NCCL transfers of relayout plans.
+// uses it for end-to-end NCCL transfers of relayout plans. Each op is ordered
+// after the work enqueued before it on its stream: the group first waits for
+// those streams through the fake libcuda (which defers stream work until it is
+// waited), then copies; so a send reads what an earlier gather wrote and a
+// memset enqueued before a recv does not wipe what it delivered. (Real NCCL
+// only enqueues and returns; this one completes the group before returning.)
+#include <dlfcn.h>
 #include <chrono>
 #include <condition_variable>
 #include <cstdio>
@@ -54,6 +60,7 @@ struct Op {
     void* buf;
     size_t len;
     Comm* comm;
+    void* stream;
 };
 
 static std::mutex g_mu;
@@ -63,8 +70,25 @@ static thread_local std::vector<Op> g_pending;
 static unsigned long long g_counter = 0;
 static const auto kWait = std::chrono::seconds(10);
 
+// Runs the work enqueued on `stream` so far (cuStreamSynchronize of the
+// libcuda this process loaded); false when it fails.
+static bool stream_sync(void* stream) {
+    if (stream == nullptr) return true;
+    static int (*sync)(void*) = [] {
+        void* h = dlopen("libcuda.so", RTLD_NOW | RTLD_NOLOAD);
+        return h ? (int (*)(void*))dlsym(h, "cuStreamSynchronize") : nullptr;
+    }();
+    return sync != nullptr && sync(stream) == 0;
+}
+
 static int run(std::vector<Op>& ops) {
     int rc = ncclSuccess;
+    for (auto& op : ops)
+        if (!stream_sync(op.stream)) rc = ncclUnhandledCudaError;
+    if (rc != ncclSuccess) {
+        ops.clear();
+        return rc;
+    }
     std::vector<std::shared_ptr<Msg>> mine;
     for (auto& op : ops) {
         if (!op.send) continue;
@@ -148,18 +172,19 @@ int ncclGroupEnd() {
     return run(g_pending);
 }
 
-static int post(bool send, const void* buf, size_t count, int dtype, int peer, void* comm) {
+static int post(bool send, const void* buf, size_t count, int dtype, int peer, void* comm,
+                void* stream) {
     Comm* c = (Comm*)comm;
     if (c == nullptr || peer != 1 - c->rank) return ncclInvalidArgument;
     if (dtype != 0 && dtype != 1) return ncclInvalidArgument;  // bytes only
-    g_pending.push_back(Op{send, (void*)buf, count, c});
+    g_pending.push_back(Op{send, (void*)buf, count, c, stream});
     if (g_depth == 0) return run(g_pending);
     return ncclSuccess;
 }
-int ncclSend(const void* buf, size_t count, int dtype, int peer, void* comm, void*) {
-    return post(true, buf, count, dtype, peer, comm);
+int ncclSend(const void* buf, size_t count, int dtype, int peer, void* comm, void* stream) {
+    return post(true, buf, count, dtype, peer, comm, stream);
 }
-int ncclRecv(void* buf, size_t count, int dtype, int peer, void* comm, void*) {
-    return post(false, buf, count, dtype, peer, comm);
+int ncclRecv(void* buf, size_t count, int dtype, int peer, void* comm, void* stream) {
+    return post(false, buf, count, dtype, peer, comm, stream);
 }
 }

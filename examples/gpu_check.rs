@@ -15,6 +15,9 @@
 //! pools); every byte is verified (device pools read back) and the GB/s of
 //! each is printed.
 //!
+//! `--summary` prints only the driver version, the embedded kernel images,
+//! which one loaded, and the GPUDirect RDMA route.
+//!
 //! Exit codes: 0 all passed (and the ratio target met, when `--min-ratio`),
 //! 1 a correctness or ratio failure, 2 usage, 3 no usable kernels or device.
 
@@ -62,6 +65,10 @@ struct Args {
     /// Only run the engine with device-memory prefill pools (see the module docs).
     #[arg(long)]
     engine_only: bool,
+    /// Only print the summary (driver version, embedded images, which kernel
+    /// image loaded, GPUDirect RDMA) and exit: 0, or 3 when no kernels load.
+    #[arg(long)]
+    summary: bool,
     /// Engine check: request tokens.
     #[arg(long, default_value_t = 16_384)]
     engine_tokens: u64,
@@ -296,9 +303,44 @@ fn engine_check(a: &Args, g: &GpuRelayout) -> i32 {
     code
 }
 
+/// `--summary`: driver version, the embedded images, which kernel image
+/// loaded (or why none), and GPUDirect RDMA (a real registration where an
+/// RDMA device exists).
+fn summary(a: &Args) -> Option<GpuRelayout> {
+    use pdxfer::relayout::gpu::{self, kernels};
+    match gpu::probe() {
+        Ok(i) => println!("gpu-check: driver: {}", i.describe()),
+        Err(e) => println!("gpu-check: driver: none ({e})"),
+    }
+    let images: Vec<String> = kernels::IMAGES.iter().map(|i| i.describe()).collect();
+    println!(
+        "gpu-check: embedded images: {}",
+        if images.is_empty() {
+            "none (NVRTC only)".to_string()
+        } else {
+            images.join("; ")
+        }
+    );
+    let g = match GpuRelayout::new(a.device) {
+        Ok(g) => {
+            println!("gpu-check: kernels: {}", g.kernel_origin());
+            Some(g)
+        }
+        Err(e) => {
+            println!("gpu-check: kernels: none: {e}");
+            None
+        }
+    };
+    println!("gpu-check: gpudirect: {}", gpu::gpudirect_summary(a.device));
+    g
+}
+
 fn main() {
     let a = Args::parse();
     let t0 = Instant::now();
+    if a.summary {
+        std::process::exit(if summary(&a).is_some() { 0 } else { 3 });
+    }
     let mut g = match GpuRelayout::new(a.device) {
         Ok(g) => g,
         Err(e) => {
@@ -307,13 +349,13 @@ fn main() {
         }
     };
     println!(
-        "device {}: {} (sm_{}{}), kernels: {:?}, nvcc at build: {}",
+        "device {}: {} (sm_{}{}), driver CUDA {}, kernels: {}",
         a.device,
         g.device_name().unwrap_or_default(),
         g.compute_capability().0,
         g.compute_capability().1,
+        pdxfer::relayout::gpu::kernels::version_text(g.driver_version()),
         g.kernel_origin(),
-        pdxfer::relayout::gpu::kernels::NVCC_VERSION
     );
     if a.engine_only {
         std::process::exit(engine_check(&a, &g));

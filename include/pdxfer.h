@@ -8,26 +8,6 @@
 #include <stddef.h>
 #include <stdint.h>
 
-// Version of the authentication exchange.
-#define AUTH_VERSION 1
-
-// Shortest secret accepted (bytes).
-#define MIN_SECRET_BYTES 16
-
-// Version of the control protocol; a peer with another version is refused.
-#define CONTROL_VERSION 1
-
-// Largest accepted control line (a page list of a very long request fits).
-#define MAX_LINE (64 << 20)
-
-// Largest line accepted before the peer authenticated (the auth messages
-// are a few hundred bytes).
-#define MAX_UNAUTHENTICATED_LINE (4 << 10)
-
-// Cleared rooms remembered; older tombstones are forgotten (a message for a
-// room cleared that long ago is then "unknown room", still never applied).
-#define MAX_TOMBSTONES 65536
-
 // Compute a checksum; the receiver verifies it over the landed bytes.
 #define PDXFER_BATCH_CHECKSUM 1
 
@@ -67,6 +47,24 @@
 // `KVPoll`: every byte landed and was acknowledged.
 #define PDXFER_POLL_SUCCESS 4
 
+// Log level: forward nothing (`pdxfer_set_log_callback` level only).
+#define PDXFER_LOG_OFF 0
+
+// Log level: errors.
+#define PDXFER_LOG_ERROR 1
+
+// Log level: warnings (refused pairings, fallbacks).
+#define PDXFER_LOG_WARN 2
+
+// Log level: informational (transports chosen, engines started).
+#define PDXFER_LOG_INFO 3
+
+// Log level: debugging detail.
+#define PDXFER_LOG_DEBUG 4
+
+// Log level: tracing detail.
+#define PDXFER_LOG_TRACE 5
+
 // Host memory.
 #define PDXFER_REGION_HOST 0
 
@@ -97,31 +95,12 @@
 // ABI minor version of this header (functions or struct fields added).
 // 1.1: `PdxEngineConfig.state`, `pdxfer_engine_set_state_indices`.
 // 1.2: `PdxEngineConfig.pool_memory` / `pool_device` (KV pools in CUDA memory).
-// 1.3: `PdxAgentOptions.secret` (peer authentication).
-#define PDXFER_ABI_VERSION_MINOR 3
+// 1.3: `pdxfer_set_log_callback`.
+// 1.4: `PdxAgentOptions.secret` (peer authentication).
+#define PDXFER_ABI_VERSION_MINOR 4
 
 // Every prefill CP rank transfers its shard.
 #define PDXFER_MAP_ALL_CP_RANKS 1
-
-// Spans each warp copies per entry by default (see [`launch_dims`]).
-#define DEFAULT_SPANS_PER_WARP 4
-
-// Wire protocol version; peers with another version are refused at the handshake.
-#define VERSION 1
-
-// Largest control payload accepted (descriptor lists, write intents).
-#define MAX_CONTROL_PAYLOAD (64 << 20)
-
-// Size of a data frame header.
-#define DATA_HEADER_LEN 48
-
-// Largest frame accepted before the peer authenticated (the auth messages
-// are a few hundred bytes): an unauthenticated peer cannot make the
-// receiver allocate more.
-#define MAX_UNAUTHENTICATED_PAYLOAD (4 << 10)
-
-// Data frame flag: the receiver sums piece checksums for this batch.
-#define DATA_FLAG_CHECKSUM 1
 
 // Stable status codes shared by Rust, C (`PdxStatus`) and Python (`.code`).
 enum PdxStatus
@@ -281,7 +260,7 @@ typedef struct PdxAgentOptions {
   // The cluster secret peers must prove (at least 16 bytes; copied); NULL
   // reads `PDXFER_CLUSTER_SECRET`, and without either only a
   // loopback-bound listener is allowed (`PDX_STATUS_AUTH_REQUIRED`).
-  // ABI 1.3; callers of 1.2 (a 16-byte struct) get NULL.
+  // ABI 1.4; callers of 1.3 and older (a 16-byte struct) get NULL.
   const char *secret;
 } PdxAgentOptions;
 
@@ -347,8 +326,9 @@ typedef struct PdxBootstrapServerConfig {
   const char *token;
   // Largest accepted request body in bytes; 0 for the default (4 MiB).
   uint64_t max_body_bytes;
-  // Worker threads; 0 for the default (4).
-  uint32_t workers;
+  // Most connections served at once (more are answered 503 and closed);
+  // 0 for the default (256).
+  uint32_t max_connections;
   // Reserved, zero.
   uint32_t reserved;
 } PdxBootstrapServerConfig;
@@ -478,6 +458,13 @@ typedef struct PdxEngineConfig {
   // ABI 1.2: CUDA device ordinal of the pools with `PDXFER_POOL_CUDA`.
   uint32_t pool_device;
 } PdxEngineConfig;
+
+// A log callback: `user` as given to `pdxfer_set_log_callback`, the record's
+// `PDXFER_LOG_*` level, its target (the Rust module path, e.g.
+// `"pdxfer::bootstrap::peer"`) and its message, both NUL-terminated and valid
+// only during the call. It may be called from any thread, including threads
+// the library started; it must not unwind (no C++ exception may leave it).
+typedef void (*PdxLogFn)(void *user, uint32_t level, const char *target, const char *message);
 
 // A registered region's descriptor.
 typedef struct PdxRegion {
@@ -640,6 +627,14 @@ PdxStatus pdxfer_agent_create(const struct PdxAgentOptions *options, struct PdxA
 
 // Destroys an agent: stops listening and closes its receiver sessions.
 // NULL is a no-op. The handle must not be used afterwards.
+//
+// Threads: every other call on the same `PdxAgent` may run concurrently with the others,
+// from any thread. This one may not race any of them: it frees the handle,
+// so no call on the same `PdxAgent` may be in flight when it starts, and none may start
+// after it. (The Python package enforces this: its `Agent.close()` waits for the
+// calls in flight and refuses later ones with a typed error.)
+// `PdxPeer` handles opened from the agent are separate handles, closed with
+// `pdxfer_peer_close` (close them first).
 void pdxfer_agent_destroy(struct PdxAgent *agent);
 
 // Writes the `host:port` the agent listens on (NUL-terminated) into `buf`
@@ -679,12 +674,16 @@ PdxStatus pdxfer_submit_reads(const struct PdxPeer *peer,
 
 // Polls a batch: `PDX_STATUS_OK` (done; `out` filled, may be NULL),
 // `PDX_STATUS_IN_PROGRESS`, or the batch's failure (reason in
-// `pdxfer_last_error()`). A finished batch is reported once.
+// `pdxfer_last_error()`). A finished batch is reported once. An `out` whose
+// `struct_size` is too small is `PDX_STATUS_ABI_MISMATCH` before the batch
+// is looked at: its result stays to be reported.
 PdxStatus pdxfer_poll(const struct PdxPeer *peer, uint64_t batch, struct PdxCompletion *out);
 
 // Waits up to `timeout_ms` for a batch: `PDX_STATUS_OK` (`out` filled, may
 // be NULL), the batch's failure, or `PDX_STATUS_TIMEOUT` when the wait
-// ended first (the batch keeps its own deadline).
+// ended first (the batch keeps its own deadline). An `out` whose
+// `struct_size` is too small is `PDX_STATUS_ABI_MISMATCH` before waiting:
+// the result is not consumed and a later call still gets it.
 PdxStatus pdxfer_wait(const struct PdxPeer *peer,
                       uint64_t batch,
                       uint64_t timeout_ms,
@@ -704,6 +703,12 @@ PdxStatus pdxfer_bootstrap_server_url(const struct PdxBootstrapServer *server,
                                       size_t *out_len);
 
 // Stops the server, joins its threads and frees the handle. NULL is a no-op.
+//
+// Threads: every other call on the same `PdxBootstrapServer` may run concurrently with the others,
+// from any thread. This one may not race any of them: it frees the handle,
+// so no call on the same `PdxBootstrapServer` may be in flight when it starts, and none may start
+// after it. (The Python package enforces this: its `BootstrapServer.stop()` waits for the
+// calls in flight and refuses later ones with a typed error.)
 PdxStatus pdxfer_bootstrap_server_stop(struct PdxBootstrapServer *server);
 
 // Opens a client for `url`: `http://HOST:PORT` (a bootstrap server) or
@@ -713,6 +718,12 @@ PdxStatus pdxfer_bootstrap_client_open(const char *url,
                                        struct PdxBootstrapClient **out);
 
 // Frees a client. NULL is a no-op. Registrations made through it keep working.
+//
+// Threads: every other call on the same `PdxBootstrapClient` may run concurrently with the others,
+// from any thread. This one may not race any of them: it frees the handle,
+// so no call on the same `PdxBootstrapClient` may be in flight when it starts, and none may start
+// after it. (The Python package enforces this: its `BootstrapClient.close()` waits for the
+// calls in flight and refuses later ones with a typed error.)
 PdxStatus pdxfer_bootstrap_client_close(struct PdxBootstrapClient *client);
 
 // The current entry of one rank as JSON. `role` is `"prefill"` or
@@ -762,6 +773,12 @@ PdxStatus pdxfer_engine_create(const struct PdxEngineConfig *config, struct PdxE
 
 // Deregisters the rank, stops the engine's threads and frees the handle.
 // NULL is a no-op. The handle must not be used afterwards.
+//
+// Threads: every other call on the same `PdxEngine` may run concurrently with the others,
+// from any thread. This one may not race any of them: it frees the handle,
+// so no call on the same `PdxEngine` may be in flight when it starts, and none may start
+// after it. (The Python package enforces this: its `Engine.close()` waits for the
+// calls in flight and refuses later ones with a typed error.)
 PdxStatus pdxfer_engine_destroy(struct PdxEngine *engine);
 
 // Prefill: opens room `room` (SGLang's `bootstrap_room`). It polls
@@ -856,8 +873,28 @@ PdxStatus pdxfer_engine_room_bytes(const struct PdxEngine *engine,
                                    uint64_t room,
                                    uint64_t *out_bytes);
 
+// Prefill: the decode prefix length the decode ranks sent for the room into
+// `*out_len` and 1 into `*out_known` once their metadata has arrived; 0 and 0
+// before (and for an unknown room).
+PdxStatus pdxfer_engine_decode_prefix_len(const struct PdxEngine *engine,
+                                          uint64_t room,
+                                          uint64_t *out_len,
+                                          uint32_t *out_known);
+
+// Sets the callback that receives the library's log records at `level`
+// (`PDXFER_LOG_ERROR` .. `PDXFER_LOG_TRACE`) and more severe, replacing any
+// previous one. `callback` NULL or `level` `PDXFER_LOG_OFF` turns forwarding off.
+//
+// When it returns, the previous callback is running on no thread and will not
+// be called again, so its `user` may be freed. It must not be called from
+// inside the callback (`PDX_STATUS_INVALID_ARGUMENT`); records logged from
+// inside the callback are dropped. `PDX_STATUS_UNSUPPORTED` when the process
+// already has another Rust `log` logger (a Rust program linking the crate).
+PdxStatus pdxfer_set_log_callback(uint32_t level, PdxLogFn callback, void *user);
+
 // Registers `len` bytes of host memory at `ptr` with the agent; the
-// descriptor goes to `out` (may be NULL). The memory must stay valid until
+// descriptor goes to `out` (may be NULL; one whose `struct_size` is too
+// small is `PDX_STATUS_ABI_MISMATCH` and nothing is registered). The memory must stay valid until
 // `pdxfer_unregister_memory` returns for it. Overlapping an existing region
 // is `PDX_STATUS_REGION_OVERLAP`.
 PdxStatus pdxfer_register_memory(const struct PdxAgent *agent,
@@ -914,6 +951,12 @@ PdxStatus pdxfer_peer_open_local(const struct PdxAgent *agent,
                                  struct PdxPeer **out);
 
 // Closes and frees a peer; its pending batches fail. NULL is a no-op.
+//
+// Threads: every other call on the same `PdxPeer` may run concurrently with the others,
+// from any thread. This one may not race any of them: it frees the handle,
+// so no call on the same `PdxPeer` may be in flight when it starts, and none may start
+// after it. (The Python package enforces this: its `Peer.close()` waits for the
+// calls in flight and refuses later ones with a typed error.)
 void pdxfer_peer_close(struct PdxPeer *peer);
 
 // The transport the peer uses (`PDXFER_TRANSPORT_*`), written to `out`.
@@ -990,10 +1033,22 @@ PdxStatus pdxfer_registration_hello_json(const struct PdxRegistration *registrat
 
 // Removes the entry from the store at once, stops the keep-alive thread and
 // frees the handle (also when removal fails). NULL is a no-op.
+//
+// Threads: every other call on the same `PdxRegistration` may run concurrently with the others,
+// from any thread. This one may not race any of them: it frees the handle,
+// so no call on the same `PdxRegistration` may be in flight when it starts, and none may start
+// after it. (The Python package enforces this: its `Registration.deregister()` waits for the
+// calls in flight and refuses later ones with a typed error.)
 PdxStatus pdxfer_registration_deregister(struct PdxRegistration *registration);
 
 // Stops the keep-alive thread and frees the handle; the entry expires with
 // its lease. NULL is a no-op.
+//
+// Threads: every other call on the same `PdxRegistration` may run concurrently with the others,
+// from any thread. This one may not race any of them: it frees the handle,
+// so no call on the same `PdxRegistration` may be in flight when it starts, and none may start
+// after it. (The Python package enforces this: its `Registration.close()` waits for the
+// calls in flight and refuses later ones with a typed error.)
 PdxStatus pdxfer_registration_destroy(struct PdxRegistration *registration);
 
 // The library's ABI version: `(major << 16) | minor`.

@@ -2,16 +2,22 @@
 # Installs the CUDA tool wheels the no-GPU tests need from PyPI into a cache
 # directory, adds the loader names cudarc looks for, and prints the exports.
 #
-#   eval "$(scripts/cuda-deps.sh)"            # nvcc + NVRTC (CUDA 13 line) and NCCL
+#   eval "$(scripts/cuda-deps.sh)"            # nvcc + NVRTC (CUDA 13 and 12.4) and NCCL
 #   PDXFER_CUDA_DEPS_NO_NCCL=1 eval "$(...)"  # skip the 350 MB NCCL wheel
 #
 # What it installs (`pip install --no-deps --target`, which keeps the exec bits
 # on nvcc/ptxas; see shared/reference/dependencies.md sections 4, 7, 9):
 #   nvidia-cuda-nvcc nvidia-cuda-crt nvidia-nvvm nvidia-cuda-runtime  -> nvcc 13 (sm_90 PTX + cubin, ptxas -v)
-#   nvidia-cuda-nvrtc                                                 -> libnvrtc.so.13 for cudarc
+#   nvidia-cuda-nvrtc                                                 -> libnvrtc.so.13
+#   nvidia-cuda-nvrtc-cu12==12.4.127                                  -> libnvrtc.so.12 (CUDA 12.4)
 #   nvidia-nccl-cu12                                                  -> libnccl.so.2 for cudarc
-# cudarc (built with `cuda-12080`) searches libnvrtc.so/.so.12 and libnccl.so,
-# not .so.13/.so.2, so the script links those names in $DIR/lib.
+# build.rs embeds an sm_90 cubin and PTX from nvcc 13 and from NVRTC 12.4
+# ($PDXFER_KERNEL_NVRTC), so kernels load on CUDA 12.x drivers (12.4 PTX ISA
+# 8.4; the 12.x cubin on any 12.x driver) as well as 13.x ones. The cu12 nvcc
+# wheels have ptxas but no nvcc, hence NVRTC for the 12.x images.
+# pdxfer finds libnvrtc.so.12/.13 itself (sonames and site-packages); cudarc's
+# NCCL loading searches libnccl.so, not .so.2, so the script links that name
+# in $DIR/lib (and libnvrtc.so, for other tools).
 #
 # Cache: $PDXFER_CUDA_DEPS (default: <repo>/.cache/cuda, ignored by git). A
 # second run is a no-op. Progress goes to stderr; only the exports go to stdout.
@@ -36,6 +42,7 @@ install_set() { # name, packages...
 
 install_set cu13 nvidia-cuda-nvcc==13.5.37 nvidia-cuda-crt==13.5.37 nvidia-nvvm==13.5.37 \
     nvidia-cuda-runtime==13.5.37 nvidia-cuda-nvrtc==13.5.37
+install_set cu124 nvidia-cuda-nvrtc-cu12==12.4.127
 if [ -z "${PDXFER_CUDA_DEPS_NO_NCCL:-}" ]; then
     install_set nccl nvidia-nccl-cu12==2.32.3
 fi
@@ -49,3 +56,4 @@ fi
 echo "export PATH=\"$cu13/bin:\$PATH\""
 echo "export LD_LIBRARY_PATH=\"$dir/lib:$cu13/lib\${LD_LIBRARY_PATH:+:\$LD_LIBRARY_PATH}\""
 echo "export PDXFER_NVCC=\"$cu13/bin/nvcc\""
+echo "export PDXFER_KERNEL_NVRTC=\"$dir/cu124/nvidia/cuda_nvrtc/lib/libnvrtc.so.12\""

@@ -1,5 +1,9 @@
 #!/usr/bin/env bash
-# GPU check: kernel correctness against the CPU relayout, then the gather
+# GPU check. First, before anything long: the driver version, the kernel
+# images the binary embeds and which one this driver loaded, and GPUDirect
+# RDMA (dma-buf / peermem / none: tested by a real registration of device
+# memory where an RDMA device exists, else from the dma-buf attribute and
+# /sys/module/nvidia_peermem). Then kernel correctness against the CPU relayout, then the gather
 # kernel against a device-to-device memcpy of the same bytes (131,072 tokens,
 # 61 layers, 576 bf16 per row, DCP 4 and 16), then the engine with KV pools in
 # device memory (`--engine-only`: 16,384 tokens x 61 layers to 4 decode ranks
@@ -7,9 +11,12 @@
 # from host-memory pools, and device pools on both sides over tcp, the decode
 # copying each piece into its device pools; every byte verified, device pools
 # read back; GB/s of each). Runs on a machine with an NVIDIA
-# GPU and no Rust toolchain, from a binary built on a build machine:
+# GPU and no Rust toolchain and no network, from a binary built on a build
+# machine; it builds nothing (bash, coreutils and the binary; nvidia-smi and
+# nvcc are used when present):
 #
-#   # on the build machine (nvcc from scripts/cuda-deps.sh embeds an sm_90 cubin + PTX)
+#   # on the build machine (scripts/cuda-deps.sh: nvcc 13 and NVRTC 12.4, so the
+#   # binary embeds an sm_90 cubin + PTX of CUDA 13 and of CUDA 12.4)
 #   eval "$(scripts/cuda-deps.sh)"
 #   cargo build --release --example gpu_check --no-default-features --features cuda
 #   strip -o target/gpu-check target/release/examples/gpu_check     # ~2 MB
@@ -17,9 +24,12 @@
 #   # (device tool: carry=["target/gpu-check"], command="scripts/gpu-check.sh")
 #
 # The binary loads its kernels from, in order: $PDXFER_KERNEL_MODULE, the
-# embedded sm_90 cubin, the embedded PTX, NVRTC. If it cannot load any (exit
-# 3, e.g. a driver older than the PTX), and the host has nvcc, this script
-# compiles cuda/relayout.cu there (checking ptxas for spills), points
+# embedded images this driver can load (a cubin of the driver's CUDA major,
+# newest first; then PTX no newer than the driver), NVRTC (libnvrtc.so.13 or
+# .12 on the loader path or in a Python's site-packages, e.g. PyTorch's
+# nvidia-cuda-nvrtc wheel; the newest no newer than the driver). If it cannot
+# load any (exit 3), and the host has nvcc, this script compiles
+# cuda/relayout.cu there (checking ptxas for spills), points
 # PDXFER_KERNEL_MODULE at the cubin, and runs again.
 #
 # Environment: PDXFER_GPU_CHECK_BIN (binary), GPU_CHECK_ARGS (extra arguments,
@@ -53,15 +63,25 @@ within() { # seconds wanted -> seconds allowed now (at least 1)
 }
 say() { echo "$@" | tee -a "$log"; }
 
+# NVRTC fallback: the binary finds libnvrtc.so.13/.12 on the loader path and in
+# Python site-packages itself; a toolkit's lib64 is added in case it is not on
+# the loader path.
+for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib; do
+    if [ -e "$d/libnvrtc.so.13" ] || [ -e "$d/libnvrtc.so.12" ] || [ -e "$d/libnvrtc.so" ]; then
+        export LD_LIBRARY_PATH="${LD_LIBRARY_PATH:+$LD_LIBRARY_PATH:}$d"
+        break
+    fi
+done
+
 say "gpu-check: $(date -u +%FT%TZ) binary $bin"
+# First: driver, kernel image, GPUDirect (the binary's --summary; its exit 3
+# means no embedded image or NVRTC loads, which the nvcc step below may fix).
+timeout "$(within 90)" "$bin" --summary 2>&1 | tee -a "$log"
+src=${PIPESTATUS[0]}
+[ "$src" -ne 0 ] && say "gpu-check: summary exit $src"
 if command -v nvidia-smi >/dev/null; then
     nvidia-smi --query-gpu=name,driver_version,compute_cap,memory.total --format=csv,noheader 2>&1 | tee -a "$log"
 fi
-
-# NVRTC fallback: a toolkit's lib64 has the libnvrtc.so name cudarc looks for.
-for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib; do
-    [ -e "$d/libnvrtc.so" ] && export LD_LIBRARY_PATH="${LD_LIBRARY_PATH:+$LD_LIBRARY_PATH:}$d" && break
-done
 
 nvcc_bin=$(command -v nvcc || true)
 [ -z "$nvcc_bin" ] && [ -x /usr/local/cuda/bin/nvcc ] && nvcc_bin=/usr/local/cuda/bin/nvcc

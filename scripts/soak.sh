@@ -19,5 +19,5 @@ shift || true
 PROFILE=${PDXFER_SOAK_PROFILE:-debug}
 flag=()
 [ "$PROFILE" = release ] && flag=(--release)
-cargo build -q "${flag[@]}" --bin pdxfer --bin pdxfer-fault-peer --example soak
+cargo build -q "${flag[@]}" --features testing --bin pdxfer --bin pdxfer-fault-peer --example soak
 exec "target/$PROFILE/examples/soak" --peer "target/$PROFILE/pdxfer-fault-peer" --secs "$SECS" "$@"

@@ -7,6 +7,15 @@ export CARGO_TERM_COLOR=never
 
 step() { echo; echo "=== $*"; }
 
+# Every skipped test is recorded here (tests/common::skip, pytest -rs); the run
+# fails at the end on any skip whose kind PDXFER_ALLOW_SKIP (comma-separated,
+# e.g. netns,etcd) does not name.
+mkdir -p target
+export PDXFER_SKIP_LOG="$PWD/target/skips.txt"
+: >"$PDXFER_SKIP_LOG"
+# The fault-injection fixture and its tests are behind the testing feature.
+FEATURES=(--features testing)
+
 step "dependencies"
 bash scripts/deps.sh
 # nvcc/NVRTC (CUDA 13) and NCCL from PyPI for the no-GPU kernel and NCCL tests;
@@ -18,13 +27,13 @@ step "cargo fmt --check"
 cargo fmt --all -- --check
 
 step "cargo clippy --all-targets -- -D warnings"
-cargo clippy --all-targets -- -D warnings
+cargo clippy "${FEATURES[@]}" --all-targets -- -D warnings
 
 step "host-only build, clippy (--no-default-features)"
-cargo clippy --no-default-features --all-targets -- -D warnings
+cargo clippy --no-default-features "${FEATURES[@]}" --all-targets -- -D warnings
 
 step "cargo build (regenerates include/pdxfer.h)"
-cargo build --all-targets
+cargo build "${FEATURES[@]}" --all-targets
 if git rev-parse --is-inside-work-tree >/dev/null 2>&1; then
   if ! git diff --exit-code -- include/pdxfer.h; then
     echo "include/pdxfer.h is stale: commit the regenerated header" >&2
@@ -32,8 +41,22 @@ if git rev-parse --is-inside-work-tree >/dev/null 2>&1; then
   fi
 fi
 
+step "libpdxfer.so holds the library only"
+# The CLI's crates live in the pdxfer binary; their names (symbols, debug info,
+# panic locations) must not appear in the shared library C++ engines load.
+if strings target/debug/libpdxfer.so | grep -E -m 5 'clap|plotters|indicatif'; then
+  echo "libpdxfer.so links CLI crates (lines above)" >&2
+  exit 1
+fi
+# The fault-injection fixture is not a product binary: plain builds skip it.
+cargo metadata --no-deps --format-version 1 | python3 -c '
+import json, sys
+t = {t["name"]: t for p in json.load(sys.stdin)["packages"] for t in p["targets"]}
+need = t["pdxfer-fault-peer"].get("required-features") or []
+sys.exit(0 if "testing" in need else "pdxfer-fault-peer must require the testing feature")'
+
 step "cargo test"
-cargo test --all-targets 2>&1 | tee target/cargo-test.log
+cargo test "${FEATURES[@]}" --all-targets 2>&1 | tee target/cargo-test.log
 grep -q "test result:" target/cargo-test.log
 
 step "C tests (-Wall -Werror, valgrind)"
@@ -45,7 +68,35 @@ step "C tests under AddressSanitizer + UBSan"
 make -s -C c_tests asan LIBDIR="$PWD/target/debug"
 
 step "Python tests"
-PDXFER_LIB="$PWD/target/debug/libpdxfer.so" python3 -m pytest -q python/tests
+PDXFER_LIB="$PWD/target/debug/libpdxfer.so" python3 -m pytest -q -rs python/tests \
+  2>&1 | tee target/pytest.log
+# -rs lists the skips as "SKIPPED [count] file:line: reason", one line per reason
+grep '^SKIPPED' target/pytest.log | sed 's/^/python\tpytest\t/' >>"$PDXFER_SKIP_LOG" || true
+echo "pytest: $(grep -oE '[0-9]+ skipped' target/pytest.log | tail -n 1 || echo '0 skipped')"
+
+step "C/C++ install: scripts/install.sh, examples/cpp with CMake and pkg-config"
+bash scripts/check-install.sh
+
+step "Python wheel: pip wheel ., installed into a fresh venv, python/tests against it"
+bash scripts/check-wheel.sh
+
+step "skipped tests"
+skips=$(wc -l <"$PDXFER_SKIP_LOG")
+if [ "$skips" -gt 0 ]; then
+  cat "$PDXFER_SKIP_LOG"
+fi
+refused=0
+while IFS=$'\t' read -r kind test reason; do
+  case ",${PDXFER_ALLOW_SKIP:-}," in
+    *",$kind,"*) ;;
+    *) echo "not allowed: $test skipped ($kind: $reason)" >&2; refused=$((refused + 1)) ;;
+  esac
+done <"$PDXFER_SKIP_LOG"
+echo "$skips skipped, $refused not allowed (PDXFER_ALLOW_SKIP=${PDXFER_ALLOW_SKIP:-})"
+if [ "$refused" -gt 0 ]; then
+  echo "skips are allowed only by kind: PDXFER_ALLOW_SKIP=netns,etcd,cuda-tools,rdma-nic,python" >&2
+  exit 1
+fi
 
 echo
 echo "all tests passed"

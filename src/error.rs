@@ -343,23 +343,130 @@ mod tests {
 
     #[test]
     fn codes_sit_in_their_documented_ranges() {
+        // The range table of the module doc, read from this file: `-4xx` -> 4.
+        let doc: Vec<(i32, &str)> = include_str!("error.rs")
+            .lines()
+            .map_while(|l| l.strip_prefix("//!"))
+            .filter_map(|l| {
+                let mut cells = l.trim().strip_prefix("| `-")?.split('|');
+                let hundreds = cells.next()?.trim().strip_suffix("xx`")?.parse().ok()?;
+                Some((hundreds, cells.next()?.trim()))
+            })
+            .collect();
+        assert_eq!(
+            doc.iter().map(|d| d.0).collect::<Vec<_>>(),
+            (1..=9).collect::<Vec<_>>(),
+            "{doc:?}"
+        );
+        // Every error kind, in the area it belongs to (the doc's origin column).
+        let areas: [(i32, &[&str]); 9] = [
+            (
+                1,
+                &[
+                    "null_argument",
+                    "invalid_argument",
+                    "panic",
+                    "abi_mismatch",
+                    "buffer_too_small",
+                    "unsupported",
+                    "io",
+                    "timeout",
+                    "invalid_utf8",
+                ],
+            ),
+            (
+                2,
+                &[
+                    "prefix_misaligned",
+                    "tokens_exceed_source",
+                    "insufficient_destination",
+                    "dcp_rank_mismatch",
+                    "unsupported_dcp_topology",
+                    "dcp_requires_mla",
+                    "prefill_cp_with_decode_dcp",
+                    "kv_dtype_mismatch",
+                    "geometry_mismatch",
+                    "page_size_mismatch",
+                    "invalid_topology",
+                    "pp_mismatch",
+                    "invalid_layout",
+                ],
+            ),
+            (
+                3,
+                &[
+                    "region_not_found",
+                    "out_of_bounds",
+                    "region_overlap",
+                    "region_busy",
+                ],
+            ),
+            (
+                4,
+                &[
+                    "peer_unreachable",
+                    "protocol",
+                    "peer_identity",
+                    "batch_failed",
+                    "transport_unavailable",
+                    "auth_failed",
+                    "auth_required",
+                ],
+            ),
+            (
+                5,
+                &[
+                    "bootstrap",
+                    "stale_metadata",
+                    "unauthorized",
+                    "not_registered",
+                    "payload_too_large",
+                    "not_ready",
+                ],
+            ),
+            (6, &["no_cuda_driver", "cuda", "nvrtc", "relayout"]),
+            (
+                7,
+                &[
+                    "no_rdma_device",
+                    "rdma",
+                    "rdma_handshake",
+                    "rdma_completion",
+                    "no_gpudirect",
+                ],
+            ),
+            (8, &["no_nccl", "nccl", "nccl_plan_mismatch"]),
+            (
+                9,
+                &["unknown_room", "room_failed", "aborted", "engine_closed"],
+            ),
+        ];
         assert_eq!(Status::Ok as i32, 0);
         assert_eq!(Status::InProgress as i32, 1);
-        assert_eq!(Status::PrefixMisaligned as i32, -200);
-        assert_eq!(Status::TokensExceedSource as i32, -201);
-        assert_eq!(Status::InsufficientDestination as i32, -202);
-        for s in PdxStatus::ALL {
-            let c = *s as i32;
-            let range = match s.kind() {
-                "prefix_misaligned" | "tokens_exceed_source" | "dcp_rank_mismatch" => -299..=-200,
-                "null_argument" | "panic" | "buffer_too_small" => -199..=-100,
-                "no_cuda_driver" => -699..=-600,
-                "no_rdma_device" | "rdma" | "rdma_handshake" | "rdma_completion"
-                | "no_gpudirect" => -799..=-700,
-                _ => -999..=1,
-            };
-            assert!(range.contains(&c), "{} = {c} outside {range:?}", s.kind());
+        let mut placed = std::collections::BTreeSet::new();
+        for (hundreds, kinds) in areas {
+            assert!(
+                doc.iter().any(|d| d.0 == hundreds),
+                "-{hundreds}xx undocumented"
+            );
+            let range = -(hundreds * 100 + 99)..=-(hundreds * 100);
+            for k in kinds {
+                let s = PdxStatus::ALL
+                    .iter()
+                    .find(|s| s.kind() == *k)
+                    .unwrap_or_else(|| panic!("no status of kind {k}"));
+                let c = *s as i32;
+                assert!(range.contains(&c), "{k} = {c} outside {range:?}");
+                assert!(placed.insert(*k), "{k} listed twice");
+            }
         }
+        // a new status must be placed in an area here
+        for s in PdxStatus::ALL {
+            if !matches!(s, Status::Ok | Status::InProgress) {
+                assert!(placed.contains(s.kind()), "{} is in no area", s.kind());
+            }
+        }
+        assert_eq!(placed.len() + 2, PdxStatus::ALL.len());
     }
 
     #[test]

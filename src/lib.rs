@@ -7,7 +7,6 @@
 
 pub mod auth;
 pub mod bootstrap;
-pub mod cli;
 pub mod engine;
 pub mod error;
 pub mod ffi;

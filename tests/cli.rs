@@ -81,15 +81,37 @@ fn info_reports_absent_hardware_as_typed_entries() {
     let (code, out, err) = pdxfer(&["info", "--json"]);
     assert_eq!(code, 0, "{err}");
     let v: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
-    for k in ["cuda", "nvrtc", "nccl", "rdma"] {
-        let e = &v[k];
-        if e["available"] == false {
+    for k in ["cuda", "kernels", "nvrtc", "nccl", "rdma"] {
+        let e = v
+            .get(k)
+            .unwrap_or_else(|| panic!("info --json has no {k:?} entry: {v}"));
+        let available = e["available"]
+            .as_bool()
+            .unwrap_or_else(|| panic!("{k}: \"available\" is not a boolean: {e}"));
+        assert!(e["detail"].is_string(), "{k}: no detail: {e}");
+        if available {
             assert!(
-                e["kind"].is_string() && e["code"].as_i64().unwrap() < 0,
+                e.get("kind").is_none() && e.get("code").is_none(),
                 "{k}: {e}"
             );
+        } else {
+            let kind = e["kind"]
+                .as_str()
+                .unwrap_or_else(|| panic!("{k}: no kind: {e}"));
+            let code = e["code"]
+                .as_i64()
+                .unwrap_or_else(|| panic!("{k}: no numeric code: {e}"));
+            let status = pdxfer::Status::from_code(code as i32)
+                .unwrap_or_else(|| panic!("{k}: {code} is no status code: {e}"));
+            assert!(code < 0, "{k}: {e}");
+            assert_eq!(status.kind(), kind, "{k}: code and kind disagree: {e}");
         }
     }
+    assert!(
+        v["version"].is_string() && v["abi_version"].is_string(),
+        "{v}"
+    );
+    assert!(v["rdma"]["devices"].is_array(), "{v}");
     if !std::path::Path::new("/sys/class/infiniband").exists() {
         assert_eq!(v["rdma"]["kind"], "no_rdma_device");
     }

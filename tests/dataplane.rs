@@ -584,7 +584,8 @@ fn killed_peer_fails_batch_within_deadline_others_keep_working() {
     }
 }
 
-/// A peer that is alive but stalled fails the batch at its deadline, not later.
+/// A peer that is alive but stalled fails the batch at its deadline, before
+/// the peer would have completed it.
 #[test]
 fn stalled_peer_times_out_at_batch_deadline() {
     for kind in [TransportKind::Cma, TransportKind::Tcp] {
@@ -608,13 +609,17 @@ fn stalled_peer_times_out_at_batch_deadline() {
                 &opts,
             )
             .unwrap();
+        // The peer validates after 2.5 s and would then complete the batch, so
+        // only the batch's own 400 ms deadline ends it with this error (the
+        // wait's 20 s limit reports "wait of ... ended" instead).
         let e = tr.wait(id, Duration::from_secs(20)).unwrap_err();
         let took = t0.elapsed();
         assert_eq!(e.status(), Status::Timeout, "{kind:?}: {e}");
-        assert!(e.detail().contains("deadline"), "{e}");
+        let missed = format!("batch {} missed its {:?} deadline", id.0, opts.timeout);
+        assert!(e.detail().contains(&missed), "{kind:?}: {e}");
         assert!(
-            took >= Duration::from_millis(390) && took < Duration::from_millis(2000),
-            "{kind:?}: {took:?}"
+            took >= opts.timeout,
+            "{kind:?}: failed early, after {took:?}"
         );
     }
 }

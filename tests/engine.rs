@@ -3,6 +3,8 @@
 //! transports, and rdma over the in-process fake NIC fabric; every received
 //! byte is checked.
 
+mod common;
+
 use pdxfer::bootstrap::schema::Role;
 use pdxfer::bootstrap::server::{BootstrapServer, ServerConfig};
 use pdxfer::engine::synthetic::SyntheticPools;
@@ -458,7 +460,7 @@ fn state_rows_follow_the_kv_to_every_decode_rank() {
 #[test]
 fn rdma_engine_without_a_nic_is_typed() {
     if std::path::Path::new("/sys/class/infiniband").exists() {
-        eprintln!("skipped: this machine has /sys/class/infiniband");
+        common::skip("rdma-nic", "this machine has /sys/class/infiniband");
         return;
     }
     let pools = SyntheticPools::new(LAYERS, ROW, P, 4, 8, 32).unwrap();
@@ -531,4 +533,39 @@ fn device_pools_without_a_driver_are_typed() {
     let e = create(cfg(Role::Prefill, 0));
     assert_eq!(e.status(), Status::InvalidArgument, "{e}");
     assert!(e.detail().contains("staging_bytes"), "{e}");
+}
+
+#[test]
+fn a_prefill_abort_fails_the_decode_room_at_once() {
+    let c = cluster("prefill-abort", 1, 2, TransportKind::Tcp, 1 << 20);
+    let (room, dst) = (41u64, [3u64, 4]);
+    for (e, _) in &c.decode {
+        e.receiver(room, 0, Some(Duration::from_secs(20))).unwrap();
+        e.send_metadata(room, &dst, 0, 5).unwrap();
+    }
+    c.prefill.sender(room).unwrap();
+    let mut waited = 0;
+    while c.prefill.poll(room) == KvPoll::Bootstrapping {
+        std::thread::sleep(Duration::from_millis(5));
+        waited += 1;
+        assert!(waited < 2000, "prefill never saw the decode metadata");
+    }
+    c.prefill.abort(room).unwrap();
+    for (r, (e, pools)) in c.decode.iter().enumerate() {
+        // well before the 20 s room deadline
+        assert_eq!(
+            e.wait(room, Duration::from_secs(5)),
+            KvPoll::Failed,
+            "decode {r}"
+        );
+        assert_eq!(
+            e.failure(room).unwrap().status(),
+            Status::Aborted,
+            "decode {r}"
+        );
+        assert!(
+            (0..LAYERS as usize).all(|l| pools.layer_bytes(l).iter().all(|&b| b == 0)),
+            "decode {r}: nothing was sent, nothing written"
+        );
+    }
 }

@@ -49,30 +49,71 @@ fn device_path_runs_on_fake_driver() {
         _ => dir.display().to_string(),
     };
     // both children at once: the device path checks and the engine with device pools
-    let spawn = |name: &str| {
-        Command::new(std::env::current_exe().unwrap())
-            .args([
-                "--ignored",
-                "--exact",
-                name,
-                "--nocapture",
-                "--test-threads=1",
-            ])
-            .env("LD_LIBRARY_PATH", &ld)
-            .env("PDXFER_KERNEL_MODULE", dir.join("module.ptx"))
-            .env("PDXFER_FAKE_CUDA_CHILD", "1")
-            .stdout(std::process::Stdio::piped())
-            .stderr(std::process::Stdio::piped())
-            .spawn()
-            .expect("spawn the child test")
+    let child = |name: &str| {
+        let mut c = Command::new(std::env::current_exe().unwrap());
+        c.args([
+            "--ignored",
+            "--exact",
+            name,
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env("LD_LIBRARY_PATH", &ld)
+        .env("PDXFER_KERNEL_MODULE", dir.join("module.ptx"))
+        .env("PDXFER_FAKE_CUDA_CHILD", "1")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped());
+        c
     };
-    let engine_child = spawn("child_engine_device_pools_on_fake_driver");
+    let spawn = |name: &str| child(name).spawn().expect("spawn the child test");
+    // the engine with device pools from a VMM-style allocator (4 KiB chunks)
+    let engine_child = child("child_engine_device_pools_on_fake_driver")
+        .env("PDXFER_FAKE_CUDA_VMM_CHUNK", "4096")
+        .spawn()
+        .expect("spawn the child test");
     let decode_child = spawn("child_engine_decode_device_pools_on_fake_driver");
     let out = spawn("child_device_path_on_fake_driver")
         .wait_with_output()
         .unwrap();
     let engine_out = engine_child.wait_with_output().unwrap();
     let decode_out = decode_child.wait_with_output().unwrap();
+    // the kernel images the driver version picks: no module file given
+    let images_out = child("child_kernel_images_on_fake_driver")
+        .env_remove("PDXFER_KERNEL_MODULE")
+        .output()
+        .unwrap();
+    let images_text = String::from_utf8_lossy(&images_out.stdout).into_owned()
+        + &String::from_utf8_lossy(&images_out.stderr);
+    assert!(
+        images_out.status.success()
+            && images_text.contains("fake-driver images child: all checks passed"),
+        "kernel images child failed:\n{images_text}"
+    );
+    // `pdxfer info --json` names the image each driver line loads
+    for (driver, want) in [("12040", "CUDA 12."), ("13050", "CUDA 13.")] {
+        let out = Command::new(env!("CARGO_BIN_EXE_pdxfer"))
+            .args(["info", "--json"])
+            .env("LD_LIBRARY_PATH", &ld)
+            .env("PDXFER_FAKE_CUDA_DRIVER_VERSION", driver)
+            .env_remove("PDXFER_KERNEL_MODULE")
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{out:?}");
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        let k = &v["kernels"];
+        assert_eq!(k["available"], true, "driver {driver}: {v}");
+        let detail = k["detail"].as_str().unwrap();
+        let on = format!("on driver CUDA {}.{}", &driver[..2], &driver[3..4]);
+        assert!(detail.contains(on.as_str()), "{detail}");
+        if has_images_for_both_lines() {
+            assert!(
+                detail.contains("cubin") && detail.contains(want),
+                "driver {driver}: {detail}"
+            );
+        }
+        let cuda = v["cuda"]["detail"].as_str().unwrap();
+        assert!(cuda.contains(&on[10..]), "{cuda}");
+    }
     let decode_text = String::from_utf8_lossy(&decode_out.stdout).into_owned()
         + &String::from_utf8_lossy(&decode_out.stderr);
     assert!(
@@ -109,6 +150,283 @@ fn device_path_runs_on_fake_driver() {
         let line = format!("NCCL {mode} transfer matches the CPU relayout");
         assert!(text.contains(&line), "no {mode} transfer:\n{text}");
     }
+}
+
+/// True when the build embedded a cubin and PTX of CUDA 12 and of CUDA 13
+/// (`scripts/cuda-deps.sh`); `PDXFER_REQUIRE_CUDA_TOOLS` makes it required.
+fn has_images_for_both_lines() -> bool {
+    use pdxfer::relayout::gpu::kernels::{ImageKind, IMAGES};
+    let all = [12u32, 13].iter().all(|&m| {
+        [ImageKind::Cubin, ImageKind::Ptx]
+            .iter()
+            .all(|&k| IMAGES.iter().any(|i| i.kind == k && i.toolkit.0 == m))
+    });
+    assert!(
+        all || std::env::var_os("PDXFER_REQUIRE_CUDA_TOOLS").is_none(),
+        "PDXFER_REQUIRE_CUDA_TOOLS is set but the build embedded {:?}",
+        IMAGES.iter().map(|i| i.describe()).collect::<Vec<_>>()
+    );
+    all
+}
+
+/// A knob of the fake libcuda this process loaded (`pdx_fake_set_*`, whose
+/// argument is `T`: `int` as i32, `unsigned long long` as u64).
+fn fake_set<T>(name: &std::ffi::CStr, v: T) {
+    // SAFETY: dlopen of the already-loaded library (RTLD_NOLOAD) and a symbol
+    // of the signature `void (T)` the caller names.
+    unsafe {
+        let h = libc::dlopen(c"libcuda.so".as_ptr(), libc::RTLD_NOW | libc::RTLD_NOLOAD);
+        assert!(!h.is_null(), "the fake libcuda is not loaded");
+        let f = libc::dlsym(h, name.as_ptr());
+        assert!(!f.is_null(), "not the fake libcuda");
+        let f: extern "C" fn(T) = std::mem::transmute(f);
+        f(v)
+    }
+}
+
+/// Which embedded kernel image each driver version loads, and the typed
+/// error naming the versions when none fits; then what the fake models of
+/// the hard half: stream work deferred until waited, NOT_READY events, VMM
+/// chunks walked by the pool check, and the GPUDirect RDMA flush.
+#[test]
+#[ignore = "run by device_path_runs_on_fake_driver in a child process with the fake libcuda"]
+fn child_kernel_images_on_fake_driver() {
+    use pdxfer::relayout::gpu::kernels::{ImageKind, IMAGES};
+    use pdxfer::relayout::gpu::{
+        check::self_check, probe_gpudirect, GpuDirectRoute, GpuRelayout, KernelOrigin,
+        RdmaWriteFlush, RdmaWritesOrdering,
+    };
+    use pdxfer::Status;
+
+    assert!(
+        std::env::var_os("PDXFER_FAKE_CUDA_CHILD").is_some(),
+        "this test only runs as the child of device_path_runs_on_fake_driver"
+    );
+    assert!(std::env::var_os("PDXFER_KERNEL_MODULE").is_none());
+    pdxfer::relayout::gpu::probe().expect("load the fake libcuda");
+    let both = has_images_for_both_lines();
+    let set_driver = |v: i32| fake_set(c"pdx_fake_set_driver_version", v);
+    let origin = |driver: i32| {
+        set_driver(driver);
+        let mut g = GpuRelayout::new(0).unwrap_or_else(|e| panic!("driver {driver}: {e}"));
+        assert_eq!(g.driver_version(), driver);
+        let failures = self_check(&mut g, 2, driver as u64, false);
+        assert!(failures.is_empty(), "{failures:#?}");
+        g.kernel_origin().clone()
+    };
+    let cubin_of = |o: &KernelOrigin| match o {
+        KernelOrigin::Embedded {
+            kind: ImageKind::Cubin,
+            toolkit,
+            ..
+        } => Some(toolkit.0),
+        _ => None,
+    };
+    if both {
+        // CUDA 12.x drivers load the 12.x cubin, 13.x drivers the 13.x one
+        for (driver, major) in [
+            (12040, 12),
+            (12020, 12),
+            (12080, 12),
+            (13000, 13),
+            (13050, 13),
+        ] {
+            let o = origin(driver);
+            assert_eq!(cubin_of(&o), Some(major), "driver {driver}: {o}");
+        }
+        println!(
+            "fake-driver images child: 12.x drivers load the CUDA 12 cubin, 13.x the CUDA 13 one"
+        );
+    } else {
+        eprintln!("images child: the build embedded no images of both lines; NVRTC only");
+        let o = origin(13050);
+        assert!(
+            matches!(
+                o,
+                KernelOrigin::Nvrtc { .. } | KernelOrigin::Embedded { .. }
+            ),
+            "{o}"
+        );
+    }
+    // The fake itself refuses a too-new image: the CUDA 13 PTX and cubin on a
+    // 12.4 driver, through PDXFER_KERNEL_MODULE (tried before the embedded ones).
+    let dir = std::env::temp_dir().join(format!("pdxfer-images-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    for img in IMAGES.iter().filter(|i| i.toolkit.0 == 13) {
+        let f = dir.join(match img.kind {
+            ImageKind::Cubin => "new.cubin",
+            ImageKind::Ptx => "new.ptx",
+        });
+        std::fs::write(&f, img.bytes).unwrap();
+        std::env::set_var("PDXFER_KERNEL_MODULE", &f);
+        set_driver(12040);
+        let g = GpuRelayout::new(0).unwrap();
+        // refused, so an embedded 12.x image loaded instead
+        assert!(
+            !matches!(g.kernel_origin(), KernelOrigin::File(_)),
+            "{:?} loaded on driver 12.4: {}",
+            img.kind,
+            g.kernel_origin()
+        );
+        // and with a driver too old for everything, the error lists why
+        set_driver(11080);
+        let e = GpuRelayout::new(0).unwrap_err();
+        assert_eq!(e.status(), Status::Cuda, "{e}");
+        let d = e.detail();
+        let want = match img.kind {
+            ImageKind::Cubin => "CUDA_ERROR_NO_BINARY_FOR_GPU",
+            ImageKind::Ptx => "CUDA_ERROR_UNSUPPORTED_PTX_VERSION",
+        };
+        assert!(
+            d.contains("PDXFER_KERNEL_MODULE") && d.contains(want),
+            "{d}"
+        );
+        assert!(d.contains("on driver CUDA 11.8"), "{d}");
+        assert!(
+            d.contains("needs driver CUDA >= 12.0, the driver is CUDA 11.8"),
+            "{d}"
+        );
+        assert!(d.contains("needs driver CUDA >= 13.0"), "{d}");
+        // NVRTC cannot help either: every one found is newer than 11.8
+        assert!(d.contains("NVRTC"), "{d}");
+        std::env::remove_var("PDXFER_KERNEL_MODULE");
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+    if both {
+        println!(
+            "fake-driver images child: too-new images are refused, the error names the versions"
+        );
+    }
+    set_driver(12080);
+    let mut g = GpuRelayout::new(0).unwrap();
+
+    // Stream work runs only when waited: an upload is not visible to a
+    // plain read until an event after it is waited; a query before that
+    // answers not-ready (once: the device then makes progress).
+    let b = g.alloc(4096).unwrap();
+    g.memset(&b, 0).unwrap();
+    g.record(false).unwrap().wait().unwrap();
+    g.upload(&b, 0, &[9u8; 64]).unwrap();
+    let mut out = [1u8; 64];
+    b.read(0, &mut out).unwrap();
+    assert_eq!(
+        out, [0u8; 64],
+        "the upload ran before anything waited for it"
+    );
+    let ev = g.record(false).unwrap();
+    let not_ready = fake_counter(c"pdx_fake_not_ready_queries");
+    assert!(!ev.is_complete().unwrap(), "complete before the work ran");
+    assert_eq!(fake_counter(c"pdx_fake_not_ready_queries"), not_ready + 1);
+    assert!(ev.is_complete().unwrap());
+    b.read(0, &mut out).unwrap();
+    assert_eq!(out, [9u8; 64]);
+    // a device-to-host copy into pinned memory lands at its event, not before
+    let pinned = g.alloc_pinned(64).unwrap();
+    // SAFETY: both ranges are 64 bytes of this context's memory; the pinned
+    // buffer is read only after the event, and outlives it.
+    let ev = unsafe { g.copy_to_host(pinned.as_ptr(), b.ptr(), 64) }.unwrap();
+    // SAFETY: 64 bytes of the pinned buffer; the fake runs the copy only at its
+    // event, so this write comes before it (on a GPU it would race the copy).
+    unsafe { std::ptr::write_bytes(pinned.as_ptr(), 5, 64) };
+    ev.wait().unwrap();
+    // SAFETY: the copy's event completed; the buffer holds 64 bytes.
+    let got = unsafe { std::slice::from_raw_parts(pinned.as_ptr(), 64) };
+    assert_eq!(got, &[9u8; 64][..], "the copy did not run at its event");
+    // Gathers enqueued back to back without a wait: each uploads its tables
+    // through a pinned staging buffer the next-but-one reuses, which must not
+    // be rewritten before its copy ran (the fake reads a pinned source only
+    // when the copy runs). Each destination must hold its own gather.
+    {
+        use pdxfer::layout::Run;
+        use pdxfer::relayout::CopyEntry;
+        let rows = 16u64;
+        let src_bytes: Vec<u8> = (0..rows * 32).map(|i| (i * 7 + 1) as u8).collect();
+        let src = g.alloc(src_bytes.len()).unwrap();
+        g.upload(&src, 0, &src_bytes).unwrap();
+        let dsts: Vec<_> = (0..3).map(|_| g.alloc(4 * 32).unwrap()).collect();
+        let mut last = None;
+        for (k, d) in dsts.iter().enumerate() {
+            let e = [CopyEntry {
+                src: src.ptr(),
+                dst: d.ptr(),
+                row_bytes: 32,
+                reserved: 0,
+            }];
+            let spans = [Run {
+                src: 3 * k as u64 + 1,
+                dst: 0,
+                len: 4,
+            }];
+            // SAFETY: rows 1..11 of a 16-row source, 4 rows into a 4-row destination.
+            last = Some(unsafe { g.gather(&e, &spans) }.unwrap());
+        }
+        last.unwrap().wait().unwrap();
+        for (k, d) in dsts.iter().enumerate() {
+            let mut got = vec![0u8; 4 * 32];
+            d.read(0, &mut got).unwrap();
+            let at = (3 * k + 1) * 32;
+            assert_eq!(
+                got,
+                src_bytes[at..at + 4 * 32],
+                "gather {k} ran another's tables"
+            );
+        }
+    }
+    println!("fake-driver images child: stream work waits for its event");
+
+    // VMM: one VA range of 4 KiB chunks; RANGE_SIZE covers one chunk, the
+    // pool check walks them all.
+    fake_set(c"pdx_fake_set_vmm_chunk", 4096u64);
+    let v = g.alloc(64 << 10).unwrap();
+    fake_set(c"pdx_fake_set_vmm_chunk", 0u64);
+    let mut size: usize = 0;
+    // SAFETY: out-pointer to a local usize, the attribute's type.
+    let rc = unsafe {
+        cudarc::driver::sys::cuPointerGetAttribute(
+            &mut size as *mut usize as *mut std::ffi::c_void,
+            cudarc::driver::sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_RANGE_SIZE,
+            v.ptr() + 5000,
+        )
+    };
+    assert_eq!(rc, cudarc::driver::sys::CUresult::CUDA_SUCCESS);
+    assert_eq!(size, 4096, "the fake maps 4 KiB chunks");
+    g.check_device_range(v.ptr(), 64 << 10).unwrap();
+    g.check_device_range(v.ptr() + 100, (64 << 10) - 100)
+        .unwrap();
+    g.check_device_range(v.ptr() + 8192, 4096).unwrap();
+    let e = g.check_device_range(v.ptr(), (64 << 10) + 1).unwrap_err();
+    assert_eq!(e.status(), Status::OutOfBounds, "{e}");
+    assert!(e.detail().contains("16 mapping(s)"), "{e}");
+    println!("fake-driver images child: a pool over 16 VMM chunks passes the check");
+
+    // GPUDirect RDMA writes: no flush where the device orders them (owner),
+    // a flush before each delivery where it says none.
+    let f = RdmaWriteFlush::new(0).unwrap();
+    assert_eq!(f.info().writes_ordering, RdmaWritesOrdering::Owner);
+    assert!(!f.needed());
+    assert!(!f.before_delivery().unwrap());
+    assert_eq!(fake_counter(c"pdx_fake_rdma_flushes"), 0);
+    fake_set(c"pdx_fake_set_rdma_ordering", 0i32);
+    let f = RdmaWriteFlush::new(0).unwrap();
+    assert_eq!(f.info().writes_ordering, RdmaWritesOrdering::None);
+    assert!(f.needed());
+    assert!(f.before_delivery().unwrap());
+    assert!(f.before_delivery().unwrap());
+    assert_eq!(
+        (f.flushes(), fake_counter(c"pdx_fake_rdma_flushes")),
+        (2, 2)
+    );
+    fake_set(c"pdx_fake_set_rdma_ordering", 100i32);
+    // without an RDMA device the route comes from the attributes, untested
+    if !std::path::Path::new("/sys/class/infiniband").exists() {
+        let p = probe_gpudirect(0);
+        assert_eq!((p.route, p.tested), (GpuDirectRoute::DmaBuf, false), "{p}");
+        assert!(
+            p.to_string().contains("not tested by a registration"),
+            "{p}"
+        );
+    }
+    println!("fake-driver images child: all checks passed");
 }
 
 #[test]
@@ -661,6 +979,12 @@ fn child_engine_device_pools_on_fake_driver() {
     cfg.pools[2].num_pages += 1; // one page past the allocation
     let e = create(cfg);
     assert_eq!(e.status(), Status::OutOfBounds, "{e}");
+    // the pools are VMM-style mappings of 4 KiB chunks (the parent sets the
+    // fake's knob): each spans many, and the check walked them all
+    if std::env::var("PDXFER_FAKE_CUDA_VMM_CHUNK").as_deref() == Ok("4096") {
+        assert!(dev.iter().all(|d| d.len() > 4 * 4096), "pools of one chunk");
+        assert!(e.detail().contains("mapping(s)"), "{e}");
+    }
     let mut cfg = prefill_cfg("bad", &host, 1 << 16);
     cfg.pool_device = Some(1);
     assert_eq!(create(cfg).status(), Status::Cuda);
@@ -895,17 +1219,12 @@ fn child_engine_decode_device_pools_on_fake_driver() {
             htod >= 2 * dcp as u64,
             "{case}: only {htod} waited host-to-device copies"
         );
-        // the tcp streams' bounce buffers are page-locked: with host prefill
-        // pools every copy is the decode's, from pinned memory (a device
-        // prefill also uploads its gather tables from the heap)
-        if prefill_device {
-            assert!(pinned >= 2 * dcp as u64, "{case}: {pinned} pinned copies");
-        } else {
-            assert_eq!(
-                pinned, htod,
-                "{case}: a host-to-device copy from pageable memory"
-            );
-        }
+        // the tcp streams' bounce buffers are page-locked, and so are a device
+        // prefill's table staging buffers: no copy is from pageable memory
+        assert_eq!(
+            pinned, htod,
+            "{case}: a host-to-device copy from pageable memory"
+        );
         println!(
             "fake-driver decode child: {case} DCP 1->{dcp} over {htod} host-to-device copies, every byte checked"
         );

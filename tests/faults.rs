@@ -19,8 +19,10 @@ use std::time::{Duration, Instant};
 const PAGE: u64 = 16;
 const ROW_TOTAL: u64 = 4 * 64;
 const AUX_ITEM: u64 = 32;
+mod common;
 #[path = "support/peer.rs"]
 mod support;
+use common::{skip, Etcd};
 use support::{DEADLINE, SLACK};
 
 /// The fault tests' peers: the binary cargo built for this test.
@@ -386,89 +388,24 @@ fn canaries_catch_a_stray_write() {
     assert_eq!(d.expect(|v| v["event"] == "canaries", SLACK)["damaged"], 1);
 }
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-struct Etcd {
-    child: Child,
-}
-
-impl Etcd {
-    fn start(dir: &std::path::Path, client: u16, peer: u16) -> Option<Etcd> {
-        let c = format!("http://127.0.0.1:{client}");
-        let p = format!("http://127.0.0.1:{peer}");
-        let child = Command::new("etcd")
-            .args(["--name", "faults", "--data-dir"])
-            .arg(dir)
-            .args(["--listen-client-urls", &c, "--advertise-client-urls", &c])
-            .args([
-                "--listen-peer-urls",
-                &p,
-                "--initial-advertise-peer-urls",
-                &p,
-            ])
-            .args([
-                "--initial-cluster",
-                &format!("faults={p}"),
-                "--log-level",
-                "error",
-            ])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .ok()?;
-        let e = Etcd { child };
-        let store =
-            pdxfer::bootstrap::open_store(&format!("etcd://127.0.0.1:{client}/faults"), None)
-                .ok()?;
-        let end = Instant::now() + Duration::from_secs(10);
-        while store.entries("probe", Role::Prefill).is_err() {
-            assert!(
-                Instant::now() < end,
-                "etcd did not come up on port {client}"
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        Some(e)
-    }
-
-    fn kill9(&mut self) {
-        // SAFETY: kill(2) on our own child's pid.
-        unsafe { libc::kill(self.child.id() as i32, libc::SIGKILL) };
-        let _ = self.child.wait();
-    }
-}
-
-impl Drop for Etcd {
-    fn drop(&mut self) {
-        self.kill9();
-    }
-}
-
 /// etcd (the bootstrap backend) is killed with SIGKILL mid-transfer and
 /// restarted on its data directory: the room in flight succeeds, a room opened
 /// during the outage fails with a reason, the ranks' keep-alives resume and
-/// new rooms succeed. Skipped (with the reason printed) without an etcd binary.
+/// new rooms succeed. Without an etcd binary the skip is recorded
+/// ([`common::skip`]).
 #[test]
 fn etcd_restart_mid_transfer() {
-    if Command::new("etcd").arg("--version").output().is_err() {
-        eprintln!("SKIP etcd_restart_mid_transfer: no etcd binary on PATH");
-        return;
-    }
-    let dir = std::env::temp_dir().join(format!("pdxfer-faults-etcd-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    let (client, peer) = (free_port(), free_port());
-    let Some(mut etcd) = Etcd::start(&dir, client, peer) else {
-        eprintln!("SKIP etcd_restart_mid_transfer: etcd did not start");
-        return;
+    let Some(mut etcd) = Etcd::start() else {
+        return; // the skip is recorded
     };
-    let url = format!("etcd://127.0.0.1:{client}/faults");
+    let url = etcd.store_url("faults");
     let store = pdxfer::bootstrap::open_store(&url, None).unwrap();
+    let (bin, dir, client, peer) = (
+        Etcd::binary().expect("etcd started"),
+        etcd.dir.clone(),
+        etcd.client,
+        etcd.peer,
+    );
     let cl = "faults-etcd";
     wait_prefill_then_outage(
         &url,
@@ -477,13 +414,11 @@ fn etcd_restart_mid_transfer() {
         || wait_in(store.as_ref(), cl, Role::Prefill, 1),
         || etcd.kill9(),
         || {
-            let etcd =
-                Etcd::start(&dir, client, peer).expect("etcd restarts on its data directory");
+            let etcd = Etcd::start_at(&bin, &dir, client, peer);
             wait_in(store.as_ref(), cl, Role::Prefill, 1);
             etcd
         },
     );
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// Deletes the network namespaces it names (and with them their veth ends).
@@ -509,16 +444,14 @@ fn ip(args: &[&str]) -> bool {
 /// pair (10.231.x addresses exist only inside them), tcp transport, the
 /// bootstrap server in the prefill's namespace. The decode's link goes down in
 /// the middle of a transfer: both sides fail the room with a reason within its
-/// deadline, and both processes still exit when told. Skipped (reason printed)
-/// where namespaces cannot be created (not root, no `ip`).
+/// deadline, and both processes still exit when told. Where namespaces cannot
+/// be created (not root, no `ip`) the skip is recorded ([`common::skip`]).
 #[test]
 fn netns_link_down_mid_transfer() {
     let tag = format!("pdx{}", std::process::id() % 1_000_000);
     let (np, nd) = (format!("{tag}p"), format!("{tag}d"));
     if !ip(&["netns", "add", &np]) {
-        eprintln!(
-            "SKIP netns_link_down_mid_transfer: `ip netns add` failed (needs root and iproute2)"
-        );
+        skip("netns", "`ip netns add` failed (needs root and iproute2)");
         return;
     }
     let _ns = Netns(vec![np.clone(), nd.clone()]);
@@ -534,7 +467,10 @@ fn netns_link_down_mid_transfer() {
         && ip(&["-n", &np, "link", "set", &vp, "up"])
         && ip(&["-n", &nd, "link", "set", &vd, "up"]);
     if !setup {
-        eprintln!("SKIP netns_link_down_mid_transfer: cannot set up the veth pair");
+        skip(
+            "netns",
+            "cannot set up the veth pair between the namespaces",
+        );
         return;
     }
     // the bootstrap server inside the prefill's namespace

@@ -1,6 +1,8 @@
 //! tcp between two network namespaces joined by a veth pair (a two-host
-//! test on one machine). Skipped, with the reason printed, where
-//! `ip netns add` is not allowed. The namespaces are removed even on failure.
+//! test on one machine). Where `ip netns add` is not allowed the skip is
+//! recorded ([`common::skip`]). The namespaces are removed even on failure.
+
+mod common;
 
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Command, Stdio};
@@ -62,7 +64,7 @@ fn tcp_between_two_network_namespaces() {
     let id = std::process::id() % 100_000;
     let (a, b) = (format!("pdxA{id}"), format!("pdxB{id}"));
     if let Err(e) = ip(&["netns", "add", &a]) {
-        println!("SKIPPED tcp_between_two_network_namespaces: {e}");
+        common::skip("netns", &e);
         return;
     }
     let mut ns = Namespaces(vec![a.clone()]);

@@ -1,8 +1,10 @@
 //! Compiles `cuda/relayout.cu` with nvcc for sm_90 (PTX and cubin) and fails
 //! when ptxas reports register spills. nvcc comes from `$PDXFER_NVCC`,
 //! `$CUDA_HOME/bin/nvcc` or `PATH` (`scripts/cuda-deps.sh` installs it from
-//! PyPI). Without nvcc the test prints why and passes, unless
-//! `PDXFER_REQUIRE_CUDA_TOOLS` is set (the CI test command sets it).
+//! PyPI). Without nvcc the test records a skip (kind `cuda-tools`), or fails
+//! when `PDXFER_REQUIRE_CUDA_TOOLS` is set (the CI test command sets it).
+
+mod common;
 
 use std::path::PathBuf;
 use std::process::Command;
@@ -85,8 +87,9 @@ fn kernels_compile_for_sm90_without_spills() {
             std::env::var_os("PDXFER_REQUIRE_CUDA_TOOLS").is_none(),
             "PDXFER_REQUIRE_CUDA_TOOLS is set but no nvcc was found (run scripts/cuda-deps.sh)"
         );
-        eprintln!(
-            "skipped: no nvcc ($PDXFER_NVCC, $CUDA_HOME/bin or PATH); run scripts/cuda-deps.sh"
+        common::skip(
+            "cuda-tools",
+            "no nvcc ($PDXFER_NVCC, $CUDA_HOME/bin or PATH); run scripts/cuda-deps.sh",
         );
         return;
     };

@@ -14,6 +14,7 @@ import ctypes
 import json
 from typing import Any, Callable, Dict, List, Optional
 
+from ._handle import NativeHandle, guarded
 from ._lib import ArgumentError, PdxError, check, lib
 from .layout import POOL_HYBRID_MLA, POOL_MHA, POOL_MLA, Topology
 
@@ -43,7 +44,7 @@ class _ServerConfig(ctypes.Structure):
         ("listen", ctypes.c_char_p),
         ("token", ctypes.c_char_p),
         ("max_body_bytes", ctypes.c_uint64),
-        ("workers", ctypes.c_uint32),
+        ("max_connections", ctypes.c_uint32),
         ("reserved", ctypes.c_uint32),
     ]
 
@@ -150,19 +151,19 @@ class BootstrapServer:
         listen: str = "127.0.0.1:0",
         token: Optional[str] = None,
         max_body_bytes: int = 0,
-        workers: int = 0,
+        max_connections: int = 0,
     ):
-        cfg = _ServerConfig(ctypes.sizeof(_ServerConfig), _b(listen), _b(token), max_body_bytes, workers, 0)
+        cfg = _ServerConfig(ctypes.sizeof(_ServerConfig), _b(listen), _b(token), max_body_bytes, max_connections, 0)
         h = _vp()
         check(lib.pdxfer_bootstrap_server_start(ctypes.byref(cfg), ctypes.byref(h)))
-        self._h = h
-        self.url = _string(lambda b, c, n: lib.pdxfer_bootstrap_server_url(self._h, b, c, n))
+        self._hd = NativeHandle(h, lambda raw: check(lib.pdxfer_bootstrap_server_stop(raw)), "bootstrap server")
+        self.url = _string(lambda b, c, n: lib.pdxfer_bootstrap_server_url(h, b, c, n))
 
     def stop(self) -> None:
-        """Stops the server (idempotent)."""
-        if self._h:
-            h, self._h = self._h, _vp()
-            check(lib.pdxfer_bootstrap_server_stop(h))
+        """Stops the server (idempotent; safe while other threads use it)."""
+        hd = getattr(self, "_hd", None)
+        if hd is not None:
+            hd.close()
 
     def __enter__(self) -> "BootstrapServer":
         return self
@@ -182,36 +183,36 @@ class Registration:
     :meth:`deregister` (removes the entry now) or :meth:`close` (lets it expire)."""
 
     def __init__(self, handle: ctypes.c_void_p):
-        self._h = handle
+        self._hd = NativeHandle(handle, lambda raw: check(lib.pdxfer_registration_destroy(raw)), "registration")
 
     def _live(self) -> ctypes.c_void_p:
-        if not self._h:
-            raise ArgumentError(-100, "registration already closed")
-        return self._h
+        return self._hd.raw
 
     @property
+    @guarded
     def info(self) -> Dict[str, Any]:
         """The entry as the store holds it now (instance id, epoch, time)."""
         h = self._live()
         return json.loads(_string(lambda b, c, n: lib.pdxfer_registration_json(h, b, c, n)))
 
     @property
+    @guarded
     def hello(self) -> Dict[str, Any]:
         """What this rank says about itself on a direct connection."""
         h = self._live()
         return json.loads(_string(lambda b, c, n: lib.pdxfer_registration_hello_json(h, b, c, n)))
 
     def deregister(self) -> None:
-        """Removes the entry from the store and stops the keep-alive."""
-        if self._h:
-            h, self._h = self._h, _vp()
-            check(lib.pdxfer_registration_deregister(h))
+        """Removes the entry from the store and stops the keep-alive (idempotent;
+        safe while other threads use the registration)."""
+        self._hd.close(lambda raw: check(lib.pdxfer_registration_deregister(raw)))
 
     def close(self) -> None:
-        """Stops the keep-alive; the entry expires with its lease."""
-        if self._h:
-            h, self._h = self._h, _vp()
-            check(lib.pdxfer_registration_destroy(h))
+        """Stops the keep-alive; the entry expires with its lease (idempotent;
+        safe while other threads use the registration)."""
+        hd = getattr(self, "_hd", None)
+        if hd is not None:
+            hd.close()
 
     def __enter__(self) -> "Registration":
         return self
@@ -233,25 +234,26 @@ class BootstrapClient:
     def __init__(self, url: str, token: Optional[str] = None):
         h = _vp()
         check(lib.pdxfer_bootstrap_client_open(_b(url), _b(token), ctypes.byref(h)))
-        self._h = h
+        self._hd = NativeHandle(h, lambda raw: check(lib.pdxfer_bootstrap_client_close(raw)), "bootstrap client")
 
     def _live(self) -> ctypes.c_void_p:
-        if not self._h:
-            raise ArgumentError(-100, "client already closed")
-        return self._h
+        return self._hd.raw
 
+    @guarded
     def register(self, registration: Dict[str, Any], ttl_ms: int = 3000) -> Registration:
         """Registers a rank (see :func:`make_registration`) and keeps its lease alive."""
         h = _vp()
         check(lib.pdxfer_bootstrap_register(self._live(), json.dumps(registration).encode(), ttl_ms, ctypes.byref(h)))
         return Registration(h)
 
+    @guarded
     def lookup(self, cluster: str, role: str, rank_key: str) -> Dict[str, Any]:
         """The current entry of ``rank_key`` (``"dp0-tp1-cp0-pp0"``)."""
         h = self._live()
         args = (_b(cluster), _b(role), _b(rank_key))
         return json.loads(_string(lambda b, c, n: lib.pdxfer_bootstrap_lookup(h, *args, b, c, n)))
 
+    @guarded
     def summary(self, cluster: str, role: str) -> Dict[str, Any]:
         """Topology and readiness of ``cluster``/``role`` (no endpoints)."""
         h = self._live()
@@ -259,10 +261,10 @@ class BootstrapClient:
         return json.loads(_string(lambda b, c, n: lib.pdxfer_bootstrap_summary(h, *args, b, c, n)))
 
     def close(self) -> None:
-        """Frees the client (idempotent)."""
-        if self._h:
-            h, self._h = self._h, _vp()
-            check(lib.pdxfer_bootstrap_client_close(h))
+        """Frees the client (idempotent; safe while other threads use it)."""
+        hd = getattr(self, "_hd", None)
+        if hd is not None:
+            hd.close()
 
     def __enter__(self) -> "BootstrapClient":
         return self

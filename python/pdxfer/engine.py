@@ -18,6 +18,7 @@ import ctypes
 import enum
 from typing import Any, List, Optional, Sequence, Tuple
 
+from ._handle import NativeHandle, guarded
 from ._lib import ArgumentError, PdxError, check, error_class, lib
 from .layout import CTopology, Topology
 
@@ -139,6 +140,7 @@ _sig("pdxfer_engine_is_fenced", [_vp, _u64, ctypes.POINTER(ctypes.c_uint32)])
 _sig("pdxfer_engine_clear", [_vp, _u64])
 _sig("pdxfer_engine_set_state_indices", [_vp, _u64, ctypes.POINTER(ctypes.c_int64), ctypes.c_size_t])
 _sig("pdxfer_engine_room_bytes", [_vp, _u64, ctypes.POINTER(ctypes.c_uint64)])
+_sig("pdxfer_engine_decode_prefix_len", [_vp, _u64, ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint32)])
 
 
 def buffer_address(buf: Any) -> Tuple[int, Optional[int]]:
@@ -283,7 +285,7 @@ class Engine:
         )
         h = _vp()
         check(lib.pdxfer_engine_create(ctypes.byref(cfg), ctypes.byref(h)))
-        self._h = h
+        self._hd = NativeHandle(h, lambda raw: check(lib.pdxfer_engine_destroy(raw)), "engine", closed_code=-903)
 
     # ----- handle -----
 
@@ -303,6 +305,7 @@ class Engine:
             arr[i] = CAuxBuffer(base, item, count)
         return arr
 
+    @guarded
     def set_state_indices(self, room: int, rows: Sequence[int]) -> None:
         """The room's state rows, one per state buffer (prefill: before the last
         chunk; decode: before ``send_metadata``)."""
@@ -310,16 +313,15 @@ class Engine:
         check(lib.pdxfer_engine_set_state_indices(self._live(), room, arr, len(rows)))
 
     def _live(self) -> ctypes.c_void_p:
-        if not self._h:
-            raise PdxError(-903, "engine is closed")
-        return self._h
+        return self._hd.raw
 
     def close(self) -> None:
         """Deregisters the rank and stops the engine (idempotent); the pool
-        buffers may be freed afterwards."""
-        if self._h:
-            h, self._h = self._h, _vp()
-            check(lib.pdxfer_engine_destroy(h))
+        buffers may be freed afterwards. Safe while other threads call the
+        engine: it waits for their calls; later calls raise ``engine is closed``."""
+        hd = getattr(self, "_hd", None)
+        if hd is not None:
+            hd.close()
         self._keep = []
 
     def __enter__(self) -> "Engine":
@@ -336,17 +338,20 @@ class Engine:
 
     # ----- rooms -----
 
+    @guarded
     def sender(self, room: int) -> "Sender":
         """Prefill: opens ``room``; poll until ``WaitingForInput``, then :meth:`Sender.send`."""
         check(lib.pdxfer_engine_sender(self._live(), room))
         return Sender(self, room)
 
+    @guarded
     def receiver(self, room: int, prefill_dp: int = 0, timeout: Optional[float] = None) -> "Receiver":
         """Decode: opens ``room`` against prefill DP group ``prefill_dp`` (connects and
         re-checks the prefill ranks; a layout mismatch raises here)."""
         check(lib.pdxfer_engine_receiver(self._live(), room, prefill_dp, _ms(timeout)))
         return Receiver(self, room)
 
+    @guarded
     def send(self, room: int, pages: Any, num_tokens: Optional[int] = None, last: bool = True,
              aux_index: int = 0) -> None:
         """Prefill: queues a chunk (see :meth:`Sender.send`)."""
@@ -355,23 +360,27 @@ class Engine:
             num_tokens = n * self.topology.page_size * self.topology.dcp_size
         check(lib.pdxfer_engine_send(self._live(), room, p, n, num_tokens, 1 if last else 0, aux_index))
 
+    @guarded
     def send_metadata(self, room: int, dst_pages: Any, decode_prefix_len: int = 0, aux_index: int = 0) -> None:
         """Decode: tells the prefill ranks where the room's KV goes."""
         p, n, keep = _pages(dst_pages)
         check(lib.pdxfer_engine_send_metadata(self._live(), room, p, n, decode_prefix_len, aux_index))
 
+    @guarded
     def poll(self, room: int) -> KVPoll:
         """The room's state (``Failed`` for an unknown room, as SGLang)."""
         v = ctypes.c_int32()
         check(lib.pdxfer_engine_poll(self._live(), room, ctypes.byref(v)))
         return KVPoll(v.value)
 
+    @guarded
     def wait(self, room: int, timeout: float) -> KVPoll:
         """Waits up to ``timeout`` seconds for ``Success`` or ``Failed``; returns the state then."""
         v = ctypes.c_int32()
         check(lib.pdxfer_engine_wait(self._live(), room, _ms(timeout), ctypes.byref(v)))
         return KVPoll(v.value)
 
+    @guarded
     def failure(self, room: int) -> Optional[PdxError]:
         """The room's failure as a typed exception object (not raised), or None."""
         h = self._live()
@@ -384,27 +393,39 @@ class Engine:
         check(lib.pdxfer_engine_failure(h, room, ctypes.byref(st), buf, need.value, ctypes.byref(need)))
         return error_class(st.value)(st.value, buf.value.decode(errors="replace"))
 
+    @guarded
     def abort(self, room: int) -> bool:
         """Aborts the room; True when no write for it can still land locally."""
         f = ctypes.c_uint32()
         check(lib.pdxfer_engine_abort(self._live(), room, ctypes.byref(f)))
         return bool(f.value)
 
+    @guarded
     def is_fenced(self, room: int) -> bool:
         """True when no write for the (aborted) room can still land locally."""
         f = ctypes.c_uint32()
         check(lib.pdxfer_engine_is_fenced(self._live(), room, ctypes.byref(f)))
         return bool(f.value)
 
+    @guarded
     def clear(self, room: int) -> None:
         """Forgets a terminal room so its id can be reused."""
         check(lib.pdxfer_engine_clear(self._live(), room))
 
+    @guarded
     def room_bytes(self, room: int) -> int:
         """Decode: KV bytes received for the room."""
         v = ctypes.c_uint64()
         check(lib.pdxfer_engine_room_bytes(self._live(), room, ctypes.byref(v)))
         return v.value
+
+    def decode_prefix_len(self, room: int) -> Optional[int]:
+        """Prefill: the decode prefix length the decode ranks sent for the room
+        (the first chunk starts right after it), or None before their metadata."""
+        v = ctypes.c_uint64()
+        known = ctypes.c_uint32()
+        check(lib.pdxfer_engine_decode_prefix_len(self._live(), room, ctypes.byref(v), ctypes.byref(known)))
+        return v.value if known.value else None
 
 
 class _Room:
@@ -443,6 +464,10 @@ class Sender(_Room):
     def set_state_indices(self, rows: Sequence[int]) -> None:
         """State rows (one per state buffer) sent after the last chunk's KV."""
         self.engine.set_state_indices(self.room, rows)
+
+    def decode_prefix_len(self) -> Optional[int]:
+        """The decode prefix the decode ranks hold (None before their metadata)."""
+        return self.engine.decode_prefix_len(self.room)
 
     def send(self, pages: Any, num_tokens: Optional[int] = None, last: bool = True, aux_index: int = 0) -> None:
         """Queues a chunk: this rank's page ids (list or numpy) holding ``num_tokens``

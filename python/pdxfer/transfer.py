@@ -18,6 +18,7 @@ import ctypes
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple, Union
 
+from ._handle import NativeHandle, guarded
 from ._lib import lib, check, ArgumentError
 
 __all__ = [
@@ -218,6 +219,9 @@ class Agent:
     """
 
     def __init__(self, listen: Optional[str] = None, secret: Optional[str] = None):
+        if secret and (lib.pdxfer_abi_version() & 0xFFFF) < 4:
+            # an older library reads only the first 16 bytes: it would ignore the secret
+            raise ArgumentError(-101, "Agent(secret=) needs libpdxfer ABI 1.4 or newer")
         h = _vp()
         opts = _AgentOptions(
             struct_size=ctypes.sizeof(_AgentOptions),
@@ -225,15 +229,14 @@ class Agent:
             secret=secret.encode() if secret else None,
         )
         check(lib.pdxfer_agent_create(ctypes.byref(opts), ctypes.byref(h)))
-        self._h = h
+        self._hd = NativeHandle(h, lib.pdxfer_agent_destroy, "agent")
         self._keep = {}
 
     def _handle(self):
-        if self._h is None:
-            raise ArgumentError(-100, "agent is closed")
-        return self._h
+        return self._hd.raw
 
     @property
+    @guarded
     def listen_addr(self) -> str:
         """``host:port`` peers connect to."""
         n = _sz()
@@ -241,6 +244,7 @@ class Agent:
         check(lib.pdxfer_agent_listen_addr(self._handle(), buf, 128, ctypes.byref(n)))
         return buf.value.decode()
 
+    @guarded
     def register(self, buf) -> Region:
         """Registers host memory (numpy array, bytearray, ctypes object, or (addr, len))."""
         addr, n = _buffer_address(buf)
@@ -250,6 +254,7 @@ class Agent:
         self._keep[reg.id] = buf
         return reg
 
+    @guarded
     def alloc_shared(self, length: int):
         """Allocates and registers ``length`` zeroed bytes of shared memory (a memfd);
         same-host cma peers write it with memcpy. Returns ``(region, array)`` where
@@ -262,18 +267,21 @@ class Agent:
         arr = np.ctypeslib.as_array((ctypes.c_uint8 * length).from_address(reg.addr))
         return reg, arr
 
+    @guarded
     def register_device(self, dptr: int, length: int, ordinal: int = 0) -> Region:
         """Registers CUDA device memory (raises without a CUDA driver)."""
         r = _Region(struct_size=ctypes.sizeof(_Region))
         check(lib.pdxfer_register_device_memory(self._handle(), dptr, length, ordinal, ctypes.byref(r)))
         return Region._from_c(r)
 
+    @guarded
     def unregister(self, region: Union[Region, int], timeout: float = 5.0) -> None:
         """Unregisters, waiting up to ``timeout`` s for in-flight transfers touching it."""
         rid = region.id if isinstance(region, Region) else int(region)
         check(lib.pdxfer_unregister_memory(self._handle(), rid, int(timeout * 1000)))
         self._keep.pop(rid, None)
 
+    @guarded
     def regions(self) -> List[Region]:
         """This agent's registered regions."""
         n = _sz()
@@ -282,6 +290,7 @@ class Agent:
         check(lib.pdxfer_agent_regions(self._handle(), arr, n.value, ctypes.byref(n)))
         return [Region._from_c(arr[i]) for i in range(n.value)]
 
+    @guarded
     def connect(self, addr: str, transport: str = "auto", streams: int = 1, threads: int = 1, timeout: float = 10.0) -> "Peer":
         """Connects to the agent at ``addr`` over ``transport`` (auto, cma, tcp, rdma)."""
         if transport not in TRANSPORTS:
@@ -291,12 +300,15 @@ class Agent:
         check(lib.pdxfer_peer_open(self._handle(), addr.encode(), ctypes.byref(o), ctypes.byref(h)))
         return Peer(h, self)
 
+    @guarded
     def connect_local(self, target: "Agent") -> "Peer":
         """A same-process peer writing into ``target``'s regions."""
         h = _vp()
-        check(lib.pdxfer_peer_open_local(self._handle(), target._handle(), ctypes.byref(h)))
+        with target._hd.use() as t:
+            check(lib.pdxfer_peer_open_local(self._handle(), t, ctypes.byref(h)))
         return Peer(h, self)
 
+    @guarded
     def next_completion(self, timeout: float = 5.0) -> Optional[Completion]:
         """The next completion record received, or ``None`` after ``timeout`` s."""
         c = _new_completion()
@@ -307,11 +319,10 @@ class Agent:
         return Completion._from_c(c)
 
     def close(self) -> None:
-        """Destroys the agent (close its peers first)."""
-        if self._h is not None:
-            lib.pdxfer_agent_destroy(self._h)
-            self._h = None
-            self._keep.clear()
+        """Destroys the agent (close its peers first). Safe while other threads
+        call the agent: it waits for their calls; later calls raise."""
+        self._hd.close()
+        self._keep.clear()
 
     def __enter__(self):
         return self
@@ -330,21 +341,21 @@ class Peer:
     """A connection to one peer. Use :meth:`submit`, then :meth:`wait` or :meth:`poll`."""
 
     def __init__(self, handle, agent: Agent):
-        self._h = handle
+        self._hd = NativeHandle(handle, lib.pdxfer_peer_close, "peer")
         self._agent = agent
 
     def _handle(self):
-        if self._h is None:
-            raise ArgumentError(-100, "peer is closed")
-        return self._h
+        return self._hd.raw
 
     @property
+    @guarded
     def transport(self) -> str:
         """The transport in use (``cma``, ``tcp``, ``local``)."""
         v = ctypes.c_uint32()
         check(lib.pdxfer_peer_transport(self._handle(), ctypes.byref(v)))
         return TRANSPORT_NAMES[v.value]
 
+    @guarded
     def remote_regions(self) -> List[Region]:
         """The peer's region descriptors."""
         n = _sz()
@@ -362,6 +373,7 @@ class Peer:
         ``remote_region`` into ``local_region``. tcp raises ``ArgumentError`` kind ``unsupported``."""
         return self._submit(lib.pdxfer_submit_reads, ops, timeout, room, epoch, checksum)
 
+    @guarded
     def _submit(self, fn, ops, timeout, room, epoch, checksum) -> int:
         arr = (_WriteOp * max(len(ops), 1))()
         for i, op in enumerate(ops):
@@ -372,6 +384,7 @@ class Peer:
         check(fn(self._handle(), arr, len(ops), ctypes.byref(o), ctypes.byref(b)))
         return b.value
 
+    @guarded
     def poll(self, batch: int) -> Optional[Completion]:
         """``None`` while pending, the completion when done; raises the batch's failure."""
         c = _new_completion()
@@ -381,6 +394,7 @@ class Peer:
         check(st)
         return Completion._from_c(c)
 
+    @guarded
     def wait(self, batch: int, timeout: float = 30.0) -> Completion:
         """Waits for the batch; raises its failure (or ``TimeoutError``-kind ``ArgumentError`` code -107)."""
         c = _new_completion()
@@ -388,10 +402,9 @@ class Peer:
         return Completion._from_c(c)
 
     def close(self) -> None:
-        """Closes the connection; pending batches fail."""
-        if self._h is not None:
-            lib.pdxfer_peer_close(self._h)
-            self._h = None
+        """Closes the connection; pending batches fail. Safe while other threads
+        call the peer: it waits for their calls; later calls raise."""
+        self._hd.close()
 
     def __enter__(self):
         return self

@@ -25,6 +25,25 @@ pub const MAX_REGIONS: usize = 65_536;
 /// Longest cluster name (it is part of URLs and etcd keys).
 /// cbindgen:ignore
 pub const MAX_CLUSTER_LEN: usize = 64;
+/// Largest size of any one parallel dimension (dp, attention TP, attention
+/// CP, pipeline, DCP) a registration may claim.
+/// cbindgen:ignore
+pub const MAX_PARALLEL_SIZE: u32 = 1024;
+/// Most ranks one instance may claim (`dp_size * attn_tp_size * attn_cp_size * pp_size`).
+/// cbindgen:ignore
+pub const MAX_INSTANCE_RANKS: u64 = 65_536;
+/// Largest page size (tokens per page) a registration may claim.
+/// cbindgen:ignore
+pub const MAX_PAGE_SIZE: u32 = 65_536;
+/// Most KV entries (layers, or K and V of each layer) one pool may list.
+/// cbindgen:ignore
+pub const MAX_KV_ENTRIES: usize = 16_384;
+/// Largest layer id a KV entry may carry.
+/// cbindgen:ignore
+pub const MAX_LAYER_ID: u32 = 65_535;
+/// Largest bytes of one token row of one KV entry.
+/// cbindgen:ignore
+pub const MAX_ROW_BYTES: u64 = 1 << 30;
 
 /// Milliseconds since the Unix epoch (0 if the clock is before 1970).
 pub fn now_ms() -> u64 {
@@ -377,6 +396,7 @@ impl Registration {
             )));
         }
         validate_cluster(&self.cluster)?;
+        self.validate_caps()?;
         if self.dp_size == 0 || self.dp_rank >= self.dp_size {
             return Err(Error::new(
                 Status::InvalidTopology,
@@ -407,6 +427,87 @@ impl Registration {
                     "regions[{i}]: addr={:#x} len={} is empty or wraps around",
                     r.addr, r.len
                 )));
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Registration {
+    /// Refuses values above the sane maxima (a `pp_size` of 2^31 would make
+    /// every real entry of the cluster stale); the error names the field.
+    fn validate_caps(&self) -> Result<()> {
+        let t = &self.topology;
+        let too_big = |field: &str, v: u64, max: u64| {
+            Error::new(
+                Status::InvalidTopology,
+                format!("{field}: {v} is above the maximum {max}"),
+            )
+        };
+        let sizes = [
+            ("dp_size", self.dp_size),
+            ("topology.attn_tp_size", t.attn_tp_size),
+            ("topology.attn_cp_size", t.attn_cp_size),
+            ("topology.pp_size", t.pp_size),
+            ("topology.dcp_size", t.dcp_size),
+        ];
+        for (field, v) in sizes {
+            if v > MAX_PARALLEL_SIZE {
+                return Err(too_big(field, v.into(), MAX_PARALLEL_SIZE.into()));
+            }
+        }
+        let ranks = self.layout().expected_ranks();
+        if ranks > MAX_INSTANCE_RANKS {
+            return Err(too_big(
+                "dp_size*topology.attn_tp_size*topology.attn_cp_size*topology.pp_size",
+                ranks,
+                MAX_INSTANCE_RANKS,
+            ));
+        }
+        if u64::from(t.engine_rank) >= MAX_INSTANCE_RANKS {
+            return Err(too_big(
+                "topology.engine_rank",
+                t.engine_rank.into(),
+                MAX_INSTANCE_RANKS - 1,
+            ));
+        }
+        if t.page_size > MAX_PAGE_SIZE {
+            return Err(too_big(
+                "topology.page_size",
+                t.page_size.into(),
+                MAX_PAGE_SIZE.into(),
+            ));
+        }
+        if t.dcp_interleave > MAX_PAGE_SIZE {
+            return Err(too_big(
+                "topology.dcp_interleave",
+                t.dcp_interleave.into(),
+                MAX_PAGE_SIZE.into(),
+            ));
+        }
+        if t.entries.len() > MAX_KV_ENTRIES {
+            return Err(Error::new(
+                Status::GeometryMismatch,
+                format!(
+                    "topology.entries: {} given, at most {MAX_KV_ENTRIES}",
+                    t.entries.len()
+                ),
+            ));
+        }
+        for (i, e) in t.entries.iter().enumerate() {
+            if e.layer_id > MAX_LAYER_ID {
+                return Err(too_big(
+                    &format!("topology.entries[{i}].layer_id"),
+                    e.layer_id.into(),
+                    MAX_LAYER_ID.into(),
+                ));
+            }
+            if e.row_bytes > MAX_ROW_BYTES {
+                return Err(too_big(
+                    &format!("topology.entries[{i}].row_bytes"),
+                    e.row_bytes,
+                    MAX_ROW_BYTES,
+                ));
             }
         }
         Ok(())
@@ -595,6 +696,59 @@ mod tests {
         r.schema_version = SCHEMA_VERSION;
         r.topology.dcp_rank = 3;
         assert_eq!(r.validate().unwrap_err().status(), Status::InvalidTopology);
+    }
+
+    #[test]
+    fn topology_values_above_the_caps_are_refused_naming_the_field() {
+        let good = Registration::new(
+            "c1",
+            Role::Prefill,
+            InstanceId(7),
+            Topology::single_mla(64, 2, 1152),
+        );
+        good.validate().unwrap();
+        type Edit = fn(&mut Registration);
+        let cases: [(&str, Edit); 12] = [
+            ("dp_size", |r| r.dp_size = 1 << 31),
+            ("topology.attn_tp_size", |r| r.topology.attn_tp_size = 4096),
+            ("topology.attn_cp_size", |r| r.topology.attn_cp_size = 1025),
+            ("topology.pp_size", |r| r.topology.pp_size = 1 << 31),
+            ("topology.dcp_size", |r| r.topology.dcp_size = u32::MAX),
+            ("dp_size*topology.attn_tp_size", |r| {
+                r.dp_size = 1024;
+                r.topology.attn_tp_size = 1024;
+            }),
+            ("topology.engine_rank", |r| {
+                r.topology.engine_rank = u32::MAX
+            }),
+            ("topology.page_size", |r| r.topology.page_size = 1 << 20),
+            ("topology.dcp_interleave", |r| {
+                r.topology.dcp_interleave = 1 << 20
+            }),
+            ("topology.entries:", |r| {
+                let e = r.topology.entries[0];
+                r.topology.entries = vec![e; MAX_KV_ENTRIES + 1];
+            }),
+            ("topology.entries[1].layer_id", |r| {
+                r.topology.entries[1].layer_id = 1 << 20
+            }),
+            ("topology.entries[0].row_bytes", |r| {
+                r.topology.entries[0].row_bytes = 1 << 40
+            }),
+        ];
+        for (field, edit) in cases {
+            let mut r = good.clone();
+            edit(&mut r);
+            let e = r.validate().unwrap_err();
+            assert!(e.detail().starts_with(field), "{field}: {}", e.detail());
+            assert_eq!(crate::bootstrap::server::http_code(e.status()), 400);
+        }
+        // The largest values under the caps still pass.
+        let mut r = good.clone();
+        r.topology.pp_size = MAX_PARALLEL_SIZE;
+        r.topology.pp_rank = MAX_PARALLEL_SIZE - 1;
+        r.topology.page_size = MAX_PAGE_SIZE;
+        r.validate().unwrap();
     }
 
     #[test]

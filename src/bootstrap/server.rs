@@ -1,4 +1,6 @@
-//! The embedded HTTP/JSON bootstrap server (tiny_http, worker threads).
+//! The embedded HTTP/JSON bootstrap server: a bounded accept loop over
+//! `httparse` (one short-lived thread per admitted connection, at most
+//! [`ServerConfig::max_connections`] of them).
 //!
 //! Routes (all JSON; errors are `{"error": kind, "code": n, "detail": text}`):
 //!
@@ -14,24 +16,63 @@
 //! | `GET /v1/clusters/{cluster}/{role}/ranks/{dpN-tpN-cpN-ppN}` | yes | the current entry; 404 none, 409 stale |
 //!
 //! Status codes: 400 malformed or invalid (the detail names the field), 401
-//! missing or wrong token, 404 unknown route/rank/lease, 409 stale, 413 body
-//! over the limit. A refused request changes nothing.
+//! missing or wrong token, 404 unknown route/rank/lease, 408 headers or body
+//! not received in time, 409 stale, 411 a body without `Content-Length`, 413
+//! body over the limit (decided from the header, before reading a byte of
+//! it, on every route), 431 headers over [`MAX_HEAD_BYTES`], 503 more
+//! connections than the bound (answered at once and closed, never queued).
+//! A refused request changes nothing. Every connection carries one request
+//! (`Connection: close`).
+//!
+//! The server stays up under hostile clients: a connection holds its thread
+//! for at most the header timeout plus the body timeout; the accept loop
+//! backs off (10 ms doubling to 500 ms) when accepting fails, e.g. on
+//! EMFILE, and never exits until the server stops.
 
 use super::schema::{from_json, validate_cluster, RankKey, RegisterRequest, Role};
 use super::store::{MemStore, Store};
 use crate::error::{Error, Result, Status};
-use std::collections::BTreeMap;
-use std::io::Read;
-use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::collections::{BTreeMap, HashMap};
+use std::io::{ErrorKind, Read, Write};
+use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::os::fd::{AsRawFd, RawFd};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 use subtle::ConstantTimeEq;
 
 /// Default largest request body (4 MiB: room for tens of thousands of region descriptors).
 /// cbindgen:ignore
 pub const DEFAULT_MAX_BODY: usize = 4 << 20;
+/// Default bound on connections served at once.
+/// cbindgen:ignore
+pub const DEFAULT_MAX_CONNECTIONS: usize = 256;
+/// Default time a client has to send its request line and headers.
+/// cbindgen:ignore
+pub const DEFAULT_HEADER_TIMEOUT: Duration = Duration::from_secs(10);
+/// Default time a client has to send its body once the headers are in.
+/// cbindgen:ignore
+pub const DEFAULT_BODY_TIMEOUT: Duration = Duration::from_secs(30);
+/// Largest request line plus headers (larger: 431).
+/// cbindgen:ignore
+pub const MAX_HEAD_BYTES: usize = 16 * 1024;
+/// Most header lines in one request (more: 431).
+const MAX_HEADERS: usize = 64;
+/// Time a client has to take its answer.
+const WRITE_TIMEOUT: Duration = Duration::from_secs(10);
+/// After an early refusal (413, 408, ...) the server reads and discards what
+/// the client is still sending, for at most this long and this many bytes,
+/// so the client reads the answer instead of a connection reset.
+const LINGER: Duration = Duration::from_millis(500);
+const LINGER_BYTES: usize = 1 << 20;
+/// How often a waiting accept loop looks at the stop flag.
+const ACCEPT_POLL_MS: libc::c_int = 200;
+/// Backoff of the accept loop after a failed accept (EMFILE, ENFILE, ENOMEM, ...).
+const ACCEPT_BACKOFF_MIN: Duration = Duration::from_millis(10);
+const ACCEPT_BACKOFF_MAX: Duration = Duration::from_millis(500);
+/// Stack of a connection thread (it parses one small request and routes it).
+const CONN_STACK: usize = 256 * 1024;
 
 /// How to run a bootstrap server.
 #[derive(Debug, Clone)]
@@ -40,10 +81,14 @@ pub struct ServerConfig {
     pub listen: String,
     /// Shared token required for writes and for reading endpoint data.
     pub token: Option<String>,
-    /// Largest accepted request body in bytes (larger: 413).
+    /// Largest accepted request body in bytes (larger: 413, from the header).
     pub max_body_bytes: usize,
-    /// Worker threads answering requests.
-    pub workers: usize,
+    /// Most connections served at once (more: 503 and close).
+    pub max_connections: usize,
+    /// Time from accepting a connection to the end of its headers (then 408).
+    pub header_timeout: Duration,
+    /// Time from the end of the headers to the end of the body (then 408).
+    pub body_timeout: Duration,
     /// Most live entries the store holds (new keys beyond it: 503).
     pub max_entries: usize,
 }
@@ -54,7 +99,9 @@ impl Default for ServerConfig {
             listen: "127.0.0.1:0".into(),
             token: None,
             max_body_bytes: DEFAULT_MAX_BODY,
-            workers: 4,
+            max_connections: DEFAULT_MAX_CONNECTIONS,
+            header_timeout: DEFAULT_HEADER_TIMEOUT,
+            body_timeout: DEFAULT_BODY_TIMEOUT,
             max_entries: super::store::DEFAULT_MAX_ENTRIES,
         }
     }
@@ -66,28 +113,67 @@ struct HttpStats {
     rejected: BTreeMap<&'static str, u64>,
 }
 
+/// The connections being served: their fds, so that stopping can shut them
+/// down. A connection thread removes its entry and closes its socket under
+/// this lock, so every fd listed here is open while the lock is held.
+#[derive(Default)]
+struct Conns {
+    next_id: u64,
+    open: HashMap<u64, RawFd>,
+}
+
 struct Shared {
     store: Arc<MemStore>,
     token: Option<Vec<u8>>,
     max_body: usize,
+    max_connections: usize,
+    header_timeout: Duration,
+    body_timeout: Duration,
     stats: Mutex<HttpStats>,
+    conns: Mutex<Conns>,
+    conns_done: Condvar,
+    refused_connections: AtomicU64,
+    accept_errors: AtomicU64,
+    running: AtomicBool,
+}
+
+impl Shared {
+    fn count(&self, code: u16, reason: Option<&'static str>) {
+        let mut st = self.stats.lock().unwrap_or_else(|p| p.into_inner());
+        *st.by_code.entry(code).or_default() += 1;
+        if let Some(r) = reason {
+            *st.rejected.entry(r).or_default() += 1;
+        }
+    }
+
+    fn lock_conns(&self) -> std::sync::MutexGuard<'_, Conns> {
+        self.conns.lock().unwrap_or_else(|p| p.into_inner())
+    }
 }
 
 /// A running bootstrap server; stopped by [`stop`](Self::stop) or on drop.
 pub struct BootstrapServer {
     addr: SocketAddr,
-    server: Arc<tiny_http::Server>,
     shared: Arc<Shared>,
-    running: Arc<AtomicBool>,
-    workers: Vec<JoinHandle<()>>,
+    acceptor: Option<JoinHandle<()>>,
 }
 
 impl BootstrapServer {
-    /// Binds `cfg.listen` and starts the worker threads.
+    /// Binds `cfg.listen` and starts the accept thread.
     pub fn start(cfg: ServerConfig) -> Result<BootstrapServer> {
         if cfg.token.as_deref() == Some("") {
             return Err(Error::invalid(
                 "token: an empty token would accept every request; omit it instead",
+            ));
+        }
+        if cfg.max_connections == 0 {
+            return Err(Error::invalid(
+                "max_connections: must be >= 1 (0 would refuse every client)",
+            ));
+        }
+        if cfg.header_timeout.is_zero() || cfg.body_timeout.is_zero() {
+            return Err(Error::invalid(
+                "header_timeout/body_timeout: must be above zero",
             ));
         }
         let cannot = |e: &dyn std::fmt::Display| {
@@ -96,45 +182,34 @@ impl BootstrapServer {
                 format!("cannot listen on {}: {e}", cfg.listen),
             )
         };
-        let listener = std::net::TcpListener::bind(&cfg.listen).map_err(|e| cannot(&e))?;
-        set_nodelay(&listener);
-        let server = tiny_http::Server::from_listener(listener, None).map_err(|e| cannot(&e))?;
-        let addr = server.server_addr().to_ip().ok_or_else(|| {
-            Error::new(Status::Bootstrap, "bootstrap server is not on an IP socket")
-        })?;
-        let server = Arc::new(server);
+        let listener = TcpListener::bind(&cfg.listen).map_err(|e| cannot(&e))?;
+        // Non-blocking, so a wake-up without a pending connection never blocks
+        // the loop past a stop request.
+        listener.set_nonblocking(true).map_err(|e| cannot(&e))?;
+        let addr = listener.local_addr().map_err(|e| cannot(&e))?;
         let shared = Arc::new(Shared {
             store: Arc::new(MemStore::with_max_entries(cfg.max_entries)),
             token: cfg.token.map(String::into_bytes),
             max_body: cfg.max_body_bytes,
+            max_connections: cfg.max_connections,
+            header_timeout: cfg.header_timeout,
+            body_timeout: cfg.body_timeout,
             stats: Mutex::new(HttpStats::default()),
+            conns: Mutex::new(Conns::default()),
+            conns_done: Condvar::new(),
+            refused_connections: AtomicU64::new(0),
+            accept_errors: AtomicU64::new(0),
+            running: AtomicBool::new(true),
         });
-        let running = Arc::new(AtomicBool::new(true));
-        let mut workers = Vec::new();
-        for i in 0..cfg.workers.max(1) {
-            let (server, shared, running) = (server.clone(), shared.clone(), running.clone());
-            let h = std::thread::Builder::new()
-                .name(format!("pdxfer-bootstrap-{i}"))
-                .spawn(move || {
-                    while running.load(Ordering::Acquire) {
-                        match server.recv_timeout(Duration::from_millis(200)) {
-                            Ok(Some(req)) => handle(&shared, req),
-                            Ok(None) => {}
-                            Err(_) => break,
-                        }
-                    }
-                })
-                .map_err(|e| {
-                    Error::new(Status::Io, format!("cannot start bootstrap worker: {e}"))
-                })?;
-            workers.push(h);
-        }
+        let sh = shared.clone();
+        let acceptor = std::thread::Builder::new()
+            .name("pdxfer-bootstrap-accept".into())
+            .spawn(move || accept_loop(&sh, &listener))
+            .map_err(|e| Error::new(Status::Io, format!("cannot start bootstrap server: {e}")))?;
         Ok(BootstrapServer {
             addr,
-            server,
             shared,
-            running,
-            workers,
+            acceptor: Some(acceptor),
         })
     }
 
@@ -153,19 +228,40 @@ impl BootstrapServer {
         self.shared.store.clone()
     }
 
-    /// Stops accepting requests and joins the workers.
+    /// Stops accepting, closes the listening socket, shuts down the
+    /// connections being served and waits for their threads to finish.
     pub fn stop(mut self) {
         self.shutdown();
     }
 
     fn shutdown(&mut self) {
-        self.running.store(false, Ordering::Release);
-        for _ in 0..self.workers.len() {
-            self.server.unblock();
-        }
-        for h in self.workers.drain(..) {
-            // A worker that panicked has nothing left to clean up.
+        self.shared.running.store(false, Ordering::Release);
+        if let Some(h) = self.acceptor.take() {
+            // The accept loop catches nothing that can panic; a panic would
+            // have left nothing to clean up.
             let _ = h.join();
+        }
+        let mut conns = self.shared.lock_conns();
+        for fd in conns.open.values() {
+            // SAFETY: every fd in `open` is an open socket while the lock is
+            // held (its thread closes it only under this lock); shutdown does
+            // not close it, it only wakes the thread's blocked read or write.
+            unsafe { libc::shutdown(*fd, libc::SHUT_RDWR) };
+        }
+        // Each woken thread finishes in about a syscall; the bound only
+        // guards against a thread stuck elsewhere.
+        let end = Instant::now() + Duration::from_secs(5);
+        while !conns.open.is_empty() {
+            let left = end.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                break;
+            }
+            conns = self
+                .shared
+                .conns_done
+                .wait_timeout(conns, left)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
         }
     }
 }
@@ -176,25 +272,363 @@ impl Drop for BootstrapServer {
     }
 }
 
-/// Sets TCP_NODELAY on the listening socket; Linux copies it to every
-/// accepted connection. tiny_http writes a response's head and body
-/// separately, and without it a kept-alive connection stalls on Nagle's
-/// algorithm against the client's delayed ACK (~40 ms per request).
-fn set_nodelay(l: &std::net::TcpListener) {
-    use std::os::fd::AsRawFd;
-    let one: libc::c_int = 1;
-    // SAFETY: the fd is open for the lifetime of `l`; the option value is a c_int that outlives the call.
-    let rc = unsafe {
-        libc::setsockopt(
-            l.as_raw_fd(),
-            libc::IPPROTO_TCP,
-            libc::TCP_NODELAY,
-            (&one as *const libc::c_int).cast(),
-            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+/// Accepts until the server stops. A failed accept (EMFILE, ENFILE,
+/// ENOBUFS, ENOMEM, ...) leaves the connection in the kernel's backlog and
+/// makes the listener readable again at once, so the loop sleeps with a
+/// doubling backoff instead of retrying: it neither exits nor spins.
+fn accept_loop(shared: &Arc<Shared>, listener: &TcpListener) {
+    let mut backoff = Duration::ZERO;
+    while shared.running.load(Ordering::Acquire) {
+        let mut pfd = libc::pollfd {
+            fd: listener.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: `pfd` is one valid pollfd on the stack for the whole call, and the count is 1.
+        let n = unsafe { libc::poll(&mut pfd, 1, ACCEPT_POLL_MS) };
+        if n <= 0 {
+            // Timeout or EINTR: look at the stop flag again.
+            continue;
+        }
+        match listener.accept() {
+            Ok((stream, _)) => {
+                backoff = Duration::ZERO;
+                admit(shared, stream);
+            }
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    ErrorKind::WouldBlock | ErrorKind::Interrupted | ErrorKind::ConnectionAborted
+                ) => {}
+            Err(_) => {
+                shared.accept_errors.fetch_add(1, Ordering::Relaxed);
+                backoff = (backoff * 2).clamp(ACCEPT_BACKOFF_MIN, ACCEPT_BACKOFF_MAX);
+                std::thread::sleep(backoff);
+            }
+        }
+    }
+}
+
+/// Serves `stream` on its own thread, or refuses it at once (503 and close)
+/// when `max_connections` are being served already.
+fn admit(shared: &Arc<Shared>, stream: TcpStream) {
+    let id = {
+        let mut conns = shared.lock_conns();
+        if conns.open.len() >= shared.max_connections {
+            drop(conns);
+            refuse(
+                shared,
+                stream,
+                &format!(
+                    "the bootstrap serves at most {} connections at once; retry shortly",
+                    shared.max_connections
+                ),
+            );
+            return;
+        }
+        let id = conns.next_id;
+        conns.next_id += 1;
+        conns.open.insert(id, stream.as_raw_fd());
+        id
+    };
+    let sh = shared.clone();
+    // The stream moves into the thread only if the spawn succeeds; keep a
+    // second handle to it for the refusal otherwise.
+    let slot = Arc::new(Mutex::new(Some(stream)));
+    let slot2 = slot.clone();
+    let spawned = std::thread::Builder::new()
+        .name("pdxfer-bootstrap-conn".into())
+        .stack_size(CONN_STACK)
+        .spawn(move || {
+            let stream = slot2.lock().unwrap_or_else(|p| p.into_inner()).take();
+            if let Some(stream) = stream {
+                serve(&sh, id, stream);
+            }
+        });
+    if spawned.is_err() {
+        let stream = slot.lock().unwrap_or_else(|p| p.into_inner()).take();
+        let mut conns = shared.lock_conns();
+        conns.open.remove(&id);
+        drop(conns);
+        if let Some(stream) = stream {
+            refuse(
+                shared,
+                stream,
+                "the bootstrap cannot start a thread; retry shortly",
+            );
+        }
+    }
+}
+
+/// Answers 503 without waiting on the client and closes.
+fn refuse(shared: &Shared, mut stream: TcpStream, detail: &str) {
+    shared.refused_connections.fetch_add(1, Ordering::Relaxed);
+    shared.count(503, None);
+    let e = Error::new(Status::Bootstrap, detail);
+    let bytes = response_bytes(503, "application/json", &error_body(&e));
+    // A fresh socket's send buffer takes these few hundred bytes without
+    // blocking; a client that cannot take them loses only its own answer.
+    if stream.set_nonblocking(true).is_ok() {
+        let _ = stream.write(&bytes);
+    }
+    let _ = stream.shutdown(Shutdown::Write);
+}
+
+/// Serves one connection and then forgets it.
+fn serve(shared: &Shared, id: u64, mut stream: TcpStream) {
+    let _ = stream.set_nonblocking(false);
+    let _ = stream.set_nodelay(true);
+    let _ = stream.set_write_timeout(Some(WRITE_TIMEOUT));
+    let (reply, linger) = match read_request(shared, &mut stream) {
+        Ok(Some(req)) => (answer(shared, &req), false),
+        // The client closed before sending a request: nothing to answer.
+        Ok(None) => (None, false),
+        Err((code, e)) => (Some(error_reply(shared, code, &e)), true),
+    };
+    if let Some(r) = reply {
+        shared.count(r.code, None);
+        let bytes = response_bytes(r.code, r.content_type, &r.body);
+        // The client may have gone away; nothing to do then.
+        if stream.write_all(&bytes).is_ok() && linger {
+            let _ = stream.shutdown(Shutdown::Write);
+            discard_rest(&mut stream);
+        }
+    }
+    let mut conns = shared.lock_conns();
+    conns.open.remove(&id);
+    // Closed under the lock: `shutdown` never sees a reused fd.
+    drop(stream);
+    drop(conns);
+    shared.conns_done.notify_all();
+}
+
+/// Reads and drops what the client still sends, within [`LINGER`].
+fn discard_rest(stream: &mut TcpStream) {
+    let end = Instant::now() + LINGER;
+    let mut buf = [0u8; 16 * 1024];
+    let mut total = 0usize;
+    while total < LINGER_BYTES {
+        let left = end.saturating_duration_since(Instant::now());
+        if left.is_zero() || stream.set_read_timeout(Some(left)).is_err() {
+            return;
+        }
+        match stream.read(&mut buf) {
+            Ok(0) | Err(_) => return,
+            Ok(n) => total += n,
+        }
+    }
+}
+
+struct Request {
+    method: String,
+    path: String,
+    authorization: Option<String>,
+    body: Vec<u8>,
+}
+
+/// A refusal before routing: the HTTP code and the error.
+type Refusal = (u16, Error);
+
+fn refusal(code: u16, status: Status, detail: impl Into<String>) -> Refusal {
+    (code, Error::new(status, detail))
+}
+
+/// Reads `stream` until `deadline` into `buf`; `Ok(0)` at end of stream.
+fn read_until(stream: &mut TcpStream, buf: &mut [u8], deadline: Instant) -> std::io::Result<usize> {
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(ErrorKind::TimedOut.into());
+        }
+        stream.set_read_timeout(Some(left))?;
+        match stream.read(buf) {
+            Err(e) if e.kind() == ErrorKind::Interrupted => continue,
+            Err(e) if e.kind() == ErrorKind::WouldBlock => return Err(ErrorKind::TimedOut.into()),
+            r => return r,
+        }
+    }
+}
+
+/// Reads one request: the head within the header timeout, then (after
+/// checking `Content-Length` against the limit) the body within the body
+/// timeout. `Ok(None)`: the client closed without sending anything.
+fn read_request(
+    shared: &Shared,
+    stream: &mut TcpStream,
+) -> std::result::Result<Option<Request>, Refusal> {
+    let timed_out = |what: &str, t: Duration| {
+        refusal(
+            408,
+            Status::Timeout,
+            format!("the {what} did not arrive within {} ms", t.as_millis()),
         )
     };
-    // Failure only costs latency, never correctness.
-    let _ = rc;
+    let head_deadline = Instant::now() + shared.header_timeout;
+    let mut buf: Vec<u8> = Vec::with_capacity(1024);
+    let mut chunk = [0u8; 4096];
+    let (head_len, mut req, content_length, expect_continue) = loop {
+        let n = match read_until(stream, &mut chunk, head_deadline) {
+            Ok(0) if buf.is_empty() => return Ok(None),
+            Ok(0) => {
+                return Err(refusal(
+                    400,
+                    Status::InvalidArgument,
+                    "the connection closed in the middle of the request headers",
+                ))
+            }
+            Ok(n) => n,
+            Err(e) if e.kind() == ErrorKind::TimedOut => {
+                return Err(timed_out("request headers", shared.header_timeout))
+            }
+            Err(_) => return Ok(None),
+        };
+        buf.extend_from_slice(&chunk[..n]);
+        let mut headers = [httparse::EMPTY_HEADER; MAX_HEADERS];
+        let mut parsed = httparse::Request::new(&mut headers);
+        match parsed.parse(&buf) {
+            Ok(httparse::Status::Complete(len)) => {
+                let (req, cl, expect) = head_fields(&parsed)?;
+                break (len, req, cl, expect);
+            }
+            Ok(httparse::Status::Partial) => {}
+            Err(httparse::Error::TooManyHeaders) => {
+                return Err(refusal(
+                    431,
+                    Status::InvalidArgument,
+                    format!("more than {MAX_HEADERS} header lines"),
+                ))
+            }
+            Err(e) => {
+                return Err(refusal(
+                    400,
+                    Status::InvalidArgument,
+                    format!("not an HTTP/1.x request: {e}"),
+                ))
+            }
+        }
+        if buf.len() > MAX_HEAD_BYTES {
+            return Err(refusal(
+                431,
+                Status::InvalidArgument,
+                format!("request line and headers exceed {MAX_HEAD_BYTES} bytes"),
+            ));
+        }
+    };
+    let limit = shared.max_body;
+    if content_length > limit as u64 {
+        return Err(refusal(
+            413,
+            Status::PayloadTooLarge,
+            format!("request body is {content_length} bytes, the limit is {limit}"),
+        ));
+    }
+    let want = content_length as usize;
+    let mut body = buf.split_off(head_len.min(buf.len()));
+    if body.len() > want {
+        // Pipelined bytes after the body: one request per connection.
+        body.truncate(want);
+    }
+    if body.len() < want && expect_continue {
+        let _ = stream.write_all(b"HTTP/1.1 100 Continue\r\n\r\n");
+    }
+    let body_deadline = Instant::now() + shared.body_timeout;
+    while body.len() < want {
+        let room = (want - body.len()).min(chunk.len());
+        match read_until(stream, &mut chunk[..room], body_deadline) {
+            Ok(0) => {
+                return Err(refusal(
+                    400,
+                    Status::InvalidArgument,
+                    format!(
+                        "the connection closed after {} of {want} body bytes",
+                        body.len()
+                    ),
+                ))
+            }
+            Ok(n) => body.extend_from_slice(&chunk[..n]),
+            Err(e) if e.kind() == ErrorKind::TimedOut => {
+                return Err(timed_out("request body", shared.body_timeout))
+            }
+            Err(_) => return Ok(None),
+        }
+    }
+    req.body = body;
+    Ok(Some(req))
+}
+
+/// The fields of a parsed head the routes use: the request, its declared
+/// body length and whether the client waits for `100 Continue`.
+fn head_fields(
+    parsed: &httparse::Request<'_, '_>,
+) -> std::result::Result<(Request, u64, bool), Refusal> {
+    let bad = |d: String| refusal(400, Status::InvalidArgument, d);
+    let mut content_length: Option<u64> = None;
+    let mut authorization = None;
+    let mut expect_continue = false;
+    for h in parsed.headers.iter() {
+        let value = std::str::from_utf8(h.value)
+            .map_err(|_| bad(format!("header {}: not UTF-8", h.name)))?
+            .trim();
+        if h.name.eq_ignore_ascii_case("content-length") {
+            let n: u64 = if !value.is_empty() && value.bytes().all(|b| b.is_ascii_digit()) {
+                value.parse().unwrap_or(u64::MAX)
+            } else {
+                return Err(bad(format!(
+                    "Content-Length: {value:?} is not a byte count"
+                )));
+            };
+            if content_length.is_some_and(|m| m != n) {
+                return Err(bad("two different Content-Length headers".into()));
+            }
+            content_length = Some(n);
+        } else if h.name.eq_ignore_ascii_case("transfer-encoding") {
+            return Err(refusal(
+                411,
+                Status::InvalidArgument,
+                "Transfer-Encoding is not accepted; send the body with Content-Length",
+            ));
+        } else if h.name.eq_ignore_ascii_case("authorization") {
+            authorization = Some(value.to_string());
+        } else if h.name.eq_ignore_ascii_case("expect") {
+            expect_continue = value.eq_ignore_ascii_case("100-continue");
+        }
+    }
+    let req = Request {
+        method: parsed.method.unwrap_or("").to_string(),
+        path: parsed.path.unwrap_or("").to_string(),
+        authorization,
+        body: Vec::new(),
+    };
+    Ok((req, content_length.unwrap_or(0), expect_continue))
+}
+
+fn reason_phrase(code: u16) -> &'static str {
+    match code {
+        100 => "Continue",
+        200 => "OK",
+        400 => "Bad Request",
+        401 => "Unauthorized",
+        404 => "Not Found",
+        408 => "Request Timeout",
+        409 => "Conflict",
+        411 => "Length Required",
+        413 => "Payload Too Large",
+        431 => "Request Header Fields Too Large",
+        503 => "Service Unavailable",
+        _ => "Internal Server Error",
+    }
+}
+
+/// One whole response (head and body in one buffer, one write).
+fn response_bytes(code: u16, content_type: &str, body: &str) -> Vec<u8> {
+    let mut out = format!(
+        "HTTP/1.1 {code} {}\r\nContent-Type: {content_type}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+        reason_phrase(code),
+        body.len()
+    )
+    .into_bytes();
+    out.extend_from_slice(body.as_bytes());
+    out
 }
 
 /// HTTP status for a pdxfer status.
@@ -237,58 +671,38 @@ fn json_reply<T: serde::Serialize>(v: &T) -> Result<Reply> {
     })
 }
 
-fn handle(shared: &Shared, mut req: tiny_http::Request) {
-    let reply = match route(shared, &mut req) {
-        Ok(r) => r,
-        Err(e) => {
-            let reason = match e.status() {
-                Status::Unauthorized => Some("unauthorized"),
-                Status::PayloadTooLarge => Some("too_large"),
-                s if http_code(s) == 400 => Some("malformed"),
-                _ => None,
-            };
-            if let Some(r) = reason {
-                let mut st = shared.stats.lock().unwrap_or_else(|p| p.into_inner());
-                *st.rejected.entry(r).or_default() += 1;
-            }
-            Reply {
-                code: http_code(e.status()),
-                body: error_body(&e),
-                content_type: "application/json",
-            }
-        }
+/// The reply for a request refused before routing; counts the reason.
+fn error_reply(shared: &Shared, code: u16, e: &Error) -> Reply {
+    let reason = match code {
+        401 => Some("unauthorized"),
+        408 => Some("timeout"),
+        413 | 431 => Some("too_large"),
+        400 | 411 => Some("malformed"),
+        _ => None,
     };
-    {
+    if let Some(r) = reason {
         let mut st = shared.stats.lock().unwrap_or_else(|p| p.into_inner());
-        *st.by_code.entry(reply.code).or_default() += 1;
+        *st.rejected.entry(r).or_default() += 1;
     }
-    let mut resp = tiny_http::Response::from_string(reply.body).with_status_code(reply.code);
-    // Both parts are static ASCII, so this always succeeds.
-    if let Ok(ct) =
-        tiny_http::Header::from_bytes(&b"Content-Type"[..], reply.content_type.as_bytes())
-    {
-        resp = resp.with_header(ct);
+    Reply {
+        code,
+        body: error_body(e),
+        content_type: "application/json",
     }
-    // One request per connection: an idle kept-alive connection would hold one
-    // of tiny_http's connection threads, and enough of them starve new
-    // clients. Registration and lookups are rare; a reconnect costs little.
-    if let Ok(c) = tiny_http::Header::from_bytes(&b"Connection"[..], &b"close"[..]) {
-        resp = resp.with_header(c);
-    }
-    // The client may have gone away; nothing to do then.
-    let _ = req.respond(resp);
 }
 
-fn authorize(shared: &Shared, req: &tiny_http::Request) -> Result<()> {
+fn answer(shared: &Shared, req: &Request) -> Option<Reply> {
+    Some(match route(shared, req) {
+        Ok(r) => r,
+        Err(e) => error_reply(shared, http_code(e.status()), &e),
+    })
+}
+
+fn authorize(shared: &Shared, req: &Request) -> Result<()> {
     let Some(token) = &shared.token else {
         return Ok(());
     };
-    let given = req
-        .headers()
-        .iter()
-        .find(|h| h.field.equiv("Authorization"))
-        .map(|h| h.value.as_str());
-    let Some(given) = given else {
+    let Some(given) = req.authorization.as_deref() else {
         return Err(Error::new(
             Status::Unauthorized,
             "this bootstrap requires a token: send `Authorization: Bearer <token>`",
@@ -306,30 +720,6 @@ fn authorize(shared: &Shared, req: &tiny_http::Request) -> Result<()> {
     }
 }
 
-fn read_body(shared: &Shared, req: &mut tiny_http::Request) -> Result<Vec<u8>> {
-    let limit = shared.max_body;
-    if let Some(n) = req.body_length() {
-        if n > limit {
-            return Err(Error::new(
-                Status::PayloadTooLarge,
-                format!("request body is {n} bytes, the limit is {limit}"),
-            ));
-        }
-    }
-    let mut buf = Vec::new();
-    req.as_reader()
-        .take(limit as u64 + 1)
-        .read_to_end(&mut buf)
-        .map_err(|e| Error::invalid(format!("cannot read the request body: {e}")))?;
-    if buf.len() > limit {
-        return Err(Error::new(
-            Status::PayloadTooLarge,
-            format!("request body exceeds the limit of {limit} bytes"),
-        ));
-    }
-    Ok(buf)
-}
-
 fn parse_lease(s: &str) -> Result<u64> {
     s.parse()
         .map_err(|_| Error::invalid(format!("lease id must be an unsigned integer, got {s:?}")))
@@ -342,13 +732,12 @@ fn not_found(method: &str, path: &str) -> Error {
     )
 }
 
-fn route(shared: &Shared, req: &mut tiny_http::Request) -> Result<Reply> {
-    let method = req.method().as_str().to_string();
-    let url = req.url().to_string();
-    let path = url.split('?').next().unwrap_or("");
+fn route(shared: &Shared, req: &Request) -> Result<Reply> {
+    let method = req.method.as_str();
+    let path = req.path.split('?').next().unwrap_or("");
     let parts: Vec<&str> = path.trim_matches('/').split('/').collect();
     let store = &shared.store;
-    match (method.as_str(), parts.as_slice()) {
+    match (method, parts.as_slice()) {
         ("GET", ["health"]) => json_reply(&serde_json::json!({"status": "ok"})),
         ("GET", ["metrics"]) => Ok(Reply {
             code: 200,
@@ -357,8 +746,7 @@ fn route(shared: &Shared, req: &mut tiny_http::Request) -> Result<Reply> {
         }),
         ("POST", ["v1", "register"]) => {
             authorize(shared, req)?;
-            let body = read_body(shared, req)?;
-            let r: RegisterRequest = from_json(&body, "registration request")?;
+            let r: RegisterRequest = from_json(&req.body, "registration request")?;
             let ack = store.register(&r.registration, Duration::from_millis(r.ttl_ms))?;
             json_reply(&ack)
         }
@@ -386,10 +774,10 @@ fn route(shared: &Shared, req: &mut tiny_http::Request) -> Result<Reply> {
                     let key = RankKey::parse(key)?;
                     json_reply(&store.lookup(cluster, role, &key)?)
                 }
-                _ => Err(not_found(&method, path)),
+                _ => Err(not_found(method, path)),
             }
         }
-        _ => Err(not_found(&method, path)),
+        _ => Err(not_found(method, path)),
     }
 }
 
@@ -446,6 +834,30 @@ fn metrics_text(shared: &Shared) -> String {
     for (name, kind, help, v) in counts {
         metric(name, kind, help, &[(String::new(), v)]);
     }
+    let open = shared.lock_conns().open.len() as u64;
+    let conn_counts: [(&str, &str, &str, u64); 3] = [
+        (
+            "pdxfer_bootstrap_connections",
+            "gauge",
+            "Connections being served (this scrape included).",
+            open,
+        ),
+        (
+            "pdxfer_bootstrap_refused_connections_total",
+            "counter",
+            "Connections answered 503 and closed because max_connections were being served.",
+            shared.refused_connections.load(Ordering::Relaxed),
+        ),
+        (
+            "pdxfer_bootstrap_accept_errors_total",
+            "counter",
+            "Failed accepts (e.g. EMFILE), each followed by a backoff.",
+            shared.accept_errors.load(Ordering::Relaxed),
+        ),
+    ];
+    for (name, kind, help, v) in conn_counts {
+        metric(name, kind, help, &[(String::new(), v)]);
+    }
     let st = shared.stats.lock().unwrap_or_else(|p| p.into_inner());
     let codes: Vec<(String, u64)> = st
         .by_code
@@ -458,7 +870,7 @@ fn metrics_text(shared: &Shared) -> String {
         "HTTP requests answered, by status code (this scrape not included).",
         &codes,
     );
-    let rejected: Vec<(String, u64)> = ["malformed", "too_large", "unauthorized"]
+    let rejected: Vec<(String, u64)> = ["malformed", "timeout", "too_large", "unauthorized"]
         .iter()
         .map(|r| {
             (

@@ -227,7 +227,8 @@ impl Engine {
 
     /// Aborts a room. On decode the prefill ranks are told and answer once no
     /// write for the room can still land; [`is_fenced`](Self::is_fenced) says
-    /// when the pages may be reused. Returns whether it is fenced already.
+    /// when the pages may be reused. On prefill the decode ranks that sent
+    /// metadata are told the room failed. Returns whether it is fenced already.
     pub fn abort(&self, room: u64) -> Result<bool> {
         let attempt = lock(&self.inner.rooms).get(room)?.attempt;
         let fenced = lock(&self.inner.rooms).abort(room, attempt)?;
@@ -242,7 +243,23 @@ impl Engine {
             }
             return Ok(self.is_fenced(room));
         }
+        // the decode ranks of the room learn it now rather than at their timeout
+        let failure = lock(&self.inner.rooms)
+            .get(room)
+            .ok()
+            .and_then(|r| r.failure.clone());
+        super::prefill::notify_decode(&self.inner, room, false, failure);
         Ok(fenced)
+    }
+
+    /// Prefill: the `decode_prefix_len` the decode ranks sent for the room,
+    /// once their metadata has arrived (`None` before, or for an unknown room).
+    /// The prefill's chunks start right after it: SGLang's
+    /// `pop_decode_prefix_len` reads it to skip the prefix the decode holds.
+    pub fn decode_prefix_len(&self, room: u64) -> Option<u64> {
+        lock(&self.inner.prefill_rooms)
+            .get(&room)
+            .and_then(|r| r.infos.first().map(|m| m.prefix))
     }
 
     /// True when no write for an aborted room can still land in local memory

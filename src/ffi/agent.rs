@@ -24,7 +24,7 @@ pub struct PdxAgentOptions {
     /// The cluster secret peers must prove (at least 16 bytes; copied); NULL
     /// reads `PDXFER_CLUSTER_SECRET`, and without either only a
     /// loopback-bound listener is allowed (`PDX_STATUS_AUTH_REQUIRED`).
-    /// ABI 1.3; callers of 1.2 (a 16-byte struct) get NULL.
+    /// ABI 1.4; callers of 1.3 and older (a 16-byte struct) get NULL.
     pub secret: *const c_char,
 }
 
@@ -98,6 +98,7 @@ pub extern "C" fn pdxfer_agent_create(
                 ptr::opt_c_str(o.secret, "secret")?.map(str::to_string),
             )
         };
+        ptr::check_out(out, "agent output pointer")?;
         let agent = Agent::new(&AgentOptions {
             listen,
             secret,
@@ -110,6 +111,14 @@ pub extern "C" fn pdxfer_agent_create(
 
 /// Destroys an agent: stops listening and closes its receiver sessions.
 /// NULL is a no-op. The handle must not be used afterwards.
+///
+/// Threads: every other call on the same `PdxAgent` may run concurrently with the others,
+/// from any thread. This one may not race any of them: it frees the handle,
+/// so no call on the same `PdxAgent` may be in flight when it starts, and none may start
+/// after it. (The Python package enforces this: its `Agent.close()` waits for the
+/// calls in flight and refuses later ones with a typed error.)
+/// `PdxPeer` handles opened from the agent are separate handles, closed with
+/// `pdxfer_peer_close` (close them first).
 #[no_mangle]
 pub extern "C" fn pdxfer_agent_destroy(agent: *mut PdxAgent) {
     let _ = boundary(|| {
@@ -148,6 +157,7 @@ pub extern "C" fn pdxfer_agent_next_completion(
 ) -> PdxStatus {
     boundary(|| {
         let a = ptr::handle(agent, "agent")?;
+        ptr::check_versioned_out(out)?;
         match a.agent.next_completion(Duration::from_millis(timeout_ms)) {
             Some(inc) => {
                 ptr::write_versioned(out, &PdxCompletion::from_rust(&inc.completion, Some(&inc)))?;

@@ -88,9 +88,7 @@ fn submit_with(
     let p = ptr::handle(peer, "peer")?;
     let ops = ptr::slice(ops, num_ops, "ops")?;
     let o = batch_options(options)?;
-    if out_batch.is_null() {
-        return Err(Error::new(Status::NullArgument, "out_batch is NULL"));
-    }
+    ptr::check_out(out_batch, "out_batch")?;
     let id = f(p.t.as_ref(), ops, &o)?;
     ptr::write_out(out_batch, id.0, "out_batch")?;
     super::ok()
@@ -150,7 +148,9 @@ pub extern "C" fn pdxfer_submit_reads(
 
 /// Polls a batch: `PDX_STATUS_OK` (done; `out` filled, may be NULL),
 /// `PDX_STATUS_IN_PROGRESS`, or the batch's failure (reason in
-/// `pdxfer_last_error()`). A finished batch is reported once.
+/// `pdxfer_last_error()`). A finished batch is reported once. An `out` whose
+/// `struct_size` is too small is `PDX_STATUS_ABI_MISMATCH` before the batch
+/// is looked at: its result stays to be reported.
 #[no_mangle]
 pub extern "C" fn pdxfer_poll(
     peer: *const PdxPeer,
@@ -159,6 +159,9 @@ pub extern "C" fn pdxfer_poll(
 ) -> PdxStatus {
     boundary(|| {
         let p = ptr::handle(peer, "peer")?;
+        if !out.is_null() {
+            ptr::check_versioned_out(out)?;
+        }
         match p.t.poll(BatchId(batch))? {
             BatchStatus::Pending => Ok(Status::InProgress),
             BatchStatus::Done(c) => {
@@ -174,7 +177,9 @@ pub extern "C" fn pdxfer_poll(
 
 /// Waits up to `timeout_ms` for a batch: `PDX_STATUS_OK` (`out` filled, may
 /// be NULL), the batch's failure, or `PDX_STATUS_TIMEOUT` when the wait
-/// ended first (the batch keeps its own deadline).
+/// ended first (the batch keeps its own deadline). An `out` whose
+/// `struct_size` is too small is `PDX_STATUS_ABI_MISMATCH` before waiting:
+/// the result is not consumed and a later call still gets it.
 #[no_mangle]
 pub extern "C" fn pdxfer_wait(
     peer: *const PdxPeer,
@@ -184,6 +189,9 @@ pub extern "C" fn pdxfer_wait(
 ) -> PdxStatus {
     boundary(|| {
         let p = ptr::handle(peer, "peer")?;
+        if !out.is_null() {
+            ptr::check_versioned_out(out)?;
+        }
         let c =
             p.t.wait(BatchId(batch), Duration::from_millis(timeout_ms))?;
         if !out.is_null() {

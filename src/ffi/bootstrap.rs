@@ -25,8 +25,9 @@ pub struct PdxBootstrapServerConfig {
     pub token: *const c_char,
     /// Largest accepted request body in bytes; 0 for the default (4 MiB).
     pub max_body_bytes: u64,
-    /// Worker threads; 0 for the default (4).
-    pub workers: u32,
+    /// Most connections served at once (more are answered 503 and closed);
+    /// 0 for the default (256).
+    pub max_connections: u32,
     /// Reserved, zero.
     pub reserved: u32,
 }
@@ -55,11 +56,13 @@ pub extern "C" fn pdxfer_bootstrap_server_start(
             } else {
                 usize::try_from(c.max_body_bytes).unwrap_or(usize::MAX)
             },
-            workers: if c.workers == 0 {
-                d.workers
+            max_connections: if c.max_connections == 0 {
+                d.max_connections
             } else {
-                c.workers as usize
+                c.max_connections as usize
             },
+            header_timeout: d.header_timeout,
+            body_timeout: d.body_timeout,
             max_entries: d.max_entries,
         };
         let inner = BootstrapServer::start(cfg)?;
@@ -85,6 +88,12 @@ pub extern "C" fn pdxfer_bootstrap_server_url(
 }
 
 /// Stops the server, joins its threads and frees the handle. NULL is a no-op.
+///
+/// Threads: every other call on the same `PdxBootstrapServer` may run concurrently with the others,
+/// from any thread. This one may not race any of them: it frees the handle,
+/// so no call on the same `PdxBootstrapServer` may be in flight when it starts, and none may start
+/// after it. (The Python package enforces this: its `BootstrapServer.stop()` waits for the
+/// calls in flight and refuses later ones with a typed error.)
 #[no_mangle]
 pub extern "C" fn pdxfer_bootstrap_server_stop(server: *mut PdxBootstrapServer) -> PdxStatus {
     boundary(|| {
@@ -151,7 +160,7 @@ mod tests {
             listen: null(),
             token: token.as_ptr(),
             max_body_bytes: 0,
-            workers: 2,
+            max_connections: 16,
             reserved: 0,
         };
         let mut srv = null_mut();

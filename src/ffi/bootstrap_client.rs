@@ -41,6 +41,12 @@ pub extern "C" fn pdxfer_bootstrap_client_open(
 }
 
 /// Frees a client. NULL is a no-op. Registrations made through it keep working.
+///
+/// Threads: every other call on the same `PdxBootstrapClient` may run concurrently with the others,
+/// from any thread. This one may not race any of them: it frees the handle,
+/// so no call on the same `PdxBootstrapClient` may be in flight when it starts, and none may start
+/// after it. (The Python package enforces this: its `BootstrapClient.close()` waits for the
+/// calls in flight and refuses later ones with a typed error.)
 #[no_mangle]
 pub extern "C" fn pdxfer_bootstrap_client_close(client: *mut PdxBootstrapClient) -> PdxStatus {
     boundary(|| {

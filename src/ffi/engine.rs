@@ -284,9 +284,7 @@ pub extern "C" fn pdxfer_engine_create(
     out: *mut *mut PdxEngine,
 ) -> PdxStatus {
     boundary(|| {
-        if out.is_null() {
-            return Err(Error::new(Status::NullArgument, "out is NULL"));
-        }
+        ptr::check_out(out, "out")?;
         let cfg = config_from_c(config)?;
         // SAFETY: the caller keeps the pool and aux memory valid until destroy (documented contract above).
         let engine = unsafe { Engine::new(cfg) }?;
@@ -297,6 +295,12 @@ pub extern "C" fn pdxfer_engine_create(
 
 /// Deregisters the rank, stops the engine's threads and frees the handle.
 /// NULL is a no-op. The handle must not be used afterwards.
+///
+/// Threads: every other call on the same `PdxEngine` may run concurrently with the others,
+/// from any thread. This one may not race any of them: it frees the handle,
+/// so no call on the same `PdxEngine` may be in flight when it starts, and none may start
+/// after it. (The Python package enforces this: its `Engine.close()` waits for the
+/// calls in flight and refuses later ones with a typed error.)
 #[no_mangle]
 pub extern "C" fn pdxfer_engine_destroy(engine: *mut PdxEngine) -> PdxStatus {
     boundary(|| {
@@ -410,9 +414,7 @@ pub extern "C" fn pdxfer_engine_wait(
 ) -> PdxStatus {
     boundary(|| {
         let e = eng(engine)?;
-        if out_poll.is_null() {
-            return Err(Error::new(Status::NullArgument, "out_poll is NULL"));
-        }
+        ptr::check_out(out_poll, "out_poll")?;
         let p = e.wait(room, Duration::from_millis(timeout_ms));
         ptr::write_out(out_poll, p as i32, "out_poll")?;
         ok()
@@ -454,7 +456,11 @@ pub extern "C" fn pdxfer_engine_abort(
     out_fenced: *mut u32,
 ) -> PdxStatus {
     boundary(|| {
-        let f = eng(engine)?.abort(room)?;
+        let e = eng(engine)?;
+        if !out_fenced.is_null() {
+            ptr::check_out(out_fenced, "out_fenced")?;
+        }
+        let f = e.abort(room)?;
         if !out_fenced.is_null() {
             ptr::write_out(out_fenced, u32::from(f), "out_fenced")?;
         }
@@ -521,6 +527,24 @@ pub extern "C" fn pdxfer_engine_room_bytes(
     boundary(|| {
         let b = eng(engine)?.room_bytes(room);
         ptr::write_out(out_bytes, b, "out_bytes")?;
+        ok()
+    })
+}
+
+/// Prefill: the decode prefix length the decode ranks sent for the room into
+/// `*out_len` and 1 into `*out_known` once their metadata has arrived; 0 and 0
+/// before (and for an unknown room).
+#[no_mangle]
+pub extern "C" fn pdxfer_engine_decode_prefix_len(
+    engine: *const PdxEngine,
+    room: u64,
+    out_len: *mut u64,
+    out_known: *mut u32,
+) -> PdxStatus {
+    boundary(|| {
+        let p = eng(engine)?.decode_prefix_len(room);
+        ptr::write_out(out_len, p.unwrap_or(0), "out_len")?;
+        ptr::write_out(out_known, u32::from(p.is_some()), "out_known")?;
         ok()
     })
 }
@@ -779,6 +803,29 @@ mod tests {
             std::thread::sleep(Duration::from_millis(5));
         }
         assert_eq!(poll, PDXFER_POLL_WAITING_FOR_INPUT);
+        let (mut plen, mut known) = (u64::MAX, 9u32);
+        assert_eq!(
+            pdxfer_engine_decode_prefix_len(pe, room, &mut plen, &mut known),
+            PdxStatus::Ok
+        );
+        assert_eq!(
+            (plen, known),
+            (prefix, 1),
+            "the prefix the decode ranks sent"
+        );
+        assert_eq!(
+            pdxfer_engine_decode_prefix_len(pe, room + 1000, &mut plen, &mut known),
+            PdxStatus::Ok
+        );
+        assert_eq!((plen, known), (0, 0), "no metadata for an unknown room");
+        assert_eq!(
+            pdxfer_engine_decode_prefix_len(pe, room, null_mut(), &mut known),
+            PdxStatus::NullArgument
+        );
+        assert_eq!(
+            pdxfer_engine_decode_prefix_len(null(), room, &mut plen, &mut known),
+            PdxStatus::NullArgument
+        );
         // 118 tokens: 5 full pages, then 3 pages holding 38
         assert_eq!(
             pdxfer_engine_send(pe, room, src.as_ptr(), 5, 80, 0, 2),

@@ -54,7 +54,8 @@ impl PdxRegion {
 }
 
 /// Registers `len` bytes of host memory at `ptr` with the agent; the
-/// descriptor goes to `out` (may be NULL). The memory must stay valid until
+/// descriptor goes to `out` (may be NULL; one whose `struct_size` is too
+/// small is `PDX_STATUS_ABI_MISMATCH` and nothing is registered). The memory must stay valid until
 /// `pdxfer_unregister_memory` returns for it. Overlapping an existing region
 /// is `PDX_STATUS_REGION_OVERLAP`.
 #[no_mangle]
@@ -67,6 +68,9 @@ pub extern "C" fn pdxfer_register_memory(
     boundary(|| {
         let a = ptr::handle(agent, "agent")?;
         let p = ptr::raw_range(addr, len, "addr")?;
+        if !out.is_null() {
+            ptr::check_versioned_out(out)?;
+        }
         // SAFETY: the C contract (documented above) keeps the memory valid until unregistered.
         let d = unsafe { a.agent.registry().register_host(p, len) }?;
         if !out.is_null() {
@@ -95,6 +99,7 @@ pub extern "C" fn pdxfer_alloc_shared_memory(
                 "out is NULL (it receives the address of the allocation)",
             ));
         }
+        ptr::check_versioned_out(out)?;
         let d = a.agent.registry().alloc_shared(len)?;
         ptr::write_versioned(out, &PdxRegion::from_desc(&d))?;
         super::ok()
@@ -117,6 +122,9 @@ pub extern "C" fn pdxfer_register_device_memory(
 ) -> PdxStatus {
     boundary(|| {
         let a = ptr::handle(agent, "agent")?;
+        if !out.is_null() {
+            ptr::check_versioned_out(out)?;
+        }
         // SAFETY: the C contract keeps the allocation valid until unregistered.
         let d = unsafe { a.agent.registry().register_device(dptr, len, ordinal) }?;
         if !out.is_null() {

@@ -24,6 +24,7 @@ pub mod batch;
 pub mod bootstrap;
 pub mod bootstrap_client;
 pub mod engine;
+pub mod log;
 pub mod memory;
 pub mod peer;
 pub mod plan;

@@ -87,6 +87,7 @@ pub extern "C" fn pdxfer_peer_open(
     boundary(|| {
         let a = ptr::handle(agent, "agent")?;
         let addr = ptr::c_str(addr, "addr")?;
+        ptr::check_out(out, "peer output pointer")?;
         let mut o = ConnectOptions::default();
         if !options.is_null() {
             let p = ptr::read_versioned(options)?;
@@ -125,6 +126,12 @@ pub extern "C" fn pdxfer_peer_open_local(
 }
 
 /// Closes and frees a peer; its pending batches fail. NULL is a no-op.
+///
+/// Threads: every other call on the same `PdxPeer` may run concurrently with the others,
+/// from any thread. This one may not race any of them: it frees the handle,
+/// so no call on the same `PdxPeer` may be in flight when it starts, and none may start
+/// after it. (The Python package enforces this: its `Peer.close()` waits for the
+/// calls in flight and refuses later ones with a typed error.)
 #[no_mangle]
 pub extern "C" fn pdxfer_peer_close(peer: *mut PdxPeer) {
     let _ = boundary(|| {

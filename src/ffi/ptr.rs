@@ -120,6 +120,25 @@ fn check_array(addr: usize, len: usize, size: usize, align: usize, what: &str) -
     }
 }
 
+/// Checks, before a call does anything, that [`write_versioned`] will accept
+/// `p` (non-NULL, aligned, `struct_size` large enough): a call refused for
+/// its output struct must not have registered, consumed or sent anything.
+pub fn check_versioned_out<T: Versioned>(p: *mut T) -> Result<()> {
+    versioned_size(p, "output ").map(|_| ())
+}
+
+/// Checks, before a call does anything, that [`write_out`] and
+/// [`new_handle`] will accept `p` (non-NULL and aligned).
+pub fn check_out<T>(p: *mut T, what: &str) -> Result<()> {
+    if p.is_null() {
+        return Err(Error::new(Status::NullArgument, format!("{what} is NULL")));
+    }
+    if !(p as usize).is_multiple_of(align_of::<T>()) {
+        return Err(Error::invalid(format!("{what} is not aligned")));
+    }
+    Ok(())
+}
+
 /// Writes `v` through an out-pointer that must not be NULL.
 pub fn write_out<T>(p: *mut T, v: T, what: &str) -> Result<()> {
     if p.is_null() {

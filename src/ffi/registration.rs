@@ -45,9 +45,7 @@ pub extern "C" fn pdxfer_bootstrap_register(
             }
         }
         let reg: Registration = from_json(v.to_string().as_bytes(), "registration")?;
-        if out.is_null() {
-            return Err(Error::new(crate::Status::NullArgument, "out is NULL"));
-        }
+        ptr::check_out(out, "out")?;
         let inner = Registrar::start(c.store.clone(), reg, Duration::from_millis(ttl_ms))?;
         ptr::new_handle(PdxRegistration { inner }, out, "out")?;
         ok()
@@ -91,6 +89,12 @@ pub extern "C" fn pdxfer_registration_hello_json(
 
 /// Removes the entry from the store at once, stops the keep-alive thread and
 /// frees the handle (also when removal fails). NULL is a no-op.
+///
+/// Threads: every other call on the same `PdxRegistration` may run concurrently with the others,
+/// from any thread. This one may not race any of them: it frees the handle,
+/// so no call on the same `PdxRegistration` may be in flight when it starts, and none may start
+/// after it. (The Python package enforces this: its `Registration.deregister()` waits for the
+/// calls in flight and refuses later ones with a typed error.)
 #[no_mangle]
 pub extern "C" fn pdxfer_registration_deregister(registration: *mut PdxRegistration) -> PdxStatus {
     boundary(|| {
@@ -103,6 +107,12 @@ pub extern "C" fn pdxfer_registration_deregister(registration: *mut PdxRegistrat
 
 /// Stops the keep-alive thread and frees the handle; the entry expires with
 /// its lease. NULL is a no-op.
+///
+/// Threads: every other call on the same `PdxRegistration` may run concurrently with the others,
+/// from any thread. This one may not race any of them: it frees the handle,
+/// so no call on the same `PdxRegistration` may be in flight when it starts, and none may start
+/// after it. (The Python package enforces this: its `Registration.close()` waits for the
+/// calls in flight and refuses later ones with a typed error.)
 #[no_mangle]
 pub extern "C" fn pdxfer_registration_destroy(registration: *mut PdxRegistration) -> PdxStatus {
     boundary(|| {

@@ -8,8 +8,9 @@ pub const PDXFER_ABI_VERSION_MAJOR: u32 = 1;
 /// ABI minor version of this header (functions or struct fields added).
 /// 1.1: `PdxEngineConfig.state`, `pdxfer_engine_set_state_indices`.
 /// 1.2: `PdxEngineConfig.pool_memory` / `pool_device` (KV pools in CUDA memory).
-/// 1.3: `PdxAgentOptions.secret` (peer authentication).
-pub const PDXFER_ABI_VERSION_MINOR: u32 = 3;
+/// 1.3: `pdxfer_set_log_callback`.
+/// 1.4: `PdxAgentOptions.secret` (peer authentication).
+pub const PDXFER_ABI_VERSION_MINOR: u32 = 4;
 
 /// The library's ABI version: `(major << 16) | minor`.
 #[no_mangle]

@@ -8,9 +8,13 @@
 //! [`GpuRelayout`] owns a context, one stream, the kernel module and the
 //! device tables of a launch. Kernels come from, in order: a module file named
 //! by `$PDXFER_KERNEL_MODULE` (cubin or PTX, e.g. built on the GPU host by
-//! `scripts/gpu-check.sh`), the sm_90 cubin embedded at build time when the
-//! device is sm_90, the embedded sm_90 PTX, and finally NVRTC on the embedded
-//! source for the device's own architecture ([`kernels`]).
+//! `scripts/gpu-check.sh`), the images embedded at build time that the
+//! driver can load ([`kernels::plan`]: sm_90 cubins of a toolkit major the
+//! driver has, when the device is sm_90, newest first; then PTX no newer
+//! than the driver), and finally NVRTC on the embedded source for the
+//! device's own architecture, with the newest NVRTC found
+//! ([`library::NVRTC`]: CUDA 13 or 12 sonames, pip site-packages) that is no
+//! newer than the driver. [`GpuRelayout::kernel_origin`] says which loaded.
 //!
 //! Launches never block the calling thread on the stream: each returns a
 //! [`GpuEvent`] recorded after the kernel, which a sender polls or waits on.
@@ -20,8 +24,110 @@
 use crate::error::{Error, Result, Status};
 use serde::Serialize;
 
-/// Kernel images embedded at build time (see `build.rs`).
+/// Kernel images embedded at build time (see `build.rs`), and which of them
+/// a driver can load.
 pub mod kernels {
+    use serde::Serialize;
+
+    /// What an embedded image is.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+    pub enum ImageKind {
+        /// Machine code (SASS) for one architecture.
+        Cubin,
+        /// PTX, compiled by the driver's JIT for the device at load time.
+        Ptx,
+    }
+
+    /// One kernel image compiled at build time.
+    #[derive(Debug, Clone, Copy)]
+    pub struct KernelImage {
+        /// Cubin or PTX.
+        pub kind: ImageKind,
+        /// Target architecture (`sm_90`).
+        pub arch: &'static str,
+        /// CUDA toolkit `(major, minor)` of the compiler.
+        pub toolkit: (u32, u32),
+        /// The compiler ("nvcc 13.5 ...", "NVRTC 12.4 (path)").
+        pub compiler: &'static str,
+        /// The image (PTX text or ELF cubin).
+        pub bytes: &'static [u8],
+    }
+
+    impl KernelImage {
+        /// The oldest driver (`cuDriverGetVersion`, e.g. 12040 for 12.4) that
+        /// loads it: a cubin needs a driver of its toolkit's major version
+        /// (minor-version compatibility: a 12.x cubin loads on any 12.x
+        /// driver, a 13.x cubin needs a 13.x driver, >= 580), PTX a driver at
+        /// least as new as its toolkit (the JIT knows PTX ISAs up to its own).
+        pub fn min_driver(&self) -> i32 {
+            let (major, minor) = (self.toolkit.0 as i32, self.toolkit.1 as i32);
+            match self.kind {
+                ImageKind::Cubin => major * 1000,
+                ImageKind::Ptx => major * 1000 + minor * 10,
+            }
+        }
+
+        /// "sm_90 cubin, CUDA 12.4 (NVRTC 12.4 ...)".
+        pub fn describe(&self) -> String {
+            let kind = match self.kind {
+                ImageKind::Cubin => "cubin",
+                ImageKind::Ptx => "PTX",
+            };
+            format!(
+                "embedded {} {kind}, CUDA {}.{} ({})",
+                self.arch, self.toolkit.0, self.toolkit.1, self.compiler
+            )
+        }
+    }
+
+    /// "12.4" for a `cuDriverGetVersion` value of 12040.
+    pub fn version_text(v: i32) -> String {
+        format!("{}.{}", v / 1000, v % 1000 / 10)
+    }
+
+    /// The images of `images` that driver `driver` can load on a device of
+    /// compute capability `cc`, in the order to try them (sm_90 cubins only
+    /// on cc 9.0, newest toolkit first; then PTX for cc >= 9.0, newest
+    /// first), and a line for each image left out saying why.
+    pub fn plan(
+        images: &[KernelImage],
+        driver: i32,
+        cc: (i32, i32),
+    ) -> (Vec<&KernelImage>, Vec<String>) {
+        let mut order: Vec<&KernelImage> = images.iter().collect();
+        order.sort_by(|a, b| {
+            (a.kind != ImageKind::Cubin)
+                .cmp(&(b.kind != ImageKind::Cubin))
+                .then(b.toolkit.cmp(&a.toolkit))
+        });
+        let mut take = Vec::new();
+        let mut skipped = Vec::new();
+        for i in order {
+            let fits = match i.kind {
+                ImageKind::Cubin => cc == (9, 0),
+                ImageKind::Ptx => cc.0 >= 9,
+            };
+            if !fits {
+                skipped.push(format!(
+                    "{}: not for a compute capability {}.{} device",
+                    i.describe(),
+                    cc.0,
+                    cc.1
+                ));
+            } else if driver < i.min_driver() {
+                skipped.push(format!(
+                    "{}: needs driver CUDA >= {}, the driver is CUDA {}",
+                    i.describe(),
+                    version_text(i.min_driver()),
+                    version_text(driver)
+                ));
+            } else {
+                take.push(i);
+            }
+        }
+        (take, skipped)
+    }
+
     include!(concat!(env!("OUT_DIR"), "/kernels.rs"));
 }
 
@@ -30,16 +136,123 @@ pub mod check;
 #[cfg(feature = "cuda")]
 mod device;
 #[cfg(feature = "cuda")]
+mod gpudirect;
+#[cfg(feature = "cuda")]
+mod gpudirect_probe;
+pub mod library;
+pub mod nvrtc;
+#[cfg(feature = "cuda")]
 pub use device::{
     DeviceBuffer, GatherSlice, GpuEvent, GpuRelayout, HostSlice, HostToDevice, KernelOrigin,
     PinnedBuffer, PreparedCopy,
 };
+#[cfg(feature = "cuda")]
+pub use gpudirect::{GpuDirectInfo, RdmaWriteFlush, RdmaWritesOrdering};
+#[cfg(feature = "cuda")]
+pub use gpudirect_probe::{probe_gpudirect, GpuDirectProbe, GpuDirectRoute};
+
+/// One line on GPUDirect RDMA for device `ordinal`: the route (dma-buf,
+/// peermem or none), how it was decided, and the writes ordering.
+pub fn gpudirect_summary(ordinal: usize) -> String {
+    #[cfg(feature = "cuda")]
+    {
+        probe_gpudirect(ordinal).to_string()
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = ordinal;
+        "none (built without the `cuda` feature)".to_string()
+    }
+}
 
 /// What this process can see of CUDA.
 #[derive(Debug, Clone, Serialize)]
 pub struct CudaInfo {
     /// Number of CUDA devices.
     pub device_count: i32,
+    /// `cuDriverGetVersion`, e.g. 12040 for CUDA 12.4.
+    pub driver_version: i32,
+}
+
+impl CudaInfo {
+    /// "1 device(s), driver CUDA 12.4".
+    pub fn describe(&self) -> String {
+        format!(
+            "{} device(s), driver CUDA {}",
+            self.device_count,
+            kernels::version_text(self.driver_version)
+        )
+    }
+}
+
+/// The NVRTC libraries this process can load, newest first, each once per
+/// version, and what was tried without success (opened once per process).
+fn nvrtcs() -> &'static (Vec<nvrtc::Nvrtc>, Vec<String>) {
+    static FOUND: std::sync::OnceLock<(Vec<nvrtc::Nvrtc>, Vec<String>)> =
+        std::sync::OnceLock::new();
+    FOUND.get_or_init(|| {
+        let mut found: Vec<nvrtc::Nvrtc> = Vec::new();
+        let mut failed = Vec::new();
+        for c in library::NVRTC.candidates() {
+            match nvrtc::Nvrtc::open(&c) {
+                Ok(n) if found.iter().any(|f| f.version == n.version) => {}
+                Ok(n) => found.push(n),
+                Err(e) => failed.push(e),
+            }
+        }
+        found.sort_by_key(|n| std::cmp::Reverse(n.version));
+        (found, failed)
+    })
+}
+
+/// The error for no loadable NVRTC, listing what was tried.
+fn no_nvrtc() -> Error {
+    Error::new(Status::Nvrtc, library::NVRTC.not_found(&nvrtcs().1))
+}
+
+/// The newest NVRTC no newer than driver `driver` (any when `None`), or why none.
+fn pick_nvrtc(driver: Option<i32>) -> Result<&'static nvrtc::Nvrtc> {
+    let (found, _) = nvrtcs();
+    if found.is_empty() {
+        return Err(no_nvrtc());
+    }
+    let v = |n: &nvrtc::Nvrtc| n.version.0 * 1000 + n.version.1 * 10;
+    match driver {
+        None => Ok(&found[0]),
+        Some(d) => found.iter().find(|n| v(n) <= d).ok_or_else(|| {
+            let have: Vec<String> = found
+                .iter()
+                .map(|n| format!("NVRTC {}.{} ({})", n.version.0, n.version.1, n.path))
+                .collect();
+            Error::new(
+                Status::Nvrtc,
+                format!(
+                    "every NVRTC found is newer than the driver (CUDA {}), so its PTX would not load: {}",
+                    kernels::version_text(d),
+                    have.join(", ")
+                ),
+            )
+        }),
+    }
+}
+
+/// Compiles the embedded source with `nv` for `arch`; returns the PTX.
+fn compile_with(nv: &nvrtc::Nvrtc, arch: &str) -> Result<String> {
+    nv.compile(
+        kernels::SOURCE,
+        "relayout.cu",
+        &[&format!("--gpu-architecture={arch}")],
+    )
+    .map(|c| c.ptx)
+    .map_err(|e| {
+        Error::new(
+            Status::Nvrtc,
+            format!(
+                "NVRTC {}.{} ({}) could not compile cuda/relayout.cu for {arch}: {e}",
+                nv.version.0, nv.version.1, nv.path
+            ),
+        )
+    })
 }
 
 /// The error for a machine without a loadable CUDA driver.
@@ -59,7 +272,11 @@ pub fn probe() -> Result<CudaInfo> {
             "cuDeviceGetCount",
             cudarc::driver::CudaContext::device_count,
         )?;
-        Ok(CudaInfo { device_count: n })
+        let driver_version = device::driver_version()?;
+        Ok(CudaInfo {
+            device_count: n,
+            driver_version,
+        })
     }
     #[cfg(not(feature = "cuda"))]
     {
@@ -70,31 +287,53 @@ pub fn probe() -> Result<CudaInfo> {
     }
 }
 
-/// Probes NVRTC (run-time kernel compilation).
-pub fn probe_nvrtc() -> Result<()> {
-    #[cfg(feature = "cuda")]
-    {
-        device::nvrtc_present()
+/// Probes NVRTC (run-time kernel compilation): every version found, newest
+/// first ("NVRTC 13.5 (libnvrtc.so.13), NVRTC 12.4 (/path/...)"), or why none.
+pub fn probe_nvrtc() -> Result<String> {
+    let (found, _) = nvrtcs();
+    if found.is_empty() {
+        return Err(no_nvrtc());
     }
-    #[cfg(not(feature = "cuda"))]
-    {
-        Err(Error::new(
-            Status::Unsupported,
-            "built without the `cuda` feature",
-        ))
-    }
+    Ok(found
+        .iter()
+        .map(|n| format!("NVRTC {}.{} ({})", n.version.0, n.version.1, n.path))
+        .collect::<Vec<_>>()
+        .join(", "))
 }
 
-/// Compiles the embedded kernel source with NVRTC for `arch` (e.g. `sm_90`)
-/// and returns the PTX. Needs libnvrtc only, no GPU.
+/// Compiles the embedded kernel source with the newest NVRTC found for
+/// `arch` (e.g. `sm_90`) and returns the PTX. Needs libnvrtc only, no GPU.
 pub fn nvrtc_compile(arch: &str) -> Result<String> {
+    compile_with(pick_nvrtc(None)?, arch)
+}
+
+/// Compiles the embedded source for `arch` with the newest NVRTC whose PTX
+/// driver `driver` loads; returns the PTX and that NVRTC's description.
+pub fn nvrtc_compile_for_driver(arch: &str, driver: i32) -> Result<(String, String)> {
+    let nv = pick_nvrtc(Some(driver))?;
+    let ptx = compile_with(nv, arch)?;
+    Ok((
+        ptx,
+        format!("NVRTC {}.{} ({})", nv.version.0, nv.version.1, nv.path),
+    ))
+}
+
+/// Opens device `ordinal` with its kernels and says which image loaded and
+/// on which driver ("embedded sm_90 cubin, CUDA 12.4 (...) on driver CUDA
+/// 12.4"), or why none did (the error lists every image tried).
+pub fn probe_kernels(ordinal: usize) -> Result<String> {
     #[cfg(feature = "cuda")]
     {
-        device::nvrtc_compile(arch)
+        let g = GpuRelayout::new(ordinal)?;
+        Ok(format!(
+            "{} on driver CUDA {}",
+            g.kernel_origin(),
+            kernels::version_text(g.driver_version())
+        ))
     }
     #[cfg(not(feature = "cuda"))]
     {
-        let _ = arch;
+        let _ = ordinal;
         Err(Error::new(
             Status::Unsupported,
             "built without the `cuda` feature",
@@ -123,17 +362,90 @@ mod tests {
         assert!(kernels::SOURCE.contains("extern \"C\" __global__"));
         assert!(kernels::SOURCE.contains("pdx_gather"));
         assert!(kernels::SOURCE.contains("pdx_scatter"));
-        if let Some(ptx) = kernels::PTX_SM90 {
-            assert!(ptx.contains(".target sm_90"), "embedded PTX is not sm_90");
-            assert!(ptx.contains("pdx_gather") && ptx.contains("pdx_scatter"));
+        for i in kernels::IMAGES {
+            match i.kind {
+                kernels::ImageKind::Ptx => {
+                    let ptx = std::str::from_utf8(i.bytes).expect("PTX is text");
+                    assert!(ptx.contains(".target sm_90"), "{}", i.describe());
+                    assert!(ptx.contains("pdx_gather") && ptx.contains("pdx_scatter"));
+                    // PTX ISA 9.x comes from CUDA 13.x, 8.x from 12.x
+                    let isa = format!(".version {}.", i.toolkit.0 - 4);
+                    assert!(ptx.contains(&isa), "{}: no {isa}", i.describe());
+                }
+                kernels::ImageKind::Cubin => {
+                    assert_eq!(&i.bytes[..4], b"\x7fELF", "{}", i.describe());
+                    // CUDA 13 cubins use a new ELF OS/ABI (0x41), 12.x ones 0x33
+                    let abi = if i.toolkit.0 >= 13 { 0x41 } else { 0x33 };
+                    assert_eq!(i.bytes[7], abi, "{}", i.describe());
+                }
+            }
         }
-        if let Some(cubin) = kernels::CUBIN_SM90 {
-            assert_eq!(
-                &cubin[..4],
-                b"\x7fELF",
-                "embedded cubin is not an ELF image"
-            );
+        // CI embeds images for both driver lines (scripts/cuda-deps.sh)
+        if std::env::var_os("PDXFER_REQUIRE_CUDA_TOOLS").is_some() {
+            for major in [12, 13] {
+                for kind in [kernels::ImageKind::Cubin, kernels::ImageKind::Ptx] {
+                    assert!(
+                        kernels::IMAGES
+                            .iter()
+                            .any(|i| i.kind == kind && i.toolkit.0 == major),
+                        "no CUDA {major} {kind:?} embedded"
+                    );
+                }
+            }
         }
+    }
+
+    fn image(kind: kernels::ImageKind, toolkit: (u32, u32)) -> kernels::KernelImage {
+        kernels::KernelImage {
+            kind,
+            arch: "sm_90",
+            toolkit,
+            compiler: "test",
+            bytes: b"",
+        }
+    }
+
+    #[test]
+    fn the_plan_takes_what_the_driver_loads() {
+        use kernels::ImageKind::{Cubin, Ptx};
+        let imgs = [
+            image(Ptx, (12, 4)),
+            image(Cubin, (13, 5)),
+            image(Ptx, (13, 5)),
+            image(Cubin, (12, 4)),
+        ];
+        let order = |driver, cc| {
+            kernels::plan(&imgs, driver, cc)
+                .0
+                .iter()
+                .map(|i| (i.kind, i.toolkit))
+                .collect::<Vec<_>>()
+        };
+        // a 12.4 driver: the 12.x images only, cubin first
+        assert_eq!(order(12040, (9, 0)), [(Cubin, (12, 4)), (Ptx, (12, 4))]);
+        // 12.2: the 12.4 cubin (minor-version compatibility), not its PTX
+        assert_eq!(order(12020, (9, 0)), [(Cubin, (12, 4))]);
+        // 13.0: both cubins, newest first; the 13.5 PTX is too new for its JIT
+        assert_eq!(
+            order(13000, (9, 0)),
+            [(Cubin, (13, 5)), (Cubin, (12, 4)), (Ptx, (12, 4))]
+        );
+        assert_eq!(order(13050, (9, 0))[0], (Cubin, (13, 5)));
+        assert_eq!(order(13050, (9, 0)).len(), 4);
+        // a newer architecture: PTX only
+        assert_eq!(order(13050, (10, 0)), [(Ptx, (13, 5)), (Ptx, (12, 4))]);
+        // too old for all: every image is left out, each saying why
+        let (take, why) = kernels::plan(&imgs, 11080, (9, 0));
+        assert!(take.is_empty());
+        assert_eq!(why.len(), 4);
+        assert!(
+            why.iter().any(|w| w.contains("CUDA 13.5")
+                && w.contains("needs driver CUDA >= 13.0")
+                && w.contains("the driver is CUDA 11.8")),
+            "{why:?}"
+        );
+        assert_eq!(kernels::version_text(12040), "12.4");
+        assert_eq!(kernels::version_text(13050), "13.5");
     }
 
     /// NVRTC compiles the embedded source when libnvrtc is loadable, and says
@@ -165,10 +477,39 @@ mod tests {
         }
     }
 
+    /// `PDXFER_REQUIRE_CUDA_TOOLS=1` turns a missing NVRTC into a failure.
+    #[test]
+    fn nvrtc_is_picked_no_newer_than_the_driver() {
+        if probe_nvrtc().is_err() {
+            assert!(
+                std::env::var_os("PDXFER_REQUIRE_CUDA_TOOLS").is_none(),
+                "PDXFER_REQUIRE_CUDA_TOOLS is set but no NVRTC was found"
+            );
+            eprintln!("skipped: no libnvrtc");
+            return;
+        }
+        let newest = pick_nvrtc(None).unwrap();
+        let v = newest.version.0 * 1000 + newest.version.1 * 10;
+        assert_eq!(pick_nvrtc(Some(v)).unwrap().version, newest.version);
+        // a driver older than every NVRTC: a typed error naming the versions
+        let e = pick_nvrtc(Some(9000)).unwrap_err();
+        assert_eq!(e.status(), Status::Nvrtc);
+        assert!(e.detail().contains("CUDA 9.0"), "{e}");
+        assert!(
+            e.detail()
+                .contains(&format!("NVRTC {}.{}", newest.version.0, newest.version.1)),
+            "{e}"
+        );
+    }
+
     #[test]
     fn nvrtc_reports_bad_arch_as_typed_error() {
-        if probe_nvrtc().is_err() {
-            eprintln!("skipped: no libnvrtc");
+        if let Err(e) = probe_nvrtc() {
+            assert!(
+                std::env::var_os("PDXFER_REQUIRE_CUDA_TOOLS").is_none(),
+                "PDXFER_REQUIRE_CUDA_TOOLS is set but NVRTC is unusable: {e}"
+            );
+            eprintln!("skipped: no libnvrtc: {e}");
             return;
         }
         let e = nvrtc_compile("sm_1").unwrap_err();

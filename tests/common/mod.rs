@@ -1,4 +1,5 @@
-//! Test harness: real `pdxfer` processes speaking JSON lines, and a private etcd.
+//! Test harness: real `pdxfer` processes speaking JSON lines, a private etcd,
+//! and [`skip`], which records every skipped test.
 #![allow(dead_code)]
 
 use serde_json::Value;
@@ -136,53 +137,88 @@ pub fn rank(name: &str, store: &str, cluster: &str, role: &str, extra: &[&str]) 
     (p, ev)
 }
 
-/// A private etcd on free loopback ports with a temporary data dir.
+/// A private etcd on loopback ports; killed (SIGKILL) on drop.
 pub struct Etcd {
     child: Child,
-    dir: std::path::PathBuf,
+    /// Its data directory (removed on drop when [`Etcd::start`] made it).
+    pub dir: std::path::PathBuf,
+    owns_dir: bool,
+    /// Client and peer ports.
+    pub client: u16,
+    pub peer: u16,
+    /// `http://127.0.0.1:<client>`.
     pub url: String,
 }
 
 impl Etcd {
-    /// Starts etcd, or returns None (after printing why) when the binary is absent.
-    pub fn start() -> Option<Etcd> {
-        let bin = ["/usr/bin/etcd", "/usr/local/bin/etcd"]
+    /// The etcd binary: `$PDXFER_ETCD`, else `etcd` on `PATH`, else
+    /// `/usr/bin/etcd` or `/usr/local/bin/etcd` (Debian's etcd-server).
+    pub fn binary() -> Option<std::path::PathBuf> {
+        if let Some(p) = std::env::var_os("PDXFER_ETCD") {
+            return Some(p.into());
+        }
+        let on_path = std::env::var_os("PATH")
+            .map(|p| std::env::split_paths(&p).collect::<Vec<_>>())
+            .unwrap_or_default();
+        on_path
             .into_iter()
-            .find(|p| std::path::Path::new(p).exists());
-        let Some(bin) = bin else {
-            eprintln!("SKIP: etcd binary not found (install Debian's etcd-server)");
+            .chain(["/usr/bin".into(), "/usr/local/bin".into()])
+            .map(|d| d.join("etcd"))
+            .find(|p| p.is_file())
+    }
+
+    /// Starts etcd on free ports and a fresh temporary data dir. Without an
+    /// etcd binary, records a skip (kind `etcd`) and returns None; a binary
+    /// that does not come up healthy fails the test.
+    pub fn start() -> Option<Etcd> {
+        let Some(bin) = Self::binary() else {
+            skip(
+                "etcd",
+                "no etcd binary ($PDXFER_ETCD, PATH, /usr/bin; install Debian's etcd-server)",
+            );
             return None;
         };
-        let (cp, pp) = (free_port(), free_port());
-        let dir = std::env::temp_dir().join(format!("pdxfer-etcd-{}-{cp}", std::process::id()));
+        let (client, peer) = (free_port(), free_port());
+        let dir = std::env::temp_dir().join(format!("pdxfer-etcd-{}-{client}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
-        let client = format!("http://127.0.0.1:{cp}");
-        let peer = format!("http://127.0.0.1:{pp}");
+        let mut e = Self::start_at(&bin, &dir, client, peer);
+        e.owns_dir = true;
+        Some(e)
+    }
+
+    /// Starts `bin` on `dir` and the given ports (a restart passes the same
+    /// ones) and waits until it reports healthy; panics if it does not within
+    /// 15 s. The caller keeps `dir`.
+    pub fn start_at(bin: &std::path::Path, dir: &std::path::Path, client: u16, peer: u16) -> Etcd {
+        let url = format!("http://127.0.0.1:{client}");
+        let peer_url = format!("http://127.0.0.1:{peer}");
         let child = Command::new(bin)
+            .args(["--name", "pdxfer-test", "--data-dir"])
+            .arg(dir)
             .args([
-                "--name",
-                "pdxfer-test",
-                "--data-dir",
-                dir.to_str().expect("utf-8 temp dir"),
                 "--listen-client-urls",
-                &client,
+                &url,
                 "--advertise-client-urls",
-                &client,
-                "--listen-peer-urls",
-                &peer,
-                "--initial-advertise-peer-urls",
-                &peer,
-                "--initial-cluster",
-                &format!("pdxfer-test={peer}"),
+                &url,
             ])
+            .args([
+                "--listen-peer-urls",
+                &peer_url,
+                "--initial-advertise-peer-urls",
+                &peer_url,
+            ])
+            .args(["--initial-cluster", &format!("pdxfer-test={peer_url}")])
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
-            .expect("spawn etcd");
+            .unwrap_or_else(|e| panic!("spawn {}: {e}", bin.display()));
         let e = Etcd {
             child,
-            dir,
-            url: client,
+            dir: dir.to_path_buf(),
+            owns_dir: false,
+            client,
+            peer,
+            url,
         };
         let deadline = Instant::now() + Duration::from_secs(15);
         let agent: ureq::Agent = ureq::Agent::config_builder()
@@ -195,12 +231,13 @@ impl Etcd {
                     .read_to_string()
                     .is_ok_and(|b| b.contains("true"))
                 {
-                    return Some(e);
+                    return e;
                 }
             }
             assert!(
                 Instant::now() < deadline,
-                "etcd did not become healthy in 15 s"
+                "etcd ({}) did not become healthy on port {client} in 15 s",
+                bin.display()
             );
             std::thread::sleep(Duration::from_millis(100));
         }
@@ -208,16 +245,60 @@ impl Etcd {
 
     /// The pdxfer store URL for namespace `ns`.
     pub fn store_url(&self, ns: &str) -> String {
-        format!("etcd://{}/{ns}", self.url.trim_start_matches("http://"))
+        format!("etcd://127.0.0.1:{}/{ns}", self.client)
+    }
+
+    /// SIGKILL and reap: etcd gets no chance to shut down cleanly.
+    pub fn kill9(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
     }
 }
 
 impl Drop for Etcd {
     fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        let _ = std::fs::remove_dir_all(&self.dir);
+        self.kill9();
+        if self.owns_dir {
+            let _ = std::fs::remove_dir_all(&self.dir);
+        }
     }
+}
+
+/// Where [`skip`] records skips: `$PDXFER_SKIP_LOG`, else `skips.txt` in the
+/// cargo target directory. `scripts/test.sh` clears it first, prints it at the
+/// end and fails on any skip `PDXFER_ALLOW_SKIP` does not name.
+pub fn skip_log() -> std::path::PathBuf {
+    match std::env::var_os("PDXFER_SKIP_LOG") {
+        Some(p) => p.into(),
+        None => std::path::Path::new(env!("CARGO_TARGET_TMPDIR"))
+            .parent()
+            .expect("CARGO_TARGET_TMPDIR is <target>/tmp")
+            .join("skips.txt"),
+    }
+}
+
+/// Records that the running test skips its body because the machine lacks
+/// `kind` (`netns`, `etcd`, `cuda-tools`, ...): one line `kind<TAB>test<TAB>reason`
+/// appended to [`skip_log`], and printed. The caller returns right after.
+pub fn skip(kind: &str, reason: &str) {
+    let thread = std::thread::current();
+    let test = format!(
+        "{}::{}",
+        env!("CARGO_CRATE_NAME"),
+        thread.name().unwrap_or("?")
+    );
+    eprintln!("SKIPPED [{kind}] {test}: {reason}");
+    let path = skip_log();
+    if let Some(dir) = path.parent() {
+        let _ = std::fs::create_dir_all(dir);
+    }
+    let line = format!("{kind}\t{test}\t{}\n", reason.replace(['\t', '\n'], " "));
+    std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&path)
+        .and_then(|mut f| f.write_all(line.as_bytes()))
+        .unwrap_or_else(|e| panic!("cannot record the skip in {}: {e}", path.display()));
 }
 
 /// Polls `f` every 50 ms until it returns Some, for at most `limit`.

@@ -1,6 +1,7 @@
 //! The cudarc-backed part of [`super`]: contexts, streams, modules, launches.
 
-use super::{kernels, no_driver};
+use super::kernels::{self, ImageKind};
+use super::no_driver;
 use crate::error::{Error, Result, Status};
 use crate::layout::{PackLayout, Run};
 use crate::relayout::{
@@ -10,7 +11,7 @@ use cudarc::driver::{
     result, sys, CudaContext, CudaEvent, CudaFunction, CudaStream, DriverError, LaunchConfig,
     PushKernelArg,
 };
-use cudarc::nvrtc::{CompileOptions, Ptx};
+use cudarc::nvrtc::Ptx;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::{Arc, Mutex};
 
@@ -34,19 +35,6 @@ pub(super) fn driver_present() -> Result<()> {
     }
 }
 
-/// `Ok` when libnvrtc can be loaded.
-pub(super) fn nvrtc_present() -> Result<()> {
-    // SAFETY: only tries to dlopen the library and reports the result.
-    if unsafe { cudarc::nvrtc::sys::is_culib_present() } {
-        Ok(())
-    } else {
-        Err(Error::new(
-            Status::Nvrtc,
-            "libnvrtc could not be loaded (install nvidia-cuda-nvrtc and put its lib/ on LD_LIBRARY_PATH, with a libnvrtc.so link: scripts/cuda-deps.sh)",
-        ))
-    }
-}
-
 /// Runs one cudarc driver call: its error becomes [`Status::Cuda`], a panic
 /// (missing library or symbol) [`Status::NoCudaDriver`].
 pub(super) fn guard<T>(
@@ -66,40 +54,15 @@ pub(super) fn guard<T>(
     }
 }
 
-/// A `&'static str` for an architecture name (cudarc's option type needs one);
-/// each distinct name is leaked once.
-fn intern(arch: &str) -> &'static str {
-    static NAMES: Mutex<Vec<&'static str>> = Mutex::new(Vec::new());
-    let mut names = NAMES.lock().unwrap_or_else(|p| p.into_inner());
-    if let Some(n) = names.iter().find(|n| **n == arch) {
-        return n;
-    }
-    let n: &'static str = Box::leak(arch.to_string().into_boxed_str());
-    names.push(n);
-    n
-}
-
-pub(super) fn nvrtc_compile(arch: &str) -> Result<String> {
-    nvrtc_present()?;
-    let opts = CompileOptions {
-        arch: Some(intern(arch)),
-        name: Some("relayout.cu".into()),
-        ..Default::default()
-    };
-    let r = catch_unwind(AssertUnwindSafe(|| {
-        cudarc::nvrtc::compile_ptx_with_opts(kernels::SOURCE, opts)
-    }));
-    match r {
-        Ok(Ok(ptx)) => Ok(ptx.to_src()),
-        Ok(Err(e)) => Err(Error::new(
-            Status::Nvrtc,
-            format!("NVRTC could not compile cuda/relayout.cu for {arch}: {e:?}"),
-        )),
-        Err(p) => Err(Error::new(
-            Status::Nvrtc,
-            format!("libnvrtc is unusable: {}", panic_text(&*p)),
-        )),
-    }
+/// `cuDriverGetVersion`: e.g. 12040 for a CUDA 12.4 driver.
+pub(super) fn driver_version() -> Result<i32> {
+    driver_present()?;
+    let mut v: std::ffi::c_int = 0;
+    // SAFETY: one out-pointer to a local.
+    guard("cuDriverGetVersion", || unsafe {
+        sys::cuDriverGetVersion(&mut v).result()
+    })?;
+    Ok(v)
 }
 
 /// Where the loaded kernels came from.
@@ -107,12 +70,46 @@ pub(super) fn nvrtc_compile(arch: &str) -> Result<String> {
 pub enum KernelOrigin {
     /// The file named by `$PDXFER_KERNEL_MODULE`.
     File(String),
-    /// The sm_90 cubin embedded at build time.
-    EmbeddedCubin,
-    /// The sm_90 PTX embedded at build time (JIT-compiled by the driver).
-    EmbeddedPtx,
-    /// NVRTC at run time, for this architecture.
-    Nvrtc(String),
+    /// An image embedded at build time (PTX is JIT-compiled by the driver).
+    Embedded {
+        /// Cubin or PTX.
+        kind: ImageKind,
+        /// CUDA toolkit `(major, minor)` that compiled it.
+        toolkit: (u32, u32),
+        /// The compiler, as [`kernels::KernelImage::compiler`].
+        compiler: &'static str,
+    },
+    /// NVRTC at run time: the architecture, and which NVRTC ("NVRTC 12.4 (path)").
+    Nvrtc {
+        /// The device's architecture (`sm_90`).
+        arch: String,
+        /// The NVRTC used.
+        nvrtc: String,
+    },
+}
+
+impl std::fmt::Display for KernelOrigin {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            KernelOrigin::File(p) => write!(f, "PDXFER_KERNEL_MODULE {p}"),
+            KernelOrigin::Embedded {
+                kind,
+                toolkit,
+                compiler,
+            } => {
+                let kind = match kind {
+                    ImageKind::Cubin => "cubin",
+                    ImageKind::Ptx => "PTX",
+                };
+                write!(
+                    f,
+                    "embedded sm_90 {kind}, CUDA {}.{} ({compiler})",
+                    toolkit.0, toolkit.1
+                )
+            }
+            KernelOrigin::Nvrtc { arch, nvrtc } => write!(f, "{nvrtc} PTX for {arch}"),
+        }
+    }
 }
 
 /// A CUDA event recorded on the relayout stream after some work.
@@ -293,6 +290,16 @@ pub struct GatherSlice {
     pub base: u64,
 }
 
+/// A page-locked host buffer the relayout tables are copied from, and the
+/// event after the last copy out of it: a table upload from pageable memory
+/// may make the driver wait for the stream (it stages through pinned memory),
+/// which would stall the host between slices.
+#[derive(Default)]
+struct TableStage {
+    buf: Option<PinnedBuffer>,
+    copied: Option<GpuEvent>,
+}
+
 /// The relayout engine of one device: context, stream, kernels, tables.
 pub struct GpuRelayout {
     ctx: Arc<CudaContext>,
@@ -301,8 +308,11 @@ pub struct GpuRelayout {
     scatter_fn: CudaFunction,
     origin: KernelOrigin,
     cc: (i32, i32),
+    driver: i32,
     tables: Option<DeviceBuffer>,
     retired: Vec<(DeviceBuffer, GpuEvent)>,
+    staging: [TableStage; 2],
+    next_stage: usize,
     spans_per_warp: u32,
 }
 
@@ -326,7 +336,8 @@ impl GpuRelayout {
         let cc = guard("cuDeviceGetAttribute(compute capability)", || {
             ctx.compute_capability()
         })?;
-        let (module, origin) = load_module(&ctx, cc)?;
+        let driver = driver_version()?;
+        let (module, origin) = load_module(&ctx, cc, driver)?;
         let gather_fn = guard("cuModuleGetFunction(pdx_gather)", || {
             module.load_function("pdx_gather")
         })?;
@@ -340,8 +351,11 @@ impl GpuRelayout {
             scatter_fn,
             origin,
             cc,
+            driver,
             tables: None,
             retired: Vec::new(),
+            staging: [TableStage::default(), TableStage::default()],
+            next_stage: 0,
             spans_per_warp: crate::relayout::DEFAULT_SPANS_PER_WARP,
         })
     }
@@ -365,6 +379,12 @@ impl GpuRelayout {
     /// Compute capability `(major, minor)`.
     pub fn compute_capability(&self) -> (i32, i32) {
         self.cc
+    }
+
+    /// The driver's CUDA version (`cuDriverGetVersion`, e.g. 12040), which
+    /// chose the kernel image.
+    pub fn driver_version(&self) -> i32 {
+        self.driver
     }
 
     /// Device name.
@@ -474,21 +494,58 @@ impl GpuRelayout {
         Ok(self.tables.as_ref().map_or(0, |t| t.ptr))
     }
 
-    /// Uploads `entries` and `spans` to the table buffer, stream-ordered.
-    /// Returns the device addresses of the two tables.
+    /// Uploads `entries` and `spans` to the table buffer, stream-ordered,
+    /// through one of two pinned staging buffers (used in turn, each
+    /// rewritten only after the event of its previous copy: in the slice
+    /// pipeline that copy belongs to a slice already waited on, so this does
+    /// not block). Falls back to a copy from pageable memory when pinned
+    /// memory cannot be had. Returns the device addresses of the two tables.
     fn upload_tables(&mut self, entries: &[CopyEntry], spans: &[Run]) -> Result<(u64, u64)> {
         let eb = std::mem::size_of_val(entries);
         let sb = std::mem::size_of_val(spans);
         let base = self.tables(eb + sb)?;
         self.bind()?;
         let stream = self.stream.cu_stream();
-        // SAFETY: both copies fit in the table buffer (sized above); the host
-        // slices outlive the calls, and async copies from pageable memory have
-        // taken the bytes when they return.
+        let slot = self.next_stage;
+        self.next_stage ^= 1;
+        if let Some(ev) = self.staging[slot].copied.take() {
+            ev.wait()?;
+        }
+        if self.staging[slot]
+            .buf
+            .as_ref()
+            .is_none_or(|b| b.len < eb + sb)
+        {
+            self.staging[slot].buf = None;
+            match self.alloc_pinned((eb + sb).next_power_of_two().max(4096)) {
+                Ok(b) => self.staging[slot].buf = Some(b),
+                Err(e) => log::debug!("relayout tables from pageable memory: {e}"),
+            }
+        }
+        let Some(stage) = self.staging[slot].buf.as_ref() else {
+            // SAFETY: both copies fit in the table buffer (sized above); the host
+            // slices outlive the calls, and async copies from pageable memory have
+            // taken the bytes when they return.
+            guard("cuMemcpyHtoDAsync(tables)", || unsafe {
+                result::memcpy_htod_async(base, entries, stream)?;
+                result::memcpy_htod_async(base + eb as u64, spans, stream)
+            })?;
+            return Ok((base, base + eb as u64));
+        };
+        // SAFETY: the staging buffer holds eb + sb bytes (sized above) and no
+        // copy reads it any more (its last copy's event was waited above); the
+        // sources are plain-old-data tables of those sizes.
+        let bytes = unsafe {
+            std::ptr::copy_nonoverlapping(entries.as_ptr() as *const u8, stage.ptr, eb);
+            std::ptr::copy_nonoverlapping(spans.as_ptr() as *const u8, stage.ptr.add(eb), sb);
+            std::slice::from_raw_parts(stage.ptr as *const u8, eb + sb)
+        };
+        // SAFETY: the copy fits in the table buffer; the pinned source stays
+        // untouched until the event recorded below has completed.
         guard("cuMemcpyHtoDAsync(tables)", || unsafe {
-            result::memcpy_htod_async(base, entries, stream)?;
-            result::memcpy_htod_async(base + eb as u64, spans, stream)
+            result::memcpy_htod_async(base, bytes, stream)
         })?;
+        self.staging[slot].copied = Some(self.record(false)?);
         Ok((base, base + eb as u64))
     }
 
@@ -679,14 +736,67 @@ impl GpuRelayout {
 }
 
 /// [`GpuRelayout::check_device_range`] in context `ctx`.
+///
+/// The range may span several mappings: CUDA VMM memory (PyTorch's
+/// `expandable_segments`, memory-saver allocators) is one VA range backed by
+/// many `cuMemCreate` chunks, and `CU_POINTER_ATTRIBUTE_RANGE_*` covers only
+/// the chunk holding the address. So the check walks from `ptr` chunk by
+/// chunk to `ptr + len`, and requires each to be mapped device memory of
+/// this device, each starting where the previous one ended.
 fn check_device_range_in(ctx: &Arc<CudaContext>, ptr: u64, len: u64) -> Result<()> {
-    use sys::CUpointer_attribute as A;
     guard("cuCtxSetCurrent", || ctx.bind_to_thread())?;
-    let what = format!("cuPointerGetAttribute(0x{ptr:x})");
+    let end = ptr.checked_add(len).ok_or_else(|| {
+        Error::new(
+            Status::OutOfBounds,
+            format!("device range 0x{ptr:x}+{len} wraps the address space"),
+        )
+    })?;
+    let first = mapping_at(ctx, ptr).map_err(|e| {
+        if e.status() == Status::NoCudaDriver {
+            e
+        } else {
+            Error::invalid(e.detail().to_string())
+        }
+    })?;
+    let (mut at, mut chunks) = (first.1, 1u64);
+    while at < end {
+        let (start, stop) = mapping_at(ctx, at).map_err(|e| {
+            if e.status() == Status::NoCudaDriver {
+                return e;
+            }
+            Error::new(
+                Status::OutOfBounds,
+                format!(
+                    "device range 0x{ptr:x}+{len} runs past its allocation: mapped up to 0x{at:x} ({chunks} mapping(s) from 0x{:x}), then {}",
+                    first.0,
+                    e.detail()
+                ),
+            )
+        })?;
+        if start != at || stop <= at {
+            return Err(Error::new(
+                Status::OutOfBounds,
+                format!(
+                    "device range 0x{ptr:x}+{len} is not one contiguous mapping: the mapping at 0x{at:x} spans 0x{start:x}..0x{stop:x}"
+                ),
+            ));
+        }
+        at = stop;
+        chunks += 1;
+    }
+    Ok(())
+}
+
+/// The mapping holding `addr` (`[start, end)` from
+/// `CU_POINTER_ATTRIBUTE_RANGE_START_ADDR` / `_SIZE`), after checking it is
+/// device memory of `ctx`'s device; errors say which of those failed.
+fn mapping_at(ctx: &Arc<CudaContext>, addr: u64) -> Result<(u64, u64)> {
+    use sys::CUpointer_attribute as A;
+    let what = format!("cuPointerGetAttribute(0x{addr:x})");
     let attr = |a: A, out: *mut std::ffi::c_void| {
         // SAFETY: `out` points at a local of the attribute's size (below).
         guard(&what, || unsafe {
-            sys::cuPointerGetAttribute(out, a, ptr).result()
+            sys::cuPointerGetAttribute(out, a, addr).result()
         })
     };
     let mut mem_type: u32 = 0;
@@ -698,13 +808,13 @@ fn check_device_range_in(ctx: &Arc<CudaContext>, ptr: u64, len: u64) -> Result<(
             return Err(e);
         }
         return Err(Error::invalid(format!(
-            "0x{ptr:x} is not a CUDA allocation ({})",
+            "0x{addr:x} is not a CUDA allocation ({})",
             e.detail()
         )));
     }
     if mem_type != sys::CUmemorytype::CU_MEMORYTYPE_DEVICE as u32 {
         return Err(Error::invalid(format!(
-            "0x{ptr:x} is not device memory (CUmemorytype {mem_type}; 1 is host memory)"
+            "0x{addr:x} is not device memory (CUmemorytype {mem_type}; 1 is host memory)"
         )));
     }
     let mut dev: i32 = -1;
@@ -714,7 +824,7 @@ fn check_device_range_in(ctx: &Arc<CudaContext>, ptr: u64, len: u64) -> Result<(
     )?;
     if dev != ctx.ordinal() as i32 {
         return Err(Error::invalid(format!(
-            "0x{ptr:x} lives on CUDA device {dev}, not on device {}",
+            "0x{addr:x} lives on CUDA device {dev}, not on device {}",
             ctx.ordinal()
         )));
     }
@@ -728,14 +838,16 @@ fn check_device_range_in(ctx: &Arc<CudaContext>, ptr: u64, len: u64) -> Result<(
         A::CU_POINTER_ATTRIBUTE_RANGE_SIZE,
         &mut size as *mut usize as *mut _,
     )?;
-    let alloc_end = start.saturating_add(size as u64);
-    if ptr.checked_add(len).is_none_or(|end| end > alloc_end) {
+    let stop = start.saturating_add(size as u64);
+    if !(start <= addr && addr < stop) {
         return Err(Error::new(
-            Status::OutOfBounds,
-            format!("device range 0x{ptr:x}+{len} runs past its allocation 0x{start:x}+{size}"),
+            Status::Cuda,
+            format!(
+                "the driver says 0x{addr:x} lies in 0x{start:x}+{size}, which does not hold it"
+            ),
         ));
     }
-    Ok(())
+    Ok((start, stop))
 }
 
 /// Copies host bytes into device memory of one device, for receivers that
@@ -770,8 +882,8 @@ impl HostToDevice {
         self.ctx.ordinal()
     }
 
-    /// Checks that `[ptr, ptr + len)` is device memory of this device inside
-    /// one allocation (as [`GpuRelayout::check_device_range`]).
+    /// Checks that `[ptr, ptr + len)` is mapped device memory of this device
+    /// (as [`GpuRelayout::check_device_range`]).
     pub fn check_device_range(&self, ptr: u64, len: u64) -> Result<()> {
         check_device_range_in(&self.ctx, ptr, len)
     }
@@ -890,9 +1002,10 @@ impl GpuRelayout {
     }
 
     /// Checks that `[ptr, ptr + len)` is device memory of this relayout's
-    /// device, inside one allocation (`cuPointerGetAttribute`): host memory
-    /// or another device is `InvalidArgument`, a range running past its
-    /// allocation `OutOfBounds`.
+    /// device, mapped throughout: one allocation, or contiguous VMM mappings
+    /// walked chunk by chunk (`cuPointerGetAttribute`). Host memory or
+    /// another device is `InvalidArgument`, a range running past mapped
+    /// memory (or into another device's) `OutOfBounds`.
     pub fn check_device_range(&self, ptr: u64, len: u64) -> Result<()> {
         check_device_range_in(&self.ctx, ptr, len)
     }
@@ -1020,10 +1133,12 @@ fn check_range(buf: &DeviceBuffer, offset: usize, len: usize) -> Result<()> {
     Ok(())
 }
 
-/// Loads the kernel module, trying each source in turn (see the module docs).
+/// Loads the kernel module, trying each source in turn (see the module
+/// docs); the error lists every source tried or left out, and why.
 fn load_module(
     ctx: &Arc<CudaContext>,
     cc: (i32, i32),
+    driver: i32,
 ) -> Result<(Arc<cudarc::driver::CudaModule>, KernelOrigin)> {
     let mut tried: Vec<String> = Vec::new();
     let attempt = |tried: &mut Vec<String>,
@@ -1054,29 +1169,29 @@ fn load_module(
             Err(e) => tried.push(format!("PDXFER_KERNEL_MODULE {}: {e}", p.display())),
         }
     }
-    if cc == (9, 0) {
-        if let Some(cubin) = kernels::CUBIN_SM90 {
-            if let Some(m) = attempt(
-                &mut tried,
-                Ptx::from_binary(cubin.to_vec()),
-                "embedded sm_90 cubin",
-            ) {
-                return Ok((m, KernelOrigin::EmbeddedCubin));
-            }
-        }
-    }
-    if cc.0 >= 9 {
-        if let Some(ptx) = kernels::PTX_SM90 {
-            if let Some(m) = attempt(&mut tried, Ptx::from_src(ptx), "embedded sm_90 PTX") {
-                return Ok((m, KernelOrigin::EmbeddedPtx));
-            }
+    let (images, skipped) = kernels::plan(kernels::IMAGES, driver, cc);
+    tried.extend(skipped);
+    for img in images {
+        let ptx = match img.kind {
+            ImageKind::Cubin => Ptx::from_binary(img.bytes.to_vec()),
+            ImageKind::Ptx => Ptx::from_src(String::from_utf8_lossy(img.bytes).into_owned()),
+        };
+        if let Some(m) = attempt(&mut tried, ptx, &img.describe()) {
+            return Ok((
+                m,
+                KernelOrigin::Embedded {
+                    kind: img.kind,
+                    toolkit: img.toolkit,
+                    compiler: img.compiler,
+                },
+            ));
         }
     }
     let arch = format!("sm_{}{}", cc.0, cc.1);
-    match nvrtc_compile(&arch) {
-        Ok(ptx) => {
-            if let Some(m) = attempt(&mut tried, Ptx::from_src(ptx), "NVRTC PTX") {
-                return Ok((m, KernelOrigin::Nvrtc(arch)));
+    match super::nvrtc_compile_for_driver(&arch, driver) {
+        Ok((ptx, nvrtc)) => {
+            if let Some(m) = attempt(&mut tried, Ptx::from_src(ptx), &format!("{nvrtc} PTX")) {
+                return Ok((m, KernelOrigin::Nvrtc { arch, nvrtc }));
             }
         }
         Err(e) => tried.push(format!("NVRTC: {}", e.detail())),
@@ -1084,7 +1199,8 @@ fn load_module(
     Err(Error::new(
         Status::Cuda,
         format!(
-            "no usable relayout kernels for {arch}; tried: {}",
+            "no usable relayout kernels for {arch} on driver CUDA {}; tried: {}",
+            kernels::version_text(driver),
             tried.join("; ")
         ),
     ))
@@ -1095,6 +1211,7 @@ impl std::fmt::Debug for GpuRelayout {
         f.debug_struct("GpuRelayout")
             .field("ordinal", &self.ctx.ordinal())
             .field("compute_capability", &self.cc)
+            .field("driver", &self.driver)
             .field("origin", &self.origin)
             .finish()
     }

@@ -2,9 +2,9 @@
 //! counts, packed vs unpacked. Defaults to the worked example of the design
 //! (P=64, D=4, 300 tokens, source pages [7,3,12,5,20], decode pages [40,9]).
 
-use crate::layout::{pairs_with_share, DcpLayout, PackLayout, PairRequest, Side};
-use crate::Result;
 use clap::Args;
+use pdxfer::layout::{pairs_with_share, DcpLayout, PackLayout, PairRequest, Side};
+use pdxfer::Result;
 use serde::Serialize;
 
 /// Arguments of `pdxfer plan`.

@@ -1,9 +1,11 @@
-//! The `pdxfer` command line: `info`, `plan`, `bootstrap`, `rank` (more
-//! subcommands join as their layers land).
+//! The `pdxfer` command line: `info`, `plan`, `demo`, `target`, `bench`,
+//! `bootstrap`, `rank`, `rdma-bench`. It lives in the binary, not in the
+//! library, so `libpdxfer.so` does not link clap, plotters or indicatif.
 
 mod bench;
 mod bootstrap;
 mod demo;
+mod logging;
 mod plan;
 mod rank;
 mod rdma_bench;
@@ -46,9 +48,14 @@ enum Cmd {
     RdmaBench(rdma_bench::RdmaBenchArgs),
 }
 
+fn main() {
+    std::process::exit(run());
+}
+
 /// Runs the CLI; returns the process exit code.
-pub fn main() -> i32 {
+fn run() -> i32 {
     let cli = Cli::parse();
+    logging::init();
     let r = match cli.cmd {
         Cmd::Info { json } => info(json),
         Cmd::Plan(a) => plan::run(&a),
@@ -69,13 +76,23 @@ pub fn main() -> i32 {
     }
 }
 
-fn info(json: bool) -> crate::Result<()> {
-    let cuda = crate::relayout::gpu::probe();
-    let nvrtc = crate::relayout::gpu::probe_nvrtc();
-    let nccl = crate::transport::nccl::probe();
-    let rdma = crate::transport::rdma::list_devices();
+fn info(json: bool) -> pdxfer::Result<()> {
+    let cuda = pdxfer::relayout::gpu::probe();
+    let nvrtc = pdxfer::relayout::gpu::probe_nvrtc();
+    // which kernel image device 0's driver loads (only where a device exists)
+    let kernels = match &cuda {
+        Ok(i) if i.device_count > 0 => pdxfer::relayout::gpu::probe_kernels(0),
+        Ok(_) => Err(pdxfer::Error::new(pdxfer::Status::Cuda, "no CUDA device")),
+        Err(e) => Err(e.clone()),
+    };
+    let images: Vec<String> = pdxfer::relayout::gpu::kernels::IMAGES
+        .iter()
+        .map(|i| i.describe())
+        .collect();
+    let nccl = pdxfer::transport::nccl::probe();
+    let rdma = pdxfer::transport::rdma::list_devices();
     let rdma_json = rdma_info(&rdma);
-    let show = |r: std::result::Result<String, crate::Error>| match r {
+    let show = |r: std::result::Result<String, pdxfer::Error>| match r {
         Ok(s) => serde_json::json!({"available": true, "detail": s}),
         Err(e) => {
             serde_json::json!({"available": false, "kind": e.kind(), "code": e.status() as i32, "detail": e.detail()})
@@ -83,10 +100,12 @@ fn info(json: bool) -> crate::Result<()> {
     };
     let v = serde_json::json!({
         "version": env!("CARGO_PKG_VERSION"),
-        "abi_version": format!("{}.{}", crate::ABI_VERSION_MAJOR, crate::ABI_VERSION_MINOR),
+        "abi_version": format!("{}.{}", pdxfer::ABI_VERSION_MAJOR, pdxfer::ABI_VERSION_MINOR),
         "features": {"rdma": cfg!(feature = "rdma"), "cuda": cfg!(feature = "cuda"), "nccl": cfg!(feature = "nccl")},
-        "cuda": show(cuda.map(|i| format!("{} device(s)", i.device_count))),
-        "nvrtc": show(nvrtc.map(|_| "loaded".to_string())),
+        "cuda": show(cuda.map(|i| i.describe())),
+        "kernels": show(kernels),
+        "kernel_images": images,
+        "nvrtc": show(nvrtc),
         "nccl": show(nccl.map(|v| format!("version {v}"))),
         "rdma": rdma_json,
     });
@@ -98,7 +117,7 @@ fn info(json: bool) -> crate::Result<()> {
             env!("CARGO_PKG_VERSION"),
             v["abi_version"].as_str().unwrap_or("")
         );
-        for k in ["cuda", "nvrtc", "nccl", "rdma"] {
+        for k in ["cuda", "kernels", "nvrtc", "nccl", "rdma"] {
             let e = &v[k];
             let state = if e["available"].as_bool() == Some(true) {
                 "yes"
@@ -106,7 +125,7 @@ fn info(json: bool) -> crate::Result<()> {
                 "no "
             };
             println!(
-                "  {k:<6} {state}  {}{}",
+                "  {k:<7} {state}  {}{}",
                 e["kind"]
                     .as_str()
                     .map(|k| format!("[{k}] "))
@@ -123,7 +142,7 @@ fn info(json: bool) -> crate::Result<()> {
 
 /// The `rdma` object of `pdxfer info --json`: availability plus every device,
 /// port (state, link layer, rate, active MTU, LID) and populated GID.
-fn rdma_info(r: &crate::Result<Vec<crate::transport::rdma::RdmaDevice>>) -> serde_json::Value {
+fn rdma_info(r: &pdxfer::Result<Vec<pdxfer::transport::rdma::RdmaDevice>>) -> serde_json::Value {
     match r {
         Err(e) => {
             serde_json::json!({"available": false, "kind": e.kind(), "code": e.status() as i32, "detail": e.detail(), "devices": []})
@@ -152,14 +171,14 @@ fn rdma_info(r: &crate::Result<Vec<crate::transport::rdma::RdmaDevice>>) -> serd
                     .iter()
                     .find_map(|d| d.verbs_error.clone())
                     .unwrap_or_else(|| "no port is ACTIVE".to_string());
-                let st = crate::Status::NoRdmaDevice;
+                let st = pdxfer::Status::NoRdmaDevice;
                 serde_json::json!({"available": false, "kind": st.kind(), "code": st as i32,
                     "detail": format!("no usable RDMA device: {summary}: {why}")})
             } else {
                 serde_json::json!({"available": true, "detail": format!("{} usable: {summary}", usable.join(","))})
             };
             v["devices"] = serde_json::to_value(devs).unwrap_or_default();
-            v["gpudirect"] = serde_json::to_value(crate::transport::rdma::device::gpudirect(
+            v["gpudirect"] = serde_json::to_value(pdxfer::transport::rdma::device::gpudirect(
                 std::path::Path::new("/sys"),
             ))
             .unwrap_or_default();
@@ -168,8 +187,8 @@ fn rdma_info(r: &crate::Result<Vec<crate::transport::rdma::RdmaDevice>>) -> serd
     }
 }
 
-fn print_rdma_devices(devs: &[crate::transport::rdma::RdmaDevice]) {
-    let g = crate::transport::rdma::device::gpudirect(std::path::Path::new("/sys"));
+fn print_rdma_devices(devs: &[pdxfer::transport::rdma::RdmaDevice]) {
+    let g = pdxfer::transport::rdma::device::gpudirect(std::path::Path::new("/sys"));
     println!(
         "         GPUDirect RDMA: nvidia_peermem {}, nvidia driver {}",
         if g.peermem { "loaded" } else { "not loaded" },
@@ -217,31 +236,104 @@ fn print_rdma_devices(devs: &[crate::transport::rdma::RdmaDevice]) {
 
 #[cfg(test)]
 mod tests {
+    use std::fs;
+    use std::path::{Path, PathBuf};
+
+    /// A fake sysfs tree (`class/infiniband`, `class/net`, `devices`) in a
+    /// fresh temp dir; removed on drop.
+    struct FakeSys(PathBuf);
+
+    impl Drop for FakeSys {
+        fn drop(&mut self) {
+            let _ = fs::remove_dir_all(&self.0);
+        }
+    }
+
+    fn w(p: &Path, s: &str) {
+        fs::create_dir_all(p.parent().unwrap()).unwrap();
+        fs::write(p, s).unwrap();
+    }
+
+    impl FakeSys {
+        fn new(tag: &str) -> FakeSys {
+            let p = std::env::temp_dir().join(format!(
+                "pdxfer-cli-sysfs-{tag}-{}-{:x}",
+                std::process::id(),
+                pdxfer::transport::rdma::handshake::random_u64()
+            ));
+            fs::create_dir_all(&p).unwrap();
+            FakeSys(p)
+        }
+
+        /// A RoCE NIC with one port in `state` and four populated GIDs.
+        fn nic(&self, name: &str, pci: &str, numa: i32, state: &str) {
+            let dev = self.0.join("devices").join(pci);
+            w(&dev.join("numa_node"), &format!("{numa}\n"));
+            let ib = self.0.join("class/infiniband").join(name);
+            fs::create_dir_all(&ib).unwrap();
+            std::os::unix::fs::symlink(&dev, ib.join("device")).unwrap();
+            w(&ib.join("node_guid"), "0002:c903:0000:0001\n");
+            w(&ib.join("fw_ver"), "28.39.1002\n");
+            let port = ib.join("ports/1");
+            w(&port.join("state"), state);
+            w(&port.join("phys_state"), "5: LinkUp\n");
+            w(&port.join("link_layer"), "Ethernet\n");
+            w(&port.join("lid"), "0x0005\n");
+            w(&port.join("rate"), "200 Gb/sec (4X HDR)\n");
+            let ll = "fe80:0000:0000:0000:0202:c9ff:fe00:0001\n";
+            let v4 = "0000:0000:0000:0000:0000:ffff:0a00:0001\n";
+            let (v1, v2) = ("IB/RoCE v1\n", "RoCE v2\n");
+            for (i, g, kind) in [(0, ll, v1), (1, ll, v2), (2, v4, v1), (3, v4, v2)] {
+                w(&port.join("gids").join(i.to_string()), g);
+                w(&port.join("gid_attrs/types").join(i.to_string()), kind);
+                w(
+                    &port.join("gid_attrs/ndevs").join(i.to_string()),
+                    &format!("eth_{name}\n"),
+                );
+            }
+            let mtu = self.0.join("class/net").join(format!("eth_{name}/mtu"));
+            w(&mtu, "9000\n");
+        }
+    }
+
     #[test]
     fn rdma_info_lists_devices_ports_gids_and_reasons() {
-        let fake = crate::transport::rdma::device::tests::four_nics();
-        let r = crate::transport::rdma::list_devices_at(&fake.0);
+        let fake = FakeSys::new("two");
+        fake.nic(
+            "mlx5_0",
+            "pci0000:00/0000:00:01.0/0000:01:00.0",
+            0,
+            "4: ACTIVE\n",
+        );
+        fake.nic(
+            "mlx5_3",
+            "pci0000:80/0000:80:02.0/0000:82:00.0",
+            1,
+            "1: DOWN\n",
+        );
+        let r = pdxfer::transport::rdma::list_devices_at(&fake.0);
         let v = super::rdma_info(&r);
         // The fake NICs are not openable by libibverbs: listed, but not available.
         assert_eq!(v["available"], false);
         assert_eq!(v["kind"], "no_rdma_device");
         assert_eq!(v["code"], -700);
         let devs = v["devices"].as_array().unwrap();
-        assert_eq!(devs.len(), 4);
+        assert_eq!(devs.len(), 2);
         assert_eq!(devs[0]["name"], "mlx5_0");
         assert_eq!(devs[0]["numa_node"], 0);
         assert_eq!(devs[0]["ports"][0]["state"], "ACTIVE");
         assert_eq!(devs[0]["ports"][0]["active_mtu"], 4096);
         assert_eq!(devs[0]["ports"][0]["link_layer"], "Ethernet");
         assert_eq!(devs[0]["ports"][0]["gids"][3]["kind"], "RoCE v2");
-        assert_eq!(devs[3]["ports"][0]["state"], "DOWN");
+        assert_eq!(devs[1]["name"], "mlx5_3");
+        assert_eq!(devs[1]["ports"][0]["state"], "DOWN");
         assert!(v["detail"]
             .as_str()
             .unwrap()
             .contains("mlx5_3 (port 1 DOWN Ethernet)"));
 
-        let empty = crate::transport::rdma::device::tests::FakeSys::new("info-empty");
-        let v = super::rdma_info(&crate::transport::rdma::list_devices_at(&empty.0));
+        let empty = FakeSys::new("info-empty");
+        let v = super::rdma_info(&pdxfer::transport::rdma::list_devices_at(&empty.0));
         assert_eq!(v["available"], false);
         assert_eq!(v["code"], -700);
         assert!(v["detail"].as_str().unwrap().contains("class/infiniband"));

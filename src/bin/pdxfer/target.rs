@@ -6,8 +6,8 @@
 //! `dump PATH` (write every region, in id order, to PATH), `quit`; end of
 //! stdin also quits.
 
-use crate::transport::{Agent, AgentOptions};
 use clap::Args;
+use pdxfer::transport::{Agent, AgentOptions};
 use std::io::{BufRead, Write};
 use std::time::Duration;
 
@@ -44,7 +44,7 @@ pub fn prefault(b: &mut [u8]) {
 }
 
 /// Runs the target until `quit` or end of stdin.
-pub fn run(a: &TargetArgs) -> crate::Result<()> {
+pub fn run(a: &TargetArgs) -> pdxfer::Result<()> {
     let agent = Agent::new(&AgentOptions {
         listen: Some(a.listen.clone()),
         stall: Duration::from_millis(a.stall_ms),

@@ -5,16 +5,16 @@
 //! (some with a cached decode prefix, some chunked); every decode rank verifies
 //! every byte it owns against the plan; prints a summary (and `--json`).
 
-use crate::bootstrap::schema::Role;
-use crate::bootstrap::server::{BootstrapServer, ServerConfig};
-use crate::engine::synthetic::SyntheticPools;
-use crate::engine::{Engine, EngineConfig, KvPoll};
-use crate::error::{Error, Result, Status};
-use crate::layout::{DcpLayout, Side};
-use crate::rng::SplitMix64;
-use crate::transport::TransportKind;
 use clap::Args;
 use crossbeam::channel::{unbounded, Receiver, Sender};
+use pdxfer::bootstrap::schema::Role;
+use pdxfer::bootstrap::server::{BootstrapServer, ServerConfig};
+use pdxfer::engine::synthetic::SyntheticPools;
+use pdxfer::engine::{Engine, EngineConfig, KvPoll};
+use pdxfer::error::{Error, Result, Status};
+use pdxfer::layout::{DcpLayout, Side};
+use pdxfer::rng::SplitMix64;
+use pdxfer::transport::TransportKind;
 use serde_json::{json, Value};
 use std::collections::{HashMap, VecDeque};
 use std::io::{BufRead, BufReader, Write};

@@ -13,13 +13,13 @@
 //!
 //! Every outcome is one JSON line on stdout (`{"event": ...}`).
 
-use crate::bootstrap::{
+use clap::Args;
+use pdxfer::bootstrap::{
     decode_peers, open_store, prefill_targets, verify_peer, InstanceId, PeerHello, Registrar,
     Registration, Role, Store, Target,
 };
-use crate::error::{Error, Result, Status};
-use crate::layout::Topology;
-use clap::Args;
+use pdxfer::error::{Error, Result, Status};
+use pdxfer::layout::Topology;
 use serde_json::json;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream, ToSocketAddrs};
@@ -172,7 +172,7 @@ fn handshake(target: &Registration, local: &Registration, payload: &[u8]) -> Res
     let mut r = BufReader::new(s.try_clone()?);
     let mut line = String::new();
     r.read_line(&mut line)?;
-    let hello: PeerHello = crate::bootstrap::schema::from_json(line.as_bytes(), "peer hello")
+    let hello: PeerHello = pdxfer::bootstrap::schema::from_json(line.as_bytes(), "peer hello")
         .map_err(|e| Error::new(Status::Protocol, e.detail().to_string()))?;
     match verify_peer(target, &hello, local) {
         Ok(_) => {

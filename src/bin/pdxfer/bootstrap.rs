@@ -1,7 +1,7 @@
 //! `pdxfer bootstrap`: the standalone bootstrap server.
 
-use crate::bootstrap::{BootstrapServer, ServerConfig};
 use clap::Args;
+use pdxfer::bootstrap::{BootstrapServer, ServerConfig};
 use std::io::Write;
 
 /// Arguments of `pdxfer bootstrap`.
@@ -14,23 +14,31 @@ pub struct BootstrapArgs {
     #[arg(long, env = "PDXFER_BOOTSTRAP_TOKEN", hide_env_values = true)]
     token: Option<String>,
     /// Largest accepted request body in bytes.
-    #[arg(long, default_value_t = crate::bootstrap::server::DEFAULT_MAX_BODY)]
+    #[arg(long, default_value_t = pdxfer::bootstrap::server::DEFAULT_MAX_BODY)]
     max_body: usize,
-    /// Worker threads.
-    #[arg(long, default_value_t = 4)]
-    workers: usize,
+    /// Most connections served at once; more are answered 503 and closed.
+    #[arg(long, default_value_t = pdxfer::bootstrap::server::DEFAULT_MAX_CONNECTIONS)]
+    max_connections: usize,
+    /// Milliseconds a client has to send its request line and headers (then 408).
+    #[arg(long, default_value_t = pdxfer::bootstrap::server::DEFAULT_HEADER_TIMEOUT.as_millis() as u64)]
+    header_timeout_ms: u64,
+    /// Milliseconds a client has to send its body once the headers are in (then 408).
+    #[arg(long, default_value_t = pdxfer::bootstrap::server::DEFAULT_BODY_TIMEOUT.as_millis() as u64)]
+    body_timeout_ms: u64,
     /// Most live entries held (bounds memory; new keys beyond it get 503).
-    #[arg(long, default_value_t = crate::bootstrap::store::DEFAULT_MAX_ENTRIES)]
+    #[arg(long, default_value_t = pdxfer::bootstrap::store::DEFAULT_MAX_ENTRIES)]
     max_entries: usize,
 }
 
 /// Runs the server until the process is killed.
-pub fn run(a: &BootstrapArgs) -> crate::Result<()> {
+pub fn run(a: &BootstrapArgs) -> pdxfer::Result<()> {
     let server = BootstrapServer::start(ServerConfig {
         listen: a.listen.clone(),
         token: a.token.clone(),
         max_body_bytes: a.max_body,
-        workers: a.workers,
+        max_connections: a.max_connections,
+        header_timeout: std::time::Duration::from_millis(a.header_timeout_ms),
+        body_timeout: std::time::Duration::from_millis(a.body_timeout_ms),
         max_entries: a.max_entries,
     })?;
     let line = serde_json::json!({

@@ -35,14 +35,14 @@ pub struct RdmaBenchArgs {
 }
 
 /// Runs the benchmark.
-pub fn run(a: &RdmaBenchArgs) -> crate::Result<()> {
+pub fn run(a: &RdmaBenchArgs) -> pdxfer::Result<()> {
     if a.block_size == 0 || a.batch_size == 0 || a.iters == 0 || a.depth == 0 {
-        return Err(crate::Error::invalid(
+        return Err(pdxfer::Error::invalid(
             "block-size, batch-size, iters and depth must be > 0",
         ));
     }
     if a.read && (a.serve.is_some() || a.connect.is_some()) {
-        return Err(crate::Error::invalid(
+        return Err(pdxfer::Error::invalid(
             "--read runs on one host only (the two-host server counts write completion records)",
         ));
     }
@@ -52,8 +52,8 @@ pub fn run(a: &RdmaBenchArgs) -> crate::Result<()> {
     }
     #[cfg(not(feature = "rdma"))]
     {
-        Err(crate::Error::new(
-            crate::Status::Unsupported,
+        Err(pdxfer::Error::new(
+            pdxfer::Status::Unsupported,
             "built without the `rdma` feature",
         ))
     }
@@ -62,9 +62,11 @@ pub fn run(a: &RdmaBenchArgs) -> crate::Result<()> {
 #[cfg(feature = "rdma")]
 mod imp {
     use super::RdmaBenchArgs;
-    use crate::error::{Error, Result, Status};
-    use crate::transport::rdma::handshake::exchange;
-    use crate::transport::rdma::{BatchState, Direction, RdmaConfig, RdmaEndpoint, Span, VerbsNic};
+    use pdxfer::error::{Error, Result, Status};
+    use pdxfer::transport::rdma::handshake::exchange;
+    use pdxfer::transport::rdma::{
+        BatchState, Direction, RdmaConfig, RdmaEndpoint, Span, VerbsNic,
+    };
     use std::io::{Read, Write};
     use std::time::{Duration, Instant};
 
@@ -283,7 +285,7 @@ mod tests {
             Err(e) => assert!(
                 matches!(
                     e.status(),
-                    crate::Status::NoRdmaDevice | crate::Status::Unsupported
+                    pdxfer::Status::NoRdmaDevice | pdxfer::Status::Unsupported
                 ),
                 "{e}"
             ),
@@ -295,12 +297,12 @@ mod tests {
         };
         assert_eq!(
             run(&remote_read).unwrap_err().status(),
-            crate::Status::InvalidArgument
+            pdxfer::Status::InvalidArgument
         );
         let bad = RdmaBenchArgs { iters: 0, ..a };
         assert_eq!(
             run(&bad).unwrap_err().status(),
-            crate::Status::InvalidArgument
+            pdxfer::Status::InvalidArgument
         );
     }
 }

@@ -8,11 +8,11 @@
 //! reports GB/s (decimal), operations/s, batch latency p50/p99, and a plain
 //! `memcpy` of the same bytes measured in the same run (for the ratio).
 
-use crate::error::{Error, Result};
-use crate::transport::{
+use clap::Args;
+use pdxfer::error::{Error, Result};
+use pdxfer::transport::{
     Agent, AgentOptions, BatchId, BatchOptions, ConnectOptions, Transport, TransportKind, WriteOp,
 };
-use clap::Args;
 use serde::Serialize;
 use std::collections::VecDeque;
 use std::io::{BufRead, BufReader, Write};
@@ -381,7 +381,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
 /// Draws GB/s (and memcpy GB/s) against block size, log2 x axis.
 fn plot(path: &str, points: &[Point]) -> Result<()> {
     use plotters::prelude::*;
-    let err = |e: String| Error::new(crate::Status::Io, format!("plot {path}: {e}"));
+    let err = |e: String| Error::new(pdxfer::Status::Io, format!("plot {path}: {e}"));
     let root = BitMapBackend::new(path, (900, 600)).into_drawing_area();
     root.fill(&WHITE).map_err(|e| err(e.to_string()))?;
     let xs: Vec<f64> = points

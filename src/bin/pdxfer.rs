@@ -1,4 +1,0 @@
-//! The `pdxfer` command line.
-fn main() {
-    std::process::exit(pdxfer::cli::main());
-}
