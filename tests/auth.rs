@@ -6,6 +6,8 @@
 //! with another secret is refused by name; `auto` uses tcp for a peer of
 //! another uid.
 
+mod common;
+
 use pdxfer::bootstrap::schema::{PeerHello, Role};
 use pdxfer::bootstrap::server::{BootstrapServer, ServerConfig};
 use pdxfer::engine::synthetic::SyntheticPools;
@@ -794,7 +796,7 @@ fn without_a_secret_only_loopback_listeners() {
 #[test]
 fn auto_uses_tcp_for_a_peer_of_another_uid() {
     if !is_root() {
-        println!("SKIPPED auto_uses_tcp_for_a_peer_of_another_uid: starting a process of another uid needs root");
+        common::skip("root", "starting a process of another uid needs root");
         return;
     }
     let mut target = Command::new(env!("CARGO_BIN_EXE_pdxfer"));
