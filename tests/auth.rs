@@ -837,9 +837,10 @@ fn auto_uses_tcp_for_a_peer_of_another_uid() {
 }
 
 /// Even a peer holding the secret cannot point the prefill at a data address
-/// the bootstrap does not advertise for the instance it claims, nor claim an
-/// instance the bootstrap does not know: refused with `peer_identity`, and
-/// the prefill dials nothing.
+/// the bootstrap does not advertise for the instance it claims (refused with
+/// `peer_identity` before anything is dialed), nor, claiming an instance the
+/// bootstrap does not know, at another instance's data plane (that agent
+/// authenticates as itself: `peer_identity` naming both ids).
 #[test]
 fn a_cluster_member_cannot_redirect_the_prefill() {
     use pdxfer::auth::{Mode, PeerInstance};
@@ -858,7 +859,11 @@ fn a_cluster_member_cannot_redirect_the_prefill() {
             decoy.local_addr().unwrap().to_string(),
             "advertises",
         ),
-        (unknown, d_reg.endpoints["data"].clone(), "no entry"),
+        (
+            unknown,
+            d_reg.endpoints["data"].clone(),
+            "authenticated as instance",
+        ),
     ] {
         let s = TcpStream::connect(&reg.endpoints["ctl"]).unwrap();
         s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
@@ -888,7 +893,13 @@ fn a_cluster_member_cannot_redirect_the_prefill() {
                 ..
             }) => {
                 assert_eq!(code, Some(Status::PeerIdentity as i32), "{reason:?}");
-                assert!(reason.as_deref().unwrap().contains(want), "{reason:?}");
+                let reason = reason.unwrap();
+                assert!(reason.contains(want), "{reason}");
+                if want == "authenticated as instance" {
+                    // both ids named: the real decode's and the claimed one
+                    assert!(reason.contains(&format!("{:032x}", 7)), "{reason}");
+                    assert!(reason.contains(&d_reg.instance_id.to_string()), "{reason}");
+                }
             }
             other => panic!("expected a refusal, got {other:?}"),
         }
