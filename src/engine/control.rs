@@ -298,7 +298,7 @@ pub fn authenticate_decode(
         Some(_) => {
             return Err(Error::new(
                 Status::AuthRequired,
-                "the first control message must be auth_hello: this prefill accepts only                  authenticated decode ranks (same pdxfer version and cluster secret)",
+                "the first control message must be auth_hello: this prefill accepts only authenticated decode ranks (same pdxfer version and cluster secret)",
             ))
         }
     };

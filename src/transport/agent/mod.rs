@@ -93,12 +93,12 @@ pub fn check_listener(mode: &Mode, addr: &SocketAddr, what: &str) -> Result<()> 
         return Err(Error::new(
             Status::AuthRequired,
             format!(
-                "{what} on {addr} is not loopback-bound and no cluster secret is configured:                  anyone who can reach it could write this process's memory; configure the                  cluster secret (engine `token`, agent `secret`, or {CLUSTER_SECRET_ENV}) on                  every rank, or listen on 127.0.0.1"
+                "{what} on {addr} is not loopback-bound and no cluster secret is configured: anyone who can reach it could write this process's memory; configure the cluster secret (engine `token`, agent `secret`, or {CLUSTER_SECRET_ENV}) on every rank, or listen on 127.0.0.1"
             ),
         ));
     }
     log::warn!(
-        "{what} on {addr}: NO CLUSTER SECRET configured, peers are not authenticated; any          local process can connect (set the engine `token`, agent `secret` or          {CLUSTER_SECRET_ENV})"
+        "{what} on {addr}: NO CLUSTER SECRET configured, peers are not authenticated; any local process can connect (set the engine `token`, agent `secret` or {CLUSTER_SECRET_ENV})"
     );
     Ok(())
 }
