@@ -12,7 +12,7 @@
 
 #include "check.h"
 
-_Static_assert(sizeof(PdxAgentOptions) == 16, "PdxAgentOptions size is ABI");
+_Static_assert(sizeof(PdxAgentOptions) == 24, "PdxAgentOptions size is ABI");
 _Static_assert(sizeof(PdxCompletion) == 64, "PdxCompletion size is ABI");
 _Static_assert(sizeof(PdxRegion) == 40, "PdxRegion size is ABI");
 _Static_assert(sizeof(PdxPeerOptions) == 32, "PdxPeerOptions size is ABI");
@@ -22,7 +22,7 @@ _Static_assert(sizeof(PdxBatchOptions) == 40, "PdxBatchOptions size is ABI");
 #define N (256 * 1024)
 
 static void roundtrip(uint32_t transport, uint32_t streams) {
-    PdxAgentOptions ao = {sizeof ao, "127.0.0.1:0"};
+    PdxAgentOptions ao = {sizeof ao, "127.0.0.1:0", NULL};
     PdxAgent *rx = NULL, *tx = NULL;
     CHECK(pdxfer_agent_create(&ao, &rx) == PDX_STATUS_OK);
     CHECK(pdxfer_agent_create(NULL, &tx) == PDX_STATUS_OK);
@@ -123,7 +123,7 @@ static void roundtrip(uint32_t transport, uint32_t streams) {
 }
 
 static void shared_allocation(void) {
-    PdxAgentOptions ao = {sizeof ao, "127.0.0.1:0"};
+    PdxAgentOptions ao = {sizeof ao, "127.0.0.1:0", NULL};
     PdxAgent *rx = NULL, *tx = NULL;
     CHECK(pdxfer_agent_create(&ao, &rx) == PDX_STATUS_OK);
     CHECK(pdxfer_agent_create(NULL, &tx) == PDX_STATUS_OK);
@@ -185,7 +185,41 @@ static void bad_inputs(void) {
     pdxfer_agent_destroy(NULL);
 }
 
+/* The cluster secret: agents that share it move bytes; another secret is
+ * refused by name (auth_failed) and writes nothing; a listener other hosts
+ * can reach needs a secret (auth_required). */
+static void secrets(void) {
+    const char *secret = "c-test-cluster-secret-0123456789";
+    PdxAgentOptions ao = {sizeof ao, "127.0.0.1:0", secret};
+    PdxAgentOptions good = {sizeof good, NULL, secret};
+    PdxAgentOptions bad = {sizeof bad, NULL, "another-cluster-secret-0123456789"};
+    PdxAgent *rx = NULL, *tx = NULL, *other = NULL;
+    CHECK(pdxfer_agent_create(&ao, &rx) == PDX_STATUS_OK);
+    CHECK(pdxfer_agent_create(&good, &tx) == PDX_STATUS_OK);
+    CHECK(pdxfer_agent_create(&bad, &other) == PDX_STATUS_OK);
+    char addr[64];
+    size_t n = 0;
+    CHECK(pdxfer_agent_listen_addr(rx, addr, sizeof addr, &n) == PDX_STATUS_OK);
+    PdxPeerOptions po = {sizeof po, PDXFER_TRANSPORT_TCP, 1, 1, 0, 5000};
+    PdxPeer *peer = NULL;
+    CHECK(pdxfer_peer_open(tx, addr, &po, &peer) == PDX_STATUS_OK);
+    if (peer) pdxfer_peer_close(peer);
+    peer = NULL;
+    CHECK(pdxfer_peer_open(other, addr, &po, &peer) == PDX_STATUS_AUTH_FAILED);
+    CHECK(peer == NULL);
+    CHECK(strstr(pdxfer_last_error(), "authentication") != NULL);
+    PdxAgentOptions any = {sizeof any, "0.0.0.0:0", NULL};
+    PdxAgent *open = NULL;
+    CHECK(pdxfer_agent_create(&any, &open) == PDX_STATUS_AUTH_REQUIRED);
+    CHECK(open == NULL);
+    CHECK(strstr(pdxfer_last_error(), "0.0.0.0") != NULL);
+    pdxfer_agent_destroy(other);
+    pdxfer_agent_destroy(tx);
+    pdxfer_agent_destroy(rx);
+}
+
 int main(void) {
+    secrets();
     roundtrip(PDXFER_TRANSPORT_TCP, 1);
     roundtrip(PDXFER_TRANSPORT_TCP, 2);
     roundtrip(PDXFER_TRANSPORT_CMA, 1);

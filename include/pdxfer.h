@@ -102,7 +102,8 @@
 // 1.3: `pdxfer_set_log_callback`, `pdxfer_engine_decode_prefix_len`,
 // `PdxEngineConfig.metrics_listen`, `pdxfer_engine_metrics`,
 // `pdxfer_engine_metrics_address`, `pdxfer_engine_room_telemetry`.
-#define PDXFER_ABI_VERSION_MINOR 3
+// 1.4: `PdxAgentOptions.secret` (peer authentication).
+#define PDXFER_ABI_VERSION_MINOR 4
 
 // Every prefill CP rank transfers its shard.
 #define PDXFER_MAP_ALL_CP_RANKS 1
@@ -262,6 +263,11 @@ typedef struct PdxAgentOptions {
   uint64_t struct_size;
   // Address to accept peers on (`"127.0.0.1:0"` picks a port); NULL: send-only agent.
   const char *listen;
+  // The cluster secret peers must prove (at least 16 bytes; copied); NULL
+  // reads `PDXFER_CLUSTER_SECRET`, and without either only a
+  // loopback-bound listener is allowed (`PDX_STATUS_AUTH_REQUIRED`).
+  // ABI 1.4; callers of 1.3 and older (a 16-byte struct) get NULL.
+  const char *secret;
 } PdxAgentOptions;
 
 // A completion record (sender: the batch finished; receiver: a batch landed).
@@ -419,7 +425,9 @@ typedef struct PdxEngineConfig {
   const char *cluster;
   // Bootstrap URL, `http://host:port` or `etcd://host:port` (required).
   const char *bootstrap;
-  // Bootstrap token; NULL for none.
+  // The cluster secret (at least 16 bytes): guards bootstrap writes and
+  // authenticates every peer connection. NULL reads `PDXFER_CLUSTER_SECRET`;
+  // without either only loopback listeners are allowed (`PDX_STATUS_AUTH_REQUIRED`).
   const char *token;
   // This rank's topology (required); its entries must match `pools`.
   const struct PdxTopology *topology;

@@ -269,11 +269,27 @@ fn agent_idle_flood_is_bounded_and_real_peers_are_served() {
     drop(conns);
 }
 
+/// A raw-wire client: dials `addr` and performs the authentication exchange
+/// (the target runs without a secret, on loopback), as one fixed instance, so
+/// its data streams attach to its sessions.
+fn dial(addr: &str) -> TcpStream {
+    let mut s = TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    pdxfer::transport::peer_auth::authenticate_client(
+        &mut s,
+        &pdxfer::auth::Mode::Open,
+        [0x5b; 16],
+        None,
+        "target",
+    )
+    .unwrap();
+    s
+}
+
 /// Opens a raw tcp session (hello, select tcp) to `addr`; returns the
 /// control connection and the HelloAck.
 fn raw_session(addr: &str) -> (TcpStream, Value) {
-    let mut s = TcpStream::connect(addr).unwrap();
-    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let mut s = dial(addr);
     let me = pdxfer::transport::ProcIdentity::current().unwrap();
     wire::write_json(
         &mut s,
@@ -375,8 +391,9 @@ fn an_idle_half_open_session_is_closed_after_its_timeout() {
     }];
     let id = real.submit(&ops, &BatchOptions::default()).unwrap();
     real.wait(id, Duration::from_secs(10)).unwrap();
-    // a connection stuck in its handshake (hello answered, no select) is closed too
-    let mut s = TcpStream::connect(&t.addr).unwrap();
+    // a connection stuck in its handshake (authenticated, hello answered, no
+    // select) is closed too
+    let mut s = dial(&t.addr);
     let me = pdxfer::transport::ProcIdentity::current().unwrap();
     wire::write_json(
         &mut s,
@@ -384,6 +401,10 @@ fn an_idle_half_open_session_is_closed_after_its_timeout() {
         &json!({"version": wire::VERSION, "identity": me}),
     )
     .unwrap();
+    assert_eq!(
+        wire::read_frame(&mut s).unwrap().0,
+        wire::FrameType::HelloAck
+    );
     let took = closed_within(&mut s, Duration::from_secs(5))
         .expect("a connection stuck in its handshake was not closed within 5 s");
     assert!(took >= Duration::from_millis(700), "closed after {took:?}");
@@ -397,9 +418,7 @@ fn an_idle_half_open_session_is_closed_after_its_timeout() {
 fn a_half_sent_piece_releases_its_pin_after_the_timeout() {
     let mut t = Target::spawn(&["--pin-timeout-ms", "1500"], None);
     let (_ctl, ack) = raw_session(&t.addr);
-    let mut data = TcpStream::connect(&t.addr).unwrap();
-    data.set_read_timeout(Some(Duration::from_secs(10)))
-        .unwrap();
+    let mut data = dial(&t.addr);
     wire::write_json(
         &mut data,
         wire::FrameType::Attach,

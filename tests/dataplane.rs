@@ -244,7 +244,7 @@ fn tcp_random_batches_every_byte_verified() {
 /// Opens a raw tcp session to `addr` (hello, select) whose control connection announces a batch writing
 /// the first 4 KiB of `region`, and returns once the receiver granted (pinned) it.
 fn pin_first_page(addr: std::net::SocketAddr, region: u64) -> TcpStream {
-    let mut s = TcpStream::connect(addr).unwrap();
+    let mut s = dial(addr);
     let me = pdxfer::transport::ProcIdentity::current().unwrap();
     wire::write_json(
         &mut s,
@@ -275,6 +275,29 @@ fn pin_first_page(addr: std::net::SocketAddr, region: u64) -> TcpStream {
     s
 }
 
+/// A raw-wire client: dials `addr` and performs the authentication
+/// exchange (the target runs without a secret, on loopback), as instance
+/// `RAW_CLIENT`.
+fn dial(addr: impl std::net::ToSocketAddrs) -> TcpStream {
+    dial_as(addr, RAW_CLIENT)
+}
+
+fn dial_as(addr: impl std::net::ToSocketAddrs, instance: [u8; 16]) -> TcpStream {
+    let mut s = TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    pdxfer::transport::peer_auth::authenticate_client(
+        &mut s,
+        &pdxfer::auth::Mode::Open,
+        instance,
+        None,
+        "target",
+    )
+    .unwrap();
+    s
+}
+
+const RAW_CLIENT: [u8; 16] = [0x5a; 16];
+
 fn read_frame_timeout(s: &mut TcpStream) -> (wire::FrameType, Vec<u8>) {
     s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
     wire::read_frame(s).unwrap()
@@ -286,7 +309,7 @@ fn read_frame_timeout(s: &mut TcpStream) -> (wire::FrameType, Vec<u8>) {
 fn malformed_requests_refused_nothing_written() {
     let mut target = Target::spawn(0);
     let me = pdxfer::transport::ProcIdentity::current().unwrap();
-    let mut s = TcpStream::connect(&target.addr).unwrap();
+    let mut s = dial(&target.addr);
     wire::write_json(
         &mut s,
         wire::FrameType::Hello,
@@ -297,7 +320,8 @@ fn malformed_requests_refused_nothing_written() {
     assert_eq!(ty, wire::FrameType::HelloAck);
     let ack: serde_json::Value = serde_json::from_slice(&p).unwrap();
     let session = ack["session"].as_u64().unwrap();
-    let token = ack["token"].as_u64().unwrap();
+    let token = ack["token"].as_str().unwrap().to_string();
+    assert_eq!(token.len(), 32, "a 128-bit session token");
     let region = ack["regions"][0]["id"].as_u64().unwrap();
     let len = ack["regions"][0]["len"].as_u64().unwrap();
     wire::write_json(
@@ -357,7 +381,7 @@ fn malformed_requests_refused_nothing_written() {
     }
 
     // tcp data frames to bad destinations: drained, never written; the commit is refused.
-    let mut d = TcpStream::connect(&target.addr).unwrap();
+    let mut d = dial(&target.addr);
     wire::write_json(
         &mut d,
         wire::FrameType::Attach,
@@ -365,6 +389,23 @@ fn malformed_requests_refused_nothing_written() {
     )
     .unwrap();
     assert_eq!(read_frame_timeout(&mut d).0, wire::FrameType::AttachOk);
+    // A wrong token cannot attach a data stream, nor the right token from
+    // a connection authenticated as another instance.
+    let last = if token.ends_with('0') { "1" } else { "0" };
+    let wrong = format!("{}{last}", &token[..31]);
+    for (instance, token) in [(RAW_CLIENT, wrong), ([0x77; 16], token.clone())] {
+        let mut d2 = dial_as(&target.addr, instance);
+        wire::write_json(
+            &mut d2,
+            wire::FrameType::Attach,
+            &serde_json::json!({"session": session, "token": token, "index": 1}),
+        )
+        .unwrap();
+        let (ty, p) = read_frame_timeout(&mut d2);
+        assert_eq!(ty, wire::FrameType::Error);
+        assert_eq!(wire::decode_error(&p).status(), Status::Unauthorized);
+    }
+
     let payload = vec![0xABu8; 64];
     for (batch, off, reg) in [
         (10u64, len - 32, region),
@@ -451,18 +492,6 @@ fn malformed_requests_refused_nothing_written() {
         n == 0 || buf[..4] == wire::MAGIC.to_le_bytes(),
         "the session should end"
     );
-    // A wrong token cannot attach a data stream.
-    let mut d2 = TcpStream::connect(&target.addr).unwrap();
-    wire::write_json(
-        &mut d2,
-        wire::FrameType::Attach,
-        &serde_json::json!({"session": session, "token": token ^ 1, "index": 1}),
-    )
-    .unwrap();
-    let (ty, p) = read_frame_timeout(&mut d2);
-    assert_eq!(ty, wire::FrameType::Error);
-    assert_eq!(wire::decode_error(&p).status(), Status::Unauthorized);
-
     let mem = target.dump();
     assert!(
         mem.iter().all(|&b| b == 0),
@@ -476,7 +505,7 @@ fn malformed_requests_refused_nothing_written() {
 fn cma_identity_proof_mismatch_refused() {
     let target = Target::spawn(0);
     let me = pdxfer::transport::ProcIdentity::current().unwrap();
-    let mut s = TcpStream::connect(&target.addr).unwrap();
+    let mut s = dial(&target.addr);
     wire::write_json(
         &mut s,
         wire::FrameType::Hello,
@@ -498,7 +527,7 @@ fn cma_identity_proof_mismatch_refused() {
     let e = wire::decode_error(&p);
     assert_eq!(e.status(), Status::PeerIdentity, "{e}");
     // A wire version from the future is refused at the hello, naming both versions.
-    let mut s = TcpStream::connect(&target.addr).unwrap();
+    let mut s = dial(&target.addr);
     wire::write_json(
         &mut s,
         wire::FrameType::Hello,

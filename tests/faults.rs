@@ -507,6 +507,11 @@ fn netns_link_down_mid_transfer() {
         .to_string();
     let cl = "faults-netns";
     let bin = env!("CARGO_BIN_EXE_pdxfer-fault-peer");
+    // listeners on the veth addresses need the cluster secret
+    let secret_env = format!(
+        "{}=faults-netns-cluster-secret-0123456789",
+        pdxfer::transport::CLUSTER_SECRET_ENV
+    );
     let common = |role: &str, host: &str| {
         vec![
             ("role", role.to_string()),
@@ -515,7 +520,7 @@ fn netns_link_down_mid_transfer() {
         ]
     };
     let mut p = support::Peer::spawn_wrapped(
-        &["ip", "netns", "exec", &np],
+        &["ip", "netns", "exec", &np, "env", &secret_env],
         bin,
         "prefill",
         &url,
@@ -523,7 +528,7 @@ fn netns_link_down_mid_transfer() {
         &common("prefill", "10.231.0.1"),
     );
     let mut d = support::Peer::spawn_wrapped(
-        &["ip", "netns", "exec", &nd],
+        &["ip", "netns", "exec", &nd, "env", &secret_env],
         bin,
         "decode",
         &url,

@@ -35,8 +35,32 @@ impl Drop for Namespaces {
     }
 }
 
+const SECRET: &str = "netns-test-cluster-secret-0123456789";
+
+/// The target refuses a non-loopback listener when no secret is configured.
+fn refused_without_secret() {
+    let out = Command::new(env!("CARGO_BIN_EXE_pdxfer"))
+        .args(["target", "--listen", "0.0.0.0:0", "--size", "4096"])
+        .env_remove(pdxfer::transport::CLUSTER_SECRET_ENV)
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(!out.status.success(), "{text}");
+    assert!(
+        text.contains("auth_required") || text.contains("cluster secret"),
+        "{text}"
+    );
+}
+
 #[test]
 fn tcp_between_two_network_namespaces() {
+    // Without the secret the target refuses to listen on the veth address.
+    refused_without_secret();
     let id = std::process::id() % 100_000;
     let (a, b) = (format!("pdxA{id}"), format!("pdxB{id}"));
     if let Err(e) = ip(&["netns", "add", &a]) {
@@ -72,6 +96,8 @@ fn tcp_between_two_network_namespaces() {
             "--size",
             &size.to_string(),
         ])
+        // a listener other hosts can reach needs the cluster secret
+        .env(pdxfer::transport::CLUSTER_SECRET_ENV, SECRET)
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .spawn()
@@ -105,6 +131,7 @@ fn tcp_between_two_network_namespaces() {
             "--checksum",
             "--json",
         ])
+        .env(pdxfer::transport::CLUSTER_SECRET_ENV, SECRET)
         .output()
         .unwrap();
     let stdout = String::from_utf8_lossy(&bench.stdout);

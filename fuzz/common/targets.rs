@@ -8,11 +8,13 @@
 
 #![allow(dead_code)]
 
+use pdxfer::auth::{AuthChallenge, AuthHello, AuthProof, Mode};
 use pdxfer::bootstrap::schema::{
     from_json, PeerHello, RegisterAck, RegisterRequest, Registration, Summary,
 };
 use pdxfer::engine::control::{CtlMsg, CtlReader};
 use pdxfer::transport::handshake::{Attach, Hello, HelloAck, Select};
+use pdxfer::transport::peer_auth::authenticate_server;
 use pdxfer::transport::wire::{self, DataHeader, FrameType, DATA_HEADER_LEN};
 use std::ffi::c_char;
 use std::io::Write;
@@ -103,10 +105,20 @@ pub fn seeds(name: &str) -> Vec<Vec<u8>> {
             let id = r#"{"pid":1,"start_time":2,"boot_id":"b","hostname":"h"}"#;
             vec![
                 [vec![0], frame(FrameType::Hello, format!(r#"{{"version":1,"identity":{id}}}"#).as_bytes())].concat(),
-                [vec![1], frame(FrameType::HelloAck, format!(r#"{{"version":1,"identity":{id},"regions":[],"session":1,"token":2,"nonce_addr":3}}"#).as_bytes())].concat(),
+                [vec![1], frame(FrameType::HelloAck, format!(r#"{{"version":1,"identity":{id},"regions":[],"session":1,"token":"0123456789abcdef0123456789abcdef","nonce_addr":3}}"#).as_bytes())].concat(),
                 [vec![2], frame(FrameType::Select, br#"{"transport":"tcp","streams":2,"proof":0}"#)].concat(),
-                [vec![3], frame(FrameType::Attach, br#"{"session":1,"token":2,"index":0}"#)].concat(),
+                [vec![3], frame(FrameType::Attach, br#"{"session":1,"token":"0123456789abcdef0123456789abcdef","index":0}"#)].concat(),
                 [vec![0], frame(FrameType::Error, br#"{"code":-401,"detail":"no"}"#)].concat(),
+                [vec![4], frame(FrameType::AuthHello, AUTH_HELLO.as_bytes())].concat(),
+                [vec![5], frame(FrameType::AuthChallenge, AUTH_CHALLENGE.as_bytes())].concat(),
+                [vec![6], frame(FrameType::AuthProof, AUTH_PROOF.as_bytes())].concat(),
+                // the accepting side's whole exchange: hello, then a proof
+                [
+                    vec![7],
+                    frame(FrameType::AuthHello, AUTH_HELLO.as_bytes()),
+                    frame(FrameType::AuthProof, AUTH_PROOF.as_bytes()),
+                ]
+                .concat(),
             ]
         }
         #[cfg(feature = "rdma")]
@@ -132,7 +144,13 @@ pub fn seeds(name: &str) -> Vec<Vec<u8>> {
             vec![v]
         }
         "control" | "control_stream" => {
+            let hello = format!(r#"{{"type":"auth_hello","auth":{AUTH_HELLO}}}"#);
+            let challenge = format!(r#"{{"type":"auth_challenge","auth":{AUTH_CHALLENGE}}}"#);
+            let proof = format!(r#"{{"type":"auth_proof","auth":{AUTH_PROOF}}}"#);
             let msgs = [
+                hello.as_str(),
+                challenge.as_str(),
+                proof.as_str(),
                 r#"{"type":"meta","room":1,"attempt":1,"dst_pages":[1,2,3],"decode_prefix_len":0,"aux_index":0,"required_dst_info_num":2,"timeout_ms":100}"#,
                 r#"{"type":"status","room":1,"attempt":1,"ok":false,"prefill_rank":0,"bytes":5,"reason":"x","code":-401}"#,
                 r#"{"type":"abort","room":1,"attempt":2}"#,
@@ -251,12 +269,65 @@ fn wire_records(data: &[u8]) {
     }
 }
 
+const AUTH_HELLO: &str = r#"{"version":1,"instance":"0123456789abcdef0123456789abcdef","nonce":"0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef","secret":true}"#;
+const AUTH_CHALLENGE: &str = r#"{"version":1,"instance":"0123456789abcdef0123456789abcdef","nonce":"0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef","proof":"0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef"}"#;
+const AUTH_PROOF: &str =
+    r#"{"proof":"0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef"}"#;
+
+/// Reads from the fuzz input, discards what is written (the accepting side
+/// of the auth exchange talks to it).
+struct Duplex<'a>(&'a [u8]);
+
+impl std::io::Read for Duplex<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        self.0.read(buf)
+    }
+}
+
+impl Write for Duplex<'_> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
 fn transport_handshake(data: &[u8]) {
     let Some((&sel, p)) = data.split_first() else {
         return;
     };
     let mut r = p;
-    match sel % 4 {
+    match sel % 8 {
+        4 => {
+            let _ = wire::read_json_max::<AuthHello>(
+                &mut r,
+                FrameType::AuthHello,
+                wire::MAX_UNAUTHENTICATED_PAYLOAD,
+            );
+        }
+        5 => {
+            let _ = wire::read_json_max::<AuthChallenge>(
+                &mut r,
+                FrameType::AuthChallenge,
+                wire::MAX_UNAUTHENTICATED_PAYLOAD,
+            );
+        }
+        6 => {
+            let _ = wire::read_json_max::<AuthProof>(
+                &mut r,
+                FrameType::AuthProof,
+                wire::MAX_UNAUTHENTICATED_PAYLOAD,
+            );
+        }
+        7 => {
+            static MODE: OnceLock<Mode> = OnceLock::new();
+            let mode = MODE
+                .get_or_init(|| Mode::from_option(Some("fuzz-cluster-secret-0123456789")).unwrap());
+            // random bytes never prove the secret
+            let r = authenticate_server(&mut Duplex(p), mode, [1; 16]);
+            assert!(r.is_err(), "the fuzz input authenticated");
+        }
         0 => {
             let _ = wire::read_json::<Hello>(&mut r, FrameType::Hello);
         }

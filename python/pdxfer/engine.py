@@ -289,6 +289,10 @@ class Engine:
     engine's Prometheus text on ``GET /metrics`` (port 0 picks one; see
     :attr:`metrics_address`); no authentication, keep it on loopback or a
     monitoring network.
+    ``token``: the cluster secret (at least 16 bytes), which guards bootstrap
+    writes and authenticates every peer connection; ``None`` reads
+    ``PDXFER_CLUSTER_SECRET``, and without either only loopback listeners are
+    allowed (``auth_required``).
     """
 
     def __init__(

@@ -40,7 +40,7 @@ _IN_PROGRESS = 1
 class _AgentOptions(ctypes.Structure):
     """``PdxAgentOptions``."""
 
-    _fields_ = [("struct_size", ctypes.c_uint64), ("listen", ctypes.c_char_p)]
+    _fields_ = [("struct_size", ctypes.c_uint64), ("listen", ctypes.c_char_p), ("secret", ctypes.c_char_p)]
 
 
 class _Region(ctypes.Structure):
@@ -212,12 +212,22 @@ class Agent:
     """One process's data-plane endpoint: registry, listener, received completions.
 
     ``listen="127.0.0.1:0"`` accepts peers (picks a port); ``None`` sends only.
+    ``secret`` is the cluster secret every peer must prove (at least 16 bytes;
+    ``None`` reads ``PDXFER_CLUSTER_SECRET``); without one only a loopback
+    listener is allowed (``AuthRequired`` otherwise).
     Registered buffers are kept alive by the agent until unregistered or closed.
     """
 
-    def __init__(self, listen: Optional[str] = None):
+    def __init__(self, listen: Optional[str] = None, secret: Optional[str] = None):
+        if secret and (lib.pdxfer_abi_version() & 0xFFFF) < 4:
+            # an older library reads only the first 16 bytes: it would ignore the secret
+            raise ArgumentError(-101, "Agent(secret=) needs libpdxfer ABI 1.4 or newer")
         h = _vp()
-        opts = _AgentOptions(struct_size=ctypes.sizeof(_AgentOptions), listen=listen.encode() if listen else None)
+        opts = _AgentOptions(
+            struct_size=ctypes.sizeof(_AgentOptions),
+            listen=listen.encode() if listen else None,
+            secret=secret.encode() if secret else None,
+        )
         check(lib.pdxfer_agent_create(ctypes.byref(opts), ctypes.byref(h)))
         self._hd = NativeHandle(h, lib.pdxfer_agent_destroy, "agent")
         self._keep = {}

@@ -265,6 +265,30 @@ def test_decode_rank_pairing_with_the_wrong_prefill_rank_is_refused():
                 e.close()
 
 
+def test_the_token_is_the_cluster_secret_peers_prove():
+    """A decode with another token is refused by name at receiver(), writing
+    nothing; without a token a non-loopback listener is refused."""
+    secret = "py-cluster-secret-0123456789abcdef"
+    with pdxfer.bootstrap.BootstrapServer() as srv:
+        pp = SyntheticPools(LAYERS, ROW, PAGE, 8)
+        t = pdxfer.Topology.mla(LAYERS, ROW, page_size=PAGE)
+        pre = pdxfer.Engine("prefill", "py-auth", srv.url, t, pp.kv, aux=[(pp.aux, 32)], token=secret)
+        dp = SyntheticPools(LAYERS, ROW, PAGE, 8)
+        d = pdxfer.Engine("decode", "py-auth", srv.url, t, dp.kv, aux=[(dp.aux, 32)], token=secret[::-1])
+        try:
+            with pytest.raises(pdxfer.PdxError) as e:
+                d.receiver(1)
+            assert e.value.kind == "auth_failed", e.value
+            assert "prefill" in e.value.detail and "authentication" in e.value.detail, e.value
+            assert dp.is_zero()
+        finally:
+            d.close()
+            pre.close()
+        with pytest.raises(pdxfer.PdxError) as e:
+            pdxfer.Engine("decode", "py-auth", srv.url, t, dp.kv, aux=[(dp.aux, 32)], host="0.0.0.0")
+        assert e.value.kind == "auth_required" and "0.0.0.0" in e.value.detail
+
+
 def test_pool_as_address_needs_num_pages():
     buf = np.zeros(PAGE * 8, dtype=np.uint64)
     with pytest.raises(pdxfer.ArgumentError):

@@ -18,12 +18,46 @@ from pdxfer import transfer as T
 
 
 def test_struct_sizes_pinned():
-    assert ctypes.sizeof(T._AgentOptions) == 16
+    assert ctypes.sizeof(T._AgentOptions) == 24
     assert ctypes.sizeof(T._Completion) == 64
     assert ctypes.sizeof(T._Region) == 40
     assert ctypes.sizeof(T._PeerOptions) == 32
     assert ctypes.sizeof(T._WriteOp) == 40
     assert ctypes.sizeof(T._BatchOptions) == 40
+
+
+SECRET = "0123456789abcdef-python-cluster"
+
+
+def test_agents_authenticate_with_the_cluster_secret():
+    rx = pdxfer.Agent(listen="127.0.0.1:0", secret=SECRET)
+    dst = np.zeros(4096, dtype=np.uint8)
+    d = rx.register(dst)
+    src = np.full(4096, 7, dtype=np.uint8)
+    good = pdxfer.Agent(secret=SECRET)
+    s = good.register(src)
+    with good.connect(rx.listen_addr, transport="tcp") as peer:
+        peer.wait(peer.submit([(s.id, 0, d.id, 0, 4096)]))
+    assert (dst == 7).all()
+    dst[:] = 0
+    # Another secret, or none, is refused by name and writes nothing.
+    for other in [pdxfer.Agent(secret="0123456789abcdef-another-one"), pdxfer.Agent()]:
+        other.register(src)
+        with pytest.raises(pdxfer.PdxError) as e:
+            other.connect(rx.listen_addr, transport="tcp")
+        assert e.value.kind == "auth_failed", e.value
+        other.close()
+    assert not dst.any()
+    first = rx.next_completion(timeout=1)
+    assert first is not None and first.bytes == 4096  # the good batch's record
+    assert rx.next_completion(timeout=0.2) is None, "a refused peer delivered a completion"
+    good.close()
+    rx.close()
+    # A listener reachable from other hosts needs the secret.
+    with pytest.raises(pdxfer.PdxError) as e:
+        pdxfer.Agent(listen="0.0.0.0:0")
+    assert e.value.kind == "auth_required" and "0.0.0.0" in e.value.detail
+    pdxfer.Agent(listen="0.0.0.0:0", secret=SECRET).close()
 
 
 @pytest.fixture

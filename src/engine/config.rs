@@ -41,7 +41,10 @@ pub struct EngineConfig {
     pub cluster: String,
     /// Bootstrap store URL (`http://host:port` or `etcd://host:port`).
     pub bootstrap: String,
-    /// Optional bootstrap token.
+    /// The cluster secret (at least 16 bytes): guards bootstrap writes and
+    /// authenticates every peer connection (control channel and data plane).
+    /// `None` reads `PDXFER_CLUSTER_SECRET`; without either, peers are not
+    /// authenticated and only loopback listeners are allowed (`host`).
     pub token: Option<String>,
     /// This rank's topology; its entries must match `pools`.
     pub topology: Topology,

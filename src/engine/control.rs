@@ -5,6 +5,9 @@
 //! carries the sender's instance id and epoch, and the first exchange
 //! re-checks what the bootstrap advertised (`bootstrap::peer::verify_peer`).
 
+use crate::auth::{
+    AuthChallenge, AuthHello, AuthProof, Channel, ClientAuth, Mode, PeerInstance, ServerAuth,
+};
 use crate::bootstrap::schema::PeerHello;
 use crate::error::{Error, Result, Status};
 use serde::{Deserialize, Serialize};
@@ -16,6 +19,9 @@ use std::sync::Mutex;
 pub const CONTROL_VERSION: u32 = 1;
 /// Largest accepted control line (a page list of a very long request fits).
 pub const MAX_LINE: usize = 64 << 20;
+/// Largest line accepted before the peer authenticated (the auth messages
+/// are a few hundred bytes).
+pub const MAX_UNAUTHENTICATED_LINE: usize = 4 << 10;
 
 /// Where the decode rank's regions are, by purpose.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -41,7 +47,24 @@ impl RegionMap {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum CtlMsg {
-    /// Decode -> prefill, first message: who I am and where my data goes.
+    /// Decode -> prefill, the first message of a connection: the decode's
+    /// instance id and nonce ([`crate::auth`]).
+    AuthHello {
+        /// The client's half of the exchange.
+        auth: AuthHello,
+    },
+    /// Prefill -> decode: the prefill's instance id, nonce and proof (the
+    /// only answer an unauthenticated peer gets besides a refusal).
+    AuthChallenge {
+        /// The server's half of the exchange.
+        auth: AuthChallenge,
+    },
+    /// Decode -> prefill: the decode's proof.
+    AuthProof {
+        /// The client's proof.
+        auth: AuthProof,
+    },
+    /// Decode -> prefill, first message once authenticated: who I am and where my data goes.
     Hello {
         /// Protocol version.
         version: u32,
@@ -160,9 +183,15 @@ impl CtlReader {
 
     /// The next message; `Ok(None)` at a clean end of stream.
     pub fn recv(&mut self) -> Result<Option<CtlMsg>> {
+        self.recv_max(MAX_LINE)
+    }
+
+    /// The next message of at most `max` bytes (a longer one is refused
+    /// once `max + 1` bytes were read, never buffered whole).
+    pub fn recv_max(&mut self, max: usize) -> Result<Option<CtlMsg>> {
         self.buf.clear();
         let n = (&mut self.r)
-            .take(MAX_LINE as u64 + 1)
+            .take(max as u64 + 1)
             .read_until(b'\n', &mut self.buf)?;
         if n == 0 {
             return Ok(None);
@@ -170,8 +199,8 @@ impl CtlReader {
         if self.buf.last() != Some(&b'\n') {
             return Err(Error::new(
                 Status::Protocol,
-                if n > MAX_LINE {
-                    format!("control message longer than {MAX_LINE} bytes")
+                if n > max {
+                    format!("control message longer than {max} bytes")
                 } else {
                     "control connection closed in the middle of a message".to_string()
                 },
@@ -188,6 +217,114 @@ pub fn decode_line(line: &[u8]) -> Result<CtlMsg> {
 }
 
 use std::io::Read as _;
+
+/// Decode side of the control channel's authentication: proves the secret
+/// and checks that the prefill is `expect` (the instance its bootstrap entry
+/// names; `PeerIdentity` naming both otherwise, before this side's proof).
+/// `peer` names the prefill in errors.
+pub fn authenticate_to_prefill(
+    writer: &CtlWriter,
+    reader: &mut CtlReader,
+    mode: &Mode,
+    instance: [u8; 16],
+    expect: PeerInstance,
+    peer: &str,
+) -> Result<PeerInstance> {
+    let ctx = |e: Error| {
+        Error::new(
+            e.status(),
+            format!("control channel to prefill {peer}: {}", e.detail()),
+        )
+    };
+    let (client, hello) = ClientAuth::start(mode, Channel::Control, instance)?;
+    writer
+        .send(&CtlMsg::AuthHello { auth: hello })
+        .map_err(ctx)?;
+    let ch = match reader.recv_max(MAX_UNAUTHENTICATED_LINE).map_err(ctx)? {
+        Some(CtlMsg::AuthChallenge { auth }) => auth,
+        Some(CtlMsg::Status {
+            ok: false,
+            reason,
+            code,
+            ..
+        }) => {
+            return Err(ctx(Error::new(
+                code.and_then(Status::from_code).unwrap_or(Status::Protocol),
+                format!("refused: {}", reason.unwrap_or_default()),
+            )))
+        }
+        Some(other) => {
+            return Err(ctx(Error::new(
+                Status::Protocol,
+                format!("expected auth_challenge, got {other:?}"),
+            )))
+        }
+        None => {
+            return Err(ctx(Error::new(
+                Status::PeerUnreachable,
+                "closed during authentication",
+            )))
+        }
+    };
+    let (proof, got) = client.answer(&ch).map_err(ctx)?;
+    if got != expect {
+        return Err(ctx(Error::new(
+            Status::PeerIdentity,
+            format!(
+                "it authenticated as instance {got}, but the bootstrap entry names instance {expect}"
+            ),
+        )));
+    }
+    writer
+        .send(&CtlMsg::AuthProof { auth: proof })
+        .map_err(ctx)?;
+    Ok(got)
+}
+
+/// Prefill side: the first line (`first`, read whole by the listener, its
+/// newline stripped) must be an `auth_hello` of at most
+/// [`MAX_UNAUTHENTICATED_LINE`] bytes; answers with the challenge and checks
+/// the proof. Returns the decode's authenticated instance; the caller sends
+/// the refusal on error.
+pub fn authenticate_decode(
+    writer: &CtlWriter,
+    reader: &mut CtlReader,
+    mode: &Mode,
+    instance: [u8; 16],
+    first: &[u8],
+) -> Result<PeerInstance> {
+    if first.len() > MAX_UNAUTHENTICATED_LINE {
+        return Err(Error::new(
+            Status::Protocol,
+            format!(
+                "a {}-byte first line: before authenticating, lines are at most {MAX_UNAUTHENTICATED_LINE} bytes",
+                first.len()
+            ),
+        ));
+    }
+    let hello = match decode_line(first)? {
+        CtlMsg::AuthHello { auth } => auth,
+        _ => {
+            return Err(Error::new(
+                Status::AuthRequired,
+                "the first control message must be auth_hello: this prefill accepts only authenticated decode ranks (same pdxfer version and cluster secret)",
+            ))
+        }
+    };
+    let (server, ch) = ServerAuth::challenge(mode, Channel::Control, instance, &hello)?;
+    writer.send(&CtlMsg::AuthChallenge { auth: ch })?;
+    match reader.recv_max(MAX_UNAUTHENTICATED_LINE)? {
+        Some(CtlMsg::AuthProof { auth }) => server.verify(&auth),
+        None => Err(Error::new(
+            Status::PeerUnreachable,
+            "closed during authentication",
+        )),
+        Some(_) => Err(Error::new(
+            Status::AuthRequired,
+            "expected auth_proof after the challenge",
+        )),
+    }
+}
 
 #[cfg(test)]
 mod tests {

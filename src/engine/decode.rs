@@ -2,11 +2,12 @@
 //! the metadata sent to them, the control link to each prefill rank and its
 //! reader (statuses, abort acknowledgements, disconnects).
 
-use super::control::{CtlMsg, CtlReader, CtlWriter, CONTROL_VERSION};
+use super::control::{authenticate_to_prefill, CtlMsg, CtlReader, CtlWriter, CONTROL_VERSION};
 use super::handle::{lock, Engine, Inner};
 use super::metrics::PeerCounters;
 use super::room::KvPoll;
 use super::telemetry::RoomTimes;
+use crate::auth::PeerInstance;
 use crate::bootstrap::peer::{prefill_targets, verify_peer};
 use crate::bootstrap::schema::{PeerHello, Registration, Role};
 use crate::error::{Error, Result, Status};
@@ -205,6 +206,16 @@ impl Inner {
         s.set_nodelay(true)?;
         let writer = CtlWriter::new(s.try_clone()?);
         let mut reader = CtlReader::new(s.try_clone()?);
+        s.set_read_timeout(Some(Duration::from_secs(15)))?;
+        // Authentication first, as the instance the bootstrap entry names.
+        authenticate_to_prefill(
+            &writer,
+            &mut reader,
+            self.agent.auth(),
+            self.agent.instance().0,
+            PeerInstance(reg.instance_id.0.to_be_bytes()),
+            &format!("{} at {addr}", reg.describe()),
+        )?;
         let data_addr = self
             .agent
             .local_addr()

@@ -2,7 +2,9 @@
 //! `sender` and fed by `send`, the control listener and one connection per
 //! decode rank (handshake, metadata, aborts), and the final status sent back.
 
-use super::control::{decode_line, CtlMsg, CtlReader, CtlWriter, RegionMap, CONTROL_VERSION};
+use super::control::{
+    authenticate_decode, CtlMsg, CtlReader, CtlWriter, RegionMap, CONTROL_VERSION,
+};
 use super::handle::{catch, lock, Engine, Inner};
 use super::metrics::PeerCounters;
 use super::room::KvPoll;
@@ -282,12 +284,26 @@ pub(super) fn accept_loop(w: std::sync::Weak<Inner>, l: TcpListener) {
         move || w.upgrade().is_none_or(|i| i.closed.load(Ordering::Acquire))
     };
     let stats = ListenStats::default();
-    listen::serve(l, limits, Framing::Line, stats, stop, |s, first, slot| {
-        let w2 = w.clone();
-        let _ = std::thread::Builder::new()
-            .name("pdxfer-ctl-p".into())
-            .spawn(move || prefill_conn(w2, s, &first, slot));
-    });
+    let refuse = |why: &str| {
+        let mut line =
+            serde_json::to_vec(&refusal(&Error::new(Status::Protocol, why))).unwrap_or_default();
+        line.push(b'\n');
+        line
+    };
+    listen::serve(
+        l,
+        limits,
+        Framing::Line,
+        stats,
+        stop,
+        refuse,
+        |s, first, slot| {
+            let w2 = w.clone();
+            let _ = std::thread::Builder::new()
+                .name("pdxfer-ctl-p".into())
+                .spawn(move || prefill_conn(w2, s, &first, slot));
+        },
+    );
 }
 
 /// A peer's label in the metrics: its rank key (`dp0-tp1-cp0-pp0`), which
@@ -326,20 +342,44 @@ fn prefill_conn(w: std::sync::Weak<Inner>, s: TcpStream, first: &[u8], mut slot:
     let _ = s.set_write_timeout(handshake);
     let writer = CtlWriter::new(ws);
     let mut reader = CtlReader::new(rs);
+    // The listener read the first line whole: it must be the auth_hello, and
+    // nothing may follow it before it is answered.
     let first = match first.iter().position(|&b| b == b'\n') {
-        Some(n) if n + 1 == first.len() => decode_line(&first[..n]),
+        Some(n) if n + 1 == first.len() => Ok(&first[..n]),
         _ => Err(Error::new(
             Status::Protocol,
-            "data after the hello before it was answered",
+            "data after the first message before it was answered",
         )),
     };
-    let (version, hello, data_addr, regions) = match first {
-        Ok(CtlMsg::Hello {
+    // Authentication first: no other message is read, nothing is allocated
+    // or said before it (the refusal names no process or address).
+    let Some((mode, instance)) = w
+        .upgrade()
+        .map(|i| (i.agent.auth().clone(), i.agent.instance().0))
+    else {
+        return;
+    };
+    let _ = s.set_read_timeout(handshake);
+    let authed = first.and_then(|m| authenticate_decode(&writer, &mut reader, &mode, instance, m));
+    let peer = match authed {
+        Ok(p) => p,
+        Err(e) => {
+            if e.status() != Status::PeerUnreachable {
+                log::warn!("prefill control channel: refused a peer: {e}");
+                let _ = writer.send(&refusal(&e));
+            }
+            return;
+        }
+    };
+    let hello_msg = reader.recv();
+    let _ = s.set_read_timeout(None);
+    let (version, hello, data_addr, regions) = match hello_msg {
+        Ok(Some(CtlMsg::Hello {
             version,
             hello,
             data_addr,
             regions,
-        }) => (version, hello, data_addr, regions),
+        })) => (version, hello, data_addr, regions),
         Ok(other) => {
             let _ = writer.send(&refusal(&Error::new(
                 Status::Protocol,
@@ -354,6 +394,15 @@ fn prefill_conn(w: std::sync::Weak<Inner>, s: TcpStream, first: &[u8], mut slot:
     };
     let Some(inner) = w.upgrade() else { return };
     let setup = catch("control handshake", || {
+        if u128::from_be_bytes(peer.0) != hello.instance_id.0 {
+            return Err(Error::new(
+                Status::PeerIdentity,
+                format!(
+                    "the decode authenticated as instance {peer} but its hello names instance {}",
+                    hello.instance_id
+                ),
+            ));
+        }
         if version != CONTROL_VERSION {
             return Err(Error::new(
                 Status::Protocol,
@@ -371,6 +420,7 @@ fn prefill_conn(w: std::sync::Weak<Inner>, s: TcpStream, first: &[u8], mut slot:
         peer.epoch = hello.epoch;
         peer.registered_at_ms = hello.registered_at_ms;
         check_pair(&local, &peer)?;
+        check_advertised(&*inner.store, &local.cluster, &hello, &data_addr)?;
         Ok(local)
     });
     let local = match setup {
@@ -385,6 +435,8 @@ fn prefill_conn(w: std::sync::Weak<Inner>, s: TcpStream, first: &[u8], mut slot:
         &ConnectOptions {
             transport: inner.cfg.transport,
             keepalive: inner.cfg.keepalive,
+            // the decode's data plane must be the instance this channel authenticated
+            expect_instance: Some(peer),
             ..Default::default()
         },
     ) {
@@ -511,6 +563,50 @@ fn prefill_conn(w: std::sync::Weak<Inner>, s: TcpStream, first: &[u8], mut slot:
                 return;
             }
         }
+    }
+}
+
+/// The decode's bootstrap entry for the instance the control channel
+/// authenticated (current or stale) must advertise the data address it gave:
+/// the prefill dials only the data plane the bootstrap names for that
+/// instance. Where the bootstrap holds no entry for it (its rank key was
+/// taken over by a newer process) or cannot be read, the binding is the
+/// authenticated instance id alone, which the data plane must prove too.
+fn check_advertised(
+    store: &dyn crate::bootstrap::Store,
+    cluster: &str,
+    hello: &PeerHello,
+    data_addr: &str,
+) -> Result<()> {
+    let view = match store.view(cluster, Role::Decode) {
+        Ok(v) => v,
+        Err(e) => {
+            log::warn!(
+                "prefill: cannot read the decode entries of cluster {cluster:?} to check decode instance {}'s data address ({e}); relying on its authenticated instance id",
+                hello.instance_id
+            );
+            return Ok(());
+        }
+    };
+    let Some(entry) = view
+        .current
+        .values()
+        .chain(view.stale.iter())
+        .find(|r| r.instance_id == hello.instance_id)
+    else {
+        return Ok(());
+    };
+    match entry.endpoints.get("data") {
+        Some(a) if a == data_addr => Ok(()),
+        other => Err(Error::new(
+            Status::PeerIdentity,
+            format!(
+                "decode instance {} gave data address {data_addr:?}, but its bootstrap entry [{}] advertises {:?}",
+                hello.instance_id,
+                entry.describe(),
+                other
+            ),
+        )),
     }
 }
 

@@ -34,7 +34,9 @@ impl Engine {
     /// `send` queues it: the GPU gather runs on the engine's own stream.
     pub unsafe fn new(cfg: EngineConfig) -> Result<Engine> {
         validate(&cfg)?;
-        let agent = open_agent(&cfg)?;
+        // the bootstrap instance id is also the one both channels authenticate as
+        let instance = InstanceId::random()?;
+        let agent = open_agent(&cfg, instance)?;
         let store = crate::bootstrap::open_store(&cfg.bootstrap, cfg.token.as_deref())?;
         let workers = if cfg.role == Role::Prefill {
             cfg.workers.max(1)
@@ -130,7 +132,9 @@ fn validate(cfg: &EngineConfig) -> Result<()> {
 /// The engine's agent (the decode's listens for data connections); with
 /// transport rdma, checks there is a usable NIC, and for decode device
 /// pools that it can do GPUDirect RDMA.
-fn open_agent(cfg: &EngineConfig) -> Result<Agent> {
+/// The engine's `token` (else `PDXFER_CLUSTER_SECRET`) is the cluster secret
+/// both the agent and the control channel authenticate peers with.
+fn open_agent(cfg: &EngineConfig, instance: InstanceId) -> Result<Agent> {
     let agent = Agent::new(&AgentOptions {
         listen: (cfg.role == Role::Decode).then(|| format!("{}:0", cfg.host)),
         limits: cfg.listen_limits,
@@ -140,7 +144,19 @@ fn open_agent(cfg: &EngineConfig) -> Result<Agent> {
         stall: Duration::ZERO,
         nic: cfg.nic.clone(),
         gpu: cfg.pool_device,
+        secret: cfg.token.clone(),
+        instance: Some(instance.0.to_be_bytes()),
         ..Default::default()
+    })
+    .map_err(|e| {
+        if e.status() == Status::InvalidArgument && cfg.token.is_some() {
+            Error::new(
+                e.status(),
+                format!("engine token (the cluster secret): {}", e.detail()),
+            )
+        } else {
+            e
+        }
     })?;
     if cfg.transport == TransportKind::Rdma {
         // Without a usable NIC: the typed `no_rdma_device` naming the reason.
@@ -285,6 +301,11 @@ fn start_threads(
     let mut listener = None;
     if inner.cfg.role == Role::Prefill {
         let l = TcpListener::bind(format!("{}:0", inner.cfg.host))?;
+        crate::transport::check_listener(
+            inner.agent.auth(),
+            &l.local_addr()?,
+            "the prefill's control listener",
+        )?;
         endpoints.insert("ctl".to_string(), l.local_addr()?.to_string());
         // accepted only once the registration is stored (below); peers wait in the backlog
         listener = Some(l);
@@ -312,7 +333,7 @@ fn register_with_bootstrap(inner: &Inner, endpoints: BTreeMap<String, String>) -
     let mut registration = Registration::new(
         &inner.cfg.cluster,
         inner.cfg.role,
-        InstanceId::random()?,
+        InstanceId(u128::from_be_bytes(inner.agent.instance().0)),
         inner.cfg.topology.clone(),
     );
     registration.dp_size = inner.cfg.dp_size;

@@ -21,11 +21,17 @@ pub struct PdxAgentOptions {
     pub struct_size: u64,
     /// Address to accept peers on (`"127.0.0.1:0"` picks a port); NULL: send-only agent.
     pub listen: *const c_char,
+    /// The cluster secret peers must prove (at least 16 bytes; copied); NULL
+    /// reads `PDXFER_CLUSTER_SECRET`, and without either only a
+    /// loopback-bound listener is allowed (`PDX_STATUS_AUTH_REQUIRED`).
+    /// ABI 1.4; callers of 1.3 and older (a 16-byte struct) get NULL.
+    pub secret: *const c_char,
 }
 
 // SAFETY: repr(C), starts with u64 struct_size, integers and raw pointers only (zero is valid).
 unsafe impl Versioned for PdxAgentOptions {
-    const MIN_SIZE: usize = std::mem::size_of::<PdxAgentOptions>();
+    // the 1.2 struct ended before `secret`
+    const MIN_SIZE: usize = std::mem::size_of::<PdxAgentOptions>() - 8;
     const NAME: &'static str = "PdxAgentOptions";
 }
 
@@ -83,19 +89,19 @@ pub extern "C" fn pdxfer_agent_create(
     out: *mut *mut PdxAgent,
 ) -> PdxStatus {
     boundary(|| {
-        let listen = if options.is_null() {
-            None
+        let (listen, secret) = if options.is_null() {
+            (None, None)
         } else {
             let o = ptr::read_versioned(options)?;
-            if o.listen.is_null() {
-                None
-            } else {
-                Some(ptr::c_str(o.listen, "listen")?.to_string())
-            }
+            (
+                ptr::opt_c_str(o.listen, "listen")?.map(str::to_string),
+                ptr::opt_c_str(o.secret, "secret")?.map(str::to_string),
+            )
         };
         ptr::check_out(out, "agent output pointer")?;
         let agent = Agent::new(&AgentOptions {
             listen,
+            secret,
             ..Default::default()
         })?;
         ptr::new_handle(PdxAgent { agent }, out, "agent")?;

@@ -213,12 +213,53 @@ mod tests {
     /// Struct sizes are part of the ABI; C and Python pin the same numbers.
     #[test]
     fn abi_struct_sizes_are_pinned() {
-        assert_eq!(size_of::<PdxAgentOptions>(), 16);
+        assert_eq!(size_of::<PdxAgentOptions>(), 24);
         assert_eq!(size_of::<PdxCompletion>(), 64);
         assert_eq!(size_of::<PdxRegion>(), 40);
         assert_eq!(size_of::<PdxPeerOptions>(), 32);
         assert_eq!(size_of::<PdxWriteOp>(), 40);
         assert_eq!(size_of::<PdxBatchOptions>(), 40);
+    }
+
+    /// A non-loopback listener needs the secret; a 1.2 caller (16-byte
+    /// struct, no `secret`) still creates a loopback agent.
+    #[test]
+    fn agent_secret_option_and_the_older_struct() {
+        let any = CString::new("0.0.0.0:0").unwrap();
+        let mut a: *mut PdxAgent = std::ptr::null_mut();
+        let open = PdxAgentOptions {
+            struct_size: size_of::<PdxAgentOptions>() as u64,
+            listen: any.as_ptr(),
+            secret: std::ptr::null(),
+        };
+        assert_eq!(pdxfer_agent_create(&open, &mut a), PdxStatus::AuthRequired);
+        assert!(a.is_null(), "a refused create returns no handle");
+        let secret = CString::new("0123456789abcdef-cluster").unwrap();
+        let with = PdxAgentOptions {
+            secret: secret.as_ptr(),
+            ..open
+        };
+        assert_eq!(pdxfer_agent_create(&with, &mut a), PdxStatus::Ok);
+        pdxfer_agent_destroy(a);
+        let short = CString::new("short").unwrap();
+        let bad = PdxAgentOptions {
+            secret: short.as_ptr(),
+            ..open
+        };
+        a = std::ptr::null_mut();
+        assert_eq!(
+            pdxfer_agent_create(&bad, &mut a),
+            PdxStatus::InvalidArgument
+        );
+        let lo = CString::new("127.0.0.1:0").unwrap();
+        let old = PdxAgentOptions {
+            struct_size: 16,
+            listen: lo.as_ptr(),
+            // beyond the 1.2 struct: never read
+            secret: std::ptr::dangling::<std::ffi::c_char>(),
+        };
+        assert_eq!(pdxfer_agent_create(&old, &mut a), PdxStatus::Ok);
+        pdxfer_agent_destroy(a);
     }
 
     #[test]
@@ -227,6 +268,7 @@ mod tests {
         let ao = PdxAgentOptions {
             struct_size: size_of::<PdxAgentOptions>() as u64,
             listen: listen.as_ptr(),
+            secret: std::ptr::null(),
         };
         let mut rx: *mut PdxAgent = std::ptr::null_mut();
         assert_eq!(pdxfer_agent_create(&ao, &mut rx), PdxStatus::Ok);

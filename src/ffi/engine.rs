@@ -95,7 +95,9 @@ pub struct PdxEngineConfig {
     pub cluster: *const c_char,
     /// Bootstrap URL, `http://host:port` or `etcd://host:port` (required).
     pub bootstrap: *const c_char,
-    /// Bootstrap token; NULL for none.
+    /// The cluster secret (at least 16 bytes): guards bootstrap writes and
+    /// authenticates every peer connection. NULL reads `PDXFER_CLUSTER_SECRET`;
+    /// without either only loopback listeners are allowed (`PDX_STATUS_AUTH_REQUIRED`).
     pub token: *const c_char,
     /// This rank's topology (required); its entries must match `pools`.
     pub topology: *const PdxTopology,

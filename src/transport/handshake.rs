@@ -25,8 +25,9 @@ pub struct HelloAck {
     pub regions: Vec<RegionDesc>,
     /// Session id (names this connection in completions and stream attaches).
     pub session: u64,
-    /// Secret that data streams present to attach to this session.
-    pub token: u64,
+    /// Secret (128 random bits, hex) that data streams present to attach to
+    /// this session; a stream must also authenticate as the same instance.
+    pub token: String,
     /// Address (in the server) of an 8-byte nonce; a cma client reads it
     /// with `process_vm_readv` and sends it back, proving the pid it will
     /// write to is the process at the other end of this connection.
@@ -72,9 +73,21 @@ pub struct Attach {
     /// Session id from [`HelloAck`].
     pub session: u64,
     /// Token from [`HelloAck`].
-    pub token: u64,
+    pub token: String,
     /// Stream index.
     pub index: u32,
+}
+
+/// A fresh session token: 128 bits from the kernel's random source, in hex.
+pub fn random_token() -> crate::error::Result<String> {
+    let mut b = [0u8; 16];
+    getrandom::fill(&mut b).map_err(|e| {
+        crate::error::Error::new(
+            crate::error::Status::Io,
+            format!("getrandom failed for a session token: {e}"),
+        )
+    })?;
+    Ok(b.iter().map(|x| format!("{x:02x}")).collect())
 }
 
 /// A random u64 from the kernel.
@@ -106,7 +119,7 @@ mod tests {
             "identity": me,
             "regions": [],
             "session": 3,
-            "token": 4,
+            "token": "04",
             "nonce_addr": 5,
         });
         let ack: HelloAck = serde_json::from_value(old).unwrap();

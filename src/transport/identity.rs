@@ -38,6 +38,28 @@ pub fn start_time_of(pid: u32) -> Result<u64> {
         .ok_or_else(|| Error::new(Status::Io, format!("no start time in /proc/{pid}/stat")))
 }
 
+/// Real and effective uid of `pid` (the `Uid:` line of `/proc/<pid>/status`).
+pub fn uids_of(pid: u32) -> Result<(u32, u32)> {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/status")).map_err(|e| {
+        Error::new(
+            Status::PeerUnreachable,
+            format!("process {pid} is gone or invisible here (/proc/{pid}/status: {e})"),
+        )
+    })?;
+    let line = s
+        .lines()
+        .find_map(|l| l.strip_prefix("Uid:"))
+        .ok_or_else(|| Error::new(Status::Io, format!("no Uid line in /proc/{pid}/status")))?;
+    let mut f = line.split_whitespace().map(|v| v.parse::<u32>());
+    match (f.next(), f.next()) {
+        (Some(Ok(real)), Some(Ok(eff))) => Ok((real, eff)),
+        _ => Err(Error::new(
+            Status::Io,
+            format!("unparsable Uid line in /proc/{pid}/status"),
+        )),
+    }
+}
+
 impl ProcIdentity {
     /// The identity of this process.
     pub fn current() -> Result<ProcIdentity> {
@@ -105,6 +127,9 @@ mod tests {
         let me = ProcIdentity::current().unwrap();
         assert_eq!(me.pid, std::process::id());
         me.verify_local_peer(&me).unwrap();
+        // SAFETY: getuid/geteuid have no preconditions.
+        let (uid, euid) = unsafe { (libc::getuid(), libc::geteuid()) };
+        assert_eq!(uids_of(me.pid).unwrap(), (uid, euid));
         let reused = ProcIdentity {
             start_time: me.start_time + 1,
             ..me.clone()

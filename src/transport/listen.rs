@@ -18,7 +18,7 @@
 //! tight loop.
 
 use std::collections::VecDeque;
-use std::io::{ErrorKind, Read};
+use std::io::{ErrorKind, Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -39,7 +39,8 @@ pub struct ListenLimits {
     pub max_connections: usize,
     /// How long a connection may take to send its first message.
     pub first_message_timeout: Duration,
-    /// Largest first message accepted (bytes).
+    /// Largest first message accepted, in payload bytes (a frame without its
+    /// 12-byte header, a line without its newline): the unauthenticated limit.
     pub max_first_message: usize,
 }
 
@@ -50,7 +51,7 @@ impl Default for ListenLimits {
             max_handshakes: 32,
             max_connections: 1024,
             first_message_timeout: Duration::from_secs(10),
-            max_first_message: 64 << 10,
+            max_first_message: super::wire::MAX_UNAUTHENTICATED_PAYLOAD as usize,
         }
     }
 }
@@ -66,26 +67,33 @@ pub enum Framing {
 
 impl Framing {
     /// `Some(n)`: the first message is `buf[..n]`; `None`: more is needed;
-    /// `Err`: it can never be accepted.
-    fn complete(self, buf: &[u8], max: usize) -> Result<Option<usize>, ()> {
+    /// `Err`: it can never be accepted (why, for the refusal).
+    fn complete(self, buf: &[u8], max: usize) -> Result<Option<usize>, String> {
         match self {
             Framing::Wire => {
                 if buf.len() >= 4 && buf[..4] != super::wire::MAGIC.to_le_bytes() {
-                    return Err(());
+                    return Err("the first bytes are not a pdxfer frame".into());
                 }
                 if buf.len() < 12 {
                     return Ok(None);
                 }
                 let len = u32::from_le_bytes([buf[8], buf[9], buf[10], buf[11]]) as usize;
                 let n = 12usize.saturating_add(len);
-                if n > max {
-                    return Err(());
+                if len > max {
+                    return Err(format!(
+                        "a first frame of {len} payload bytes: before authenticating, frames are at most {max} bytes"
+                    ));
                 }
                 Ok((buf.len() >= n).then_some(n))
             }
             Framing::Line => match buf.iter().position(|&b| b == b'\n') {
+                Some(i) if i > max => Err(format!(
+                    "a first line of {i} bytes: before authenticating, lines are at most {max} bytes"
+                )),
                 Some(i) => Ok(Some(i + 1)),
-                None if buf.len() >= max => Err(()),
+                None if buf.len() > max => Err(format!(
+                    "a first line of more than {max} bytes: before authenticating, lines are at most {max} bytes"
+                )),
                 None => Ok(None),
             },
         }
@@ -154,12 +162,16 @@ fn out_of_resources(e: &std::io::Error) -> bool {
 /// connection whose first message arrived whole, within the bounds, goes to
 /// `handle` with that message (and any bytes after it) and its [`Slot`]
 /// (`handle` starts the connection's thread; the slot lives as long as it).
+/// `refuse` encodes the refusal sent to a connection whose first message can
+/// never be accepted (too large, not a pdxfer message), in the protocol the
+/// peer speaks; the connection is then closed.
 pub fn serve(
     l: TcpListener,
     limits: ListenLimits,
     framing: Framing,
     stats: ListenStats,
     stop: impl Fn() -> bool,
+    refuse: impl Fn(&str) -> Vec<u8>,
     mut handle: impl FnMut(TcpStream, Vec<u8>, Slot),
 ) {
     if let Err(e) = l.set_nonblocking(true) {
@@ -219,6 +231,12 @@ pub fn serve(
                 match read_more(&mut p, framing, limits.max_first_message) {
                     Step::Wait => {}
                     Step::Drop => continue,
+                    Step::Refuse(why) => {
+                        // best effort, on the non-blocking socket: a short
+                        // refusal fits the send buffer; then it is closed
+                        let _ = p.stream.write_all(&refuse(&why));
+                        continue;
+                    }
                     Step::Ready => {
                         ready.push(p);
                         continue;
@@ -281,6 +299,8 @@ enum Step {
     Wait,
     Drop,
     Ready,
+    /// The first message can never be accepted: answered with the refusal, closed.
+    Refuse(String),
 }
 
 fn read_more(p: &mut Pending, framing: Framing, max: usize) -> Step {
@@ -292,9 +312,9 @@ fn read_more(p: &mut Pending, framing: Framing, max: usize) -> Step {
                 p.buf.extend_from_slice(&chunk[..n]);
                 match framing.complete(&p.buf, max) {
                     Ok(Some(_)) => return Step::Ready,
-                    Ok(None) if p.buf.len() > max => return Step::Drop,
+                    Ok(None) if p.buf.len() > max + 12 => return Step::Drop,
                     Ok(None) => {}
-                    Err(()) => return Step::Drop,
+                    Err(why) => return Step::Refuse(why),
                 }
             }
             Err(e) if e.kind() == ErrorKind::WouldBlock => return Step::Wait,
@@ -348,11 +368,72 @@ mod tests {
         let f = frame(1, b"abc");
         assert_eq!(Framing::Wire.complete(&f[..5], 100), Ok(None));
         assert_eq!(Framing::Wire.complete(&f, 100), Ok(Some(15)));
-        assert_eq!(Framing::Wire.complete(&f, 14), Err(()));
-        assert_eq!(Framing::Wire.complete(b"GET / HTTP/1.1", 100), Err(()));
+        // the limit counts payload bytes: 3 fit in 3, not in 2
+        assert_eq!(Framing::Wire.complete(&f, 3), Ok(Some(15)));
+        let e = Framing::Wire.complete(&f, 2).unwrap_err();
+        assert!(
+            e.contains("3 payload bytes") && e.contains("at most 2"),
+            "{e}"
+        );
+        let e = Framing::Wire.complete(b"GET / HTTP/1.1", 100).unwrap_err();
+        assert!(e.contains("not a pdxfer frame"), "{e}");
         assert_eq!(Framing::Line.complete(b"{}\nx", 100), Ok(Some(3)));
         assert_eq!(Framing::Line.complete(b"{", 100), Ok(None));
-        assert_eq!(Framing::Line.complete(&[b'x'; 8], 8), Err(()));
+        assert_eq!(Framing::Line.complete(&[b'x'; 8], 8), Ok(None));
+        let e = Framing::Line.complete(&[b'x'; 9], 8).unwrap_err();
+        assert!(e.contains("at most 8"), "{e}");
+        let e = Framing::Line.complete(b"123456789\n", 8).unwrap_err();
+        assert!(e.contains("9 bytes"), "{e}");
+    }
+
+    /// A first message that can never be accepted gets the caller's refusal,
+    /// then the connection is closed; no handler runs for it.
+    #[test]
+    fn an_oversized_first_message_is_refused_then_closed() {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap();
+        let stop = Arc::new(AtomicBool::new(false));
+        let handled = Arc::new(AtomicUsize::new(0));
+        let limits = ListenLimits {
+            max_first_message: 16,
+            ..ListenLimits::default()
+        };
+        let (st, h) = (stop.clone(), handled.clone());
+        let t = std::thread::spawn(move || {
+            serve(
+                l,
+                limits,
+                Framing::Line,
+                ListenStats::default(),
+                move || st.load(Ordering::SeqCst),
+                |why: &str| format!("refused: {why}\n").into_bytes(),
+                move |_, _, _| {
+                    h.fetch_add(1, Ordering::SeqCst);
+                },
+            )
+        });
+        let mut s = TcpStream::connect(addr).unwrap();
+        s.write_all(&[b'x'; 40]).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        let mut got = Vec::new();
+        let _ = s.read_to_end(&mut got);
+        let text = String::from_utf8_lossy(&got);
+        assert!(
+            text.starts_with("refused: ") && text.contains("at most 16 bytes"),
+            "{text:?}"
+        );
+        // a message within the limit is still handed on
+        let mut ok = TcpStream::connect(addr).unwrap();
+        ok.write_all(b"{}\n").unwrap();
+        for _ in 0..200 {
+            if handled.load(Ordering::SeqCst) == 1 {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        assert_eq!(handled.load(Ordering::SeqCst), 1);
+        stop.store(true, Ordering::SeqCst);
+        t.join().unwrap();
     }
 
     /// Idle connections stay in the poll set (no handler), the oldest is
@@ -380,6 +461,7 @@ mod tests {
                 Framing::Line,
                 s2,
                 move || st.load(Ordering::SeqCst),
+                |why: &str| format!("refused: {why}\n").into_bytes(),
                 move |s, buf, slot| g.lock().unwrap().push((s, buf, slot)),
             )
         });

@@ -35,6 +35,7 @@ pub mod identity;
 pub mod listen;
 pub mod local;
 pub mod nccl;
+pub mod peer_auth;
 // Nothing in the RDMA transport crosses the C ABI: keep its items out of pdxfer.h.
 /// cbindgen:ignore
 pub mod rdma;
@@ -43,7 +44,9 @@ pub mod tcp;
 pub(crate) mod testing;
 pub mod wire;
 
-pub use agent::{Agent, AgentOptions, ConnectOptions, Incoming};
+pub use agent::{
+    auth_mode, check_listener, Agent, AgentOptions, ConnectOptions, Incoming, CLUSTER_SECRET_ENV,
+};
 pub use identity::ProcIdentity;
 
 use crate::error::Result;

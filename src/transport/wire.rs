@@ -18,6 +18,10 @@ pub const VERSION: u16 = 1;
 pub const MAX_CONTROL_PAYLOAD: u32 = 64 << 20;
 /// Size of a data frame header.
 pub const DATA_HEADER_LEN: usize = 48;
+/// Largest frame accepted before the peer authenticated (the auth messages
+/// are a few hundred bytes): an unauthenticated peer cannot make the
+/// receiver allocate more.
+pub const MAX_UNAUTHENTICATED_PAYLOAD: u32 = 4 << 10;
 
 /// Control and data frame types.
 #[repr(u16)]
@@ -57,6 +61,12 @@ pub enum FrameType {
     Keepalive = 18,
     /// tcp data frame.
     Data = 20,
+    /// Client -> server, first frame of every connection (JSON [`crate::auth::AuthHello`]).
+    AuthHello = 30,
+    /// Server -> client: its half and proof (JSON [`crate::auth::AuthChallenge`]).
+    AuthChallenge = 31,
+    /// Client -> server: its proof (JSON [`crate::auth::AuthProof`]).
+    AuthProof = 32,
 }
 
 impl FrameType {
@@ -80,6 +90,9 @@ impl FrameType {
             17 => ReadIntent,
             18 => Keepalive,
             20 => Data,
+            30 => AuthHello,
+            31 => AuthChallenge,
+            32 => AuthProof,
             _ => return None,
         })
     }
@@ -127,6 +140,12 @@ pub fn write_frame(w: &mut impl Write, ty: FrameType, payload: &[u8]) -> Result<
 
 /// Reads one control frame: its type and payload.
 pub fn read_frame(r: &mut impl Read) -> Result<(FrameType, Vec<u8>)> {
+    read_frame_max(r, MAX_CONTROL_PAYLOAD)
+}
+
+/// Reads one control frame whose payload is at most `max` bytes (larger
+/// ones are refused from the header, before any allocation).
+pub fn read_frame_max(r: &mut impl Read, max: u32) -> Result<(FrameType, Vec<u8>)> {
     let mut h = [0u8; 12];
     r.read_exact(&mut h)?;
     let magic = u32::from_le_bytes([h[0], h[1], h[2], h[3]]);
@@ -135,9 +154,9 @@ pub fn read_frame(r: &mut impl Read) -> Result<(FrameType, Vec<u8>)> {
     let ty = u16::from_le_bytes([h[6], h[7]]);
     let len = u32::from_le_bytes([h[8], h[9], h[10], h[11]]);
     let ty = FrameType::from_u16(ty).ok_or_else(|| proto(format!("unknown frame type {ty}")))?;
-    if len > MAX_CONTROL_PAYLOAD {
+    if len > max {
         return Err(proto(format!(
-            "control frame of {len} bytes exceeds the {MAX_CONTROL_PAYLOAD}-byte limit"
+            "{ty:?} frame of {len} bytes exceeds the {max}-byte limit"
         )));
     }
     let mut payload = vec![0u8; len as usize];
@@ -154,7 +173,16 @@ pub fn write_json<T: serde::Serialize>(w: &mut impl Write, ty: FrameType, v: &T)
 /// Reads a control frame of type `want` and decodes its JSON payload; an
 /// `Error` frame becomes the error it carries.
 pub fn read_json<T: serde::de::DeserializeOwned>(r: &mut impl Read, want: FrameType) -> Result<T> {
-    let (ty, p) = read_frame(r)?;
+    read_json_max(r, want, MAX_CONTROL_PAYLOAD)
+}
+
+/// [`read_json`] with a payload limit of `max` bytes.
+pub fn read_json_max<T: serde::de::DeserializeOwned>(
+    r: &mut impl Read,
+    want: FrameType,
+    max: u32,
+) -> Result<T> {
+    let (ty, p) = read_frame_max(r, max)?;
     if ty == FrameType::Error {
         return Err(decode_error(&p));
     }

@@ -6,10 +6,12 @@
 
 use super::grant::control_loop;
 use super::{lock, AgentInner, ReceiverSession};
+use crate::auth::PeerInstance;
 use crate::error::{Error, Result, Status};
 use crate::memory::{RegionKind, Registry};
-use crate::transport::handshake::{random_u64, Hello, HelloAck, Select, SelectOk};
+use crate::transport::handshake::{random_token, random_u64, Hello, HelloAck, Select, SelectOk};
 use crate::transport::listen::{self, Framing, ListenLimits, Slot};
+use crate::transport::peer_auth::{authenticate_server, Prefixed};
 use crate::transport::rdma::nic::{DataPath, NicProvider};
 use crate::transport::rdma::Handshake;
 use crate::transport::tcp::{serve_stream, TcpRecv};
@@ -36,35 +38,55 @@ pub(super) fn accept_loop(
                 .is_none_or(|a| a.shutdown.load(Ordering::SeqCst))
         }
     };
-    listen::serve(l, limits, Framing::Wire, stats, stop, |s, first, slot| {
-        let Some(a) = agent.upgrade() else { return };
-        let _ = std::thread::Builder::new()
-            .name("pdxfer-rx".into())
-            .spawn(move || serve_connection(a, s, &first, slot));
-    });
+    let refuse = |why: &str| {
+        let mut b = Vec::new();
+        let e = Error::new(Status::Protocol, why);
+        let _ = wire::write_frame(&mut b, FrameType::Error, &wire::encode_error(&e));
+        b
+    };
+    listen::serve(
+        l,
+        limits,
+        Framing::Wire,
+        stats,
+        stop,
+        refuse,
+        |s, first, slot| {
+            let Some(a) = agent.upgrade() else { return };
+            let _ = std::thread::Builder::new()
+                .name("pdxfer-rx".into())
+                .spawn(move || serve_connection(a, s, &first, slot));
+        },
+    );
 }
 
 /// Serves one connection whose first frame (`first`, read by the listener)
-/// arrived whole: a Hello opens a session, an Attach adds a data stream.
+/// arrived whole: the AuthHello; once authenticated, a Hello opens a session
+/// and an Attach adds a data stream.
 fn serve_connection(a: Arc<AgentInner>, mut s: TcpStream, first: &[u8], slot: Slot) {
     let _ = s.set_nodelay(true);
     let _ = s.set_read_timeout(Some(a.handshake_timeout));
     let _ = s.set_write_timeout(Some(a.handshake_timeout));
-    let mut rest = first;
-    let (ty, p) = match wire::read_frame(&mut rest) {
-        Ok(f) => f,
-        Err(e) => return refuse(&mut s, e),
+    // Authentication first: the listener read the AuthHello (`first`);
+    // nothing else is read, allocated or said before the exchange succeeds.
+    let mut pre = Prefixed::new(first, &mut s);
+    let Ok(peer) = authenticate_server(&mut pre, &a.auth, a.instance) else {
+        return;
     };
-    if !rest.is_empty() {
+    if !pre.drained() {
         let e = Error::new(
             Status::Protocol,
-            "data after the first frame before it was answered",
+            "data after the AuthHello before it was answered",
         );
         return refuse(&mut s, e);
     }
+    let (ty, p) = match wire::read_frame(&mut s) {
+        Ok(f) => f,
+        Err(e) => return refuse(&mut s, e),
+    };
     match ty {
-        FrameType::Hello => serve_control(a, s, &p, slot),
-        FrameType::Attach => serve_stream(a, s, &p, slot),
+        FrameType::Hello => serve_control(a, s, &p, slot, peer),
+        FrameType::Attach => serve_stream(a, s, &p, slot, peer),
         _ => {
             let e = Error::new(
                 Status::Protocol,
@@ -79,7 +101,13 @@ pub(crate) fn refuse(s: &mut TcpStream, e: Error) {
     let _ = wire::write_frame(s, FrameType::Error, &wire::encode_error(&e));
 }
 
-fn serve_control(a: Arc<AgentInner>, mut s: TcpStream, hello: &[u8], mut slot: Slot) {
+fn serve_control(
+    a: Arc<AgentInner>,
+    mut s: TcpStream,
+    hello: &[u8],
+    mut slot: Slot,
+    peer: PeerInstance,
+) {
     let hello: Hello = match serde_json::from_slice(hello) {
         Ok(h) => h,
         Err(e) => {
@@ -105,7 +133,11 @@ fn serve_control(a: Arc<AgentInner>, mut s: TcpStream, hello: &[u8], mut slot: S
     let id = a.next_session.fetch_add(1, Ordering::SeqCst);
     let session = Arc::new(ReceiverSession {
         id,
-        token: random_u64(),
+        token: match random_token() {
+            Ok(t) => t,
+            Err(e) => return refuse(&mut s, e),
+        },
+        instance: peer,
         nonce: Box::new(random_u64()),
         peer: Mutex::new(Some(hello.identity.clone())),
         writer: Mutex::new(s.try_clone().ok()),
@@ -122,7 +154,7 @@ fn serve_control(a: Arc<AgentInner>, mut s: TcpStream, hello: &[u8], mut slot: S
         identity: a.identity.clone(),
         regions: a.registry.descriptors(),
         session: id,
-        token: session.token,
+        token: session.token.clone(),
         nonce_addr: &*session.nonce as *const u64 as u64,
         rdma: nic.as_ref().ok().map(|n| n.describe()),
         rdma_unavailable: nic.as_ref().err().map(|e| e.detail().to_string()),

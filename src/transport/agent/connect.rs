@@ -5,11 +5,13 @@
 //! (`cma::connect`, `tcp::connect`, `rdma::transport::connect`).
 
 use super::{Agent, ConnectOptions};
+use crate::auth::{Mode, PeerInstance};
 use crate::error::{Error, Result, Status};
 use crate::memory::{RegionKind, Registry};
 use crate::transport::conn::Conn;
 use crate::transport::handshake::{Hello, HelloAck};
 use crate::transport::identity::ProcIdentity;
+use crate::transport::peer_auth::authenticate_client;
 use crate::transport::wire::{self, FrameType};
 use crate::transport::{cma, rdma, tcp, Transport, TransportKind};
 use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
@@ -30,6 +32,12 @@ pub(crate) struct Dialed<'a> {
     /// This process.
     pub(crate) identity: &'a ProcIdentity,
     registry: &'a Registry,
+    /// How this side authenticates (data streams repeat the exchange).
+    pub(crate) auth: &'a Mode,
+    /// This agent's instance id.
+    pub(crate) instance: [u8; 16],
+    /// The instance the receiver authenticated as.
+    pub(crate) peer: PeerInstance,
 }
 
 impl Dialed<'_> {
@@ -88,6 +96,14 @@ impl Agent {
         s.set_nodelay(true)?;
         s.set_read_timeout(Some(opts.timeout))?;
         s.set_write_timeout(Some(opts.timeout))?;
+        // Authentication first: the receiver says nothing about itself before it.
+        let peer = authenticate_client(
+            &mut s,
+            &self.inner.auth,
+            self.inner.instance,
+            opts.expect_instance,
+            addr,
+        )?;
         wire::write_json(
             &mut s,
             FrameType::Hello,
@@ -102,9 +118,13 @@ impl Agent {
         let me = &self.inner.identity;
         let kind = match opts.transport {
             TransportKind::Auto => {
+                // cma only into a live process of this host and of this uid (the
+                // identity comes from the authenticated peer; another uid could
+                // not be written without privileges anyway: tcp then)
                 let same_host = !self.inner.deny_same_host
                     && me.same_host(&ack.identity)
-                    && me.verify_local_peer(&ack.identity).is_ok();
+                    && me.verify_local_peer(&ack.identity).is_ok()
+                    && same_uid(ack.identity.pid);
                 // cma cannot write device memory: a peer with device regions never gets it,
                 // and gets rdma only when its NICs can take GPU memory (GPUDirect).
                 let peer_device = ack
@@ -126,6 +146,9 @@ impl Agent {
             opts,
             identity: me,
             registry: &self.inner.registry,
+            auth: &self.inner.auth,
+            instance: self.inner.instance,
+            peer,
         };
         match kind {
             TransportKind::Cma => cma::connect(d),
@@ -166,6 +189,14 @@ fn is_rdma_error(e: &Error) -> bool {
             | Status::RdmaCompletion
             | Status::NoGpuDirect
     )
+}
+
+/// Whether process `pid` has this process's effective uid as its real and
+/// effective uid (`/proc/<pid>/status`); false when it cannot be read.
+fn same_uid(pid: u32) -> bool {
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    let me = unsafe { libc::geteuid() };
+    crate::transport::identity::uids_of(pid).is_ok_and(|(real, eff)| real == me && eff == me)
 }
 
 fn resolve(addr: &str) -> Result<SocketAddr> {

@@ -28,6 +28,7 @@ use super::listen::{ListenLimits, ListenStats};
 use super::local::{LocalTarget, LocalTransport};
 use super::rdma::nic::NicProvider;
 use super::{Completion, Transport, TransportKind};
+use crate::auth::{Mode, PeerInstance};
 use crate::error::{Error, Result, Status};
 use crate::memory::{RegionDesc, Registry};
 use crossbeam::channel::{unbounded, Receiver, Sender};
@@ -76,6 +77,13 @@ pub struct AgentOptions {
     /// the real RDMA NICs are then chosen nearest to it on PCIe and
     /// GPUDirect RDMA is probed on it.
     pub gpu: Option<u32>,
+    /// The cluster secret every peer must prove (at least 16 bytes); `None`
+    /// reads `PDXFER_CLUSTER_SECRET`, and without either the agent accepts
+    /// unauthenticated peers, which only a loopback-bound listener may do.
+    pub secret: Option<String>,
+    /// This agent's instance id in the authentication exchange (an engine
+    /// gives its bootstrap instance id); `None` picks a random one.
+    pub instance: Option<[u8; 16]>,
 }
 
 impl Default for AgentOptions {
@@ -90,8 +98,48 @@ impl Default for AgentOptions {
             nic: None,
             deny_same_host: false,
             gpu: None,
+            secret: None,
+            instance: None,
         }
     }
+}
+
+/// The environment variable read when no secret is configured.
+pub const CLUSTER_SECRET_ENV: &str = "PDXFER_CLUSTER_SECRET";
+
+/// The authentication mode from a configured secret, else
+/// [`CLUSTER_SECRET_ENV`], else open.
+pub fn auth_mode(secret: Option<&str>) -> Result<Mode> {
+    match secret {
+        Some(s) => Mode::from_option(Some(s)),
+        None => match std::env::var(CLUSTER_SECRET_ENV) {
+            Ok(s) if !s.is_empty() => Mode::from_option(Some(&s)).map_err(|e| {
+                Error::new(e.status(), format!("{CLUSTER_SECRET_ENV}: {}", e.detail()))
+            }),
+            _ => Ok(Mode::Open),
+        },
+    }
+}
+
+/// Refuses a listener that is not loopback-bound when no secret is
+/// configured (`AuthRequired` naming the address and the fix); warns about
+/// an open loopback listener. `what` names the listener.
+pub fn check_listener(mode: &Mode, addr: &SocketAddr, what: &str) -> Result<()> {
+    if mode.is_secret() {
+        return Ok(());
+    }
+    if !addr.ip().is_loopback() {
+        return Err(Error::new(
+            Status::AuthRequired,
+            format!(
+                "{what} on {addr} is not loopback-bound and no cluster secret is configured: anyone who can reach it could write this process's memory; configure the cluster secret (engine `token`, agent `secret`, or {CLUSTER_SECRET_ENV}) on every rank, or listen on 127.0.0.1"
+            ),
+        ));
+    }
+    log::warn!(
+        "{what} on {addr}: NO CLUSTER SECRET configured, peers are not authenticated; any local process can connect (set the engine `token`, agent `secret` or {CLUSTER_SECRET_ENV})"
+    );
+    Ok(())
 }
 
 /// Options of [`Agent::connect`].
@@ -108,6 +156,9 @@ pub struct ConnectOptions {
     /// An idle control connection sends a keepalive this often, so the
     /// receiver's [`AgentOptions::idle_timeout`] does not close it.
     pub keepalive: Duration,
+    /// The instance the peer must authenticate as (`PeerIdentity` naming both
+    /// ids otherwise); `None` accepts any peer that proves the secret.
+    pub expect_instance: Option<PeerInstance>,
 }
 
 impl Default for ConnectOptions {
@@ -118,6 +169,7 @@ impl Default for ConnectOptions {
             threads: 1,
             timeout: Duration::from_secs(10),
             keepalive: Duration::from_secs(15),
+            expect_instance: None,
         }
     }
 }
@@ -155,6 +207,10 @@ pub(crate) struct AgentInner {
     nic: OnceLock<Result<Arc<dyn NicProvider>>>,
     deny_same_host: bool,
     gpu: Option<u32>,
+    /// Whether peers must prove the cluster secret.
+    pub(crate) auth: Mode,
+    /// This agent's instance id in the authentication exchange.
+    pub(crate) instance: [u8; 16],
 }
 
 impl AgentInner {
@@ -203,6 +259,11 @@ impl Agent {
     /// Creates an agent, listening when `opts.listen` is set.
     pub fn new(opts: &AgentOptions) -> Result<Agent> {
         let identity = ProcIdentity::current()?;
+        let auth = auth_mode(opts.secret.as_deref())?;
+        let instance = match opts.instance {
+            Some(i) => i,
+            None => random_instance()?,
+        };
         let listener = match &opts.listen {
             Some(a) => Some(
                 TcpListener::bind(a.as_str())
@@ -211,6 +272,9 @@ impl Agent {
             None => None,
         };
         let addr = listener.as_ref().map(|l| l.local_addr()).transpose()?;
+        if let Some(a) = &addr {
+            check_listener(&auth, a, "the pdxfer agent's data-plane listener")?;
+        }
         let (tx, rx) = unbounded();
         let inner = Arc::new(AgentInner {
             registry: Registry::new(),
@@ -232,6 +296,8 @@ impl Agent {
             },
             deny_same_host: opts.deny_same_host,
             gpu: opts.gpu,
+            auth,
+            instance,
         });
         // Unregistering a region drops its NIC registration before the memory
         // can be freed, so a peer holding its rkey cannot write into it.
@@ -269,6 +335,16 @@ impl Agent {
     /// This process's identity.
     pub fn identity(&self) -> &ProcIdentity {
         &self.inner.identity
+    }
+
+    /// This agent's instance id (what peers authenticate it as).
+    pub fn instance(&self) -> PeerInstance {
+        PeerInstance(self.inner.instance)
+    }
+
+    /// Whether peers of this agent must prove the cluster secret.
+    pub fn auth(&self) -> &Mode {
+        &self.inner.auth
     }
 
     /// The address peers connect to, when listening.
@@ -372,6 +448,17 @@ impl Agent {
             s.close();
         }
     }
+}
+
+fn random_instance() -> Result<[u8; 16]> {
+    let mut b = [0u8; 16];
+    getrandom::fill(&mut b).map_err(|e| {
+        Error::new(
+            Status::Io,
+            format!("getrandom failed for an instance id: {e}"),
+        )
+    })?;
+    Ok(b)
 }
 
 impl Drop for Agent {

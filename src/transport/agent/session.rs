@@ -5,6 +5,7 @@
 
 use super::grant::Granted;
 use super::lock;
+use crate::auth::PeerInstance;
 use crate::transport::identity::ProcIdentity;
 use crate::transport::rdma::nic::DataPath;
 use crate::transport::tcp::TcpRecv;
@@ -18,7 +19,11 @@ use std::sync::Mutex;
 /// its [`Transport`](crate::transport::Transport)).
 pub(crate) struct ReceiverSession {
     pub(crate) id: u64,
-    pub(crate) token: u64,
+    /// 128 random bits (hex) a data stream presents to attach to this session.
+    pub(crate) token: String,
+    /// The instance the control connection authenticated: data streams of
+    /// this session must authenticate as the same one.
+    pub(crate) instance: PeerInstance,
     pub(crate) nonce: Box<u64>,
     pub(crate) peer: Mutex<Option<ProcIdentity>>,
     pub(crate) writer: Mutex<Option<TcpStream>>,

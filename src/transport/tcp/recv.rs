@@ -6,6 +6,7 @@
 //! (bytes, checksum) is delivered and answered with Ack or Nack.
 
 use super::device::{receive_into_device, DEVICE_BOUNCE_BYTES};
+use crate::auth::PeerInstance;
 use crate::error::{Error, Result, Status};
 use crate::memory::{RegionKind, Registry};
 use crate::transport::agent::{completion, lock, refuse, AgentInner, ReceiverSession};
@@ -20,6 +21,7 @@ use std::net::TcpStream;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+use subtle::ConstantTimeEq;
 
 /// One batch as the receiver counts it.
 #[derive(Default)]
@@ -107,7 +109,15 @@ pub(crate) fn finalize_tcp(
 }
 
 /// Serves one data stream whose first frame was an Attach.
-pub(crate) fn serve_stream(a: Arc<AgentInner>, mut s: TcpStream, p: &[u8], mut slot: Slot) {
+/// The stream authenticated as `peer`; it attaches only to a session whose
+/// control connection authenticated as the same instance, with its token.
+pub(crate) fn serve_stream(
+    a: Arc<AgentInner>,
+    mut s: TcpStream,
+    p: &[u8],
+    mut slot: Slot,
+    peer: PeerInstance,
+) {
     let att: Attach = match serde_json::from_slice(p) {
         Ok(x) => x,
         Err(e) => {
@@ -118,7 +128,9 @@ pub(crate) fn serve_stream(a: Arc<AgentInner>, mut s: TcpStream, p: &[u8], mut s
         }
     };
     let sess = lock(&a.sessions).get(&att.session).cloned();
-    let Some(sess) = sess.filter(|x| x.token == att.token) else {
+    let Some(sess) = sess.filter(|x| {
+        x.instance == peer && bool::from(x.token.as_bytes().ct_eq(att.token.as_bytes()))
+    }) else {
         return refuse(
             &mut s,
             Error::new(

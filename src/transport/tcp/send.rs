@@ -9,6 +9,7 @@ use crate::transport::batch::Stage;
 use crate::transport::conn::{checksum_pieces, Conn, Piece, Reach};
 use crate::transport::handshake::Attach;
 use crate::transport::handshake::Select;
+use crate::transport::peer_auth::authenticate_client;
 use crate::transport::wire::{self, Commit, DataHeader, FrameType, DATA_HEADER_LEN};
 use crate::transport::{BatchId, BatchOptions, Completion, Transport, TransportKind, WriteOp};
 use crossbeam::channel::{unbounded, Sender};
@@ -110,12 +111,15 @@ pub(crate) fn connect(mut d: Dialed<'_>) -> Result<Box<dyn Transport>> {
         })?;
         s.set_nodelay(true)?;
         s.set_read_timeout(Some(opts.timeout))?;
+        s.set_write_timeout(Some(opts.timeout))?;
+        // each stream authenticates, as the same instance as the control connection
+        authenticate_client(&mut s, d.auth, d.instance, Some(d.peer), addr)?;
         wire::write_json(
             &mut s,
             FrameType::Attach,
             &Attach {
                 session: d.ack.session,
-                token: d.ack.token,
+                token: d.ack.token.clone(),
                 index,
             },
         )?;
