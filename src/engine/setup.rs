@@ -129,7 +129,8 @@ fn validate(cfg: &EngineConfig) -> Result<()> {
 
 /// The engine's agent (the decode's listens for data connections); with
 /// transport rdma, checks there is a usable NIC, and for decode device
-/// pools that it can do GPUDirect RDMA.
+/// pools that it can do GPUDirect RDMA and that the device orders or
+/// flushes the NIC's writes.
 fn open_agent(cfg: &EngineConfig) -> Result<Agent> {
     let agent = Agent::new(&AgentOptions {
         listen: (cfg.role == Role::Decode).then(|| format!("{}:0", cfg.host)),
@@ -158,6 +159,9 @@ fn open_agent(cfg: &EngineConfig) -> Result<Agent> {
                 )
             })?;
         }
+    }
+    if let (Role::Decode, Some(ordinal)) = (cfg.role, cfg.pool_device) {
+        super::device::decide_gpu_direct_writes(cfg, &agent, ordinal)?;
     }
     Ok(agent)
 }
