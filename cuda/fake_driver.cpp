@@ -31,9 +31,11 @@
 //   and cuMemGetAddressRange answer the chunk holding the address only.
 // - GPUDirect RDMA attributes: writes ordering (PDXFER_FAKE_CUDA_RDMA_ORDERING
 //   0/100/200, default 100 = owner; pdx_fake_set_rdma_ordering), flush
-//   options (host flush supported), dma-buf support
+//   options (PDXFER_FAKE_CUDA_RDMA_FLUSH_OPTIONS, default 1 = host flush
+//   supported; pdx_fake_set_rdma_flush_options), dma-buf support
 //   (PDXFER_FAKE_CUDA_DMA_BUF, default 1); cuFlushGPUDirectRDMAWrites counts
-//   its calls (pdx_fake_rdma_flushes).
+//   its calls (pdx_fake_rdma_flushes) and fails with CUDA_ERROR_NOT_SUPPORTED
+//   where the flush options lack the host flush.
 // It refuses what a real driver would where it is cheap to check: launches of
 // functions it did not hand out, unknown streams/events, copies touching
 // memory it did not allocate, tables outside device memory, a wrong kernel
@@ -113,6 +115,7 @@ static bool g_inited = false;
 static int g_driver_version = 12080;
 static size_t g_vmm_chunk = 0;
 static int g_rdma_ordering = 100;
+static int g_rdma_flush_options = 1;  // CU_FLUSH_GPU_DIRECT_RDMA_WRITES_OPTION_HOST
 static int g_dma_buf = 1;
 static CUresult g_sticky = OK;                // a fault of enqueued work
 static unsigned long long g_pinned_dtoh = 0;  // async DtoH copies into pinned memory
@@ -256,6 +259,8 @@ CUresult cuInit(unsigned int) {
         g_driver_version = (int)env_or("PDXFER_FAKE_CUDA_DRIVER_VERSION", g_driver_version);
         g_vmm_chunk = (size_t)env_or("PDXFER_FAKE_CUDA_VMM_CHUNK", (long)g_vmm_chunk);
         g_rdma_ordering = (int)env_or("PDXFER_FAKE_CUDA_RDMA_ORDERING", g_rdma_ordering);
+        g_rdma_flush_options =
+            (int)env_or("PDXFER_FAKE_CUDA_RDMA_FLUSH_OPTIONS", g_rdma_flush_options);
         g_dma_buf = (int)env_or("PDXFER_FAKE_CUDA_DMA_BUF", g_dma_buf);
     }
     g_inited = true;
@@ -288,7 +293,7 @@ CUresult cuDeviceGetAttribute(int* v, int attr, CUdevice d) {
         case 75: *v = 9; break;                 // compute capability major
         case 76: *v = 0; break;                 // minor
         case 116: *v = 1; break;                // GPUDirect RDMA supported
-        case 117: *v = 1; break;                // flush options: host flush
+        case 117: *v = g_rdma_flush_options; break;  // flush options (1: host flush)
         case 118: *v = g_rdma_ordering; break;  // GPUDirect RDMA writes ordering
         case 124: *v = g_dma_buf; break;        // dma-buf supported
         default: *v = 0; break;                 // no memory pools, nothing else
@@ -681,6 +686,7 @@ CUresult cuFlushGPUDirectRDMAWrites(int target, int scope) {
     if (g_current != &g_ctx_token) return ERR_INVALID_CONTEXT;
     if (target != 0 || (scope != 100 && scope != 200)) return ERR_INVALID_VALUE;
     std::lock_guard<std::mutex> l(g_mu);
+    if (!(g_rdma_flush_options & 1)) return ERR_NOT_SUPPORTED;
     ++g_rdma_flushes;
     return OK;
 }
@@ -739,6 +745,11 @@ void pdx_fake_set_vmm_chunk(unsigned long long chunk) {
 void pdx_fake_set_rdma_ordering(int v) {
     std::lock_guard<std::mutex> l(g_mu);
     g_rdma_ordering = v;
+}
+// CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_FLUSH_WRITES_OPTIONS (0: no flush).
+void pdx_fake_set_rdma_flush_options(int v) {
+    std::lock_guard<std::mutex> l(g_mu);
+    g_rdma_flush_options = v;
 }
 
 CUresult cuGetErrorName(CUresult rc, const char** s) {

@@ -72,11 +72,13 @@ fn device_path_runs_on_fake_driver() {
         .spawn()
         .expect("spawn the child test");
     let decode_child = spawn("child_engine_decode_device_pools_on_fake_driver");
+    let flush_child = spawn("child_engine_gpudirect_flush_on_fake_driver");
     let out = spawn("child_device_path_on_fake_driver")
         .wait_with_output()
         .unwrap();
     let engine_out = engine_child.wait_with_output().unwrap();
     let decode_out = decode_child.wait_with_output().unwrap();
+    let flush_out = flush_child.wait_with_output().unwrap();
     // the kernel images the driver version picks: no module file given
     let images_out = child("child_kernel_images_on_fake_driver")
         .env_remove("PDXFER_KERNEL_MODULE")
@@ -123,6 +125,13 @@ fn device_path_runs_on_fake_driver() {
     assert!(
         decode_text.contains("fake-driver decode child: all checks passed"),
         "decode device-pool child did not run:\n{decode_text}"
+    );
+    let flush_text = String::from_utf8_lossy(&flush_out.stdout).into_owned()
+        + &String::from_utf8_lossy(&flush_out.stderr);
+    assert!(
+        flush_out.status.success()
+            && flush_text.contains("fake-driver gpudirect-flush child: all checks passed"),
+        "GPUDirect flush child failed:\n{flush_text}"
     );
     let engine_text = String::from_utf8_lossy(&engine_out.stdout).into_owned()
         + &String::from_utf8_lossy(&engine_out.stderr);
@@ -1321,4 +1330,220 @@ fn child_engine_decode_device_pools_on_fake_driver() {
     prefill.close();
     drop((bufs, bufs2));
     println!("fake-driver decode child: all checks passed");
+}
+
+/// GPUDirect RDMA write ordering on a decode whose KV pools are (fake)
+/// device memory, over rdma on the fake NIC fabric, DCP 1 -> 1 from a
+/// prefill with host pools: where the device reports
+/// `CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WRITES_ORDERING` NONE, the decode
+/// flushes (`cuFlushGPUDirectRDMAWrites`) once per delivered batch that
+/// wrote its device pools, and a flush that fails delivers nothing (the
+/// room fails); where it reports OWNER, nothing is flushed; where it can
+/// neither order nor flush, an explicit rdma decode is refused at creation
+/// naming the attribute and an `auto` one is written over tcp.
+#[test]
+#[ignore = "run by device_path_runs_on_fake_driver in a child process with the fake libcuda"]
+fn child_engine_gpudirect_flush_on_fake_driver() {
+    use pdxfer::bootstrap::schema::Role;
+    use pdxfer::bootstrap::server::{BootstrapServer, ServerConfig};
+    use pdxfer::engine::synthetic::SyntheticPools;
+    use pdxfer::engine::{Engine, EngineConfig, KvPoll, KvPool};
+    use pdxfer::layout::{DcpLayout, Side};
+    use pdxfer::relayout::gpu::{DeviceBuffer, GpuRelayout};
+    use pdxfer::transport::rdma::fake::FakeNic;
+    use pdxfer::transport::rdma::handshake::Mtu;
+    use pdxfer::transport::rdma::nic::NicProvider;
+    use pdxfer::transport::TransportKind;
+    use std::sync::Arc;
+    use std::time::{Duration, Instant};
+
+    assert!(
+        std::env::var_os("PDXFER_FAKE_CUDA_CHILD").is_some(),
+        "this test only runs as the child of device_path_runs_on_fake_driver"
+    );
+    const LAYERS: u32 = 2;
+    const ROW: u64 = 64;
+    const P: u64 = PAGE;
+    const PAGES: u64 = 32;
+    let token = LAYERS as u64 * ROW;
+    let server = BootstrapServer::start(ServerConfig::default()).unwrap();
+    let url = server.url();
+    let g = GpuRelayout::new(0).unwrap();
+    let flushes = || fake_counter(c"pdx_fake_rdma_flushes");
+    // the decode's completion records so far (drained by its deadline thread)
+    let received = |e: &Engine| e.metrics_snapshot().received_batches;
+
+    // (case, ordering, flush options, decode transport)
+    for (case, ordering, flush_options, transport) in [
+        ("none", 0i32, 1i32, TransportKind::Rdma),
+        ("owner", 100, 1, TransportKind::Rdma),
+        ("unflushable-auto", 0, 0, TransportKind::Auto),
+    ] {
+        fake_set(c"pdx_fake_set_rdma_ordering", ordering);
+        fake_set(c"pdx_fake_set_rdma_flush_options", flush_options);
+        let name = format!("fake-gdr-flush-{case}");
+        let mut host = SyntheticPools::new(LAYERS, ROW, P, PAGES, 8, 32).unwrap();
+        let mut cfg = EngineConfig::new(
+            Role::Prefill,
+            &name,
+            &url,
+            host.topology(1, 0),
+            host.kv_pools(),
+        );
+        cfg.aux = host.aux_buffers();
+        cfg.transport = transport;
+        cfg.nic = Some(FakeNic::new(&format!("{case}-p"), 1, Mtu::Mtu4096) as Arc<dyn NicProvider>);
+        cfg.room_timeout = Duration::from_secs(20);
+        // SAFETY: the host pools and aux outlive the engine (closed below).
+        let prefill = unsafe { Engine::new(cfg) }.unwrap();
+        let mut mirror = SyntheticPools::new(LAYERS, ROW, P, PAGES, 8, 32).unwrap();
+        let bufs: Vec<DeviceBuffer> = (0..LAYERS as usize)
+            .map(|l| g.alloc(mirror.layer_bytes(l).len()).unwrap())
+            .collect();
+        for b in &bufs {
+            g.memset(b, 0).unwrap();
+        }
+        g.record(false).unwrap().wait().unwrap();
+        let kv: Vec<KvPool> = mirror
+            .kv_pools()
+            .into_iter()
+            .zip(&bufs)
+            .map(|(p, d)| KvPool { base: d.ptr(), ..p })
+            .collect();
+        let decode_cfg = |transport| {
+            let mut cfg =
+                EngineConfig::new(Role::Decode, &name, &url, mirror.topology(1, 0), kv.clone());
+            cfg.pool_device = Some(0);
+            cfg.aux = mirror.aux_buffers();
+            cfg.transport = transport;
+            cfg.nic = Some(FakeNic::new(&format!("{case}-d"), 1, Mtu::Mtu4096) as _);
+            cfg
+        };
+        if flush_options == 0 {
+            // explicit rdma: refused at creation, naming the attribute
+            // SAFETY: the device pools and the aux outlive the attempt.
+            let e = unsafe { Engine::new(decode_cfg(TransportKind::Rdma)) }.unwrap_err();
+            assert_eq!(e.status(), pdxfer::Status::NoGpuDirect, "{case}: {e}");
+            assert!(
+                e.detail()
+                    .contains("CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WRITES_ORDERING"),
+                "{case}: {e}"
+            );
+        }
+        // SAFETY: the device pools and the mirror's aux outlive the engine (closed below).
+        let decode = unsafe { Engine::new(decode_cfg(transport)) }.unwrap();
+        let flushes_before = flushes();
+        let htod_before = fake_htod_copies();
+        let rooms = [(1u64, 300u64, 4usize), (2, 181, 100)];
+        for &(room, n, chunk_pages) in &rooms {
+            let src_pages: Vec<u64> = (0..n.div_ceil(P)).map(|i| (i * 3 + room) % PAGES).collect();
+            let dst_pages: Vec<u64> = (0..n.div_ceil(P)).map(|i| (i * 5 + room) % PAGES).collect();
+            let side = |pages| Side {
+                layout: DcpLayout::sglang(P, 1).unwrap(),
+                rank: 0,
+                pages,
+                origin: 0,
+            };
+            host.fill(room, &side(&src_pages), n);
+            host.fill_aux(room, 3);
+            decode
+                .receiver(room, 0, Some(Duration::from_secs(20)))
+                .unwrap();
+            decode.send_metadata(room, &dst_pages, 0, 5).unwrap();
+            send_room(&prefill, room, &src_pages, chunk_pages, n, case);
+            assert_eq!(
+                decode.wait(room, Duration::from_secs(20)),
+                KvPoll::Success,
+                "{case}: {:?}",
+                decode.failure(room)
+            );
+            for (l, b) in bufs.iter().enumerate() {
+                b.read(0, mirror.layer_bytes_mut(l)).unwrap();
+            }
+            let verified = mirror
+                .verify(room, &side(&dst_pages), n, Some(5))
+                .unwrap_or_else(|e| panic!("{case} room {room}: {e}"));
+            assert_eq!(verified, n * token + 32, "{case} room {room}");
+            decode.clear(room).unwrap();
+            prefill.clear(room).unwrap();
+        }
+        // the KV batches of the rooms: every record but one aux batch per room
+        let aux_batches = rooms.len() as u64;
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while received(&decode) < aux_batches + 2 && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        std::thread::sleep(Duration::from_millis(200)); // the last drain
+        let kv_batches = received(&decode) - aux_batches;
+        let flushed = flushes() - flushes_before;
+        let peers = prefill.metrics_snapshot().peers;
+        let used: Vec<&str> = peers.iter().map(|p| p.transport.as_str()).collect();
+        match case {
+            "none" => {
+                assert_eq!(used, ["rdma"], "{case}");
+                assert!(kv_batches >= 2, "{case}: {kv_batches} KV batches");
+                assert_eq!(flushed, kv_batches, "{case}: one flush per GPUDirect batch");
+                assert_eq!(fake_htod_copies(), htod_before, "{case}: not GPUDirect");
+            }
+            "owner" => {
+                assert_eq!(used, ["rdma"], "{case}");
+                assert!(kv_batches >= 2, "{case}: {kv_batches} KV batches");
+                assert_eq!(
+                    flushed, 0,
+                    "{case}: flushed although the device orders writes"
+                );
+            }
+            _ => {
+                // auto: the decode does not offer GPUDirect, the prefill picks tcp
+                assert_eq!(used, ["tcp"], "{case}");
+                assert!(
+                    fake_htod_copies() > htod_before,
+                    "{case}: no host-to-device copies"
+                );
+                assert_eq!(flushed, 0, "{case}");
+            }
+        }
+        println!(
+            "fake-driver gpudirect-flush child: {case}: {kv_batches} KV batches over {used:?}, {flushed} flushes, every byte checked"
+        );
+        if case == "none" {
+            // a flush that fails delivers nothing: the room fails and no
+            // record of its KV batches reaches the decode
+            fake_set(c"pdx_fake_set_rdma_flush_options", 0i32);
+            let before = received(&decode);
+            let room = 9u64;
+            let pages: Vec<u64> = (0..4).collect();
+            decode
+                .receiver(room, 0, Some(Duration::from_secs(20)))
+                .unwrap();
+            decode.send_metadata(room, &pages, 0, 5).unwrap();
+            prefill.sender(room).unwrap();
+            for _ in 0..2000 {
+                if prefill.poll(room) != KvPoll::Bootstrapping {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            prefill.send(room, &pages, 4 * P, true, 3).unwrap();
+            assert_eq!(prefill.wait(room, Duration::from_secs(20)), KvPoll::Failed);
+            let e = prefill.failure(room).expect("a failed room has its reason");
+            assert!(e.to_string().contains("cuFlushGPUDirectRDMAWrites"), "{e}");
+            assert_eq!(decode.wait(room, Duration::from_secs(20)), KvPoll::Failed);
+            std::thread::sleep(Duration::from_millis(200));
+            // at most the aux batch (host memory: never flushed), in flight
+            // beside the KV batch, was delivered
+            let got = received(&decode) - before;
+            assert!(
+                got <= 1,
+                "{got} records delivered, a KV batch's without its flush"
+            );
+            println!("fake-driver gpudirect-flush child: a failed flush delivers nothing");
+        }
+        prefill.close();
+        decode.close();
+        drop(bufs);
+    }
+    fake_set(c"pdx_fake_set_rdma_ordering", 100i32);
+    fake_set(c"pdx_fake_set_rdma_flush_options", 1i32);
+    println!("fake-driver gpudirect-flush child: all checks passed");
 }

@@ -107,6 +107,65 @@ pub(super) fn decode_writer(
     ))
 }
 
+/// Decode device pools: whether peers may write them by GPUDirect RDMA,
+/// decided from the device's writes-ordering attribute
+/// ([`RdmaWriteFlush`](crate::relayout::gpu::RdmaWriteFlush)) wherever rdma
+/// could reach them (transport rdma, or a NIC with GPUDirect RDMA): the
+/// agent flushes before it delivers each GPUDirect batch where the device
+/// does not order the NIC's writes. Where the device can neither order nor
+/// flush them, an explicit rdma decode is refused (`NoGpuDirect`, naming the
+/// attribute) and any other one is left to tcp (its agent stops offering
+/// GPUDirect RDMA).
+pub(super) fn decide_gpu_direct_writes(
+    cfg: &EngineConfig,
+    agent: &crate::transport::Agent,
+    ordinal: u32,
+) -> Result<()> {
+    if cfg.transport != TransportKind::Rdma && agent.rdma_gpu_direct().is_err() {
+        return Ok(()); // no NIC can write device memory: rdma never reaches the pools
+    }
+    #[cfg(feature = "cuda")]
+    match crate::relayout::gpu::RdmaWriteFlush::new(ordinal as usize) {
+        Ok(f) => {
+            log::info!(
+                "engine: device {ordinal} GPUDirect RDMA writes ordering {:?}: {}",
+                f.info().writes_ordering,
+                if f.needed() {
+                    "each batch is flushed (cuFlushGPUDirectRDMAWrites) before its completion is delivered"
+                } else {
+                    "no flush needed"
+                }
+            );
+            agent.flush_gpu_direct_writes(Arc::new(f))
+        }
+        Err(e) if e.status() == Status::Unsupported && cfg.transport == TransportKind::Rdma => {
+            Err(Error::new(
+                Status::NoGpuDirect,
+                format!(
+                    "decode KV pools in device memory over rdma need GPUDirect RDMA writes the device orders or flushes: {}; use transport tcp (the receiver copies into device memory) or auto (which then uses tcp)",
+                    e.detail()
+                ),
+            ))
+        }
+        Err(e) if cfg.transport == TransportKind::Rdma => Err(e),
+        Err(e) => {
+            log::warn!(
+                "engine: peers write the device pools over tcp, not GPUDirect RDMA: {e}"
+            );
+            agent.refuse_gpu_direct(&e)
+        }
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        // device pools are refused at the preflight without the `cuda` feature
+        let _ = ordinal;
+        Err(Error::new(
+            Status::Unsupported,
+            "device-memory pools need pdxfer built with the `cuda` feature",
+        ))
+    }
+}
+
 /// One slice of a staged device gather, ready in a staging buffer.
 #[derive(Debug, Clone)]
 pub(super) struct StagedSlice {

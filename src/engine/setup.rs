@@ -131,7 +131,8 @@ fn validate(cfg: &EngineConfig) -> Result<()> {
 
 /// The engine's agent (the decode's listens for data connections); with
 /// transport rdma, checks there is a usable NIC, and for decode device
-/// pools that it can do GPUDirect RDMA.
+/// pools that it can do GPUDirect RDMA and that the device orders or
+/// flushes the NIC's writes.
 /// The engine's `token` (else `PDXFER_CLUSTER_SECRET`) is the cluster secret
 /// both the agent and the control channel authenticate peers with.
 fn open_agent(cfg: &EngineConfig, instance: InstanceId) -> Result<Agent> {
@@ -174,6 +175,9 @@ fn open_agent(cfg: &EngineConfig, instance: InstanceId) -> Result<Agent> {
                 )
             })?;
         }
+    }
+    if let (Role::Decode, Some(ordinal)) = (cfg.role, cfg.pool_device) {
+        super::device::decide_gpu_direct_writes(cfg, &agent, ordinal)?;
     }
     Ok(agent)
 }

@@ -116,7 +116,7 @@ impl RdmaWriteFlush {
             return Err(Error::new(
                 Status::Unsupported,
                 format!(
-                    "CUDA device {ordinal} neither orders GPUDirect RDMA writes nor supports cuFlushGPUDirectRDMAWrites"
+                    "CUDA device {ordinal} neither orders GPUDirect RDMA writes (CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WRITES_ORDERING is NONE) nor can flush them (CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_FLUSH_WRITES_OPTIONS lacks HOST: no cuFlushGPUDirectRDMAWrites)"
                 ),
             ));
         }

@@ -8,7 +8,7 @@ use super::grant::control_loop;
 use super::{lock, AgentInner, ReceiverSession};
 use crate::auth::PeerInstance;
 use crate::error::{Error, Result, Status};
-use crate::memory::{RegionKind, Registry};
+use crate::memory::RegionKind;
 use crate::transport::handshake::{random_token, random_u64, Hello, HelloAck, Select, SelectOk};
 use crate::transport::listen::{self, Framing, ListenLimits, Slot};
 use crate::transport::peer_auth::{authenticate_server, Prefixed};
@@ -158,7 +158,7 @@ fn serve_control(
         nonce_addr: &*session.nonce as *const u64 as u64,
         rdma: nic.as_ref().ok().map(|n| n.describe()),
         rdma_unavailable: nic.as_ref().err().map(|e| e.detail().to_string()),
-        rdma_gpu_direct: nic.as_ref().is_ok_and(|n| n.gpu_direct().is_ok()),
+        rdma_gpu_direct: nic.as_ref().is_ok_and(|n| a.gpu_direct(&**n).is_ok()),
     };
     lock(&a.sessions).insert(id, session.clone());
     let mut run = || -> Result<()> {
@@ -184,7 +184,7 @@ fn serve_control(
                     )
                 })?;
                 let remote = Handshake::decode(remote).map_err(Error::from)?;
-                let (local, path) = accept_rdma(&a.registry, &*nic, &remote)?;
+                let (local, path) = accept_rdma(&a, &*nic, &remote)?;
                 *lock(&session.rdma) = Some(path);
                 ok.rdma = Some(local);
             }
@@ -215,11 +215,11 @@ fn serve_control(
 /// client's handshake and brings the QPs up. Returns the encoded local
 /// handshake and the connected data path.
 fn accept_rdma(
-    reg: &Registry,
+    a: &AgentInner,
     nic: &dyn NicProvider,
     remote: &Handshake,
 ) -> Result<(Vec<u8>, Box<dyn DataPath>)> {
-    register_all(reg, nic)?;
+    register_all(a, nic)?;
     let ep = nic.endpoint()?;
     let local = ep.local().encode()?;
     let (path, negotiated) = ep.connect(remote)?;
@@ -231,23 +231,24 @@ fn accept_rdma(
     Ok((local, path))
 }
 
-/// Registers every region of `reg` with the NIC (already registered ranges
-/// are skipped by the provider). Device regions go through the NIC's GPU
-/// path; where that fails (no GPUDirect RDMA) they are skipped with a
-/// warning, since the host regions still work: batches into them are refused
-/// at grant, and from them at submit, with the reason.
-pub(super) fn register_all(reg: &Registry, nic: &dyn NicProvider) -> Result<()> {
-    register_matching(reg, nic, &|_| true)
+/// Registers every region of the agent's registry with the NIC (already
+/// registered ranges are skipped by the provider). Device regions go through
+/// the NIC's GPU path; where that fails (no GPUDirect RDMA, or the device
+/// cannot make its writes consistent) they are skipped with a warning, since
+/// the host regions still work: batches into them are refused at grant, and
+/// from them at submit, with the reason.
+pub(super) fn register_all(a: &AgentInner, nic: &dyn NicProvider) -> Result<()> {
+    register_matching(a, nic, &|_| true)
 }
 
 /// [`register_all`] for the regions `keep` accepts.
 pub(super) fn register_matching(
-    reg: &Registry,
+    a: &AgentInner,
     nic: &dyn NicProvider,
     keep: &dyn Fn(&crate::memory::RegionDesc) -> bool,
 ) -> Result<()> {
-    let gpu = nic.gpu_direct();
-    for d in reg.descriptors().into_iter().filter(|d| keep(d)) {
+    let gpu = a.gpu_direct(nic);
+    for d in a.registry.descriptors().into_iter().filter(|d| keep(d)) {
         if d.kind != RegionKind::Host {
             let r = gpu.clone().and_then(|()| {
                 // SAFETY: as for host regions below.

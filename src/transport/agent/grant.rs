@@ -75,9 +75,12 @@ pub(super) fn control_loop(
                 let nic = lock(&sess.rdma).is_some().then(|| a.nic());
                 let device = |d: &RegionDesc| -> Result<()> {
                     match &nic {
-                        // SAFETY: a registry region stays valid until unregistered,
-                        // whose hook deregisters it from the NIC first.
-                        Some(Ok(n)) => unsafe { n.register(d.addr, d.len, d.kind) }.map(|_| ()),
+                        Some(Ok(n)) => {
+                            a.gpu_direct(&**n)?;
+                            // SAFETY: a registry region stays valid until unregistered,
+                            // whose hook deregisters it from the NIC first.
+                            unsafe { n.register(d.addr, d.len, d.kind) }.map(|_| ())
+                        }
                         Some(Err(e)) => Err(e.clone()),
                         None => Err(Error::new(
                             Status::Unsupported,
@@ -111,7 +114,17 @@ pub(super) fn control_loop(
                 let g = lock(&sess.granted).remove(&c.batch);
                 match g {
                     Some(g) => {
-                        let r = finish_granted(&g, &c);
+                        // GPUDirect writes into device memory are made visible
+                        // to CUDA work (flushed where the device does not order
+                        // them) before their completion is delivered, while the
+                        // ranges are still pinned.
+                        let r = finish_granted(&g, &c).and_then(|()| {
+                            if g.device && !g.read {
+                                a.before_device_delivery()
+                            } else {
+                                Ok(())
+                            }
+                        });
                         let read = g.read;
                         drop(g);
                         match r {

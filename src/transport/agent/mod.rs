@@ -13,6 +13,9 @@
 
 mod accept;
 mod connect;
+// set only by a decode engine with device pools (the `cuda` feature)
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+mod gpu_direct;
 mod grant;
 mod session;
 #[cfg(test)]
@@ -211,6 +214,9 @@ pub(crate) struct AgentInner {
     pub(crate) auth: Mode,
     /// This agent's instance id in the authentication exchange.
     pub(crate) instance: [u8; 16],
+    /// How peers' GPUDirect RDMA writes into device regions are treated
+    /// (unset: delivered as the NIC completes them).
+    gpu_writes: OnceLock<gpu_direct::GpuDirectWrites>,
 }
 
 impl AgentInner {
@@ -298,6 +304,7 @@ impl Agent {
             gpu: opts.gpu,
             auth,
             instance,
+            gpu_writes: OnceLock::new(),
         });
         // Unregistering a region drops its NIC registration before the memory
         // can be freed, so a peer holding its rkey cannot write into it.
@@ -396,9 +403,10 @@ impl Agent {
     /// Whether the RDMA NICs can register device (GPU) memory (GPUDirect
     /// RDMA), or why not: `NoGpuDirect` with the reason, `NoRdmaDevice`
     /// without a NIC. A NIC that says yes may still refuse a registration
-    /// (`NoGpuDirect` on the first batch from device memory).
+    /// (`NoGpuDirect` on the first batch from device memory). `NoGpuDirect`
+    /// too where this agent's device cannot make GPUDirect writes consistent.
     pub fn rdma_gpu_direct(&self) -> Result<()> {
-        self.inner.nic()?.gpu_direct()
+        self.inner.gpu_direct(&*self.inner.nic()?)
     }
 
     /// Registers every region of the registry with the RDMA NICs now (device
@@ -408,7 +416,7 @@ impl Agent {
     /// first batch). `NoRdmaDevice` with the reason when there is no NIC.
     pub fn rdma_register_all(&self) -> Result<()> {
         let nic = self.inner.nic()?;
-        accept::register_all(&self.inner.registry, &*nic)
+        accept::register_all(&self.inner, &*nic)
     }
 
     /// [`rdma_register_all`](Self::rdma_register_all) except the regions
@@ -416,7 +424,7 @@ impl Agent {
     /// is still registered on first use).
     pub fn rdma_register_all_but(&self, skip: &[u64]) -> Result<()> {
         let nic = self.inner.nic()?;
-        accept::register_matching(&self.inner.registry, &*nic, &|d| !skip.contains(&d.id))
+        accept::register_matching(&self.inner, &*nic, &|d| !skip.contains(&d.id))
     }
 
     /// Number of sender sessions currently connected.

@@ -299,52 +299,103 @@ fn tcp_into_a_device_region_completes_after_the_copies_and_auto_skips_cma() {
     // SAFETY: src outlives the agents' use.
     let s = unsafe { tx.register_host(src.as_mut_ptr(), src.len()) }.unwrap();
     let addr = rx.local_addr().unwrap().to_string();
-    // Same host, but the peer has device memory: auto picks tcp (or rdma), never cma.
     let t = tx
         .connect(
             &addr,
             &ConnectOptions {
-                transport: TransportKind::Auto,
+                transport: TransportKind::Tcp,
                 streams: 2,
                 ..Default::default()
             },
         )
         .unwrap();
-    assert_ne!(t.kind(), TransportKind::Cma);
-    if t.kind() == TransportKind::Tcp {
-        let ops = [
-            WriteOp {
-                local_region: s.id,
-                local_offset: 3,
-                remote_region: d.id,
-                remote_offset: 10,
-                len: 5 << 20,
-            },
-            WriteOp {
-                local_region: s.id,
-                local_offset: 0,
-                remote_region: d.id,
-                remote_offset: (6 << 20) - 1,
-                len: 1,
-            },
-        ];
-        let opts = BatchOptions {
-            checksum: true,
-            room: 7,
-            ..Default::default()
-        };
-        let id = t.submit(&ops, &opts).unwrap();
-        let c = t.wait(id, Duration::from_secs(20)).unwrap();
-        let inc = rx.next_completion(Duration::from_secs(5)).unwrap();
-        assert_eq!(inc.completion, c);
-        // delivered after every byte went through the writer
-        assert_eq!(&dev[10..10 + (5 << 20)], &src[3..3 + (5 << 20)]);
-        assert_eq!(dev[(6 << 20) - 1], src[0]);
-        assert!(dev[..10].iter().all(|&b| b == 0));
-        assert!(w.writes.load(Ordering::SeqCst) >= 2);
-        assert!(w.largest.load(Ordering::SeqCst) <= DEVICE_BOUNCE_BYTES as u64);
-    }
+    assert_eq!(t.kind(), TransportKind::Tcp);
+    let ops = [
+        WriteOp {
+            local_region: s.id,
+            local_offset: 3,
+            remote_region: d.id,
+            remote_offset: 10,
+            len: 5 << 20,
+        },
+        WriteOp {
+            local_region: s.id,
+            local_offset: 0,
+            remote_region: d.id,
+            remote_offset: (6 << 20) - 1,
+            len: 1,
+        },
+    ];
+    let opts = BatchOptions {
+        checksum: true,
+        room: 7,
+        ..Default::default()
+    };
+    let id = t.submit(&ops, &opts).unwrap();
+    let c = t.wait(id, Duration::from_secs(20)).unwrap();
+    let inc = rx.next_completion(Duration::from_secs(5)).unwrap();
+    assert_eq!(inc.completion, c);
+    // delivered after every byte went through the writer
+    assert_eq!(&dev[10..10 + (5 << 20)], &src[3..3 + (5 << 20)]);
+    assert_eq!(dev[(6 << 20) - 1], src[0]);
+    assert!(dev[..10].iter().all(|&b| b == 0));
+    assert!(w.writes.load(Ordering::SeqCst) >= 2);
+    assert!(w.largest.load(Ordering::SeqCst) <= DEVICE_BOUNCE_BYTES as u64);
     t.close();
+    // Same host, but the peer has device memory: auto never picks cma; it
+    // picks rdma exactly when both sides have a NIC and the receiver's can
+    // take GPU memory (GPUDirect RDMA), else tcp.
+    let auto = ConnectOptions {
+        transport: TransportKind::Auto,
+        ..Default::default()
+    };
+    let want = if tx.inner.nic().is_ok() && rx.rdma_gpu_direct().is_ok() {
+        TransportKind::Rdma
+    } else {
+        TransportKind::Tcp
+    };
+    let t = tx.connect(&addr, &auto).unwrap();
+    assert_eq!(t.kind(), want, "this host's NICs: {:?}", rx.rdma_nics());
+    t.close();
+    // the same choice on fake NICs, with and without GPUDirect RDMA
+    for gpu_direct in [false, true] {
+        let nic = |name: &str| {
+            let n = crate::transport::rdma::fake::FakeNic::new(
+                name,
+                1,
+                crate::transport::rdma::handshake::Mtu::Mtu4096,
+            );
+            n.set_gpu_direct(gpu_direct || name.ends_with("tx"));
+            Some(n as Arc<dyn NicProvider>)
+        };
+        let frx = Agent::new(&AgentOptions {
+            listen: Some("127.0.0.1:0".into()),
+            nic: nic(&format!("auto-dev-{gpu_direct}-rx")),
+            ..Default::default()
+        })
+        .unwrap();
+        let ftx = Agent::new(&AgentOptions {
+            nic: nic(&format!("auto-dev-{gpu_direct}-tx")),
+            ..Default::default()
+        })
+        .unwrap();
+        // SAFETY: as above (dev outlives the agents' use).
+        unsafe {
+            frx.registry()
+                .register_device_unchecked_with(w.base, dev.len(), 0, Some(w.clone()))
+        }
+        .unwrap();
+        let t = ftx
+            .connect(&frx.local_addr().unwrap().to_string(), &auto)
+            .unwrap();
+        let want = if gpu_direct {
+            TransportKind::Rdma
+        } else {
+            TransportKind::Tcp
+        };
+        assert_eq!(t.kind(), want, "receiver GPUDirect RDMA: {gpu_direct}");
+        t.close();
+    }
     // Explicit cma into device memory: refused, nothing written.
     let t = tx
         .connect(
