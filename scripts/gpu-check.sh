@@ -10,7 +10,12 @@
 # in one process: prefill device pools to host decode pools over cma, the same
 # from host-memory pools, and device pools on both sides over tcp, the decode
 # copying each piece into its device pools; every byte verified, device pools
-# read back; GB/s of each). Runs on a machine with an NVIDIA
+# read back; GB/s of each), then pdxfer's SGLang adapter with torch CUDA
+# tensors as KV pools (scripts/sglang-gpu-check.py: one prefill and two decode
+# DCP ranks as processes on the GPU, SGLang's scheduler call sequence, every
+# decode row read back and checked; needs python3 with numpy and torch with
+# CUDA, and the carried libpdxfer.so; skipped with the reason printed when
+# those are missing). Runs on a machine with an NVIDIA
 # GPU and no Rust toolchain and no network, from a binary built on a build
 # machine; it builds nothing (bash, coreutils and the binary; nvidia-smi and
 # nvcc are used when present):
@@ -20,8 +25,10 @@
 #   eval "$(scripts/cuda-deps.sh)"
 #   cargo build --release --example gpu_check --no-default-features --features cuda
 #   strip -o target/gpu-check target/release/examples/gpu_check     # ~2 MB
-#   # then run this script on the GPU host with target/gpu-check carried along
-#   # (device tool: carry=["target/gpu-check"], command="scripts/gpu-check.sh")
+#   cargo build --release --lib --no-default-features --features cuda
+#   strip -o target/libpdxfer.so target/release/libpdxfer.so       # the SGLang step
+#   # then run this script on the GPU host with both carried along (device tool:
+#   # carry=["target/gpu-check", "target/libpdxfer.so"], command="scripts/gpu-check.sh")
 #
 # The binary loads its kernels from, in order: $PDXFER_KERNEL_MODULE, the
 # embedded images this driver can load (a cubin of the driver's CUDA major,
@@ -36,7 +43,10 @@
 # e.g. "--min-ratio 0.85" to fail below the target), GPU_CHECK_TIMEOUT
 # (seconds, default 360), ENGINE_CHECK_ARGS (extra arguments of the engine
 # step, e.g. "--engine-tokens 32768"), ENGINE_CHECK_TIMEOUT (seconds, default
-# 120); GPU_CHECK_BUDGET caps the whole script (seconds, default 470).
+# 120); SGLANG_CHECK_ARGS (arguments of the SGLang step, default "--layers 61
+# --tokens 2048"), SGLANG_CHECK_TIMEOUT (seconds, default 90), PDXFER_LIB
+# (default target/libpdxfer.so, else target/release/libpdxfer.so);
+# GPU_CHECK_BUDGET caps the whole script (seconds, default 470).
 # Output: the log on stdout, and $OUT/gpu-check.log when $OUT is set.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -116,6 +126,42 @@ if [ "$rc" -ne 3 ]; then
     timeout "$(within "${ENGINE_CHECK_TIMEOUT:-120}")" "$bin" --engine-only ${ENGINE_CHECK_ARGS:-} 2>&1 | tee -a "$log"
     erc=${PIPESTATUS[0]}
     [ "$erc" -ne 0 ] && say "gpu-check: engine step failed (exit $erc)" && [ "$rc" -eq 0 ] && rc=$erc
+fi
+
+# pdxfer's SGLang adapter with torch CUDA tensors as pools, 1 -> 2 DCP ranks.
+sglang_skip=""
+py=$(command -v python3 || true)
+lib=${PDXFER_LIB:-}
+if [ -z "$lib" ]; then
+    for l in target/libpdxfer.so target/release/libpdxfer.so; do
+        if [ -f "$l" ]; then lib=$PWD/$l; break; fi
+    done
+fi
+if [ "$rc" -eq 3 ]; then
+    sglang_skip="no kernel image loads"
+elif [ -z "$py" ]; then
+    sglang_skip="no python3"
+elif [ -z "$lib" ] || [ ! -f "$lib" ]; then
+    sglang_skip="no libpdxfer.so (build it as described at the top of $0, or set PDXFER_LIB)"
+elif ! "$py" -c 'import numpy' 2>/dev/null; then
+    sglang_skip="python3 has no numpy"
+elif ! "$py" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+    sglang_skip="torch is not importable or torch.cuda is not available"
+elif [ $((budget - SECONDS)) -lt 30 ]; then
+    sglang_skip="under 30 s of GPU_CHECK_BUDGET left"
+fi
+if [ -n "$sglang_skip" ]; then
+    say "gpu-check: SGLang adapter step skipped: $sglang_skip"
+else
+    say "gpu-check: SGLang adapter, torch CUDA tensors as pools, 1 prefill -> 2 decode DCP ranks ($lib)"
+    stimeout=$(within "${SGLANG_CHECK_TIMEOUT:-90}")
+    # shellcheck disable=SC2086 # SGLANG_CHECK_ARGS is a list of arguments
+    PDXFER_LIB=$lib PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}" PDXFER_SGLANG_POOL_MEMORY=device \
+        timeout "$stimeout" "$py" scripts/sglang-gpu-check.py --memory device \
+        --timeout "$((stimeout > 10 ? stimeout - 5 : stimeout))" ${SGLANG_CHECK_ARGS:---layers 61 --tokens 2048} \
+        2>&1 | tee -a "$log"
+    src=${PIPESTATUS[0]}
+    [ "$src" -ne 0 ] && say "gpu-check: SGLang adapter step failed (exit $src)" && [ "$rc" -eq 0 ] && rc=$src
 fi
 say "gpu-check: exit $rc"
 exit "$rc"
