@@ -201,8 +201,14 @@ fn nccl_pairs_between_processes_on_the_fakes() {
             "prefill: dropped in flight, aborted, buffers freed",
         ),
     ] {
-        let (st, _) = run(&fakes, case, &one(case), &env);
+        let (st, routs) = run(&fakes, case, &one(case), &env);
         assert!(st.contains(want), "{case}:\n{st}");
+        if case == "never_posts" {
+            // the next room got a fresh communicator and arrived whole
+            let t = &routs[0];
+            let want = "decode 0: Direct transfer, every byte matches the CPU relayout";
+            assert!(t.contains(want), "{case}: decode 0:\n{t}");
+        }
     }
     // a digest mismatch: both sides refuse before any communicator exists
     let (st, routs) = run(&fakes, "mismatch", &one("mismatch"), &[]);
@@ -330,6 +336,7 @@ fn child_prefill_rank() {
     // fields drop in this order: the pair before the buffers and the stream
     struct Live {
         pair: NcclPair,
+        tx: NcclPlan,
         staging: pdxfer::relayout::gpu::DeviceBuffer,
         _pools: Vec<pdxfer::relayout::gpu::DeviceBuffer>,
         g: GpuRelayout,
@@ -385,6 +392,7 @@ fn child_prefill_rank() {
         .unwrap_or_else(|e| panic!("connect to {peer}: {e}"));
         let mut l = Live {
             pair,
+            tx,
             staging,
             _pools: bufs,
             g,
@@ -392,7 +400,7 @@ fn child_prefill_rank() {
         // SAFETY: staging holds the whole pack until the pair's work completed or was aborted.
         unsafe {
             l.pair
-                .post(&tx, l.staging.ptr(), &[], deadline, &mut || true)
+                .post(&l.tx, l.staging.ptr(), &[], deadline, &mut || true)
         }
         .unwrap();
         live.push(l);
@@ -425,6 +433,32 @@ fn child_prefill_rank() {
             );
             assert!(t0.elapsed() < Duration::from_secs(5), "{:?}", t0.elapsed());
             assert!(!l.pair.in_flight());
+            // the spent communicator refuses work; the next room to the same
+            // peer gets a fresh one (a new unique id through the handshake)
+            // SAFETY: nothing is posted: the aborted pair refuses first.
+            let again = unsafe {
+                l.pair
+                    .post(&l.tx, l.staging.ptr(), &[], deadline_in(5), &mut || true)
+            };
+            assert!(again.unwrap_err().detail().contains("aborted"));
+            let id2 = NcclId::new().unwrap();
+            write_file(&dir, "id2.0", &id2.to_hex());
+            let mut fresh = NcclPair::connect(
+                &id2,
+                NcclRole::Sender,
+                0,
+                l.g.stream_handle(),
+                "decode rank 0",
+                deadline_in(20),
+                &mut || true,
+                NcclAbort::new(),
+            )
+            .unwrap();
+            // SAFETY: staging still holds the gathered pack (the stream was waited at the abort).
+            unsafe { fresh.post(&l.tx, l.staging.ptr(), &[], deadline_in(20), &mut || true) }
+                .unwrap();
+            fresh.wait(deadline_in(20), &mut || true).unwrap();
+            fresh.close().unwrap();
             println!("prefill: timeout naming the peer: {e}");
         }
         "killed" => {
@@ -487,6 +521,10 @@ fn child_prefill_rank() {
         }
         other => panic!("unknown case {other}"),
     }
+}
+
+fn deadline_in(secs: u64) -> Instant {
+    Instant::now() + Duration::from_secs(secs)
 }
 
 /// The fake libnccl's (aborts, destroys, live communicators).
@@ -566,7 +604,23 @@ fn child_decode_rank() {
         &format!("connected.{rank}"),
         &std::process::id().to_string(),
     );
-    if case != "transfer" {
+    if case == "never_posts" {
+        // the prefill gave up on this communicator: it comes back with a fresh
+        // one for the next room, which this side joins and receives
+        let id2 = NcclId::from_hex(&read_file(&dir, &format!("id2.{rank}"))).unwrap();
+        drop(pair);
+        pair = NcclPair::connect(
+            &id2,
+            NcclRole::Receiver,
+            0,
+            g.stream_handle(),
+            "prefill rank 0",
+            Instant::now() + Duration::from_secs(20),
+            &mut || true,
+            NcclAbort::new(),
+        )
+        .unwrap();
+    } else if case != "transfer" {
         // the decode that never posts: hold the communicator until told
         read_file(&dir, "done");
         drop(pair);
