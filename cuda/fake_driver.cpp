@@ -415,6 +415,15 @@ CUresult cuMemAlloc_v2(CUdeviceptr* p, size_t n) {
     if (g_vmm_chunk > 0 && n > g_vmm_chunk) g_vmm[*p] = g_vmm_chunk;
     return OK;
 }
+// A 80 GiB device: free is what the allocations made here leave.
+CUresult cuMemGetInfo_v2(size_t* free_bytes, size_t* total) {
+    std::lock_guard<std::mutex> l(g_mu);
+    size_t used = 0;
+    for (auto& kv : g_allocs) used += kv.second;
+    *total = (size_t)80 << 30;
+    *free_bytes = *total > used ? *total - used : 0;
+    return OK;
+}
 CUresult cuMemFree_v2(CUdeviceptr p) {
     drain_all();  // the driver synchronises before freeing
     refuse_free_in_use(p, "cuMemFree");
