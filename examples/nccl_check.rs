@@ -195,6 +195,24 @@ fn get(dir: &Path, name: &str) -> String {
     }
 }
 
+/// Free device memory of the current context (None where the driver lacks
+/// the call, as the fake does).
+fn free_bytes() -> Option<usize> {
+    std::panic::catch_unwind(cudarc::driver::result::mem_get_info)
+        .ok()?
+        .ok()
+        .map(|(free, _)| free)
+}
+
+/// The GPU memory the communicator took: free memory before its init minus
+/// free memory after its first round (NCCL connects peers lazily).
+fn comm_memory(before: Option<usize>) -> String {
+    match (before, free_bytes()) {
+        (Some(b), Some(a)) => format!("{:.1} MiB", b.saturating_sub(a) as f64 / (1 << 20) as f64),
+        _ => "unknown (no cuMemGetInfo)".into(),
+    }
+}
+
 /// The peer's liveness: its process still exists.
 fn alive_check(pid: i32) -> impl FnMut() -> bool {
     // SAFETY: signal 0 only checks that the process exists.
@@ -237,6 +255,7 @@ fn send(a: &Args, dir: &Path) {
     unsafe { g.gather(&ents, &relayout::gather_spans(&req).unwrap()) }
         .and_then(|ev| ev.wait())
         .unwrap_or_else(|e| fail(1, e.to_string()));
+    let before = free_bytes();
     let deadline = Instant::now() + Duration::from_secs(120);
     let mut pair = NcclPair::connect(
         &id,
@@ -250,7 +269,8 @@ fn send(a: &Args, dir: &Path) {
     )
     .unwrap_or_else(|e| fail(1, e.to_string()));
     let mut times = Vec::new();
-    for _ in 0..a.iters.max(1) {
+    let mut memory = String::new();
+    for i in 0..a.iters.max(1) {
         let t0 = Instant::now();
         let deadline = t0 + Duration::from_secs(60);
         // SAFETY: staging holds the pack until wait returns.
@@ -258,9 +278,13 @@ fn send(a: &Args, dir: &Path) {
             .and_then(|()| pair.wait(deadline, &mut alive))
             .unwrap_or_else(|e| fail(1, e.to_string()));
         times.push(t0.elapsed().as_secs_f64());
+        if i == 0 {
+            memory = comm_memory(before);
+        }
     }
     pair.close().unwrap_or_else(|e| fail(1, e.to_string()));
     report("send", &tx, &mut times);
+    println!("nccl-check: send communicator GPU memory (free before init - free after round 1): {memory}");
 }
 
 fn report(who: &str, plan: &NcclPlan, times: &mut [f64]) {
