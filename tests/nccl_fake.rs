@@ -26,7 +26,13 @@ const TOKENS: u64 = 300;
 const SRC_PAGES: u64 = 19;
 const ROWS: [u64; 3] = [48, 100, 1152];
 
+/// Builds both fakes once per test process (the tests run in parallel threads).
 fn build_fakes() -> PathBuf {
+    static BUILT: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    BUILT.get_or_init(compile_fakes).clone()
+}
+
+fn compile_fakes() -> PathBuf {
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
     let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("fake-nccl");
     std::fs::create_dir_all(&dir).unwrap();
@@ -147,6 +153,47 @@ fn run(
     );
     std::fs::remove_dir_all(&dir).unwrap();
     (st, routs)
+}
+
+/// `pdxfer info` names the NCCL file it loaded (here the fake, by full path
+/// through `$PDXFER_NCCL`), and without one is `no_nccl` listing what it tried.
+#[test]
+fn info_names_the_nccl_library_or_every_path_tried() {
+    let fakes = build_fakes();
+    let info = |nccl: &Path| -> serde_json::Value {
+        let out = Command::new(env!("CARGO_BIN_EXE_pdxfer"))
+            .args(["info", "--json"])
+            .env("PDXFER_NCCL", nccl)
+            .env("LD_LIBRARY_PATH", "")
+            .env_remove("PYTHONPATH")
+            .env_remove("VIRTUAL_ENV")
+            .env_remove("CONDA_PREFIX")
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{out:?}");
+        serde_json::from_slice::<serde_json::Value>(&out.stdout).unwrap()["nccl"].clone()
+    };
+    let fake = fakes.join("libnccl.so.2");
+    let v = info(&fake);
+    assert_eq!(v["available"], true, "{v}");
+    let d = v["detail"].as_str().unwrap();
+    assert!(
+        d.contains("version 2.29.99") && d.contains(&*fake.to_string_lossy()),
+        "{d}"
+    );
+    let missing = Path::new("/nonexistent/pdxfer/libnccl.so.2");
+    let v = info(missing);
+    if v["available"] == true {
+        // a system NCCL (loader path or site-packages) answered after the missing file
+        eprintln!("note: a system NCCL is installed: {v}");
+    } else {
+        assert_eq!(v["kind"], "no_nccl", "{v}");
+        let d = v["detail"].as_str().unwrap();
+        assert!(
+            d.contains("/nonexistent/pdxfer/libnccl.so.2") && d.contains("libnccl.so.2:"),
+            "{d}"
+        );
+    }
 }
 
 #[test]
