@@ -33,9 +33,10 @@ pub struct UniqueId {
 /// `NCCL_CONFIG_UNDEF_INT`.
 const UNDEF_INT: c_int = c_int::MIN;
 
-/// The NCCL 2.18 prefix of `ncclConfig_t` (the struct is append-only and
-/// versioned by its `size` and `version` fields, so a newer NCCL reads this
-/// prefix and defaults the rest).
+/// The NCCL 2.18 prefix of `ncclConfig_t`. The struct is append-only and
+/// versioned: NCCL copies `size` bytes of it over `NCCL_CONFIG_INITIALIZER`
+/// and resets fields newer than `version` to their defaults. `size` ends at
+/// `splitShare`, so the trailing padding is never read as `trafficClass`.
 #[repr(C)]
 pub struct Config {
     size: usize,
@@ -53,7 +54,7 @@ impl Config {
     /// `NCCL_CONFIG_INITIALIZER` with `blocking` set.
     pub fn new(blocking: bool) -> Config {
         Config {
-            size: std::mem::size_of::<Config>(),
+            size: std::mem::offset_of!(Config, split_share) + std::mem::size_of::<c_int>(),
             magic: 0xcafe_beef,
             version: 21800,
             blocking: c_int::from(blocking),
@@ -285,8 +286,10 @@ mod tests {
     #[test]
     fn config_is_the_nccl_2_18_prefix() {
         // size_t size; u32 magic, version; int blocking, cga, min, max; ptr netName; int splitShare
-        assert_eq!(std::mem::size_of::<Config>(), 48);
+        assert_eq!(std::mem::offset_of!(Config, blocking), 16);
+        assert_eq!(std::mem::offset_of!(Config, net_name), 32);
         let c = Config::new(false);
+        assert_eq!(c.size, 44, "the bytes NCCL copies end at splitShare");
         assert_eq!(
             (c.blocking, c.min_ctas, c.magic),
             (0, c_int::MIN, 0xcafe_beef)
