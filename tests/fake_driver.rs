@@ -62,6 +62,7 @@ fn device_path_runs_on_fake_driver() {
         .env("LD_LIBRARY_PATH", &ld)
         .env("PDXFER_KERNEL_MODULE", dir.join("module.ptx"))
         .env("PDXFER_NCCL", dir.join("libnccl.so.2"))
+        .env("PDXFER_FAKE_NCCL_DIR", &dir)
         .env("PDXFER_FAKE_CUDA_CHILD", "1")
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped());
