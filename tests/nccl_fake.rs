@@ -10,7 +10,9 @@
 //! Scenarios: DCP 1->2 (Direct, straight into the pool rows) and 1->4
 //! (Staged, scattered by the relayout kernel), every byte read back from the
 //! decode's device memory and compared with the CPU relayout; a decode that
-//! never posts (the sender's deadline, typed, no hang); a killed decode (the
+//! never posts (the sender's deadline, typed, no hang, and the next room over
+//! a fresh communicator); one decode of two failing while the other pair
+//! delivers; a killed decode (the
 //! sender's liveness check); an abort mid-transfer; an injected NCCL fault; a
 //! digest mismatch (refused before anything is posted); and a pair dropped
 //! mid-transfer whose buffers are freed right after (the fake libcuda stops
@@ -257,6 +259,20 @@ fn nccl_pairs_between_processes_on_the_fakes() {
             assert!(t.contains(want), "{case}: decode 0:\n{t}");
         }
     }
+    // one pair failing leaves the other pairs of the prefill alone
+    let s = Scenario {
+        name: "partial",
+        ranks: 2,
+        staged: false,
+    };
+    let (st, routs) = run(&fakes, "partial", &s, &[]);
+    assert!(
+        st.contains("prefill: pair 0 delivered while pair 1 timed out"),
+        "{st}"
+    );
+    let want = "decode 0: Direct transfer, every byte matches the CPU relayout";
+    assert!(routs[0].contains(want), "partial: decode 0:\n{}", routs[0]);
+    assert!(routs[1].contains("decode 1: never posted"), "{}", routs[1]);
     // a digest mismatch: both sides refuse before any communicator exists
     let (st, routs) = run(&fakes, "mismatch", &one("mismatch"), &[]);
     assert!(
@@ -467,6 +483,19 @@ fn child_prefill_rank() {
             }
             println!("prefill: {ranks} pairs sent and closed");
         }
+        "partial" => {
+            // decode rank 1 never posts: its pair fails alone, pair 0 delivers
+            let mut it = live.into_iter();
+            let mut first = it.next().unwrap();
+            let mut second = it.next().unwrap();
+            let e = second.pair.wait(deadline_in(1), &mut || true).unwrap_err();
+            assert_eq!(e.status(), Status::Timeout, "{e}");
+            assert!(e.detail().contains("decode rank 1"), "{e}");
+            first.pair.wait(deadline_in(20), &mut || true).unwrap();
+            first.pair.close().unwrap();
+            drop((first.staging, first.g, second));
+            println!("prefill: pair 0 delivered while pair 1 timed out: {e}");
+        }
         "never_posts" => {
             let l = &mut live[0];
             let e = l
@@ -667,7 +696,7 @@ fn child_decode_rank() {
             NcclAbort::new(),
         )
         .unwrap();
-    } else if case != "transfer" {
+    } else if case != "transfer" && !(case == "partial" && rank == 0) {
         // the decode that never posts: hold the communicator until told
         read_file(&dir, "done");
         drop(pair);
