@@ -9,6 +9,9 @@
 //!    (`:`-separated paths, e.g. the CUDA 12.4 `libnvrtc.so.12` that
 //!    `scripts/cuda-deps.sh` installs, whose images load on CUDA 12.x drivers).
 //!    Without any the build still succeeds; see `relayout::gpu::kernels`.
+//! 3. Gives the cdylib the soname `libpdxfer.so.<ABI major>` (the major of
+//!    `src/ffi/status.rs`), so programs linked against it keep working across
+//!    minor versions and refuse another major at load time.
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -21,6 +24,25 @@ fn main() {
         PathBuf::from(std::env::var("CARGO_MANIFEST_DIR").expect("cargo sets CARGO_MANIFEST_DIR"));
     header(&crate_dir);
     kernels(&crate_dir);
+    soname(&crate_dir);
+}
+
+/// The value of `pub const NAME: u32 = N;` in `src`.
+fn const_u32(src: &str, name: &str) -> u32 {
+    let pat = format!("pub const {name}: u32 = ");
+    src.lines()
+        .find_map(|l| l.trim().strip_prefix(&pat)?.strip_suffix(';')?.parse().ok())
+        .unwrap_or_else(|| panic!("src/ffi/status.rs has no `{pat}N;`"))
+}
+
+fn soname(crate_dir: &Path) {
+    let status = crate_dir.join("src/ffi/status.rs");
+    println!("cargo:rerun-if-changed=src/ffi/status.rs");
+    let src = std::fs::read_to_string(&status).expect("read src/ffi/status.rs");
+    let major = const_u32(&src, "PDXFER_ABI_VERSION_MAJOR");
+    if std::env::var("CARGO_CFG_TARGET_OS").as_deref() == Ok("linux") {
+        println!("cargo:rustc-cdylib-link-arg=-Wl,-soname,libpdxfer.so.{major}");
+    }
 }
 
 fn header(crate_dir: &Path) {

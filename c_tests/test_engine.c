@@ -28,7 +28,7 @@
         }                                                                        \
     } while (0)
 
-_Static_assert(sizeof(PdxEngineConfig) == 168, "PdxEngineConfig size is ABI");
+_Static_assert(sizeof(PdxEngineConfig) == 176, "PdxEngineConfig size is ABI");
 _Static_assert(sizeof(PdxKvPool) == 32, "PdxKvPool size is ABI");
 _Static_assert(sizeof(PdxAuxBuffer) == 24, "PdxAuxBuffer size is ABI");
 _Static_assert(sizeof(PdxTopology) == 88, "PdxTopology size is ABI");

@@ -47,11 +47,33 @@
 // `KVPoll`: every byte landed and was acknowledged.
 #define PDXFER_POLL_SUCCESS 4
 
+// Log level: forward nothing (`pdxfer_set_log_callback` level only).
+#define PDXFER_LOG_OFF 0
+
+// Log level: errors.
+#define PDXFER_LOG_ERROR 1
+
+// Log level: warnings (refused pairings, fallbacks).
+#define PDXFER_LOG_WARN 2
+
+// Log level: informational (transports chosen, engines started).
+#define PDXFER_LOG_INFO 3
+
+// Log level: debugging detail.
+#define PDXFER_LOG_DEBUG 4
+
+// Log level: tracing detail.
+#define PDXFER_LOG_TRACE 5
+
 // Host memory.
 #define PDXFER_REGION_HOST 0
 
 // CUDA device memory.
 #define PDXFER_REGION_DEVICE 1
+
+// `PdxRoomTelemetry` fields this side of the room does not see, or that
+// the room has not reached yet.
+#define PDXFER_TELEMETRY_UNSET UINT64_MAX
 
 // Choose automatically: cma on this host, else rdma when both sides have a NIC, else tcp.
 #define PDXFER_TRANSPORT_AUTO 0
@@ -77,7 +99,10 @@
 // ABI minor version of this header (functions or struct fields added).
 // 1.1: `PdxEngineConfig.state`, `pdxfer_engine_set_state_indices`.
 // 1.2: `PdxEngineConfig.pool_memory` / `pool_device` (KV pools in CUDA memory).
-#define PDXFER_ABI_VERSION_MINOR 2
+// 1.3: `pdxfer_set_log_callback`, `pdxfer_engine_decode_prefix_len`,
+// `PdxEngineConfig.metrics_listen`, `pdxfer_engine_metrics`,
+// `pdxfer_engine_metrics_address`, `pdxfer_engine_room_telemetry`.
+#define PDXFER_ABI_VERSION_MINOR 3
 
 // Every prefill CP rank transfers its shard.
 #define PDXFER_MAP_ALL_CP_RANKS 1
@@ -430,7 +455,20 @@ typedef struct PdxEngineConfig {
   uint32_t pool_memory;
   // ABI 1.2: CUDA device ordinal of the pools with `PDXFER_POOL_CUDA`.
   uint32_t pool_device;
+  // ABI 1.3: where to serve the engine's Prometheus text over HTTP
+  // (`GET /metrics`), `"host:port"` (port 0 picks one; read it with
+  // `pdxfer_engine_metrics_address`); NULL serves nothing
+  // (`pdxfer_engine_metrics` still answers). No authentication: keep it
+  // on loopback or a monitoring network.
+  const char *metrics_listen;
 } PdxEngineConfig;
+
+// A log callback: `user` as given to `pdxfer_set_log_callback`, the record's
+// `PDXFER_LOG_*` level, its target (the Rust module path, e.g.
+// `"pdxfer::bootstrap::peer"`) and its message, both NUL-terminated and valid
+// only during the call. It may be called from any thread, including threads
+// the library started; it must not unwind (no C++ exception may leave it).
+typedef void (*PdxLogFn)(void *user, uint32_t level, const char *target, const char *message);
 
 // A registered region's descriptor.
 typedef struct PdxRegion {
@@ -447,6 +485,43 @@ typedef struct PdxRegion {
   // CUDA device ordinal for device regions, else 0.
   uint32_t device_ordinal;
 } PdxRegion;
+
+// One room's telemetry (`pdxfer_engine_room_telemetry`). Times are
+// nanoseconds from the room's creation (`pdxfer_engine_sender` /
+// `pdxfer_engine_receiver`); `PDXFER_TELEMETRY_UNSET` where this side does
+// not see that step (a decode sees no planning, first byte, batches or
+// retries) or the room has not reached it.
+typedef struct PdxRoomTelemetry {
+  // `sizeof(PdxRoomTelemetry)`, set by the caller.
+  uint64_t struct_size;
+  // The room id.
+  uint64_t room;
+  // Incarnation of the room id (1, 2, ... on reuse).
+  uint64_t attempt;
+  // Current `KVPoll` state (`PDXFER_POLL_*`).
+  int32_t state;
+  // Reserved, zero.
+  uint32_t reserved;
+  // When the room was created, nanoseconds since the Unix epoch.
+  uint64_t created_unix_ns;
+  // Prefill: first chunk queued (`pdxfer_engine_send`); decode: metadata
+  // sent to every prefill rank.
+  uint64_t queued_ns;
+  // Prefill: first chunk planned by a transfer worker.
+  uint64_t planned_ns;
+  // Prefill: first batch posted.
+  uint64_t first_byte_ns;
+  // The room succeeded (prefill: every batch completed; decode: every
+  // prefill rank reported success).
+  uint64_t last_ack_ns;
+  // KV bytes of the room (prefill: to every decode rank; decode: as the
+  // prefill ranks reported, what `pdxfer_engine_room_bytes` says).
+  uint64_t bytes;
+  // Prefill: batches posted (aux and state batches included).
+  uint64_t batches;
+  // Prefill: writes done again.
+  uint64_t retries;
+} PdxRoomTelemetry;
 
 // Options of `pdxfer_peer_open`.
 typedef struct PdxPeerOptions {
@@ -839,6 +914,25 @@ PdxStatus pdxfer_engine_room_bytes(const struct PdxEngine *engine,
                                    uint64_t room,
                                    uint64_t *out_bytes);
 
+// Prefill: the decode prefix length the decode ranks sent for the room into
+// `*out_len` and 1 into `*out_known` once their metadata has arrived; 0 and 0
+// before (and for an unknown room).
+PdxStatus pdxfer_engine_decode_prefix_len(const struct PdxEngine *engine,
+                                          uint64_t room,
+                                          uint64_t *out_len,
+                                          uint32_t *out_known);
+
+// Sets the callback that receives the library's log records at `level`
+// (`PDXFER_LOG_ERROR` .. `PDXFER_LOG_TRACE`) and more severe, replacing any
+// previous one. `callback` NULL or `level` `PDXFER_LOG_OFF` turns forwarding off.
+//
+// When it returns, the previous callback is running on no thread and will not
+// be called again, so its `user` may be freed. It must not be called from
+// inside the callback (`PDX_STATUS_INVALID_ARGUMENT`); records logged from
+// inside the callback are dropped. `PDX_STATUS_UNSUPPORTED` when the process
+// already has another Rust `log` logger (a Rust program linking the crate).
+PdxStatus pdxfer_set_log_callback(uint32_t level, PdxLogFn callback, void *user);
+
 // Registers `len` bytes of host memory at `ptr` with the agent; the
 // descriptor goes to `out` (may be NULL; one whose `struct_size` is too
 // small is `PDX_STATUS_ABI_MISMATCH` and nothing is registered). The memory must stay valid until
@@ -883,6 +977,38 @@ PdxStatus pdxfer_agent_regions(const struct PdxAgent *agent,
                                struct PdxRegion *out,
                                size_t capacity,
                                size_t *out_len);
+
+// The engine's metrics as Prometheus text (format 0.0.4), NUL-terminated,
+// into `buf` of `capacity` bytes; the needed size (NUL included) goes to
+// `*out_len`. NULL `buf` with capacity 0 is a size query; a smaller buffer
+// is `PDX_STATUS_BUFFER_TOO_SMALL` with the needed size written and `buf`
+// untouched. The text may grow between two calls (counters gain digits,
+// peers appear): size the buffer with some headroom, or retry.
+//
+// Contents: live rooms by state, rooms created and finished, failures by
+// status kind, the transfer latency histogram per transport, bytes,
+// batches, failed batches and wire time per transport and peer, gather
+// time, host staging size and bytes in flight, registered memory by kind.
+PdxStatus pdxfer_engine_metrics(const struct PdxEngine *engine,
+                                char *buf,
+                                size_t capacity,
+                                size_t *out_len);
+
+// The address (`host:port`, NUL-terminated) the engine's `/metrics`
+// responder listens on, into `buf` as `pdxfer_engine_metrics` fills its
+// buffer. `PDX_STATUS_UNSUPPORTED` (nothing written) when the engine was
+// created without `metrics_listen`.
+PdxStatus pdxfer_engine_metrics_address(const struct PdxEngine *engine,
+                                        char *buf,
+                                        size_t capacity,
+                                        size_t *out_len);
+
+// The telemetry of a live room (finished or not; a cleared room is
+// `PDX_STATUS_UNKNOWN_ROOM`) into `*out`, whose `struct_size` the caller
+// sets. A refused call writes nothing.
+PdxStatus pdxfer_engine_room_telemetry(const struct PdxEngine *engine,
+                                       uint64_t room,
+                                       struct PdxRoomTelemetry *out);
 
 // Connects `agent` to the agent listening at `addr` (`host:port`) and
 // performs the handshake. `options` may be NULL (auto, 1 stream, 10 s).

@@ -27,3 +27,12 @@ PY_PACKAGES=(numpy pytest)
 for p in "${PY_PACKAGES[@]}"; do
   python3 -c "import $p" 2>/dev/null || { echo "deps: pip install $p"; python3 -m pip install -q "$p"; }
 done
+
+# SGLang 0.5.23 without its dependencies (no torch): the SGLang adapter tests
+# load its connector, plugin and scheduler-facing modules from here
+# (python/tests/sglang_env.py; PDXFER_SGLANG_TARGET moves it).
+SGLANG_TARGET="${PDXFER_SGLANG_TARGET:-$(cd "$(dirname "$0")/.." && pwd)/.cache/sglang-0.5.23}"
+if [ ! -d "$SGLANG_TARGET/sglang-0.5.23.dist-info" ]; then
+  echo "deps: pip install --no-deps sglang==0.5.23 into $SGLANG_TARGET"
+  python3 -m pip install -q --no-deps --target "$SGLANG_TARGET" "sglang==0.5.23"
+fi

@@ -10,6 +10,10 @@
 #   hostB$ scripts/rdma-check.sh --serve [--device mlx5_0] ...
 #   hostA$ scripts/rdma-check.sh --peer hostB [--device mlx5_0] ...
 #
+# It prints first, for GPU --gpu N (default 0): the NICs found, which are
+# chosen for that GPU and why, and whether GPUDirect RDMA works (a real
+# registration: dma-buf, nvidia-peermem or none), from `pdxfer info --gpu N`.
+#
 # The pdxfer half runs `pdxfer bench --transport rdma` (the data-plane bench
 # through the Transport trait: agent handshake, receiver grants, RDMA WRITEs,
 # commit; the same message size, batches of 64 messages, 4 batches in flight;
@@ -33,7 +37,7 @@ PDX_PORT=18600
 BENCH_ARGS=""
 TIMEOUT=120
 
-usage() { sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'; exit "${1:-0}"; }
+usage() { sed -n '2,23p' "$0" | sed 's/^# \{0,1\}//'; exit "${1:-0}"; }
 
 while [ $# -gt 0 ]; do
     case "$1" in
@@ -62,6 +66,20 @@ if [ -z "$PDXFER" ] || [ ! -x "$PDXFER" ]; then
     echo "rdma-check: no pdxfer binary (pass --pdxfer PATH or put it on PATH; e.g. target/release/pdxfer)" >&2
     exit 2
 fi
+# First, what holds for the GPU: the NICs found, which are chosen for it and
+# why (PCIe distance, NUMA), and GPUDirect RDMA tested by a real registration
+# of device memory (dma-buf, nvidia-peermem, or none with the reason). Shown
+# for the default NIC choice (PDXFER_RDMA_DEVICES unset).
+echo "== RDMA for GPU ${GPU:-0}: NICs found, chosen for the GPU and why, GPUDirect RDMA"
+if "$PDXFER" info --help 2>/dev/null | grep -q -- '--gpu'; then
+    PDXFER_RDMA_DEVICES='' "$PDXFER" info --gpu "${GPU:-0}" | sed -n '/^RDMA for GPU/,$p' || true
+    if [ -n "$DEVICE" ]; then
+        echo "   (the runs below use --device $DEVICE instead: PDXFER_RDMA_DEVICES=$DEVICE)"
+    fi
+else
+    echo "rdma-check: this pdxfer has no 'info --gpu' (older binary): no NIC choice or GPUDirect report" >&2
+fi
+
 if ! command -v ib_write_bw >/dev/null 2>&1; then
     echo "rdma-check: ib_write_bw not found: apt-get install -y perftest" >&2
     exit 2

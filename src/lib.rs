@@ -14,6 +14,8 @@ pub mod layout;
 pub mod memory;
 pub mod relayout;
 pub mod rng;
+#[cfg(test)]
+mod test_skip;
 pub mod transport;
 
 pub use error::{Error, Result, Status};

@@ -145,6 +145,11 @@ fn demo_moves_verified_bytes_over_cma_and_tcp() {
         assert_eq!(v["bytes"].as_u64().unwrap(), tokens * 4 * 1152 + 6 * 4 * 64);
         assert!(v["gb_per_s"].as_f64().unwrap() > 0.0);
         assert!(v["p99_ms"].as_f64().unwrap() >= v["p50_ms"].as_f64().unwrap());
+        // the prefill engine's histogram counted every request, on the transport used
+        let h = &v["latency_histogram"][transport];
+        assert_eq!(h["count"], 6, "{last}");
+        let q = |k: &str| h[k].as_f64().unwrap();
+        assert!(q("p50_ms") > 0.0 && q("p50_ms") <= q("p90_ms") && q("p90_ms") <= q("p99_ms"));
     }
 }
 

@@ -534,3 +534,182 @@ fn device_pools_without_a_driver_are_typed() {
     assert_eq!(e.status(), Status::InvalidArgument, "{e}");
     assert!(e.detail().contains("staging_bytes"), "{e}");
 }
+
+#[test]
+fn a_prefill_abort_fails_the_decode_room_at_once() {
+    let c = cluster("prefill-abort", 1, 2, TransportKind::Tcp, 1 << 20);
+    let (room, dst) = (41u64, [3u64, 4]);
+    for (e, _) in &c.decode {
+        e.receiver(room, 0, Some(Duration::from_secs(20))).unwrap();
+        e.send_metadata(room, &dst, 0, 5).unwrap();
+    }
+    c.prefill.sender(room).unwrap();
+    let mut waited = 0;
+    while c.prefill.poll(room) == KvPoll::Bootstrapping {
+        std::thread::sleep(Duration::from_millis(5));
+        waited += 1;
+        assert!(waited < 2000, "prefill never saw the decode metadata");
+    }
+    c.prefill.abort(room).unwrap();
+    for (r, (e, pools)) in c.decode.iter().enumerate() {
+        // well before the 20 s room deadline
+        assert_eq!(
+            e.wait(room, Duration::from_secs(5)),
+            KvPoll::Failed,
+            "decode {r}"
+        );
+        assert_eq!(
+            e.failure(room).unwrap().status(),
+            Status::Aborted,
+            "decode {r}"
+        );
+        assert!(
+            (0..LAYERS as usize).all(|l| pools.layer_bytes(l).iter().all(|&b| b == 0)),
+            "decode {r}: nothing was sent, nothing written"
+        );
+    }
+}
+
+/// Page ids address the same page of every pool, so they are checked against
+/// each pool, not only the first: a smaller later pool would otherwise let a
+/// gather (or the peer's writes) run past its end.
+#[test]
+fn page_ids_are_checked_against_every_pool_not_only_the_first() {
+    let server = BootstrapServer::start(ServerConfig::default()).unwrap();
+    let url = server.url();
+    let p_pools = SyntheticPools::new(LAYERS, ROW, P, 64, 8, 32).unwrap();
+    let mut pools = p_pools.kv_pools();
+    // the last layer's pool holds only 8 of the 64 pages
+    pools[LAYERS as usize - 1].num_pages = 8;
+    let mut cfg = EngineConfig::new(
+        Role::Prefill,
+        "e2e-unequal",
+        &url,
+        p_pools.topology(1, 0),
+        pools,
+    );
+    cfg.aux = p_pools.aux_buffers();
+    cfg.transport = TransportKind::Cma;
+    // SAFETY: p_pools outlives the engine (dropped after it, below).
+    let prefill = unsafe { Engine::new(cfg) }.unwrap();
+    let d_pools = SyntheticPools::new(LAYERS, ROW, P, 32, 8, 32).unwrap();
+    let mut dkv = d_pools.kv_pools();
+    dkv[1].num_pages = 4;
+    let mut dcfg = EngineConfig::new(
+        Role::Decode,
+        "e2e-unequal",
+        &url,
+        d_pools.topology(1, 0),
+        dkv,
+    );
+    dcfg.aux = d_pools.aux_buffers();
+    dcfg.transport = TransportKind::Cma;
+    // SAFETY: d_pools outlives the engine (dropped after it, below).
+    let decode = unsafe { Engine::new(dcfg) }.unwrap();
+    decode
+        .receiver(1, 0, Some(Duration::from_secs(20)))
+        .unwrap();
+    // page 10 exists in decode pool 0 (32 pages) but not in pool 1 (4 pages)
+    let e = decode.send_metadata(1, &[2, 10], 0, 5).unwrap_err();
+    assert_eq!(e.status(), Status::OutOfBounds, "{e}");
+    assert!(
+        e.detail().contains("dst_pages[1] = 10") && e.detail().contains("pool 1"),
+        "{e}"
+    );
+    decode.send_metadata(1, &[2, 3], 0, 5).unwrap();
+    prefill.sender(1).unwrap();
+    let mut waited = 0;
+    while prefill.poll(1) == KvPoll::Bootstrapping {
+        std::thread::sleep(Duration::from_millis(5));
+        waited += 1;
+        assert!(waited < 2000, "prefill never saw the decode metadata");
+    }
+    // page 20 exists in prefill pool 0 (64 pages) but not in the last (8 pages)
+    let e = prefill.send(1, &[1, 20], 2 * P, true, 3).unwrap_err();
+    assert_eq!(e.status(), Status::OutOfBounds, "{e}");
+    assert!(
+        e.detail().contains("pages[1] = 20") && e.detail().contains("pool 3"),
+        "{e}"
+    );
+    // pages inside every pool still move
+    prefill.send(1, &[1, 7], 2 * P, true, 3).unwrap();
+    assert_eq!(prefill.wait(1, Duration::from_secs(20)), KvPoll::Success);
+    assert_eq!(decode.wait(1, Duration::from_secs(20)), KvPoll::Success);
+    drop((prefill, decode));
+    drop((p_pools, d_pools));
+}
+
+/// One QP error fails the rooms in flight on that data link, not the pair:
+/// the prefill drops the broken rdma link and makes a new one (a fresh
+/// handshake) for the next room, so later rooms succeed.
+#[test]
+fn a_qp_error_fails_its_room_and_later_rooms_reconnect_over_rdma() {
+    use pdxfer::transport::rdma::fake;
+    let server = BootstrapServer::start(ServerConfig::default()).unwrap();
+    let url = server.url();
+    let p_pools = SyntheticPools::new(LAYERS, ROW, P, 64, 8, 32).unwrap();
+    let mut cfg = EngineConfig::new(
+        Role::Prefill,
+        "e2e-redial",
+        &url,
+        p_pools.topology(1, 0),
+        p_pools.kv_pools(),
+    );
+    cfg.aux = p_pools.aux_buffers();
+    cfg.transport = TransportKind::Rdma;
+    let nic = FakeNic::new("redial-p", 2, Mtu::Mtu4096);
+    cfg.nic = Some(nic.clone() as _);
+    cfg.staging_bytes = 1 << 20;
+    cfg.room_timeout = Duration::from_secs(20);
+    // SAFETY: the pools live in the Cluster below, alongside the engine.
+    let prefill = unsafe { Engine::new(cfg) }.unwrap();
+    let decode = vec![rank(
+        Role::Decode,
+        "e2e-redial",
+        &url,
+        32,
+        (1, 0),
+        TransportKind::Rdma,
+    )];
+    let mut c = Cluster {
+        _server: server,
+        prefill,
+        p_pools,
+        decode,
+    };
+    let row_total = LAYERS as u64 * ROW;
+    assert_eq!(request(&mut c, 1, 300, 0, 100), 300 * row_total + 32);
+    let first = nic.qpns();
+    assert_eq!(first.len(), 2, "one data link of two rails");
+    // Both rails of the data link fail on their next work request.
+    for q in &first {
+        fake::fail_qp_after(*q, 0);
+    }
+    let room = 2;
+    let (d, _) = &c.decode[0];
+    d.receiver(room, 0, Some(Duration::from_secs(20))).unwrap();
+    d.send_metadata(room, &[1, 2], 0, 5).unwrap();
+    c.prefill.sender(room).unwrap();
+    while c.prefill.poll(room) == KvPoll::Bootstrapping {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    c.prefill.send(room, &[3, 4], 2 * P, true, 3).unwrap();
+    assert_eq!(
+        c.prefill.wait(room, Duration::from_secs(20)),
+        KvPoll::Failed
+    );
+    let e = c.prefill.failure(room).unwrap();
+    assert_eq!(e.status(), Status::RdmaCompletion, "{e}");
+    assert!(e.detail().contains("IBV_WC_RETRY_EXC_ERR"), "{e}");
+    assert_eq!(d.wait(room, Duration::from_secs(20)), KvPoll::Failed);
+    d.clear(room).unwrap();
+    c.prefill.clear(room).unwrap();
+    assert!(first.iter().all(|q| !fake::qp_alive(*q)));
+    // The next rooms of the same pair reconnect and move every byte (at
+    // most 32 distinct decode pages a room).
+    assert_eq!(request(&mut c, 3, 400, 128, 3), 272 * row_total + 32);
+    assert_eq!(request(&mut c, 4, 300, 0, 100), 300 * row_total + 32);
+    let qpns = nic.qpns();
+    assert_eq!(qpns.len(), 4, "one new data link: {qpns:?}");
+    assert!(qpns[2..].iter().all(|q| fake::qp_alive(*q)));
+}

@@ -1093,13 +1093,21 @@ fn child_engine_decode_device_pools_on_fake_driver() {
     };
 
     // rdma runs on the fake NIC fabric; the prefill's NIC has GPUDirect RDMA,
-    // says up front it has none, or claims it and refuses the registration
+    // has no GPU path, has one whose registrations fail (the probe finds it
+    // out up front), or passes the probe and refuses the staging buffer at
+    // the first batch (the link then falls back to host staging)
     for (case, prefill_device, transport, nic) in [
         ("host-to-device", false, TransportKind::Tcp, ""),
         ("device-to-device", true, TransportKind::Auto, ""),
         ("rdma-gpudirect", true, TransportKind::Rdma, "gpudirect"),
         ("rdma-no-gpudirect", true, TransportKind::Rdma, "none"),
         ("rdma-refused", true, TransportKind::Rdma, "refuses"),
+        (
+            "rdma-refused-late",
+            true,
+            TransportKind::Rdma,
+            "refuses-late",
+        ),
     ] {
         let name = format!("fake-decode-dev-{case}");
         let rdma = transport == TransportKind::Rdma;
@@ -1107,6 +1115,7 @@ fn child_engine_decode_device_pools_on_fake_driver() {
         if let Some(n) = &prefill_nic {
             n.set_gpu_direct(nic != "none");
             n.refuse_device_registrations(nic == "refuses");
+            n.refuse_device_registrations_after_probe(nic == "refuses-late");
         }
         let mut host = SyntheticPools::new(LAYERS, ROW, P, PAGES, 8, 32).unwrap();
         let (src_dev, src_dev_pools) = on_device(&host);
@@ -1219,6 +1228,16 @@ fn child_engine_decode_device_pools_on_fake_driver() {
                 .count()
         });
         if rdma {
+            // the prefill sends only from staging: its device pools are not
+            // registered with its NIC
+            if let Some(n) = &prefill_nic {
+                assert!(
+                    n.regions()
+                        .iter()
+                        .all(|r| src_dev.iter().all(|d| d.ptr() != r.addr)),
+                    "{case}: a prefill pool was registered with the NIC"
+                );
+            }
             // every slice crossed from device memory to device memory, or
             // every slice was copied to pinned host staging first
             if nic == "gpudirect" {
@@ -1300,25 +1319,33 @@ fn child_engine_decode_device_pools_on_fake_driver() {
     assert_eq!(err.status(), pdxfer::Status::Unsupported, "{err}");
     assert!(err.detail().contains("cma"), "{err}");
     decode.close();
-    // A decode with device pools over rdma needs GPUDirect: refused at creation without it.
-    let nic = FakeNic::new("decode-no-gdr", 1, Mtu::Mtu4096);
-    nic.set_gpu_direct(false);
+    // A decode with device pools over rdma needs GPUDirect: refused at
+    // creation without it, whether libcuda is missing or loads but the
+    // registration fails (found by the NIC's probe registration).
     let (bufs2, kv2) = on_device(&mirror);
-    let mut cfg = EngineConfig::new(
-        Role::Decode,
-        "fake-decode-dev-nogdr",
-        &url,
-        mirror.topology(1, 0),
-        kv2,
-    );
-    cfg.pool_device = Some(0);
-    cfg.aux = mirror.aux_buffers();
-    cfg.transport = TransportKind::Rdma;
-    cfg.nic = Some(nic as Arc<dyn NicProvider>);
-    // SAFETY: as above (the engine is not created).
-    let e = unsafe { Engine::new(cfg) }.unwrap_err();
-    assert_eq!(e.status(), pdxfer::Status::NoGpuDirect, "{e}");
-    assert!(e.detail().contains("use transport tcp"), "{e}");
+    for no_gdr in ["no-libcuda", "registration-fails"] {
+        let nic = FakeNic::new(&format!("decode-{no_gdr}"), 1, Mtu::Mtu4096);
+        if no_gdr == "no-libcuda" {
+            nic.set_gpu_direct(false);
+        } else {
+            nic.refuse_device_registrations(true);
+        }
+        let mut cfg = EngineConfig::new(
+            Role::Decode,
+            "fake-decode-dev-nogdr",
+            &url,
+            mirror.topology(1, 0),
+            kv2.clone(),
+        );
+        cfg.pool_device = Some(0);
+        cfg.aux = mirror.aux_buffers();
+        cfg.transport = TransportKind::Rdma;
+        cfg.nic = Some(nic as Arc<dyn NicProvider>);
+        // SAFETY: as above (the engine is not created).
+        let e = unsafe { Engine::new(cfg) }.unwrap_err();
+        assert_eq!(e.status(), pdxfer::Status::NoGpuDirect, "{no_gdr}: {e}");
+        assert!(e.detail().contains("use transport tcp"), "{no_gdr}: {e}");
+    }
     prefill.close();
     drop((bufs, bufs2));
     println!("fake-driver decode child: all checks passed");

@@ -17,9 +17,11 @@ import subprocess
 import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "python"))
-
-import pdxfer  # noqa: E402
+try:
+    import pdxfer  # the installed package (pip install .)
+except ImportError:  # a source checkout: python/pdxfer
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "python"))
+    import pdxfer  # noqa: E402
 from pdxfer.synthetic import SyntheticPools, scattered_pages  # noqa: E402
 
 LAYERS, ROW, PAGE, POOL_PAGES, ROOM = 4, 576, 16, 256, 42

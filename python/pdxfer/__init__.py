@@ -1,7 +1,9 @@
 """pdxfer: KV-cache transfer for prefill/decode disaggregated LLM serving.
 
-A ctypes binding of ``libpdxfer.so`` (found through ``PDXFER_LIB`` or the cargo
-target directory). Errors are :class:`PdxError` subclasses with ``.code`` (the
+A ctypes binding of ``libpdxfer.so`` (``PDXFER_LIB`` if set, else the one
+installed inside this package, else a source checkout's cargo target
+directory; see :func:`library_path`). The library's log records go to :mod:`logging`
+(loggers ``pdxfer.*``, see :mod:`pdxfer.log`). Errors are :class:`PdxError` subclasses with ``.code`` (the
 stable status number shared with C) and ``.kind`` (its snake_case name).
 """
 
@@ -26,7 +28,7 @@ from ._lib import (
 )
 from . import bootstrap
 from . import engine
-from . import sglang
+from . import log
 from .engine import Engine, KVPoll, Receiver, Sender
 from .layout import (
     PeerCompat,
@@ -41,6 +43,19 @@ from .layout import (
     rank_mapping,
 )
 from .transfer import Agent, Completion, Peer, Region, WriteOp
+
+
+log._start()
+
+
+def __getattr__(name: str):
+    # pdxfer.sglang is imported on first use: with SGLang installed it loads
+    # SGLang's connector base classes (and with them SGLang itself)
+    if name == "sglang":
+        import importlib
+
+        return importlib.import_module(".sglang", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def abi_version() -> tuple:
@@ -71,6 +86,7 @@ __all__ = [
     "abi_version",
     "bootstrap",
     "engine",
+    "log",
     "sglang",
     "Engine",
     "KVPoll",

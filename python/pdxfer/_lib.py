@@ -1,8 +1,9 @@
 """Loads libpdxfer.so with ctypes and turns status codes into exceptions.
 
 The library is found through ``PDXFER_LIB`` (a path to ``libpdxfer.so``), else
-in the cargo target directory (``CARGO_TARGET_DIR`` or ``<repo>/target``),
-newest of ``release`` and ``debug``.
+inside the installed package (``pip install .`` puts it there), else in the
+cargo target directory of a source checkout (``CARGO_TARGET_DIR`` or
+``<repo>/target``), newest of ``release`` and ``debug``.
 """
 
 from __future__ import annotations
@@ -41,14 +42,17 @@ def library_path() -> Path:
         if not p.is_file():
             raise OSError(f"PDXFER_LIB={env} does not name a file")
         return p
+    bundled = sorted(Path(__file__).resolve().parent.glob("libpdxfer*.so"))
+    if bundled:
+        return bundled[0]
     repo = Path(__file__).resolve().parents[2]
     target = Path(os.environ.get("CARGO_TARGET_DIR", repo / "target"))
     found = [target / prof / "libpdxfer.so" for prof in ("release", "debug")]
     found = [p for p in found if p.is_file()]
     if not found:
         raise OSError(
-            f"libpdxfer.so not found under {target}/{{release,debug}}; run `cargo build` "
-            "or set PDXFER_LIB to its path"
+            f"libpdxfer.so not found in the package nor under {target}/{{release,debug}}; "
+            "`pip install .` the package, run `cargo build`, or set PDXFER_LIB to its path"
         )
     return max(found, key=lambda p: p.stat().st_mtime)
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import enum
+from dataclasses import dataclass
 from typing import Any, List, Optional, Sequence, Tuple
 
 from ._handle import NativeHandle, guarded
@@ -38,6 +39,7 @@ __all__ = [
     "device_address",
     "POOL_HOST",
     "POOL_CUDA",
+    "RoomTelemetry",
 ]
 
 ROLE_PREFILL = 1
@@ -113,7 +115,70 @@ class CEngineConfig(ctypes.Structure):
         # ABI 1.2
         ("pool_memory", ctypes.c_uint32),
         ("pool_device", ctypes.c_uint32),
+        # ABI 1.3
+        ("metrics_listen", _cp),
     ]
+
+
+TELEMETRY_UNSET = 2**64 - 1
+
+
+class CRoomTelemetry(ctypes.Structure):
+    """``PdxRoomTelemetry`` (ABI 1.3)."""
+
+    _fields_ = [
+        ("struct_size", ctypes.c_uint64),
+        ("room", ctypes.c_uint64),
+        ("attempt", ctypes.c_uint64),
+        ("state", ctypes.c_int32),
+        ("reserved", ctypes.c_uint32),
+        ("created_unix_ns", ctypes.c_uint64),
+        ("queued_ns", ctypes.c_uint64),
+        ("planned_ns", ctypes.c_uint64),
+        ("first_byte_ns", ctypes.c_uint64),
+        ("last_ack_ns", ctypes.c_uint64),
+        ("bytes", ctypes.c_uint64),
+        ("batches", ctypes.c_uint64),
+        ("retries", ctypes.c_uint64),
+    ]
+
+
+@dataclass(frozen=True)
+class RoomTelemetry:
+    """One room's telemetry (:meth:`Sender.telemetry` / :meth:`Receiver.telemetry`).
+
+    Times are seconds from the room's creation; ``None`` where this side does
+    not see the step (a decode sees no planning, first byte, batches or
+    retries) or the room has not reached it. ``queued``: prefill, the first
+    chunk queued; decode, the metadata sent. ``planned``: a prefill worker
+    planned the first chunk. ``first_byte``: the first batch posted.
+    ``last_ack``: the room succeeded. ``bytes``: the room's KV bytes
+    (prefill: to every decode rank; decode: as the prefill ranks reported).
+    """
+
+    room: int
+    attempt: int
+    state: "KVPoll"
+    created_unix_ns: int
+    queued: Optional[float]
+    planned: Optional[float]
+    first_byte: Optional[float]
+    last_ack: Optional[float]
+    bytes: int
+    batches: Optional[int]
+    retries: Optional[int]
+
+    @classmethod
+    def _from_c(cls, t: CRoomTelemetry) -> "RoomTelemetry":
+        def secs(v: int) -> Optional[float]:
+            return None if v == TELEMETRY_UNSET else v / 1e9
+
+        def count(v: int) -> Optional[int]:
+            return None if v == TELEMETRY_UNSET else int(v)
+
+        return cls(int(t.room), int(t.attempt), KVPoll(t.state), int(t.created_unix_ns),
+                   secs(t.queued_ns), secs(t.planned_ns), secs(t.first_byte_ns), secs(t.last_ack_ns),
+                   int(t.bytes), count(t.batches), count(t.retries))
 
 
 def _sig(name: str, args: list) -> None:
@@ -140,6 +205,11 @@ _sig("pdxfer_engine_is_fenced", [_vp, _u64, ctypes.POINTER(ctypes.c_uint32)])
 _sig("pdxfer_engine_clear", [_vp, _u64])
 _sig("pdxfer_engine_set_state_indices", [_vp, _u64, ctypes.POINTER(ctypes.c_int64), ctypes.c_size_t])
 _sig("pdxfer_engine_room_bytes", [_vp, _u64, ctypes.POINTER(ctypes.c_uint64)])
+_sig("pdxfer_engine_decode_prefix_len", [_vp, _u64, ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint32)])
+_sizep = ctypes.POINTER(ctypes.c_size_t)
+_sig("pdxfer_engine_metrics", [_vp, ctypes.c_char_p, ctypes.c_size_t, _sizep])
+_sig("pdxfer_engine_metrics_address", [_vp, ctypes.c_char_p, ctypes.c_size_t, _sizep])
+_sig("pdxfer_engine_room_telemetry", [_vp, _u64, ctypes.POINTER(CRoomTelemetry)])
 
 
 def buffer_address(buf: Any) -> Tuple[int, Optional[int]]:
@@ -215,7 +285,10 @@ class Engine:
     (count taken from the buffer's size when omitted). Timeouts are seconds.
     ``pool_device``: CUDA device ordinal when the KV pools are device memory
     (a decode's: tcp, rdma or auto, not cma; see the module docs); aux and
-    state stay host memory.
+    state stay host memory. ``metrics_listen``: ``"host:port"`` to serve the
+    engine's Prometheus text on ``GET /metrics`` (port 0 picks one; see
+    :attr:`metrics_address`); no authentication, keep it on loopback or a
+    monitoring network.
     """
 
     def __init__(
@@ -241,6 +314,7 @@ class Engine:
         batch_timeout: Optional[float] = None,
         lease_ttl: Optional[float] = None,
         pool_device: Optional[int] = None,
+        metrics_listen: Optional[str] = None,
     ):
         roles = {"prefill": ROLE_PREFILL, "decode": ROLE_DECODE}
         if role not in roles:
@@ -277,6 +351,7 @@ class Engine:
             staging_bytes, _ms(room_timeout), _ms(batch_timeout), _ms(lease_ttl),
             ctypes.cast(cstate, ctypes.POINTER(CAuxBuffer)), len(state),
             POOL_HOST if pool_device is None else POOL_CUDA, 0 if pool_device is None else int(pool_device),
+            b(metrics_listen),
         )
         h = _vp()
         check(lib.pdxfer_engine_create(ctypes.byref(cfg), ctypes.byref(h)))
@@ -407,12 +482,62 @@ class Engine:
         """Forgets a terminal room so its id can be reused."""
         check(lib.pdxfer_engine_clear(self._live(), room))
 
+    def _text(self, fn) -> str:
+        """A NUL-terminated string from ``fn(handle, buf, cap, &len)``, through
+        the size query; retried when it grew in between."""
+        h = self._live()
+        need = ctypes.c_size_t(0)
+        check(fn(h, None, 0, ctypes.byref(need)))
+        while True:
+            cap = need.value + 4096
+            buf = ctypes.create_string_buffer(cap)
+            st = fn(h, buf, cap, ctypes.byref(need))
+            if st != -104:  # buffer_too_small: it grew; ask again with the new length
+                check(st)
+                return buf.value.decode()
+
+    @guarded
+    def metrics(self) -> str:
+        """The engine's metrics as Prometheus text: live rooms by state, rooms
+        finished and failures by kind, the transfer latency histogram per
+        transport, bytes / batches / wire time per transport and peer, gather
+        time, staging and registered memory."""
+        return self._text(lib.pdxfer_engine_metrics)
+
+    @property
+    @guarded
+    def metrics_address(self) -> Optional[str]:
+        """``host:port`` of the ``/metrics`` responder (``metrics_listen``), or None."""
+        h = self._live()
+        need = ctypes.c_size_t(0)
+        st = lib.pdxfer_engine_metrics_address(h, None, 0, ctypes.byref(need))
+        if st == -105:  # unsupported: created without metrics_listen
+            return None
+        check(st)
+        return self._text(lib.pdxfer_engine_metrics_address)
+
+    @guarded
+    def telemetry(self, room: int) -> RoomTelemetry:
+        """The room's telemetry (live rooms, finished or not; a cleared room raises ``unknown_room``)."""
+        t = CRoomTelemetry()
+        t.struct_size = ctypes.sizeof(CRoomTelemetry)
+        check(lib.pdxfer_engine_room_telemetry(self._live(), room, ctypes.byref(t)))
+        return RoomTelemetry._from_c(t)
+
     @guarded
     def room_bytes(self, room: int) -> int:
         """Decode: KV bytes received for the room."""
         v = ctypes.c_uint64()
         check(lib.pdxfer_engine_room_bytes(self._live(), room, ctypes.byref(v)))
         return v.value
+
+    def decode_prefix_len(self, room: int) -> Optional[int]:
+        """Prefill: the decode prefix length the decode ranks sent for the room
+        (the first chunk starts right after it), or None before their metadata."""
+        v = ctypes.c_uint64()
+        known = ctypes.c_uint32()
+        check(lib.pdxfer_engine_decode_prefix_len(self._live(), room, ctypes.byref(v), ctypes.byref(known)))
+        return v.value if known.value else None
 
 
 class _Room:
@@ -444,6 +569,10 @@ class _Room:
         """Forgets the (terminal) room."""
         self.engine.clear(self.room)
 
+    def telemetry(self) -> RoomTelemetry:
+        """The room's :class:`RoomTelemetry` (until it is cleared)."""
+        return self.engine.telemetry(self.room)
+
 
 class Sender(_Room):
     """Prefill side of one room."""
@@ -451,6 +580,10 @@ class Sender(_Room):
     def set_state_indices(self, rows: Sequence[int]) -> None:
         """State rows (one per state buffer) sent after the last chunk's KV."""
         self.engine.set_state_indices(self.room, rows)
+
+    def decode_prefix_len(self) -> Optional[int]:
+        """The decode prefix the decode ranks hold (None before their metadata)."""
+        return self.engine.decode_prefix_len(self.room)
 
     def send(self, pages: Any, num_tokens: Optional[int] = None, last: bool = True, aux_index: int = 0) -> None:
         """Queues a chunk: this rank's page ids (list or numpy) holding ``num_tokens``

@@ -12,7 +12,8 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+if os.environ.get("PDXFER_EXPECT_INSTALLED") != "1":
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import pdxfer  # noqa: E402
 from pdxfer.synthetic import SyntheticPools, scattered_pages  # noqa: E402

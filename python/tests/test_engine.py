@@ -28,7 +28,7 @@ def test_kvpoll_values_are_sglangs():
 
 
 def test_struct_sizes_are_pinned():
-    assert ctypes.sizeof(E.CEngineConfig) == 168
+    assert ctypes.sizeof(E.CEngineConfig) == 176
     assert ctypes.sizeof(E.CKvPool) == 32
     assert ctypes.sizeof(E.CAuxBuffer) == 24
 

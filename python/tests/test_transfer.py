@@ -6,6 +6,7 @@ import ctypes
 import json
 import os
 import subprocess
+import sysconfig
 import time
 from pathlib import Path
 
@@ -99,11 +100,15 @@ def test_poll_local_and_errors(pair):
 
 
 def _pdxfer_bin():
-    p = Path(pdxfer.library_path()).with_name("pdxfer")
-    return p if p.is_file() else None
+    """The CLI next to the library (cargo target folder), else the one the
+    installed wheel put into the environment's scripts folder."""
+    for p in (Path(pdxfer.library_path()).with_name("pdxfer"), Path(sysconfig.get_path("scripts")) / "pdxfer"):
+        if p.is_file():
+            return p
+    return None
 
 
-@pytest.mark.skipif(_pdxfer_bin() is None, reason="pdxfer binary not built next to libpdxfer.so")
+@pytest.mark.skipif(_pdxfer_bin() is None, reason="pdxfer binary neither next to libpdxfer.so nor installed")
 def test_target_process_over_cma_and_tcp():
     size = 1 << 16
     proc = subprocess.Popen([str(_pdxfer_bin()), "target", "--size", str(size)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)

@@ -6,7 +6,7 @@
 //! the bootstrap advertised, so an entry left by a dead or restarted process
 //! is detected and named, never silently used.
 
-use super::schema::{PeerHello, RankKey, Registration, Role, SCHEMA_VERSION};
+use super::schema::{InstanceId, PeerHello, RankKey, Registration, Role, SCHEMA_VERSION};
 use super::store::Store;
 use crate::error::{Error, Result, Status};
 use crate::layout::{check_peer, resolve_rank_mapping, MappingOptions, PeerCompat};
@@ -35,6 +35,19 @@ fn hello_desc(h: &PeerHello) -> String {
         h.epoch,
         h.registered_at_ms
     )
+}
+
+/// Logs a refused pairing as a warning naming the peer instance and the
+/// status kind, and passes the error on. Only refusals log: the filtering of
+/// candidates in [`decode_peers`] stays silent.
+fn refused(what: &str, peer_instance: &InstanceId, e: Error) -> Error {
+    log::warn!(
+        "{what} refused, peer instance {peer_instance}: {} ({}): {}",
+        e.kind(),
+        e.status() as i32,
+        e.detail()
+    );
+    e
 }
 
 /// Runs the layout core's compatibility check for a (local, peer) pair in
@@ -70,6 +83,15 @@ pub fn check_pair(local: &Registration, peer: &Registration) -> Result<PeerCompa
 /// - the layout core's errors (`dcp_rank_mismatch`, ...) from
 ///   [`check_peer`](crate::layout::check_peer).
 pub fn verify_peer(
+    advertised: &Registration,
+    hello: &PeerHello,
+    local: &Registration,
+) -> Result<PeerCompat> {
+    verify_hello(advertised, hello, local)
+        .map_err(|e| refused("peer handshake", &hello.instance_id, e))
+}
+
+fn verify_hello(
     advertised: &Registration,
     hello: &PeerHello,
     local: &Registration,
@@ -187,7 +209,8 @@ pub fn prefill_targets(
         .values()
         .next()
         .ok_or_else(|| Error::new(Status::NotReady, "no current prefill entry"))?;
-    let m = resolve_rank_mapping(&decode.topology, &any.topology, MappingOptions::default())?;
+    let m = resolve_rank_mapping(&decode.topology, &any.topology, MappingOptions::default())
+        .map_err(|e| refused("rank mapping to the prefill instance", &any.instance_id, e))?;
     let mut out = Vec::new();
     for &cp in &m.target_cp_ranks {
         for (i, &tp) in m.target_tp_ranks.iter().enumerate() {
@@ -201,7 +224,9 @@ pub fn prefill_targets(
                 let reg = view.lookup(&key)?;
                 let dummy = m.dummy_tp.get(i).copied().unwrap_or(false);
                 if !dummy {
-                    check_pair(decode, &reg)?;
+                    check_pair(decode, &reg).map_err(|e| {
+                        refused("pairing with a prefill entry", &reg.instance_id, e)
+                    })?;
                 }
                 out.push(Target {
                     registration: reg,

@@ -38,9 +38,11 @@ pub const MAX_PAGE_SIZE: u32 = 65_536;
 /// Most KV entries (layers, or K and V of each layer) one pool may list.
 /// cbindgen:ignore
 pub const MAX_KV_ENTRIES: usize = 16_384;
-/// Largest layer id a KV entry may carry.
+/// Largest layer id a KV entry may carry. Ids are labels, not counts: the
+/// SGLang adapter gives an MHA pool's V entries ids in bands of 2^20 and draft
+/// entries ids from 2^24, so the cap only keeps ids clear of the sign bit.
 /// cbindgen:ignore
-pub const MAX_LAYER_ID: u32 = 65_535;
+pub const MAX_LAYER_ID: u32 = (1 << 30) - 1;
 /// Largest bytes of one token row of one KV entry.
 /// cbindgen:ignore
 pub const MAX_ROW_BYTES: u64 = 1 << 30;
@@ -730,7 +732,7 @@ mod tests {
                 r.topology.entries = vec![e; MAX_KV_ENTRIES + 1];
             }),
             ("topology.entries[1].layer_id", |r| {
-                r.topology.entries[1].layer_id = 1 << 20
+                r.topology.entries[1].layer_id = 1 << 30
             }),
             ("topology.entries[0].row_bytes", |r| {
                 r.topology.entries[0].row_bytes = 1 << 40

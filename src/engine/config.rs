@@ -75,6 +75,13 @@ pub struct EngineConfig {
     pub batch_timeout: Duration,
     /// Bootstrap lease TTL.
     pub lease_ttl: Duration,
+    /// Where to serve the engine's Prometheus text over HTTP (`GET
+    /// /metrics`), `host:port` (port 0 picks one; see
+    /// [`Engine::metrics_addr`](super::Engine::metrics_addr)); `None` serves
+    /// nothing ([`Engine::metrics`](super::Engine::metrics) still answers).
+    /// The responder has no authentication: keep it on loopback or a
+    /// monitoring network.
+    pub metrics_listen: Option<String>,
     /// Test knob: the RDMA NIC provider of the engine's agent (the software
     /// fabric in tests); `None` (production) uses the real NICs.
     #[doc(hidden)]
@@ -109,7 +116,34 @@ impl EngineConfig {
             room_timeout: Duration::from_secs(60),
             batch_timeout: Duration::from_secs(30),
             lease_ttl: Duration::from_secs(10),
+            metrics_listen: None,
             nic: None,
+        }
+    }
+
+    /// Checks every page id against every pool: a page id addresses the same
+    /// page of each KV pool, so it must lie inside the smallest one (pools may
+    /// differ in size; a gather must never read or write past any of them).
+    /// `OutOfBounds` naming the first bad index and the pool it overruns.
+    pub(crate) fn check_pages(&self, pages: &[u64], what: &str, side: &str) -> crate::Result<()> {
+        let Some((p, pool)) = self
+            .pools
+            .iter()
+            .enumerate()
+            .min_by_key(|(_, p)| p.num_pages)
+        else {
+            return Ok(());
+        };
+        let limit = pool.num_pages;
+        match pages.iter().enumerate().find(|(_, &pg)| pg >= limit) {
+            None => Ok(()),
+            Some((i, pg)) => Err(crate::Error::new(
+                crate::Status::OutOfBounds,
+                format!(
+                    "{what}[{i}] = {pg} is outside the {side} pool {p} (layer {}) of {limit} pages",
+                    pool.layer_id
+                ),
+            )),
         }
     }
 }

@@ -19,7 +19,11 @@ pub(super) fn deadline_loop(w: std::sync::Weak<Inner>) {
             // The agent queues a completion record per received batch; the engine
             // learns a room's outcome and bytes from the prefill's status message
             // instead, so the records are drained here rather than accumulating.
-            while inner.agent.try_completion().is_some() {}
+            let mut landed = 0;
+            while inner.agent.try_completion().is_some() {
+                landed += 1;
+            }
+            inner.metrics.received(landed);
         }
         if inner.cfg.role == Role::Prefill {
             // metadata for a room this prefill never opened (or already cleared) is forgotten

@@ -4,7 +4,9 @@
 
 use super::control::{CtlMsg, CtlReader, CtlWriter, CONTROL_VERSION};
 use super::handle::{lock, Engine, Inner};
+use super::metrics::PeerCounters;
 use super::room::KvPoll;
+use super::telemetry::RoomTimes;
 use crate::bootstrap::peer::{prefill_targets, verify_peer};
 use crate::bootstrap::schema::{PeerHello, Registration, Role};
 use crate::error::{Error, Result, Status};
@@ -19,6 +21,8 @@ pub(super) struct PrefillLink {
     pub(super) registration: Registration,
     pub(super) writer: CtlWriter,
     pub(super) alive: AtomicBool,
+    /// The KV bytes this prefill rank reported for its rooms.
+    pub(super) counters: Arc<PeerCounters>,
 }
 
 /// Decode-side room data beyond the state machine.
@@ -89,13 +93,9 @@ impl Engine {
                 ),
             ));
         }
-        let limit = self.inner.cfg.pools.first().map_or(0, |x| x.num_pages);
-        if let Some((i, pg)) = dst_pages.iter().enumerate().find(|(_, &pg)| pg >= limit) {
-            return Err(Error::new(
-                Status::OutOfBounds,
-                format!("dst_pages[{i}] = {pg} is outside the decode pool of {limit} pages"),
-            ));
-        }
+        self.inner
+            .cfg
+            .check_pages(dst_pages, "dst_pages", "decode")?;
         if let Some(a) = self.inner.cfg.aux.first() {
             if aux_index >= a.count {
                 return Err(Error::new(
@@ -136,6 +136,11 @@ impl Engine {
             .map_or(0, |d| {
                 d.saturating_duration_since(Instant::now()).as_millis() as u64
             });
+        // stamped before the first Meta leaves: the room may succeed before the loop ends
+        if let Some(t) = lock(&self.inner.rooms).times_mut(room, attempt) {
+            RoomTimes::stamp(&mut t.queued, Instant::now());
+            t.transport.get_or_insert(self.inner.cfg.transport.name());
+        }
         for t in &targets {
             let m = CtlMsg::Meta {
                 room,
@@ -248,10 +253,14 @@ impl Inner {
         };
         // the peer must still be the process the bootstrap advertised, with a compatible layout
         verify_peer(reg, &hello, local)?;
+        let counters = self
+            .metrics
+            .peer(self.cfg.transport.name(), reg.key().to_string());
         let link = Arc::new(PrefillLink {
             registration: reg.clone(),
             writer,
             alive: AtomicBool::new(true),
+            counters,
         });
         {
             let mut links = lock(&self.prefill_links);
@@ -297,7 +306,9 @@ fn decode_reader(w: std::sync::Weak<Inner>, link: Arc<PrefillLink>, mut reader: 
                     continue;
                 };
                 if ok {
-                    r.responded.insert(prefill_rank);
+                    if r.responded.insert(prefill_rank) {
+                        link.counters.bytes.fetch_add(bytes, Ordering::Relaxed);
+                    }
                     r.bytes += bytes;
                     let done = r.responded.len() >= r.targets.len();
                     drop(d);

@@ -37,7 +37,7 @@ use crate::memory::Registry;
 use crate::transport::TransportKind;
 
 use super::flight::Flight;
-use super::handle::Inner;
+use super::handle::{lock, Inner};
 use super::prefill::DecodeLink;
 use super::staging::staged_ops;
 use super::EngineConfig;
@@ -358,6 +358,9 @@ pub(super) fn write_pair_device(
             // The NIC refused to register the device staging (nothing was
             // posted from it). Only a host-path success
             // proves the device staging was the problem (not the peer's pools).
+            if let Some(t) = lock(&inner.rooms).times_mut(opts.room, opts.epoch) {
+                t.retries += 1;
+            }
             run(stage, false)?;
             if link.zero_copy.swap(false, Ordering::AcqRel) {
                 inner.log_no_gpu_direct(&e);

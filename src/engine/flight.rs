@@ -5,9 +5,10 @@ use super::handle::lock;
 use super::prefill::DecodeLink;
 use super::room::RoomTable;
 use crate::error::{Error, Result};
-use crate::transport::{BatchId, BatchOptions, WriteOp};
+use crate::transport::{BatchId, BatchOptions, Transport, WriteOp};
+use std::sync::atomic::Ordering::Relaxed;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// A transport error of one batch, naming the room and the decode rank.
 fn write_error(room: u64, link: &DecodeLink, e: &Error) -> Error {
@@ -25,8 +26,13 @@ fn write_error(room: u64, link: &DecodeLink, e: &Error) -> Error {
 /// staging slot it reads (`None`: it reads the caller's memory only).
 struct InFlight {
     link: Arc<DecodeLink>,
+    /// The data connection it was submitted on (the link may have made a
+    /// new one since: batch ids are per connection).
+    data: Arc<dyn Transport>,
     id: BatchId,
     slot: Option<usize>,
+    /// Bytes the batch writes (all of them read from staging with a slot).
+    bytes: u64,
 }
 
 /// The batches of one chunk in flight together, over every decode rank's
@@ -66,16 +72,27 @@ impl<'a> Flight<'a> {
         }
         let (room, epoch) = (self.opts.room, self.opts.epoch);
         lock(self.rooms).begin_write(room, epoch)?;
-        match link.data.submit(ops, &self.opts) {
+        let bytes = ops.iter().map(|o| o.len).sum();
+        let data = link.data();
+        let t0 = Instant::now();
+        let r = data.submit(ops, &self.opts);
+        link.counters.add_wire(t0);
+        match r {
             Ok(id) => {
+                if slot.is_some() {
+                    link.counters.staged_bytes.fetch_add(bytes, Relaxed);
+                }
                 self.pending.push(InFlight {
                     link: link.clone(),
+                    data,
                     id,
                     slot,
+                    bytes,
                 });
                 Ok(())
             }
             Err(e) => {
+                link.counters.failed_batches.fetch_add(1, Relaxed);
                 lock(self.rooms).end_write(room, epoch);
                 Err(write_error(room, link, &e))
             }
@@ -85,10 +102,21 @@ impl<'a> Flight<'a> {
     /// Waits for the `i`-th pending batch (removed either way).
     fn wait_at(&mut self, i: usize) -> Result<()> {
         let b = self.pending.remove(i);
+        let t0 = Instant::now();
         let r = b
-            .link
             .data
             .wait(b.id, self.opts.timeout + Duration::from_secs(1));
+        let c = &b.link.counters;
+        c.add_wire(t0);
+        if b.slot.is_some() {
+            c.staged_bytes.fetch_sub(b.bytes, Relaxed);
+        }
+        if r.is_ok() {
+            c.batches.fetch_add(1, Relaxed);
+            c.bytes.fetch_add(b.bytes, Relaxed);
+        } else {
+            c.failed_batches.fetch_add(1, Relaxed);
+        }
         lock(self.rooms).end_write(self.opts.room, self.opts.epoch);
         r.map(|_| ())
             .map_err(|e| write_error(self.opts.room, &b.link, &e))
@@ -145,7 +173,6 @@ mod tests {
     use std::net::{TcpListener, TcpStream};
     use std::sync::atomic::AtomicBool;
     use std::sync::Condvar;
-    use std::time::Instant;
 
     /// The batches of every fake link. Ids are unique across links, and a
     /// batch completes only once the test finishes it (from any thread).
@@ -270,9 +297,11 @@ mod tests {
             hello: PeerHello::from(&reg),
             regions: RegionMap::default(),
             writer: CtlWriter::new(ctl),
-            data: Box::new(FakeTransport(fabric.clone())),
+            data: Mutex::new(Arc::new(FakeTransport(fabric.clone()))),
+            data_addr: String::new(),
             alive: AtomicBool::new(true),
             zero_copy: AtomicBool::new(false),
+            counters: Default::default(),
         })
     }
 

@@ -11,6 +11,7 @@
 
 use super::control::{CtlMsg, RegionMap};
 use super::decode::{DecodeRoom, PrefillLink};
+use super::metrics::EngineMetrics;
 use super::prefill::{DecodeLink, MetaInfo, PrefillRoom};
 use super::room::{KvPoll, RoomTable};
 use super::worker::Job;
@@ -58,6 +59,10 @@ pub(super) struct Inner {
     pub(super) state_regions: Vec<RegionDesc>,
     pub(super) staging: Vec<(Vec<u8>, RegionDesc)>,
     pub(super) closed: AtomicBool,
+    /// The engine's counters (atomics; see `metrics`).
+    pub(super) metrics: EngineMetrics,
+    /// Where the `/metrics` responder listens, when `metrics_listen` is set.
+    pub(super) metrics_addr: Option<std::net::SocketAddr>,
     /// Device pools over rdma: why the zero-copy path is not used was logged.
     pub(super) gpu_direct_logged: AtomicBool,
     // prefill
@@ -227,7 +232,8 @@ impl Engine {
 
     /// Aborts a room. On decode the prefill ranks are told and answer once no
     /// write for the room can still land; [`is_fenced`](Self::is_fenced) says
-    /// when the pages may be reused. Returns whether it is fenced already.
+    /// when the pages may be reused. On prefill the decode ranks that sent
+    /// metadata are told the room failed. Returns whether it is fenced already.
     pub fn abort(&self, room: u64) -> Result<bool> {
         let attempt = lock(&self.inner.rooms).get(room)?.attempt;
         let fenced = lock(&self.inner.rooms).abort(room, attempt)?;
@@ -242,7 +248,23 @@ impl Engine {
             }
             return Ok(self.is_fenced(room));
         }
+        // the decode ranks of the room learn it now rather than at their timeout
+        let failure = lock(&self.inner.rooms)
+            .get(room)
+            .ok()
+            .and_then(|r| r.failure.clone());
+        super::prefill::notify_decode(&self.inner, room, false, failure);
         Ok(fenced)
+    }
+
+    /// Prefill: the `decode_prefix_len` the decode ranks sent for the room,
+    /// once their metadata has arrived (`None` before, or for an unknown room).
+    /// The prefill's chunks start right after it: SGLang's
+    /// `pop_decode_prefix_len` reads it to skip the prefix the decode holds.
+    pub fn decode_prefix_len(&self, room: u64) -> Option<u64> {
+        lock(&self.inner.prefill_rooms)
+            .get(&room)
+            .and_then(|r| r.infos.first().map(|m| m.prefix))
     }
 
     /// True when no write for an aborted room can still land in local memory
@@ -281,7 +303,7 @@ impl Engine {
         }
         for l in lock(&self.inner.decode_links).drain(..) {
             l.writer.shutdown();
-            l.data.close();
+            l.data().close();
         }
         for (_, l) in lock(&self.inner.prefill_links).drain() {
             l.writer.shutdown();

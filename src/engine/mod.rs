@@ -11,6 +11,9 @@
 //! - `staging`: the host staging path (CPU gather into a registered buffer).
 //! - `device`: KV pools in CUDA device memory (GPU staging, the device writer).
 //! - `deadline`: the deadline thread.
+//! - `metrics`: the engine's counters and their Prometheus text;
+//!   `metrics_http`: the optional `/metrics` responder.
+//! - `telemetry`: per-room times and counts.
 //! - [`control`], [`room`], [`synthetic`]: control messages, the room table,
 //!   verifiable pools for the demo and tests.
 
@@ -21,13 +24,20 @@ mod decode;
 mod device;
 mod flight;
 mod handle;
+mod metrics;
+mod metrics_http;
 mod prefill;
 pub mod room;
 mod setup;
 mod staging;
 pub mod synthetic;
+mod telemetry;
 mod worker;
 
 pub use config::{AuxBuffer, EngineConfig, KvPool};
 pub use handle::Engine;
+pub use metrics::{
+    Histogram, MetricsSnapshot, PeerSnapshot, RoomTotals, LATENCY_BUCKETS, STATE_NAMES,
+};
 pub use room::{KvPoll, Room, RoomTable};
+pub use telemetry::{RoomTelemetry, RoomTimes};

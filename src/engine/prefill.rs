@@ -4,6 +4,7 @@
 
 use super::control::{CtlMsg, CtlReader, CtlWriter, RegionMap, CONTROL_VERSION};
 use super::handle::{catch, lock, Engine, Inner};
+use super::metrics::PeerCounters;
 use super::room::KvPoll;
 use super::worker::Job;
 use crate::bootstrap::peer::check_pair;
@@ -13,7 +14,7 @@ use crate::layout::prefill_unique_rank;
 use crate::transport::{ConnectOptions, Transport, TransportKind};
 use std::net::{TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 /// A decode rank as the prefill engine sees it.
@@ -21,12 +22,25 @@ pub(super) struct DecodeLink {
     pub(super) hello: PeerHello,
     pub(super) regions: RegionMap,
     pub(super) writer: CtlWriter,
-    pub(super) data: Box<dyn Transport>,
+    /// The data connection; remade when it breaks while the control
+    /// connection lives ([`Inner::redial_if_broken`]).
+    pub(super) data: Mutex<Arc<dyn Transport>>,
+    /// Where the decode rank's agent accepts data connections.
+    pub(super) data_addr: String,
     pub(super) alive: AtomicBool,
     /// Device pools: slices are written straight from the device staging
     /// buffer (rdma with GPUDirect RDMA), not copied to the host first;
     /// cleared for good when the NIC refuses device memory.
     pub(super) zero_copy: AtomicBool,
+    /// Bytes, batches and wire time of the writes to this decode rank.
+    pub(super) counters: Arc<PeerCounters>,
+}
+
+impl DecodeLink {
+    /// The current data connection.
+    pub(super) fn data(&self) -> Arc<dyn Transport> {
+        lock(&self.data).clone()
+    }
 }
 
 /// What one decode rank asked for in one room.
@@ -134,15 +148,7 @@ impl Engine {
                 ),
             ));
         }
-        for (i, &pg) in pages.iter().enumerate() {
-            let limit = self.inner.cfg.pools.first().map_or(0, |x| x.num_pages);
-            if pg >= limit {
-                return Err(Error::new(
-                    Status::OutOfBounds,
-                    format!("pages[{i}] = {pg} is outside the prefill pool of {limit} pages"),
-                ));
-            }
-        }
+        self.inner.cfg.check_pages(pages, "pages", "prefill")?;
         let start = {
             let mut pr = lock(&self.inner.prefill_rooms);
             let r = pr
@@ -184,6 +190,7 @@ impl Engine {
                 last,
                 aux_index,
                 state_indices,
+                queued: Instant::now(),
             })
             .map_err(|_| Error::new(Status::EngineClosed, "transfer workers stopped"))?;
         lock(&self.inner.rooms).update(room, attempt, KvPoll::Transferring);
@@ -192,6 +199,44 @@ impl Engine {
 }
 
 impl Inner {
+    /// Prefill: remakes `link`'s data connection when it can no longer carry
+    /// batches (an RDMA rail's QP went to the error state, which it never
+    /// leaves) while the control connection lives, so one QP error fails
+    /// the rooms in flight on it, not every later room of the pair. Batches
+    /// still held on the old connection finish or fail on it; it closes when
+    /// the last of them lets go. A failed redial leaves the broken link (the
+    /// room then fails with its reason, and the next room tries again).
+    fn redial_if_broken(&self, link: &DecodeLink) {
+        let old = link.data();
+        if old.is_alive() || !link.alive.load(Ordering::Acquire) {
+            return;
+        }
+        let id = link.hello.instance_id;
+        match self.agent.connect(
+            &link.data_addr,
+            &ConnectOptions {
+                transport: self.cfg.transport,
+                ..Default::default()
+            },
+        ) {
+            Ok(data) => {
+                log::warn!(
+                    "engine: the {} data link to decode {id} broke; made a new {} connection",
+                    old.kind().name(),
+                    data.kind().name()
+                );
+                let zero_copy =
+                    link.zero_copy.load(Ordering::Acquire) && self.zero_copy_for(&*data, id);
+                link.zero_copy.store(zero_copy, Ordering::Release);
+                *lock(&link.data) = Arc::from(data);
+            }
+            Err(e) => log::warn!(
+                "engine: the {} data link to decode {id} broke and reconnecting failed: {e}",
+                old.kind().name()
+            ),
+        }
+    }
+
     /// Prefill: records one decode rank's metadata for a room.
     fn add_meta(&self, room: u64, m: MetaInfo) {
         let mut pr = lock(&self.prefill_rooms);
@@ -237,6 +282,18 @@ pub(super) fn accept_loop(w: std::sync::Weak<Inner>, l: TcpListener) {
             .name("pdxfer-ctl-p".into())
             .spawn(move || prefill_conn(w2, s));
     }
+}
+
+/// A peer's label in the metrics: its rank key (`dp0-tp1-cp0-pp0`), which
+/// names one rank of a cluster and role.
+pub(super) fn peer_label(h: &PeerHello) -> String {
+    crate::bootstrap::schema::RankKey {
+        dp: h.dp_rank,
+        tp: h.topology.attn_tp_rank,
+        cp: h.topology.attn_cp_rank,
+        pp: h.topology.pp_rank,
+    }
+    .to_string()
 }
 
 /// The answer to a Hello that cannot be accepted.
@@ -338,13 +395,16 @@ fn prefill_conn(w: std::sync::Weak<Inner>, s: TcpStream) {
         return;
     }
     let zero_copy = inner.zero_copy_for(&*data, hello.instance_id);
+    let counters = inner.metrics.peer(data.kind().name(), peer_label(&hello));
     let link = Arc::new(DecodeLink {
         hello,
         regions,
         writer,
-        data,
+        data: Mutex::new(Arc::from(data)),
+        data_addr,
         alive: AtomicBool::new(true),
         zero_copy: AtomicBool::new(zero_copy),
+        counters,
     });
     if link
         .writer
@@ -372,6 +432,8 @@ fn prefill_conn(w: std::sync::Weak<Inner>, s: TcpStream) {
                 required_dst_info_num,
                 ..
             })) => {
+                // a data link broken by the last room is made again for this one
+                inner.redial_if_broken(&link);
                 inner.add_meta(
                     room,
                     MetaInfo {
@@ -405,7 +467,7 @@ fn prefill_conn(w: std::sync::Weak<Inner>, s: TcpStream) {
             Ok(Some(_)) => {}
             Ok(None) | Err(_) => {
                 link.alive.store(false, Ordering::Release);
-                link.data.close();
+                link.data().close();
                 // rooms waiting on this decode rank fail; others go on
                 let pr = lock(&inner.prefill_rooms);
                 let hit: Vec<(u64, u64)> = pr

@@ -10,6 +10,8 @@
 //! - a *fenced* abort: writes are counted per room, and an abort is
 //!   acknowledged only when no write for the room can still land.
 
+use super::metrics::RoomTotals;
+use super::telemetry::RoomTimes;
 use crate::error::{Error, Result, Status};
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
@@ -68,6 +70,8 @@ pub struct Room {
     pub aborted: bool,
     /// When the room was created.
     pub created: Instant,
+    /// Its telemetry times and counts.
+    pub times: RoomTimes,
 }
 
 impl Room {
@@ -87,6 +91,8 @@ pub struct RoomTable {
     tombstones: HashMap<u64, u64>,
     /// Tombstones in the order they were made, to forget the oldest.
     tomb_order: std::collections::VecDeque<(u64, u64)>,
+    /// Rooms created, and the outcomes of the finished rooms cleared.
+    totals: RoomTotals,
 }
 
 /// Cleared rooms remembered; older tombstones are forgotten (a message for a
@@ -131,8 +137,10 @@ impl RoomTable {
                 inflight: 0,
                 aborted: false,
                 created: now,
+                times: RoomTimes::default(),
             },
         );
+        self.totals.created += 1;
         Ok(attempt)
     }
 
@@ -173,6 +181,9 @@ impl RoomTable {
         }
         if poll > r.poll {
             r.poll = poll;
+            if poll == KvPoll::Success {
+                RoomTimes::stamp(&mut r.times.last_ack, Instant::now());
+            }
         }
         true
     }
@@ -206,6 +217,10 @@ impl RoomTable {
             ));
         }
         r.inflight += 1;
+        r.times.batches += 1;
+        if r.times.first_byte.is_none() {
+            r.times.first_byte = Some(Instant::now());
+        }
         Ok(())
     }
 
@@ -272,6 +287,7 @@ impl RoomTable {
             ));
         }
         let attempt = r.attempt;
+        self.totals.count(r);
         self.rooms.remove(&id);
         self.tombstones.insert(id, attempt);
         self.tomb_order.push_back((id, attempt));
@@ -284,6 +300,22 @@ impl RoomTable {
             }
         }
         Ok(())
+    }
+
+    /// The telemetry times of room `id` (of `attempt`), to stamp; `None`
+    /// for a stale attempt or a cleared room.
+    pub fn times_mut(&mut self, id: u64, attempt: u64) -> Option<&mut RoomTimes> {
+        self.live(id, attempt).map(|r| &mut r.times)
+    }
+
+    /// Live rooms by state (indexed by the `KvPoll` value) and the totals,
+    /// with the finished live rooms counted in.
+    pub fn totals(&self) -> ([u64; 5], RoomTotals) {
+        let mut by_state = [0u64; 5];
+        for r in self.rooms.values() {
+            by_state[r.poll as usize] += 1;
+        }
+        (by_state, self.totals.with_live(self.rooms.values()))
     }
 
     /// Number of live rooms.
@@ -383,6 +415,50 @@ mod tests {
             .unwrap_err()
             .detail()
             .contains("cleared"));
+    }
+
+    #[test]
+    fn totals_count_each_finished_room_once_cleared_or_not() {
+        let now = Instant::now();
+        let mut t = RoomTable::new();
+        let a = t.create(1, KvPoll::Bootstrapping, None, now).unwrap();
+        let b = t.create(2, KvPoll::Bootstrapping, None, now).unwrap();
+        t.create(3, KvPoll::Bootstrapping, None, now).unwrap();
+        t.times_mut(1, a).unwrap().transport = Some("tcp");
+        t.times_mut(1, a).unwrap().queued = Some(now);
+        t.begin_write(1, a).unwrap();
+        t.begin_write(1, a).unwrap();
+        t.end_write(1, a);
+        t.end_write(1, a);
+        assert!(t.update(1, a, KvPoll::Success));
+        t.abort(2, b).unwrap();
+        assert!(
+            t.times_mut(1, a + 1).is_none(),
+            "a stale attempt has no times"
+        );
+        let (live, totals) = t.totals();
+        assert_eq!(live, [1, 1, 0, 0, 1]);
+        assert_eq!((totals.created, totals.succeeded), (3, 1));
+        assert_eq!(totals.failed["aborted"], 1);
+        assert_eq!(totals.latency["tcp"].count, 1);
+        let r = t.get(1).unwrap();
+        assert_eq!(r.times.batches, 2);
+        assert!(r.times.first_byte.unwrap() <= r.times.last_ack.unwrap());
+        // cleared: the same totals, the rooms gone from the live counts
+        t.clear(1).unwrap();
+        t.clear(2).unwrap();
+        t.clear(3).unwrap();
+        let (live, again) = t.totals();
+        assert_eq!(live, [0; 5]);
+        assert_eq!((again.created, again.succeeded), (3, 1));
+        assert_eq!(again.failed["aborted"], 1);
+        assert_eq!(again.latency["tcp"].count, 1);
+        // a room cleared unfinished counts as created only; a reused id again
+        let c = t.create(1, KvPoll::Bootstrapping, None, now).unwrap();
+        t.update(1, c, KvPoll::Success);
+        let (_, more) = t.totals();
+        assert_eq!((more.created, more.succeeded), (4, 2));
+        assert_eq!(more.latency["unknown"].count, 1);
     }
 
     #[test]

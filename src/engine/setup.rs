@@ -43,6 +43,15 @@ impl Engine {
         };
         // SAFETY: this function's contract is `register_regions`' (valid pool, aux and state memory).
         let regions = unsafe { register_regions(&cfg, &agent, workers)? };
+        let metrics_listener = cfg
+            .metrics_listen
+            .as_deref()
+            .map(super::metrics_http::bind)
+            .transpose()?;
+        let metrics_addr = metrics_listener
+            .as_ref()
+            .map(|l| l.local_addr())
+            .transpose()?;
         let mut jobs = Vec::new();
         let mut queues = Vec::new();
         for _ in 0..workers {
@@ -63,6 +72,8 @@ impl Engine {
             staging: regions.staging,
             closed: AtomicBool::new(false),
             gpu_direct_logged: AtomicBool::new(false),
+            metrics: Default::default(),
+            metrics_addr,
             prefill_rooms: Mutex::new(HashMap::new()),
             pending_meta: Mutex::new(HashMap::new()),
             decode_links: Mutex::new(Vec::new()),
@@ -70,7 +81,14 @@ impl Engine {
             decode_rooms: Mutex::new(HashMap::new()),
             prefill_links: Mutex::new(HashMap::new()),
         });
-        let (endpoints, listener) = start_threads(&inner, queues, regions.stages)?;
+        let (mut endpoints, listener) = start_threads(&inner, queues, regions.stages)?;
+        if let (Some(l), Some(addr)) = (metrics_listener, metrics_addr) {
+            endpoints.insert("metrics".to_string(), addr.to_string());
+            let w = Arc::downgrade(&inner);
+            std::thread::Builder::new()
+                .name("pdxfer-metrics".into())
+                .spawn(move || super::metrics_http::serve(w, l))?;
+        }
         register_with_bootstrap(&inner, endpoints)?;
         // the prefill accepts decode ranks only once its registration is stored
         if let Some(l) = listener {
@@ -124,6 +142,7 @@ fn open_agent(cfg: &EngineConfig) -> Result<Agent> {
         listen: (cfg.role == Role::Decode).then(|| format!("{}:0", cfg.host)),
         stall: Duration::ZERO,
         nic: cfg.nic.clone(),
+        gpu: cfg.pool_device,
         ..Default::default()
     })?;
     if cfg.transport == TransportKind::Rdma {
@@ -232,9 +251,15 @@ unsafe fn register_regions(cfg: &EngineConfig, agent: &Agent, workers: usize) ->
         staging.push((buf, desc));
     }
     if cfg.transport == TransportKind::Rdma {
-        // Register the pools with the NICs now, not inside the first handshake.
+        // Register the pools with the NICs now, not inside the first handshake;
+        // a prefill with device pools sends only from its staging buffers, so
+        // its pools (possibly most of the GPU's memory) are left out.
         let t0 = std::time::Instant::now();
-        agent.rdma_register_all()?;
+        let skip: Vec<u64> = match (cfg.role, cfg.pool_device) {
+            (Role::Prefill, Some(_)) => pool_regions.iter().map(|r| r.id).collect(),
+            _ => Vec::new(),
+        };
+        agent.rdma_register_all_but(&skip)?;
         log::info!(
             "engine: registered {} region(s) with the RDMA NICs in {:?}",
             agent.registry().descriptors().len(),

@@ -99,7 +99,9 @@ pub(super) fn write_pair(
                 pack.total_bytes as usize,
             )
         };
+        let t0 = std::time::Instant::now();
         crate::relayout::cpu::gather(&pools, row_bytes, &spans, &pack, out)?;
+        inner.metrics.gathered(t0);
         let ops = staged_ops(
             &sub,
             row_bytes,

@@ -9,11 +9,13 @@ use super::handle::{catch, lock, Inner};
 use super::prefill::{notify_decode, MetaInfo};
 use super::room::KvPoll;
 use super::staging::write_pair;
+use super::telemetry::RoomTimes;
 use crate::error::{Error, Result, Status};
 use crate::layout::{DcpLayout, PairRequest, Side};
 use crate::transport::{BatchOptions, WriteOp};
 use crossbeam::channel::Receiver;
 use std::sync::atomic::Ordering;
+use std::time::Instant;
 
 pub(super) struct Job {
     pub(super) room: u64,
@@ -24,6 +26,8 @@ pub(super) struct Job {
     pub(super) last: bool,
     pub(super) aux_index: u64,
     pub(super) state_indices: Vec<u64>,
+    /// When `send` queued the chunk.
+    pub(super) queued: Instant,
 }
 
 pub(super) fn worker_loop(
@@ -103,6 +107,7 @@ fn send_chunk(
     mut stage: Option<&mut DeviceStage>,
     flight: &mut Flight<'_>,
 ) -> Result<Vec<u64>> {
+    stamp_queued(inner, job);
     let infos = lock(&inner.prefill_rooms)
         .get(&job.room)
         .map(|r| r.infos.clone())
@@ -118,7 +123,7 @@ fn send_chunk(
     let row_bytes: Vec<u64> = topo.entries.iter().map(|e| e.row_bytes).collect();
     let opts = flight.opts;
     let mut sent = Vec::with_capacity(infos.len());
-    for m in &infos {
+    for (i, m) in infos.iter().enumerate() {
         if !m.link.alive.load(Ordering::Acquire) {
             return Err(Error::new(
                 Status::PeerUnreachable,
@@ -148,6 +153,9 @@ fn send_chunk(
             num_tokens: job.num_tokens,
         };
         req.validate()?;
+        if i == 0 {
+            stamp_planned(inner, job, &infos);
+        }
         let dst_regions: Vec<u64> = topo
             .entries
             .iter()
@@ -206,6 +214,30 @@ fn send_chunk(
         }
     }
     Ok(sent)
+}
+
+/// Stamps the room's queued time (the chunk's, once).
+fn stamp_queued(inner: &Inner, job: &Job) {
+    if let Some(t) = lock(&inner.rooms).times_mut(job.room, job.attempt) {
+        RoomTimes::stamp(&mut t.queued, job.queued);
+    }
+}
+
+/// Stamps the room's planned time (now, once) and the transport label of
+/// its decode links (`mixed` when they differ).
+fn stamp_planned(inner: &Inner, job: &Job, infos: &[MetaInfo]) {
+    let mut kinds = infos.iter().map(|m| m.link.data().kind().name());
+    let first = kinds.next().unwrap_or("unknown");
+    let transport = if kinds.all(|k| k == first) {
+        first
+    } else {
+        "mixed"
+    };
+    let now = Instant::now();
+    if let Some(t) = lock(&inner.rooms).times_mut(job.room, job.attempt) {
+        RoomTimes::stamp(&mut t.planned, now);
+        t.transport.get_or_insert(transport);
+    }
 }
 
 /// The state rows of the room's last chunk, whole, to one decode rank.

@@ -131,12 +131,18 @@ pub struct PdxEngineConfig {
     pub pool_memory: u32,
     /// ABI 1.2: CUDA device ordinal of the pools with `PDXFER_POOL_CUDA`.
     pub pool_device: u32,
+    /// ABI 1.3: where to serve the engine's Prometheus text over HTTP
+    /// (`GET /metrics`), `"host:port"` (port 0 picks one; read it with
+    /// `pdxfer_engine_metrics_address`); NULL serves nothing
+    /// (`pdxfer_engine_metrics` still answers). No authentication: keep it
+    /// on loopback or a monitoring network.
+    pub metrics_listen: *const c_char,
 }
 
 // SAFETY: repr(C), starts with u64 struct_size, integers and raw pointers only (zero is valid).
 unsafe impl Versioned for PdxEngineConfig {
-    /// ABI 1.0 callers (without `state` and the pool memory) are accepted.
-    const MIN_SIZE: usize = std::mem::size_of::<PdxEngineConfig>() - 24;
+    /// ABI 1.0 callers (without `state`, the pool memory and `metrics_listen`) are accepted.
+    const MIN_SIZE: usize = std::mem::size_of::<PdxEngineConfig>() - 32;
     const NAME: &'static str = "PdxEngineConfig";
 }
 
@@ -243,6 +249,8 @@ fn config_from_c(p: *const PdxEngineConfig) -> Result<EngineConfig> {
     if let Some(d) = ms(c.lease_ttl_ms) {
         cfg.lease_ttl = d;
     }
+    cfg.metrics_listen =
+        ptr::opt_c_str(c.metrics_listen, "config.metrics_listen")?.map(str::to_string);
     cfg.pool_device = match c.pool_memory {
         PDXFER_POOL_HOST => None,
         PDXFER_POOL_CUDA => Some(c.pool_device),
@@ -255,7 +263,7 @@ fn config_from_c(p: *const PdxEngineConfig) -> Result<EngineConfig> {
     Ok(cfg)
 }
 
-fn eng<'a>(p: *const PdxEngine) -> Result<&'a Engine> {
+pub(super) fn eng<'a>(p: *const PdxEngine) -> Result<&'a Engine> {
     ptr::handle(p, "engine").map(|e| &e.engine)
 }
 
@@ -529,6 +537,24 @@ pub extern "C" fn pdxfer_engine_room_bytes(
     })
 }
 
+/// Prefill: the decode prefix length the decode ranks sent for the room into
+/// `*out_len` and 1 into `*out_known` once their metadata has arrived; 0 and 0
+/// before (and for an unknown room).
+#[no_mangle]
+pub extern "C" fn pdxfer_engine_decode_prefix_len(
+    engine: *const PdxEngine,
+    room: u64,
+    out_len: *mut u64,
+    out_known: *mut u32,
+) -> PdxStatus {
+    boundary(|| {
+        let p = eng(engine)?.decode_prefix_len(room);
+        ptr::write_out(out_len, p.unwrap_or(0), "out_len")?;
+        ptr::write_out(out_known, u32::from(p.is_some()), "out_known")?;
+        ok()
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -544,7 +570,7 @@ mod tests {
         use std::mem::size_of;
         assert_eq!(size_of::<PdxKvPool>(), 32);
         assert_eq!(size_of::<PdxAuxBuffer>(), 24);
-        assert_eq!(size_of::<PdxEngineConfig>(), 168);
+        assert_eq!(size_of::<PdxEngineConfig>(), 176);
         for p in [
             KvPoll::Failed,
             KvPoll::Bootstrapping,
@@ -656,6 +682,7 @@ mod tests {
             num_state: 0,
             pool_memory: PDXFER_POOL_HOST,
             pool_device: 0,
+            metrics_listen: null(),
         }
     }
 
@@ -676,6 +703,15 @@ mod tests {
             c.struct_size = old;
             assert_eq!(config_from_c(&c).unwrap().pool_device, None, "size {old}");
         }
+        // ABI 1.3 metrics_listen: read from a 1.3 struct, not from a 1.2 one
+        c.metrics_listen = c"127.0.0.1:0".as_ptr();
+        c.struct_size = 168;
+        let old = config_from_c(&c).unwrap();
+        assert_eq!((old.pool_device, old.metrics_listen), (Some(3), None));
+        c.struct_size = std::mem::size_of::<PdxEngineConfig>() as u64;
+        let new = config_from_c(&c).unwrap();
+        assert_eq!(new.metrics_listen.as_deref(), Some("127.0.0.1:0"));
+        c.metrics_listen = std::ptr::null();
         c.struct_size = 136;
         assert_eq!(config_from_c(&c).unwrap_err().status(), Status::AbiMismatch);
         c.struct_size = std::mem::size_of::<PdxEngineConfig>() as u64;
@@ -783,6 +819,29 @@ mod tests {
             std::thread::sleep(Duration::from_millis(5));
         }
         assert_eq!(poll, PDXFER_POLL_WAITING_FOR_INPUT);
+        let (mut plen, mut known) = (u64::MAX, 9u32);
+        assert_eq!(
+            pdxfer_engine_decode_prefix_len(pe, room, &mut plen, &mut known),
+            PdxStatus::Ok
+        );
+        assert_eq!(
+            (plen, known),
+            (prefix, 1),
+            "the prefix the decode ranks sent"
+        );
+        assert_eq!(
+            pdxfer_engine_decode_prefix_len(pe, room + 1000, &mut plen, &mut known),
+            PdxStatus::Ok
+        );
+        assert_eq!((plen, known), (0, 0), "no metadata for an unknown room");
+        assert_eq!(
+            pdxfer_engine_decode_prefix_len(pe, room, null_mut(), &mut known),
+            PdxStatus::NullArgument
+        );
+        assert_eq!(
+            pdxfer_engine_decode_prefix_len(null(), room, &mut plen, &mut known),
+            PdxStatus::NullArgument
+        );
         // 118 tokens: 5 full pages, then 3 pages holding 38
         assert_eq!(
             pdxfer_engine_send(pe, room, src.as_ptr(), 5, 80, 0, 2),

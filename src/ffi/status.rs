@@ -8,7 +8,10 @@ pub const PDXFER_ABI_VERSION_MAJOR: u32 = 1;
 /// ABI minor version of this header (functions or struct fields added).
 /// 1.1: `PdxEngineConfig.state`, `pdxfer_engine_set_state_indices`.
 /// 1.2: `PdxEngineConfig.pool_memory` / `pool_device` (KV pools in CUDA memory).
-pub const PDXFER_ABI_VERSION_MINOR: u32 = 2;
+/// 1.3: `pdxfer_set_log_callback`, `pdxfer_engine_decode_prefix_len`,
+/// `PdxEngineConfig.metrics_listen`, `pdxfer_engine_metrics`,
+/// `pdxfer_engine_metrics_address`, `pdxfer_engine_room_telemetry`.
+pub const PDXFER_ABI_VERSION_MINOR: u32 = 3;
 
 /// The library's ABI version: `(major << 16) | minor`.
 #[no_mangle]

@@ -780,7 +780,7 @@ mod device_tests {
     fn device_region_registers_and_host_transports_refuse_it() {
         // SAFETY: only dlopens the library.
         if !unsafe { cudarc::driver::sys::is_culib_present() } {
-            println!("SKIPPED device_region_registers: no CUDA driver");
+            crate::test_skip::skip("gpu", "no CUDA driver");
             return;
         }
         let setup = std::panic::catch_unwind(|| -> std::result::Result<u64, String> {
@@ -796,7 +796,7 @@ mod device_tests {
         let dptr = match setup {
             Ok(Ok(p)) => p,
             other => {
-                println!("SKIPPED device_region_registers: no usable CUDA device ({other:?})");
+                crate::test_skip::skip("gpu", &format!("no usable CUDA device ({other:?})"));
                 return;
             }
         };

@@ -287,6 +287,25 @@ pub fn probe() -> Result<CudaInfo> {
     }
 }
 
+/// The PCI bus id of CUDA device `ordinal` (`0000:3b:00.0`, lower case, as
+/// sysfs names it), from `cuDeviceGetPCIBusId`: what RDMA NIC selection
+/// measures PCIe distance from.
+pub fn pci_bus_id(ordinal: u32) -> Result<String> {
+    #[cfg(feature = "cuda")]
+    {
+        device::driver_present()?;
+        device::pci_bus_id(ordinal)
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = ordinal;
+        Err(Error::new(
+            Status::Unsupported,
+            "built without the `cuda` feature",
+        ))
+    }
+}
+
 /// Probes NVRTC (run-time kernel compilation): every version found, newest
 /// first ("NVRTC 13.5 (libnvrtc.so.13), NVRTC 12.4 (/path/...)"), or why none.
 pub fn probe_nvrtc() -> Result<String> {
@@ -354,6 +373,28 @@ mod tests {
                 e.status(),
                 Status::NoCudaDriver | Status::Cuda | Status::Unsupported
             )),
+        }
+    }
+
+    #[test]
+    fn pci_bus_id_is_sysfs_spelled_or_a_typed_error() {
+        match pci_bus_id(0) {
+            Ok(id) => {
+                // dddd:bb:dd.f, lower case
+                let b = id.as_bytes();
+                assert!(
+                    id.len() >= 12 && b[4] == b':' && b[7] == b':' && b[10] == b'.',
+                    "{id}"
+                );
+                assert_eq!(id, id.to_ascii_lowercase());
+            }
+            Err(e) => assert!(
+                matches!(
+                    e.status(),
+                    Status::NoCudaDriver | Status::Cuda | Status::Unsupported
+                ),
+                "{e}"
+            ),
         }
     }
 
@@ -472,7 +513,7 @@ mod tests {
                     std::env::var_os("PDXFER_REQUIRE_CUDA_TOOLS").is_none(),
                     "PDXFER_REQUIRE_CUDA_TOOLS is set but NVRTC is unusable: {e}"
                 );
-                eprintln!("skipped: {e}");
+                crate::test_skip::skip("cuda-tools", &e.to_string());
             }
         }
     }
@@ -485,7 +526,7 @@ mod tests {
                 std::env::var_os("PDXFER_REQUIRE_CUDA_TOOLS").is_none(),
                 "PDXFER_REQUIRE_CUDA_TOOLS is set but no NVRTC was found"
             );
-            eprintln!("skipped: no libnvrtc");
+            crate::test_skip::skip("cuda-tools", "no libnvrtc");
             return;
         }
         let newest = pick_nvrtc(None).unwrap();
@@ -509,7 +550,7 @@ mod tests {
                 std::env::var_os("PDXFER_REQUIRE_CUDA_TOOLS").is_none(),
                 "PDXFER_REQUIRE_CUDA_TOOLS is set but NVRTC is unusable: {e}"
             );
-            eprintln!("skipped: no libnvrtc: {e}");
+            crate::test_skip::skip("cuda-tools", &format!("no libnvrtc: {e}"));
             return;
         }
         let e = nvrtc_compile("sm_1").unwrap_err();
@@ -529,7 +570,7 @@ mod tests {
     #[test]
     fn no_driver_is_typed_everywhere() {
         if device::driver_present().is_ok() {
-            eprintln!("skipped: a CUDA driver is present");
+            crate::test_skip::skip("gpu-present", "a CUDA driver is present");
             return;
         }
         let e = GpuRelayout::new(0).unwrap_err();

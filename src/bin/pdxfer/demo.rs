@@ -170,6 +170,9 @@ pub fn run_rank(a: &DemoRankArgs) -> Result<()> {
                 };
                 say(&out, &json!({"event": "done", "room": room, "ok": ok, "verified_bytes": bytes, "error": err}));
             })),
+            Some("metrics") => {
+                say(&out, &json!({"event": "metrics", "latency": latency_summary(&engine)}));
+            }
             Some("quit") => break,
             _ => {}
         }
@@ -180,6 +183,42 @@ pub fn run_rank(a: &DemoRankArgs) -> Result<()> {
     }
     engine.close();
     Ok(())
+}
+
+/// The engine's transfer latency histogram per transport, summarised:
+/// count and p50 / p90 / p99 in milliseconds (estimated from the buckets).
+fn latency_summary(engine: &Engine) -> Value {
+    let s = engine.metrics_snapshot();
+    let mut out = serde_json::Map::new();
+    for (transport, h) in &s.totals.latency {
+        let ms = |q: f64| h.quantile(q).map(|v| v * 1e3);
+        out.insert(
+            transport.to_string(),
+            json!({
+                "count": h.count, "p50_ms": ms(0.5), "p90_ms": ms(0.9), "p99_ms": ms(0.99),
+                "mean_ms": (h.count > 0).then(|| h.sum / h.count as f64 * 1e3),
+            }),
+        );
+    }
+    Value::Object(out)
+}
+
+/// Asks the prefill rank for its latency histogram summary (waits up to 10 s).
+fn prefill_latency(procs: &mut [Proc], rx: &Receiver<Event>) -> Result<Value> {
+    send(&mut procs[0], &json!({"cmd": "metrics"}))?;
+    let end = Instant::now() + Duration::from_secs(10);
+    loop {
+        match rx.recv_timeout(end.saturating_duration_since(Instant::now())) {
+            Ok((0, e)) if e["event"] == "metrics" => return Ok(e["latency"].clone()),
+            Ok(_) => {}
+            Err(_) => {
+                return Err(Error::new(
+                    Status::Timeout,
+                    "the prefill rank did not report its metrics within 10 s",
+                ))
+            }
+        }
+    }
 }
 
 /// Fills the request's rows, opens the room, sends the chunks; returns the
@@ -568,6 +607,7 @@ fn drive(
     }
     bar.finish_and_clear();
     let secs = start.elapsed().as_secs_f64();
+    let histogram = prefill_latency(procs, rx)?;
     latencies.sort_by(|x, y| x.total_cmp(y));
     let pct = |q: f64| latencies[((latencies.len() as f64 - 1.0) * q).round() as usize];
     let verified = failures.is_empty();
@@ -602,6 +642,19 @@ fn drive(
             a.requests as usize - failures.len(),
             a.requests
         );
+        println!("prefill engine transfer latency histogram (first chunk queued to Success; quantiles from the buckets):");
+        if let Some(m) = histogram.as_object() {
+            for (t, h) in m {
+                let ms = |k: &str| h[k].as_f64().map_or("-".to_string(), |v| format!("{v:.2}"));
+                println!(
+                    "  {t:<6} rooms {:>6}  p50 {:>9} ms  p90 {:>9} ms  p99 {:>9} ms",
+                    h["count"],
+                    ms("p50_ms"),
+                    ms("p90_ms"),
+                    ms("p99_ms")
+                );
+            }
+        }
         for f in &failures {
             println!("  FAILED {f}");
         }
@@ -612,6 +665,7 @@ fn drive(
             "verified": verified, "requests": a.requests, "tokens": tokens, "bytes": bytes, "seconds": secs,
             "gb_per_s": bytes as f64 / secs / 1e9, "p50_ms": pct(0.5), "p99_ms": pct(0.99),
             "transport": tname, "dcp_size": a.dcp_size, "failures": failures,
+            "latency_histogram": histogram,
         })
     );
     if verified {

@@ -5,9 +5,11 @@
 mod bench;
 mod bootstrap;
 mod demo;
+mod logging;
 mod plan;
 mod rank;
 mod rdma_bench;
+mod rdma_gpu;
 mod target;
 
 use clap::{Parser, Subcommand};
@@ -27,6 +29,10 @@ enum Cmd {
         /// Print one JSON object.
         #[arg(long)]
         json: bool,
+        /// Also report RDMA for CUDA device N: the NICs chosen for it and
+        /// why, and GPUDirect RDMA tested by a real registration.
+        #[arg(long)]
+        gpu: Option<u32>,
     },
     /// Show where each token of a request goes, per (prefill rank, decode rank).
     Plan(plan::PlanArgs),
@@ -54,8 +60,9 @@ fn main() {
 /// Runs the CLI; returns the process exit code.
 fn run() -> i32 {
     let cli = Cli::parse();
+    logging::init();
     let r = match cli.cmd {
-        Cmd::Info { json } => info(json),
+        Cmd::Info { json, gpu } => info(json, gpu),
         Cmd::Plan(a) => plan::run(&a),
         Cmd::Demo(a) => demo::run(&a),
         Cmd::DemoRank(a) => demo::run_rank(&a),
@@ -74,7 +81,7 @@ fn run() -> i32 {
     }
 }
 
-fn info(json: bool) -> pdxfer::Result<()> {
+fn info(json: bool, gpu: Option<u32>) -> pdxfer::Result<()> {
     let cuda = pdxfer::relayout::gpu::probe();
     let nvrtc = pdxfer::relayout::gpu::probe_nvrtc();
     // which kernel image device 0's driver loads (only where a device exists)
@@ -96,7 +103,7 @@ fn info(json: bool) -> pdxfer::Result<()> {
             serde_json::json!({"available": false, "kind": e.kind(), "code": e.status() as i32, "detail": e.detail()})
         }
     };
-    let v = serde_json::json!({
+    let mut v = serde_json::json!({
         "version": env!("CARGO_PKG_VERSION"),
         "abi_version": format!("{}.{}", pdxfer::ABI_VERSION_MAJOR, pdxfer::ABI_VERSION_MINOR),
         "features": {"rdma": cfg!(feature = "rdma"), "cuda": cfg!(feature = "cuda"), "nccl": cfg!(feature = "nccl")},
@@ -107,6 +114,9 @@ fn info(json: bool) -> pdxfer::Result<()> {
         "nccl": show(nccl.map(|(v, path)| format!("version {}.{}.{} ({path})", v / 10000, v / 100 % 100, v % 100))),
         "rdma": rdma_json,
     });
+    if let Some(g) = gpu {
+        v["rdma_for_gpu"] = pdxfer::transport::rdma::report::for_gpu(g);
+    }
     if json {
         println!("{v}");
     } else {
@@ -133,6 +143,9 @@ fn info(json: bool) -> pdxfer::Result<()> {
         }
         if let Ok(devs) = &rdma {
             print_rdma_devices(devs);
+        }
+        if gpu.is_some() {
+            rdma_gpu::print(&v["rdma_for_gpu"]);
         }
     }
     Ok(())

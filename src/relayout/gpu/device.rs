@@ -35,6 +35,20 @@ pub(super) fn driver_present() -> Result<()> {
     }
 }
 
+/// `cuDeviceGetPCIBusId` of device `ordinal`, lower-cased (sysfs spelling).
+pub(super) fn pci_bus_id(ordinal: u32) -> Result<String> {
+    guard("cuDeviceGetPCIBusId", || {
+        result::init()?;
+        let dev = result::device::get(ordinal as i32)?;
+        let mut buf = [0 as std::ffi::c_char; 32];
+        // SAFETY: buf is writable for its length; the driver writes a NUL-terminated id.
+        unsafe { sys::cuDeviceGetPCIBusId(buf.as_mut_ptr(), buf.len() as i32, dev).result()? };
+        // SAFETY: the driver NUL-terminated the id inside buf (zeroed beforehand).
+        let id = unsafe { std::ffi::CStr::from_ptr(buf.as_ptr()) };
+        Ok(id.to_string_lossy().to_ascii_lowercase())
+    })
+}
+
 /// Runs one cudarc driver call: its error becomes [`Status::Cuda`], a panic
 /// (missing library or symbol) [`Status::NoCudaDriver`].
 pub(super) fn guard<T>(

@@ -272,7 +272,10 @@ mod tests {
                 std::env::var_os("PDXFER_REQUIRE_CUDA_TOOLS").is_none(),
                 "PDXFER_REQUIRE_CUDA_TOOLS is set but PDXFER_KERNEL_NVRTC is not"
             );
-            eprintln!("skipped: no PDXFER_KERNEL_NVRTC (scripts/cuda-deps.sh)");
+            crate::test_skip::skip(
+                "cuda-tools",
+                "no PDXFER_KERNEL_NVRTC (scripts/cuda-deps.sh)",
+            );
             return;
         };
         let lib = PathBuf::from(lib);

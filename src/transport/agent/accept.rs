@@ -194,8 +194,17 @@ fn accept_rdma(
 /// warning, since the host regions still work: batches into them are refused
 /// at grant, and from them at submit, with the reason.
 pub(super) fn register_all(reg: &Registry, nic: &dyn NicProvider) -> Result<()> {
+    register_matching(reg, nic, &|_| true)
+}
+
+/// [`register_all`] for the regions `keep` accepts.
+pub(super) fn register_matching(
+    reg: &Registry,
+    nic: &dyn NicProvider,
+    keep: &dyn Fn(&crate::memory::RegionDesc) -> bool,
+) -> Result<()> {
     let gpu = nic.gpu_direct();
-    for d in reg.descriptors() {
+    for d in reg.descriptors().into_iter().filter(|d| keep(d)) {
         if d.kind != RegionKind::Host {
             let r = gpu.clone().and_then(|()| {
                 // SAFETY: as for host regions below.
@@ -227,15 +236,18 @@ pub(super) fn register_all(reg: &Registry, nic: &dyn NicProvider) -> Result<()> 
 }
 
 #[cfg(feature = "rdma")]
-pub(super) fn open_default_nic() -> Result<Arc<dyn NicProvider>> {
-    let cfg = crate::transport::rdma::RdmaConfig::from_env()?;
+pub(super) fn open_default_nic(gpu: Option<u32>) -> Result<Arc<dyn NicProvider>> {
+    let mut cfg = crate::transport::rdma::RdmaConfig::from_env()?;
+    if let Some(ordinal) = gpu {
+        cfg = cfg.for_gpu(ordinal);
+    }
     Ok(Arc::new(crate::transport::rdma::nic::VerbsProvider::open(
         cfg,
     )?))
 }
 
 #[cfg(not(feature = "rdma"))]
-pub(super) fn open_default_nic() -> Result<Arc<dyn NicProvider>> {
+pub(super) fn open_default_nic(_gpu: Option<u32>) -> Result<Arc<dyn NicProvider>> {
     Err(Error::new(
         Status::NoRdmaDevice,
         "this build of pdxfer has no `rdma` feature (no verbs support)",

@@ -55,6 +55,10 @@ pub struct AgentOptions {
     /// cross-host choice). False in production.
     #[doc(hidden)]
     pub deny_same_host: bool,
+    /// The CUDA device whose memory this agent's regions are in, if any:
+    /// the real RDMA NICs are then chosen nearest to it on PCIe and
+    /// GPUDirect RDMA is probed on it.
+    pub gpu: Option<u32>,
 }
 
 /// Options of [`Agent::connect`].
@@ -109,13 +113,16 @@ pub(crate) struct AgentInner {
     pub(crate) stall: Duration,
     nic: OnceLock<Result<Arc<dyn NicProvider>>>,
     deny_same_host: bool,
+    gpu: Option<u32>,
 }
 
 impl AgentInner {
     /// The RDMA NICs of this process: the provider given in the options, else
     /// the real NICs (opened once, on first use); `NoRdmaDevice` with the reason.
     pub(crate) fn nic(&self) -> Result<Arc<dyn NicProvider>> {
-        self.nic.get_or_init(accept::open_default_nic).clone()
+        self.nic
+            .get_or_init(|| accept::open_default_nic(self.gpu))
+            .clone()
     }
 
     pub(crate) fn deliver(&self, peer: ProcIdentity, session: u64, completion: Completion) {
@@ -179,6 +186,7 @@ impl Agent {
                 None => OnceLock::new(),
             },
             deny_same_host: opts.deny_same_host,
+            gpu: opts.gpu,
         });
         // Unregistering a region drops its NIC registration before the memory
         // can be freed, so a peer holding its rkey cannot write into it.
@@ -279,6 +287,14 @@ impl Agent {
     pub fn rdma_register_all(&self) -> Result<()> {
         let nic = self.inner.nic()?;
         accept::register_all(&self.inner.registry, &*nic)
+    }
+
+    /// [`rdma_register_all`](Self::rdma_register_all) except the regions
+    /// `skip` names (e.g. memory this side never moves over rdma itself; it
+    /// is still registered on first use).
+    pub fn rdma_register_all_but(&self, skip: &[u64]) -> Result<()> {
+        let nic = self.inner.nic()?;
+        accept::register_matching(&self.inner.registry, &*nic, &|d| !skip.contains(&d.id))
     }
 
     /// Number of sender sessions currently connected.

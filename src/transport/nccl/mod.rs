@@ -199,7 +199,7 @@ mod tests {
                     std::env::var_os("PDXFER_REQUIRE_CUDA_TOOLS").is_none(),
                     "PDXFER_REQUIRE_CUDA_TOOLS is set but libnccl is unusable: {e}"
                 );
-                eprintln!("skipped: {e}");
+                crate::test_skip::skip("cuda-tools", &e.to_string());
             }
         }
     }
@@ -209,7 +209,7 @@ mod tests {
     fn connect_without_gpu_is_typed() {
         // SAFETY: only tries to dlopen the library.
         if unsafe { cudarc::driver::sys::is_culib_present() } {
-            eprintln!("skipped: a CUDA driver is present");
+            crate::test_skip::skip("gpu-present", "a CUDA driver is present");
             return;
         }
         let id = NcclId([1; 128]);

@@ -25,8 +25,12 @@ pub struct RdmaConfig {
     pub policy: NicPolicy,
     /// NUMA node of the memory served, when known.
     pub numa_node: Option<i32>,
-    /// PCI bus id of the GPU whose memory is served (`0000:3b:00.0`), when known.
+    /// PCI bus id of the GPU whose memory is served (`0000:3b:00.0`), when
+    /// known: `PDXFER_RDMA_GPU_PCI`, else derived from `gpu_ordinal`.
     pub gpu_pci: Option<String>,
+    /// The CUDA device whose memory is served (an engine's `pool_device`):
+    /// NIC choice follows its PCI address, and GPUDirect RDMA is probed on it.
+    pub gpu_ordinal: Option<u32>,
     /// Force this GID index on every rail (default: RoCE v2 IPv4 first).
     pub gid_index: Option<u8>,
     /// Use at most this many rails (0 = every selected NIC).
@@ -56,6 +60,7 @@ impl Default for RdmaConfig {
             policy: NicPolicy::Nearest,
             numa_node: None,
             gpu_pci: None,
+            gpu_ordinal: None,
             gid_index: None,
             max_rails: 0,
             sq_depth: 1024,
@@ -172,6 +177,27 @@ impl RdmaConfig {
         Ok(())
     }
 
+    /// Serves the memory of CUDA device `ordinal`: without an explicit
+    /// `gpu_pci` (`PDXFER_RDMA_GPU_PCI`), its PCI bus id comes from the
+    /// driver (`cuDeviceGetPCIBusId`), so the NICs chosen are the GPU's; where
+    /// the driver cannot say (no driver, the fake one), NIC choice falls back
+    /// to the NUMA node, logged.
+    pub fn for_gpu(mut self, ordinal: u32) -> RdmaConfig {
+        self.gpu_ordinal = Some(ordinal);
+        if self.gpu_pci.is_none() {
+            match crate::relayout::gpu::pci_bus_id(ordinal) {
+                Ok(bus) => {
+                    log::info!("rdma: GPU {ordinal} is at PCI {bus}: NICs are chosen nearest to it");
+                    self.gpu_pci = Some(bus);
+                }
+                Err(e) => log::warn!(
+                    "rdma: the PCI address of GPU {ordinal} is unknown ({e}); NICs are chosen by NUMA node; set PDXFER_RDMA_GPU_PCI"
+                ),
+            }
+        }
+        self
+    }
+
     /// The memory's locality: from the GPU's PCI id when given, else the NUMA node.
     pub fn affinity(&self) -> Affinity {
         let mut a = match &self.gpu_pci {
@@ -235,6 +261,23 @@ mod tests {
         assert!(from(&[("PDXFER_RDMA_RETRY_CNT", "8")]).is_err());
         assert!(from(&[("PDXFER_RDMA_DEVICES", ",")]).is_err());
         assert!(from(&[("PDXFER_RDMA_RECORD", "fence")]).is_err());
+    }
+
+    #[test]
+    fn an_explicit_gpu_pci_wins_over_the_device() {
+        let c = RdmaConfig {
+            gpu_pci: Some("0000:02:00.0".into()),
+            ..RdmaConfig::default()
+        }
+        .for_gpu(3);
+        assert_eq!(c.gpu_ordinal, Some(3));
+        assert_eq!(c.gpu_pci.as_deref(), Some("0000:02:00.0"));
+        // Without one, the driver is asked (no driver here: still unknown, typed).
+        let c = RdmaConfig::default().for_gpu(0);
+        assert_eq!(c.gpu_ordinal, Some(0));
+        if let Some(bus) = &c.gpu_pci {
+            assert_eq!(bus, &crate::relayout::gpu::pci_bus_id(0).unwrap());
+        }
     }
 
     #[test]

@@ -316,11 +316,160 @@ pub enum NicPolicy {
     Nearest,
 }
 
-fn pci_shared_depth(a: &Path, b: &Path) -> usize {
-    a.components()
-        .zip(b.components())
+/// Where a NIC sits on PCIe relative to the GPU whose memory it serves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum PciRelation {
+    /// Unknown (no GPU given, or sysfs does not place one of them).
+    Unknown,
+    /// Under another PCIe root complex (another host bridge or socket):
+    /// GPUDirect traffic crosses the CPU interconnect.
+    OtherRoot,
+    /// Under the GPU's root complex, sharing `bridges` PCIe bridges below it
+    /// (0: only the root port's host bridge; 1 or more: a common switch).
+    SameRoot {
+        /// PCIe bridges (switch ports) shared below the root complex.
+        bridges: usize,
+    },
+}
+
+/// The PCIe relation of two canonical sysfs device paths
+/// (`.../devices/pci0000:00/0000:00:01.0/0000:01:00.0`).
+pub fn pci_relation(gpu: &Path, nic: &Path) -> PciRelation {
+    // from the root complex (`pciDDDD:BB`) down to the function itself
+    let below_root = |p: &Path| -> Option<Vec<String>> {
+        let c: Vec<String> = p
+            .components()
+            .map(|c| c.as_os_str().to_string_lossy().into_owned())
+            .collect();
+        let r = c.iter().position(|x| x.starts_with("pci"))?;
+        Some(c[r..].to_vec())
+    };
+    let (Some(a), Some(b)) = (below_root(gpu), below_root(nic)) else {
+        return PciRelation::Unknown;
+    };
+    if a[0] != b[0] {
+        return PciRelation::OtherRoot;
+    }
+    // shared components after the root, not counting the devices themselves
+    let shared = a[1..a.len() - 1]
+        .iter()
+        .zip(&b[1..b.len() - 1])
         .take_while(|(x, y)| x == y)
-        .count()
+        .count();
+    PciRelation::SameRoot { bridges: shared }
+}
+
+/// One active port and whether [`nearest`] chose it, with why.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NearestChoice {
+    /// Index into the devices.
+    pub dev: usize,
+    /// Index into the device's ports.
+    pub port: usize,
+    /// Where it sits relative to the GPU.
+    pub relation: PciRelation,
+    /// Whether it is used.
+    pub chosen: bool,
+    /// Why it is used or left out.
+    pub reason: String,
+}
+
+/// Ranks every ACTIVE port for memory at `affinity`, as NCCL and Mooncake
+/// do: with the GPU's PCI path known, only the NICs nearest to it on PCIe
+/// (the most bridges shared under its root complex: its own switch where
+/// there is one) are chosen, since GPUDirect RDMA through a farther NIC
+/// crosses the root complex or the socket, and storage or management NICs
+/// of other switches may not even reach the peer. Without a NIC under the
+/// GPU's root complex, or without a GPU, the memory's NUMA node decides
+/// (NICs on other nodes are left out when one shares it); with no
+/// locality at all, every active port is used. Chosen ports come first,
+/// nearest first, then by name.
+pub fn nearest(devs: &[RdmaDevice], affinity: &Affinity) -> Vec<NearestChoice> {
+    let mut all: Vec<NearestChoice> = Vec::new();
+    for (di, d) in devs.iter().enumerate() {
+        for (pi, p) in d.ports.iter().enumerate() {
+            if !p.active {
+                continue;
+            }
+            let relation = match (&affinity.pci_path, &d.pci_path) {
+                (Some(g), Some(n)) => pci_relation(g, n),
+                _ => PciRelation::Unknown,
+            };
+            all.push(NearestChoice {
+                dev: di,
+                port: pi,
+                relation,
+                chosen: false,
+                reason: String::new(),
+            });
+        }
+    }
+    let best = all.iter().map(|c| c.relation).max();
+    let numa_of = |c: &NearestChoice| devs[c.dev].numa_node;
+    let numa_match =
+        |c: &NearestChoice| affinity.numa_node.is_some() && numa_of(c) == affinity.numa_node;
+    let any_numa = all.iter().any(numa_match);
+    for c in &mut all {
+        match best {
+            Some(PciRelation::SameRoot { bridges: best_b }) => {
+                if c.relation == (PciRelation::SameRoot { bridges: best_b }) {
+                    c.chosen = true;
+                    c.reason = if best_b > 0 {
+                        format!("nearest to the GPU on PCIe: behind the same PCIe switch ({best_b} bridge(s) shared)")
+                    } else {
+                        "nearest to the GPU on PCIe: same root complex (no shared switch)"
+                            .to_string()
+                    };
+                } else {
+                    c.reason = match c.relation {
+                        PciRelation::SameRoot { bridges } => format!(
+                            "farther from the GPU on PCIe ({bridges} bridge(s) shared, the nearest NIC shares {best_b})"
+                        ),
+                        PciRelation::OtherRoot => {
+                            "under another PCIe root complex than the GPU".to_string()
+                        }
+                        PciRelation::Unknown => "not placed on PCIe by sysfs".to_string(),
+                    };
+                }
+            }
+            _ => {
+                // no NIC under the GPU's root complex, or no GPU: NUMA decides
+                let gpu = affinity.pci_path.is_some();
+                let numa = numa_match(c);
+                if any_numa && !numa {
+                    c.reason = format!(
+                        "NUMA node {:?}, memory on {:?}",
+                        numa_of(c),
+                        affinity.numa_node
+                    );
+                    continue;
+                }
+                c.chosen = true;
+                let mut why = Vec::new();
+                if gpu {
+                    why.push("no NIC under the GPU's PCIe root complex".to_string());
+                }
+                why.push(match (affinity.numa_node, numa) {
+                    (Some(n), true) => format!("same NUMA node {n} as the memory"),
+                    (Some(n), false) => format!("no NIC on the memory's NUMA node {n}: cross-NUMA"),
+                    (None, _) => "memory locality unknown".to_string(),
+                });
+                c.reason = why.join(", ");
+            }
+        }
+    }
+    all.sort_by(|a, b| {
+        b.chosen
+            .cmp(&a.chosen)
+            .then(b.relation.cmp(&a.relation))
+            .then(devs[a.dev].name.cmp(&devs[b.dev].name))
+            .then(
+                devs[a.dev].ports[a.port]
+                    .num
+                    .cmp(&devs[b.dev].ports[b.port].num),
+            )
+    });
+    all
 }
 
 fn choose_gid(dev: &RdmaDevice, port: &RdmaPort, forced: Option<u8>) -> Result<u8> {
@@ -358,10 +507,10 @@ fn choose_gid(dev: &RdmaDevice, port: &RdmaPort, forced: Option<u8>) -> Result<u
 /// Picks the rails a transport uses, at most `max_rails` (0 = no limit).
 ///
 /// `Named`: each named device (and port, default the first active one) must have an
-/// ACTIVE port, else the error names its state. `Nearest`: active ports ranked by
-/// PCIe distance to the GPU, then NUMA match; when the memory's NUMA node is known
-/// and some NIC shares it, NICs on other nodes are left out (cross-NUMA NICs cost
-/// 3-5x latency). `gid_index` forces one GID index on every rail.
+/// ACTIVE port, else the error names its state. `Nearest`: see [`nearest`]: only
+/// the NICs nearest to the GPU on PCIe, else those of the memory's NUMA node
+/// (cross-NUMA NICs cost 3-5x latency); every port left out is logged with why.
+/// `gid_index` forces one GID index on every rail.
 pub fn select_rails(
     devs: &[RdmaDevice],
     policy: &NicPolicy,
@@ -433,19 +582,8 @@ pub fn select_rails(
             }
         }
         NicPolicy::Nearest => {
-            let mut cands: Vec<(usize, bool, &RdmaDevice, &RdmaPort)> = devs
-                .iter()
-                .flat_map(|d| d.ports.iter().filter(|p| p.active).map(move |p| (d, p)))
-                .map(|(d, p)| {
-                    let depth = match (&affinity.pci_path, &d.pci_path) {
-                        (Some(a), Some(b)) => pci_shared_depth(a, b),
-                        _ => 0,
-                    };
-                    let numa = affinity.numa_node.is_some() && affinity.numa_node == d.numa_node;
-                    (depth, numa, d, p)
-                })
-                .collect();
-            if cands.is_empty() {
+            let decided = nearest(devs, affinity);
+            if decided.is_empty() {
                 return Err(Error::new(
                     Status::NoRdmaDevice,
                     format!(
@@ -460,37 +598,13 @@ pub fn select_rails(
                     ),
                 ));
             }
-            cands.sort_by(|a, b| {
-                b.0.cmp(&a.0)
-                    .then(b.1.cmp(&a.1))
-                    .then(a.2.name.cmp(&b.2.name))
-                    .then(a.3.num.cmp(&b.3.num))
-            });
-            let any_numa = cands.iter().any(|c| c.1);
-            let best_depth = cands[0].0;
-            for (depth, numa, d, p) in cands {
-                if any_numa && !numa {
-                    log::info!(
-                        "rdma: skipping {} port {} (NUMA node {:?}, memory on {:?})",
-                        d.name,
-                        p.num,
-                        d.numa_node,
-                        affinity.numa_node
-                    );
+            for c in decided {
+                let (d, p) = (&devs[c.dev], &devs[c.dev].ports[c.port]);
+                if !c.chosen {
+                    log::info!("rdma: skipping {} port {}: {}", d.name, p.num, c.reason);
                     continue;
                 }
-                let mut why = Vec::new();
-                if affinity.pci_path.is_some() && depth == best_depth && depth > 0 {
-                    why.push("closest on PCIe to the GPU".to_string());
-                }
-                match (affinity.numa_node, numa) {
-                    (Some(n), true) => why.push(format!("same NUMA node {n} as the memory")),
-                    (Some(n), false) => {
-                        why.push(format!("no NIC on the memory's NUMA node {n}: cross-NUMA"))
-                    }
-                    (None, _) => why.push("memory locality unknown".to_string()),
-                }
-                out.push(mk(d, p, why.join(", "))?);
+                out.push(mk(d, p, c.reason)?);
             }
         }
     }
@@ -678,13 +792,27 @@ pub(crate) mod tests {
         let aff = Affinity::of_pci(&s.0, "0000:02:00.0");
         assert_eq!(aff.numa_node, Some(0));
         let r = select_rails(&devs, &NicPolicy::Nearest, &aff, None, 0).unwrap();
+        // Only the NIC behind the GPU's own switch: mlx5_1 (same root complex,
+        // another switch) and mlx5_2 (another root complex) are left out.
         assert_eq!(
             r.iter().map(|c| c.device.as_str()).collect::<Vec<_>>(),
-            ["mlx5_0", "mlx5_1"]
+            ["mlx5_0"]
         );
-        assert!(r[0].reason.contains("closest on PCIe"), "{}", r[0].reason);
-        assert!(r[1].reason.contains("same NUMA node 0"), "{}", r[1].reason);
-        assert!(!r[1].reason.contains("closest"), "{}", r[1].reason);
+        assert!(r[0].reason.contains("same PCIe switch"), "{}", r[0].reason);
+        let all = nearest(&devs, &aff);
+        let why = |n: &str| {
+            all.iter()
+                .find(|c| devs[c.dev].name == n)
+                .map(|c| (c.chosen, c.reason.clone()))
+                .unwrap()
+        };
+        assert_eq!(all.len(), 3, "the three active ports");
+        assert!(
+            !why("mlx5_1").0 && why("mlx5_1").1.contains("farther"),
+            "{:?}",
+            why("mlx5_1")
+        );
+        assert!(!why("mlx5_2").0 && why("mlx5_2").1.contains("another PCIe root"));
         assert_eq!(r[0].gid_index, 3);
         assert_eq!(r[0].weight, 200);
         // One rail: the one on the GPU's switch.
@@ -712,6 +840,54 @@ pub(crate) mod tests {
         let r = select_rails(&devs, &NicPolicy::Nearest, &aff5, None, 0).unwrap();
         assert_eq!(r.len(), 3);
         assert!(r[0].reason.contains("cross-NUMA"));
+    }
+
+    #[test]
+    fn pci_relation_counts_shared_bridges_under_one_root() {
+        let p = |s: &str| PathBuf::from(format!("/sys/devices/{s}"));
+        let gpu = p("pci0000:00/0000:00:01.0/0000:01:00.0/0000:02:08.0/0000:05:00.0");
+        assert_eq!(
+            pci_relation(
+                &gpu,
+                &p("pci0000:00/0000:00:01.0/0000:01:00.0/0000:02:10.0/0000:06:00.0")
+            ),
+            PciRelation::SameRoot { bridges: 2 }
+        );
+        assert_eq!(
+            pci_relation(&gpu, &p("pci0000:00/0000:00:03.0/0000:09:00.0")),
+            PciRelation::SameRoot { bridges: 0 }
+        );
+        assert_eq!(
+            pci_relation(&gpu, &p("pci0000:80/0000:80:01.0/0000:81:00.0")),
+            PciRelation::OtherRoot
+        );
+        assert_eq!(
+            pci_relation(&gpu, Path::new("/nowhere")),
+            PciRelation::Unknown
+        );
+        assert!(PciRelation::SameRoot { bridges: 2 } > PciRelation::SameRoot { bridges: 0 });
+        assert!(PciRelation::SameRoot { bridges: 0 } > PciRelation::OtherRoot);
+    }
+
+    #[test]
+    fn a_gpu_without_a_nic_on_its_root_complex_falls_back_to_numa() {
+        let s = four_nics();
+        // a GPU under its own root complex on node 1, no NIC there
+        s.gpu("0000:41:00.0", "pci0000:40/0000:40:01.0/0000:41:00.0", 1);
+        let devs = scan(&s.0).unwrap();
+        let aff = Affinity::of_pci(&s.0, "0000:41:00.0");
+        let r = select_rails(&devs, &NicPolicy::Nearest, &aff, None, 0).unwrap();
+        assert_eq!(
+            r.iter().map(|c| c.device.as_str()).collect::<Vec<_>>(),
+            ["mlx5_2"]
+        );
+        assert!(
+            r[0].reason
+                .contains("no NIC under the GPU's PCIe root complex"),
+            "{}",
+            r[0].reason
+        );
+        assert!(r[0].reason.contains("same NUMA node 1"), "{}", r[0].reason);
     }
 
     #[test]

@@ -21,7 +21,7 @@ use super::handshake::{
 use super::qp::transitions;
 use super::session::{lock, RailIo, Session, SessionParams, SessionRail};
 use super::slice::{check_new_regions, LocalRegion, RailKeys, Span};
-use super::tracker::{BatchState, WorkCompletion};
+use super::tracker::{BatchState, WorkCompletion, RECV_WR_ID};
 use super::verbs::{region_access, Context, Cq, DeviceAttr, Mr, Pd, PortAttr, Qp};
 use super::wr::{Direction, WorkRequest};
 use crate::error::{Error, Result, Status};
@@ -29,8 +29,17 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-/// `wr_id` of the receives posted for incoming WRITE_WITH_IMM records.
-const RECV_WR_ID: u64 = u64::MAX;
+/// What the RoCE traffic class of the QPs means, for the per-rail log line.
+pub fn traffic_class_note(tc: u8) -> String {
+    if tc == 0 {
+        "RoCE traffic class 0 (DSCP 0): the default class, lossy on most fabrics; set PDXFER_RDMA_TRAFFIC_CLASS to the fabric's lossless class (commonly 106, DSCP 26) for N-to-1 incast".to_string()
+    } else {
+        format!(
+            "RoCE traffic class {tc} (DSCP {}, from PDXFER_RDMA_TRAFFIC_CLASS)",
+            tc >> 2
+        )
+    }
+}
 
 /// One opened NIC port.
 pub struct Rail {
@@ -156,6 +165,12 @@ impl VerbsNic {
                 c.weight,
                 c.reason
             );
+            if port.link_layer == LinkLayer::Ethernet {
+                log::info!(
+                    "rdma rail {i}: {}",
+                    traffic_class_note(cfg.tuning.traffic_class)
+                );
+            }
             rails.push(Arc::new(Rail {
                 choice: c,
                 port,
@@ -347,6 +362,14 @@ impl VerbsNic {
         // Endpoints keep only the keys: the MRs are deregistered here.
         drop(gone);
         Ok(())
+    }
+
+    /// How the region starting at `addr` was registered, if it is.
+    pub fn region_kind(&self, addr: u64) -> Option<MemoryKind> {
+        lock(&self.regions)
+            .iter()
+            .find(|r| r.addr == addr)
+            .map(|r| r.kind)
     }
 
     /// The lkeys of the region starting at `addr`, one per rail.
@@ -559,6 +582,11 @@ impl RdmaEndpoint {
     /// Forgets every local region overlapping `[addr, addr+len)` (deregistered).
     pub fn session_remove_local(&self, addr: u64, len: u64) {
         self.session.remove_local(addr, len)
+    }
+
+    /// Why the endpoint cannot carry batches any more (a dead rail), if so.
+    pub fn session_broken(&self) -> Option<String> {
+        self.session.broken()
     }
 
     /// Batches the completion tracker still holds.

@@ -2,53 +2,91 @@
 //! rail is a "device" with its own memory keys, and queue pairs and memory
 //! regions live in one process-global table.
 //!
-//! Posting a work request executes it at once, the way a NIC would, after
-//! the same checks: the local range must lie inside a region registered on
-//! the posting rail under its lkey, the peer QP must exist and be alive, and
+//! Like a NIC, it works asynchronously: `post_send` only queues the work
+//! requests (refusing what does not fit in the send queue with `ENOMEM`, as
+//! `ibv_post_send` does), and the fabric's own thread executes them in
+//! order a little later ([`WIRE_DELAY`]), after the same checks a NIC
+//! makes: the local range must lie inside a region registered on the
+//! posting rail under its lkey, the peer QP must exist and be alive, and
 //! the remote range must lie inside a region registered on the peer's rail
-//! under the rkey. Then WRITE copies real bytes into the peer's memory (READ
-//! the other way), WRITE_WITH_IMM delivers the immediate to the peer's
-//! receive queue, and a signalled WR completes. A failed check completes
-//! the WR with the verbs status a NIC reports (LOC_PROT, REM_ACCESS,
-//! RETRY_EXC, RNR_RETRY_EXC) and moves the QP to the error state, where
-//! every later WR is flushed.
+//! under the rkey. Then WRITE copies real bytes into the peer's memory
+//! (READ the other way), WRITE_WITH_IMM consumes one of the peer's posted
+//! receives and completes it with the immediate, and a signalled WR
+//! completes (opcodes and statuses are libibverbs' values). A failed check
+//! completes the WR with the verbs status a NIC reports (LOC_PROT,
+//! REM_ACCESS, RETRY_EXC, RNR_RETRY_EXC) and moves the QP to the error
+//! state: every WR after it, signalled or not, and every posted receive is
+//! flushed with `IBV_WC_WR_FLUSH_ERR`. Send-queue slots are freed only when
+//! a completion covering them is polled, the receive queue holds at most
+//! its depth, and a completion queue that overflows is in error (`poll`
+//! fails; its QP goes to the error state), as on hardware. Depths, the
+//! signalling interval, the slicing size and the posting timeout come from
+//! the NIC's [`RdmaConfig`] (the verbs path's settings); completions in
+//! error carry an undefined opcode, as `ibv_poll_cq(3)` allows.
 //!
 //! Registration behaves like verbs: a range overlapping another registration
 //! is refused (`RegionOverlap`), deregistering removes its keys from the
 //! fabric at once, and device-kind regions (plain memory here) are accepted
-//! and recorded unless the NIC is set without GPUDirect RDMA
-//! ([`FakeNic::set_gpu_direct`]: `NoGpuDirect`), or set to refuse them at
-//! registration only ([`FakeNic::refuse_device_registrations`]).
+//! and recorded unless the NIC has no GPU path ([`FakeNic::set_gpu_direct`]:
+//! libcuda absent) or its GPU registrations fail
+//! ([`FakeNic::refuse_device_registrations`]: libcuda loads, but neither
+//! dma-buf nor nvidia-peermem works). [`gpu_direct`](NicProvider::gpu_direct)
+//! answers by a real probe registration, as the verbs provider does.
 //!
 //! Tests can kill a QP ([`kill_qp`]), make it fail after some WRs
 //! ([`fail_qp_after`]) or make its next posts accepted only part-way
 //! ([`refuse_posts`]). The fabric only connects QPs of one process; it is
 //! selected explicitly (`AgentOptions::nic`), never in production.
+//!
+//! What this fake does not model:
+//! - the negotiated attributes: GID, LID, MTU, PSN and the QP state
+//!   transitions are carried but never checked against each other (a wrong
+//!   GID or PSN "works" here and fails with RETRY_EXC on a fabric);
+//! - RNR retries: a WRITE_WITH_IMM with no posted receive fails at once with
+//!   RNR_RETRY_EXC instead of retrying (`rnr_retry` 7 retries forever);
+//! - timing: no ACK timeouts or retry counts (a fault fails the WR at once),
+//!   no congestion, bandwidth, PFC or traffic classes, no message size or
+//!   MTU segmentation, one fixed delay per post;
+//! - device memory: "device" regions are host memory, so dma-buf export,
+//!   `ibv_reg_dmabuf_mr`, nvidia-peermem, relaxed ordering and PCIe
+//!   topology never run here;
+//! - asynchronous events (port down, `IBV_EVENT_QP_FATAL`), completion
+//!   channels, and SQ slots freed by hardware before the CQE is polled;
+//! - QPs of other processes or hosts.
 
+use super::config::RdmaConfig;
 use super::handshake::{
     random_psn, random_u64, Gid, Handshake, LinkLayer, Mtu, Negotiated, RailInfo,
 };
 use super::nic::{DataPath, NicEndpoint, NicProvider};
 use super::session::{lock, RailIo, Session, SessionParams, SessionRail};
 use super::slice::{LocalRegion, RailKeys};
-use super::tracker::WorkCompletion;
+use super::tracker::{
+    WorkCompletion, RECV_WR_ID, WC_LOC_PROT_ERR, WC_OP_RDMA_READ, WC_OP_RDMA_WRITE,
+    WC_OP_RECV_RDMA_WITH_IMM, WC_REM_ACCESS_ERR, WC_RETRY_EXC_ERR, WC_RNR_RETRY_EXC_ERR,
+    WC_WR_FLUSH_ERR,
+};
 use super::wr::{Opcode, WorkRequest};
 use super::RecordMode;
 use crate::error::{Error, Result, Status};
 use crate::memory::RegionKind;
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
-use std::time::Duration;
+use std::sync::{Arc, Condvar, Mutex, OnceLock};
+use std::time::{Duration, Instant};
 
-const WC_RDMA_WRITE: u32 = 1;
-const WC_RDMA_READ: u32 = 4;
-const WC_RECV_RDMA_WITH_IMM: u32 = 129;
-const LOC_PROT_ERR: u32 = 4;
-const WR_FLUSH_ERR: u32 = 5;
-const REM_ACCESS_ERR: u32 = 10;
-const RETRY_EXC_ERR: u32 = 12;
-const RNR_RETRY_EXC_ERR: u32 = 13;
+/// How long after `post_send` the fabric thread executes the work requests.
+pub const WIRE_DELAY: Duration = Duration::from_micros(20);
+
+/// The opcode of a completion in error (undefined on hardware).
+const WC_OPCODE_UNDEFINED: u32 = 0xff;
+
+/// Largest message per WR on a fake port (`max_msg_sz`; small, so batches
+/// stay multi-WR).
+const FAKE_MAX_MSG: u64 = 1 << 20;
+
+/// Slicing weight of a fake port (all rails are equal).
+const FAKE_WEIGHT: u64 = 100;
 
 #[derive(Clone, Copy)]
 struct Mr {
@@ -57,17 +95,41 @@ struct Mr {
     len: u64,
 }
 
+/// A completion queue of fixed depth.
+struct Cq {
+    entries: VecDeque<WorkCompletion>,
+    depth: usize,
+    /// It overflowed: unusable, like a CQ after `IBV_EVENT_CQ_ERR`.
+    overrun: bool,
+}
+
+/// The send queue: WRs posted and not yet retired by a polled completion,
+/// and those the fabric thread has not executed yet.
+struct SendQueue {
+    /// `wr_id`s holding a slot, oldest first.
+    slots: VecDeque<u64>,
+    /// Work not executed yet, with when it may run.
+    queued: VecDeque<(Instant, WorkRequest)>,
+}
+
 struct Qp {
     qpn: u32,
     device: u64,
     remote: AtomicU32,
     error: AtomicBool,
+    /// Destroyed: nothing it queued is executed any more.
+    destroyed: AtomicBool,
+    /// Its posted receives were flushed after it entered the error state.
+    recvs_flushed: AtomicBool,
     /// Fail the WR after this many more have executed (`u64::MAX`: never).
     fail_after: AtomicU64,
     /// Refuse part of this many next `post_send` calls (as `ibv_post_send`
     /// does when out of resources; the QP stays usable).
     refuse_posts: AtomicU64,
-    cq: Mutex<VecDeque<WorkCompletion>>,
+    sq_depth: usize,
+    recv_depth: usize,
+    sq: Mutex<SendQueue>,
+    cq: Mutex<Cq>,
     recvs: AtomicUsize,
 }
 
@@ -92,11 +154,85 @@ fn fabric() -> &'static Mutex<Fabric> {
     })
 }
 
-/// Kills the QP `qpn` (as a NIC or cable failure would): its posted and
-/// future work requests fail, and so do the peer's (retries exceeded).
+/// QPs with queued work, and the fabric thread that executes it.
+struct Wire {
+    busy: Mutex<Vec<Arc<Qp>>>,
+    cv: Condvar,
+}
+
+fn wire() -> &'static Wire {
+    static W: OnceLock<&'static Wire> = OnceLock::new();
+    W.get_or_init(|| {
+        let w: &'static Wire = Box::leak(Box::new(Wire {
+            busy: Mutex::new(Vec::new()),
+            cv: Condvar::new(),
+        }));
+        std::thread::Builder::new()
+            .name("pdxfer-fake-nic".into())
+            .spawn(move || wire_loop(w))
+            .expect("the fake NIC's fabric thread starts");
+        w
+    })
+}
+
+/// The fabric thread: executes every QP's queued work requests in order once
+/// their delay passed.
+fn wire_loop(w: &'static Wire) {
+    loop {
+        let qps: Vec<Arc<Qp>> = {
+            let mut busy = lock(&w.busy);
+            while busy.is_empty() {
+                busy = w.cv.wait(busy).unwrap_or_else(|p| p.into_inner());
+            }
+            std::mem::take(&mut *busy)
+        };
+        let mut next: Option<Instant> = None;
+        let mut again = Vec::new();
+        for qp in qps {
+            loop {
+                let now = Instant::now();
+                let ready = {
+                    let mut sq = lock(&qp.sq);
+                    match sq.queued.front() {
+                        Some((at, _)) if *at > now => {
+                            next = Some(next.map_or(*at, |n| n.min(*at)));
+                            None
+                        }
+                        Some(_) => sq.queued.pop_front().map(|(_, w)| w),
+                        None => break,
+                    }
+                };
+                match ready {
+                    Some(wr) => qp.execute(&wr),
+                    None => {
+                        again.push(qp.clone());
+                        break;
+                    }
+                }
+            }
+        }
+        if !again.is_empty() {
+            let mut busy = lock(&w.busy);
+            for q in again {
+                if !busy.iter().any(|b| Arc::ptr_eq(b, &q)) {
+                    busy.push(q);
+                }
+            }
+            if let Some(at) = next {
+                let wait = at.saturating_duration_since(Instant::now());
+                if !wait.is_zero() {
+                    drop(w.cv.wait_timeout(busy, wait));
+                }
+            }
+        }
+    }
+}
+
+/// Kills the QP `qpn` (as a NIC or cable failure would): its queued and
+/// future work requests are flushed, and the peer's fail (retries exceeded).
 pub fn kill_qp(qpn: u32) {
-    if let Some(q) = lock(fabric()).qps.get(&qpn) {
-        q.error.store(true, Ordering::SeqCst);
+    if let Some(q) = lock(fabric()).qps.get(&qpn).cloned() {
+        q.enter_error();
     }
 }
 
@@ -134,8 +270,55 @@ fn covers(mrs: &HashMap<u32, Mr>, key: u32, device: u64, addr: u64, len: u64) ->
 }
 
 impl Qp {
+    fn new(qpn: u32, device: u64, sq_depth: usize, recv_depth: usize, cq_depth: usize) -> Qp {
+        Qp {
+            qpn,
+            device,
+            remote: AtomicU32::new(0),
+            error: AtomicBool::new(false),
+            destroyed: AtomicBool::new(false),
+            recvs_flushed: AtomicBool::new(false),
+            fail_after: AtomicU64::new(u64::MAX),
+            refuse_posts: AtomicU64::new(0),
+            sq_depth: sq_depth.max(1),
+            recv_depth,
+            sq: Mutex::new(SendQueue {
+                slots: VecDeque::new(),
+                queued: VecDeque::new(),
+            }),
+            cq: Mutex::new(Cq {
+                entries: VecDeque::new(),
+                depth: cq_depth.max(1),
+                overrun: false,
+            }),
+            recvs: AtomicUsize::new(0),
+        }
+    }
+
+    /// Adds a completion; a full CQ overflows (unusable, the QP in error).
+    fn push(&self, wc: WorkCompletion) {
+        let overrun = {
+            let mut cq = lock(&self.cq);
+            if cq.entries.len() >= cq.depth {
+                cq.overrun = true;
+                true
+            } else {
+                cq.entries.push_back(wc);
+                false
+            }
+        };
+        if overrun {
+            self.error.store(true, Ordering::SeqCst);
+        }
+    }
+
     fn complete(&self, wr_id: u64, status: u32, opcode: u32) {
-        lock(&self.cq).push_back(WorkCompletion {
+        let opcode = if status == 0 {
+            opcode
+        } else {
+            WC_OPCODE_UNDEFINED
+        };
+        self.push(WorkCompletion {
             wr_id,
             status,
             vendor_err: 0,
@@ -144,44 +327,67 @@ impl Qp {
         });
     }
 
+    /// Moves the QP to the error state: its posted receives are flushed now,
+    /// its queued and later send WRs when the fabric thread reaches them.
+    fn enter_error(&self) {
+        self.error.store(true, Ordering::SeqCst);
+        if self.recvs_flushed.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        let n = self.recvs.swap(0, Ordering::SeqCst);
+        for _ in 0..n {
+            self.complete(RECV_WR_ID, WC_WR_FLUSH_ERR, 0);
+        }
+    }
+
+    /// Fails `w` with `status` and moves the QP to the error state.
+    fn fault(&self, w: &WorkRequest, status: u32) {
+        self.complete(w.wr_id, status, 0);
+        self.enter_error();
+    }
+
     fn execute(&self, w: &WorkRequest) {
+        if self.destroyed.load(Ordering::SeqCst) {
+            return;
+        }
         if self.error.load(Ordering::SeqCst) {
-            return self.complete(w.wr_id, WR_FLUSH_ERR, 0);
+            // Every WR of a QP in error completes flushed, signalled or not.
+            return self.complete(w.wr_id, WC_WR_FLUSH_ERR, 0);
         }
         let left = self.fail_after.load(Ordering::SeqCst);
         if left != u64::MAX {
             if left == 0 {
-                self.error.store(true, Ordering::SeqCst);
-                return self.complete(w.wr_id, RETRY_EXC_ERR, 0);
+                self.fail_after.store(u64::MAX, Ordering::SeqCst);
+                return self.fault(w, WC_RETRY_EXC_ERR);
             }
             self.fail_after.store(left - 1, Ordering::SeqCst);
         }
         let len = u64::from(w.len);
-        let (peer, ok_local, ok_remote) = {
-            let f = lock(fabric());
-            let peer = f.qps.get(&self.remote.load(Ordering::SeqCst)).cloned();
-            let ok_local = len == 0 || covers(&f.mrs, w.lkey, self.device, w.local_addr, len);
-            let ok_remote = peer
-                .as_ref()
-                .is_some_and(|p| len == 0 || covers(&f.mrs, w.rkey, p.device, w.remote_addr, len));
-            (peer, ok_local, ok_remote)
-        };
+        // Checked and copied under the fabric lock: a region deregistered (and
+        // then freed by its owner) cannot slip between the check and the copy.
+        let f = lock(fabric());
+        let peer = f.qps.get(&self.remote.load(Ordering::SeqCst)).cloned();
         let Some(peer) = peer.filter(|p| !p.error.load(Ordering::SeqCst)) else {
+            drop(f);
             // No ACK from a dead or vanished peer.
-            self.error.store(true, Ordering::SeqCst);
-            return self.complete(w.wr_id, RETRY_EXC_ERR, 0);
+            return self.fault(w, WC_RETRY_EXC_ERR);
         };
-        if !ok_local {
-            self.error.store(true, Ordering::SeqCst);
-            return self.complete(w.wr_id, LOC_PROT_ERR, 0);
+        if len > 0 && !covers(&f.mrs, w.lkey, self.device, w.local_addr, len) {
+            drop(f);
+            return self.fault(w, WC_LOC_PROT_ERR);
         }
-        if !ok_remote {
-            self.error.store(true, Ordering::SeqCst);
-            return self.complete(w.wr_id, REM_ACCESS_ERR, 0);
+        if len > 0 && !covers(&f.mrs, w.rkey, peer.device, w.remote_addr, len) {
+            drop(f);
+            return self.fault(w, WC_REM_ACCESS_ERR);
         }
-        if w.imm.is_some() && peer.recvs.load(Ordering::SeqCst) == 0 {
-            self.error.store(true, Ordering::SeqCst);
-            return self.complete(w.wr_id, RNR_RETRY_EXC_ERR, 0);
+        if w.imm.is_some()
+            && peer
+                .recvs
+                .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+                .is_err()
+        {
+            drop(f);
+            return self.fault(w, WC_RNR_RETRY_EXC_ERR);
         }
         let (src, dst) = match w.opcode {
             Opcode::Read => (w.remote_addr, w.local_addr),
@@ -189,25 +395,26 @@ impl Qp {
         };
         if len > 0 {
             // SAFETY: both ranges lie inside regions registered on this fabric (checked
-            // just above); registration requires them to stay valid while registered,
-            // and the agent writes only into ranges the receiver granted and pinned.
+            // just above, under the lock that deregistration takes); registration
+            // requires them to stay valid while registered, and the agent writes only
+            // into ranges the receiver granted and pinned.
             unsafe { std::ptr::copy(src as *const u8, dst as *mut u8, len as usize) };
         }
+        drop(f);
         if let Some(imm) = w.imm {
-            peer.recvs.fetch_sub(1, Ordering::SeqCst);
-            lock(&peer.cq).push_back(WorkCompletion {
-                wr_id: u64::MAX,
+            peer.push(WorkCompletion {
+                wr_id: RECV_WR_ID,
                 status: 0,
                 vendor_err: 0,
-                opcode: WC_RECV_RDMA_WITH_IMM,
+                opcode: WC_OP_RECV_RDMA_WITH_IMM,
                 imm: Some(imm),
             });
         }
         if w.signaled {
             let op = if w.opcode == Opcode::Read {
-                WC_RDMA_READ
+                WC_OP_RDMA_READ
             } else {
-                WC_RDMA_WRITE
+                WC_OP_RDMA_WRITE
             };
             self.complete(w.wr_id, 0, op);
         }
@@ -219,9 +426,17 @@ pub struct FakeRail {
     qp: Arc<Qp>,
 }
 
+impl FakeRail {
+    /// The QP number.
+    pub fn qpn(&self) -> u32 {
+        self.qp.qpn
+    }
+}
+
 impl Drop for FakeRail {
     fn drop(&mut self) {
         // A destroyed QP answers nothing: the peer's next WR fails with retries exceeded.
+        self.qp.destroyed.store(true, Ordering::SeqCst);
         self.qp.error.store(true, Ordering::SeqCst);
         lock(fabric()).qps.remove(&self.qp.qpn);
     }
@@ -234,17 +449,43 @@ impl RailIo for FakeRail {
             .refuse_posts
             .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
             .is_ok();
-        let accepted = if refuse { wrs.len() / 2 } else { wrs.len() };
-        for w in &wrs[..accepted] {
-            self.qp.execute(w);
+        let at = Instant::now() + WIRE_DELAY;
+        let (accepted, held) = {
+            let mut sq = lock(&self.qp.sq);
+            let free = self.qp.sq_depth.saturating_sub(sq.slots.len());
+            let mut accepted = wrs.len().min(free);
+            if refuse {
+                accepted = accepted.min(wrs.len() / 2);
+            }
+            for w in &wrs[..accepted] {
+                sq.slots.push_back(w.wr_id);
+                sq.queued.push_back((at, *w));
+            }
+            (accepted, sq.slots.len())
+        };
+        if accepted > 0 {
+            let w = wire();
+            let mut busy = lock(&w.busy);
+            if !busy.iter().any(|b| Arc::ptr_eq(b, &self.qp)) {
+                busy.push(self.qp.clone());
+            }
+            w.cv.notify_all();
         }
         if accepted < wrs.len() {
+            let why = if refuse {
+                "out of resources (fake fabric)".to_string()
+            } else {
+                format!(
+                    "send queue full ({held} of {} slots held)",
+                    self.qp.sq_depth
+                )
+            };
             return Err((
                 accepted,
                 Error::new(
                     Status::Rdma,
                     format!(
-                        "ibv_post_send refused work request {accepted} of {}: ENOMEM (fake fabric)",
+                        "ibv_post_send refused work request {accepted} of {}: ENOMEM, {why}",
                         wrs.len()
                     ),
                 ),
@@ -253,13 +494,56 @@ impl RailIo for FakeRail {
         Ok(())
     }
     fn post_recvs(&self, n: usize) -> Result<()> {
-        self.qp.recvs.fetch_add(n, Ordering::SeqCst);
-        Ok(())
+        if self.qp.error.load(Ordering::SeqCst) {
+            // A QP in error flushes receives at once.
+            for _ in 0..n {
+                self.qp.complete(RECV_WR_ID, WC_WR_FLUSH_ERR, 0);
+            }
+            return Ok(());
+        }
+        self.qp
+            .recvs
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |r| {
+                (r + n <= self.qp.recv_depth).then_some(r + n)
+            })
+            .map(|_| ())
+            .map_err(|r| {
+                Error::new(
+                    Status::Rdma,
+                    format!(
+                        "ibv_post_recv: ENOMEM, receive queue full ({r} of {} posted, {n} more asked)",
+                        self.qp.recv_depth
+                    ),
+                )
+            })
     }
     fn poll(&self, out: &mut Vec<WorkCompletion>, max: usize) -> Result<usize> {
         let mut cq = lock(&self.qp.cq);
-        let n = max.min(cq.len());
-        out.extend(cq.drain(..n));
+        if cq.overrun {
+            return Err(Error::new(
+                Status::Rdma,
+                format!(
+                    "completion queue overrun (depth {}): the CQ and its QP are in error",
+                    cq.depth
+                ),
+            ));
+        }
+        let n = max.min(cq.entries.len());
+        let got: Vec<WorkCompletion> = cq.entries.drain(..n).collect();
+        drop(cq);
+        let mut sq = lock(&self.qp.sq);
+        for c in &got {
+            // A polled send completion frees its WR's slot and every earlier one.
+            if !c.is_recv() && sq.slots.contains(&c.wr_id) {
+                while let Some(id) = sq.slots.pop_front() {
+                    if id == c.wr_id {
+                        break;
+                    }
+                }
+            }
+        }
+        drop(sq);
+        out.extend(got);
         Ok(n)
     }
 }
@@ -288,6 +572,10 @@ pub struct FakeNic {
     instance_id: u64,
     gpu_direct: AtomicBool,
     refuse_device: AtomicBool,
+    refuse_device_late: AtomicBool,
+    cfg: RdmaConfig,
+    /// Completion-queue depth of later endpoints (default: send plus receive depth).
+    cq_depth: Mutex<Option<usize>>,
 }
 
 impl FakeNic {
@@ -304,6 +592,19 @@ impl FakeNic {
         rails: usize,
         mtu: Mtu,
         link_layer: LinkLayer,
+    ) -> Arc<FakeNic> {
+        Self::with_config(name, rails, mtu, link_layer, RdmaConfig::default())
+    }
+
+    /// A NIC whose queue depths, signalling interval, slicing size and
+    /// posting timeout come from `cfg`, as the verbs NIC's do (its record
+    /// mode is ignored: the agent's control channel carries the record).
+    pub fn with_config(
+        name: &str,
+        rails: usize,
+        mtu: Mtu,
+        link_layer: LinkLayer,
+        cfg: RdmaConfig,
     ) -> Arc<FakeNic> {
         let mut f = lock(fabric());
         let devices = (0..rails.max(1))
@@ -322,20 +623,75 @@ impl FakeNic {
             instance_id: random_u64(),
             gpu_direct: AtomicBool::new(true),
             refuse_device: AtomicBool::new(false),
+            refuse_device_late: AtomicBool::new(false),
+            cfg,
+            cq_depth: Mutex::new(None),
         })
     }
 
-    /// Whether this NIC accepts device-memory registrations (true by default;
-    /// false acts like a NIC without GPUDirect RDMA: `NoGpuDirect`).
+    /// Whether this NIC has a GPU path at all (true by default; false acts
+    /// like a host where libcuda does not load: `NoGpuDirect` up front).
     pub fn set_gpu_direct(&self, on: bool) {
         self.gpu_direct.store(on, Ordering::SeqCst);
     }
 
-    /// Whether device-memory registrations are refused (`NoGpuDirect`) while
-    /// [`gpu_direct`](NicProvider::gpu_direct) still reports support: a NIC
-    /// whose GPU path looks present up front but fails at registration.
+    /// Whether device-memory registrations fail (`NoGpuDirect`) although the
+    /// GPU path is present: libcuda loads, but neither dma-buf nor
+    /// nvidia-peermem registration works. [`gpu_direct`](NicProvider::gpu_direct)
+    /// finds it out by its probe registration, as the verbs provider does.
     pub fn refuse_device_registrations(&self, on: bool) {
         self.refuse_device.store(on, Ordering::SeqCst);
+    }
+
+    /// Whether device-memory registrations fail although the GPUDirect
+    /// probe passes: a registration that fails for its own reasons (a range
+    /// the driver will not export, MR resources), found only on first use.
+    pub fn refuse_device_registrations_after_probe(&self, on: bool) {
+        self.refuse_device_late.store(on, Ordering::SeqCst);
+    }
+
+    /// Sets the completion-queue depth of endpoints created from now on
+    /// (default: send-queue plus receive-queue depth, as the verbs NIC).
+    pub fn set_cq_depth(&self, depth: usize) {
+        *lock(&self.cq_depth) = Some(depth);
+    }
+
+    /// The settings its rails use.
+    pub fn config(&self) -> &RdmaConfig {
+        &self.cfg
+    }
+
+    /// Why a device-memory registration of `ordinal` fails here, if it does
+    /// (`probe`: the GPUDirect probe's registration).
+    fn device_path(&self, ordinal: u32, what: &str, probe: bool) -> Result<()> {
+        if !probe && self.refuse_device_late.load(Ordering::SeqCst) {
+            return Err(Error::new(
+                Status::NoGpuDirect,
+                format!(
+                    "GPUDirect RDMA: {} refused the registration of device {ordinal} memory ({what})",
+                    self.describe()
+                ),
+            ));
+        }
+        if !self.gpu_direct.load(Ordering::SeqCst) {
+            return Err(Error::new(
+                Status::NoGpuDirect,
+                format!(
+                    "GPUDirect RDMA unavailable on {}: libcuda could not be loaded (configured without GPU support)",
+                    self.describe()
+                ),
+            ));
+        }
+        if self.refuse_device.load(Ordering::SeqCst) {
+            return Err(Error::new(
+                Status::NoGpuDirect,
+                format!(
+                    "GPUDirect RDMA unavailable on {}: registering device {ordinal} memory ({what}) failed: no dma-buf support and nvidia-peermem is not loaded",
+                    self.describe()
+                ),
+            ));
+        }
+        Ok(())
     }
 
     /// Every range registered now, in registration order.
@@ -371,16 +727,7 @@ impl NicProvider for FakeNic {
             return Ok(locals(r));
         }
         if let RegionKind::Device { ordinal } = kind {
-            if !self.gpu_direct.load(Ordering::SeqCst) || self.refuse_device.load(Ordering::SeqCst)
-            {
-                return Err(Error::new(
-                    Status::NoGpuDirect,
-                    format!(
-                        "GPUDirect RDMA unavailable on {}: this NIC cannot register device {ordinal} memory ({addr:#x}+{len})",
-                        self.describe()
-                    ),
-                ));
-            }
+            self.device_path(ordinal, &format!("{addr:#x}+{len}"), false)?;
         }
         // Like verbs: every byte is registered once per NIC.
         let have: Vec<(u64, u64)> = regs.iter().map(|r| (r.addr, r.len)).collect();
@@ -425,17 +772,8 @@ impl NicProvider for FakeNic {
     }
 
     fn gpu_direct(&self) -> Result<()> {
-        if self.gpu_direct.load(Ordering::SeqCst) {
-            Ok(())
-        } else {
-            Err(Error::new(
-                Status::NoGpuDirect,
-                format!(
-                    "GPUDirect RDMA unavailable on {}: configured without GPU support",
-                    self.describe()
-                ),
-            ))
-        }
+        // A probe registration of device 0 memory, as the verbs provider makes.
+        self.device_path(0, "probe registration", true)
     }
 
     fn endpoint(&self) -> Result<Box<dyn NicEndpoint>> {
@@ -451,16 +789,9 @@ impl NicProvider for FakeNic {
                 f.next_qpn + 1
             };
             let qpn = f.next_qpn;
-            let qp = Arc::new(Qp {
-                qpn,
-                device: *d,
-                remote: AtomicU32::new(0),
-                error: AtomicBool::new(false),
-                fail_after: AtomicU64::new(u64::MAX),
-                refuse_posts: AtomicU64::new(0),
-                cq: Mutex::new(VecDeque::new()),
-                recvs: AtomicUsize::new(0),
-            });
+            let (sq, rq) = (self.cfg.sq_depth as usize, self.cfg.recv_depth as usize);
+            let cq = lock(&self.cq_depth).unwrap_or(sq + rq);
+            let qp = Arc::new(Qp::new(qpn, *d, sq, rq, cq));
             f.qps.insert(qpn, qp.clone());
             lock(&self.qps).push(qpn);
             infos.push(RailInfo {
@@ -505,6 +836,7 @@ impl NicProvider for FakeNic {
         }
         Ok(Box::new(FakeEndpoint {
             rails,
+            cfg: self.cfg.clone(),
             locals,
             local: Handshake {
                 instance_id: self.instance_id,
@@ -516,6 +848,7 @@ impl NicProvider for FakeNic {
 
 struct FakeEndpoint {
     rails: Vec<FakeRail>,
+    cfg: RdmaConfig,
     locals: Vec<Vec<LocalRegion>>,
     local: Handshake,
 }
@@ -541,16 +874,17 @@ impl NicEndpoint for FakeEndpoint {
                     remote.rails[i].regions.clone(),
                 ));
             }
-            // Messages of at most one path MTU's worth of 1 MiB keep batches multi-WR.
-            rails.push(SessionRail::new(r, 100, 1 << 20, 256, 64));
+            let (sq, rq) = (r.qp.sq_depth as u32, r.qp.recv_depth as u32);
+            rails.push(SessionRail::new(r, FAKE_WEIGHT, FAKE_MAX_MSG, sq, rq));
         }
         let mut s = Session::new(
             rails,
             SessionParams {
-                signal_every: 16,
-                min_slice: 64 << 10,
+                signal_every: this.cfg.signal_every,
+                min_slice: this.cfg.min_slice,
+                // The agent's control channel carries the record (as VerbsProvider).
                 record: RecordMode::None,
-                post_timeout: Duration::from_secs(10),
+                post_timeout: this.cfg.post_timeout,
             },
         );
         s.start(keys)?;
@@ -602,15 +936,15 @@ mod tests {
         let status = |w: WorkRequest| {
             qp.error.store(false, Ordering::SeqCst);
             qp.execute(&w);
-            lock(&qp.cq).pop_back().map(|c| c.status)
+            lock(&qp.cq).entries.pop_back().map(|c| c.status)
         };
         // An rkey of the sender's own NIC, a made-up rkey, and a range past the
         // region's end are all refused with REM_ACCESS_ERR, writing nothing.
-        assert_eq!(status(wr(lo.lkey, ld.addr, 100)), Some(REM_ACCESS_ERR));
-        assert_eq!(status(wr(0xdead, ld.addr, 100)), Some(REM_ACCESS_ERR));
+        assert_eq!(status(wr(lo.lkey, ld.addr, 100)), Some(WC_REM_ACCESS_ERR));
+        assert_eq!(status(wr(0xdead, ld.addr, 100)), Some(WC_REM_ACCESS_ERR));
         assert_eq!(
             status(wr(ld.lkey, ld.addr + 8100, 100)),
-            Some(REM_ACCESS_ERR)
+            Some(WC_REM_ACCESS_ERR)
         );
         assert!(dst.iter().all(|x| *x == 0));
         // The right key inside the region lands.
@@ -620,14 +954,14 @@ mod tests {
         // A local buffer outside the lkey's region is a local protection error.
         let mut w = wr(ld.lkey, ld.addr, 100);
         w.local_addr = ls.addr + 8150;
-        assert_eq!(status(w), Some(LOC_PROT_ERR));
+        assert_eq!(status(w), Some(WC_LOC_PROT_ERR));
         // A QP in the error state flushes.
         qp.execute(&wr(ld.lkey, ld.addr, 1));
         qp.error.store(true, Ordering::SeqCst);
         qp.execute(&wr(ld.lkey, ld.addr, 1));
         assert_eq!(
-            lock(&qp.cq).pop_back().map(|c| c.status),
-            Some(WR_FLUSH_ERR)
+            lock(&qp.cq).entries.pop_back().map(|c| c.status),
+            Some(WC_WR_FLUSH_ERR)
         );
     }
 
@@ -689,9 +1023,11 @@ mod tests {
         let n = FakeNic::new("gd", 1, Mtu::Mtu4096);
         let buf = vec![0u8; 256];
         let (addr, dev) = (buf.as_ptr() as u64, RegionKind::Device { ordinal: 0 });
-        // GPU path claimed up front but refused at registration
+        // libcuda loads but GPU registrations fail: the probe finds it out up front
         n.refuse_device_registrations(true);
-        assert!(n.gpu_direct().is_ok());
+        let e = n.gpu_direct().unwrap_err();
+        assert_eq!(e.status(), Status::NoGpuDirect, "{e}");
+        assert!(e.detail().contains("nvidia-peermem"), "{e}");
         // SAFETY: `buf` outlives the registration attempts (deregistered below).
         let e = unsafe { n.register(addr, 128, dev) }.unwrap_err();
         assert_eq!(e.status(), Status::NoGpuDirect, "{e}");
@@ -699,6 +1035,7 @@ mod tests {
         // SAFETY: as above.
         unsafe { n.register(addr + 128, 128, RegionKind::Host) }.unwrap();
         n.refuse_device_registrations(false);
+        assert!(n.gpu_direct().is_ok());
         // SAFETY: as above.
         unsafe { n.register(addr, 128, dev) }.unwrap();
         let kinds: Vec<RegionKind> = n.regions().iter().map(|r| r.kind).collect();
@@ -710,5 +1047,215 @@ mod tests {
         let e = unsafe { n.register(addr, 128, dev) }.unwrap_err();
         assert_eq!(e.status(), Status::NoGpuDirect, "{e}");
         assert!(n.deregister(addr + 128, 128).unwrap());
+        // The probe passes, a later registration fails on its own.
+        n.set_gpu_direct(true);
+        n.refuse_device_registrations_after_probe(true);
+        assert!(n.gpu_direct().is_ok());
+        // SAFETY: as above.
+        let e = unsafe { n.register(addr, 128, dev) }.unwrap_err();
+        assert_eq!(e.status(), Status::NoGpuDirect, "{e}");
+    }
+
+    /// Two connected rails of one NIC pair (a on `an`, b on `bn`) over the
+    /// given buffers, returned with their raw QPs.
+    fn rails(
+        cfg: RdmaConfig,
+        src: &[u8],
+        dst: &[u8],
+    ) -> (FakeRail, FakeRail, LocalRegion, LocalRegion) {
+        rails_with(cfg, None, src, dst)
+    }
+
+    fn rails_with(
+        cfg: RdmaConfig,
+        cq_depth: Option<usize>,
+        src: &[u8],
+        dst: &[u8],
+    ) -> (FakeRail, FakeRail, LocalRegion, LocalRegion) {
+        let an = FakeNic::with_config("qa", 1, Mtu::Mtu4096, LinkLayer::InfiniBand, cfg.clone());
+        if let Some(d) = cq_depth {
+            an.set_cq_depth(d);
+        }
+        let bn = FakeNic::with_config("qb", 1, Mtu::Mtu4096, LinkLayer::InfiniBand, cfg);
+        // SAFETY: the callers keep both buffers alive while the rails work on them.
+        let (ls, ld) = unsafe {
+            (
+                an.register(src.as_ptr() as u64, src.len() as u64, RegionKind::Host)
+                    .unwrap()[0],
+                bn.register(dst.as_ptr() as u64, dst.len() as u64, RegionKind::Host)
+                    .unwrap()[0],
+            )
+        };
+        let (ea, eb) = (an.endpoint().unwrap(), bn.endpoint().unwrap());
+        let (qa, qb) = (an.qpns()[0], bn.qpns()[0]);
+        let (a, b) = {
+            let f = lock(fabric());
+            (f.qps[&qa].clone(), f.qps[&qb].clone())
+        };
+        a.remote.store(qb, Ordering::SeqCst);
+        b.remote.store(qa, Ordering::SeqCst);
+        // The endpoints' own rails stay unused: forget them without destroying the QPs.
+        std::mem::forget((ea, eb));
+        (FakeRail { qp: a }, FakeRail { qp: b }, ls, ld)
+    }
+
+    fn write(
+        id: u64,
+        l: &LocalRegion,
+        r: &LocalRegion,
+        off: u64,
+        len: u32,
+        signaled: bool,
+    ) -> WorkRequest {
+        WorkRequest {
+            wr_id: id,
+            opcode: Opcode::Write,
+            local_addr: l.addr + off,
+            lkey: l.lkey,
+            len,
+            remote_addr: r.addr + off,
+            rkey: r.lkey,
+            signaled,
+            imm: None,
+            retires: 1,
+        }
+    }
+
+    fn drain(r: &FakeRail, want: usize) -> Vec<WorkCompletion> {
+        let mut out = Vec::new();
+        let t0 = std::time::Instant::now();
+        while out.len() < want && t0.elapsed() < Duration::from_secs(5) {
+            if r.poll(&mut out, 64).is_err() {
+                break;
+            }
+            std::thread::yield_now();
+        }
+        out
+    }
+
+    #[test]
+    fn work_completes_later_from_the_fabric_thread_with_verbs_opcodes() {
+        let src = vec![5u8; 4096];
+        let dst = vec![0u8; 4096];
+        let (a, _b, ls, ld) = rails(RdmaConfig::default(), &src, &dst);
+        let here = std::thread::current().id();
+        a.post_send(&[write(1, &ls, &ld, 0, 4096, true)]).unwrap();
+        // Posting only queued it: nothing completed or landed yet.
+        let mut out = Vec::new();
+        assert_eq!(a.poll(&mut out, 8).unwrap(), 0, "completed at post time");
+        let got = drain(&a, 1);
+        assert_eq!(got.len(), 1);
+        assert_eq!((got[0].status, got[0].opcode), (0, WC_OP_RDMA_WRITE));
+        assert!(dst.iter().all(|b| *b == 5));
+        assert_eq!(std::thread::current().id(), here);
+        // A READ completes with IBV_WC_RDMA_READ (2), not another opcode.
+        let mut r = write(2, &ls, &ld, 0, 16, true);
+        r.opcode = Opcode::Read;
+        a.post_send(&[r]).unwrap();
+        assert_eq!(drain(&a, 1)[0].opcode, WC_OP_RDMA_READ);
+        assert_eq!(WC_OP_RDMA_READ, 2);
+    }
+
+    #[test]
+    fn the_send_queue_depth_is_enforced_until_completions_are_polled() {
+        let src = vec![1u8; 1 << 16];
+        let dst = vec![0u8; 1 << 16];
+        let cfg = RdmaConfig {
+            sq_depth: 8,
+            signal_every: 4,
+            ..RdmaConfig::default()
+        };
+        let (a, _b, ls, ld) = rails(cfg, &src, &dst);
+        // 8 fit; the 9th to 12th are refused with ENOMEM, naming the depth.
+        let wrs: Vec<WorkRequest> = (0..12u64)
+            .map(|i| write(i, &ls, &ld, i * 64, 64, i % 4 == 3))
+            .collect();
+        let (accepted, e) = a.post_send(&wrs).unwrap_err();
+        assert_eq!(accepted, 8);
+        assert!(
+            e.detail().contains("ENOMEM") && e.detail().contains("8 of 8"),
+            "{e}"
+        );
+        // Executed, but the slots stay held until the completions are polled.
+        std::thread::sleep(Duration::from_millis(5));
+        assert!(
+            a.post_send(&wrs[8..9]).is_err(),
+            "slots freed before the poll"
+        );
+        let got = drain(&a, 2);
+        assert_eq!(got.iter().map(|c| c.wr_id).collect::<Vec<_>>(), vec![3, 7]);
+        // Polling WR 7's completion freed all 8 slots.
+        a.post_send(&wrs[8..12]).unwrap();
+        assert_eq!(drain(&a, 1)[0].wr_id, 11);
+    }
+
+    #[test]
+    fn a_fault_puts_the_qp_in_error_and_flushes_what_follows_and_the_receives() {
+        let src = vec![1u8; 1 << 16];
+        let dst = vec![0u8; 1 << 16];
+        let (a, _b, ls, ld) = rails(RdmaConfig::default(), &src, &dst);
+        a.post_recvs(3).unwrap();
+        fail_qp_after(a.qpn(), 1);
+        let wrs: Vec<WorkRequest> = (0..4u64)
+            .map(|i| write(i, &ls, &ld, i * 64, 64, i == 3))
+            .collect();
+        a.post_send(&wrs).unwrap();
+        // WR 0 ran; WR 1 failed; WRs 2 and 3 (signalled or not) and the three
+        // receives are flushed.
+        let got = drain(&a, 6);
+        let sends: Vec<(u64, u32)> = got
+            .iter()
+            .filter(|c| !c.is_recv())
+            .map(|c| (c.wr_id, c.status))
+            .collect();
+        assert_eq!(
+            sends,
+            vec![
+                (1, WC_RETRY_EXC_ERR),
+                (2, WC_WR_FLUSH_ERR),
+                (3, WC_WR_FLUSH_ERR)
+            ]
+        );
+        let recvs: Vec<u32> = got
+            .iter()
+            .filter(|c| c.is_recv())
+            .map(|c| c.status)
+            .collect();
+        assert_eq!(recvs, vec![WC_WR_FLUSH_ERR; 3]);
+        // Errors carry no meaningful opcode (ibv_poll_cq(3)); they are told apart by wr_id.
+        assert!(got.iter().all(|c| c.opcode == WC_OPCODE_UNDEFINED));
+        assert!(!qp_alive(a.qpn()));
+        assert!(dst[..64].iter().all(|b| *b == 1) && dst[64..].iter().all(|b| *b == 0));
+        // Still in error: later posts are flushed too.
+        a.post_send(&wrs[..1]).unwrap();
+        assert_eq!(drain(&a, 1)[0].status, WC_WR_FLUSH_ERR);
+    }
+
+    #[test]
+    fn an_overflowing_completion_queue_is_an_error() {
+        let src = vec![1u8; 1 << 16];
+        let dst = vec![0u8; 1 << 16];
+        let cfg = RdmaConfig {
+            sq_depth: 16,
+            ..RdmaConfig::default()
+        };
+        let (a, _b, ls, ld) = rails_with(cfg, Some(4), &src, &dst);
+        // Six signalled WRs, nothing polled: the fifth completion overflows.
+        let wrs: Vec<WorkRequest> = (0..6u64)
+            .map(|i| write(i, &ls, &ld, i * 64, 64, true))
+            .collect();
+        a.post_send(&wrs).unwrap();
+        let t0 = std::time::Instant::now();
+        while !lock(&a.qp.cq).overrun && t0.elapsed() < Duration::from_secs(5) {
+            std::thread::yield_now();
+        }
+        let mut out = Vec::new();
+        let e = a.poll(&mut out, 64).unwrap_err();
+        assert!(
+            e.detail().contains("overrun") && e.detail().contains("depth 4"),
+            "{e}"
+        );
+        assert!(!qp_alive(a.qpn()));
+        assert!(out.is_empty());
     }
 }

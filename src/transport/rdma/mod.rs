@@ -11,7 +11,8 @@
 //! - `slice`: spreading a batch across rails and resolving keys with bounds checks;
 //! - `qp`: the INIT/RTR/RTS attribute sets;
 //! - `tracker`: completion bookkeeping, failure reasons, no retries;
-//! - `device`: sysfs discovery and NUMA/PCIe-aware NIC selection;
+//! - `device`: sysfs discovery and NIC selection nearest to the GPU on PCIe
+//!   (else by NUMA node);
 //! - `config`: settings and their `PDXFER_RDMA_*` environment variables;
 //! - `verbs` (feature `rdma`): RAII wrappers over `ibverbs-sys`;
 //! - `endpoint` (feature `rdma`): `VerbsNic` (rails, parallel timed
@@ -25,8 +26,9 @@
 //!   [`Transport`](crate::transport::Transport) trait: the agent's control
 //!   channel (intent, grant, commit) around one-sided WRITE/READ on a `DataPath`;
 //! - `fake` (tests): an in-process software fabric of QPs and MRs that moves
-//!   real bytes after key and bounds checks, selected only explicitly
-//!   (`AgentOptions::nic`).
+//!   real bytes after key and bounds checks, asynchronously from its own
+//!   thread, with enforced queue depths and flush-on-error, selected only
+//!   explicitly (`AgentOptions::nic`).
 //!
 //! Registrations follow the agent's registry: every region is registered
 //! with the NIC (device regions through the GPU path: dma-buf, else
@@ -54,6 +56,7 @@ pub mod fake;
 pub mod handshake;
 pub mod nic;
 pub mod qp;
+pub mod report;
 pub mod session;
 pub mod slice;
 pub mod tracker;

@@ -35,6 +35,9 @@ pub trait DataPath: Send + Sync {
     fn tracked(&self) -> usize;
     /// Connected rails.
     fn rails(&self) -> usize;
+    /// Why the data path cannot carry batches any more (a rail's QP is in
+    /// the error state), if so: the connection must be made again.
+    fn broken(&self) -> Option<String>;
 }
 
 impl<R: RailIo> DataPath for Session<R> {
@@ -55,6 +58,9 @@ impl<R: RailIo> DataPath for Session<R> {
     }
     fn rails(&self) -> usize {
         self.connected_rails()
+    }
+    fn broken(&self) -> Option<String> {
+        Session::broken(self)
     }
 }
 
@@ -110,15 +116,26 @@ mod verbs_provider {
     use super::*;
     use crate::error::{Error, Status};
     use crate::transport::rdma::config::{RdmaConfig, RecordMode};
-    use crate::transport::rdma::endpoint::{RdmaEndpoint, VerbsNic};
+    use crate::transport::rdma::endpoint::{MemoryKind, RdmaEndpoint, VerbsNic};
     use std::collections::HashMap;
-    use std::sync::Mutex;
+    use std::sync::{Mutex, OnceLock};
 
     /// Real NICs through [`VerbsNic`].
     pub struct VerbsProvider {
         t: VerbsNic,
         registered: Mutex<HashMap<(u64, u64), Vec<LocalRegion>>>,
+        /// The CUDA device GPUDirect RDMA is probed on (`None`: no device
+        /// given, nothing is allocated on any GPU; see [`Self::gpu_direct_path`]).
+        gpu_ordinal: Option<u32>,
+        /// sysfs root (for the kernel modules when no device is given).
+        sys_root: std::path::PathBuf,
+        /// The outcome of that probe (made once, on first ask).
+        gpu: OnceLock<Result<MemoryKind>>,
     }
+
+    /// Bytes of device memory the GPUDirect probe registers.
+    #[cfg(feature = "cuda")]
+    const PROBE_BYTES: usize = 2 << 20;
 
     impl VerbsProvider {
         /// Opens the NICs `cfg` selects ([`Status::NoRdmaDevice`] with the
@@ -126,10 +143,118 @@ mod verbs_provider {
         /// completion record, so no WRITE_WITH_IMM record is posted.
         pub fn open(mut cfg: RdmaConfig) -> Result<VerbsProvider> {
             cfg.record = RecordMode::None;
+            let gpu_ordinal = cfg.gpu_ordinal;
+            let sys_root = cfg.sys_root.clone();
             Ok(VerbsProvider {
                 t: VerbsNic::new(cfg)?,
                 registered: Mutex::new(HashMap::new()),
+                gpu_ordinal,
+                sys_root,
+                gpu: OnceLock::new(),
             })
+        }
+
+        /// The rails in use, with why each was chosen.
+        pub fn rails(&self) -> Vec<crate::transport::rdma::device::RailChoice> {
+            self.t.rails()
+        }
+
+        /// How this host registers GPU memory with the NICs, found by a real
+        /// registration of device memory on the served device (made once):
+        /// [`MemoryKind::GpuDmabuf`] or [`MemoryKind::GpuPeermem`], or
+        /// `NoGpuDirect` with why neither works (no libcuda, no dma-buf
+        /// support and no nvidia_peermem, a driver refusing the export).
+        ///
+        /// Without a served device (`RdmaConfig::gpu_ordinal`; engines with
+        /// device pools always give one) no GPU is touched: the answer comes
+        /// from the kernel modules (nvidia_peermem loaded, else the nvidia
+        /// module for dma-buf) and libcuda, untested, and a registration
+        /// that then fails is reported on its region.
+        pub fn gpu_direct_path(&self) -> Result<MemoryKind> {
+            self.gpu
+                .get_or_init(|| match self.gpu_ordinal {
+                    Some(o) => self.probe_gpu_direct(o),
+                    None => self.gpu_direct_modules(),
+                })
+                .clone()
+        }
+
+        /// The untested answer from libcuda and the kernel modules.
+        fn gpu_direct_modules(&self) -> Result<MemoryKind> {
+            gpu_direct_available()?;
+            let m = crate::transport::rdma::device::gpudirect(&self.sys_root);
+            if m.peermem {
+                Ok(MemoryKind::GpuPeermem)
+            } else if m.nvidia {
+                Ok(MemoryKind::GpuDmabuf)
+            } else {
+                Err(Error::new(
+                    Status::NoGpuDirect,
+                    "GPUDirect RDMA unavailable: neither nvidia_peermem nor the nvidia kernel module is loaded",
+                ))
+            }
+        }
+
+        /// Allocates [`PROBE_BYTES`] on the device, registers them through the
+        /// GPU path exactly as a device region would be, and releases both.
+        #[cfg(feature = "cuda")]
+        fn probe_gpu_direct(&self, ordinal: u32) -> Result<MemoryKind> {
+            gpu_direct_available()?;
+            use cudarc::driver::result as cu;
+            let fail = |what: String| {
+                Error::new(
+                    Status::NoGpuDirect,
+                    format!("GPUDirect RDMA probe on device {ordinal}: {what}"),
+                )
+            };
+            // Runs `f` with the device's primary context current, then puts back
+            // whatever this thread had current.
+            let in_ctx = |f: &dyn Fn() -> std::result::Result<u64, cudarc::driver::DriverError>| {
+                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    cu::init()?;
+                    let dev = cu::device::get(ordinal as i32)?;
+                    let before = cu::ctx::get_current()?;
+                    // SAFETY: dev comes from device::get; the primary context stays
+                    // retained for the process.
+                    unsafe { cu::ctx::set_current(cu::primary_ctx::retain(dev)?)? };
+                    let r = f();
+                    // SAFETY: `before` was current on this thread a moment ago (or none was).
+                    let _ = unsafe { cu::ctx::set_current(before.unwrap_or(std::ptr::null_mut())) };
+                    r
+                }))
+                .map_err(|_| fail("the CUDA driver library is missing a required symbol".into()))?
+                .map_err(|e| fail(format!("{e}")))
+            };
+            // SAFETY: a plain device allocation, freed below.
+            let ptr = in_ctx(&|| unsafe { cu::malloc_sync(PROBE_BYTES) })?;
+            // SAFETY: the allocation lives until it is freed below, after deregistration.
+            let reg = unsafe { self.register_device(ptr, PROBE_BYTES as u64, ordinal) };
+            let kind = reg.map(|()| self.t.region_kind(ptr).unwrap_or(MemoryKind::GpuPeermem));
+            if kind.is_ok() {
+                let _ = self.t.deregister(ptr);
+            }
+            // SAFETY: ptr came from malloc_sync above and is no longer registered.
+            let _ = in_ctx(&|| unsafe { cu::free_sync(ptr) }.map(|()| 0));
+            match &kind {
+                Ok(k) => log::info!(
+                    "rdma: GPUDirect RDMA works on device {ordinal} through {} (a {} MiB probe registration)",
+                    match k {
+                        MemoryKind::GpuDmabuf => "dma-buf",
+                        _ => "nvidia-peermem",
+                    },
+                    PROBE_BYTES >> 20
+                ),
+                Err(e) => log::warn!("rdma: no GPUDirect RDMA on device {ordinal}: {e}"),
+            }
+            kind.map_err(|e| fail(e.detail().to_string()))
+        }
+
+        /// Without the `cuda` feature device memory cannot be exported to the NIC.
+        #[cfg(not(feature = "cuda"))]
+        fn probe_gpu_direct(&self, ordinal: u32) -> Result<MemoryKind> {
+            gpu_direct_available()
+                .map(|()| MemoryKind::GpuPeermem)
+                .map_err(|e| Error::new(e.status(), format!("device {ordinal}: {}", e.detail())))
         }
     }
 
@@ -264,8 +389,12 @@ mod verbs_provider {
             Ok(true)
         }
 
+        /// Answered by a real registration of device memory (made once): a
+        /// host whose libcuda loads but where neither dma-buf nor
+        /// nvidia-peermem registration works says so here, at creation, not
+        /// at the first batch.
         fn gpu_direct(&self) -> Result<()> {
-            gpu_direct_available()
+            self.gpu_direct_path().map(|_| ())
         }
 
         fn endpoint(&self) -> Result<Box<dyn NicEndpoint>> {
@@ -304,6 +433,9 @@ mod verbs_provider {
         }
         fn rails(&self) -> usize {
             self.negotiated().len()
+        }
+        fn broken(&self) -> Option<String> {
+            self.session_broken()
         }
     }
 }

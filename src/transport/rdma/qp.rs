@@ -15,6 +15,9 @@ pub(crate) const ACCESS_LOCAL_WRITE: u32 = 1;
 pub(crate) const ACCESS_REMOTE_WRITE: u32 = 2;
 /// `IBV_ACCESS_REMOTE_READ`.
 pub(crate) const ACCESS_REMOTE_READ: u32 = 4;
+/// `IBV_ACCESS_RELAXED_ORDERING` (memory regions only, never a QP's access).
+#[allow(dead_code)]
+pub(crate) const ACCESS_RELAXED_ORDERING: u32 = 1 << 20;
 
 /// `ibv_qp_attr_mask` bits (values from verbs.h).
 pub(crate) mod mask {
@@ -69,7 +72,14 @@ pub enum QpState {
 /// Timeouts and retry counts of an RC QP.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 pub struct QpTuning {
-    /// Local ACK timeout exponent: 4.096 us * 2^timeout (14 = about 67 ms).
+    /// Local ACK timeout exponent: 4.096 us * 2^timeout per attempt.
+    ///
+    /// Default 18 (about 1.07 s per attempt; with `retry_cnt` 7, about 8.6 s
+    /// without an ACK before `IBV_WC_RETRY_EXC_ERR`). 14 (67 ms, about 0.5 s
+    /// in all) turns a short congestion episode, a link flap or a subnet
+    /// manager sweep into a QP error; NCCL's default is 20 for the same
+    /// reason. 18 rides out about a second of silence while a dead peer is
+    /// still noticed well within a batch deadline (30 s by default).
     pub timeout: u8,
     /// Transport retries before the WR fails with RETRY_EXC_ERR (0..=7).
     pub retry_cnt: u8,
@@ -83,7 +93,12 @@ pub struct QpTuning {
     pub max_dest_rd_atomic: u8,
     /// Service level.
     pub sl: u8,
-    /// GRH traffic class (RoCE DSCP << 2).
+    /// GRH traffic class (RoCE DSCP << 2), `PDXFER_RDMA_TRAFFIC_CLASS`.
+    ///
+    /// Default 0 (DSCP 0, the default class): which class a fabric keeps
+    /// lossless (PFC/ECN) is its operator's choice (commonly 106, DSCP 26),
+    /// and a class the switches do not know is worse than the default, so
+    /// pdxfer does not guess; every RoCE rail logs the class in use.
     pub traffic_class: u8,
     /// GRH hop limit.
     pub hop_limit: u8,
@@ -94,7 +109,7 @@ pub struct QpTuning {
 impl Default for QpTuning {
     fn default() -> Self {
         QpTuning {
-            timeout: 14,
+            timeout: 18,
             retry_cnt: 7,
             rnr_retry: 7,
             min_rnr_timer: 12,

@@ -16,7 +16,7 @@ use super::wr::{
     WorkRequest,
 };
 use crate::error::{Error, Result, Status};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -82,7 +82,35 @@ struct Shared<R> {
     tracker: Mutex<Tracker>,
     cv: Condvar,
     stop: AtomicBool,
+    /// Groups between "awaited" and "handed to the NIC": the poller waits
+    /// for their kick instead of backing off.
+    posting: AtomicUsize,
+    /// Bumped by every post (and by stop): wakes an idle or backing-off poller.
+    kicks: Mutex<u64>,
+    kick_cv: Condvar,
+    /// Backoff waits of the poller that ran their full length while work
+    /// was awaited (a post or a completion ends a wait early and is not
+    /// counted): what a completion can have been delayed by.
+    sleeps: AtomicU64,
+    /// Whether completions can arrive with nothing posted here (incoming
+    /// WRITE_WITH_IMM records).
+    incoming: bool,
 }
+
+impl<R> Shared<R> {
+    fn kick(&self) {
+        *lock(&self.kicks) += 1;
+        self.kick_cv.notify_all();
+    }
+}
+
+/// Polls the poller makes without completions before it starts to back off.
+const SPIN_POLLS: u32 = 256;
+/// First and largest backoff wait of the poller while work is awaited.
+const BACKOFF_MIN: Duration = Duration::from_micros(1);
+const BACKOFF_MAX: Duration = Duration::from_micros(64);
+/// How long an idle poller parks before looking again (a post wakes it at once).
+const PARK: Duration = Duration::from_millis(50);
 
 /// The data path of one connection.
 pub struct Session<R: RailIo> {
@@ -101,6 +129,11 @@ impl<R: RailIo> Session<R> {
                 tracker: Mutex::new(Tracker::new(0, 0)),
                 cv: Condvar::new(),
                 stop: AtomicBool::new(false),
+                posting: AtomicUsize::new(0),
+                kicks: Mutex::new(0),
+                kick_cv: Condvar::new(),
+                sleeps: AtomicU64::new(0),
+                incoming: params.record == RecordMode::Immediate,
             }),
             connected: 0,
             poller: None,
@@ -175,6 +208,21 @@ impl<R: RailIo> Session<R> {
     /// Batches the tracker still holds (in flight, or finished and not yet reported).
     pub fn tracked(&self) -> usize {
         lock(&self.shared.tracker).len()
+    }
+
+    /// How many backoff waits of the completion poller ran their full length
+    /// while work was awaited (the completion poller's backoff): 0 when every completion was
+    /// picked up by spinning or right after a post woke the poller.
+    pub fn poller_sleeps(&self) -> u64 {
+        self.shared.sleeps.load(Ordering::Relaxed)
+    }
+
+    /// Why the session is unusable, if a rail died (its QP went to the
+    /// error state: every later batch on it fails, so the connection must
+    /// be made again).
+    pub fn broken(&self) -> Option<String> {
+        let t = lock(&self.shared.tracker);
+        (0..self.connected).find_map(|i| t.rail_dead(i).map(|w| format!("rail {i}: {w}")))
     }
 
     /// The number of connected rails (0 before [`start`](Self::start)).
@@ -306,9 +354,14 @@ impl<R: RailIo> Session<R> {
                     }
                     // Register the awaited completions before posting, so a fast
                     // completion always finds its entry.
+                    self.shared.posting.fetch_add(1, Ordering::AcqRel);
                     t.posted(batch, &signalled);
                 }
-                if let Err((accepted, e)) = rails[*i].io.post_send(group) {
+                let posted = rails[*i].io.post_send(group);
+                // Its completions may be there already: wake the poller.
+                self.shared.posting.fetch_sub(1, Ordering::AcqRel);
+                self.shared.kick();
+                if let Err((accepted, e)) = posted {
                     let mut t = lock(&self.shared.tracker);
                     // The refused WRs (including the signalled one) will never complete;
                     // the accepted ones before it have no completion to return their slots.
@@ -421,6 +474,7 @@ impl<R: RailIo> Session<R> {
 impl<R: RailIo> Drop for Session<R> {
     fn drop(&mut self) {
         self.shared.stop.store(true, Ordering::Release);
+        self.shared.kick();
         if let Some(h) = self.poller.take() {
             if h.join().is_err() {
                 log::error!("rdma: the CQ poller thread panicked");
@@ -429,10 +483,29 @@ impl<R: RailIo> Drop for Session<R> {
     }
 }
 
+/// Lets the poller's short waits be short: the default 50 us timer slack of
+/// a Linux thread would turn every 1 us wait into about 55 us.
+fn tighten_timer_slack() {
+    #[cfg(target_os = "linux")]
+    // SAFETY: PR_SET_TIMERSLACK only changes this thread's timer slack (in ns).
+    unsafe {
+        libc::prctl(libc::PR_SET_TIMERSLACK, 1000 as libc::c_ulong);
+    }
+}
+
+/// The completion poller: polls every rail's CQ and feeds the tracker. With
+/// no completions it spins [`SPIN_POLLS`] polls, then, while work is awaited
+/// (or incoming records may arrive), waits [`BACKOFF_MIN`] doubling up to
+/// [`BACKOFF_MAX`], and with nothing awaited parks until a post wakes it.
+/// Every post, and every completion found, ends the wait or the backoff at
+/// once, so a batch's last completion is never held back by a fixed sleep.
 fn poll_loop<R: RailIo>(shared: &Shared<R>, n: usize) {
+    tighten_timer_slack();
     let mut wcs = Vec::with_capacity(32);
     let mut idle = 0u32;
+    let mut backoff = BACKOFF_MIN;
     while !shared.stop.load(Ordering::Acquire) {
+        let seen = *lock(&shared.kicks);
         let mut any = false;
         for (i, r) in shared.rails[..n].iter().enumerate() {
             wcs.clear();
@@ -474,13 +547,49 @@ fn poll_loop<R: RailIo>(shared: &Shared<R>, n: usize) {
         }
         if any {
             idle = 0;
-        } else {
-            idle = idle.saturating_add(1);
-            if idle > 1024 {
-                std::thread::sleep(Duration::from_micros(50));
+            backoff = BACKOFF_MIN;
+            continue;
+        }
+        idle = idle.saturating_add(1);
+        if idle <= SPIN_POLLS {
+            std::hint::spin_loop();
+            continue;
+        }
+        let posting = shared.posting.load(Ordering::Acquire) > 0;
+        let awaited = lock(&shared.tracker).awaited() > 0;
+        let kicks = lock(&shared.kicks);
+        if *kicks != seen {
+            // Posted meanwhile: poll again at once.
+            idle = 0;
+            backoff = BACKOFF_MIN;
+            continue;
+        }
+        if (awaited || shared.incoming) && !posting {
+            let (k, r) = shared
+                .kick_cv
+                .wait_timeout_while(kicks, backoff, |k| *k == seen)
+                .unwrap_or_else(|p| p.into_inner());
+            drop(k);
+            if r.timed_out() {
+                if awaited {
+                    shared.sleeps.fetch_add(1, Ordering::Relaxed);
+                }
+                backoff = (backoff * 2).min(BACKOFF_MAX);
             } else {
-                std::hint::spin_loop();
+                idle = 0;
+                backoff = BACKOFF_MIN;
             }
+        } else {
+            // Nothing awaited and nothing can arrive unasked, or a post is
+            // being handed to the NIC: park until a post's kick.
+            drop(
+                shared
+                    .kick_cv
+                    .wait_timeout_while(kicks, PARK, |k| *k == seen)
+                    .unwrap_or_else(|p| p.into_inner()),
+            );
+            idle = 0;
+            backoff = BACKOFF_MIN;
         }
     }
 }
@@ -492,7 +601,6 @@ mod tests {
     use super::super::wr::Opcode;
     use super::*;
     use std::collections::VecDeque;
-    use std::sync::atomic::AtomicUsize;
 
     /// An in-memory queue pair: the [`RailIo`] of one rail, one layer below the
     /// whole software NIC of `rdma::fake` (`FakeNic`, used by the agent-level
@@ -515,6 +623,8 @@ mod tests {
         executed: AtomicUsize,
         posts: AtomicUsize,
         dead: AtomicBool,
+        /// While set, completions stay inside the NIC (a slow completion).
+        hold: AtomicBool,
     }
 
     fn covers(keys: &[(u64, u64, u32)], key: u32, addr: u64, len: u64) -> bool {
@@ -606,6 +716,9 @@ mod tests {
         }
 
         fn poll(&self, out: &mut Vec<WorkCompletion>, max: usize) -> Result<usize> {
+            if self.hold.load(Ordering::SeqCst) {
+                return Ok(0);
+            }
             let mut cq = lock(&self.cq);
             let mut got = 0;
             while got < max {
@@ -691,6 +804,7 @@ mod tests {
                     executed: AtomicUsize::new(0),
                     posts: AtomicUsize::new(0),
                     dead: AtomicBool::new(false),
+                    hold: AtomicBool::new(false),
                 })
             };
             let fa = fail.filter(|(rail, _)| *rail == r).map(|(_, n)| n);
@@ -943,5 +1057,56 @@ mod tests {
         let idle: Session<Arc<FakeQueuePair>> = Session::new(Vec::new(), p.a.params);
         let e = idle.post_batch(1, Direction::Write, &[s]).unwrap_err();
         assert_eq!(e.status(), Status::PeerUnreachable);
+    }
+
+    /// After the poller went idle, a batch whose completions the NIC has at
+    /// once is picked up by the post's wake-up, not after a sleep: the
+    /// poller takes no full-length wait while the batches are awaited.
+    #[test]
+    fn completions_after_idle_are_not_delayed_by_a_poller_sleep() {
+        let src = pattern(64 << 10, 2);
+        let dst = vec![0u8; 64 << 10];
+        let p = pair(2, &src, &dst, None, RecordMode::None);
+        let span = Span {
+            local_addr: src.as_ptr() as u64,
+            remote_addr: dst.as_ptr() as u64,
+            len: 40_000,
+        };
+        for b in 1..=20u32 {
+            // idle long enough for a poller that sleeps at fixed intervals to be asleep
+            std::thread::sleep(Duration::from_millis(2));
+            p.a.post_batch(b, Direction::Write, &[span]).unwrap();
+            assert_eq!(
+                p.a.wait(b, Duration::from_secs(5)).unwrap(),
+                BatchState::Done { bytes: 40_000 }
+            );
+        }
+        assert_eq!(p.a.poller_sleeps(), 0, "a completion waited for a sleep");
+        assert_eq!(&dst[..40_000], &src[..40_000]);
+    }
+
+    /// While a batch is awaited and the NIC is slow, the poller backs off
+    /// (it does not burn the core forever) and counts its waits.
+    #[test]
+    fn a_slow_completion_makes_the_poller_back_off() {
+        let src = pattern(8192, 1);
+        let dst = vec![0u8; 8192];
+        let p = pair(1, &src, &dst, None, RecordMode::None);
+        p.a_nics[0].hold.store(true, Ordering::SeqCst);
+        let s = Span {
+            local_addr: src.as_ptr() as u64,
+            remote_addr: dst.as_ptr() as u64,
+            len: 8192,
+        };
+        p.a.post_batch(1, Direction::Write, &[s]).unwrap();
+        std::thread::sleep(Duration::from_millis(20));
+        p.a_nics[0].hold.store(false, Ordering::SeqCst);
+        assert!(matches!(
+            p.a.wait(1, Duration::from_secs(5)).unwrap(),
+            BatchState::Done { .. }
+        ));
+        let n = p.a.poller_sleeps();
+        // 20 ms of waiting in waits of 1 us doubling to 64 us: a few hundred
+        assert!(n > 5 && n < 20_000, "{n} backoff waits");
     }
 }

@@ -37,18 +37,41 @@ pub struct WorkCompletion {
 }
 
 /// `IBV_WC_RECV`: the bit set on every receive-queue completion opcode.
+#[allow(dead_code)] // mirrored for the binding check and the fake NIC
 pub(crate) const WC_RECV: u32 = 128;
-/// `IBV_WC_RDMA_WRITE` (used by the fake NIC in tests).
+/// `IBV_WC_RDMA_WRITE` (the fake NIC reports it; checked against the bindings).
 #[allow(dead_code)]
 pub(crate) const WC_OP_RDMA_WRITE: u32 = 1;
-/// `IBV_WC_RECV_RDMA_WITH_IMM` (used by the fake NIC in tests).
+/// `IBV_WC_RDMA_READ`.
+#[allow(dead_code)]
+pub(crate) const WC_OP_RDMA_READ: u32 = 2;
+/// `IBV_WC_RECV_RDMA_WITH_IMM`.
 #[allow(dead_code)]
 pub(crate) const WC_OP_RECV_RDMA_WITH_IMM: u32 = 129;
+/// `IBV_WC_LOC_PROT_ERR`.
+#[allow(dead_code)]
+pub(crate) const WC_LOC_PROT_ERR: u32 = 4;
+/// `IBV_WC_REM_ACCESS_ERR`.
+#[allow(dead_code)]
+pub(crate) const WC_REM_ACCESS_ERR: u32 = 10;
+/// `IBV_WC_RETRY_EXC_ERR`.
+#[allow(dead_code)]
+pub(crate) const WC_RETRY_EXC_ERR: u32 = 12;
+/// `IBV_WC_RNR_RETRY_EXC_ERR`.
+#[allow(dead_code)]
+pub(crate) const WC_RNR_RETRY_EXC_ERR: u32 = 13;
+
+/// `wr_id` of every posted receive (for incoming WRITE_WITH_IMM records).
+/// Send `wr_id`s pack (batch, sequence) and never reach it.
+pub(crate) const RECV_WR_ID: u64 = u64::MAX;
 
 impl WorkCompletion {
-    /// True for a receive-queue completion.
+    /// True for a receive-queue completion. Told by `wr_id`, not by opcode:
+    /// for a completion in error only `wr_id`, `status`, `qp_num` and
+    /// `vendor_err` are defined (`ibv_poll_cq(3)`), so a flushed send may
+    /// carry any opcode.
     pub fn is_recv(&self) -> bool {
-        self.opcode & WC_RECV != 0
+        self.wr_id == RECV_WR_ID
     }
 }
 
@@ -119,7 +142,9 @@ pub struct Tracker {
     /// Records seen so far per incoming batch (a batch over k rails sends k).
     partial: HashMap<u32, usize>,
     /// Send slots of WRs a refused post left without a signalled WR, per rail:
-    /// returned with the rail's next completion (a send queue completes in order).
+    /// the next signalled WR posted on the rail carries them, and its
+    /// completion returns them (a send completion covers earlier WRs only, so
+    /// an older WR's completion does not free them).
     orphans: Vec<u32>,
 }
 
@@ -249,7 +274,10 @@ impl Tracker {
         let e = self.batches.get_mut(&batch);
         let Some(e) = e else { return };
         for p in signalled {
-            self.inflight.insert((p.rail, p.wr_id), (batch, p.retires));
+            // Orphaned slots ride on the first signalled WR posted after them.
+            let carried = self.orphans.get_mut(p.rail).map_or(0, std::mem::take);
+            self.inflight
+                .insert((p.rail, p.wr_id), (batch, p.retires + carried));
             *e.pending.entry(p.rail).or_insert(0) += 1;
         }
     }
@@ -258,7 +286,11 @@ impl Tracker {
     /// refused (they will never complete).
     pub fn unpost(&mut self, batch: u32, signalled: &[Posted]) {
         for p in signalled {
-            if self.inflight.remove(&(p.rail, p.wr_id)).is_some() {
+            if let Some((_, retires)) = self.inflight.remove(&(p.rail, p.wr_id)) {
+                // Slots it carried for earlier orphans wait for the next one.
+                if let Some(o) = self.orphans.get_mut(p.rail) {
+                    *o += retires.saturating_sub(p.retires);
+                }
                 if let Some(n) = self
                     .batches
                     .get_mut(&batch)
@@ -273,7 +305,7 @@ impl Tracker {
 
     /// `n` WRs were posted on `rail` without the signalled WR that would have
     /// returned their send slots (the post was refused part-way): their slots
-    /// come back with the rail's next completion.
+    /// come back with the completion of the next signalled WR posted on it.
     pub fn orphan(&mut self, rail: usize, n: u32) {
         if let Some(o) = self.orphans.get_mut(rail) {
             *o += n;
@@ -320,13 +352,6 @@ impl Tracker {
         status: u32,
         vendor_err: u32,
     ) -> Option<u32> {
-        if let Some(o) = self.orphans.get_mut(rail) {
-            // Any completion on the rail means every earlier WR on it completed.
-            if let Some(c) = self.credits.get_mut(rail) {
-                *c += *o;
-            }
-            *o = 0;
-        }
         let (batch, retires) = match self.inflight.remove(&(rail, wr_id)) {
             Some(x) => x,
             None => {
@@ -597,6 +622,36 @@ mod tests {
         }
         assert_eq!((t.len(), t.awaited()), (0, 0));
         assert_eq!(t.credits(0), 64);
+    }
+
+    /// A send completion covers the WRs posted before it only: slots orphaned
+    /// by a part-refused post come back with a later WR's completion, not
+    /// with an older one's (which would over-commit the send queue).
+    #[test]
+    fn orphaned_slots_return_only_with_a_later_wrs_completion() {
+        let mut t = Tracker::new(1, 16);
+        // batch 1: a group of 8 in flight
+        t.begin(1, &[0], 100).unwrap();
+        assert!(t.take_credits(0, 8));
+        t.posted(1, &[posted(0, 1, 7, 8)]);
+        // batch 2: a group of 8 of which the NIC accepted 4, not the signalled one
+        t.begin(2, &[0], 100).unwrap();
+        assert!(t.take_credits(0, 8));
+        t.posted(2, &[posted(0, 2, 7, 8)]);
+        t.unpost(2, &[posted(0, 2, 7, 8)]);
+        t.orphan(0, 4);
+        t.post_failed(2, 0, 4, 8, "ENOMEM", 4);
+        assert_eq!(t.credits(0), 4);
+        // batch 1's completion is older than the orphans: 8 come back, not 12
+        t.on_send_completion(0, wr_id(1, 7), WC_SUCCESS, 0);
+        assert_eq!(t.credits(0), 12, "orphans returned by an older completion");
+        // the next signalled WR carries them
+        t.begin(3, &[0], 1).unwrap();
+        assert!(t.take_credits(0, 2));
+        t.posted(3, &[posted(0, 3, 1, 2)]);
+        t.on_send_completion(0, wr_id(3, 1), WC_SUCCESS, 0);
+        assert_eq!(t.credits(0), 16);
+        assert_eq!(t.finish(3), Some(BatchState::Done { bytes: 1 }));
     }
 
     #[test]

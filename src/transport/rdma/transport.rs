@@ -377,7 +377,35 @@ impl Transport for RdmaTransport {
         }
     }
 
-    crate::transport::conn::conn_backed_transport!();
+    fn remote_regions(&self) -> Vec<RegionDesc> {
+        let mut v: Vec<RegionDesc> = self.conn.regions.values().cloned().collect();
+        v.sort_by_key(|d| d.id);
+        v
+    }
+
+    fn poll(&self, id: BatchId) -> Result<crate::transport::BatchStatus> {
+        self.conn.table.poll(id)
+    }
+
+    fn wait(&self, id: BatchId, timeout: Duration) -> Result<crate::transport::Completion> {
+        self.conn.table.wait(id, timeout)
+    }
+
+    /// False once the control connection is gone, and also once a rail's QP
+    /// went to the error state: an RC QP in error stays there, so every
+    /// later batch would fail until the connection is made again.
+    fn is_alive(&self) -> bool {
+        if !self.conn.alive() {
+            return false;
+        }
+        match self.path.broken() {
+            None => true,
+            Some(why) => {
+                log::debug!("rdma: data path unusable: {why}");
+                false
+            }
+        }
+    }
 
     fn submit(&self, ops: &[WriteOp], opts: &BatchOptions) -> Result<BatchId> {
         self.submit_dir(ops, opts, false)
@@ -630,7 +658,10 @@ mod tests {
             st.rx.next_completion(Duration::from_millis(50)).is_none(),
             "no record for a failed batch"
         );
-        // The dead rail refuses later batches of that connection, with the reason.
+        // The connection says it no longer works (the engine then makes a new one),
+        // and the dead rail refuses later batches of it, with the reason.
+        assert!(!t1.is_alive());
+        assert!(t2.is_alive());
         let id = t1.submit(&ops[..1], &opts).unwrap();
         let e = t1.wait(id, Duration::from_secs(10)).unwrap_err();
         assert!(e.detail().contains("reconnect"), "{e}");
@@ -1153,9 +1184,12 @@ mod tests {
     /// receiver copies into device memory.
     #[test]
     fn auto_gives_a_peer_with_device_regions_rdma_only_with_gpudirect() {
-        for gpu_direct in [true, false] {
+        // "refuses": libcuda loads but GPU registrations fail, found by the probe
+        for mode in ["gpudirect", "none", "refuses"] {
+            let gpu_direct = mode == "gpudirect";
             let rn = FakeNic::new("gdrx", 1, Mtu::Mtu4096);
-            rn.set_gpu_direct(gpu_direct);
+            rn.set_gpu_direct(mode != "none");
+            rn.refuse_device_registrations(mode == "refuses");
             let rx = agent(true, Some(rn));
             let tx = agent(false, Some(FakeNic::new("gdtx", 1, Mtu::Mtu4096)));
             let mut dpool = vec![0u8; 1 << 16];
@@ -1171,7 +1205,7 @@ mod tests {
             } else {
                 TransportKind::Tcp
             };
-            assert_eq!(t.kind(), want, "gpu_direct {gpu_direct}");
+            assert_eq!(t.kind(), want, "{mode}");
             drop(t);
             drop(rx);
         }

@@ -338,11 +338,23 @@ impl Drop for Pd {
     }
 }
 
-/// Access flags of registered regions: local write, remote write, remote read.
+/// Access flags of registered regions: local write, remote write, remote
+/// read, and relaxed ordering (`IBV_ACCESS_RELAXED_ORDERING`, an optional
+/// flag: rdma-core drops it where the kernel or NIC lacks it, and a
+/// registration that still refuses it is retried without; it lets PCIe
+/// writes to GPU memory complete out of order, which GPUDirect write
+/// bandwidth needs on some platforms, as NCCL does).
 pub fn region_access() -> i32 {
     (ffi::ibv_access_flags::IBV_ACCESS_LOCAL_WRITE.0
         | ffi::ibv_access_flags::IBV_ACCESS_REMOTE_WRITE.0
-        | ffi::ibv_access_flags::IBV_ACCESS_REMOTE_READ.0) as i32
+        | ffi::ibv_access_flags::IBV_ACCESS_REMOTE_READ.0
+        | ffi::ibv_access_flags::IBV_ACCESS_RELAXED_ORDERING.0) as i32
+}
+
+/// `access` without relaxed ordering, when it asked for it.
+fn without_relaxed_ordering(access: i32) -> Option<i32> {
+    let ro = ffi::ibv_access_flags::IBV_ACCESS_RELAXED_ORDERING.0 as i32;
+    (access & ro != 0).then_some(access & !ro)
 }
 
 /// A registered memory region.
@@ -385,7 +397,17 @@ impl Mr {
     /// The range must stay mapped (and not be freed) while the MR lives.
     pub unsafe fn register(pd: &Arc<Pd>, addr: u64, len: u64, access: i32) -> Result<Mr> {
         // SAFETY: the caller guarantees the range; pd is live.
-        let mr = unsafe { ffi::ibv_reg_mr(pd.pd, addr as *mut libc::c_void, len as usize, access) };
+        let mut mr =
+            unsafe { ffi::ibv_reg_mr(pd.pd, addr as *mut libc::c_void, len as usize, access) };
+        if mr.is_null() {
+            if let Some(plain) = without_relaxed_ordering(access) {
+                // An older libibverbs that passes the optional flag to a kernel without it.
+                // SAFETY: as above.
+                mr = unsafe {
+                    ffi::ibv_reg_mr(pd.pd, addr as *mut libc::c_void, len as usize, plain)
+                };
+            }
+        }
         if mr.is_null() {
             return Err(verbs_err(
                 "ibv_reg_mr",
@@ -411,7 +433,15 @@ impl Mr {
         access: i32,
     ) -> Result<Mr> {
         // SAFETY: the caller guarantees the fd; pd is live.
-        let mr = unsafe { ffi::ibv_reg_dmabuf_mr(pd.pd, offset, len as usize, iova, fd, access) };
+        let mut mr =
+            unsafe { ffi::ibv_reg_dmabuf_mr(pd.pd, offset, len as usize, iova, fd, access) };
+        if mr.is_null() {
+            if let Some(plain) = without_relaxed_ordering(access) {
+                // SAFETY: as above.
+                mr =
+                    unsafe { ffi::ibv_reg_dmabuf_mr(pd.pd, offset, len as usize, iova, fd, plain) };
+            }
+        }
         if mr.is_null() {
             return Err(verbs_err(
                 "ibv_reg_dmabuf_mr",
@@ -863,11 +893,13 @@ pub fn gpu_dmabuf(dptr: u64, len: u64) -> Result<(i32, u64, u64)> {
 #[cfg(test)]
 mod tests {
     use super::super::qp::{
-        mask, QpState, ACCESS_LOCAL_WRITE, ACCESS_REMOTE_READ, ACCESS_REMOTE_WRITE,
+        mask, QpState, ACCESS_LOCAL_WRITE, ACCESS_RELAXED_ORDERING, ACCESS_REMOTE_READ,
+        ACCESS_REMOTE_WRITE,
     };
     use super::super::tracker::{
-        wc_status_text, WC_OP_RDMA_WRITE, WC_OP_RECV_RDMA_WITH_IMM, WC_RECV, WC_SUCCESS,
-        WC_WR_FLUSH_ERR,
+        wc_status_text, WC_LOC_PROT_ERR, WC_OP_RDMA_READ, WC_OP_RDMA_WRITE,
+        WC_OP_RECV_RDMA_WITH_IMM, WC_RECV, WC_REM_ACCESS_ERR, WC_RETRY_EXC_ERR,
+        WC_RNR_RETRY_EXC_ERR, WC_SUCCESS, WC_WR_FLUSH_ERR,
     };
     use super::super::wr::{build_batch, BatchParams, CompletionRecord, Direction, Transfer};
     use super::*;
@@ -894,6 +926,16 @@ mod tests {
         assert_eq!(ACCESS_LOCAL_WRITE, A::IBV_ACCESS_LOCAL_WRITE.0);
         assert_eq!(ACCESS_REMOTE_WRITE, A::IBV_ACCESS_REMOTE_WRITE.0);
         assert_eq!(ACCESS_REMOTE_READ, A::IBV_ACCESS_REMOTE_READ.0);
+        assert_eq!(ACCESS_RELAXED_ORDERING, A::IBV_ACCESS_RELAXED_ORDERING.0);
+        assert_eq!(
+            region_access() as u32,
+            ACCESS_LOCAL_WRITE | ACCESS_REMOTE_WRITE | ACCESS_REMOTE_READ | ACCESS_RELAXED_ORDERING
+        );
+        assert_eq!(
+            without_relaxed_ordering(region_access()),
+            Some((ACCESS_LOCAL_WRITE | ACCESS_REMOTE_WRITE | ACCESS_REMOTE_READ) as i32)
+        );
+        assert_eq!(without_relaxed_ordering(1), None);
         assert_eq!(QpState::Init as u32, ffi::ibv_qp_state::IBV_QPS_INIT);
         assert_eq!(QpState::Rtr as u32, ffi::ibv_qp_state::IBV_QPS_RTR);
         assert_eq!(QpState::Rts as u32, ffi::ibv_qp_state::IBV_QPS_RTS);
@@ -905,6 +947,11 @@ mod tests {
         assert_eq!(WC_WR_FLUSH_ERR, S::IBV_WC_WR_FLUSH_ERR);
         assert_eq!(WC_RECV, ffi::ibv_wc_opcode::IBV_WC_RECV);
         assert_eq!(WC_OP_RDMA_WRITE, ffi::ibv_wc_opcode::IBV_WC_RDMA_WRITE);
+        assert_eq!(WC_OP_RDMA_READ, ffi::ibv_wc_opcode::IBV_WC_RDMA_READ);
+        assert_eq!(WC_LOC_PROT_ERR, S::IBV_WC_LOC_PROT_ERR);
+        assert_eq!(WC_REM_ACCESS_ERR, S::IBV_WC_REM_ACCESS_ERR);
+        assert_eq!(WC_RETRY_EXC_ERR, S::IBV_WC_RETRY_EXC_ERR);
+        assert_eq!(WC_RNR_RETRY_EXC_ERR, S::IBV_WC_RNR_RETRY_EXC_ERR);
         assert_eq!(
             WC_OP_RECV_RDMA_WITH_IMM,
             ffi::ibv_wc_opcode::IBV_WC_RECV_RDMA_WITH_IMM

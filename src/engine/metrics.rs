@@ -1,0 +1,663 @@
+//! Engine metrics: the counters the data path bumps (atomics; none takes a
+//! lock of its own on the hot path), the room totals the room table keeps
+//! under its own lock, one [`MetricsSnapshot`] of them all, and its
+//! Prometheus text.
+//!
+//! Where each number comes from:
+//! - rooms by state, rooms finished and failures by status kind, and the
+//!   transfer latency histograms: the room table ([`RoomTotals`]), counted
+//!   when a finished room is cleared and, for live rooms, at the snapshot;
+//! - bytes, batches, failed batches and wire time per transport and peer:
+//!   each decode link's [`PeerCounters`], bumped by the flight of batches;
+//! - host staging in flight: bytes of the staging buffers read by batches
+//!   not yet completed (per link, summed);
+//! - gather time: the prefill workers' CPU gathers into the staging;
+//! - received bytes (decode): the KV bytes each prefill rank reported for
+//!   its rooms; received batches: the receiving agent's completion records.
+
+use super::handle::{lock, Engine};
+use super::room::{KvPoll, Room};
+use crate::bootstrap::schema::Role;
+use crate::memory::RegionDesc;
+use std::collections::BTreeMap;
+use std::fmt::Write;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// Upper bounds (seconds) of the transfer latency buckets: 0.5 ms to 60 s,
+/// about three per decade (a room's KV moves in well under a millisecond on
+/// one host and in seconds over a slow link). A last `+Inf` bucket follows.
+/// cbindgen:ignore
+pub const LATENCY_BUCKETS: [f64; 16] = [
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+    60.0,
+];
+
+/// A Prometheus-style histogram over [`LATENCY_BUCKETS`].
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Histogram {
+    /// Observations per bucket, not cumulative; the last is the `+Inf` bucket.
+    pub buckets: [u64; LATENCY_BUCKETS.len() + 1],
+    /// Sum of the observations, seconds.
+    pub sum: f64,
+    /// Number of observations.
+    pub count: u64,
+}
+
+impl Histogram {
+    /// Adds one observation of `secs` seconds.
+    pub fn observe(&mut self, secs: f64) {
+        let i = LATENCY_BUCKETS
+            .iter()
+            .position(|&b| secs <= b)
+            .unwrap_or(LATENCY_BUCKETS.len());
+        self.buckets[i] += 1;
+        self.sum += secs;
+        self.count += 1;
+    }
+
+    /// Adds every observation of `other`.
+    pub fn merge(&mut self, other: &Histogram) {
+        for (a, b) in self.buckets.iter_mut().zip(&other.buckets) {
+            *a += b;
+        }
+        self.sum += other.sum;
+        self.count += other.count;
+    }
+
+    /// The `q` quantile (0..=1) estimated from the buckets as Prometheus'
+    /// `histogram_quantile` does: linear within the bucket it falls in (the
+    /// first bucket starts at 0); in the `+Inf` bucket, the largest finite
+    /// bound. `None` without observations.
+    pub fn quantile(&self, q: f64) -> Option<f64> {
+        if self.count == 0 {
+            return None;
+        }
+        let rank = q.clamp(0.0, 1.0) * self.count as f64;
+        let mut below = 0u64;
+        for (i, &n) in self.buckets.iter().enumerate() {
+            if n > 0 && (below + n) as f64 >= rank {
+                let Some(&hi) = LATENCY_BUCKETS.get(i) else {
+                    return Some(LATENCY_BUCKETS[LATENCY_BUCKETS.len() - 1]);
+                };
+                let lo = if i == 0 { 0.0 } else { LATENCY_BUCKETS[i - 1] };
+                let within = ((rank - below as f64) / n as f64).clamp(0.0, 1.0);
+                return Some(lo + (hi - lo) * within);
+            }
+            below += n;
+        }
+        Some(LATENCY_BUCKETS[LATENCY_BUCKETS.len() - 1])
+    }
+}
+
+/// The room table's lifecycle totals, kept under its lock: rooms created,
+/// and the finished rooms it has cleared (their outcome, failure kind and
+/// transfer latency). [`RoomTable::totals`](super::RoomTable::totals) adds
+/// the finished live rooms, so a finished room counts once, cleared or not.
+#[derive(Debug, Clone, Default)]
+pub struct RoomTotals {
+    /// Rooms created (every attempt of a reused id counts).
+    pub created: u64,
+    /// Finished rooms that succeeded.
+    pub succeeded: u64,
+    /// Finished rooms that failed, by the status kind of their failure.
+    pub failed: BTreeMap<&'static str, u64>,
+    /// Transfer latency of the rooms that succeeded, by transport: from the
+    /// first chunk queued (prefill) or the metadata sent (decode) to Success.
+    pub latency: BTreeMap<&'static str, Histogram>,
+}
+
+impl RoomTotals {
+    /// Counts one room's outcome if it finished (a room cleared before it
+    /// finished counts nowhere but in `created`).
+    pub(crate) fn count(&mut self, r: &Room) {
+        match r.poll {
+            KvPoll::Success => {
+                self.succeeded += 1;
+                let t = &r.times;
+                let from = t.queued.unwrap_or(r.created);
+                let to = t.last_ack.unwrap_or(from);
+                self.latency
+                    .entry(t.transport.unwrap_or("unknown"))
+                    .or_default()
+                    .observe(to.saturating_duration_since(from).as_secs_f64());
+            }
+            KvPoll::Failed => {
+                let kind = r
+                    .failure
+                    .as_ref()
+                    .map_or("room_failed", |e| e.status().kind());
+                *self.failed.entry(kind).or_default() += 1;
+            }
+            _ => {}
+        }
+    }
+
+    /// These totals with the finished rooms among `live` counted too.
+    pub(crate) fn with_live<'a>(&self, live: impl Iterator<Item = &'a Room>) -> RoomTotals {
+        let mut t = self.clone();
+        for r in live {
+            t.count(r);
+        }
+        t
+    }
+}
+
+/// The counters of one peer link: a decode rank as the prefill writes to it
+/// (or a prefill rank as the decode hears from it). Created once per link
+/// and shared with the engine's registry; bumped with relaxed atomics.
+#[derive(Debug, Default)]
+pub(crate) struct PeerCounters {
+    /// Transport label (`cma`, `tcp`, `rdma`, ...).
+    pub transport: &'static str,
+    /// Peer label: the peer's rank key (`dp0-tp1-cp0-pp0`).
+    pub peer: String,
+    /// Bytes of batches that completed.
+    pub bytes: AtomicU64,
+    /// Batches that completed.
+    pub batches: AtomicU64,
+    /// Batches refused at submit or failed at completion.
+    pub failed_batches: AtomicU64,
+    /// Nanoseconds workers spent submitting batches and waiting for them.
+    pub wire_ns: AtomicU64,
+    /// Bytes of host staging read by batches not yet completed.
+    pub staged_bytes: AtomicU64,
+}
+
+impl PeerCounters {
+    /// Adds `d` to the wire time.
+    pub(crate) fn add_wire(&self, since: Instant) {
+        self.wire_ns
+            .fetch_add(nanos(since.elapsed()), Ordering::Relaxed);
+    }
+}
+
+fn nanos(d: Duration) -> u64 {
+    u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
+}
+
+/// The engine-wide counters (one per [`Engine`](super::Engine)).
+#[derive(Debug, Default)]
+pub(crate) struct EngineMetrics {
+    /// Every link's counters: taken when a link is made and at a snapshot
+    /// only, never per batch, and never while another lock is held (a leaf
+    /// in `Inner`'s lock order). Counters outlive their link (Prometheus
+    /// counters never go down); a link to the same peer over the same
+    /// transport reuses them.
+    peers: Mutex<Vec<Arc<PeerCounters>>>,
+    /// Nanoseconds prefill workers spent gathering rows into host staging.
+    gather_ns: AtomicU64,
+    /// Gathers into host staging.
+    gathers: AtomicU64,
+    /// Decode: batches that landed (the agent's completion records).
+    received_batches: AtomicU64,
+}
+
+impl EngineMetrics {
+    /// The counters of the link to `peer` over `transport` (made on first use).
+    pub(crate) fn peer(&self, transport: &'static str, peer: String) -> Arc<PeerCounters> {
+        let mut peers = self.peers.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(c) = peers
+            .iter()
+            .find(|c| c.transport == transport && c.peer == peer)
+        {
+            return c.clone();
+        }
+        let c = Arc::new(PeerCounters {
+            transport,
+            peer,
+            ..Default::default()
+        });
+        peers.push(c.clone());
+        c
+    }
+
+    /// Counts one gather into host staging that started at `since`.
+    pub(crate) fn gathered(&self, since: Instant) {
+        self.gather_ns
+            .fetch_add(nanos(since.elapsed()), Ordering::Relaxed);
+        self.gathers.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Decode: counts `n` batches that landed.
+    pub(crate) fn received(&self, n: u64) {
+        self.received_batches.fetch_add(n, Ordering::Relaxed);
+    }
+
+    fn peers(&self) -> Vec<PeerSnapshot> {
+        let peers = self.peers.lock().unwrap_or_else(|p| p.into_inner());
+        let mut out: Vec<PeerSnapshot> = peers
+            .iter()
+            .map(|c| PeerSnapshot {
+                transport: c.transport.to_string(),
+                peer: c.peer.clone(),
+                bytes: c.bytes.load(Ordering::Relaxed),
+                batches: c.batches.load(Ordering::Relaxed),
+                failed_batches: c.failed_batches.load(Ordering::Relaxed),
+                wire_seconds: c.wire_ns.load(Ordering::Relaxed) as f64 * 1e-9,
+                staged_bytes: c.staged_bytes.load(Ordering::Relaxed),
+            })
+            .collect();
+        out.sort_by(|a, b| (&a.transport, &a.peer).cmp(&(&b.transport, &b.peer)));
+        out
+    }
+}
+
+/// One peer link's counters at a snapshot.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PeerSnapshot {
+    /// Transport label (`cma`, `tcp`, `rdma`, ...).
+    pub transport: String,
+    /// Peer label: its rank key (`dp0-tp1-cp0-pp0`).
+    pub peer: String,
+    /// Prefill: bytes of completed batches to the peer (KV, aux, state).
+    /// Decode: KV bytes the prefill rank reported for its finished rooms.
+    pub bytes: u64,
+    /// Prefill: completed batches to the peer (0 on a decode).
+    pub batches: u64,
+    /// Prefill: batches refused at submit or failed at completion.
+    pub failed_batches: u64,
+    /// Prefill: seconds workers spent submitting batches and waiting for them.
+    pub wire_seconds: f64,
+    /// Prefill: bytes of host staging read by batches still in flight.
+    pub staged_bytes: u64,
+}
+
+/// Every metric of one engine at one moment ([`Engine::metrics_snapshot`](super::Engine::metrics_snapshot)).
+#[derive(Debug, Clone)]
+pub struct MetricsSnapshot {
+    /// The engine's role.
+    pub role: Role,
+    /// The engine's cluster.
+    pub cluster: String,
+    /// Live rooms by state, indexed by the `KvPoll` value.
+    pub rooms: [u64; 5],
+    /// Room totals: created, finished (cleared or live) by outcome and
+    /// failure kind, transfer latency of the successful ones by transport.
+    pub totals: RoomTotals,
+    /// Every peer link's counters, by transport and peer.
+    pub peers: Vec<PeerSnapshot>,
+    /// Decode: batches that landed (the agent's completion records).
+    pub received_batches: u64,
+    /// Prefill: seconds workers spent gathering rows into host staging.
+    pub gather_seconds: f64,
+    /// Prefill: gathers into host staging.
+    pub gathers: u64,
+    /// Bytes of the prefill workers' host staging buffers.
+    pub staging_bytes: u64,
+    /// Registered memory by kind (`kv`, `aux`, `state`, `staging`, `other`).
+    pub registered_bytes: BTreeMap<&'static str, u64>,
+}
+
+/// `KvPoll` state names as label values, indexed by the state's value.
+/// cbindgen:ignore
+pub const STATE_NAMES: [&str; 5] = [
+    "failed",
+    "bootstrapping",
+    "waiting_for_input",
+    "transferring",
+    "success",
+];
+
+impl MetricsSnapshot {
+    pub(crate) fn new(
+        role: Role,
+        cluster: &str,
+        rooms: [u64; 5],
+        totals: RoomTotals,
+        m: &EngineMetrics,
+        staging_bytes: u64,
+        registered_bytes: BTreeMap<&'static str, u64>,
+    ) -> MetricsSnapshot {
+        MetricsSnapshot {
+            role,
+            cluster: cluster.to_string(),
+            rooms,
+            totals,
+            peers: m.peers(),
+            received_batches: m.received_batches.load(Ordering::Relaxed),
+            gather_seconds: m.gather_ns.load(Ordering::Relaxed) as f64 * 1e-9,
+            gathers: m.gathers.load(Ordering::Relaxed),
+            staging_bytes,
+            registered_bytes,
+        }
+    }
+
+    /// Bytes of host staging read by batches still in flight (every link).
+    pub fn staging_in_flight_bytes(&self) -> u64 {
+        self.peers.iter().map(|p| p.staged_bytes).sum()
+    }
+
+    /// Seconds workers spent submitting batches and waiting for them, by transport.
+    pub fn wire_seconds(&self) -> BTreeMap<String, f64> {
+        let mut out = BTreeMap::new();
+        for p in &self.peers {
+            *out.entry(p.transport.clone()).or_insert(0.0) += p.wire_seconds;
+        }
+        out
+    }
+
+    /// The Prometheus text exposition (format 0.0.4) of the snapshot.
+    pub fn to_prometheus(&self) -> String {
+        let mut o = String::new();
+        let head = |o: &mut String, name: &str, kind: &str, help: &str| {
+            let _ = writeln!(o, "# HELP {name} {help}");
+            let _ = writeln!(o, "# TYPE {name} {kind}");
+        };
+        head(
+            &mut o,
+            "pdxfer_engine_info",
+            "gauge",
+            "The engine's role and cluster (always 1).",
+        );
+        let _ = writeln!(
+            o,
+            "pdxfer_engine_info{{role=\"{}\",cluster=\"{}\"}} 1",
+            self.role.as_str(),
+            escape(&self.cluster)
+        );
+        head(
+            &mut o,
+            "pdxfer_engine_rooms",
+            "gauge",
+            "Live rooms by KVPoll state.",
+        );
+        for (name, n) in STATE_NAMES.iter().zip(self.rooms) {
+            let _ = writeln!(o, "pdxfer_engine_rooms{{state=\"{name}\"}} {n}");
+        }
+        head(
+            &mut o,
+            "pdxfer_engine_rooms_created_total",
+            "counter",
+            "Rooms created (each attempt of a reused room id counts).",
+        );
+        let _ = writeln!(
+            o,
+            "pdxfer_engine_rooms_created_total {}",
+            self.totals.created
+        );
+        head(
+            &mut o,
+            "pdxfer_engine_rooms_finished_total",
+            "counter",
+            "Rooms that reached a terminal state, by that state.",
+        );
+        let failed: u64 = self.totals.failed.values().sum();
+        let _ = writeln!(
+            o,
+            "pdxfer_engine_rooms_finished_total{{state=\"success\"}} {}",
+            self.totals.succeeded
+        );
+        let _ = writeln!(
+            o,
+            "pdxfer_engine_rooms_finished_total{{state=\"failed\"}} {failed}"
+        );
+        head(
+            &mut o,
+            "pdxfer_engine_room_failures_total",
+            "counter",
+            "Failed rooms by the status kind of their failure.",
+        );
+        for (kind, n) in &self.totals.failed {
+            let _ = writeln!(
+                o,
+                "pdxfer_engine_room_failures_total{{kind=\"{kind}\"}} {n}"
+            );
+        }
+        head(
+            &mut o,
+            "pdxfer_engine_transfer_seconds",
+            "histogram",
+            "Transfer latency of successful rooms by transport: first chunk queued (prefill) or metadata sent (decode) to Success.",
+        );
+        for (t, h) in &self.totals.latency {
+            let mut cum = 0u64;
+            for (i, n) in h.buckets.iter().enumerate() {
+                cum += n;
+                let le = LATENCY_BUCKETS
+                    .get(i)
+                    .map_or("+Inf".to_string(), |b| b.to_string());
+                let _ = writeln!(
+                    o,
+                    "pdxfer_engine_transfer_seconds_bucket{{transport=\"{t}\",le=\"{le}\"}} {cum}"
+                );
+            }
+            let _ = writeln!(
+                o,
+                "pdxfer_engine_transfer_seconds_sum{{transport=\"{t}\"}} {}",
+                h.sum
+            );
+            let _ = writeln!(
+                o,
+                "pdxfer_engine_transfer_seconds_count{{transport=\"{t}\"}} {}",
+                h.count
+            );
+        }
+        let per_peer =
+            |o: &mut String, name: &str, help: &str, value: &dyn Fn(&PeerSnapshot) -> String| {
+                head(o, name, "counter", help);
+                for p in &self.peers {
+                    let _ = writeln!(
+                        o,
+                        "{name}{{transport=\"{}\",peer=\"{}\"}} {}",
+                        p.transport,
+                        escape(&p.peer),
+                        value(p)
+                    );
+                }
+            };
+        if self.role == Role::Decode {
+            per_peer(
+                &mut o,
+                "pdxfer_engine_received_bytes_total",
+                "KV bytes each prefill rank reported for its finished rooms.",
+                &|p| p.bytes.to_string(),
+            );
+        } else {
+            per_peer(
+                &mut o,
+                "pdxfer_engine_sent_bytes_total",
+                "Bytes of completed batches (KV, aux, state) by transport and peer.",
+                &|p| p.bytes.to_string(),
+            );
+            per_peer(
+                &mut o,
+                "pdxfer_engine_sent_batches_total",
+                "Completed batches by transport and peer.",
+                &|p| p.batches.to_string(),
+            );
+            per_peer(
+                &mut o,
+                "pdxfer_engine_failed_batches_total",
+                "Batches refused at submit or failed at completion, by transport and peer.",
+                &|p| p.failed_batches.to_string(),
+            );
+            per_peer(
+                &mut o,
+                "pdxfer_engine_wire_seconds_total",
+                "Seconds workers spent submitting batches and waiting for their completion, by transport and peer.",
+                &|p| p.wire_seconds.to_string(),
+            );
+        }
+        if self.role == Role::Decode {
+            head(
+                &mut o,
+                "pdxfer_engine_received_batches_total",
+                "counter",
+                "Batches that landed in this engine's memory (the receiving agent's completion records).",
+            );
+            let _ = writeln!(
+                o,
+                "pdxfer_engine_received_batches_total {}",
+                self.received_batches
+            );
+        }
+        head(
+            &mut o,
+            "pdxfer_engine_gather_seconds_total",
+            "counter",
+            "Seconds prefill workers spent gathering rows into host staging (compare with pdxfer_engine_wire_seconds_total).",
+        );
+        let _ = writeln!(
+            o,
+            "pdxfer_engine_gather_seconds_total {}",
+            self.gather_seconds
+        );
+        head(
+            &mut o,
+            "pdxfer_engine_gathers_total",
+            "counter",
+            "Gathers into host staging.",
+        );
+        let _ = writeln!(o, "pdxfer_engine_gathers_total {}", self.gathers);
+        head(
+            &mut o,
+            "pdxfer_engine_staging_bytes",
+            "gauge",
+            "Bytes of the prefill workers' host staging buffers.",
+        );
+        let _ = writeln!(o, "pdxfer_engine_staging_bytes {}", self.staging_bytes);
+        head(
+            &mut o,
+            "pdxfer_engine_staging_in_flight_bytes",
+            "gauge",
+            "Bytes of host staging read by batches not yet completed.",
+        );
+        let _ = writeln!(
+            o,
+            "pdxfer_engine_staging_in_flight_bytes {}",
+            self.staging_in_flight_bytes()
+        );
+        head(
+            &mut o,
+            "pdxfer_engine_registered_bytes",
+            "gauge",
+            "Memory registered with the engine's agent, by kind.",
+        );
+        for (kind, n) in &self.registered_bytes {
+            let _ = writeln!(o, "pdxfer_engine_registered_bytes{{kind=\"{kind}\"}} {n}");
+        }
+        o
+    }
+}
+
+impl Engine {
+    /// Every metric of the engine now (cheap: the room table's lock is
+    /// held while its live rooms are counted, the link registry's while the
+    /// links' counters are read; neither while the other is taken).
+    pub fn metrics_snapshot(&self) -> MetricsSnapshot {
+        let inner = &self.inner;
+        let (rooms, totals) = lock(&inner.rooms).totals();
+        let len = |rs: &[RegionDesc]| rs.iter().map(|r| r.len).sum::<u64>();
+        let staging_bytes: u64 = inner.staging.iter().map(|(_, d)| d.len).sum();
+        let mut registered = BTreeMap::new();
+        registered.insert("kv", len(&inner.pool_regions));
+        registered.insert("aux", len(&inner.aux_regions));
+        registered.insert("state", len(&inner.state_regions));
+        registered.insert("staging", staging_bytes);
+        let known: u64 = registered.values().sum();
+        let all: u64 = inner
+            .agent
+            .registry()
+            .descriptors()
+            .iter()
+            .map(|r| r.len)
+            .sum();
+        // device staging, the tcp receiver's bounce buffers, ...
+        registered.insert("other", all.saturating_sub(known));
+        MetricsSnapshot::new(
+            inner.cfg.role,
+            &inner.cfg.cluster,
+            rooms,
+            totals,
+            &inner.metrics,
+            staging_bytes,
+            registered,
+        )
+    }
+
+    /// The engine's metrics as Prometheus text (format 0.0.4).
+    pub fn metrics(&self) -> String {
+        self.metrics_snapshot().to_prometheus()
+    }
+
+    /// Where the `/metrics` responder listens (`metrics_listen` set), with
+    /// the port it picked for `:0`.
+    pub fn metrics_addr(&self) -> Option<std::net::SocketAddr> {
+        self.inner.metrics_addr
+    }
+}
+
+/// A label value with `\`, `"` and newlines escaped (the text format's rules).
+fn escape(s: &str) -> String {
+    s.replace('\\', "\\\\")
+        .replace('"', "\\\"")
+        .replace('\n', "\\n")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn observations_land_in_their_bucket_and_inf_catches_the_rest() {
+        let mut h = Histogram::default();
+        h.observe(0.0);
+        h.observe(0.0005);
+        h.observe(0.0006);
+        h.observe(61.0);
+        assert_eq!(h.buckets[0], 2, "le is inclusive");
+        assert_eq!(h.buckets[1], 1);
+        assert_eq!(h.buckets[LATENCY_BUCKETS.len()], 1);
+        assert_eq!(h.count, 4);
+        assert!((h.sum - 61.0011).abs() < 1e-9);
+        let mut g = Histogram::default();
+        g.observe(0.003);
+        g.merge(&h);
+        assert_eq!(g.count, 5);
+        assert_eq!(g.buckets[3], 1);
+    }
+
+    #[test]
+    fn quantiles_interpolate_within_the_bucket() {
+        let mut h = Histogram::default();
+        assert_eq!(h.quantile(0.5), None);
+        // 10 observations in (0.01, 0.025]: the median is half way through it
+        for _ in 0..10 {
+            h.observe(0.02);
+        }
+        let p50 = h.quantile(0.5).unwrap();
+        assert!((p50 - 0.0175).abs() < 1e-12, "{p50}");
+        assert!((h.quantile(1.0).unwrap() - 0.025).abs() < 1e-12);
+        // one slow room in +Inf: p99 of 11 falls there, p50 does not move bucket
+        h.observe(100.0);
+        assert_eq!(h.quantile(0.99).unwrap(), 60.0);
+        assert!(h.quantile(0.5).unwrap() <= 0.025);
+        // in the first bucket the lower bound is 0
+        let mut f = Histogram::default();
+        f.observe(0.0001);
+        f.observe(0.0001);
+        assert!((f.quantile(0.5).unwrap() - 0.00025).abs() < 1e-12);
+    }
+
+    #[test]
+    fn counters_are_shared_per_transport_and_peer() {
+        let m = EngineMetrics::default();
+        let a = m.peer("tcp", "dp0-tp0-cp0-pp0".into());
+        let b = m.peer("tcp", "dp0-tp0-cp0-pp0".into());
+        let c = m.peer("cma", "dp0-tp0-cp0-pp0".into());
+        assert!(Arc::ptr_eq(&a, &b));
+        assert!(!Arc::ptr_eq(&a, &c));
+        a.bytes.fetch_add(10, Ordering::Relaxed);
+        b.bytes.fetch_add(5, Ordering::Relaxed);
+        let p = m.peers();
+        assert_eq!(p.len(), 2);
+        assert_eq!((p[1].transport.as_str(), p[1].bytes), ("tcp", 15));
+    }
+
+    #[test]
+    fn label_values_are_escaped() {
+        assert_eq!(escape("a\"b\\c\nd"), "a\\\"b\\\\c\\nd");
+    }
+}
