@@ -271,7 +271,10 @@ mod tests {
                 "PDXFER_REQUIRE_CUDA_TOOLS is set but no NCCL wheel is in any site-packages: {:?}",
                 library::NCCL.searched_dirs()
             );
-            eprintln!("skipped: no NCCL wheel in site-packages (scripts/cuda-deps.sh)");
+            crate::test_skip::skip(
+                "cuda-tools",
+                "no NCCL wheel in site-packages (scripts/cuda-deps.sh)",
+            );
             return;
         };
         let n = Nccl::open(&path).unwrap();
