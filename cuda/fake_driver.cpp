@@ -17,6 +17,10 @@
 //   written when the copy runs, as DMA does; a device-to-host copy into
 //   pageable memory blocks until the stream's earlier work ran (as the
 //   driver does). Calls on the null stream run at once.
+// - Steps that wait (pdx_fake_enqueue_step, used by the fake libnccl): an
+//   NCCL op stays at the head of its stream until its peer posts the match;
+//   queries answer not-ready, synchronisation blocks as on a GPU, and
+//   cuMemFree of memory such a pending op uses stops the process.
 // - Faults inside enqueued work (a kernel row outside device memory) surface
 //   at the next synchronisation as a sticky CUDA_ERROR_ILLEGAL_ADDRESS.
 // - Driver version (PDXFER_FAKE_CUDA_DRIVER_VERSION, default 12080, or
@@ -71,6 +75,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -127,7 +132,7 @@ static unsigned long long g_rdma_flushes = 0; // cuFlushGPUDirectRDMAWrites call
 
 // A stream: work not yet run, in order; `done` of `enq` operations have run.
 struct Stream {
-    std::deque<std::function<void()>> q;
+    std::deque<std::function<bool()>> q;
     unsigned long long enq = 0, done = 0;
 };
 static std::map<void*, Stream> g_streams;
@@ -192,34 +197,55 @@ static bool stream_ok(CUstream s) {
 }
 
 // Appends `op` to stream `s` (which must exist and not be null).
-static void enqueue(CUstream s, std::function<void()> op) {
+static void enqueue_step(CUstream s, std::function<bool()> op) {
     std::lock_guard<std::mutex> l(g_mu);
     Stream& st = g_streams[s];
     st.q.push_back(std::move(op));
     st.enq++;
 }
+static void enqueue(CUstream s, std::function<void()> op) {
+    enqueue_step(s, [op] {
+        op();
+        return true;
+    });
+}
 
 // Runs the work of stream `s` until it has run `seq` operations (all of it
-// when `seq` is ~0). Work may wait on other streams (cuStreamWaitEvent).
-static void drain(CUstream s, unsigned long long seq = ~0ull) {
-    if (s == nullptr) return;
+// when `seq` is ~0). Work may wait on other streams (cuStreamWaitEvent). A
+// step that cannot finish yet (an NCCL op whose peer has not posted) stays at
+// the head of the queue: false is returned, and a later drain retries it.
+static bool drain(CUstream s, unsigned long long seq = ~0ull) {
+    if (s == nullptr) return true;
     std::lock_guard<std::recursive_mutex> ex(g_exec);
     for (;;) {
-        std::function<void()> op;
+        std::function<bool()> op;
         {
             std::lock_guard<std::mutex> l(g_mu);
             auto it = g_streams.find(s);
-            if (it == g_streams.end() || it->second.done >= seq || it->second.q.empty()) return;
+            if (it == g_streams.end() || it->second.done >= seq || it->second.q.empty())
+                return true;
             op = std::move(it->second.q.front());
             it->second.q.pop_front();
         }
-        op();
+        bool finished = op();
         std::lock_guard<std::mutex> l(g_mu);
         auto it = g_streams.find(s);
-        if (it != g_streams.end()) it->second.done++;
+        if (it == g_streams.end()) return true;
+        if (!finished) {
+            it->second.q.push_front(std::move(op));
+            return false;
+        }
+        it->second.done++;
     }
 }
 
+// Blocks until the work is done, as the driver does (forever, when an
+// enqueued NCCL op never finds its peer: a real GPU spins the same way).
+static void drain_wait(CUstream s, unsigned long long seq = ~0ull) {
+    while (!drain(s, seq)) std::this_thread::sleep_for(std::chrono::microseconds(200));
+}
+
+// Runs what can run on every stream (without waiting for blocked steps).
 static void drain_all() {
     std::vector<void*> all;
     {
@@ -227,6 +253,28 @@ static void drain_all() {
         for (auto& kv : g_streams) all.push_back(kv.first);
     }
     for (void* s : all) drain(s);
+}
+
+// Device ranges that enqueued steps (NCCL ops) still read or write.
+struct StepRange {
+    unsigned long long id, ptr, len;
+};
+static std::vector<StepRange> g_step_ranges;
+static unsigned long long g_step_ids = 0;
+
+// Freeing memory an enqueued step still uses is the bug a real GPU shows as
+// corruption or a fault: here it stops the process with a message.
+static void refuse_free_in_use(unsigned long long p, const char* what) {
+    std::lock_guard<std::mutex> l(g_mu);
+    for (auto& r : g_step_ranges) {
+        if (p >= r.ptr && p < r.ptr + (r.len ? r.len : 1)) {
+            fprintf(stderr,
+                    "fake libcuda: %s(0x%llx) while an enqueued NCCL op still uses "
+                    "[0x%llx, +%llu)\n",
+                    what, p, r.ptr, r.len);
+            abort();
+        }
+    }
 }
 
 // The stream and position of event `e`; false for an unknown event.
@@ -316,7 +364,14 @@ CUresult cuCtxSetCurrent(CUcontext c) {
     return OK;
 }
 CUresult cuCtxSynchronize() {
-    drain_all();
+    {
+        std::vector<void*> all;
+        {
+            std::lock_guard<std::mutex> l(g_mu);
+            for (auto& kv : g_streams) all.push_back(kv.first);
+        }
+        for (void* s : all) drain_wait(s);
+    }
     return sticky();
 }
 
@@ -328,7 +383,7 @@ CUresult cuStreamCreate(CUstream* s, unsigned int) {
 }
 CUresult cuStreamDestroy_v2(CUstream s) {
     if (!stream_ok(s) || s == nullptr) return ERR_INVALID_HANDLE;
-    drain(s);  // its work still completes (here: before the handle goes)
+    drain(s);  // its work that can run completes; a step still blocked is dropped
     std::lock_guard<std::mutex> l(g_mu);
     g_streams.erase(s);
     for (auto& kv : g_events)
@@ -338,7 +393,7 @@ CUresult cuStreamDestroy_v2(CUstream s) {
 }
 CUresult cuStreamSynchronize(CUstream s) {
     if (!stream_ok(s)) return ERR_INVALID_HANDLE;
-    drain(s);
+    drain_wait(s);
     return sticky();
 }
 CUresult cuStreamWaitEvent(CUstream s, CUevent e, unsigned int) {
@@ -347,11 +402,11 @@ CUresult cuStreamWaitEvent(CUstream s, CUevent e, unsigned int) {
     unsigned long long seq;
     if (!event_pos(e, &es, &seq)) return ERR_INVALID_HANDLE;
     if (s == nullptr) {
-        drain(es, seq);
+        drain_wait(es, seq);
         return OK;
     }
     // later work on `s` runs after the event's work (run when `s` is waited)
-    enqueue(s, [es, seq] { drain(es, seq); });
+    enqueue_step(s, [es, seq] { return drain(es, seq); });
     return OK;
 }
 
@@ -365,8 +420,18 @@ CUresult cuMemAlloc_v2(CUdeviceptr* p, size_t n) {
     if (g_vmm_chunk > 0 && n > g_vmm_chunk) g_vmm[*p] = g_vmm_chunk;
     return OK;
 }
+// A 80 GiB device: free is what the allocations made here leave.
+CUresult cuMemGetInfo_v2(size_t* free_bytes, size_t* total) {
+    std::lock_guard<std::mutex> l(g_mu);
+    size_t used = 0;
+    for (auto& kv : g_allocs) used += kv.second;
+    *total = (size_t)80 << 30;
+    *free_bytes = *total > used ? *total - used : 0;
+    return OK;
+}
 CUresult cuMemFree_v2(CUdeviceptr p) {
     drain_all();  // the driver synchronises before freeing
+    refuse_free_in_use(p, "cuMemFree");
     std::lock_guard<std::mutex> l(g_mu);
     if (!g_allocs.erase(p)) return ERR_INVALID_VALUE;
     g_vmm.erase(p);
@@ -475,7 +540,7 @@ CUresult cuMemcpyDtoHAsync_v2(void* h, CUdeviceptr d, size_t n, CUstream s) {
         return OK;
     }
     // into pageable memory the copy is synchronous: after the stream's work
-    drain(s);
+    drain_wait(s);
     memcpy(h, (const void*)d, n);
     return s == nullptr ? OK : sticky();
 }
@@ -551,7 +616,7 @@ CUresult cuEventSynchronize(CUevent e) {
     CUstream s;
     unsigned long long seq;
     if (!event_pos(e, &s, &seq)) return ERR_INVALID_HANDLE;
-    drain(s, seq);
+    drain_wait(s, seq);
     return sticky();
 }
 CUresult cuEventElapsedTime(float* ms, CUevent a, CUevent b) {
@@ -731,6 +796,35 @@ unsigned long long pdx_fake_pending_ops() {
     unsigned long long n = 0;
     for (auto& kv : g_streams) n += kv.second.q.size();
     return n;
+}
+// Enqueues a step on `s` (the fake libnccl's ops): `step(arg)` runs when the
+// stream reaches it and is retried until it returns nonzero; `ranges` holds
+// `n` (device pointer, length) pairs it uses, which cuMemFree refuses while
+// the step is pending. A null stream runs it to completion now.
+int pdx_fake_enqueue_step(CUstream s, int (*step)(void*), void* arg,
+                          const unsigned long long* ranges, int n) {
+    if (!stream_ok(s)) return ERR_INVALID_HANDLE;
+    unsigned long long id;
+    {
+        std::lock_guard<std::mutex> l(g_mu);
+        id = ++g_step_ids;
+        for (int i = 0; i < n; i++) g_step_ranges.push_back({id, ranges[2 * i], ranges[2 * i + 1]});
+    }
+    auto run = [step, arg, id] {
+        if (step(arg) == 0) return false;
+        std::lock_guard<std::mutex> l(g_mu);
+        std::vector<StepRange> keep;
+        for (auto& r : g_step_ranges)
+            if (r.id != id) keep.push_back(r);
+        g_step_ranges.swap(keep);
+        return true;
+    };
+    if (s == nullptr) {
+        while (!run()) std::this_thread::sleep_for(std::chrono::microseconds(200));
+        return OK;
+    }
+    enqueue_step(s, run);
+    return OK;
 }
 void pdx_fake_set_driver_version(int v) {
     std::lock_guard<std::mutex> l(g_mu);

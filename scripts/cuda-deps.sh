@@ -10,14 +10,15 @@
 #   nvidia-cuda-nvcc nvidia-cuda-crt nvidia-nvvm nvidia-cuda-runtime  -> nvcc 13 (sm_90 PTX + cubin, ptxas -v)
 #   nvidia-cuda-nvrtc                                                 -> libnvrtc.so.13
 #   nvidia-cuda-nvrtc-cu12==12.4.127                                  -> libnvrtc.so.12 (CUDA 12.4)
-#   nvidia-nccl-cu12                                                  -> libnccl.so.2 for cudarc
+#   nvidia-nccl-cu12                                                  -> libnccl.so.2
 # build.rs embeds an sm_90 cubin and PTX from nvcc 13 and from NVRTC 12.4
 # ($PDXFER_KERNEL_NVRTC), so kernels load on CUDA 12.x drivers (12.4 PTX ISA
 # 8.4; the 12.x cubin on any 12.x driver) as well as 13.x ones. The cu12 nvcc
 # wheels have ptxas but no nvcc, hence NVRTC for the 12.x images.
-# pdxfer finds libnvrtc.so.12/.13 itself (sonames and site-packages); cudarc's
-# NCCL loading searches libnccl.so, not .so.2, so the script links that name
-# in $DIR/lib (and libnvrtc.so, for other tools).
+# pdxfer finds libnvrtc.so.12/.13 and libnccl.so.2 itself (sonames and
+# site-packages): the NCCL wheel's --target directory goes on PYTHONPATH, where
+# pdxfer's site-packages search finds nvidia/nccl/lib/libnccl.so.2 (no link, no
+# loader path). $DIR/lib holds a libnvrtc.so link for other tools.
 #
 # Cache: $PDXFER_CUDA_DEPS (default: <repo>/.cache/cuda, ignored by git). A
 # second run is a no-op. Progress goes to stderr; only the exports go to stdout.
@@ -51,7 +52,7 @@ cu13=$dir/cu13/nvidia/cu13
 mkdir -p "$dir/lib"
 ln -sfn "$cu13/lib/libnvrtc.so.13" "$dir/lib/libnvrtc.so"
 if [ -f "$dir/nccl.done" ]; then
-    ln -sfn "$dir/nccl/nvidia/nccl/lib/libnccl.so.2" "$dir/lib/libnccl.so"
+    echo "export PYTHONPATH=\"$dir/nccl\${PYTHONPATH:+:\$PYTHONPATH}\""
 fi
 echo "export PATH=\"$cu13/bin:\$PATH\""
 echo "export LD_LIBRARY_PATH=\"$dir/lib:$cu13/lib\${LD_LIBRARY_PATH:+:\$LD_LIBRARY_PATH}\""

@@ -27,8 +27,9 @@
 #   strip -o target/gpu-check target/release/examples/gpu_check     # ~2 MB
 #   cargo build --release --lib --no-default-features --features cuda
 #   strip -o target/libpdxfer.so target/release/libpdxfer.so       # the SGLang step
-#   # then run this script on the GPU host with both carried along (device tool:
-#   # carry=["target/gpu-check", "target/libpdxfer.so"], command="scripts/gpu-check.sh")
+#   # and, for the NCCL step, target/nccl-check (build line in scripts/nccl-check.sh)
+#   # then run this script on the GPU host with them carried along (device tool:
+#   # carry=["target/gpu-check", "target/libpdxfer.so", "target/nccl-check"], command="scripts/gpu-check.sh")
 #
 # The binary loads its kernels from, in order: $PDXFER_KERNEL_MODULE, the
 # embedded images this driver can load (a cubin of the driver's CUDA major,
@@ -162,6 +163,25 @@ else
         2>&1 | tee -a "$log"
     src=${PIPESTATUS[0]}
     [ "$src" -ne 0 ] && say "gpu-check: SGLang adapter step failed (exit $src)" && [ "$rc" -eq 0 ] && rc=$src
+fi
+
+# NCCL on one GPU (target/nccl-check, built as scripts/nccl-check.sh says):
+# the library loads, a unique id, and an init whose peer never joins fails
+# at its 3 s deadline. Exit 3 there means no NCCL on this host (reported).
+nccl_bin=${PDXFER_NCCL_CHECK_BIN:-}
+[ -z "$nccl_bin" ] && [ -x target/nccl-check ] && nccl_bin=target/nccl-check
+if [ -n "$nccl_bin" ]; then
+    say "gpu-check: NCCL: library, unique id, init with a peer that never joins"
+    timeout "$(within 30)" "$nccl_bin" --solo --deadline-ms 3000 2>&1 | tee -a "$log"
+    nrc=${PIPESTATUS[0]}
+    if [ "$nrc" -eq 3 ]; then
+        say "gpu-check: NCCL step: no NCCL library or device here (exit 3)"
+    elif [ "$nrc" -ne 0 ]; then
+        say "gpu-check: NCCL step failed (exit $nrc)"
+        [ "$rc" -eq 0 ] && rc=$nrc
+    fi
+else
+    say "gpu-check: NCCL step not run: no target/nccl-check (build line in scripts/nccl-check.sh)"
 fi
 say "gpu-check: exit $rc"
 exit "$rc"

@@ -3,7 +3,8 @@
 //! benchmark loop) against `cuda/fake_driver.cpp`, a CPU stand-in for
 //! libcuda that executes the kernels with the host harness, and NCCL pair
 //! transfers (`transport::nccl`, Direct and Staged) against
-//! `cuda/fake_nccl.cpp`, two ranks in one process. cudarc loads
+//! `cuda/fake_nccl.cpp`, two ranks in one process (tests/nccl_fake.rs runs
+//! them in separate processes). cudarc loads
 //! libcuda once per process and glibc reads LD_LIBRARY_PATH at start-up, so
 //! the checks run in child processes (this test binary, `--ignored --exact
 //! child_...`) whose LD_LIBRARY_PATH holds the fake. A second child runs the
@@ -21,7 +22,7 @@ fn device_path_runs_on_fake_driver() {
     let cxx = std::env::var("CXX").unwrap_or_else(|_| "g++".into());
     for (lib, src) in [
         ("libcuda.so", "cuda/fake_driver.cpp"),
-        ("libnccl.so", "cuda/fake_nccl.cpp"),
+        ("libnccl.so.2", "cuda/fake_nccl.cpp"),
     ] {
         let ok = Command::new(&cxx)
             .args([
@@ -60,6 +61,8 @@ fn device_path_runs_on_fake_driver() {
         ])
         .env("LD_LIBRARY_PATH", &ld)
         .env("PDXFER_KERNEL_MODULE", dir.join("module.ptx"))
+        .env("PDXFER_NCCL", dir.join("libnccl.so.2"))
+        .env("PDXFER_FAKE_NCCL_DIR", &dir)
         .env("PDXFER_FAKE_CUDA_CHILD", "1")
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped());
@@ -526,10 +529,11 @@ fn nccl_transfers() {
     use pdxfer::relayout::gpu::GpuRelayout;
     use pdxfer::relayout::{self, cpu};
     use pdxfer::transport::nccl::{
-        check_mirror, NcclId, NcclMode, NcclPair, NcclPlan, NcclPlanOptions, NcclRole,
+        check_mirror, NcclAbort, NcclId, NcclMode, NcclPair, NcclPlan, NcclPlanOptions, NcclRole,
     };
     use pdxfer::Status;
     use std::sync::mpsc;
+    use std::time::{Duration, Instant};
 
     let (p, d, n) = (16u64, 4u64, 300u64);
     let src_pages: Vec<u64> = vec![
@@ -623,9 +627,21 @@ fn nccl_transfers() {
                 assert_eq!(tx.mode, mode);
                 to_rx.send(tx.digest).unwrap();
                 check_mirror(&tx, from_rx.recv().unwrap())?;
-                let mut pair = NcclPair::connect(id, NcclRole::Sender, 0, g.stream_handle())?;
+                let deadline = Instant::now() + Duration::from_secs(20);
+                let mut pair = NcclPair::connect(
+                    id,
+                    NcclRole::Sender,
+                    0,
+                    g.stream_handle(),
+                    "decode",
+                    deadline,
+                    &mut || true,
+                    NcclAbort::new(),
+                )?;
                 // SAFETY: staging holds the whole pack; the peer posts the mirrored plan.
-                unsafe { pair.post(&tx, staging.ptr(), &[]) }
+                unsafe { pair.post(&tx, staging.ptr(), &[], deadline, &mut || true)? };
+                pair.wait(deadline, &mut || true)?;
+                pair.close()
             });
             let receiver = s.spawn(move || -> pdxfer::Result<Vec<Vec<u8>>> {
                 let mut g = GpuRelayout::new(0)?;
@@ -640,10 +656,22 @@ fn nccl_transfers() {
                 }
                 let staging = g.alloc(rx.pack.total_bytes as usize)?;
                 let bases: Vec<u64> = bufs.iter().map(|b| b.ptr()).collect();
-                let mut pair = NcclPair::connect(id, NcclRole::Receiver, 0, g.stream_handle())?;
+                let deadline = Instant::now() + Duration::from_secs(20);
+                let mut pair = NcclPair::connect(
+                    id,
+                    NcclRole::Receiver,
+                    0,
+                    g.stream_handle(),
+                    "prefill",
+                    deadline,
+                    &mut || true,
+                    NcclAbort::new(),
+                )?;
                 // SAFETY: every op lands in the staging buffer or a destination pool
                 // sized for the plan (checked by the CPU scatter above).
-                unsafe { pair.post(&rx, staging.ptr(), &bases)? };
+                unsafe { pair.post(&rx, staging.ptr(), &bases, deadline, &mut || true)? };
+                pair.wait(deadline, &mut || true)?;
+                pair.close()?;
                 if rx.needs_scatter() {
                     let ents = relayout::scatter_entries(&bases, rx_rows, staging.ptr(), &rx.pack)?;
                     // SAFETY: as above.

@@ -111,7 +111,7 @@ fn info(json: bool, gpu: Option<u32>) -> pdxfer::Result<()> {
         "kernels": show(kernels),
         "kernel_images": images,
         "nvrtc": show(nvrtc),
-        "nccl": show(nccl.map(|v| format!("version {v}"))),
+        "nccl": show(nccl.map(|(v, path)| format!("version {}.{}.{} ({path})", v / 10000, v / 100 % 100, v % 100))),
         "rdma": rdma_json,
     });
     if let Some(g) = gpu {

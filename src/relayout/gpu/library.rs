@@ -25,6 +25,8 @@ pub struct CudaLibrary {
     pub sonames: &'static [&'static str],
     /// Directories inside site-packages where the pip wheels put it.
     pub pip_dirs: &'static [&'static str],
+    /// The pip wheels that provide it (for messages).
+    pub wheels: &'static str,
 }
 
 /// NVRTC of CUDA 13 and 12 (`nvidia-cuda-nvrtc` puts `libnvrtc.so.13` in
@@ -35,6 +37,7 @@ pub const NVRTC: CudaLibrary = CudaLibrary {
     env: "PDXFER_NVRTC",
     sonames: &["libnvrtc.so.13", "libnvrtc.so.12", "libnvrtc.so"],
     pip_dirs: &["nvidia/cu13/lib", "nvidia/cuda_nvrtc/lib"],
+    wheels: "nvidia-cuda-nvrtc or nvidia-cuda-nvrtc-cu12",
 };
 
 /// NCCL 2.x (`nvidia-nccl-cu12`/`-cu13` put `libnccl.so.2` in `nvidia/nccl/lib`).
@@ -43,6 +46,7 @@ pub const NCCL: CudaLibrary = CudaLibrary {
     env: "PDXFER_NCCL",
     sonames: &["libnccl.so.2", "libnccl.so"],
     pip_dirs: &["nvidia/nccl/lib", "nvidia/cu13/lib"],
+    wheels: "nvidia-nccl-cu12 or nvidia-nccl-cu13",
 };
 
 /// The site-packages directories of the Pythons this process can see, each once.
@@ -164,7 +168,7 @@ impl CudaLibrary {
     pub fn not_found(&self, tried: &[String]) -> String {
         let dirs = self.searched_dirs();
         format!(
-            "{} could not be loaded; tried: {}{}. Install the pip wheel (e.g. nvidia-cuda-nvrtc or nvidia-cuda-nvrtc-cu12), put its lib/ on LD_LIBRARY_PATH, or set {} to the library file",
+            "{} could not be loaded; tried: {}{}. Install the pip wheel ({}), put its lib/ on LD_LIBRARY_PATH, or set {} to the library file",
             self.what,
             tried.join("; "),
             if dirs.is_empty() {
@@ -172,6 +176,7 @@ impl CudaLibrary {
             } else {
                 format!(" (site-packages directories searched: {})", dirs.join(", "))
             },
+            self.wheels,
             self.env
         )
     }
@@ -244,6 +249,7 @@ mod tests {
             env: "PDXFER_TEST_LIBRARY_UNSET",
             sonames: &["libnccl.so.2"],
             pip_dirs: &["nvidia/nccl/lib"],
+            wheels: "nvidia-nccl-cu12",
         };
         let c = spec.candidates_in(std::slice::from_ref(&root));
         let e = spec.open_first_of(c.clone()).unwrap_err();
