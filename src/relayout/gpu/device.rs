@@ -492,6 +492,25 @@ impl GpuRelayout {
         guard("cuStreamWaitEvent", || self.stream.wait(&ev.ev))
     }
 
+    /// Makes later work on the relayout stream wait for a CUDA event the
+    /// caller recorded on its own stream (its raw `CUevent` handle), e.g. the
+    /// end of the layer kernels that wrote the KV rows. Does not block the host.
+    ///
+    /// # Safety
+    /// `event` must be a live `CUevent` of this device's context (recorded, or
+    /// never recorded, which the driver treats as complete).
+    pub unsafe fn wait_raw_event(&self, event: u64) -> Result<()> {
+        self.bind()?;
+        // SAFETY: the caller guarantees the event; the stream is this engine's own.
+        guard("cuStreamWaitEvent", || unsafe {
+            result::stream::wait_event(
+                self.stream.cu_stream(),
+                event as sys::CUevent,
+                sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
+            )
+        })
+    }
+
     /// Ensures the table buffer holds at least `bytes`, without waiting: a
     /// buffer that is too small retires with an event recorded after its last
     /// use, and is freed once that event has completed.
