@@ -229,6 +229,9 @@ enum PdxStatus
   PDX_STATUS_ABORTED = -902,
   // The engine is shutting down or was poisoned by a panic.
   PDX_STATUS_ENGINE_CLOSED = -903,
+  // A layer-wise send came out of order, repeated a layer, or left layers
+  // of a chunk unsent; the detail names the layers.
+  PDX_STATUS_LAYER_ORDER = -904,
 };
 #ifndef __cplusplus
 #if __STDC_VERSION__ >= 202311L
