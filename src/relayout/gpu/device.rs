@@ -146,6 +146,12 @@ impl GpuEvent {
     pub fn elapsed_ms(&self, end: &GpuEvent) -> Result<f32> {
         guard("cuEventElapsedTime", || self.ev.elapsed_ms(&end.ev))
     }
+
+    /// The raw `CUevent` handle (what a send's `cuda_event` takes); valid
+    /// while this event lives.
+    pub fn raw(&self) -> u64 {
+        self.ev.cu_event() as u64
+    }
 }
 
 /// Device memory owned by this crate (pools in tests, staging buffers).
