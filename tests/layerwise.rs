@@ -402,7 +402,13 @@ fn layer_order_errors_are_typed_and_change_nothing() {
     send(2, 0..3).unwrap();
     send(2, 3..6).unwrap();
     // after the last chunk's last layers nothing more is accepted
-    assert_eq!(kind(send(2, 0..6)), Status::InvalidArgument);
+    assert_eq!(kind(send(2, 3..6)), Status::LayerOrder);
+    assert_eq!(kind(send(2, 0..6)), Status::LayerOrder);
+    let (p, t, l) = &ch[2];
+    assert_eq!(
+        e.send(req.room, p, *t, *l, 3).unwrap_err().status(),
+        Status::InvalidArgument
+    );
     assert_eq!(finish(&c, &req), req.n() * TOKEN + 2 * 32);
 }
 

@@ -213,6 +213,15 @@ impl Engine {
                     pending.start
                 }
                 None => {
+                    if r.queued_last && layered {
+                        return Err(Error::new(
+                            Status::LayerOrder,
+                            format!(
+                                "room {room}: layers {}..{}: every layer of the last chunk was already sent",
+                                layers.start, layers.end
+                            ),
+                        ));
+                    }
                     if r.queued_last {
                         return Err(Error::invalid(format!(
                             "room {room}: the last chunk was already sent"
