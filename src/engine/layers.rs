@@ -83,6 +83,9 @@ pub struct SendOptions {
     pub cuda_event: Option<u64>,
     /// Host pools (or either): the worker waits for this flag before it reads
     /// the rows of the send (polling; abort and deadlines still end the wait).
+    /// The job holds its worker and its decode ranks meanwhile: other rooms
+    /// to the same decode ranks queue behind it (until the flag is set, the
+    /// room fails or its deadline passes).
     pub ready_flag: Option<ReadyFlag>,
     /// Layer-wise: the layers (topology entries, by position) whose rows this
     /// call sends. A chunk's layers come in order over many calls with the
