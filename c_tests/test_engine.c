@@ -29,6 +29,7 @@
     } while (0)
 
 _Static_assert(sizeof(PdxEngineConfig) == 176, "PdxEngineConfig size is ABI");
+_Static_assert(sizeof(PdxSendOptions) == 48, "PdxSendOptions size is ABI");
 _Static_assert(sizeof(PdxKvPool) == 32, "PdxKvPool size is ABI");
 _Static_assert(sizeof(PdxAuxBuffer) == 24, "PdxAuxBuffer size is ABI");
 _Static_assert(sizeof(PdxTopology) == 88, "PdxTopology size is ABI");
@@ -136,6 +137,7 @@ typedef struct {
     uint32_t p_dcp, d_dcp;
     uint64_t room, total, prefix;
     size_t chunk_pages;
+    int layerwise; /* send each chunk layer by layer (pdxfer_engine_send_ex) behind ready flags */
 } Job;
 
 static size_t make_pages(int64_t *out, uint64_t n, uint64_t v, uint64_t room, uint64_t stride) {
@@ -175,7 +177,28 @@ static int run_prefill(const Job *j, uint32_t rank, const char *url, int done_fd
         size_t k = np - i < j->chunk_pages ? np - i : j->chunk_pages;
         int last = i + k >= np;
         uint64_t tokens = last ? n - sent : k * vp;
-        CHECK(pdxfer_engine_send(e, j->room, pages + i, k, tokens, (uint32_t)last, 1) == PDX_STATUS_OK);
+        if (!j->layerwise) {
+            CHECK(pdxfer_engine_send(e, j->room, pages + i, k, tokens, (uint32_t)last, 1) == PDX_STATUS_OK);
+        } else {
+            /* each layer behind its own flag (valid until the room ends), set
+             * only after every layer of the chunk was queued */
+            static uint64_t flags[POOL_PAGES][LAYERS];
+            uint64_t *f = flags[i / j->chunk_pages];
+            for (int l = 0; l < LAYERS; l++) {
+                PdxSendOptions o;
+                memset(&o, 0, sizeof o);
+                o.struct_size = sizeof o;
+                o.aux_index = 1;
+                o.ready_flag = &f[l];
+                o.first_layer = (uint32_t)l;
+                o.num_layers = 1;
+                CHECK(pdxfer_engine_send_ex(e, j->room, pages + i, k, tokens, (uint32_t)last, &o) == PDX_STATUS_OK);
+                /* the same layer again is refused and queues nothing */
+                CHECK(pdxfer_engine_send_ex(e, j->room, pages + i, k, tokens, (uint32_t)last, &o) ==
+                      PDX_STATUS_LAYER_ORDER);
+            }
+            for (int l = 0; l < LAYERS; l++) __atomic_store_n(&f[l], 1, __ATOMIC_RELEASE);
+        }
         sent += tokens;
     }
     CHECK(pdxfer_engine_wait(e, j->room, 60000, &poll) == PDX_STATUS_OK);
@@ -422,6 +445,30 @@ static void bad_inputs(void) {
     CHECK(pdxfer_engine_send(pe0, 7, pg, 2, 2, 0, 0) == PDX_STATUS_INVALID_ARGUMENT); /* partial, not last */
     CHECK(pdxfer_engine_send(pe0, 7, pg, 1, 4, 2, 0) == PDX_STATUS_INVALID_ARGUMENT);  /* last not 0/1 */
     CHECK(pdxfer_engine_send(pe0, 7, NULL, 1, 4, 1, 0) == PDX_STATUS_NULL_ARGUMENT);
+    /* send_ex refusals queue nothing */
+    PdxSendOptions so;
+    memset(&so, 0, sizeof so);
+    so.struct_size = 8;
+    CHECK(pdxfer_engine_send_ex(pe0, 7, pg, 1, 4, 1, &so) == PDX_STATUS_ABI_MISMATCH);
+    so.struct_size = sizeof so;
+    so.first_layer = 1;
+    so.num_layers = 1;
+    CHECK(pdxfer_engine_send_ex(pe0, 7, pg, 1, 4, 1, &so) == PDX_STATUS_LAYER_ORDER); /* starts at 0 */
+    so.first_layer = 0;
+    so.num_layers = LAYERS + 1;
+    CHECK(pdxfer_engine_send_ex(pe0, 7, pg, 1, 4, 1, &so) == PDX_STATUS_INVALID_ARGUMENT);
+    so.num_layers = 0;
+    so.first_layer = 1;
+    CHECK(pdxfer_engine_send_ex(pe0, 7, pg, 1, 4, 1, &so) == PDX_STATUS_INVALID_ARGUMENT);
+    so.first_layer = 0;
+    so.cuda_event = 0x1234; /* host pools take a ready flag */
+    CHECK(pdxfer_engine_send_ex(pe0, 7, pg, 1, 4, 1, &so) == PDX_STATUS_INVALID_ARGUMENT);
+    so.cuda_event = 0;
+    so.flags = 1;
+    CHECK(pdxfer_engine_send_ex(pe0, 7, pg, 1, 4, 1, &so) == PDX_STATUS_INVALID_ARGUMENT);
+    so.flags = 0;
+    so.ready_flag = (const uint64_t *)((uintptr_t)pg + 1); /* misaligned */
+    CHECK(pdxfer_engine_send_ex(pe0, 7, pg, 1, 4, 1, &so) == PDX_STATUS_INVALID_ARGUMENT);
 
     /* aborts: decode asks the prefill ranks and is fenced once they acknowledge */
     uint32_t fenced = 0;
@@ -464,17 +511,21 @@ static void cluster_in_child(const Job *j) {
 }
 
 int main(void) {
-    Job a = {"c-1to2", 1, 2, 3, 75, 16, 3};
+    Job a = {"c-1to2", 1, 2, 3, 75, 16, 3, 0};
     cluster_in_child(&a);
-    Job b = {"c-2to2", 2, 2, 5, 61, 8, 2};
+    Job b = {"c-2to2", 2, 2, 5, 61, 8, 2, 0};
     cluster_in_child(&b);
+    Job lw = {"c-1to2-layers", 1, 2, 11, 75, 16, 3, 1};
+    cluster_in_child(&lw);
     /* DCP 1->4 and 4->4 start nine processes: too slow under valgrind, so the
      * test command runs them in a second, uninstrumented pass. */
     if (getenv("PDXFER_C_TESTS_DCP4")) {
-        Job c = {"c-1to4", 1, 4, 7, 120, 16, 3};
+        Job c = {"c-1to4", 1, 4, 7, 120, 16, 3, 0};
         cluster_in_child(&c);
-        Job d = {"c-4to4", 4, 4, 9, 200, 32, 2};
+        Job d = {"c-4to4", 4, 4, 9, 200, 32, 2, 0};
         cluster_in_child(&d);
+        Job dl = {"c-4to4-layers", 4, 4, 13, 200, 32, 2, 1};
+        cluster_in_child(&dl);
     }
     if (failures == 0) bad_inputs();
     return CHECK_SUMMARY();

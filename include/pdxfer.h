@@ -102,7 +102,8 @@
 // 1.3: `pdxfer_set_log_callback`, `pdxfer_engine_decode_prefix_len`,
 // `PdxEngineConfig.metrics_listen`, `pdxfer_engine_metrics`,
 // `pdxfer_engine_metrics_address`, `pdxfer_engine_room_telemetry`.
-// 1.4: `PdxAgentOptions.secret` (peer authentication).
+// 1.4: `PdxAgentOptions.secret` (peer authentication), `pdxfer_engine_send_ex` /
+// `PdxSendOptions` (event-ordered and layer-wise sends).
 #define PDXFER_ABI_VERSION_MINOR 4
 
 // Every prefill CP rank transfers its shard.
@@ -230,6 +231,9 @@ enum PdxStatus
   PDX_STATUS_ABORTED = -902,
   // The engine is shutting down or was poisoned by a panic.
   PDX_STATUS_ENGINE_CLOSED = -903,
+  // A layer-wise send came out of order, repeated a layer, or left layers
+  // of a chunk unsent; the detail names the layers.
+  PDX_STATUS_LAYER_ORDER = -904,
 };
 #ifndef __cplusplus
 #if __STDC_VERSION__ >= 202311L
@@ -470,6 +474,38 @@ typedef struct PdxEngineConfig {
   // on loopback or a monitoring network.
   const char *metrics_listen;
 } PdxEngineConfig;
+
+// Options of `pdxfer_engine_send_ex`. Zero fields take the defaults: aux
+// row 0, no event, no flag, every layer.
+typedef struct PdxSendOptions {
+  // `sizeof(PdxSendOptions)`, set by the caller.
+  uint64_t struct_size;
+  // The aux row sent after the last chunk (as `pdxfer_engine_send`'s `aux_index`).
+  uint64_t aux_index;
+  // Device pools: a `CUevent` handle (0: none) recorded after the kernels
+  // that wrote the rows. The engine's stream waits on it
+  // (`cuStreamWaitEvent`) before gathering; the caller never synchronises.
+  // The event must not be destroyed before the room is terminal. Host
+  // pools refuse it (`PDX_STATUS_INVALID_ARGUMENT`): use `ready_flag`.
+  uint64_t cuda_event;
+  // Host pools (or either): the address of an 8-byte aligned `uint64_t`
+  // (NULL: none) that the caller sets non-zero, with release ordering
+  // (`__atomic_store_n(flag, 1, __ATOMIC_RELEASE)`), once the rows are
+  // written; a transfer worker waits for it before reading them. It must
+  // stay valid until the room is terminal.
+  const uint64_t *ready_flag;
+  // Layer-wise: the first layer (topology entry, by position) of the send.
+  uint32_t first_layer;
+  // Layer-wise: the number of layers (0 with `first_layer` 0: every layer).
+  // A chunk's layers come in order over many calls with the same pages,
+  // `num_tokens`, `last` and `aux_index`; out-of-order, repeated and
+  // missing layers are `PDX_STATUS_LAYER_ORDER` and queue nothing.
+  uint32_t num_layers;
+  // Reserved, zero.
+  uint32_t flags;
+  // Reserved, zero.
+  uint32_t reserved;
+} PdxSendOptions;
 
 // A log callback: `user` as given to `pdxfer_set_log_callback`, the record's
 // `PDXFER_LOG_*` level, its target (the Rust module path, e.g.
@@ -848,6 +884,19 @@ PdxStatus pdxfer_engine_send(const struct PdxEngine *engine,
                              uint64_t num_tokens,
                              uint32_t last,
                              uint64_t aux_index);
+
+// Prefill: `pdxfer_engine_send` with options (NULL: the defaults): ordered
+// after a CUDA event (device pools) or a ready flag (host pools) instead of
+// needing complete rows, and/or for a range of layers only (a chunk sent
+// layer by layer over many calls; the decode sees one completion after all
+// layers and the aux/state rows landed). A refused call queues nothing.
+PdxStatus pdxfer_engine_send_ex(const struct PdxEngine *engine,
+                                uint64_t room,
+                                const int64_t *pages,
+                                size_t num_pages,
+                                uint64_t num_tokens,
+                                uint32_t last,
+                                const struct PdxSendOptions *options);
 
 // Decode: opens room `room` against the prefill instance's data-parallel
 // group `prefill_dp`: finds the prefill ranks in the bootstrap, connects and

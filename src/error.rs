@@ -151,6 +151,9 @@ pub enum PdxStatus {
     Aborted = -902,
     /// The engine is shutting down or was poisoned by a panic.
     EngineClosed = -903,
+    /// A layer-wise send came out of order, repeated a layer, or left layers
+    /// of a chunk unsent; the detail names the layers.
+    LayerOrder = -904,
 }
 
 /// Rust-side name of the status enum.
@@ -255,6 +258,7 @@ status_table! {
     RoomFailed => "room_failed", "room failed";
     Aborted => "aborted", "room aborted";
     EngineClosed => "engine_closed", "engine closed or poisoned";
+    LayerOrder => "layer_order", "layer-wise send out of order, repeated, or with layers missing";
 }
 
 impl fmt::Display for PdxStatus {
@@ -438,7 +442,13 @@ mod tests {
             (8, &["no_nccl", "nccl", "nccl_plan_mismatch"]),
             (
                 9,
-                &["unknown_room", "room_failed", "aborted", "engine_closed"],
+                &[
+                    "unknown_room",
+                    "room_failed",
+                    "aborted",
+                    "engine_closed",
+                    "layer_order",
+                ],
             ),
         ];
         assert_eq!(Status::Ok as i32, 0);

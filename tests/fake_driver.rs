@@ -991,6 +991,74 @@ fn child_engine_device_pools_on_fake_driver() {
             assert_eq!(verified, n * token + dcp as u64 * 32, "room {room}");
             prefill.clear(room).unwrap();
         }
+        // Layer-wise sends ordered after CUDA events: a "model" stream of its
+        // own writes each layer's rows into the device pools and records an
+        // event per layer; every send names its event and nothing is
+        // synchronised. The fake runs the model's copies only when something
+        // waits for them, so a send whose stream did not wait on the event
+        // would gather the previous room's rows and fail the byte check.
+        {
+            let model = GpuRelayout::new(0).unwrap();
+            let (room, total, prefix) = (3u64, 400u64, 0u64);
+            let src_pages: Vec<u64> = (0..total.div_ceil(P))
+                .map(|i| (i * 5 + 2) % PAGES)
+                .collect();
+            let dst_pages: Vec<u64> = (0..total.div_ceil(v)).map(|i| (i * 7 + 1) % 24).collect();
+            let src = Side {
+                layout: DcpLayout::sglang(P, 1).unwrap(),
+                rank: 0,
+                pages: &src_pages,
+                origin: prefix,
+            };
+            host.fill(room, &src, total);
+            host.fill_aux(room, 3);
+            for (e, _) in &decode {
+                e.receiver(room, 0, Some(Duration::from_secs(20))).unwrap();
+                e.send_metadata(room, &dst_pages, prefix, 5).unwrap();
+            }
+            prefill.sender(room).unwrap();
+            while prefill.poll(room) == KvPoll::Bootstrapping {
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            let mut events = Vec::new();
+            for (l, d) in dev.iter().enumerate() {
+                model.upload(d, 0, host.layer_bytes(l)).unwrap();
+                let ev = model.record(false).unwrap();
+                let o = pdxfer::engine::SendOptions {
+                    cuda_event: Some(ev.raw()),
+                    layers: Some(l as u32..l as u32 + 1),
+                    ..Default::default()
+                };
+                prefill
+                    .send_with(room, &src_pages, total, true, 3, &o)
+                    .unwrap();
+                events.push(ev);
+            }
+            assert_eq!(
+                prefill.wait(room, Duration::from_secs(20)),
+                KvPoll::Success,
+                "event-ordered layer-wise room: {:?}",
+                prefill.failure(room)
+            );
+            let mut verified = 0;
+            for (r, (e, pools)) in decode.iter().enumerate() {
+                assert_eq!(e.wait(room, Duration::from_secs(20)), KvPoll::Success);
+                let side = Side {
+                    layout: DcpLayout::sglang(P, dcp as u64).unwrap(),
+                    rank: r as u64,
+                    pages: &dst_pages,
+                    origin: prefix,
+                };
+                verified += pools
+                    .verify(room, &side, total, Some(5))
+                    .unwrap_or_else(|e| panic!("event-ordered layer-wise room, decode {r}: {e}"));
+                e.clear(room).unwrap();
+            }
+            assert_eq!(verified, total * token + dcp as u64 * 32);
+            prefill.clear(room).unwrap();
+            drop(events);
+            println!("fake-driver engine child: DCP 1->{dcp} layer-wise sends ordered after per-layer CUDA events, every byte checked");
+        }
         // every slice went through pinned memory: more copies than pairs
         let copies = fake_pinned_copies() - copies_before;
         let min_slices = 2 * dcp as u64;

@@ -181,6 +181,35 @@ class RoomTelemetry:
                    int(t.bytes), count(t.batches), count(t.retries))
 
 
+class CSendOptions(ctypes.Structure):
+    """``PdxSendOptions`` (ABI 1.4)."""
+
+    _fields_ = [
+        ("struct_size", ctypes.c_uint64),
+        ("aux_index", ctypes.c_uint64),
+        ("cuda_event", ctypes.c_uint64),
+        ("ready_flag", ctypes.c_void_p),
+        ("first_layer", ctypes.c_uint32),
+        ("num_layers", ctypes.c_uint32),
+        ("flags", ctypes.c_uint32),
+        ("reserved", ctypes.c_uint32),
+    ]
+
+
+def _event_handle(event: Any) -> int:
+    """The raw ``CUevent`` of a ``torch.cuda.Event`` (``.cuda_event``), a CuPy
+    event (``.ptr``) or an int; 0 for None."""
+    if event is None:
+        return 0
+    if isinstance(event, int):
+        return event
+    for attr in ("cuda_event", "ptr"):
+        h = getattr(event, attr, None)
+        if isinstance(h, int):
+            return h
+    raise TypeError(f"event must be a torch.cuda.Event, a CuPy event or an int CUevent handle, not {type(event).__name__}")
+
+
 def _sig(name: str, args: list) -> None:
     f = getattr(lib, name)
     f.restype = ctypes.c_int32
@@ -192,6 +221,7 @@ _sig("pdxfer_engine_create", [ctypes.POINTER(CEngineConfig), ctypes.POINTER(_vp)
 _sig("pdxfer_engine_destroy", [_vp])
 _sig("pdxfer_engine_sender", [_vp, _u64])
 _sig("pdxfer_engine_send", [_vp, _u64, _i64p, ctypes.c_size_t, _u64, ctypes.c_uint32, _u64])
+_sig("pdxfer_engine_send_ex", [_vp, _u64, _i64p, ctypes.c_size_t, _u64, ctypes.c_uint32, ctypes.POINTER(CSendOptions)])
 _sig("pdxfer_engine_receiver", [_vp, _u64, ctypes.c_uint32, _u64])
 _sig("pdxfer_engine_send_metadata", [_vp, _u64, _i64p, ctypes.c_size_t, _u64, _u64])
 _sig("pdxfer_engine_poll", [_vp, _u64, ctypes.POINTER(ctypes.c_int32)])
@@ -360,6 +390,8 @@ class Engine:
         h = _vp()
         check(lib.pdxfer_engine_create(ctypes.byref(cfg), ctypes.byref(h)))
         self._hd = NativeHandle(h, lambda raw: check(lib.pdxfer_engine_destroy(raw)), "engine", closed_code=-903)
+        # events and ready flags of sends, alive until their room is cleared
+        self._room_keep: dict = {}
 
     # ----- handle -----
 
@@ -427,12 +459,35 @@ class Engine:
 
     @guarded
     def send(self, room: int, pages: Any, num_tokens: Optional[int] = None, last: bool = True,
-             aux_index: int = 0) -> None:
-        """Prefill: queues a chunk (see :meth:`Sender.send`)."""
+             aux_index: int = 0, event: Any = None, ready_flag: Optional[ctypes.c_uint64] = None,
+             layers: Optional[Tuple[int, int]] = None) -> None:
+        """Prefill: queues a chunk (see :meth:`Sender.send`). ``event``: a CUDA
+        event recorded after the rows were written (device pools; the engine's
+        stream waits on it, the caller does not); ``ready_flag``: a
+        ``ctypes.c_uint64`` set non-zero once the rows are written (host pools;
+        a worker waits for it); ``layers``: ``(first_layer, num_layers)`` for a
+        layer-wise send (see :meth:`Sender.send_layers`). The event and flag
+        are kept alive until :meth:`clear`."""
         p, n, keep = _pages(pages)
         if num_tokens is None:
             num_tokens = n * self.topology.page_size * self.topology.dcp_size
-        check(lib.pdxfer_engine_send(self._live(), room, p, n, num_tokens, 1 if last else 0, aux_index))
+        h = self._live()
+        if event is None and ready_flag is None and layers is None:
+            check(lib.pdxfer_engine_send(h, room, p, n, num_tokens, 1 if last else 0, aux_index))
+            return
+        o = CSendOptions()
+        o.struct_size = ctypes.sizeof(CSendOptions)
+        o.aux_index = aux_index
+        o.cuda_event = _event_handle(event)
+        if ready_flag is not None:
+            if not isinstance(ready_flag, ctypes.c_uint64):
+                raise TypeError("ready_flag must be a ctypes.c_uint64")
+            o.ready_flag = ctypes.addressof(ready_flag)
+        if layers is not None:
+            o.first_layer, o.num_layers = int(layers[0]), int(layers[1])
+        check(lib.pdxfer_engine_send_ex(h, room, p, n, num_tokens, 1 if last else 0, ctypes.byref(o)))
+        if event is not None or ready_flag is not None:
+            self._room_keep.setdefault(room, []).append((event, ready_flag))
 
     @guarded
     def send_metadata(self, room: int, dst_pages: Any, decode_prefix_len: int = 0, aux_index: int = 0) -> None:
@@ -485,6 +540,7 @@ class Engine:
     def clear(self, room: int) -> None:
         """Forgets a terminal room so its id can be reused."""
         check(lib.pdxfer_engine_clear(self._live(), room))
+        self._room_keep.pop(room, None)
 
     def _text(self, fn) -> str:
         """A NUL-terminated string from ``fn(handle, buf, cap, &len)``, through
@@ -589,11 +645,28 @@ class Sender(_Room):
         """The decode prefix the decode ranks hold (None before their metadata)."""
         return self.engine.decode_prefix_len(self.room)
 
-    def send(self, pages: Any, num_tokens: Optional[int] = None, last: bool = True, aux_index: int = 0) -> None:
+    def send(self, pages: Any, num_tokens: Optional[int] = None, last: bool = True, aux_index: int = 0,
+             event: Any = None, ready_flag: Optional[ctypes.c_uint64] = None) -> None:
         """Queues a chunk: this rank's page ids (list or numpy) holding ``num_tokens``
         sequence positions (default: the pages' full capacity, ``page_size * dcp_size`` each);
-        only the ``last`` chunk may be partial; the aux row ``aux_index`` follows it."""
-        self.engine.send(self.room, pages, num_tokens, last, aux_index)
+        only the ``last`` chunk may be partial; the aux row ``aux_index`` follows it.
+        ``event`` (device pools: a ``torch.cuda.Event``, a CuPy event or a raw
+        ``CUevent`` int) or ``ready_flag`` (host pools: a ``ctypes.c_uint64`` the
+        caller sets non-zero) orders the gather after the caller's writes, so
+        the caller need not synchronise before sending."""
+        self.engine.send(self.room, pages, num_tokens, last, aux_index, event=event, ready_flag=ready_flag)
+
+    def send_layers(self, pages: Any, first_layer: int, num_layers: int, num_tokens: Optional[int] = None,
+                    last: bool = True, aux_index: int = 0, event: Any = None,
+                    ready_flag: Optional[ctypes.c_uint64] = None) -> None:
+        """Sends layers ``first_layer .. first_layer + num_layers`` (topology
+        entries, by position) of a chunk as soon as they are written. A chunk's
+        layers come in order over many calls with the same ``pages``,
+        ``num_tokens``, ``last`` and ``aux_index``; the decode sees one
+        completion after every layer (and the aux/state rows) landed. A layer
+        out of order, repeated or missing raises ``layer_order``."""
+        self.engine.send(self.room, pages, num_tokens, last, aux_index, event=event, ready_flag=ready_flag,
+                         layers=(first_layer, num_layers))
 
 
 class Receiver(_Room):

@@ -250,6 +250,16 @@ impl DeviceStage {
         self.device_region
     }
 
+    /// Orders the stage's later gathers after the caller's CUDA event (its
+    /// raw `CUevent`): the stream waits on it, the host does not.
+    ///
+    /// # Safety
+    /// `event` must be a live `CUevent` of the pools' device context.
+    pub(super) unsafe fn wait_event(&self, event: u64) -> Result<()> {
+        // SAFETY: the caller guarantees the event.
+        unsafe { self.gpu.wait_raw_event(event) }
+    }
+
     /// Tokens of one slice (half a staging buffer) for entries of `row_bytes`.
     pub(super) fn slice_tokens(&self, row_bytes: &[u64]) -> u64 {
         let half = self.device.len().min(self.host.len()) as u64 / 2;
@@ -313,6 +323,10 @@ impl DeviceStage {
     }
 
     pub(super) fn slice_tokens(&self, _row_bytes: &[u64]) -> u64 {
+        match *self {}
+    }
+
+    pub(super) unsafe fn wait_event(&self, _event: u64) -> Result<()> {
         match *self {}
     }
 

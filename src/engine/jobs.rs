@@ -95,6 +95,9 @@ mod tests {
             state_indices: Vec::new(),
             peers: peers.to_vec(),
             queued: std::time::Instant::now(),
+            layers: 0..0,
+            layered: false,
+            ready: Default::default(),
         }
     }
 

@@ -9,6 +9,8 @@
 //! - `jobs`: the prefill's job queue (a room's chunks in order, a decode
 //!   rank on one worker at a time, so a stalled one delays only its rooms).
 //! - `worker`: the prefill's transfer workers and chunk assembly.
+//! - `layers`: sends ordered after the caller's compute (a CUDA event or a
+//!   ready flag) and layer-wise sends (their checks and per-chunk plans).
 //! - `flight`: the batches of one chunk in flight (fenced writes, staging slots).
 //! - `staging`: the host staging path (CPU gather into a registered buffer).
 //! - `device`: KV pools in CUDA device memory (GPU staging, the device writer).
@@ -27,6 +29,7 @@ mod device;
 mod flight;
 mod handle;
 mod jobs;
+mod layers;
 mod metrics;
 mod metrics_http;
 mod prefill;
@@ -39,6 +42,7 @@ mod worker;
 
 pub use config::{AuxBuffer, EngineConfig, KvPool};
 pub use handle::Engine;
+pub use layers::{ReadyFlag, SendOptions};
 pub use metrics::{
     Histogram, MetricsSnapshot, PeerSnapshot, RoomTotals, LATENCY_BUCKETS, STATE_NAMES,
 };

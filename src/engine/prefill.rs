@@ -6,6 +6,7 @@ use super::control::{
     authenticate_decode, CtlMsg, CtlReader, CtlWriter, RegionMap, CONTROL_VERSION,
 };
 use super::handle::{catch, lock, Engine, Inner};
+use super::layers::{check_next, LayerChunk, LayerPlan, Ready, SendOptions};
 use super::metrics::PeerCounters;
 use super::room::KvPoll;
 use super::worker::Job;
@@ -69,6 +70,10 @@ pub(super) struct PrefillRoom {
     pub(super) queued_last: bool,
     pub(super) abort_pending: Vec<(Arc<DecodeLink>, u64)>,
     pub(super) state_indices: Vec<u64>,
+    /// A chunk sent layer by layer whose layers are still arriving.
+    pub(super) layer_chunk: Option<LayerChunk>,
+    /// That chunk's plan toward every decode rank (made by the worker).
+    pub(super) layer_plan: Option<Arc<LayerPlan>>,
 }
 
 impl Engine {
@@ -106,6 +111,8 @@ impl Engine {
     /// prefill DCP: this rank's local pages, `num_tokens` counting sequence
     /// positions, `page_size * dcp_size` per page);
     /// `last` marks the final chunk, after which the aux row `aux_index` follows.
+    /// The rows must be complete when `send` is called: see
+    /// [`send_with`](Self::send_with) for sends ordered after the caller's compute.
     pub fn send(
         &self,
         room: u64,
@@ -114,7 +121,44 @@ impl Engine {
         last: bool,
         aux_index: u64,
     ) -> Result<()> {
+        self.send_with(
+            room,
+            pages,
+            num_tokens,
+            last,
+            aux_index,
+            &SendOptions::default(),
+        )
+    }
+
+    /// Prefill: [`send`](Self::send) with [`SendOptions`]: ordered after a
+    /// CUDA event (device pools) or a ready flag (host pools) instead of
+    /// needing complete rows, and/or for a range of layers only.
+    ///
+    /// Layer-wise, a chunk is sent over many calls, each with the same
+    /// `pages`, `num_tokens`, `last` and `aux_index` and the next layers
+    /// (`0..a`, `a..b`, ..., `..n` for the `n` topology entries); the decode
+    /// sees one room and one completion after every layer of every chunk and
+    /// the aux and state rows landed, as with whole-chunk sends. A layer sent
+    /// twice or skipped, another chunk or a whole-chunk send while layers of
+    /// one are missing, are refused with `layer_order` and change nothing.
+    pub fn send_with(
+        &self,
+        room: u64,
+        pages: &[u64],
+        num_tokens: u64,
+        last: bool,
+        aux_index: u64,
+        opts: &SendOptions,
+    ) -> Result<()> {
         self.require(Role::Prefill)?;
+        let entries = self.inner.cfg.topology.entries.len();
+        let layers = opts.layer_range(entries)?;
+        if opts.cuda_event.is_some() && self.inner.cfg.pool_device.is_none() {
+            return Err(Error::invalid(
+                "a CUDA event orders sends from device pools; host pools take a ready flag",
+            ));
+        }
         let attempt;
         {
             let rooms = lock(&self.inner.rooms);
@@ -157,24 +201,68 @@ impl Engine {
             let r = pr
                 .get_mut(&room)
                 .ok_or_else(|| Error::new(Status::UnknownRoom, format!("room {room}")))?;
-            if r.queued_last {
-                return Err(Error::invalid(format!(
-                    "room {room}: the last chunk was already sent"
-                )));
-            }
-            if !last && num_tokens != cap {
-                return Err(Error::invalid(format!(
-                    "room {room}: only the last chunk may end in a partial page ({num_tokens} tokens in {} pages)",
-                    pages.len()
-                )));
-            }
-            let prefix = r.infos.first().map_or(0, |m| m.prefix);
-            let start = prefix + r.sent_positions;
-            r.sent_positions += pages.len() as u64 * vs;
-            r.queued_last = last;
+            let layered = opts.layers.is_some();
+            let start = match &r.layer_chunk {
+                Some(pending) => {
+                    let chunk = (pages, num_tokens, last, aux_index);
+                    check_next(
+                        room,
+                        pending,
+                        opts.layers.as_ref().map(|_| &layers),
+                        chunk,
+                        entries,
+                    )?;
+                    pending.start
+                }
+                None => {
+                    if r.queued_last && layered {
+                        return Err(Error::new(
+                            Status::LayerOrder,
+                            format!(
+                                "room {room}: layers {}..{}: every layer of the last chunk was already sent",
+                                layers.start, layers.end
+                            ),
+                        ));
+                    }
+                    if r.queued_last {
+                        return Err(Error::invalid(format!(
+                            "room {room}: the last chunk was already sent"
+                        )));
+                    }
+                    if !last && num_tokens != cap {
+                        return Err(Error::invalid(format!(
+                            "room {room}: only the last chunk may end in a partial page ({num_tokens} tokens in {} pages)",
+                            pages.len()
+                        )));
+                    }
+                    if layers.start != 0 {
+                        return Err(Error::new(
+                            Status::LayerOrder,
+                            format!(
+                                "room {room}: a chunk's layers start at layer 0, not {}",
+                                layers.start
+                            ),
+                        ));
+                    }
+                    let prefix = r.infos.first().map_or(0, |m| m.prefix);
+                    r.sent_positions += pages.len() as u64 * vs;
+                    prefix + r.sent_positions - pages.len() as u64 * vs
+                }
+            };
+            let chunk_done = layers.end == entries;
+            r.layer_chunk = (layered && !chunk_done).then(|| LayerChunk {
+                pages: pages.to_vec(),
+                num_tokens,
+                last,
+                aux_index,
+                start,
+                next: layers.end,
+            });
+            let room_done = last && chunk_done;
+            r.queued_last = room_done;
             (
                 start,
-                if last {
+                if room_done {
                     r.state_indices.clone()
                 } else {
                     Vec::new()
@@ -183,20 +271,28 @@ impl Engine {
                     .iter()
                     .map(|m| Arc::as_ptr(&m.link) as usize)
                     .collect(),
+                room_done,
+                layered,
             )
         };
-        let (start, state_indices, peers) = start;
+        let (start, state_indices, peers, room_done, layered) = start;
         self.inner.jobs.push(Job {
             room,
             attempt,
             pages: pages.to_vec(),
             start,
             num_tokens,
-            last,
+            last: room_done,
             aux_index,
             state_indices,
             peers,
             queued: Instant::now(),
+            layers,
+            layered,
+            ready: Ready {
+                cuda_event: opts.cuda_event,
+                flag: opts.ready_flag.clone(),
+            },
         });
         lock(&self.inner.rooms).update(room, attempt, KvPoll::Transferring);
         Ok(())

@@ -14,7 +14,7 @@ use std::sync::Arc;
 /// Slots a worker's host staging buffer is cut into (fewer when a slot
 /// would not hold one token): two halves, one gathered into while the other
 /// is on the wire (four measured no faster on the demo).
-const STAGING_SLOTS: u64 = 2;
+pub(super) const STAGING_SLOTS: u64 = 2;
 
 /// Submits one pair's tokens of a chunk into `flight`: packed through the
 /// worker's host staging buffer when that makes fewer writes, else straight

@@ -7,6 +7,7 @@ use super::device::{write_pair_device, DeviceStage};
 use super::flight::Flight;
 use super::handle::{catch, lock, Inner};
 use super::jobs::{JobQueue, PeerKey};
+use super::layers::{wait_ready, write_group, write_group_device, LayerPlan, PairPlan, Ready};
 use super::prefill::{notify_decode, MetaInfo};
 use super::room::KvPoll;
 use super::staging::write_pair;
@@ -14,6 +15,7 @@ use super::telemetry::RoomTimes;
 use crate::error::{Error, Result, Status};
 use crate::layout::{DcpLayout, PairRequest, Side};
 use crate::transport::{BatchOptions, WriteOp};
+use std::ops::Range;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
@@ -32,6 +34,13 @@ pub(super) struct Job {
     pub(super) queued: Instant,
     /// The room's decode ranks (see [`JobQueue`](super::jobs::JobQueue)).
     pub(super) peers: Vec<PeerKey>,
+    /// The layers (topology entries) whose rows this job moves.
+    pub(super) layers: Range<usize>,
+    /// Part of a chunk sent layer by layer: the chunk's plan is made by its
+    /// first job and reused by the others.
+    pub(super) layered: bool,
+    /// What the rows depend on (the caller's CUDA event or ready flag).
+    pub(super) ready: Ready,
 }
 
 pub(super) fn worker_loop(
@@ -83,7 +92,19 @@ pub(super) fn worker_loop(
 /// Moves one chunk to every decode rank of the room (and aux and state on
 /// the last chunk): the batches of all decode ranks are in flight together
 /// (a [`Flight`]), and the chunk is done once every one of them completed.
-fn run_job(inner: &Inner, idx: usize, job: &Job, stage: Option<&mut DeviceStage>) -> Result<()> {
+fn run_job(
+    inner: &Inner,
+    idx: usize,
+    job: &Job,
+    mut stage: Option<&mut DeviceStage>,
+) -> Result<()> {
+    wait_ready(
+        inner,
+        job.room,
+        job.attempt,
+        &job.ready,
+        stage.as_deref_mut(),
+    )?;
     let opts = BatchOptions {
         timeout: inner.cfg.batch_timeout,
         checksum: false,
@@ -131,6 +152,16 @@ fn send_chunk(
     let row_bytes: Vec<u64> = topo.entries.iter().map(|e| e.row_bytes).collect();
     let opts = flight.opts;
     let mut sent = Vec::with_capacity(infos.len());
+    // a layer-wise chunk's plan, made by its first job
+    let cached: Option<Arc<LayerPlan>> = if job.layered {
+        lock(&inner.prefill_rooms)
+            .get(&job.room)
+            .and_then(|r| r.layer_plan.clone())
+            .filter(|p| p.start == job.start && p.pairs.len() == infos.len())
+    } else {
+        None
+    };
+    let mut planned: Vec<PairPlan> = Vec::new();
     for (i, m) in infos.iter().enumerate() {
         if !m.link.alive.load(Ordering::Acquire) {
             return Err(Error::new(
@@ -160,7 +191,6 @@ fn send_chunk(
             start: job.start,
             num_tokens: job.num_tokens,
         };
-        req.validate()?;
         if i == 0 {
             stamp_planned(inner, job, &infos);
         }
@@ -176,11 +206,46 @@ fn send_chunk(
                 })
             })
             .collect::<Result<_>>()?;
-        let bytes = match stage.as_deref_mut() {
-            Some(st) => {
-                write_pair_device(inner, st, &req, &row_bytes, &dst_regions, &m.link, &opts)?
+        let bytes = if job.layered {
+            let plan = match &cached {
+                Some(c) => &c.pairs[i],
+                None => {
+                    req.validate()?;
+                    planned.push(PairPlan::new(&req)?);
+                    planned.last().expect("pushed")
+                }
+            };
+            let l = &job.layers;
+            match stage.as_deref_mut() {
+                Some(st) => write_group_device(
+                    inner,
+                    st,
+                    plan,
+                    l,
+                    &row_bytes,
+                    &dst_regions,
+                    &m.link,
+                    &opts,
+                )?,
+                None => write_group(
+                    inner,
+                    idx,
+                    plan,
+                    l,
+                    &row_bytes,
+                    &dst_regions,
+                    &m.link,
+                    flight,
+                )?,
             }
-            None => write_pair(inner, idx, &req, &row_bytes, &dst_regions, &m.link, flight)?,
+        } else {
+            req.validate()?;
+            match stage.as_deref_mut() {
+                Some(st) => {
+                    write_pair_device(inner, st, &req, &row_bytes, &dst_regions, &m.link, &opts)?
+                }
+                None => write_pair(inner, idx, &req, &row_bytes, &dst_regions, &m.link, flight)?,
+            }
         };
         sent.push(bytes);
         if job.last && !inner.cfg.aux.is_empty() {
@@ -219,6 +284,19 @@ fn send_chunk(
         if job.last && !(job.state_indices.is_empty() && m.state_indices.is_empty()) {
             let ops = state_ops(inner, job, m)?;
             flight.submit(&m.link, &ops, None)?;
+        }
+    }
+    if job.layered {
+        let done = job.layers.end == topo.entries.len();
+        if let Some(r) = lock(&inner.prefill_rooms).get_mut(&job.room) {
+            if done {
+                r.layer_plan = None;
+            } else if cached.is_none() {
+                r.layer_plan = Some(Arc::new(LayerPlan {
+                    start: job.start,
+                    pairs: planned,
+                }));
+            }
         }
     }
     Ok(sent)

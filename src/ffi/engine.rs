@@ -5,7 +5,7 @@ use super::ptr::{self, Versioned};
 use super::topology::{topology_from_c, PdxTopology};
 use super::{boundary, non_negative, ok, PdxStatus};
 use crate::bootstrap::schema::Role;
-use crate::engine::{AuxBuffer, Engine, EngineConfig, KvPool};
+use crate::engine::{AuxBuffer, Engine, EngineConfig, KvPool, ReadyFlag, SendOptions};
 use crate::error::{Error, Result, Status};
 use crate::transport::TransportKind;
 use std::ffi::{c_char, c_void};
@@ -353,6 +353,118 @@ pub extern "C" fn pdxfer_engine_send(
             return Err(Error::invalid(format!("last must be 0 or 1, got {last}")));
         }
         e.send(room, &pg, num_tokens, last == 1, aux_index)?;
+        ok()
+    })
+}
+
+/// Options of `pdxfer_engine_send_ex`. Zero fields take the defaults: aux
+/// row 0, no event, no flag, every layer.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct PdxSendOptions {
+    /// `sizeof(PdxSendOptions)`, set by the caller.
+    pub struct_size: u64,
+    /// The aux row sent after the last chunk (as `pdxfer_engine_send`'s `aux_index`).
+    pub aux_index: u64,
+    /// Device pools: a `CUevent` handle (0: none) recorded after the kernels
+    /// that wrote the rows. The engine's stream waits on it
+    /// (`cuStreamWaitEvent`) before gathering; the caller never synchronises.
+    /// The event must not be destroyed before the room is terminal. Host
+    /// pools refuse it (`PDX_STATUS_INVALID_ARGUMENT`): use `ready_flag`.
+    pub cuda_event: u64,
+    /// Host pools (or either): the address of an 8-byte aligned `uint64_t`
+    /// (NULL: none) that the caller sets non-zero, with release ordering
+    /// (`__atomic_store_n(flag, 1, __ATOMIC_RELEASE)`), once the rows are
+    /// written; a transfer worker waits for it before reading them. It must
+    /// stay valid until the room is terminal.
+    pub ready_flag: *const u64,
+    /// Layer-wise: the first layer (topology entry, by position) of the send.
+    pub first_layer: u32,
+    /// Layer-wise: the number of layers (0 with `first_layer` 0: every layer).
+    /// A chunk's layers come in order over many calls with the same pages,
+    /// `num_tokens`, `last` and `aux_index`; out-of-order, repeated and
+    /// missing layers are `PDX_STATUS_LAYER_ORDER` and queue nothing.
+    pub num_layers: u32,
+    /// Reserved, zero.
+    pub flags: u32,
+    /// Reserved, zero.
+    pub reserved: u32,
+}
+
+// SAFETY: repr(C), starts with u64 struct_size, integers and a raw pointer only (zero is valid).
+unsafe impl Versioned for PdxSendOptions {
+    const MIN_SIZE: usize = std::mem::size_of::<PdxSendOptions>();
+    const NAME: &'static str = "PdxSendOptions";
+}
+
+fn send_options(options: *const PdxSendOptions) -> Result<(u64, SendOptions)> {
+    if options.is_null() {
+        return Ok((0, SendOptions::default()));
+    }
+    let o = ptr::read_versioned(options)?;
+    if o.flags != 0 || o.reserved != 0 {
+        return Err(Error::invalid(format!(
+            "PdxSendOptions: flags and reserved must be 0, got 0x{:x} and 0x{:x}",
+            o.flags, o.reserved
+        )));
+    }
+    let layers = match (o.first_layer, o.num_layers) {
+        (0, 0) => None,
+        (f, 0) => {
+            return Err(Error::invalid(format!(
+                "PdxSendOptions: num_layers is 0 with first_layer {f}"
+            )))
+        }
+        (f, n) => Some(
+            f..f.checked_add(n).ok_or_else(|| {
+                Error::invalid("PdxSendOptions: first_layer + num_layers overflows")
+            })?,
+        ),
+    };
+    let ready_flag = if o.ready_flag.is_null() {
+        None
+    } else if !(o.ready_flag as usize).is_multiple_of(8) {
+        return Err(Error::invalid(
+            "PdxSendOptions.ready_flag must be an 8-byte aligned uint64_t",
+        ));
+    } else {
+        // SAFETY: aligned and non-NULL; the caller keeps it valid until the room
+        // is terminal and writes it atomically (documented on the field).
+        Some(unsafe { ReadyFlag::from_raw(o.ready_flag.cast()) })
+    };
+    Ok((
+        o.aux_index,
+        SendOptions {
+            cuda_event: (o.cuda_event != 0).then_some(o.cuda_event),
+            ready_flag,
+            layers,
+        },
+    ))
+}
+
+/// Prefill: `pdxfer_engine_send` with options (NULL: the defaults): ordered
+/// after a CUDA event (device pools) or a ready flag (host pools) instead of
+/// needing complete rows, and/or for a range of layers only (a chunk sent
+/// layer by layer over many calls; the decode sees one completion after all
+/// layers and the aux/state rows landed). A refused call queues nothing.
+#[no_mangle]
+pub extern "C" fn pdxfer_engine_send_ex(
+    engine: *const PdxEngine,
+    room: u64,
+    pages: *const i64,
+    num_pages: usize,
+    num_tokens: u64,
+    last: u32,
+    options: *const PdxSendOptions,
+) -> PdxStatus {
+    boundary(|| {
+        let e = eng(engine)?;
+        let pg = self::pages(pages, num_pages, "pages")?;
+        if last > 1 {
+            return Err(Error::invalid(format!("last must be 0 or 1, got {last}")));
+        }
+        let (aux_index, opts) = send_options(options)?;
+        e.send_with(room, &pg, num_tokens, last == 1, aux_index, &opts)?;
         ok()
     })
 }

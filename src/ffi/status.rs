@@ -11,7 +11,8 @@ pub const PDXFER_ABI_VERSION_MAJOR: u32 = 1;
 /// 1.3: `pdxfer_set_log_callback`, `pdxfer_engine_decode_prefix_len`,
 /// `PdxEngineConfig.metrics_listen`, `pdxfer_engine_metrics`,
 /// `pdxfer_engine_metrics_address`, `pdxfer_engine_room_telemetry`.
-/// 1.4: `PdxAgentOptions.secret` (peer authentication).
+/// 1.4: `PdxAgentOptions.secret` (peer authentication), `pdxfer_engine_send_ex` /
+/// `PdxSendOptions` (event-ordered and layer-wise sends).
 pub const PDXFER_ABI_VERSION_MINOR: u32 = 4;
 
 /// The library's ABI version: `(major << 16) | minor`.

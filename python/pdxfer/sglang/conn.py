@@ -519,9 +519,12 @@ class KVSender(_Room, BaseKVSender):
         return num_pages > 0
 
     def send(self, kv_indices: Any, state_indices: Optional[List] = None, num_kv_tokens: Optional[int] = None,
-             **_: Any) -> None:
+             event: Any = None, **_: Any) -> None:
         """Queues the next chunk of page ids; the one reaching ``num_kv_indices``
-        is the last, and carries the state rows (and the aux row)."""
+        is the last, and carries the state rows (and the aux row). ``event``:
+        when the scheduler gives one (a ``torch.cuda.Event`` recorded after the
+        forward that wrote the chunk; device pools), the engine's stream waits
+        on it instead of the scheduler synchronising."""
         if not self._rooms or self._error is not None:
             return
         n = len(kv_indices)
@@ -533,8 +536,8 @@ class KVSender(_Room, BaseKVSender):
             if last and self.kv_mgr.state:
                 self._room.set_state_indices(_cfg.state_rows(state_indices, self.kv_mgr.state_components))
             for r in self._rooms[1:]:  # the draft entries: the same pages, no aux
-                r.send(kv_indices, num_kv_tokens, last=last, aux_index=0)
-            self._room.send(kv_indices, num_kv_tokens, last=last, aux_index=self.aux_index)
+                r.send(kv_indices, num_kv_tokens, last=last, aux_index=0, event=event)
+            self._room.send(kv_indices, num_kv_tokens, last=last, aux_index=self.aux_index, event=event)
         except PdxError as e:
             self._fail(e)
             return

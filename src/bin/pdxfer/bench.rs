@@ -59,6 +59,8 @@ pub struct BenchArgs {
     /// Draw GB/s against block size into this PNG.
     #[arg(long)]
     pub plot: Option<String>,
+    #[command(flatten)]
+    pub layerwise: crate::layerwise_bench::LayerwiseArgs,
 }
 
 /// One measured point.
@@ -237,6 +239,9 @@ fn measure(
 
 /// Runs the benchmark.
 pub fn run(a: &BenchArgs) -> Result<()> {
+    if a.layerwise.layerwise {
+        return crate::layerwise_bench::run(&a.layerwise, &a.transport, a.json);
+    }
     let kind = TransportKind::parse(&a.transport)?;
     let blocks: Vec<u64> = a
         .block_sizes

@@ -5,6 +5,7 @@
 mod bench;
 mod bootstrap;
 mod demo;
+mod layerwise_bench;
 mod logging;
 mod plan;
 mod rank;

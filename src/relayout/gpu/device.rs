@@ -146,6 +146,12 @@ impl GpuEvent {
     pub fn elapsed_ms(&self, end: &GpuEvent) -> Result<f32> {
         guard("cuEventElapsedTime", || self.ev.elapsed_ms(&end.ev))
     }
+
+    /// The raw `CUevent` handle (what a send's `cuda_event` takes); valid
+    /// while this event lives.
+    pub fn raw(&self) -> u64 {
+        self.ev.cu_event() as u64
+    }
 }
 
 /// Device memory owned by this crate (pools in tests, staging buffers).
@@ -490,6 +496,25 @@ impl GpuRelayout {
     /// the forward pass that wrote the KV rows). Does not block the host.
     pub fn wait_for(&self, ev: &GpuEvent) -> Result<()> {
         guard("cuStreamWaitEvent", || self.stream.wait(&ev.ev))
+    }
+
+    /// Makes later work on the relayout stream wait for a CUDA event the
+    /// caller recorded on its own stream (its raw `CUevent` handle), e.g. the
+    /// end of the layer kernels that wrote the KV rows. Does not block the host.
+    ///
+    /// # Safety
+    /// `event` must be a live `CUevent` of this device's context (recorded, or
+    /// never recorded, which the driver treats as complete).
+    pub unsafe fn wait_raw_event(&self, event: u64) -> Result<()> {
+        self.bind()?;
+        // SAFETY: the caller guarantees the event; the stream is this engine's own.
+        guard("cuStreamWaitEvent", || unsafe {
+            result::stream::wait_event(
+                self.stream.cu_stream(),
+                event as sys::CUevent,
+                sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
+            )
+        })
     }
 
     /// Ensures the table buffer holds at least `bytes`, without waiting: a
