@@ -192,39 +192,49 @@ impl Etcd {
     pub fn start_at(bin: &std::path::Path, dir: &std::path::Path, client: u16, peer: u16) -> Etcd {
         let url = format!("http://127.0.0.1:{client}");
         let peer_url = format!("http://127.0.0.1:{peer}");
-        let child = Command::new(bin)
-            .args(["--name", "pdxfer-test", "--data-dir"])
-            .arg(dir)
-            .args([
-                "--listen-client-urls",
-                &url,
-                "--advertise-client-urls",
-                &url,
-            ])
-            .args([
-                "--listen-peer-urls",
-                &peer_url,
-                "--initial-advertise-peer-urls",
-                &peer_url,
-            ])
-            .args(["--initial-cluster", &format!("pdxfer-test={peer_url}")])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap_or_else(|e| panic!("spawn {}: {e}", bin.display()));
+        // etcd's own log goes next to its data, for the failure message
+        let log_path = dir.with_extension("etcd.log");
+        let spawn = || {
+            let log = std::fs::File::create(&log_path)
+                .unwrap_or_else(|e| panic!("create {}: {e}", log_path.display()));
+            Command::new(bin)
+                .args(["--name", "pdxfer-test", "--data-dir"])
+                .arg(dir)
+                .args([
+                    "--listen-client-urls",
+                    &url,
+                    "--advertise-client-urls",
+                    &url,
+                ])
+                .args([
+                    "--listen-peer-urls",
+                    &peer_url,
+                    "--initial-advertise-peer-urls",
+                    &peer_url,
+                ])
+                .args(["--initial-cluster", &format!("pdxfer-test={peer_url}")])
+                .stdout(Stdio::null())
+                .stderr(log)
+                .spawn()
+                .unwrap_or_else(|e| panic!("spawn {}: {e}", bin.display()))
+        };
+        let child = spawn();
         let e = Etcd {
             child,
             dir: dir.to_path_buf(),
             owns_dir: false,
             client,
             peer,
-            url,
+            url: url.clone(),
         };
-        let deadline = Instant::now() + Duration::from_secs(15);
+        let mut e = e;
+        // generous: a restart replays the WAL, and CI machines are shared
+        let deadline = Instant::now() + Duration::from_secs(30);
         let agent: ureq::Agent = ureq::Agent::config_builder()
             .timeout_global(Some(Duration::from_secs(1)))
             .build()
             .into();
+        let mut respawns = 0;
         loop {
             if let Ok(mut r) = agent.get(format!("{}/health", e.url)).call() {
                 if r.body_mut()
@@ -234,11 +244,21 @@ impl Etcd {
                     return e;
                 }
             }
-            assert!(
-                Instant::now() < deadline,
-                "etcd ({}) did not become healthy on port {client} in 15 s",
-                bin.display()
-            );
+            // an etcd that exited at start (a port its predecessor had not
+            // released yet) is started again, a few times
+            if matches!(e.child.try_wait(), Ok(Some(_))) && respawns < 3 {
+                respawns += 1;
+                std::thread::sleep(Duration::from_millis(500));
+                e.child = spawn();
+            }
+            if Instant::now() >= deadline {
+                let log = std::fs::read_to_string(&log_path).unwrap_or_default();
+                let tail: String = log.lines().rev().take(15).collect::<Vec<_>>().join("\n");
+                panic!(
+                    "etcd ({}) did not become healthy on port {client} in 30 s ({respawns} restarts); its last log lines, newest first:\n{tail}",
+                    bin.display()
+                );
+            }
             std::thread::sleep(Duration::from_millis(100));
         }
     }
