@@ -36,11 +36,18 @@ def test_refused_pair_is_logged_to_the_pdxfer_logger(caplog):
             engines.append(d)
             with pytest.raises(pdxfer.CompatError):
                 d.receiver(1)
-            refusals = [r for r in caplog.records if "dcp_rank_mismatch" in r.getMessage()]
+            refusals = [r for r in caplog.records if "dcp_rank_mismatch" in r.getMessage()
+                        and r.name == "pdxfer.bootstrap.peer"]
             assert len(refusals) == 1, [r.getMessage() for r in caplog.records]
             rec = refusals[0]
-            assert rec.name == "pdxfer.bootstrap.peer" and rec.levelno == logging.WARNING
+            assert rec.levelno == logging.WARNING
             assert "refused" in rec.getMessage() and "peer instance" in rec.getMessage()
+            # and the room's failure, naming the room and the status kind
+            failed = [r for r in caplog.records if r.name == "pdxfer.engine.handle"
+                      and "room 1 failed" in r.getMessage()]
+            assert len(failed) == 1, [r.getMessage() for r in caplog.records]
+            assert "dcp_rank_mismatch (-203)" in failed[0].getMessage()
+            assert failed[0].levelno == logging.WARNING
 
             # stopped: nothing more arrives; restarted: it does again
             pdxfer.log.stop()

@@ -68,8 +68,7 @@ impl Engine {
                 Ok(())
             }
             Err(e) => {
-                lock(&self.inner.rooms).fail(room, attempt, e.clone());
-                self.inner.cv.notify_all();
+                self.inner.fail_room(room, attempt, e.clone());
                 Err(e)
             }
         }
@@ -162,8 +161,7 @@ impl Engine {
                         e.detail()
                     ),
                 );
-                lock(&self.inner.rooms).fail(room, attempt, e.clone());
-                self.inner.cv.notify_all();
+                self.inner.fail_room(room, attempt, e.clone());
                 return Err(e);
             }
         }

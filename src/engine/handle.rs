@@ -339,8 +339,51 @@ impl Inner {
         }
     }
 
+    /// Fails the room's `attempt` with `e` and logs it, naming the room, the
+    /// peer instances it was moving bytes with and the status kind (the log
+    /// reaches a C or Python host through the log callback).
     pub(super) fn fail_room(&self, room: u64, attempt: u64, e: Error) {
-        lock(&self.rooms).fail(room, attempt, e);
+        let peers = self.room_peers(room);
+        if lock(&self.rooms).fail(room, attempt, e.clone()) {
+            log::warn!(
+                "{} room {room} failed, peers [{peers}]: {} ({}): {}",
+                self.cfg.role.as_str(),
+                e.kind(),
+                e.status() as i32,
+                e.detail()
+            );
+        }
         self.cv.notify_all();
+    }
+
+    /// The peer instances of a room, for log lines: a prefill's decode ranks
+    /// that sent metadata, a decode's prefill ranks (takes and releases the
+    /// role's room lock; `rooms` is not held).
+    pub(super) fn room_peers(&self, room: u64) -> String {
+        let ids: Vec<String> = match self.cfg.role {
+            Role::Prefill => lock(&self.prefill_rooms)
+                .get(&room)
+                .map(|r| {
+                    r.infos
+                        .iter()
+                        .map(|m| m.link.hello.instance_id.to_string())
+                        .collect()
+                })
+                .unwrap_or_default(),
+            Role::Decode => lock(&self.decode_rooms)
+                .get(&room)
+                .map(|r| {
+                    r.targets
+                        .iter()
+                        .map(|t| t.registration.instance_id.to_string())
+                        .collect()
+                })
+                .unwrap_or_default(),
+        };
+        if ids.is_empty() {
+            "none yet".into()
+        } else {
+            ids.join(", ")
+        }
     }
 }
