@@ -1031,10 +1031,8 @@ mod tests {
         );
         // Immediate data is big-endian on the wire.
         // SAFETY: imm_data is the member written for WRITE_WITH_IMM.
-        assert_eq!(
-            unsafe { seen[2].__bindgen_anon_1.imm_data },
-            0x0102_0304u32.to_be()
-        );
+        let imm = unsafe { seen[2].__bindgen_anon_1.imm_data };
+        assert_eq!(imm, 0x0102_0304u32.to_be());
         assert_eq!(list.sges().len(), 3);
 
         // A zero-length immediate-only record carries no SGE; reads use RDMA_READ.
