@@ -321,11 +321,13 @@ struct Proc {
     stdin: ChildStdin,
 }
 
-fn spawn(args: &[String], idx: usize, tx: Sender<Event>) -> Result<Proc> {
+fn spawn(args: &[String], idx: usize, secret: &str, tx: Sender<Event>) -> Result<Proc> {
     let exe = std::env::current_exe()?;
     let mut child = Command::new(exe)
         .arg("demo-rank")
         .args(args)
+        // the ranks authenticate each other with this run's cluster secret
+        .env("PDXFER_CLUSTER_SECRET", secret)
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
@@ -411,16 +413,23 @@ pub fn run(a: &DemoArgs) -> Result<()> {
         .map(|s| s.to_string())
         .collect()
     };
+    // one cluster secret per run: the ranks authenticate every connection
+    let mut key = [0u8; 32];
+    getrandom::fill(&mut key)
+        .map_err(|e| Error::new(Status::Io, format!("getrandom for the demo's secret: {e}")))?;
+    let secret: String = key.iter().map(|b| format!("{b:02x}")).collect();
     let (tx, rx) = unbounded::<Event>();
     let mut procs = vec![spawn(
         &common("prefill", 1, 0, src_pages_total),
         0,
+        &secret,
         tx.clone(),
     )?];
     for r in 0..a.dcp_size {
         procs.push(spawn(
             &common("decode", a.dcp_size, r, dst_pages_total),
             r as usize + 1,
+            &secret,
             tx.clone(),
         )?);
     }
