@@ -182,13 +182,14 @@ impl Setup<'_> {
         }
     }
 
-    /// Zeroes the prefill pools (on the model stream, before the layers'
-    /// writes) and the decode pools, opens `room` and waits until the
-    /// prefill may send.
+    /// Zeroes the prefill pools (waited for: a send that does not wait for its
+    /// layer's event reads zeros, not an earlier request's rows) and the
+    /// decode pools, opens `room` and waits until the prefill may send.
     fn open(&mut self, room: u64) -> Result<()> {
         for b in &self.pools {
             self.model.memset(b, 0)?;
         }
+        self.model.record(false)?.wait()?;
         for (_, pools) in &mut self.decode {
             for l in 0..self.pools.len() {
                 pools.layer_bytes_mut(l).fill(0);
