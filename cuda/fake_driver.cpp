@@ -57,7 +57,8 @@
 //   pools, graphs, cuMemGetHandleForAddressRange (dma-buf export) and
 //   nvidia-peermem; the exact error code a real driver gives a too-new cubin;
 // - that a kernel image holds the functions asked for, or its architecture
-//   (any image of a supported version yields pdx_gather and pdx_scatter);
+//   (any image of a supported version yields pdx_gather, pdx_scatter and
+//   pdx_spin, whose spin is a sleep of the thread that runs the work);
 // - occupancy, registers, timing (event times are host clock readings when
 //   the record runs) and the legacy default stream's implicit synchronisation
 //   (calls on the null stream just run);
@@ -109,6 +110,7 @@ enum {
 static int g_ctx_token;
 static int g_gather_token;
 static int g_scatter_token;
+static int g_spin_token;
 static int g_module_token;
 static thread_local CUcontext g_current = nullptr;
 static std::mutex g_mu;                 // guards every table below
@@ -689,6 +691,8 @@ CUresult cuModuleGetFunction(CUfunction* f, CUmodule m, const char* name) {
         *f = &g_gather_token;
     else if (strcmp(name, "pdx_scatter") == 0)
         *f = &g_scatter_token;
+    else if (strcmp(name, "pdx_spin") == 0)
+        *f = &g_spin_token;
     else
         return ERR_NOT_FOUND;
     return OK;
@@ -719,6 +723,20 @@ CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigned gz, uns
                         void** extra) {
     if (!stream_ok(s) || extra != nullptr || params == nullptr) return ERR_INVALID_VALUE;
     if (bx * by * bz > PDX_THREADS_PER_BLOCK || shmem != 0) return ERR_LAUNCH_FAILED;
+    if (f == &g_spin_token) {
+        // pdx_spin(ns): the stream is busy for `ns` when the work runs
+        pdx_u64 ns = *(const pdx_u64*)params[0];
+        {
+            std::lock_guard<std::mutex> l(g_mu);
+            ++g_launches;
+        }
+        auto spin = [ns] { std::this_thread::sleep_for(std::chrono::nanoseconds(ns)); };
+        if (s == nullptr)
+            spin();
+        else
+            enqueue(s, spin);
+        return OK;
+    }
     Kernel k;
     if (f == &g_gather_token)
         k = pdx_gather;

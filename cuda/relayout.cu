@@ -122,3 +122,19 @@ extern "C" __global__ void __launch_bounds__(PDX_THREADS_PER_BLOCK)
                 const PdxSpan* __restrict__ spans, pdx_u64 num_spans) {
     pdx_copy_spans(entries, num_entries, spans, num_spans);
 }
+
+// Spins one thread for `ns` nanoseconds of the global timer: the compute of
+// one layer in the layer-wise benchmark (a synthetic prefill launches a
+// gather that writes the layer's rows, then this, on its model stream). The
+// host harness runs it as nothing (the fake driver sleeps instead).
+extern "C" __global__ void pdx_spin(pdx_u64 ns) {
+#ifndef PDX_HOST_HARNESS
+    pdx_u64 t0, t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+    do {
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    } while (t - t0 < ns);
+#else
+    (void)ns;
+#endif
+}

@@ -15,6 +15,14 @@
 //! pools); every byte is verified (device pools read back) and the GB/s of
 //! each is printed.
 //!
+//! `--layerwise` runs the layer-wise benchmark with device prefill pools
+//! (`pdxfer::engine::gpu_layerwise_bench`): per layer, a kernel writes the
+//! layer's rows and `pdx_spin` spins on a model stream, an event is recorded
+//! and the layer is sent ordered after it (no synchronisation); against
+//! whole-request (synchronise on the last layer, then one send). 1 prefill ->
+//! `--engine-dcp` decode ranks over cma, `--layerwise-tokens`; prints the
+//! exposed transfer time of both, every decode byte verified.
+//!
 //! `--summary` prints only the driver version, the embedded kernel images,
 //! which one loaded, and the GPUDirect RDMA route.
 //!
@@ -81,6 +89,19 @@ struct Args {
     /// Engine check: timed rooms per pool kind.
     #[arg(long, default_value_t = 3)]
     engine_rooms: u64,
+    /// Only run the layer-wise benchmark with device prefill pools (see the module docs).
+    #[arg(long)]
+    layerwise: bool,
+    /// Layer-wise benchmark: request lengths (tokens).
+    #[arg(long, value_delimiter = ',', default_values_t = [8192u64, 32768])]
+    layerwise_tokens: Vec<u64>,
+    /// Layer-wise benchmark: compute time of one layer in microseconds (0:
+    /// 1.5x the measured transfer time of one layer).
+    #[arg(long, default_value_t = 0)]
+    layerwise_layer_us: u64,
+    /// Layer-wise benchmark: repetitions per mode (the median is reported).
+    #[arg(long, default_value_t = 3)]
+    layerwise_reps: usize,
     /// Engine check: staging bytes per worker (device and pinned host).
     #[arg(long, default_value_t = 64 << 20)]
     engine_staging: u64,
@@ -303,6 +324,57 @@ fn engine_check(a: &Args, g: &GpuRelayout) -> i32 {
     code
 }
 
+/// `--layerwise`: the exposed transfer time, layer-wise against whole-request.
+fn layerwise_check(a: &Args, g: &GpuRelayout) -> i32 {
+    use pdxfer::engine::gpu_layerwise_bench::{run, GpuLayerwiseParams};
+    let t0 = Instant::now();
+    let p = GpuLayerwiseParams {
+        device: a.device as u32,
+        layers: a.engine_layers,
+        row_bytes: a.row_bytes,
+        tokens: a.layerwise_tokens.clone(),
+        dcp: a.engine_dcp,
+        page_size: a.page_size,
+        layer_us: a.layerwise_layer_us,
+        reps: a.layerwise_reps,
+        staging_bytes: a.engine_staging,
+    };
+    let code = match run(g, &p) {
+        Ok(points) => {
+            for q in &points {
+                println!(
+                    "layerwise: device pools, 1 -> {} decode ranks over cma, {} tokens x {} layers x {} B ({:.1} MB), layer compute {:.3} ms: whole-request exposed {:.2} ms ({:.3} ms/layer), layer-wise exposed {:.2} ms = {:.2} layers, {} B verified",
+                    p.dcp,
+                    q.tokens,
+                    p.layers,
+                    p.row_bytes,
+                    q.bytes as f64 / 1e6,
+                    q.layer_ms,
+                    q.whole_exposed_ms,
+                    q.layer_transfer_ms,
+                    q.layerwise_exposed_ms,
+                    q.exposed_in_layers,
+                    q.verified_bytes
+                );
+            }
+            println!(
+                "layerwise-json: {}",
+                serde_json::to_string(&points).unwrap_or_default()
+            );
+            0
+        }
+        Err(e) => {
+            eprintln!("gpu-check: FAIL: layerwise: {e}");
+            1
+        }
+    };
+    println!(
+        "gpu-check: layerwise done in {:.1} s, exit {code}",
+        t0.elapsed().as_secs_f64()
+    );
+    code
+}
+
 /// `--summary`: driver version, the embedded images, which kernel image
 /// loaded (or why none), and GPUDirect RDMA (a real registration where an
 /// RDMA device exists).
@@ -359,6 +431,9 @@ fn main() {
     );
     if a.engine_only {
         std::process::exit(engine_check(&a, &g));
+    }
+    if a.layerwise {
+        std::process::exit(layerwise_check(&a, &g));
     }
     let failures = self_check(&mut g, a.cases, 0x9d_2026, true);
     for f in &failures {

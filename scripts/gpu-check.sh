@@ -10,7 +10,11 @@
 # in one process: prefill device pools to host decode pools over cma, the same
 # from host-memory pools, and device pools on both sides over tcp, the decode
 # copying each piece into its device pools; every byte verified, device pools
-# read back; GB/s of each), then pdxfer's SGLang adapter with torch CUDA
+# read back; GB/s of each), then the layer-wise benchmark (`--layerwise`:
+# device prefill pools written layer by layer by kernels that spin on a model
+# stream, each layer sent ordered after its event, against one send after the
+# last layer; 8K and 32K tokens x 61 layers x 1152 B, 1 -> 4 decode ranks over
+# cma; the exposed transfer time of both, every decode byte verified), then pdxfer's SGLang adapter with torch CUDA
 # tensors as KV pools (scripts/sglang-gpu-check.py: one prefill and two decode
 # DCP ranks as processes on the GPU, SGLang's scheduler call sequence, every
 # decode row read back and checked; needs python3 with numpy and torch with
@@ -44,7 +48,9 @@
 # e.g. "--min-ratio 0.85" to fail below the target), GPU_CHECK_TIMEOUT
 # (seconds, default 360), ENGINE_CHECK_ARGS (extra arguments of the engine
 # step, e.g. "--engine-tokens 32768"), ENGINE_CHECK_TIMEOUT (seconds, default
-# 120); SGLANG_CHECK_ARGS (arguments of the SGLang step, default "--layers 61
+# 120); LAYERWISE_CHECK_ARGS (extra arguments of the layer-wise step, e.g.
+# "--layerwise-layer-us 2000"), LAYERWISE_CHECK_TIMEOUT (seconds, default 90);
+# SGLANG_CHECK_ARGS (arguments of the SGLang step, default "--layers 61
 # --tokens 2048"), SGLANG_CHECK_TIMEOUT (seconds, default 90), PDXFER_LIB
 # (default target/libpdxfer.so, else target/release/libpdxfer.so);
 # GPU_CHECK_BUDGET caps the whole script (seconds, default 470).
@@ -127,6 +133,15 @@ if [ "$rc" -ne 3 ]; then
     timeout "$(within "${ENGINE_CHECK_TIMEOUT:-120}")" "$bin" --engine-only ${ENGINE_CHECK_ARGS:-} 2>&1 | tee -a "$log"
     erc=${PIPESTATUS[0]}
     [ "$erc" -ne 0 ] && say "gpu-check: engine step failed (exit $erc)" && [ "$rc" -eq 0 ] && rc=$erc
+fi
+
+# Layer-wise sends from device pools against whole-request (skipped when no kernels load).
+if [ "$rc" -ne 3 ]; then
+    say "gpu-check: layer-wise sends ordered by per-layer events vs whole-request (device pools)"
+    # shellcheck disable=SC2086 # LAYERWISE_CHECK_ARGS is a list of arguments
+    timeout "$(within "${LAYERWISE_CHECK_TIMEOUT:-90}")" "$bin" --layerwise ${LAYERWISE_CHECK_ARGS:-} 2>&1 | tee -a "$log"
+    lrc=${PIPESTATUS[0]}
+    [ "$lrc" -ne 0 ] && say "gpu-check: layer-wise step failed (exit $lrc)" && [ "$rc" -eq 0 ] && rc=$lrc
 fi
 
 # pdxfer's SGLang adapter with torch CUDA tensors as pools, 1 -> 2 DCP ranks.

@@ -76,12 +76,21 @@ fn device_path_runs_on_fake_driver() {
         .expect("spawn the child test");
     let decode_child = spawn("child_engine_decode_device_pools_on_fake_driver");
     let flush_child = spawn("child_engine_gpudirect_flush_on_fake_driver");
+    let layerwise_child = spawn("child_gpu_layerwise_bench_on_fake_driver");
     let out = spawn("child_device_path_on_fake_driver")
         .wait_with_output()
         .unwrap();
     let engine_out = engine_child.wait_with_output().unwrap();
     let decode_out = decode_child.wait_with_output().unwrap();
     let flush_out = flush_child.wait_with_output().unwrap();
+    let layerwise_out = layerwise_child.wait_with_output().unwrap();
+    let layerwise_text = String::from_utf8_lossy(&layerwise_out.stdout).into_owned()
+        + &String::from_utf8_lossy(&layerwise_out.stderr);
+    assert!(
+        layerwise_out.status.success()
+            && layerwise_text.contains("fake-driver layerwise child: all checks passed"),
+        "GPU layer-wise benchmark child failed:\n{layerwise_text}"
+    );
     // the kernel images the driver version picks: no module file given
     let images_out = child("child_kernel_images_on_fake_driver")
         .env_remove("PDXFER_KERNEL_MODULE")
@@ -1642,4 +1651,60 @@ fn child_engine_gpudirect_flush_on_fake_driver() {
     fake_set(c"pdx_fake_set_rdma_ordering", 100i32);
     fake_set(c"pdx_fake_set_rdma_flush_options", 1i32);
     println!("fake-driver gpudirect-flush child: all checks passed");
+}
+
+/// The GPU layer-wise benchmark (`examples/gpu_check.rs --layerwise`) at small
+/// sizes: kernels write each layer's rows and spin on a model stream, sends
+/// are ordered by the layers' events; every decode byte is verified and both
+/// modes report an exposed time.
+#[test]
+#[ignore = "child of device_path_runs_on_fake_driver (needs the fake libcuda)"]
+fn child_gpu_layerwise_bench_on_fake_driver() {
+    use pdxfer::engine::gpu_layerwise_bench::{run, GpuLayerwiseParams};
+    use pdxfer::relayout::gpu::GpuRelayout;
+    assert!(
+        std::env::var_os("PDXFER_FAKE_CUDA_CHILD").is_some(),
+        "this test only runs as the child of device_path_runs_on_fake_driver"
+    );
+    let model = GpuRelayout::new(0).unwrap();
+    let p = GpuLayerwiseParams {
+        device: 0,
+        layers: 5,
+        row_bytes: 96,
+        tokens: vec![256, 700],
+        dcp: 4,
+        page_size: 16,
+        layer_us: 200,
+        reps: 2,
+        staging_bytes: 1 << 20,
+    };
+    let launches = fake_counter(c"pdx_fake_launches");
+    let points = run(&model, &p).unwrap();
+    assert_eq!(points.len(), 2);
+    // per request: one gather and one spin per layer (no spin in the two bare rounds)
+    let requests = (1 + 3 * p.reps as u64) * points.len() as u64;
+    assert!(
+        fake_counter(c"pdx_fake_launches") - launches >= requests * u64::from(p.layers),
+        "the layers' kernels were not launched"
+    );
+    for (q, &tokens) in points.iter().zip(&p.tokens) {
+        let per_request = tokens * u64::from(p.layers) * p.row_bytes + u64::from(p.dcp) * 64;
+        assert_eq!(q.tokens, tokens);
+        assert_eq!(q.bytes, tokens * u64::from(p.layers) * p.row_bytes);
+        assert_eq!(
+            q.verified_bytes,
+            per_request * (1 + 3 * p.reps as u64),
+            "{q:?}"
+        );
+        assert!((q.layer_ms - 0.2).abs() < 1e-9, "{q:?}");
+        assert!(
+            q.whole_exposed_ms.is_finite() && q.layerwise_exposed_ms.is_finite(),
+            "{q:?}"
+        );
+        assert!(
+            q.whole_exposed_ms > 0.0 && q.layerwise_exposed_ms > 0.0,
+            "{q:?}"
+        );
+    }
+    println!("fake-driver layerwise child: all checks passed ({points:?})");
 }

@@ -20,6 +20,8 @@
 //! - `telemetry`: per-room times and counts.
 //! - [`control`], [`room`], [`synthetic`]: control messages, the room table,
 //!   verifiable pools for the demo and tests.
+//! - [`gpu_layerwise_bench`] (feature `cuda`): the layer-wise benchmark with
+//!   device pools written by kernels (`examples/gpu_check.rs --layerwise`).
 
 mod config;
 pub mod control;
@@ -27,6 +29,8 @@ mod deadline;
 mod decode;
 mod device;
 mod flight;
+#[cfg(feature = "cuda")]
+pub mod gpu_layerwise_bench;
 mod handle;
 mod jobs;
 mod layers;

@@ -326,6 +326,8 @@ pub struct GpuRelayout {
     stream: Arc<CudaStream>,
     gather_fn: CudaFunction,
     scatter_fn: CudaFunction,
+    /// `pdx_spin`, absent from a module built before it existed.
+    spin_fn: Option<CudaFunction>,
     origin: KernelOrigin,
     cc: (i32, i32),
     driver: i32,
@@ -364,11 +366,13 @@ impl GpuRelayout {
         let scatter_fn = guard("cuModuleGetFunction(pdx_scatter)", || {
             module.load_function("pdx_scatter")
         })?;
+        let spin_fn = module.load_function("pdx_spin").ok();
         Ok(GpuRelayout {
             ctx,
             stream,
             gather_fn,
             scatter_fn,
+            spin_fn,
             origin,
             cc,
             driver,
@@ -490,6 +494,27 @@ impl GpuRelayout {
         };
         let ev = guard("cuEventRecord", || self.stream.record_event(Some(flags)))?;
         Ok(GpuEvent { ev })
+    }
+
+    /// Enqueues `pdx_spin`: one thread busy for `ns` nanoseconds of the GPU's
+    /// global timer (a synthetic layer's compute in the layer-wise benchmark).
+    pub fn spin(&self, ns: u64) -> Result<()> {
+        let f = self.spin_fn.as_ref().ok_or_else(|| {
+            Error::invalid(
+                "the loaded kernel module has no pdx_spin (built from an older cuda/relayout.cu)",
+            )
+        })?;
+        self.bind()?;
+        let cfg = LaunchConfig {
+            grid_dim: (1, 1, 1),
+            block_dim: (1, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = self.stream.launch_builder(f);
+        b.arg(&ns);
+        // SAFETY: the argument list matches `pdx_spin(pdx_u64)` in cuda/relayout.cu;
+        // it touches no memory.
+        guard("cuLaunchKernel(pdx_spin)", || unsafe { b.launch(cfg) }).map(|_| ())
     }
 
     /// Makes later work on the relayout stream wait for `ev` (e.g. the end of
