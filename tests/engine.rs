@@ -49,7 +49,7 @@ fn rank(
     let mut cfg = EngineConfig::new(role, name, url, pools.topology(dcp, r), pools.kv_pools());
     cfg.aux = pools.aux_buffers();
     cfg.transport = transport;
-    cfg.nic = fake_nic(transport, role.as_str());
+    cfg.testing.nic = fake_nic(transport, role.as_str());
     // SAFETY: the pools are returned with the engine and kept alive next to it.
     (unsafe { Engine::new(cfg) }.unwrap(), pools)
 }
@@ -68,7 +68,7 @@ fn cluster(name: &str, src_dcp: u32, dcp: u32, transport: TransportKind, staging
     );
     cfg.aux = p_pools.aux_buffers();
     cfg.transport = transport;
-    cfg.nic = fake_nic(transport, "prefill");
+    cfg.testing.nic = fake_nic(transport, "prefill");
     cfg.staging_bytes = staging;
     cfg.room_timeout = Duration::from_secs(20);
     // SAFETY: the pools live in the returned Cluster, alongside the engine.
@@ -658,7 +658,7 @@ fn a_qp_error_fails_its_room_and_later_rooms_reconnect_over_rdma() {
     cfg.aux = p_pools.aux_buffers();
     cfg.transport = TransportKind::Rdma;
     let nic = FakeNic::new("redial-p", 2, Mtu::Mtu4096);
-    cfg.nic = Some(nic.clone() as _);
+    cfg.testing.nic = Some(nic.clone() as _);
     cfg.staging_bytes = 1 << 20;
     cfg.room_timeout = Duration::from_secs(20);
     // SAFETY: the pools live in the Cluster below, alongside the engine.

@@ -1222,7 +1222,7 @@ fn child_engine_decode_device_pools_on_fake_driver() {
         }
         cfg.aux = host.aux_buffers();
         cfg.transport = transport;
-        cfg.nic = prefill_nic.clone().map(|n| n as Arc<dyn NicProvider>);
+        cfg.testing.nic = prefill_nic.clone().map(|n| n as Arc<dyn NicProvider>);
         cfg.room_timeout = Duration::from_secs(20);
         // SAFETY: the pools (host or device) and aux outlive the engine (closed below).
         let prefill = unsafe { Engine::new(cfg) }.unwrap();
@@ -1238,7 +1238,8 @@ fn child_engine_decode_device_pools_on_fake_driver() {
             cfg.pool_device = Some(0);
             cfg.aux = mirror.aux_buffers();
             cfg.transport = transport;
-            cfg.nic = rdma.then(|| FakeNic::new(&format!("{case}-d{r}"), 2, Mtu::Mtu4096) as _);
+            cfg.testing.nic =
+                rdma.then(|| FakeNic::new(&format!("{case}-d{r}"), 2, Mtu::Mtu4096) as _);
             // SAFETY: the device pools and the mirror's aux live in `decode` beside the engine.
             let e = unsafe { Engine::new(cfg) }.unwrap();
             decode.push((e, mirror, bufs));
@@ -1426,7 +1427,7 @@ fn child_engine_decode_device_pools_on_fake_driver() {
         cfg.pool_device = Some(0);
         cfg.aux = mirror.aux_buffers();
         cfg.transport = TransportKind::Rdma;
-        cfg.nic = Some(nic as Arc<dyn NicProvider>);
+        cfg.testing.nic = Some(nic as Arc<dyn NicProvider>);
         // SAFETY: as above (the engine is not created).
         let e = unsafe { Engine::new(cfg) }.unwrap_err();
         assert_eq!(e.status(), pdxfer::Status::NoGpuDirect, "{no_gdr}: {e}");
@@ -1497,7 +1498,8 @@ fn child_engine_gpudirect_flush_on_fake_driver() {
         );
         cfg.aux = host.aux_buffers();
         cfg.transport = transport;
-        cfg.nic = Some(FakeNic::new(&format!("{case}-p"), 1, Mtu::Mtu4096) as Arc<dyn NicProvider>);
+        cfg.testing.nic =
+            Some(FakeNic::new(&format!("{case}-p"), 1, Mtu::Mtu4096) as Arc<dyn NicProvider>);
         cfg.room_timeout = Duration::from_secs(20);
         // SAFETY: the host pools and aux outlive the engine (closed below).
         let prefill = unsafe { Engine::new(cfg) }.unwrap();
@@ -1521,7 +1523,7 @@ fn child_engine_gpudirect_flush_on_fake_driver() {
             cfg.pool_device = Some(0);
             cfg.aux = mirror.aux_buffers();
             cfg.transport = transport;
-            cfg.nic = Some(FakeNic::new(&format!("{case}-d"), 1, Mtu::Mtu4096) as _);
+            cfg.testing.nic = Some(FakeNic::new(&format!("{case}-d"), 1, Mtu::Mtu4096) as _);
             cfg
         };
         if flush_options == 0 {

@@ -44,7 +44,7 @@ fn rank(
     let mut cfg = EngineConfig::new(role, name, url, pools.topology(dcp, r), pools.kv_pools());
     cfg.aux = pools.aux_buffers();
     cfg.transport = transport;
-    cfg.nic = fake_nic(transport, role.as_str());
+    cfg.testing.nic = fake_nic(transport, role.as_str());
     cfg.staging_bytes = staging;
     cfg.room_timeout = timeout;
     // SAFETY: the pools are returned with the engine and kept alive next to it.

@@ -100,10 +100,10 @@ pub struct EngineConfig {
     /// Prefill: keepalive interval of the idle data connections to decode
     /// ranks (shorter than their `idle_timeout`).
     pub keepalive: Duration,
-    /// Test knob: the RDMA NIC provider of the engine's agent (the software
-    /// fabric in tests); `None` (production) uses the real NICs.
-    #[doc(hidden)]
-    pub nic: Option<std::sync::Arc<dyn crate::transport::rdma::nic::NicProvider>>,
+    /// Test knobs of the engine's agent (e.g. the software RDMA fabric);
+    /// the default is production behaviour.
+    #[cfg(any(test, feature = "testing"))]
+    pub testing: crate::transport::TestKnobs,
 }
 
 impl EngineConfig {
@@ -140,7 +140,8 @@ impl EngineConfig {
             idle_timeout: Duration::from_secs(120),
             pin_timeout: Duration::from_secs(60),
             keepalive: Duration::from_secs(15),
-            nic: None,
+            #[cfg(any(test, feature = "testing"))]
+            testing: Default::default(),
         }
     }
 

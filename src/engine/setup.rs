@@ -19,7 +19,6 @@ use std::collections::{BTreeMap, HashMap};
 use std::net::TcpListener;
 use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Condvar, Mutex};
-use std::time::Duration;
 
 impl Engine {
     /// Creates the engine: registers the pools, starts the agent and threads,
@@ -142,12 +141,11 @@ fn open_agent(cfg: &EngineConfig, instance: InstanceId) -> Result<Agent> {
         handshake_timeout: cfg.handshake_timeout,
         idle_timeout: cfg.idle_timeout,
         pin_timeout: cfg.pin_timeout,
-        stall: Duration::ZERO,
-        nic: cfg.nic.clone(),
         gpu: cfg.pool_device,
         secret: cfg.token.clone(),
         instance: Some(instance.0.to_be_bytes()),
-        ..Default::default()
+        #[cfg(any(test, feature = "testing"))]
+        testing: cfg.testing.clone(),
     })
     .map_err(|e| {
         if e.status() == Status::InvalidArgument && cfg.token.is_some() {

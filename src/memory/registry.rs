@@ -233,8 +233,8 @@ impl Registry {
     /// As [`register_host`](Self::register_host): `[addr, addr + len)` must be
     /// valid, writable host memory of this process until unregistered (the
     /// fake fabric copies into it).
-    #[doc(hidden)]
-    pub unsafe fn register_device_unchecked(
+    #[cfg(test)]
+    pub(crate) unsafe fn register_device_unchecked(
         &self,
         addr: u64,
         len: usize,

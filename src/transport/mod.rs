@@ -44,6 +44,8 @@ pub mod tcp;
 pub(crate) mod testing;
 pub mod wire;
 
+#[cfg(any(test, feature = "testing"))]
+pub use agent::TestKnobs;
 pub use agent::{
     auth_mode, check_listener, Agent, AgentOptions, ConnectOptions, Incoming, CLUSTER_SECRET_ENV,
 };

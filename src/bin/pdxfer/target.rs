@@ -25,7 +25,9 @@ pub struct TargetArgs {
     /// Number of regions.
     #[arg(long, default_value_t = 1)]
     pub regions: usize,
-    /// Test knob: sleep this many ms before validating each new batch (a stalled peer).
+    /// Test knob (testing builds only): sleep this many ms before validating
+    /// each new batch (a stalled peer).
+    #[cfg(feature = "testing")]
     #[arg(long, default_value_t = 0)]
     pub stall_ms: u64,
     /// Do not print a line per completion (benchmarks).
@@ -70,7 +72,11 @@ pub fn prefault(b: &mut [u8]) {
 pub fn run(a: &TargetArgs) -> pdxfer::Result<()> {
     let agent = Agent::new(&AgentOptions {
         listen: Some(a.listen.clone()),
-        stall: Duration::from_millis(a.stall_ms),
+        #[cfg(feature = "testing")]
+        testing: pdxfer::transport::TestKnobs {
+            stall: Duration::from_millis(a.stall_ms),
+            ..Default::default()
+        },
         limits: ListenLimits {
             max_pending: a.max_pending,
             max_handshakes: a.max_handshakes,

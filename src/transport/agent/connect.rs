@@ -121,7 +121,7 @@ impl Agent {
                 // cma only into a live process of this host and of this uid (the
                 // identity comes from the authenticated peer; another uid could
                 // not be written without privileges anyway: tcp then)
-                let same_host = !self.inner.deny_same_host
+                let same_host = !self.inner.deny_same_host()
                     && me.same_host(&ack.identity)
                     && me.verify_local_peer(&ack.identity).is_ok()
                     && same_uid(ack.identity.pid);

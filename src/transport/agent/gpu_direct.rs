@@ -104,6 +104,7 @@ mod tests {
     use crate::memory::RegionKind;
     use crate::transport::rdma::fake::FakeNic;
     use crate::transport::rdma::handshake::Mtu;
+    use crate::transport::TestKnobs;
     use crate::transport::{
         AgentOptions, BatchOptions, ConnectOptions, Transport, TransportKind, WriteOp,
     };
@@ -133,8 +134,11 @@ mod tests {
         let nic = FakeNic::new(name, 1, Mtu::Mtu4096);
         let a = Agent::new(&AgentOptions {
             listen: listen.then(|| "127.0.0.1:0".to_string()),
-            nic: Some(nic.clone() as Arc<dyn NicProvider>),
-            deny_same_host: true,
+            testing: TestKnobs {
+                nic: Some(nic.clone() as Arc<dyn NicProvider>),
+                deny_same_host: true,
+                ..Default::default()
+            },
             ..Default::default()
         })
         .unwrap();

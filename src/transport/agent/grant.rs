@@ -67,8 +67,8 @@ pub(super) fn control_loop(
             FrameType::Intent | FrameType::ReadIntent => {
                 let read = ty == FrameType::ReadIntent;
                 let (batch, ranges) = wire::decode_intent(&p)?;
-                if !a.stall.is_zero() {
-                    std::thread::sleep(a.stall);
+                if !a.stall().is_zero() {
+                    std::thread::sleep(a.stall());
                 }
                 // Device memory only over rdma, and only once the NIC registered
                 // it (GPUDirect RDMA; an exact range registered before is a lookup).

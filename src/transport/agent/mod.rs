@@ -18,6 +18,8 @@ mod connect;
 mod gpu_direct;
 mod grant;
 mod session;
+#[cfg(any(test, feature = "testing"))]
+mod test_knobs;
 #[cfg(test)]
 mod tests;
 
@@ -40,6 +42,8 @@ use std::net::{SocketAddr, TcpListener};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::Duration;
+#[cfg(any(test, feature = "testing"))]
+pub use test_knobs::TestKnobs;
 
 /// Options of an [`Agent`].
 #[derive(Debug, Clone)]
@@ -63,19 +67,6 @@ pub struct AgentOptions {
     /// dropped after this (the session is closed, or the commit refused), so
     /// the region can be unregistered.
     pub pin_timeout: Duration,
-    /// Test knob: the receiver sleeps this long before validating each new
-    /// batch (simulates a stalled peer). Zero in production.
-    pub stall: Duration,
-    /// Test knob: the RDMA NIC provider to use (e.g. the software fabric
-    /// [`FakeNic`](crate::transport::rdma::fake::FakeNic)). `None` (production)
-    /// opens the real NICs through verbs when first needed.
-    #[doc(hidden)]
-    pub nic: Option<Arc<dyn NicProvider>>,
-    /// Test knob: never treat a peer as on this host when choosing a
-    /// transport automatically (so two agents of one process can test the
-    /// cross-host choice). False in production.
-    #[doc(hidden)]
-    pub deny_same_host: bool,
     /// The CUDA device whose memory this agent's regions are in, if any:
     /// the real RDMA NICs are then chosen nearest to it on PCIe and
     /// GPUDirect RDMA is probed on it.
@@ -87,6 +78,10 @@ pub struct AgentOptions {
     /// This agent's instance id in the authentication exchange (an engine
     /// gives its bootstrap instance id); `None` picks a random one.
     pub instance: Option<[u8; 16]>,
+    /// Behaviour only tests change (a stalled receiver, a software NIC, no
+    /// same-host shortcut); the default is production behaviour.
+    #[cfg(any(test, feature = "testing"))]
+    pub testing: TestKnobs,
 }
 
 impl Default for AgentOptions {
@@ -97,13 +92,25 @@ impl Default for AgentOptions {
             handshake_timeout: Duration::from_secs(10),
             idle_timeout: Duration::from_secs(120),
             pin_timeout: Duration::from_secs(60),
-            stall: Duration::ZERO,
-            nic: None,
-            deny_same_host: false,
             gpu: None,
             secret: None,
             instance: None,
+            #[cfg(any(test, feature = "testing"))]
+            testing: TestKnobs::default(),
         }
+    }
+}
+
+impl AgentOptions {
+    /// The NIC provider the options give (the [`TestKnobs::nic`] knob), set
+    /// up front so the unregister hook sees it before first use; unset in a
+    /// product build (the real NICs open on first use).
+    fn given_nic(&self) -> OnceLock<Result<Arc<dyn NicProvider>>> {
+        #[cfg(any(test, feature = "testing"))]
+        if let Some(p) = &self.testing.nic {
+            return OnceLock::from(Ok(p.clone()));
+        }
+        OnceLock::new()
     }
 }
 
@@ -201,14 +208,13 @@ pub(crate) struct AgentInner {
     rx: Receiver<Incoming>,
     pub(crate) sessions: Mutex<HashMap<u64, Arc<ReceiverSession>>>,
     next_session: AtomicU64,
-    /// Test knob: see [`AgentOptions::stall`].
-    pub(crate) stall: Duration,
     pub(crate) handshake_timeout: Duration,
     pub(crate) idle_timeout: Duration,
     pub(crate) pin_timeout: Duration,
     listen_stats: ListenStats,
     nic: OnceLock<Result<Arc<dyn NicProvider>>>,
-    deny_same_host: bool,
+    #[cfg(any(test, feature = "testing"))]
+    knobs: TestKnobs,
     gpu: Option<u32>,
     /// Whether peers must prove the cluster secret.
     pub(crate) auth: Mode,
@@ -226,6 +232,24 @@ impl AgentInner {
         self.nic
             .get_or_init(|| accept::open_default_nic(self.gpu))
             .clone()
+    }
+
+    /// How long the receiver sleeps before validating each new batch (the
+    /// [`TestKnobs::stall`] knob; zero in a product build).
+    pub(crate) fn stall(&self) -> Duration {
+        #[cfg(any(test, feature = "testing"))]
+        return self.knobs.stall;
+        #[cfg(not(any(test, feature = "testing")))]
+        Duration::ZERO
+    }
+
+    /// Whether a peer is never taken as on this host (the
+    /// [`TestKnobs::deny_same_host`] knob; false in a product build).
+    pub(crate) fn deny_same_host(&self) -> bool {
+        #[cfg(any(test, feature = "testing"))]
+        return self.knobs.deny_same_host;
+        #[cfg(not(any(test, feature = "testing")))]
+        false
     }
 
     pub(crate) fn deliver(&self, peer: ProcIdentity, session: u64, completion: Completion) {
@@ -291,16 +315,13 @@ impl Agent {
             rx,
             sessions: Mutex::new(HashMap::new()),
             next_session: AtomicU64::new(1),
-            stall: opts.stall,
             handshake_timeout: opts.handshake_timeout,
             idle_timeout: opts.idle_timeout,
             pin_timeout: opts.pin_timeout,
             listen_stats: ListenStats::default(),
-            nic: match &opts.nic {
-                Some(p) => OnceLock::from(Ok(p.clone())),
-                None => OnceLock::new(),
-            },
-            deny_same_host: opts.deny_same_host,
+            nic: opts.given_nic(),
+            #[cfg(any(test, feature = "testing"))]
+            knobs: opts.testing.clone(),
             gpu: opts.gpu,
             auth,
             instance,

@@ -367,12 +367,18 @@ fn tcp_into_a_device_region_completes_after_the_copies_and_auto_skips_cma() {
         };
         let frx = Agent::new(&AgentOptions {
             listen: Some("127.0.0.1:0".into()),
-            nic: nic(&format!("auto-dev-{gpu_direct}-rx")),
+            testing: TestKnobs {
+                nic: nic(&format!("auto-dev-{gpu_direct}-rx")),
+                ..Default::default()
+            },
             ..Default::default()
         })
         .unwrap();
         let ftx = Agent::new(&AgentOptions {
-            nic: nic(&format!("auto-dev-{gpu_direct}-tx")),
+            testing: TestKnobs {
+                nic: nic(&format!("auto-dev-{gpu_direct}-tx")),
+                ..Default::default()
+            },
             ..Default::default()
         })
         .unwrap();

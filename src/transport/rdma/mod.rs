@@ -51,7 +51,7 @@ pub mod config;
 pub mod device;
 #[cfg(feature = "rdma")]
 pub mod endpoint;
-#[doc(hidden)]
+#[cfg(any(test, feature = "testing"))]
 pub mod fake;
 pub mod handshake;
 pub mod nic;

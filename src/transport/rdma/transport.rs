@@ -434,6 +434,7 @@ mod tests {
     use crate::transport::rdma::fake::{self, FakeNic};
     use crate::transport::rdma::handshake::Mtu;
     use crate::transport::rdma::nic::NicProvider;
+    use crate::transport::TestKnobs;
     use crate::transport::{
         Agent, AgentOptions, BatchOptions, ConnectOptions, ReadOp, Transport, TransportKind,
         WriteOp,
@@ -444,8 +445,11 @@ mod tests {
     fn agent(listen: bool, nic: Option<Arc<FakeNic>>) -> Agent {
         Agent::new(&AgentOptions {
             listen: listen.then(|| "127.0.0.1:0".to_string()),
-            nic: nic.map(|n| n as Arc<dyn super::NicProvider>),
-            deny_same_host: true,
+            testing: TestKnobs {
+                nic: nic.map(|n| n as Arc<dyn super::NicProvider>),
+                deny_same_host: true,
+                ..Default::default()
+            },
             ..Default::default()
         })
         .unwrap()

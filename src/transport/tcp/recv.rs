@@ -181,10 +181,10 @@ fn stream_loop(
         }
         s.read_exact(&mut hb)?;
         let h = DataHeader::decode(&hb)?;
-        if !a.stall.is_zero() {
+        if !a.stall().is_zero() {
             let new = lock(&sess.tcp).stalled.insert(h.batch);
             if new {
-                std::thread::sleep(a.stall);
+                std::thread::sleep(a.stall());
             }
         }
         let mut payload = PinDeadline::new(s, a.pin_timeout);

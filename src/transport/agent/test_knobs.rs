@@ -1,0 +1,26 @@
+//! Test knobs of an agent: behaviour that only tests and fixtures change. The
+//! type exists only with `cfg(test)` or the `testing` feature, so a product
+//! build (and the C ABI and Python on top of it) cannot set any of them.
+
+use crate::transport::rdma::nic::NicProvider;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Test knobs of an [`Agent`](super::Agent), set through
+/// [`AgentOptions::testing`](super::AgentOptions::testing) or
+/// [`EngineConfig::testing`](crate::engine::EngineConfig::testing). The
+/// default is production behaviour.
+#[derive(Debug, Clone, Default)]
+pub struct TestKnobs {
+    /// The receiver sleeps this long before validating each new batch
+    /// (simulates a stalled peer). Zero: no sleep.
+    pub stall: Duration,
+    /// The RDMA NIC provider to use (e.g. the software fabric
+    /// [`FakeNic`](crate::transport::rdma::fake::FakeNic)). `None` opens the
+    /// real NICs through verbs when first needed.
+    pub nic: Option<Arc<dyn NicProvider>>,
+    /// Never treat a peer as on this host when choosing a transport
+    /// automatically (so two agents of one process can test the cross-host
+    /// choice).
+    pub deny_same_host: bool,
+}
