@@ -34,6 +34,10 @@ cargo fmt --all -- --check
 step "cargo clippy --all-targets -- -D warnings"
 cargo clippy "${FEATURES[@]}" --all-targets -- -D warnings
 
+step "product build, clippy (default features, no testing)"
+# The test knobs and fakes are cfg-gated: the product build must be clean without them.
+cargo clippy --all-targets -- -D warnings
+
 step "host-only build, clippy (--no-default-features)"
 cargo clippy --no-default-features "${FEATURES[@]}" --all-targets -- -D warnings
 
@@ -59,6 +63,16 @@ import json, sys
 t = {t["name"]: t for p in json.load(sys.stdin)["packages"] for t in p["targets"]}
 need = t["pdxfer-fault-peer"].get("required-features") or []
 sys.exit(0 if "testing" in need else "pdxfer-fault-peer must require the testing feature")'
+
+step "product libpdxfer.so holds no test fakes or knobs"
+# Built without the testing feature, the library has no software NIC fabric
+# (transport::rdma::fake) and no TestKnobs; the names of both would show in its
+# symbols and debug info. (cargo test below rebuilds it with the feature.)
+cargo build --lib
+if strings target/debug/libpdxfer.so | grep -E -m 5 'FakeNic|TestKnobs|4rdma4fake|rdma/fake\.rs'; then
+  echo "the product libpdxfer.so holds test-only code (lines above)" >&2
+  exit 1
+fi
 
 step "cargo test"
 cargo test "${FEATURES[@]}" --all-targets 2>&1 | tee target/cargo-test.log
