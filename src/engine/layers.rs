@@ -16,7 +16,7 @@ use super::flight::Flight;
 use super::handle::{lock, Inner};
 use super::prefill::DecodeLink;
 use super::room::KvPoll;
-use super::staging::STAGING_SLOTS;
+use super::staging::{gather_into_slot, pool_slices, staging_slots};
 use crate::error::{Error, Result, Status};
 use crate::layout::{PackLayout, PairRequest, Run};
 use crate::transport::{BatchOptions, WriteOp};
@@ -363,11 +363,7 @@ pub(super) fn write_group(
         return Ok(0);
     }
     let staging = inner.staging.get(idx);
-    let (slots, slot_bytes) = staging.map_or((1, 0), |(b, _)| {
-        let len = b.len() as u64;
-        let n = (len / token_bytes.max(1)).clamp(1, STAGING_SLOTS);
-        (n as usize, len / n)
-    });
+    let (slots, slot_bytes) = staging_slots(staging, token_bytes);
     let cap = slot_bytes / token_bytes.max(1);
     let (Some((buf, desc)), true) = (
         staging,
@@ -377,28 +373,22 @@ pub(super) fn write_group(
         flight.submit(link, &ops, None)?;
         return Ok(plan.tokens * token_bytes);
     };
-    // SAFETY: pool memory is valid for the engine's life (Engine::new contract); read-only here.
-    let pools: Vec<&[u8]> = inner.pool_regions[layers.clone()]
-        .iter()
-        .map(|r| unsafe { std::slice::from_raw_parts(r.addr as *const u8, r.len as usize) })
-        .collect();
+    let pools = pool_slices(inner, layers.clone());
     let mut lo = 0;
     while lo < plan.tokens {
         let hi = (lo + cap).min(plan.tokens);
         let pack = PackLayout::new(hi - lo, rb)?;
         let spans = clip(&plan.gather, lo, hi, false);
-        let slot = flight.next_slot(slots)?;
-        let offset = slot as u64 * slot_bytes;
-        // SAFETY: this worker is the only user of its staging buffer, and every
-        // batch reading this slot completed (next_slot); the slot's
-        // `slot_bytes` hold the pack (`cap` tokens of the group) and lie in the buffer.
-        let out = unsafe {
-            std::slice::from_raw_parts_mut(
-                buf.as_ptr().add(offset as usize) as *mut u8,
-                pack.total_bytes as usize,
-            )
-        };
-        crate::relayout::cpu::gather(&pools, rb, &spans, &pack, out)?;
+        // the pack holds `cap` tokens of the group at most: one slot
+        let (slot, offset) = gather_into_slot(
+            inner,
+            flight,
+            (buf, slots, slot_bytes),
+            &pools,
+            rb,
+            &spans,
+            &pack,
+        )?;
         let ops = packed_ops(
             plan,
             (lo, hi),

@@ -8,6 +8,7 @@ use super::prefill::DecodeLink;
 use crate::error::Result;
 use crate::layout::plan::RunMerger;
 use crate::layout::{slice_requests, PackLayout, PairRequest, Run};
+use crate::memory::RegionDesc;
 use crate::transport::WriteOp;
 use std::sync::Arc;
 
@@ -15,6 +16,58 @@ use std::sync::Arc;
 /// would not hold one token): two halves, one gathered into while the other
 /// is on the wire (four measured no faster on the demo).
 pub(super) const STAGING_SLOTS: u64 = 2;
+
+/// A worker's host staging cut into slots for rows of `token_bytes` a token:
+/// `(slots, bytes per slot)`; `(1, 0)` without staging.
+pub(super) fn staging_slots(
+    staging: Option<&(Vec<u8>, RegionDesc)>,
+    token_bytes: u64,
+) -> (usize, u64) {
+    staging.map_or((1, 0), |(b, _)| {
+        let len = b.len() as u64;
+        let n = (len / token_bytes.max(1)).clamp(1, STAGING_SLOTS);
+        (n as usize, len / n)
+    })
+}
+
+/// The KV pools of `entries` as byte slices, for the CPU gather.
+pub(super) fn pool_slices(inner: &Inner, entries: std::ops::Range<usize>) -> Vec<&[u8]> {
+    inner.pool_regions[entries]
+        .iter()
+        // SAFETY: pool memory is valid for the engine's life (Engine::new contract); read-only here.
+        .map(|r| unsafe { std::slice::from_raw_parts(r.addr as *const u8, r.len as usize) })
+        .collect()
+}
+
+/// Gathers `spans` of `pools` into the next free slot of the worker's host
+/// staging `buf` (every batch still reading that slot completed first) and
+/// counts the gather time; returns the slot and its byte offset in `buf`.
+/// `buf` is cut into `slots` of `slot_bytes`; `pack` must fit one.
+pub(super) fn gather_into_slot(
+    inner: &Inner,
+    flight: &mut Flight<'_>,
+    (buf, slots, slot_bytes): (&[u8], usize, u64),
+    pools: &[&[u8]],
+    row_bytes: &[u64],
+    spans: &[Run],
+    pack: &PackLayout,
+) -> Result<(usize, u64)> {
+    let slot = flight.next_slot(slots)?;
+    let offset = slot as u64 * slot_bytes;
+    // SAFETY: this worker is the only user of its staging buffer, and every
+    // batch reading this slot completed (next_slot); the slot's `slot_bytes`
+    // hold the pack (the caller's contract) and lie in the buffer.
+    let out = unsafe {
+        std::slice::from_raw_parts_mut(
+            buf.as_ptr().add(offset as usize) as *mut u8,
+            pack.total_bytes as usize,
+        )
+    };
+    let t0 = std::time::Instant::now();
+    crate::relayout::cpu::gather(pools, row_bytes, spans, pack, out)?;
+    inner.metrics.gathered(t0);
+    Ok((slot, offset))
+}
 
 /// Submits one pair's tokens of a chunk into `flight`: packed through the
 /// worker's host staging buffer when that makes fewer writes, else straight
@@ -48,11 +101,7 @@ pub(super) fn write_pair(
     mu.finish(&mut |_| unpacked += 1);
     mp.finish(&mut |_| packed += 1);
     let staging = inner.staging.get(idx);
-    let (slots, slot_bytes) = staging.map_or((1, 0), |(b, _)| {
-        let len = b.len() as u64;
-        let n = (len / token_bytes.max(1)).clamp(1, STAGING_SLOTS);
-        (n as usize, len / n)
-    });
+    let (slots, slot_bytes) = staging_slots(staging, token_bytes);
     let cap_tokens = slot_bytes / token_bytes.max(1);
     if staging.is_none() || packed * 2 > unpacked || cap_tokens == 0 {
         let mut ops = Vec::new();
@@ -71,12 +120,7 @@ pub(super) fn write_pair(
         return Ok(tokens * token_bytes);
     }
     let (buf, desc) = staging.expect("checked above");
-    // SAFETY: pool memory is valid for the engine's life (Engine::new contract); read-only here.
-    let pools: Vec<&[u8]> = inner
-        .pool_regions
-        .iter()
-        .map(|r| unsafe { std::slice::from_raw_parts(r.addr as *const u8, r.len as usize) })
-        .collect();
+    let pools = pool_slices(inner, 0..inner.pool_regions.len());
     for sub in slice_requests(req, cap_tokens)? {
         let n = sub.token_count();
         let pack = PackLayout::new(n, row_bytes)?;
@@ -88,20 +132,16 @@ pub(super) fn write_pair(
             next += seg.len;
         })?;
         m.finish(&mut |r: Run| spans.push(r));
-        let slot = flight.next_slot(slots)?;
-        let offset = slot as u64 * slot_bytes;
-        // SAFETY: this worker is the only user of its staging buffer, and every
-        // batch reading this slot completed (next_slot); the slot's
-        // `slot_bytes` hold the pack (`cap_tokens` tokens at most) and lie in the buffer.
-        let out = unsafe {
-            std::slice::from_raw_parts_mut(
-                buf.as_ptr().add(offset as usize) as *mut u8,
-                pack.total_bytes as usize,
-            )
-        };
-        let t0 = std::time::Instant::now();
-        crate::relayout::cpu::gather(&pools, row_bytes, &spans, &pack, out)?;
-        inner.metrics.gathered(t0);
+        // the pack holds `cap_tokens` tokens at most: one slot
+        let (slot, offset) = gather_into_slot(
+            inner,
+            flight,
+            (buf, slots, slot_bytes),
+            &pools,
+            row_bytes,
+            &spans,
+            &pack,
+        )?;
         let ops = staged_ops(
             &sub,
             row_bytes,
