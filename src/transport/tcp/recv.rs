@@ -819,7 +819,8 @@ mod tests {
 
     #[test]
     fn a_bad_piece_fails_its_batch_and_nothing_after_it_lands_later_batches_do() {
-        for buffer in [300, 1 << 16] {
+        // one read brings it all, or reads of a few pieces each
+        for (buffer, max) in [(1 << 16, usize::MAX), (300, 97)] {
             let reg = Registry::new();
             let mut mem = vec![0u8; 8192];
             let r = host(&reg, &mut mem);
@@ -839,7 +840,7 @@ mod tests {
             ]
             .concat();
             let mut book = Book::default();
-            let (e, _rx) = run(&reg, Script::new(data, 97), buffer, &mut book);
+            let (e, _rx) = run(&reg, Script::new(data, max), buffer, &mut book);
             assert_eq!(e.status(), Status::PeerUnreachable, "{e}");
             for p in ok1.iter().chain(&next) {
                 let at = p.offset as usize;
@@ -881,5 +882,37 @@ mod tests {
         assert_eq!(reg.inflight(r).unwrap(), 0);
         // the piece before it was counted
         assert_eq!(book.t.batches[&1].received, 10);
+    }
+
+    #[test]
+    fn buffered_pieces_to_a_device_region_land_through_its_writer() {
+        use crate::transport::testing::HostAsDevice;
+        let reg = Registry::new();
+        let mut mem = vec![0u8; 64 << 10];
+        let w = HostAsDevice::new(&mut mem, None);
+        // SAFETY: the writer accepts exactly the buffer's addresses.
+        let d = unsafe { reg.register_device_unchecked_with(w.base, 64 << 10, 0, Some(w.clone())) }
+            .unwrap()
+            .id;
+        let mut host_mem = vec![0u8; 4096];
+        let h = host(&reg, &mut host_mem);
+        let mut pieces: Vec<Piece> = (0..30).map(|i| piece(1, d, i * 64, 50, i as u8)).collect();
+        pieces.push(piece(1, h, 0, 70, 3));
+        pieces.push(piece(1, d, 8192, 40 << 10, 77));
+        pieces.push(piece(2, d, 4096, 33, 5));
+        let mut book = Book::default();
+        let (e, _rx) = run(&reg, Script::new(frames(&pieces), 1000), 512, &mut book);
+        assert_eq!(e.status(), Status::PeerUnreachable, "{e}");
+        for p in &pieces {
+            let m = if p.region == d { &mem } else { &host_mem };
+            let at = p.offset as usize;
+            assert_eq!(&m[at..at + p.data.len()], &p.data[..]);
+        }
+        let b1 = &book.t.batches[&1];
+        assert_eq!(b1.received, 30 * 50 + 70 + (40 << 10));
+        assert_eq!(b1.sum, sum_of(pieces.iter().filter(|p| p.batch == 1)));
+        assert_eq!(book.t.batches[&2].received, 33);
+        assert!(w.writes.load(std::sync::atomic::Ordering::SeqCst) >= 32);
+        assert_eq!(reg.inflight(d).unwrap() + reg.inflight(h).unwrap(), 0);
     }
 }
