@@ -345,7 +345,10 @@ pub(super) enum Dest {
 /// A stream's validation of piece destinations against the registry. The
 /// region of the last piece stays pinned (one registry lock per run of
 /// pieces to it rather than per piece) until [`release`](Self::release),
-/// which the stream calls before it waits on its socket.
+/// which the stream calls before it waits on its socket. Unregistering a
+/// region waits for that pin as for any piece in flight; the pieces already
+/// buffered to it may still land meanwhile, and from the stream's next wait
+/// on, its pieces to the region are refused.
 pub(super) struct Destinations<'r> {
     reg: &'r Registry,
     held: Option<Held>,
