@@ -918,4 +918,39 @@ mod tests {
         assert!(w.writes.load(std::sync::atomic::Ordering::SeqCst) >= 32);
         assert_eq!(reg.inflight(d).unwrap() + reg.inflight(h).unwrap(), 0);
     }
+
+    #[test]
+    fn pieces_of_a_batch_failed_or_finished_elsewhere_are_drained_from_the_next_merge_on() {
+        let reg = Registry::new();
+        let mut mem = vec![0u8; 8192];
+        let r = host(&reg, &mut mem);
+        let mut book = Book::default();
+        // batch 5 failed on another stream; batch 6 already finished
+        book.t.batches.entry(5).or_default().failed =
+            Some(Error::new(Status::OutOfBounds, "on another stream"));
+        book.t.finished.insert(6);
+        let b5: Vec<Piece> = (0..4).map(|i| piece(5, r, i * 100, 60, i as u8)).collect();
+        let b6: Vec<Piece> = (0..4)
+            .map(|i| piece(6, r, 1000 + i * 100, 60, 10 + i as u8))
+            .collect();
+        let b7: Vec<Piece> = (0..4)
+            .map(|i| piece(7, r, 2000 + i * 100, 60, 20 + i as u8))
+            .collect();
+        let data = [frames(&b5), frames(&b6), frames(&b7)].concat();
+        // a read per piece or so: the stream merges before each wait
+        let (e, _rx) = run(&reg, Script::new(data, 100), 128, &mut book);
+        assert_eq!(e.status(), Status::PeerUnreachable, "{e}");
+        // the first piece of each landed before the stream learnt of it
+        assert_eq!(&mem[..60], &b5[0].data[..]);
+        assert_eq!(&mem[1000..1060], &b6[0].data[..]);
+        assert!(mem[100..400].iter().all(|&b| b == 0), "batch 5 written");
+        assert!(mem[1100..1400].iter().all(|&b| b == 0), "batch 6 written");
+        for p in &b7 {
+            let at = p.offset as usize;
+            assert_eq!(&mem[at..at + 60], &p.data[..]);
+        }
+        assert_eq!(book.t.batches[&5].received, 60);
+        assert!(!book.t.batches.contains_key(&6), "a finished batch counted");
+        assert_eq!(book.t.batches[&7].received, 4 * 60);
+    }
 }
