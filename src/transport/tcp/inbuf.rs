@@ -80,7 +80,8 @@ impl<S: Source> InBuf<S> {
         if self.end - self.start >= n {
             return Ok(());
         }
-        if self.buf.len() - self.start < n {
+        if self.start > 0 {
+            // fewer than `n` bytes move: the read gets the whole buffer
             self.buf.copy_within(self.start..self.end, 0);
             self.end -= self.start;
             self.start = 0;
