@@ -728,6 +728,28 @@ mod shared_tests {
             Status::InvalidArgument
         );
     }
+
+    #[test]
+    fn registering_inside_a_shared_pool_publishes_its_memfd_and_keeps_it_mapped() {
+        let r = Registry::new();
+        let base = crate::memory::shared::alloc_pool(4 << 12).unwrap();
+        // SAFETY: the second page of the live allocation.
+        let d = unsafe { r.register_host((base + 4096 + 8) as *mut u8, 4096) }.unwrap();
+        assert!(d.keys.contains_key(MEMFD_KEY), "{d:?}");
+        assert_eq!(d.keys.get(MEMFD_OFFSET_KEY), Some(&(4096 + 8)));
+        assert_eq!(r.get(d.id).unwrap(), d);
+        // heap memory is registered as before: no memfd
+        let mut heap = vec![0u8; 64];
+        // SAFETY: heap outlives the registration (unregistered below).
+        let h = unsafe { r.register_host(heap.as_mut_ptr(), heap.len()) }.unwrap();
+        assert!(h.keys.is_empty());
+        // freed by its owner while registered: still mapped until unregistered
+        crate::memory::shared::free_pool(base).unwrap();
+        // SAFETY: the registry holds the mapping of the registered range.
+        unsafe { *((base + 4096 + 8) as *mut u8) = 3 };
+        r.unregister(d.id, Duration::from_secs(1)).unwrap();
+        r.unregister(h.id, Duration::from_secs(1)).unwrap();
+    }
 }
 
 /// Runs only where a CUDA device is usable (skips with a printed reason elsewhere).
