@@ -69,7 +69,9 @@ pub(super) fn gather_into_slot(
     Ok((slot, offset))
 }
 
-/// Submits one pair's tokens of a chunk into `flight`: packed through the
+/// Submits one pair's tokens of a chunk into `flight`: gathered straight
+/// into the decode rank's pools where they are mapped here (the one-copy
+/// path, [`super::direct`]), else packed through the
 /// worker's host staging buffer when that makes fewer writes, else straight
 /// from the pool. The staging is used as [`STAGING_SLOTS`] slots: each slice
 /// is gathered into the next slot, waited free first, while the batches of
@@ -86,6 +88,11 @@ pub(super) fn write_pair(
     let tokens = req.token_count();
     if tokens == 0 {
         return Ok(0);
+    }
+    if let Some(n) =
+        super::direct::write_pair_direct(inner, req, row_bytes, dst_regions, link, flight)?
+    {
+        return Ok(n);
     }
     let token_bytes: u64 = row_bytes.iter().sum();
     // one walk counts the writes both ways: unpacked runs (pool rows) and
