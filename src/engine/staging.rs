@@ -17,6 +17,17 @@ use std::sync::Arc;
 /// is on the wire (four measured no faster on the demo).
 pub(super) const STAGING_SLOTS: u64 = 2;
 
+/// `len` zeroed bytes for a worker's host staging, every page written once,
+/// so the first request's gathers take no page faults.
+pub(super) fn faulted_in(len: usize) -> Vec<u8> {
+    let mut buf = vec![0u8; len];
+    for i in (0..len).step_by(4096) {
+        // SAFETY: i < len; a volatile write of the zero already there only faults the page in.
+        unsafe { std::ptr::write_volatile(buf.as_mut_ptr().add(i), 0) };
+    }
+    buf
+}
+
 /// A worker's host staging cut into slots for rows of `token_bytes` a token:
 /// `(slots, bytes per slot)`; `(1, 0)` without staging.
 pub(super) fn staging_slots(
