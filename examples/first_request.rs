@@ -30,6 +30,7 @@ struct Args {
     row: u64,
     dcp: u32,
     page: u64,
+    settle_ms: u64,
 }
 
 fn args() -> Args {
@@ -42,6 +43,7 @@ fn args() -> Args {
         row: 1152,
         dcp: 4,
         page: 64,
+        settle_ms: 500,
     };
     let mut it = std::env::args().skip(1);
     while let Some(k) = it.next() {
@@ -59,6 +61,7 @@ fn args() -> Args {
             "--row" => a.row = num(),
             "--dcp" => a.dcp = num() as u32,
             "--page" => a.page = num(),
+            "--settle-ms" => a.settle_ms = num(),
             other => panic!("unknown argument {other}"),
         }
     }
@@ -126,6 +129,8 @@ fn main() -> pdxfer::Result<()> {
         if a.shared { "shared" } else { "heap" },
         if a.one_copy { "" } else { ", one copy off" }
     );
+    // the engines' start-up threads (bootstrap leases, connections) settle first
+    std::thread::sleep(Duration::from_millis(a.settle_ms));
     let mut ms = Vec::new();
     for room in 1..=a.requests {
         let side = Side {
@@ -143,12 +148,14 @@ fn main() -> pdxfer::Result<()> {
         while prefill.poll(room) == KvPoll::Bootstrapping {
             std::thread::sleep(Duration::from_micros(200));
         }
+        let gather0 = prefill.metrics_snapshot().gather_seconds;
         let faults0 = minor_faults();
         let t0 = Instant::now();
         prefill.send(room, &src, a.tokens, true, 1)?;
         let st = prefill.wait(room, Duration::from_secs(60));
         let took = t0.elapsed().as_secs_f64() * 1e3;
         let faults = minor_faults() - faults0;
+        let gather = (prefill.metrics_snapshot().gather_seconds - gather0) * 1e3;
         if st != KvPoll::Success {
             return Err(prefill
                 .failure(room)
@@ -167,7 +174,7 @@ fn main() -> pdxfer::Result<()> {
         }
         prefill.clear(room)?;
         println!(
-            "request {room}: {took:8.1} ms  {:6.2} GB/s  {faults:7} page faults",
+            "request {room}: {took:8.1} ms  {:6.2} GB/s  {faults:7} page faults  gathers {gather:6.1} ms (all workers)",
             bytes as f64 / took / 1e6
         );
         ms.push(took);
