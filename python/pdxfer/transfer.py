@@ -31,7 +31,7 @@ __all__ = [
     "TRANSPORT_NAMES",
 ]
 
-TRANSPORTS = {"auto": 0, "local": 1, "cma": 2, "tcp": 3, "rdma": 4}
+TRANSPORTS = {"auto": 0, "local": 1, "cma": 2, "tcp": 3, "rdma": 4, "nccl": 5}
 TRANSPORT_NAMES = {v: k for k, v in TRANSPORTS.items()}
 _BATCH_CHECKSUM = 1
 _IN_PROGRESS = 1
