@@ -73,6 +73,8 @@ pub(super) struct Inner {
     // decode
     pub(super) decode_rooms: Mutex<HashMap<u64, DecodeRoom>>,
     pub(super) prefill_links: Mutex<HashMap<(InstanceId, u64), Arc<PrefillLink>>>,
+    /// Transport nccl: communicators, the decode's NCCL threads, answers.
+    pub(super) nccl: super::nccl_link::NcclLinks,
 }
 
 /// One rank's transfer engine.
@@ -272,13 +274,16 @@ impl Engine {
     pub fn is_fenced(&self, room: u64) -> bool {
         if self.inner.cfg.role == Role::Decode {
             let d = lock(&self.inner.decode_rooms);
-            return d.get(&room).is_none_or(|r| {
+            let acked = d.get(&room).is_none_or(|r| {
                 r.abort_acks
                     >= r.targets
                         .iter()
                         .filter(|t| t.alive.load(Ordering::Acquire))
                         .count()
             });
+            drop(d);
+            // transport nccl: this side's own recvs for the room stopped too
+            return acked && self.inner.nccl.idle(room);
         }
         lock(&self.inner.rooms).is_fenced(room)
     }
@@ -308,6 +313,8 @@ impl Engine {
         for (_, l) in lock(&self.inner.prefill_links).drain() {
             l.writer.shutdown();
         }
+        // NCCL waits abort, the decode's NCCL threads are joined
+        self.inner.nccl.close();
         self.inner.agent.shutdown();
     }
 }

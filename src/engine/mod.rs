@@ -15,6 +15,8 @@
 //! - `staging`: the host staging path (CPU gather into a registered buffer).
 //! - `device`: KV pools in CUDA device memory (GPU staging, the device writer).
 //! - `deadline`: the deadline thread.
+//! - `nccl_link`: transport nccl (device pools on both sides, one NCCL
+//!   communicator per link, set up over the control channel).
 //! - `metrics`: the engine's counters and their Prometheus text;
 //!   `metrics_http`: the optional `/metrics` responder.
 //! - `telemetry`: per-room times and counts.
@@ -36,6 +38,7 @@ mod jobs;
 mod layers;
 mod metrics;
 mod metrics_http;
+mod nccl_link;
 mod prefill;
 pub mod room;
 mod setup;

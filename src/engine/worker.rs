@@ -14,7 +14,7 @@ use super::staging::write_pair;
 use super::telemetry::RoomTimes;
 use crate::error::{Error, Result, Status};
 use crate::layout::{DcpLayout, PairRequest, Side};
-use crate::transport::{BatchOptions, WriteOp};
+use crate::transport::{BatchOptions, TransportKind, WriteOp};
 use std::ops::Range;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -216,6 +216,12 @@ fn send_chunk(
                 }
             };
             let l = &job.layers;
+            if inner.cfg.transport == TransportKind::Nccl {
+                return Err(Error::new(
+                    Status::Unsupported,
+                    "layer-wise sends over transport nccl are not supported: send whole chunks",
+                ));
+            }
             match stage.as_deref_mut() {
                 Some(st) => write_group_device(
                     inner,
@@ -241,6 +247,9 @@ fn send_chunk(
         } else {
             req.validate()?;
             match stage.as_deref_mut() {
+                Some(_) if inner.cfg.transport == TransportKind::Nccl => {
+                    super::nccl_link::send_pair(inner, job, &req, &row_bytes, &m.link)?
+                }
                 Some(st) => {
                     write_pair_device(inner, st, &req, &row_bytes, &dst_regions, &m.link, &opts)?
                 }
