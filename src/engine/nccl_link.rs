@@ -45,7 +45,7 @@ use crate::bootstrap::schema::InstanceId;
 use crate::error::{Error, Result, Status};
 use crate::transport::TransportKind;
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Condvar, Mutex};
 use std::time::{Duration, Instant};
 
@@ -578,6 +578,9 @@ mod imp {
     /// Decode: the NCCL thread of one prefill link.
     pub(in crate::engine) struct ReceiverThread {
         tx: mpsc::Sender<CtlMsg>,
+        /// The newest generation the prefill opened (ahead of the thread
+        /// while an `nccl_open` waits in the queue).
+        opened: Arc<AtomicU64>,
         handle: std::thread::JoinHandle<()>,
     }
 
@@ -603,24 +606,34 @@ mod imp {
             return;
         }
         let key: LinkKey = (link.registration.instance_id, link.registration.epoch);
+        let newer = match &m {
+            CtlMsg::NcclOpen { generation, .. } => *generation,
+            _ => 0,
+        };
         let mut r = lock(&inner.nccl.receivers);
         r.retain(|_, t| !t.handle.is_finished());
         let m = match r.get(&key) {
-            Some(t) => match t.tx.send(m) {
-                Ok(()) => return,
-                Err(mpsc::SendError(m)) => m,
-            },
+            Some(t) => {
+                // a recv of an older communicator still waiting is aborted:
+                // the prefill gave up on it
+                t.opened.fetch_max(newer, Ordering::AcqRel);
+                match t.tx.send(m) {
+                    Ok(()) => return,
+                    Err(mpsc::SendError(m)) => m,
+                }
+            }
             None => m,
         };
         let (tx, rx) = mpsc::channel();
         let _ = tx.send(m);
-        let (w, l) = (Arc::downgrade(inner), link.clone());
+        let opened = Arc::new(AtomicU64::new(newer));
+        let (w, l, o) = (Arc::downgrade(inner), link.clone(), opened.clone());
         match std::thread::Builder::new()
             .name("pdxfer-nccl-d".into())
-            .spawn(move || receiver_loop(w, l, rx))
+            .spawn(move || receiver_loop(w, l, rx, o))
         {
             Ok(handle) => {
-                r.insert(key, ReceiverThread { tx, handle });
+                r.insert(key, ReceiverThread { tx, opened, handle });
             }
             Err(e) => log::warn!(
                 "engine: cannot start the NCCL thread for prefill {}: {e}",
@@ -637,9 +650,16 @@ mod imp {
         open_error: Option<Error>,
         staging: Option<DeviceBuffer>,
         gpu: Result<GpuRelayout>,
+        /// See [`ReceiverThread::opened`].
+        opened: Arc<AtomicU64>,
     }
 
-    fn receiver_loop(w: Weak<Inner>, link: Arc<PrefillLink>, rx: mpsc::Receiver<CtlMsg>) {
+    fn receiver_loop(
+        w: Weak<Inner>,
+        link: Arc<PrefillLink>,
+        rx: mpsc::Receiver<CtlMsg>,
+        opened: Arc<AtomicU64>,
+    ) {
         let ordinal = w.upgrade().and_then(|i| i.cfg.pool_device).unwrap_or(0);
         let mut st = Receiver {
             pair: None,
@@ -647,6 +667,7 @@ mod imp {
             open_error: None,
             staging: None,
             gpu: GpuRelayout::new(ordinal as usize),
+            opened,
         };
         let peer = format!("prefill {}", link.registration.describe());
         loop {
@@ -938,6 +959,7 @@ mod imp {
             pair,
             staging: slot,
             gpu,
+            opened,
             ..
         } = st;
         let gpu = gpu.as_mut().map_err(|e| e.clone())?;
@@ -952,7 +974,9 @@ mod imp {
         let bases: Vec<u64> = inner.pool_regions.iter().map(|r| r.addr).collect();
         let abort = pair.abort_handle();
         let mut watch = || {
-            if room_live(inner, c.room, c.attempt).is_err() {
+            if room_live(inner, c.room, c.attempt).is_err()
+                || opened.load(Ordering::Acquire) > c.generation
+            {
                 abort.abort();
             }
             link.alive.load(Ordering::Acquire)
