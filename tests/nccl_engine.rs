@@ -35,6 +35,12 @@ const PAGE: u64 = 16;
 const PAGES: u64 = 48;
 const DPAGES: u64 = 24;
 
+/// Builds both fakes once per test process (the tests run in parallel threads).
+fn build_fakes() -> PathBuf {
+    static BUILT: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    BUILT.get_or_init(compile_fakes).clone()
+}
+
 fn compile_fakes() -> PathBuf {
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
     let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("fake-nccl-engine");
@@ -86,7 +92,7 @@ fn child(fakes: &std::path::Path, name: &str, case: &str) -> Command {
 
 #[test]
 fn engines_over_nccl_on_the_fakes() {
-    let fakes = compile_fakes();
+    let fakes = build_fakes();
     let cases = ["dcp2", "dcp4", "faults", "mismatch", "killed"];
     let kids: Vec<_> = cases
         .iter()
@@ -106,6 +112,76 @@ fn engines_over_nccl_on_the_fakes() {
         );
         let done = format!("nccl engine child {case}: all checks passed");
         assert!(text.contains(&done), "child {case} did not run:\n{text}");
+    }
+}
+
+/// `pdxfer bench --transport nccl`: on the fakes (one "GPU", named twice)
+/// every point verifies its last room; with one GPU and no `--nccl-gpus`
+/// it is `unsupported` saying why; without NCCL `no_nccl` with the paths.
+#[test]
+fn bench_over_nccl_on_the_fakes() {
+    let fakes = build_fakes();
+    let bench = |args: &[&str], nccl: &std::path::Path| {
+        Command::new(env!("CARGO_BIN_EXE_pdxfer"))
+            .args(["bench", "--transport", "nccl"])
+            .args(args)
+            .env("LD_LIBRARY_PATH", &fakes)
+            .env("PDXFER_KERNEL_MODULE", fakes.join("module.ptx"))
+            .env("PDXFER_NCCL", nccl)
+            .env("PDXFER_FAKE_NCCL_DIR", &fakes)
+            .env_remove("PYTHONPATH")
+            .env_remove("VIRTUAL_ENV")
+            .env_remove("CONDA_PREFIX")
+            .output()
+            .unwrap()
+    };
+    let lib = fakes.join("libnccl.so.2");
+    let out = bench(
+        &[
+            "--nccl-gpus",
+            "0,0",
+            "--block-sizes",
+            "64K,1M",
+            "--iters",
+            "3",
+            "--json",
+        ],
+        &lib,
+    );
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "{text}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_str(text.lines().last().unwrap()).unwrap();
+    let points = v["points"].as_array().unwrap();
+    assert_eq!(points.len(), 2, "{v}");
+    for p in points {
+        assert_eq!(p["verified"], true, "{v}");
+        assert!(p["gb_per_s"].as_f64().unwrap() > 0.0, "{v}");
+    }
+    let out = bench(&[], &lib);
+    let err = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(!out.status.success());
+    assert!(
+        err.contains("unsupported") && err.contains("one GPU per rank"),
+        "{err}"
+    );
+    let out = bench(
+        &[],
+        std::path::Path::new("/nonexistent/pdxfer/libnccl.so.2"),
+    );
+    let err = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(!out.status.success());
+    if !err.contains("no_nccl") {
+        // a system NCCL answered after the missing file: then no driver or one GPU
+        assert!(
+            err.contains("unsupported") || err.contains("no_cuda_driver"),
+            "{err}"
+        );
+    } else {
+        assert!(err.contains("/nonexistent/pdxfer/libnccl.so.2"), "{err}");
     }
 }
 
