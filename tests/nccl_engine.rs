@@ -533,6 +533,10 @@ fn faults(g: &GpuRelayout, cluster: &str, url: &str) {
             "never posts, decode",
         );
     }
+    // the other pair of the chunk was on the wire at the same time and
+    // delivered: decode 1 holds every byte of its share
+    let got = verify(&mut decodes[1], 10, 2, 1, &dst, 0, total);
+    assert!(got > 32, "decode 1 checked only {got} B of room 10");
     let (aborts, _, _) = fake_nccl_counts();
     assert!(aborts >= 1, "the spent communicator was not aborted");
     println!("faults: a decode that never posts fails at the deadline: {e}");

@@ -45,7 +45,7 @@ use crate::bootstrap::schema::InstanceId;
 use crate::error::{Error, Result, Status};
 use crate::transport::TransportKind;
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Condvar, Mutex};
 use std::time::{Duration, Instant};
 
@@ -207,6 +207,11 @@ impl NcclLinks {
         }
     }
 
+    /// Prefill: takes one answer if it arrived.
+    fn take_answer(&self, key: &AnswerKey) -> Option<Answer> {
+        lock(&self.answers).remove(key)
+    }
+
     /// Forgets every answer of a room's attempt (its chunk ended).
     fn forget(&self, link: LinkKey, room: u64, attempt: u64) {
         lock(&self.answers)
@@ -302,17 +307,30 @@ fn plan_options(cfg: &EngineConfig) -> crate::transport::nccl::NcclPlanOptions {
 }
 
 #[cfg(feature = "nccl")]
-pub(super) use imp::{on_prefill_message, send_pair};
+pub(super) use imp::{finish_all, on_prefill_message, start_pair};
 
 /// Without the `nccl` feature an nccl engine is refused at creation.
 #[cfg(not(feature = "nccl"))]
-pub(super) fn send_pair(
+pub(super) enum NcclSend {}
+
+/// Without the `nccl` feature there is no pair to finish.
+#[cfg(not(feature = "nccl"))]
+pub(super) fn finish_all(pairs: Vec<NcclSend>) -> Result<()> {
+    match pairs.into_iter().next() {
+        None => Ok(()),
+        Some(p) => match p {},
+    }
+}
+
+/// Without the `nccl` feature an nccl engine is refused at creation.
+#[cfg(not(feature = "nccl"))]
+pub(super) fn start_pair(
     _inner: &Inner,
     _job: &super::worker::Job,
     _req: &crate::layout::PairRequest<'_>,
     _row_bytes: &[u64],
     _link: &std::sync::Arc<super::prefill::DecodeLink>,
-) -> Result<u64> {
+) -> Result<Option<NcclSend>> {
     Err(Error::new(
         Status::Unsupported,
         "built without the `nccl` feature",
@@ -342,6 +360,7 @@ mod imp {
     use crate::transport::nccl::{
         check_mirror, NcclAbort, NcclBuffer, NcclId, NcclPair, NcclPlan, NcclRole,
     };
+    use std::sync::atomic::AtomicU64;
     use std::sync::mpsc;
     use std::sync::{Arc, Weak};
 
@@ -383,74 +402,237 @@ mod imp {
         )
     }
 
-    /// Prefill: moves one pair's tokens of a chunk to decode `link` over
-    /// its communicator (made first when there is none); returns the bytes.
-    pub(in crate::engine) fn send_pair(
-        inner: &Inner,
+    /// One pair's chunk with its sends posted ([`start_pair`]); finished
+    /// with [`NcclSend::finish`], or aborted when dropped unfinished.
+    pub(in crate::engine) struct NcclSend<'a> {
+        inner: &'a Inner,
+        slot: Arc<Mutex<Sender>>,
+        link: Arc<DecodeLink>,
+        peer: String,
+        key: AnswerKey,
+        deadline: Instant,
+        done: bool,
+    }
+
+    /// The prefill end of `link`, made on first use; the ends of links that
+    /// are gone are dropped (their communicators with them).
+    fn sender_of(inner: &Inner, link: &DecodeLink, ordinal: u32) -> Result<Arc<Mutex<Sender>>> {
+        let key: LinkKey = (link.hello.instance_id, link.hello.epoch);
+        let live: Vec<LinkKey> = lock(&inner.decode_links)
+            .iter()
+            .map(|l| (l.hello.instance_id, l.hello.epoch))
+            .collect();
+        let mut m = lock(&inner.nccl.senders);
+        m.retain(|k, _| *k == key || live.contains(k));
+        if let Some(s) = m.get(&key) {
+            return Ok(s.clone());
+        }
+        let s = Arc::new(Mutex::new(Sender {
+            pair: None,
+            generation: 0,
+            staging: None,
+            gpu: GpuRelayout::new(ordinal as usize)?,
+        }));
+        m.insert(key, s.clone());
+        Ok(s)
+    }
+
+    /// The error of a pair, naming the room and the peer.
+    fn pair_error(room: u64, peer: &str, e: Error) -> Error {
+        Error::new(
+            e.status(),
+            format!("nccl room {room} to {peer}: {}", e.detail()),
+        )
+    }
+
+    /// Prefill: starts one pair's tokens of a chunk to decode `link` over its
+    /// communicator (made first when there is none): gathered, checked by the
+    /// decode (digest) and posted. `None` for a pair without tokens. The
+    /// pairs of a chunk are started one after another and then finished
+    /// together, so they are on the wire at the same time.
+    pub(in crate::engine) fn start_pair<'a>(
+        inner: &'a Inner,
         job: &Job,
         req: &PairRequest<'_>,
         row_bytes: &[u64],
         link: &Arc<DecodeLink>,
-    ) -> Result<u64> {
-        let tokens = req.token_count();
-        if tokens == 0 {
-            return Ok(0);
+    ) -> Result<Option<NcclSend<'a>>> {
+        if req.token_count() == 0 {
+            return Ok(None);
         }
         let ordinal = inner
             .cfg
             .pool_device
             .ok_or_else(|| Error::new(Status::Unsupported, "transport nccl needs device pools"))?;
-        let key: LinkKey = (link.hello.instance_id, link.hello.epoch);
-        let slot = {
-            let live: Vec<LinkKey> = lock(&inner.decode_links)
-                .iter()
-                .map(|l| (l.hello.instance_id, l.hello.epoch))
-                .collect();
-            let mut m = lock(&inner.nccl.senders);
-            // the ends of links that are gone go (their communicators with them)
-            m.retain(|k, _| *k == key || live.contains(k));
-            match m.get(&key) {
-                Some(s) => s.clone(),
-                None => {
-                    let s = Arc::new(Mutex::new(Sender {
-                        pair: None,
-                        generation: 0,
-                        staging: None,
-                        gpu: GpuRelayout::new(ordinal as usize)?,
-                    }));
-                    m.insert(key, s.clone());
-                    s
-                }
-            }
-        };
-        let mut s = lock(&slot);
+        let slot = sender_of(inner, link, ordinal)?;
         let peer = peer_of(link);
         let (room, attempt) = (job.room, job.attempt);
         let deadline = room_deadline(inner, room);
         lock(&inner.rooms).begin_write(room, attempt)?;
-        let r = send_locked(
-            inner, &mut s, job, req, row_bytes, link, &peer, deadline, ordinal,
-        );
-        lock(&inner.rooms).end_write(room, attempt);
-        inner.nccl.forget(key, room, attempt);
-        match r {
-            Ok(()) => Ok(tokens * row_bytes.iter().sum::<u64>()),
-            Err(e) => {
+        let mut pending = NcclSend {
+            inner,
+            slot,
+            link: link.clone(),
+            peer,
+            key: AnswerKey {
+                link: (link.hello.instance_id, link.hello.epoch),
+                room,
+                attempt,
+                generation: 0,
+                start: req.start,
+                landed: false,
+            },
+            deadline,
+            done: false,
+        };
+        let r = {
+            let mut s = lock(&pending.slot);
+            let r = post_locked(
+                inner,
+                &mut s,
+                job,
+                req,
+                row_bytes,
+                link,
+                &pending.peer,
+                deadline,
+                ordinal,
+            );
+            pending.key.generation = s.generation;
+            if let Err(e) = &r {
+                // a mismatch posted nothing on either side: the communicator
+                // stays; any other failure drops (aborts) it
                 if e.status() != Status::NcclPlanMismatch {
-                    // aborts the communicator when work is in flight; the next
-                    // chunk to this peer opens a new generation
                     s.pair = None;
                 }
-                Err(Error::new(
-                    e.status(),
-                    format!("nccl room {room} to {peer}: {}", e.detail()),
-                ))
+            }
+            r
+        };
+        match r {
+            Ok(()) => Ok(Some(pending)),
+            Err(e) => {
+                pending.close();
+                Err(pair_error(room, &pending.peer, e))
             }
         }
     }
 
+    impl NcclSend<'_> {
+        /// Ends the pair's room write and forgets its answers (once).
+        fn close(&mut self) {
+            if !self.done {
+                self.done = true;
+                lock(&self.inner.rooms).end_write(self.key.room, self.key.attempt);
+                self.inner
+                    .nccl
+                    .forget(self.key.link, self.key.room, self.key.attempt);
+            }
+        }
+
+        /// One look at the pair: `Ok(true)` once its sends completed and the
+        /// decode answered `nccl_ready` ok; an error (the communicator
+        /// aborted) when they failed, the decode refused, the peer is gone,
+        /// the room ended, the engine closes or the deadline passed.
+        fn step(&mut self) -> Result<bool> {
+            let (inner, link) = (self.inner, self.link.clone());
+            let (room, attempt) = (self.key.room, self.key.attempt);
+            let mut s = lock(&self.slot);
+            let r = (|| {
+                let pair = s.pair.as_mut().ok_or_else(|| {
+                    Error::new(Status::Nccl, "the communicator was dropped mid-chunk")
+                })?;
+                if pair.in_flight() && !pair.poll()? {
+                    // the sends still run
+                } else if let Some(a) = inner.nccl.take_answer(&AnswerKey {
+                    landed: true,
+                    ..self.key
+                }) {
+                    return if a.ok {
+                        Ok(true)
+                    } else {
+                        Err(refused(&self.peer, a))
+                    };
+                }
+                answer_live(inner, &link, room, attempt)?;
+                if Instant::now() >= self.deadline {
+                    return Err(Error::new(
+                        Status::Timeout,
+                        format!(
+                            "the chunk at {} did not land by the room's deadline ({})",
+                            self.key.start,
+                            if pair.in_flight() {
+                                "its sends did not complete"
+                            } else {
+                                "no nccl_ready from the decode"
+                            }
+                        ),
+                    ));
+                }
+                Ok(false)
+            })();
+            if r.is_err() {
+                // aborts a communicator with work in flight (its stream is
+                // waited); the next chunk to this peer opens a new generation
+                s.pair = None;
+            }
+            r
+        }
+    }
+
+    /// Finishes the pairs of a chunk together: each is done once its sends'
+    /// completion event ran and the decode answered `nccl_ready` (its recvs
+    /// and scatter ran); a failing pair aborts its own communicator and the
+    /// others go on. Returns the first failure, naming its peer.
+    pub(in crate::engine) fn finish_all(mut pairs: Vec<NcclSend<'_>>) -> Result<()> {
+        let mut failed = None;
+        let mut nap = Duration::from_micros(20);
+        while !pairs.is_empty() {
+            let mut i = 0;
+            while i < pairs.len() {
+                match pairs[i].step() {
+                    Ok(false) => i += 1,
+                    Ok(true) => {
+                        pairs.swap_remove(i).close();
+                    }
+                    Err(e) => {
+                        let mut p = pairs.swap_remove(i);
+                        p.close();
+                        failed.get_or_insert(pair_error(p.key.room, &p.peer, e));
+                    }
+                }
+            }
+            if !pairs.is_empty() {
+                std::thread::sleep(nap);
+                nap = (nap * 2).min(Duration::from_millis(2));
+            }
+        }
+        failed.map_or(Ok(()), Err)
+    }
+
+    impl Drop for NcclSend<'_> {
+        fn drop(&mut self) {
+            if !self.done {
+                // an unfinished pair (another pair of the chunk failed): abort
+                // its communicator, which waits for its stream
+                lock(&self.slot).pair = None;
+                self.close();
+            }
+        }
+    }
+
+    /// While the prefill waits for a decode's answer: the link and the room live.
+    fn answer_live(inner: &Inner, link: &DecodeLink, room: u64, attempt: u64) -> Result<()> {
+        if !link.alive.load(Ordering::Acquire) {
+            return Err(Error::new(
+                Status::PeerUnreachable,
+                "the control connection closed; the peer is gone",
+            ));
+        }
+        room_live(inner, room, attempt)
+    }
+
     #[allow(clippy::too_many_arguments)]
-    fn send_locked(
+    fn post_locked(
         inner: &Inner,
         s: &mut Sender,
         job: &Job,
@@ -463,7 +645,6 @@ mod imp {
     ) -> Result<()> {
         let (room, attempt) = (job.room, job.attempt);
         let key: LinkKey = (link.hello.instance_id, link.hello.epoch);
-        let abort = NcclAbort::new();
         // the peer's liveness; a room or engine that ended asks for the abort
         let watch = |abort: &NcclAbort| {
             let abort = abort.clone();
@@ -482,6 +663,7 @@ mod imp {
                 id: id.to_hex(),
             })?;
             let init_deadline = deadline.min(Instant::now() + inner.cfg.handshake_timeout);
+            let abort = NcclAbort::new();
             let pair = NcclPair::connect(
                 &id,
                 NcclRole::Sender,
@@ -541,37 +723,20 @@ mod imp {
             start: req.start,
             landed: false,
         };
-        let mut live = || {
-            if !link.alive.load(Ordering::Acquire) {
-                return Err(Error::new(
-                    Status::PeerUnreachable,
-                    "the control connection closed; the peer is gone",
-                ));
-            }
-            room_live(inner, room, attempt)
-        };
-        let accepted = inner.nccl.wait_answer(answer_key, deadline, &mut live)?;
+        let accepted = inner.nccl.wait_answer(answer_key, deadline, &mut || {
+            answer_live(inner, link, room, attempt)
+        })?;
         if !accepted.ok {
             return Err(refused(peer, accepted));
         }
         let pair = pair.as_mut().expect("connected above");
         let abort = pair.abort_handle();
         // SAFETY: the staging buffer holds the gathered pack until the pair's
-        // work completed or was aborted (the pair drops before the buffer);
-        // the decode posts the mirrored plan (digest checked: accepted).
+        // work completed or was aborted (the pair drops before the buffer,
+        // and the buffer is not regrown while the pair is in flight: the next
+        // chunk of this link starts after this one finished); the decode
+        // posts the mirrored plan (digest checked: accepted).
         unsafe { pair.post(&plan, buf.ptr(), &[], deadline, &mut watch(&abort)) }?;
-        pair.wait(deadline, &mut watch(&abort))?;
-        let ready = inner.nccl.wait_answer(
-            AnswerKey {
-                landed: true,
-                ..answer_key
-            },
-            deadline,
-            &mut live,
-        )?;
-        if !ready.ok {
-            return Err(refused(peer, ready));
-        }
         Ok(())
     }
 

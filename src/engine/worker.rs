@@ -162,6 +162,8 @@ fn send_chunk(
         None
     };
     let mut planned: Vec<PairPlan> = Vec::new();
+    // transport nccl: the chunk's pairs with their sends posted
+    let mut nccl = Vec::new();
     for (i, m) in infos.iter().enumerate() {
         if !m.link.alive.load(Ordering::Acquire) {
             return Err(Error::new(
@@ -248,7 +250,9 @@ fn send_chunk(
             req.validate()?;
             match stage.as_deref_mut() {
                 Some(_) if inner.cfg.transport == TransportKind::Nccl => {
-                    super::nccl_link::send_pair(inner, job, &req, &row_bytes, &m.link)?
+                    let p = super::nccl_link::start_pair(inner, job, &req, &row_bytes, &m.link)?;
+                    nccl.extend(p);
+                    req.token_count() * row_bytes.iter().sum::<u64>()
                 }
                 Some(st) => {
                     write_pair_device(inner, st, &req, &row_bytes, &dst_regions, &m.link, &opts)?
@@ -295,6 +299,8 @@ fn send_chunk(
             flight.submit(&m.link, &ops, None)?;
         }
     }
+    // every nccl pair of the chunk is on the wire: each completes (or aborts) here
+    super::nccl_link::finish_all(nccl)?;
     if job.layered {
         let done = job.layers.end == topo.entries.len();
         if let Some(r) = lock(&inner.prefill_rooms).get_mut(&job.room) {
