@@ -1169,3 +1169,34 @@ mod imp {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::bootstrap::schema::Role;
+    use crate::engine::synthetic::SyntheticPools;
+
+    /// Transport nccl moves device pools only: host pools are refused
+    /// before anything opens, saying what to use instead; other transports
+    /// pass this check untouched.
+    #[test]
+    fn nccl_engines_need_device_pools() {
+        let pools = SyntheticPools::new(2, 64, 16, 4, 1, 8).unwrap();
+        let mut cfg = EngineConfig::new(
+            Role::Decode,
+            "c",
+            "http://127.0.0.1:1",
+            pools.topology(1, 0),
+            pools.kv_pools(),
+        );
+        cfg.transport = TransportKind::Nccl;
+        let e = preflight(&cfg).unwrap_err();
+        assert_eq!(e.status(), Status::Unsupported, "{e}");
+        assert!(e.detail().contains("pool_device"), "{e}");
+        cfg.transport = TransportKind::Tcp;
+        preflight(&cfg).unwrap();
+        assert_eq!(cfg.data_transport(), TransportKind::Tcp);
+        cfg.transport = TransportKind::Nccl;
+        assert_eq!(cfg.data_transport(), TransportKind::Auto);
+    }
+}
