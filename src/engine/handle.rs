@@ -42,7 +42,9 @@ use std::time::{Duration, Instant};
 ///
 /// `rooms` (`cv` waits on it), `registrar`, `decode_links`, `decode_rooms`,
 /// `prefill_links` and the job queue are never held while another of these
-/// is taken, nor taken under one. No control socket is written under any of
+/// is taken, nor taken under one. The `nccl` state's locks are leaves too,
+/// except a link's NCCL sender (held by the one worker moving that link's
+/// chunk), under which `rooms`, `decode_links` and `nccl`'s answers are taken. No control socket is written under any of
 /// them except a control writer's own lock (`CtlWriter::send`, `shutdown`),
 /// which takes none: a stuck decode socket then stalls only the thread
 /// writing to it (`notify_decode` copies the room's links out of

@@ -381,6 +381,11 @@ mod imp {
         need: usize,
     ) -> Result<&'a DeviceBuffer> {
         if slot.as_ref().is_none_or(|b| b.len() < need) {
+            if slot.is_some() {
+                // work enqueued on this stream (a gather whose chunk was
+                // refused) may still use the old buffer: wait before freeing
+                gpu.record(false)?.wait()?;
+            }
             *slot = None;
             *slot = Some(gpu.alloc(need.max(1))?);
         }
@@ -403,7 +408,7 @@ mod imp {
     }
 
     /// One pair's chunk with its sends posted ([`start_pair`]); finished
-    /// with [`NcclSend::finish`], or aborted when dropped unfinished.
+    /// by [`finish_all`], or aborted when dropped unfinished.
     pub(in crate::engine) struct NcclSend<'a> {
         inner: &'a Inner,
         slot: Arc<Mutex<Sender>>,
