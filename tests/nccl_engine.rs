@@ -424,6 +424,7 @@ fn child_nccl_engine() {
                 .map(|r| decode_engine(&g, &cluster, &url, dcp, r, plan, vec![]))
                 .collect();
             let v = PAGE * dcp as u64;
+            let mut kv_sent = 0;
             for (room, total, prefix, chunk_pages) in
                 [(1u64, 300u64, 0u64, 4usize), (2, 517, v * 2, 100)]
             {
@@ -450,6 +451,7 @@ fn child_nccl_engine() {
                     d.engine.clear(room).unwrap();
                 }
                 assert_eq!(verified, n * token + dcp as u64 * 32, "{case} room {room}");
+                kv_sent += n * token;
                 // the bytes went over NCCL: one live communicator per link on
                 // each side (both ends live in this process), none aborted
                 assert_eq!(
@@ -462,6 +464,15 @@ fn child_nccl_engine() {
                     "{case}: room {room} DCP 1->{dcp} over nccl, every byte checked ({verified} B)"
                 );
             }
+            // the prefill counted the NCCL pairs' KV bytes per decode rank
+            let kv: u64 = p
+                .engine
+                .metrics_snapshot()
+                .peers
+                .iter()
+                .map(|x| x.bytes)
+                .sum();
+            assert!(kv >= kv_sent, "{case}: prefill counted {kv} B of {kv_sent}");
             p.engine.close();
             for d in &decodes {
                 d.engine.close();

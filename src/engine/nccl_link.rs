@@ -416,6 +416,9 @@ mod imp {
         peer: String,
         key: AnswerKey,
         deadline: Instant,
+        /// KV bytes of the pair's chunk, and when it started (the link's counters).
+        bytes: u64,
+        started: Instant,
         done: bool,
     }
 
@@ -488,6 +491,8 @@ mod imp {
                 landed: false,
             },
             deadline,
+            bytes: req.token_count() * row_bytes.iter().sum::<u64>(),
+            started: Instant::now(),
             done: false,
         };
         let r = {
@@ -597,10 +602,19 @@ mod imp {
                 match pairs[i].step() {
                     Ok(false) => i += 1,
                     Ok(true) => {
-                        pairs.swap_remove(i).close();
+                        let mut p = pairs.swap_remove(i);
+                        let c = &p.link.counters;
+                        c.bytes.fetch_add(p.bytes, Ordering::Relaxed);
+                        c.batches.fetch_add(1, Ordering::Relaxed);
+                        c.add_wire(p.started);
+                        p.close();
                     }
                     Err(e) => {
                         let mut p = pairs.swap_remove(i);
+                        p.link
+                            .counters
+                            .failed_batches
+                            .fetch_add(1, Ordering::Relaxed);
                         p.close();
                         failed.get_or_insert(pair_error(p.key.room, &p.peer, e));
                     }

@@ -329,7 +329,10 @@ fn stamp_queued(inner: &Inner, job: &Job) {
 fn stamp_planned(inner: &Inner, job: &Job, infos: &[MetaInfo]) {
     let mut kinds = infos.iter().map(|m| m.link.data().kind().name());
     let first = kinds.next().unwrap_or("unknown");
-    let transport = if kinds.all(|k| k == first) {
+    // transport nccl: the KV goes over NCCL (the data link carries aux and state)
+    let transport = if inner.cfg.transport == TransportKind::Nccl {
+        "nccl"
+    } else if kinds.all(|k| k == first) {
         first
     } else {
         "mixed"
