@@ -93,7 +93,14 @@ fn child(fakes: &std::path::Path, name: &str, case: &str) -> Command {
 #[test]
 fn engines_over_nccl_on_the_fakes() {
     let fakes = build_fakes();
-    let cases = ["dcp2", "dcp4", "faults", "mismatch", "killed"];
+    let cases = [
+        "dcp2",
+        "dcp4",
+        "faults",
+        "mismatch",
+        "killed",
+        "decode_close",
+    ];
     let kids: Vec<_> = cases
         .iter()
         .map(|c| {
@@ -271,6 +278,7 @@ fn prefill_engine(
     url: &str,
     plan: Option<NcclPlanOptions>,
     room_timeout: Duration,
+    never_send: Vec<u64>,
 ) -> Prefill {
     let host = SyntheticPools::new(LAYERS, ROW, PAGE, PAGES, 8, 32).unwrap();
     let (bufs, kv) = on_device(g, &host);
@@ -281,6 +289,7 @@ fn prefill_engine(
     cfg.transport = TransportKind::Nccl;
     cfg.room_timeout = room_timeout;
     cfg.testing.nccl_plan = plan;
+    cfg.testing.nccl_never_send_rooms = never_send;
     // SAFETY: the device pools and aux live in `Prefill` beside the engine.
     let engine = unsafe { Engine::new(cfg) }.unwrap();
     Prefill { engine, host, bufs }
@@ -419,7 +428,7 @@ fn child_nccl_engine() {
             } else {
                 (4, Some(staged_options()))
             };
-            let mut p = prefill_engine(&g, &cluster, &url, plan, Duration::from_secs(20));
+            let mut p = prefill_engine(&g, &cluster, &url, plan, Duration::from_secs(20), vec![]);
             let mut decodes: Vec<Decode> = (0..dcp)
                 .map(|r| decode_engine(&g, &cluster, &url, dcp, r, plan, vec![]))
                 .collect();
@@ -482,7 +491,7 @@ fn child_nccl_engine() {
         }
         "faults" => faults(&g, &cluster, &url),
         "mismatch" => {
-            let mut p = prefill_engine(&g, &cluster, &url, None, Duration::from_secs(20));
+            let mut p = prefill_engine(&g, &cluster, &url, None, Duration::from_secs(20), vec![]);
             let d = decode_engine(&g, &cluster, &url, 1, 0, Some(staged_options()), vec![]);
             let (src, dst, n) = room_pages(1, 1, 0, 200);
             fill(&g, &mut p, 1, &src, 0, 200);
@@ -506,6 +515,7 @@ fn child_nccl_engine() {
             d.engine.close();
         }
         "killed" => killed(&g, &cluster, &url),
+        "decode_close" => decode_close(&g, &cluster, &url),
         other => panic!("unknown case {other}"),
     }
     println!("nccl engine child {case}: all checks passed");
@@ -513,7 +523,7 @@ fn child_nccl_engine() {
 
 fn faults(g: &GpuRelayout, cluster: &str, url: &str) {
     // decode 0 never posts rooms 10, 12 and 13
-    let mut p = prefill_engine(g, cluster, url, None, Duration::from_secs(2));
+    let mut p = prefill_engine(g, cluster, url, None, Duration::from_secs(2), vec![]);
     let mut decodes = [
         decode_engine(g, cluster, url, 2, 0, None, vec![10, 12, 13]),
         decode_engine(g, cluster, url, 2, 1, None, vec![]),
@@ -643,11 +653,48 @@ fn faults(g: &GpuRelayout, cluster: &str, url: &str) {
     drop(p);
 }
 
+/// A decode engine closed while its recvs are posted (the prefill never
+/// sends): close aborts the communicator and waits for its stream, so the
+/// pools are freed right after (the fake libcuda stops the process if an
+/// NCCL op still used them); the prefill's room fails naming the decode.
+fn decode_close(g: &GpuRelayout, cluster: &str, url: &str) {
+    let mut p = prefill_engine(g, cluster, url, None, Duration::from_secs(30), vec![30]);
+    let d = decode_engine(g, cluster, url, 1, 0, None, vec![]);
+    let (src, dst, n) = room_pages(30, 1, 0, 300);
+    fill(g, &mut p, 30, &src, 0, 300);
+    open_decodes(&[&d], 30, &dst, 0, Duration::from_secs(30));
+    send_room(&p.engine, 30, &src, 100, n);
+    std::thread::sleep(Duration::from_millis(500));
+    assert_eq!(d.engine.poll(30), KvPoll::WaitingForInput);
+    let (aborts_before, _, live) = fake_nccl_counts();
+    assert_eq!(live, 2, "both ends of the link's communicator");
+    let t0 = Instant::now();
+    d.engine.close();
+    assert!(
+        t0.elapsed() < Duration::from_secs(3),
+        "close took {:?}",
+        t0.elapsed()
+    );
+    let (aborts, _, _) = fake_nccl_counts();
+    assert_eq!(
+        aborts,
+        aborts_before + 1,
+        "the decode's communicator was not aborted"
+    );
+    // the pools and the engine go now: no NCCL op may still use them
+    drop(d);
+    let e = failed(&p.engine, 30, Duration::from_secs(10), "decode closed");
+    assert!(t0.elapsed() < Duration::from_secs(10), "{e}");
+    assert!(e.detail().contains("decode rank instance"), "{e}");
+    println!("decode_close: closed with recvs in flight, pools freed, prefill failed: {e}");
+    p.engine.close();
+}
+
 /// The prefill here, the decode in a process of its own, killed once its
 /// recvs were accepted: the prefill's room fails `peer_unreachable` naming
 /// it, long before the room's deadline.
 fn killed(g: &GpuRelayout, cluster: &str, url: &str) {
-    let mut p = prefill_engine(g, cluster, url, None, Duration::from_secs(60));
+    let mut p = prefill_engine(g, cluster, url, None, Duration::from_secs(60), vec![]);
     let fakes = PathBuf::from(env("PDXFER_NCCL_ENGINE_FAKES"));
     let mut d = child(&fakes, "child_nccl_decode_process", "killed-decode")
         .env("PDXFER_NCCL_ENGINE_URL", url)

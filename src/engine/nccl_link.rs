@@ -748,6 +748,11 @@ mod imp {
         if !accepted.ok {
             return Err(refused(peer, accepted));
         }
+        #[cfg(any(test, feature = "testing"))]
+        if inner.cfg.testing.nccl_never_send_rooms.contains(&room) {
+            log::warn!("engine: test knob: the sends of room {room} are never posted");
+            return Ok(());
+        }
         let pair = pair.as_mut().expect("connected above");
         let abort = pair.abort_handle();
         // SAFETY: the staging buffer holds the gathered pack until the pair's

@@ -30,4 +30,8 @@ pub struct TestKnobs {
     /// Engine transport nccl, decode: the chunks of these rooms are accepted
     /// but their recvs are never posted (a decode that never posts).
     pub nccl_never_post_rooms: Vec<u64>,
+    /// Engine transport nccl, prefill: the chunks of these rooms are
+    /// accepted by the decode but their sends are never posted (the decode's
+    /// recvs stay in flight).
+    pub nccl_never_send_rooms: Vec<u64>,
 }
