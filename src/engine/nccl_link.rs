@@ -255,7 +255,18 @@ impl NcclLinks {
             for t in threads {
                 t.join();
             }
-            lock(&self.senders).clear();
+            // a prefill worker moving a chunk holds its link's sender until
+            // its waits abort (they watch `closing`); then the communicator
+            // goes and the link's stream is waited, so no gather or send
+            // still reads the pools or the staging once close returns
+            let senders: Vec<_> = lock(&self.senders).drain().map(|(_, s)| s).collect();
+            for slot in senders {
+                let mut s = lock(&slot);
+                s.pair = None;
+                if let Ok(ev) = s.gpu.record(false) {
+                    let _ = ev.wait();
+                }
+            }
         }
     }
 }
@@ -368,10 +379,10 @@ mod imp {
     /// (aborted and its stream waited, when work is in flight) before the
     /// staging buffer and the stream it uses.
     pub(in crate::engine) struct Sender {
-        pair: Option<NcclPair>,
+        pub(super) pair: Option<NcclPair>,
         generation: u64,
         staging: Option<DeviceBuffer>,
-        gpu: GpuRelayout,
+        pub(super) gpu: GpuRelayout,
     }
 
     /// A device buffer of at least `need` bytes in `slot` (grown, never shrunk).
