@@ -479,6 +479,7 @@ mod imp {
         if req.token_count() == 0 {
             return Ok(None);
         }
+        room_live(inner, job.room, job.attempt)?;
         let ordinal = inner
             .cfg
             .pool_device
