@@ -61,6 +61,15 @@ fn compile_fakes() -> PathBuf {
         assert!(ok.success(), "building the fake {lib} failed");
     }
     std::fs::write(dir.join("module.ptx"), "// fake module\n").unwrap();
+    // rendezvous files of communicators earlier runs aborted
+    for f in std::fs::read_dir(&dir).unwrap().flatten() {
+        if f.file_name()
+            .to_string_lossy()
+            .starts_with("pdxfer-fake-nccl")
+        {
+            let _ = std::fs::remove_file(f.path());
+        }
+    }
     dir
 }
 
