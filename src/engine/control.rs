@@ -156,6 +156,7 @@ impl CtlWriter {
         line.push(b'\n');
         let mut s = self.stream.lock().unwrap_or_else(|p| p.into_inner());
         s.write_all(&line)?;
+        crate::transport::control_counts::engine_sent();
         Ok(())
     }
 
@@ -206,6 +207,7 @@ impl CtlReader {
                 },
             ));
         }
+        crate::transport::control_counts::engine_received();
         decode_line(&self.buf[..n - 1]).map(Some)
     }
 }

@@ -288,6 +288,9 @@ pub struct MetricsSnapshot {
     pub staging_bytes: u64,
     /// Registered memory by kind (`kv`, `aux`, `state`, `staging`, `other`).
     pub registered_bytes: BTreeMap<&'static str, u64>,
+    /// Control messages this process sent and received so far (engine
+    /// control channel and data-plane control frames; process-wide).
+    pub control: crate::transport::control_counts::ControlCounts,
 }
 
 /// `KvPoll` state names as label values, indexed by the state's value.
@@ -321,6 +324,7 @@ impl MetricsSnapshot {
             gathers: m.gathers.load(Ordering::Relaxed),
             staging_bytes,
             registered_bytes,
+            control: crate::transport::control_counts::control_counts(),
         }
     }
 
@@ -491,6 +495,23 @@ impl MetricsSnapshot {
                 o,
                 "pdxfer_engine_received_batches_total {}",
                 self.received_batches
+            );
+        }
+        head(
+            &mut o,
+            "pdxfer_engine_control_messages_total",
+            "counter",
+            "Control messages this process sent and received, by channel (engine: the rank-to-rank control channel; data_plane: handshake, intent, grant, commit, ack and room frames) and direction.",
+        );
+        for (channel, dir, v) in [
+            ("engine", "sent", self.control.engine_sent),
+            ("engine", "received", self.control.engine_received),
+            ("data_plane", "sent", self.control.data_plane_sent),
+            ("data_plane", "received", self.control.data_plane_received),
+        ] {
+            let _ = writeln!(
+                o,
+                "pdxfer_engine_control_messages_total{{channel=\"{channel}\",direction=\"{dir}\"}} {v}"
             );
         }
         head(

@@ -438,6 +438,8 @@ fn prefill_conn(w: std::sync::Weak<Inner>, s: TcpStream, first: &[u8], mut slot:
     let _ = s.set_write_timeout(handshake);
     let writer = CtlWriter::new(ws);
     let mut reader = CtlReader::new(rs);
+    // the first line (read by the listener) is one control message received
+    crate::transport::control_counts::engine_received();
     // The listener read the first line whole: it must be the auth_hello, and
     // nothing may follow it before it is answered.
     let first = match first.iter().position(|&b| b == b'\n') {

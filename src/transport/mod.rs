@@ -30,6 +30,7 @@ mod batch;
 pub mod checksum;
 pub mod cma;
 mod conn;
+pub mod control_counts;
 pub mod handshake;
 pub mod identity;
 pub mod listen;

@@ -135,6 +135,7 @@ pub fn write_frame(w: &mut impl Write, ty: FrameType, payload: &[u8]) -> Result<
     buf.extend_from_slice(payload);
     w.write_all(&buf)?;
     w.flush()?;
+    super::control_counts::frame_sent(ty);
     Ok(())
 }
 
@@ -161,6 +162,7 @@ pub fn read_frame_max(r: &mut impl Read, max: u32) -> Result<(FrameType, Vec<u8>
     }
     let mut payload = vec![0u8; len as usize];
     r.read_exact(&mut payload)?;
+    super::control_counts::frame_received(ty);
     Ok((ty, payload))
 }
 
