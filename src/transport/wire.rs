@@ -67,6 +67,13 @@ pub enum FrameType {
     AuthChallenge = 31,
     /// Client -> server: its proof (JSON [`crate::auth::AuthProof`]).
     AuthProof = 32,
+    /// Sender: every batch of a granted room was written (token, room,
+    /// epoch, batches, bytes).
+    RoomEnd = 40,
+    /// Receiver: the room's totals were accepted and its grant released.
+    RoomAck = 41,
+    /// Receiver: the room end was refused (token, code, reason).
+    RoomRefuse = 42,
 }
 
 impl FrameType {
@@ -93,6 +100,9 @@ impl FrameType {
             30 => AuthHello,
             31 => AuthChallenge,
             32 => AuthProof,
+            40 => RoomEnd,
+            41 => RoomAck,
+            42 => RoomRefuse,
             _ => return None,
         })
     }
