@@ -291,6 +291,9 @@ pub struct MetricsSnapshot {
     /// Control messages this process sent and received so far (engine
     /// control channel and data-plane control frames; process-wide).
     pub control: crate::transport::control_counts::ControlCounts,
+    /// Decode: room grants this engine's agent holds (rooms granted to
+    /// their prefill ranks and not yet ended, revoked or expired).
+    pub room_grants_held: u64,
 }
 
 /// `KvPoll` state names as label values, indexed by the state's value.
@@ -325,6 +328,7 @@ impl MetricsSnapshot {
             staging_bytes,
             registered_bytes,
             control: crate::transport::control_counts::control_counts(),
+            room_grants_held: 0,
         }
     }
 
@@ -497,6 +501,19 @@ impl MetricsSnapshot {
                 self.received_batches
             );
         }
+        if self.role == Role::Decode {
+            head(
+                &mut o,
+                "pdxfer_engine_room_grants_held",
+                "gauge",
+                "Room grants this decode engine holds for its prefill ranks (pinned until the room ends, is revoked or expires).",
+            );
+            let _ = writeln!(
+                o,
+                "pdxfer_engine_room_grants_held {}",
+                self.room_grants_held
+            );
+        }
         head(
             &mut o,
             "pdxfer_engine_control_messages_total",
@@ -587,7 +604,7 @@ impl Engine {
             .sum();
         // device staging, the tcp receiver's bounce buffers, ...
         registered.insert("other", all.saturating_sub(known));
-        MetricsSnapshot::new(
+        let mut s = MetricsSnapshot::new(
             inner.cfg.role,
             &inner.cfg.cluster,
             rooms,
@@ -595,7 +612,9 @@ impl Engine {
             &inner.metrics,
             staging_bytes,
             registered,
-        )
+        );
+        s.room_grants_held = inner.agent.room_grants_held() as u64;
+        s
     }
 
     /// The engine's metrics as Prometheus text (format 0.0.4).

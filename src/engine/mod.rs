@@ -38,6 +38,7 @@ mod metrics;
 mod metrics_http;
 mod prefill;
 pub mod room;
+mod room_grants;
 mod setup;
 mod staging;
 pub mod synthetic;

@@ -58,6 +58,9 @@ pub struct DemoArgs {
     /// Print one JSON object as the last line.
     #[arg(long)]
     json: bool,
+    /// Grant every batch separately (no room-level grants).
+    #[arg(long)]
+    no_room_grants: bool,
 }
 
 /// Arguments of `pdxfer demo-rank` (one engine process of the demo).
@@ -96,6 +99,9 @@ pub struct DemoRankArgs {
     /// Staging (pack) buffer per prefill worker, MiB (0: unpacked writes).
     #[arg(long, default_value_t = 64)]
     staging_mib: u64,
+    /// Grant every batch separately (no room-level grants).
+    #[arg(long)]
+    no_room_grants: bool,
 }
 
 const AUX_ROWS: u64 = 64;
@@ -135,6 +141,7 @@ pub fn run_rank(a: &DemoRankArgs) -> Result<()> {
     cfg.transport = TransportKind::parse(&a.transport)?;
     cfg.room_timeout = Duration::from_secs(60);
     cfg.staging_bytes = a.staging_mib << 20;
+    cfg.room_grants = !a.no_room_grants;
     // SAFETY: `pools` lives until this function returns, after `engine.close()`.
     let engine = unsafe { Engine::new(cfg)? };
     let pools = Arc::new(Mutex::new(pools));
@@ -427,6 +434,7 @@ pub fn run(a: &DemoArgs) -> Result<()> {
         ]
         .iter()
         .map(|s| s.to_string())
+        .chain(a.no_room_grants.then(|| "--no-room-grants".to_string()))
         .collect()
     };
     // one cluster secret per run: the ranks authenticate every connection
