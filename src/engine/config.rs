@@ -102,7 +102,7 @@ pub struct EngineConfig {
     pub keepalive: Duration,
     /// Decode: grant each room's rows to its prefill ranks once, with the
     /// metadata, so their batches skip the per-batch round trip where the
-    /// data connection supports it (cma, rdma); `false` keeps the per-batch
+    /// data connection supports it (cma, tcp, rdma); `false` keeps the per-batch
     /// grant for every batch.
     pub room_grants: bool,
     /// Test knobs of the engine's agent (e.g. the software RDMA fabric);

@@ -43,6 +43,7 @@ pub(crate) struct Conn {
 }
 
 impl Conn {
+    #[allow(clippy::too_many_arguments)]
     pub fn start(
         stream: TcpStream,
         peer: ProcIdentity,
@@ -443,7 +444,7 @@ macro_rules! conn_backed_transport {
 pub(crate) use conn_backed_transport;
 
 /// The room-grant `Transport` methods of a connection-backed transport whose
-/// batches honour open grants (cma, rdma). Expands like
+/// batches honour open grants (cma, tcp, rdma). Expands like
 /// [`conn_backed_transport`].
 macro_rules! conn_room_grants {
     () => {

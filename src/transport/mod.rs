@@ -314,7 +314,7 @@ pub trait Transport: Send + Sync {
     /// (`OutOfBounds` naming the room for one outside it: nothing is written)
     /// and skip the per-batch exchange with the receiver. A grant for another
     /// instance is refused with `PeerIdentity`. Transports that keep the
-    /// per-batch protocol answer `Unsupported`; their batches are unchanged.
+    /// per-batch protocol (local) answer `Unsupported`; their batches are unchanged.
     fn open_room(&self, grant: &room::RoomGrant, epoch: u64) -> Result<()> {
         let _ = (grant, epoch);
         Err(crate::Error::new(

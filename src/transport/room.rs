@@ -4,11 +4,14 @@
 //! against its grant's ranges before a byte moves), and the room-end frames.
 //!
 //! With a grant open on a connection, the batches whose [`BatchOptions`]
-//! carry its room and epoch skip the per-batch Intent/Grant exchange: on cma
-//! the bytes land synchronously and the batch is done locally, with no frame
-//! at all. [`Transport::close_room`](super::Transport::close_room) is the one
-//! round trip of the room (RoomEnd with the batch and byte totals, answered
-//! by RoomAck once the receiver accepted them).
+//! carry its room and epoch skip the per-batch exchange and are done on the
+//! sender with no frame at all: on cma once the bytes landed (synchronously),
+//! on rdma at their RC work completions, on tcp once their pieces (carrying
+//! the grant's token, checked by the receiver against the grant it holds)
+//! were written. [`Transport::close_room`](super::Transport::close_room) is
+//! the one round trip of the room (RoomEnd with the batch and byte totals,
+//! answered by RoomAck once the receiver accepted them; on tcp once every
+//! byte the totals name landed).
 
 use super::conn::Piece;
 use super::wire::Cursor;
@@ -97,14 +100,6 @@ impl RangeSet {
             .get(&region)
             .and_then(|m| m.range(..=offset).next_back())
             .is_some_and(|(_, &e)| end <= e)
-    }
-
-    /// Total bytes granted.
-    pub(crate) fn total(&self) -> u64 {
-        self.0
-            .values()
-            .flat_map(|m| m.iter().map(|(s, e)| e - s))
-            .sum()
     }
 }
 
@@ -436,7 +431,6 @@ mod tests {
         assert!(!s.contains(1, 40, 9));
         assert!(!s.contains(3, 0, 1));
         assert!(!s.contains(1, u64::MAX, 2));
-        assert_eq!(s.total(), 48);
     }
 
     #[test]

@@ -415,13 +415,16 @@ pub fn decode_batch(p: &[u8]) -> Result<u64> {
 
 /// Data frame flag: the receiver sums piece checksums for this batch.
 pub const DATA_FLAG_CHECKSUM: u32 = 1;
+/// Data frame flag: a piece of a granted room; the header's batch field
+/// carries the room grant's token, and the piece is checked against it.
+pub const DATA_FLAG_ROOM: u32 = 2;
 
 /// Header of one tcp data frame.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct DataHeader {
     /// `DATA_FLAG_*` bits.
     pub flags: u32,
-    /// Batch id.
+    /// Batch id (with [`DATA_FLAG_ROOM`]: the room grant's token).
     pub batch: u64,
     /// Destination region.
     pub region: u64,

@@ -63,7 +63,7 @@ pub struct BenchArgs {
     #[arg(long)]
     pub plot: Option<String>,
     /// Write every point's batches under one room grant of the target (no
-    /// per-batch round trip where the transport supports grants: cma, rdma);
+    /// per-batch round trip where the transport supports grants: cma, tcp, rdma);
     /// the room closes with one round trip after the point.
     #[arg(long)]
     pub room_grant: bool,

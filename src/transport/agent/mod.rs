@@ -27,6 +27,7 @@ mod tests;
 pub(crate) use accept::refuse;
 pub(crate) use connect::Dialed;
 pub(crate) use grant::completion;
+pub(crate) use room_grant::piece_landed;
 pub(crate) use session::ReceiverSession;
 
 use super::identity::ProcIdentity;

@@ -28,6 +28,13 @@ pub(crate) struct HeldGrant {
     deadline: Instant,
     /// Some range lies in device memory.
     device: bool,
+    /// tcp: bytes landed under the grant so far.
+    received: u64,
+    /// tcp: why a piece under the grant was refused or failed (the room end
+    /// is then refused).
+    failed: Option<Error>,
+    /// tcp: the room end, parked until its bytes landed.
+    end: Option<RoomEnd>,
     _guards: Vec<AccessGuard>,
 }
 
@@ -130,30 +137,134 @@ impl RoomGrants {
         self.lock().expire(Instant::now())
     }
 
-    /// Checks one incoming piece of a granted room (tcp): `[offset, offset +
+    /// Checks one incoming tcp piece of a granted room: `[offset, offset +
     /// len)` of `region` must lie in the grant `token` names, for a session
-    /// authenticated as `peer`; returns the grant's room and epoch.
-    #[allow(dead_code)]
-    pub(crate) fn check_piece(
+    /// authenticated as `peer`. A refused piece of a live grant of `peer`
+    /// fails its room (the room end is refused); nothing is written either way.
+    pub(crate) fn admit_piece(
         &self,
         token: u64,
         peer: PeerInstance,
         region: u64,
         offset: u64,
         len: u64,
-    ) -> Result<(u64, u64)> {
+    ) -> Result<()> {
         let mut s = self.lock();
         let g = s.usable(token, peer)?;
-        if !g.ranges.contains(region, offset, len) {
-            return Err(Error::new(
-                Status::OutOfBounds,
-                format!(
-                    "region {region} offset {offset} len {len} lies outside room {}'s grant; nothing was written",
-                    g.room
-                ),
-            ));
+        if g.ranges.contains(region, offset, len) {
+            return Ok(());
         }
-        Ok((g.room, g.epoch))
+        let e = Error::new(
+            Status::OutOfBounds,
+            format!(
+                "region {region} offset {offset} len {len} lies outside room {}'s grant; nothing was written",
+                g.room
+            ),
+        );
+        if let Some(g) = s.held.get_mut(&token) {
+            g.failed.get_or_insert(e.clone());
+        }
+        Err(e)
+    }
+}
+
+/// A tcp piece of grant `token` was received on session `sess`: `Ok(len)`
+/// bytes landed, or it failed. Answers the room end parked for the grant
+/// once every byte it counts landed (or a piece failed).
+pub(crate) fn piece_landed(
+    a: &AgentInner,
+    sess: &ReceiverSession,
+    peer: &ProcIdentity,
+    token: u64,
+    outcome: Result<u64>,
+) {
+    let done = {
+        let mut s = a.room_grants.lock();
+        let Some(g) = s
+            .held
+            .get_mut(&token)
+            .filter(|g| g.grantee == sess.instance)
+        else {
+            return;
+        };
+        match outcome {
+            Ok(n) => g.received += n,
+            Err(e) => {
+                g.failed.get_or_insert(e);
+            }
+        }
+        match g.end {
+            Some(e) if g.failed.is_some() || g.received >= e.bytes => {
+                let g = s.forget(token, Gone::Ended).expect("held");
+                Some((e, g))
+            }
+            _ => None,
+        }
+    };
+    if let Some((e, g)) = done {
+        let r = tcp_verdict(&g, &e);
+        answer(a, sess, peer, &e, g, r);
+    }
+}
+
+/// Whether the bytes a tcp room's pieces landed match its room end.
+fn tcp_verdict(g: &HeldGrant, e: &RoomEnd) -> Result<()> {
+    if let Some(f) = &g.failed {
+        return Err(Error::new(
+            f.status(),
+            format!("room {}: a write was refused: {}", e.room, f.detail()),
+        ));
+    }
+    if g.received != e.bytes {
+        return Err(Error::new(
+            Status::Protocol,
+            format!(
+                "room {}: {} bytes landed, the room end says {}",
+                e.room, g.received, e.bytes
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// Answers a room end whose grant `g` was taken out: on `Ok`, one completion
+/// record for the room (device writes made visible first, while pinned) and
+/// RoomAck; else RoomRefuse with why.
+fn answer(
+    a: &AgentInner,
+    sess: &ReceiverSession,
+    peer: &ProcIdentity,
+    e: &RoomEnd,
+    g: HeldGrant,
+    r: Result<()>,
+) {
+    let r = r.and_then(|()| {
+        if g.device {
+            a.before_device_delivery()?;
+        }
+        Ok(())
+    });
+    drop(g);
+    match r {
+        Ok(()) => {
+            a.deliver(
+                peer.clone(),
+                sess.id,
+                Completion {
+                    batch_id: BatchId(e.token),
+                    bytes: e.bytes,
+                    checksum: None,
+                    room: e.room,
+                    epoch: e.epoch,
+                },
+            );
+            let s = RoomSummary {
+                batches: e.batches,
+                bytes: e.bytes,
+            };
+            sess.send(FrameType::RoomAck, &room::encode_room_ack(e.token, &s));
+        }
+        Err(err) => sess.send(FrameType::RoomRefuse, &wire::encode_reason(e.token, &err)),
     }
 }
 
@@ -213,6 +324,9 @@ impl Agent {
                 ranges: RangeSet::new(&ranges),
                 deadline: Instant::now() + deadline,
                 device,
+                received: 0,
+                failed: None,
+                end: None,
                 _guards: guards,
             },
         );
@@ -245,16 +359,19 @@ impl Agent {
 }
 
 /// The sender's RoomEnd on session `sess`: accepted when the token names a
-/// live grant for the session's authenticated instance, room and epoch; the
-/// grant is then released, one completion record for the room delivered and
-/// RoomAck sent; otherwise RoomRefuse with the reason (a grant named from the
-/// wrong instance stays held for its own sender).
+/// live grant for the session's authenticated instance, room and epoch (a
+/// grant named from the wrong instance stays held for its own sender) and,
+/// on tcp, once the bytes its pieces landed match the totals (parked until
+/// they did); the grant is then released, one completion record for the
+/// room delivered and RoomAck sent; otherwise RoomRefuse with the reason.
 pub(super) fn room_end(a: &AgentInner, sess: &ReceiverSession, p: &[u8], peer: &ProcIdentity) {
     let e = match RoomEnd::decode(p) {
         Ok(e) => e,
         Err(err) => return sess.send(FrameType::RoomRefuse, &wire::encode_reason(0, &err)),
     };
-    let r = (|| -> Result<HeldGrant> {
+    // tcp sessions land the bytes here, through their data streams
+    let tcp = sess.lands_tcp.load(std::sync::atomic::Ordering::SeqCst);
+    let taken = (|| -> Result<Option<HeldGrant>> {
         let mut s = a.room_grants.lock();
         let g = s.usable(e.token, sess.instance)?;
         if (g.room, g.epoch) != (e.room, e.epoch) {
@@ -266,43 +383,19 @@ pub(super) fn room_end(a: &AgentInner, sess: &ReceiverSession, p: &[u8], peer: &
                 ),
             ));
         }
-        if e.bytes > 0 && g.ranges.total() == 0 {
-            return Err(Error::new(
-                Status::Protocol,
-                format!(
-                    "room {}: {} bytes written under an empty grant",
-                    e.room, e.bytes
-                ),
-            ));
+        if tcp && g.failed.is_none() && g.received < e.bytes {
+            if let Some(g) = s.held.get_mut(&e.token) {
+                g.end = Some(e);
+            }
+            return Ok(None);
         }
-        Ok(s.forget(e.token, Gone::Ended).expect("usable"))
-    })()
-    .and_then(|g| {
-        // device writes are made visible to CUDA work while still pinned
-        if g.device {
-            a.before_device_delivery()?;
-        }
-        drop(g);
-        Ok(())
-    });
-    match r {
-        Ok(()) => {
-            a.deliver(
-                peer.clone(),
-                sess.id,
-                Completion {
-                    batch_id: BatchId(e.token),
-                    bytes: e.bytes,
-                    checksum: None,
-                    room: e.room,
-                    epoch: e.epoch,
-                },
-            );
-            let s = RoomSummary {
-                batches: e.batches,
-                bytes: e.bytes,
-            };
-            sess.send(FrameType::RoomAck, &room::encode_room_ack(e.token, &s));
+        Ok(s.forget(e.token, Gone::Ended))
+    })();
+    match taken {
+        Ok(None) => {}
+        Ok(Some(g)) => {
+            let r = if tcp { tcp_verdict(&g, &e) } else { Ok(()) };
+            answer(a, sess, peer, &e, g, r);
         }
         Err(err) => sess.send(FrameType::RoomRefuse, &wire::encode_reason(e.token, &err)),
     }

@@ -3,13 +3,18 @@
 //! the payload straight into it (device regions through [`super::device`]),
 //! counting the bytes of each batch across streams; once the batch's commit
 //! arrived on the control connection and every byte counted, the verdict
-//! (bytes, checksum) is delivered and answered with Ack or Nack.
+//! (bytes, checksum) is delivered and answered with Ack or Nack. A piece of
+//! a granted room is checked against the room's grant (its token, for this
+//! session's authenticated instance) and counted there; the room's RoomEnd
+//! is answered once every byte it names landed.
 
 use super::device::{receive_into_device, DEVICE_BOUNCE_BYTES};
 use crate::auth::PeerInstance;
 use crate::error::{Error, Result, Status};
 use crate::memory::{RegionKind, Registry};
-use crate::transport::agent::{completion, lock, refuse, AgentInner, ReceiverSession};
+use crate::transport::agent::{
+    completion, lock, piece_landed, refuse, AgentInner, ReceiverSession,
+};
 use crate::transport::checksum;
 use crate::transport::handshake::Attach;
 use crate::transport::identity::ProcIdentity;
@@ -181,6 +186,10 @@ fn stream_loop(
         }
         s.read_exact(&mut hb)?;
         let h = DataHeader::decode(&hb)?;
+        if h.flags & wire::DATA_FLAG_ROOM != 0 {
+            receive_room_piece(a, sess, s, &h, &mut scratch, &mut bounce, peer)?;
+            continue;
+        }
         if !a.stall().is_zero() {
             let new = lock(&sess.tcp).stalled.insert(h.batch);
             if new {
@@ -209,6 +218,40 @@ fn stream_loop(
         }
         finalize_tcp(a, sess, &mut t, h.batch, peer);
     }
+}
+
+/// Receives one piece of a granted room (its header's batch field is the
+/// grant's token): checked against the grant the token names for this
+/// session's authenticated instance, not against the registry alone;
+/// refused (its payload drained, nothing written) outside it, or for a
+/// forged, revoked or expired token. The grant counts the bytes landed.
+fn receive_room_piece(
+    a: &AgentInner,
+    sess: &ReceiverSession,
+    s: &mut TcpStream,
+    h: &DataHeader,
+    scratch: &mut [u8],
+    bounce: &mut Option<crate::memory::BounceBuffer>,
+    peer: &ProcIdentity,
+) -> Result<()> {
+    let token = h.batch;
+    let outcome = match a
+        .room_grants
+        .admit_piece(token, sess.instance, h.region, h.offset, h.len)
+    {
+        Ok(()) => {
+            let mut payload = PinDeadline::new(s, a.pin_timeout);
+            let r = receive_piece(&a.registry, &mut payload, h, scratch, bounce);
+            let _ = s.set_read_timeout(None);
+            r?.map(|_| h.len)
+        }
+        Err(e) => {
+            drain(s, h.len, scratch)?;
+            Err(e)
+        }
+    };
+    piece_landed(a, sess, peer, token, outcome);
+    Ok(())
 }
 
 /// The payload of one piece: reads fail with `TimedOut` once `timeout`
