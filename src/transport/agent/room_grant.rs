@@ -228,7 +228,8 @@ fn tcp_verdict(g: &HeldGrant, e: &RoomEnd) -> Result<()> {
 }
 
 /// Answers a room end whose grant `g` was taken out: on `Ok`, one completion
-/// record for the room (device writes made visible first, while pinned) and
+/// record for the room (GPUDirect writes into device memory made visible
+/// first, while pinned; a tcp session landed device bytes itself) and
 /// RoomAck; else RoomRefuse with why.
 fn answer(
     a: &AgentInner,
@@ -239,7 +240,7 @@ fn answer(
     r: Result<()>,
 ) {
     let r = r.and_then(|()| {
-        if g.device {
+        if g.device && lock(&sess.rdma).is_some() {
             a.before_device_delivery()?;
         }
         Ok(())
