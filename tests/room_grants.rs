@@ -529,3 +529,57 @@ fn tcp_receiver_refuses_pieces_outside_its_own_grant() {
     assert!(untouched(&p, 0), "a revoked grant writes nothing");
     drop(other_src);
 }
+
+/// A placed (one-copy) batch of a room whose grant is open: the caller's
+/// placement runs at once, with no per-batch frame; one outside the grant is
+/// refused before anything is placed.
+#[test]
+fn cma_placed_batches_of_a_room_skip_the_per_batch_frames() {
+    use pdxfer::transport::PlacedRange;
+    let _g = serial();
+    let rx = agent(true, None);
+    let tx = agent(false, None);
+    let d = rx.registry().alloc_shared(LEN).unwrap();
+    let t = connect(&tx, &rx, TransportKind::Cma);
+    let m = t.mapped_dst(d.id).expect("the shared region is mapped");
+    let g = rx
+        .grant_room(
+            tx.instance(),
+            ROOM,
+            DECODE_EPOCH,
+            &[range(&d, 0, 8192)],
+            Duration::from_secs(30),
+        )
+        .unwrap();
+    t.open_room(&g, EPOCH).unwrap();
+    let before = per_batch_frames();
+    let ranges = [PlacedRange {
+        remote_region: d.id,
+        remote_offset: 100,
+        len: 4000,
+    }];
+    let mut place = || {
+        // SAFETY: the range lies in the mapped region (4100 <= LEN) and in the room's grant.
+        let dst = unsafe { std::slice::from_raw_parts_mut((m.addr + 100) as *mut u8, 4000) };
+        dst.copy_from_slice(&expected(4000, 0));
+        Ok(())
+    };
+    let id = t.submit_placed(&ranges, &opts(), &mut place).unwrap();
+    t.wait(id, Duration::from_secs(10)).unwrap();
+    assert_eq!(per_batch_frames(), before, "no per-batch frame");
+    // outside the grant: refused, the placement never runs
+    let bad = [PlacedRange {
+        remote_offset: 8000,
+        len: 400,
+        ..ranges[0]
+    }];
+    let mut never = || -> pdxfer::Result<()> { panic!("placed a refused batch") };
+    let e = t.submit_placed(&bad, &opts(), &mut never).unwrap_err();
+    assert_eq!(e.status(), Status::OutOfBounds, "{e}");
+    let sum = t.close_room(ROOM, EPOCH, Duration::from_secs(10)).unwrap();
+    assert_eq!((sum.batches, sum.bytes), (1, 4000));
+    // SAFETY: the region is registered with rx (alive) and no batch writes it now.
+    let landed = unsafe { std::slice::from_raw_parts(d.addr as *const u8, 8400) };
+    assert_eq!(&landed[100..4100], &expected(4000, 0)[..]);
+    assert!(landed[..100].iter().chain(&landed[4100..]).all(|&b| b == 0));
+}
