@@ -97,7 +97,15 @@ impl GrantState {
 
     /// The live grant `token` names for a session authenticated as `peer`, or why not.
     fn usable(&mut self, token: u64, peer: PeerInstance) -> Result<&HeldGrant> {
-        self.expire(Instant::now());
+        // this grant's deadline only (a tcp piece asks per piece; the control
+        // loop's tick sweeps them all)
+        if self
+            .held
+            .get(&token)
+            .is_some_and(|g| Instant::now() >= g.deadline)
+        {
+            self.forget(token, Gone::Expired);
+        }
         match self.held.get(&token) {
             Some(g) if g.grantee == peer => Ok(self.held.get(&token).expect("present")),
             Some(g) => Err(Error::new(
