@@ -65,7 +65,9 @@ pub struct EngineConfig {
     /// (state is not DCP-sharded, as in SGLang).
     pub state: Vec<AuxBuffer>,
     /// Transport for KV data (`Auto`: cma on one host, else rdma when both
-    /// sides have a usable NIC, else tcp; `Rdma` needs a NIC: `no_rdma_device`).
+    /// sides have a usable NIC, else tcp; `Rdma` needs a NIC: `no_rdma_device`;
+    /// `Nccl`: device pools on both sides, NCCL point-to-point, `no_nccl`
+    /// without a loadable NCCL).
     pub transport: TransportKind,
     /// Host to listen on.
     pub host: String,
@@ -155,6 +157,16 @@ impl EngineConfig {
             keepalive: Duration::from_secs(15),
             #[cfg(any(test, feature = "testing"))]
             testing: Default::default(),
+        }
+    }
+
+    /// The transport of the agent's data connection: the configured one, or
+    /// `Auto` for an nccl engine (its KV moves over NCCL; the aux and state
+    /// rows, in host memory, over the automatic choice).
+    pub(crate) fn data_transport(&self) -> TransportKind {
+        match self.transport {
+            TransportKind::Nccl => TransportKind::Auto,
+            t => t,
         }
     }
 

@@ -168,6 +168,81 @@ pub enum CtlMsg {
         /// The decode room's attempt.
         attempt: u64,
     },
+    /// Prefill -> decode (transport nccl): join communicator `generation` of
+    /// this link, made from the prefill's NCCL unique id (rank 0 is the
+    /// prefill, rank 1 the decode). A later generation replaces an earlier
+    /// one (after a failure, or a new peer epoch).
+    NcclOpen {
+        /// Communicator generation on this link, from 1.
+        generation: u64,
+        /// `ncclUniqueId`, 256 lower-case hex characters.
+        id: String,
+    },
+    /// Prefill -> decode (transport nccl): the prefill's half of one chunk of
+    /// a room. The decode builds the same plan from it and its own geometry,
+    /// checks `digest` (`nccl_plan_mismatch`, nothing posted, otherwise),
+    /// answers `nccl_accepted`, posts the matching recvs, and answers
+    /// `nccl_ready` once they completed.
+    NcclChunk {
+        /// Room id.
+        room: u64,
+        /// The decode room's attempt.
+        attempt: u64,
+        /// The communicator the sends go on.
+        generation: u64,
+        /// First sequence position of the chunk.
+        start: u64,
+        /// Sequence positions in the chunk.
+        num_tokens: u64,
+        /// The prefill's pages of the chunk (they shape the plan's runs).
+        src_pages: Vec<u64>,
+        /// The decode pages of the room, as the decode's metadata gave them
+        /// (the decode checks they lie inside its pools).
+        dst_pages: Vec<u64>,
+        /// The decode prefix of the room's metadata.
+        decode_prefix_len: u64,
+        /// The prefill plan's digest (`NcclPlan::digest`).
+        digest: u64,
+    },
+    /// Decode -> prefill (transport nccl): the chunk's plan matched and its
+    /// recvs are being posted (`ok`), or the chunk was refused before
+    /// anything was posted on either side (reason and code, e.g.
+    /// `nccl_plan_mismatch`); the prefill posts its sends only after `ok`.
+    NcclAccepted {
+        /// Room id.
+        room: u64,
+        /// The decode room's attempt.
+        attempt: u64,
+        /// The communicator of the chunk.
+        generation: u64,
+        /// The chunk's first position.
+        start: u64,
+        /// True when the recvs are being posted.
+        ok: bool,
+        /// Failure reason, when not ok.
+        reason: Option<String>,
+        /// Stable status code of the failure, when not ok.
+        code: Option<i32>,
+    },
+    /// Decode -> prefill (transport nccl): the chunk's recvs completed on the
+    /// decode's stream (and the staged scatter ran): its bytes are in the
+    /// pools (`ok`), or they failed (reason and code).
+    NcclReady {
+        /// Room id.
+        room: u64,
+        /// The decode room's attempt.
+        attempt: u64,
+        /// The communicator of the chunk.
+        generation: u64,
+        /// The chunk's first position.
+        start: u64,
+        /// True when every byte of the chunk landed.
+        ok: bool,
+        /// Failure reason, when not ok.
+        reason: Option<String>,
+        /// Stable status code of the failure, when not ok.
+        code: Option<i32>,
+    },
 }
 
 /// A framed control connection (one writer lock; one reader thread owns the reader).

@@ -407,6 +407,9 @@ fn decode_reader(w: std::sync::Weak<Inner>, link: Arc<PrefillLink>, mut reader: 
                 }
                 inner.cv.notify_all();
             }
+            Ok(Some(m @ (CtlMsg::NcclOpen { .. } | CtlMsg::NcclChunk { .. }))) => {
+                super::nccl_link::on_prefill_message(&inner, &link, m);
+            }
             Ok(Some(_)) => {}
             Ok(None) | Err(_) => {
                 link.alive.store(false, Ordering::Release);

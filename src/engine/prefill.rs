@@ -321,7 +321,7 @@ impl Inner {
         match self.agent.connect(
             &link.data_addr,
             &ConnectOptions {
-                transport: self.cfg.transport,
+                transport: self.cfg.data_transport(),
                 ..Default::default()
             },
         ) {
@@ -536,7 +536,7 @@ fn prefill_conn(w: std::sync::Weak<Inner>, s: TcpStream, first: &[u8], mut slot:
     let data = match inner.agent.connect(
         &data_addr,
         &ConnectOptions {
-            transport: inner.cfg.transport,
+            transport: inner.cfg.data_transport(),
             keepalive: inner.cfg.keepalive,
             // the decode's data plane must be the instance this channel authenticated
             expect_instance: Some(peer),
@@ -654,6 +654,10 @@ fn prefill_conn(w: std::sync::Weak<Inner>, s: TcpStream, first: &[u8], mut slot:
             }
             Ok(Some(CtlMsg::Abort { room, attempt })) => {
                 let _ = link.writer.send(&CtlMsg::AbortAck { room, attempt });
+            }
+            Ok(Some(m @ (CtlMsg::NcclAccepted { .. } | CtlMsg::NcclReady { .. }))) => {
+                let key = (link.hello.instance_id, link.hello.epoch);
+                inner.nccl.answer(key, m);
             }
             Ok(Some(_)) => {}
             Ok(None) | Err(_) => {

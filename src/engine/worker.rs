@@ -14,7 +14,7 @@ use super::staging::write_pair;
 use super::telemetry::RoomTimes;
 use crate::error::{Error, Result, Status};
 use crate::layout::{DcpLayout, PairRequest, Side};
-use crate::transport::{BatchOptions, WriteOp};
+use crate::transport::{BatchOptions, TransportKind, WriteOp};
 use std::ops::Range;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -171,6 +171,8 @@ fn send_chunk(
         None
     };
     let mut planned: Vec<PairPlan> = Vec::new();
+    // transport nccl: the chunk's pairs with their sends posted
+    let mut nccl = Vec::new();
     for (i, m) in infos.iter().enumerate() {
         if !m.link.alive.load(Ordering::Acquire) {
             return Err(Error::new(
@@ -226,6 +228,12 @@ fn send_chunk(
                 }
             };
             let l = &job.layers;
+            if inner.cfg.transport == TransportKind::Nccl {
+                return Err(Error::new(
+                    Status::Unsupported,
+                    "layer-wise sends over transport nccl are not supported: send whole chunks",
+                ));
+            }
             match stage.as_deref_mut() {
                 Some(st) => write_group_device(
                     inner,
@@ -251,6 +259,11 @@ fn send_chunk(
         } else {
             req.validate()?;
             match stage.as_deref_mut() {
+                Some(_) if inner.cfg.transport == TransportKind::Nccl => {
+                    let p = super::nccl_link::start_pair(inner, job, &req, &row_bytes, &m.link)?;
+                    nccl.extend(p);
+                    req.token_count() * row_bytes.iter().sum::<u64>()
+                }
                 Some(st) => {
                     write_pair_device(inner, st, &req, &row_bytes, &dst_regions, &m.link, &opts)?
                 }
@@ -296,6 +309,8 @@ fn send_chunk(
             flight.submit(&m.link, &ops, None)?;
         }
     }
+    // every nccl pair of the chunk is on the wire: each completes (or aborts) here
+    super::nccl_link::finish_all(nccl)?;
     if job.layered {
         let done = job.layers.end == topo.entries.len();
         if let Some(r) = lock(&inner.prefill_rooms).get_mut(&job.room) {
@@ -387,7 +402,10 @@ fn stamp_queued(inner: &Inner, job: &Job) {
 fn stamp_planned(inner: &Inner, job: &Job, infos: &[MetaInfo]) {
     let mut kinds = infos.iter().map(|m| m.link.data().kind().name());
     let first = kinds.next().unwrap_or("unknown");
-    let transport = if kinds.all(|k| k == first) {
+    // transport nccl: the KV goes over NCCL (the data link carries aux and state)
+    let transport = if inner.cfg.transport == TransportKind::Nccl {
+        "nccl"
+    } else if kinds.all(|k| k == first) {
         first
     } else {
         "mixed"

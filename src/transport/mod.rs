@@ -19,7 +19,8 @@
 //! region is refused with `unsupported`).
 //!
 //! [`nccl`] is not a `Transport`: NCCL point-to-point plans and communicator
-//! pairs, used by the `probe` CLI and tests so far.
+//! pairs, which the engine uses for [`TransportKind::Nccl`] (device pools on
+//! both sides; the communicators are set up over the engine's control channel).
 //!
 //! [`listen`] serves every port peers can reach (the agent's data port, the
 //! engine's control port) within bounds: no thread before a connection's
@@ -228,6 +229,13 @@ pub enum TransportKind {
     /// Moves host and device regions (device ones where the NIC has
     /// GPUDirect RDMA, `NoGpuDirect` with the reason otherwise).
     Rdma,
+    /// NCCL point-to-point, for engines with KV pools in device memory on
+    /// both sides: a two-rank communicator per (prefill rank, decode rank)
+    /// link, the decode posting the recvs (see [`nccl`]). An engine choice,
+    /// not a [`Transport`]: the aux and state rows of such an engine move
+    /// over the automatic choice, and [`choose_auto`] never picks nccl.
+    /// Without NCCL or a CUDA driver: `NoNccl` / `NoCudaDriver`.
+    Nccl,
 }
 
 impl TransportKind {
@@ -239,10 +247,11 @@ impl TransportKind {
             TransportKind::Cma => "cma",
             TransportKind::Tcp => "tcp",
             TransportKind::Rdma => "rdma",
+            TransportKind::Nccl => "nccl",
         }
     }
 
-    /// Parses a name (`auto`, `local`, `cma`, `tcp`, `rdma`).
+    /// Parses a name (`auto`, `local`, `cma`, `tcp`, `rdma`, `nccl`).
     pub fn parse(s: &str) -> Result<TransportKind> {
         Ok(match s {
             "auto" => TransportKind::Auto,
@@ -250,9 +259,10 @@ impl TransportKind {
             "cma" => TransportKind::Cma,
             "tcp" => TransportKind::Tcp,
             "rdma" => TransportKind::Rdma,
+            "nccl" => TransportKind::Nccl,
             _ => {
                 return Err(crate::Error::invalid(format!(
-                    "unknown transport {s:?} (auto, local, cma, tcp, rdma)"
+                    "unknown transport {s:?} (auto, local, cma, tcp, rdma, nccl)"
                 )))
             }
         })
@@ -457,5 +467,24 @@ mod tests {
         }
         assert_eq!(choose_auto_for(true, false, false, false), Cma);
         assert_eq!(choose_auto_for(false, true, true, false), Rdma);
+    }
+
+    #[test]
+    fn every_kind_parses_from_its_name_and_auto_never_picks_nccl() {
+        use TransportKind::*;
+        for k in [Auto, Local, Cma, Tcp, Rdma, Nccl] {
+            assert_eq!(TransportKind::parse(k.name()).unwrap(), k);
+        }
+        let e = TransportKind::parse("nvlink").unwrap_err();
+        assert!(e.detail().contains("nccl"), "{e}");
+        for s in [false, true] {
+            for l in [false, true] {
+                for p in [false, true] {
+                    for d in [false, true] {
+                        assert_ne!(choose_auto_for(s, l, p, d), Nccl);
+                    }
+                }
+            }
+        }
     }
 }

@@ -26,7 +26,9 @@ use std::time::{Duration, Instant};
 #[derive(Args, Debug, Clone)]
 pub struct BenchArgs {
     /// Transport: cma, tcp, rdma, local or auto (rdma: one-sided RDMA WRITE
-    /// through the agent's RDMA link; needs a usable NIC on both sides).
+    /// through the agent's RDMA link; needs a usable NIC on both sides), or
+    /// nccl (engines with device pools on two GPUs; --block-sizes are KV
+    /// bytes per room).
     #[arg(long, default_value = "cma")]
     pub transport: String,
     /// Use an already running target at this address instead of spawning one.
@@ -69,6 +71,9 @@ pub struct BenchArgs {
     pub room_grant: bool,
     #[command(flatten)]
     pub layerwise: crate::layerwise_bench::LayerwiseArgs,
+    /// --transport nccl: the prefill's and the decode's GPU (default 0,1).
+    #[arg(long)]
+    pub nccl_gpus: Option<String>,
 }
 
 /// One measured point.
@@ -312,6 +317,9 @@ pub fn run(a: &BenchArgs) -> Result<()> {
         return crate::layerwise_bench::run(&a.layerwise, &a.transport, a.json);
     }
     let kind = TransportKind::parse(&a.transport)?;
+    if kind == TransportKind::Nccl {
+        return nccl(a);
+    }
     let blocks: Vec<u64> = a
         .block_sizes
         .iter()
@@ -547,6 +555,22 @@ fn plot(path: &str, points: &[Point]) -> Result<()> {
         .map_err(|e| err(e.to_string()))?;
     root.present().map_err(|e| err(e.to_string()))?;
     Ok(())
+}
+
+/// `--transport nccl`: engines over NCCL (`nccl_bench`).
+fn nccl(a: &BenchArgs) -> Result<()> {
+    #[cfg(feature = "nccl")]
+    {
+        crate::nccl_bench::run(a)
+    }
+    #[cfg(not(feature = "nccl"))]
+    {
+        let _ = a;
+        Err(Error::new(
+            pdxfer::Status::Unsupported,
+            "pdxfer bench --transport nccl needs pdxfer built with the `nccl` feature",
+        ))
+    }
 }
 
 #[cfg(test)]
