@@ -372,7 +372,8 @@ impl Agent {
 /// grant named from the wrong instance stays held for its own sender) and,
 /// on tcp, once the bytes its pieces landed match the totals (parked until
 /// they did); the grant is then released, one completion record for the
-/// room delivered and RoomAck sent; otherwise RoomRefuse with the reason.
+/// room delivered (its batch id is the grant's token, its bytes the room's)
+/// and RoomAck sent; otherwise RoomRefuse with the reason.
 pub(super) fn room_end(a: &AgentInner, sess: &ReceiverSession, p: &[u8], peer: &ProcIdentity) {
     let e = match RoomEnd::decode(p) {
         Ok(e) => e,
