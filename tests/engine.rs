@@ -871,3 +871,29 @@ fn abort_failure_and_deadline_revoke_the_room_grants() {
     }
     assert_eq!(grants_held(&c), [0, 0], "revoked at the deadline");
 }
+
+/// With room grants a room reaches each decode rank as one completion
+/// record (after every byte landed), on every transport with grants.
+#[test]
+fn a_granted_room_is_one_completion_per_decode_rank_on_cma_tcp_and_rdma() {
+    for transport in [TransportKind::Cma, TransportKind::Tcp, TransportKind::Rdma] {
+        let name = format!("grant-records-{}", transport.name());
+        let mut c = cluster(&name, 1, 2, transport, 1 << 20);
+        let row_total = LAYERS as u64 * ROW;
+        // chunked: several KV batches and the aux batch per decode rank
+        assert_eq!(request(&mut c, 1, 300, 0, 3), 300 * row_total + 2 * 32);
+        for (r, (e, _)) in c.decode.iter().enumerate() {
+            let one = common::poll(Duration::from_secs(5), || {
+                (e.metrics_snapshot().received_batches >= 1).then_some(())
+            });
+            assert!(one.is_some(), "{name}: decode {r} got no record");
+            std::thread::sleep(Duration::from_millis(150)); // a later drain
+            assert_eq!(
+                e.metrics_snapshot().received_batches,
+                1,
+                "{name}: decode {r}: one record for the room"
+            );
+        }
+        assert_eq!(grants_held(&c), [0, 0], "{name}");
+    }
+}
