@@ -108,6 +108,11 @@ pub struct EngineConfig {
     /// Prefill: keepalive interval of the idle data connections to decode
     /// ranks (shorter than their `idle_timeout`).
     pub keepalive: Duration,
+    /// Decode: grant each room's rows to its prefill ranks once, with the
+    /// metadata, so their batches skip the per-batch round trip where the
+    /// data connection supports it (cma, tcp, rdma); `false` keeps the per-batch
+    /// grant for every batch.
+    pub room_grants: bool,
     /// Test knobs of the engine's agent (e.g. the software RDMA fabric);
     /// the default is production behaviour.
     #[cfg(any(test, feature = "testing"))]
@@ -147,6 +152,7 @@ impl EngineConfig {
             listen_limits: ListenLimits::default(),
             handshake_timeout: Duration::from_secs(10),
             idle_timeout: Duration::from_secs(120),
+            room_grants: true,
             pin_timeout: Duration::from_secs(60),
             keepalive: Duration::from_secs(15),
             #[cfg(any(test, feature = "testing"))]

@@ -43,6 +43,38 @@ impl RegionMap {
     }
 }
 
+/// The grant part of a Meta: the token the receiver issued and whom for;
+/// the ranges follow from the Meta's pages and rows (the same on both sides).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MetaGrant {
+    /// The grant's token.
+    pub token: u64,
+    /// The decode's epoch of the room (its attempt).
+    pub epoch: u64,
+    /// The prefill instance the grant is for.
+    pub grantee: [u8; 16],
+    /// Milliseconds the grant lives from its issue.
+    pub expires_in_ms: u64,
+}
+
+impl MetaGrant {
+    /// The grant as the transport takes it, with its ranges.
+    pub(crate) fn with_ranges(
+        &self,
+        room: u64,
+        ranges: Vec<crate::transport::room::GrantRange>,
+    ) -> crate::transport::room::RoomGrant {
+        crate::transport::room::RoomGrant {
+            token: self.token,
+            room,
+            epoch: self.epoch,
+            grantee: self.grantee,
+            expires_in_ms: self.expires_in_ms,
+            ranges,
+        }
+    }
+}
+
 /// One control message.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "type", rename_all = "snake_case")]
@@ -101,6 +133,9 @@ pub enum CtlMsg {
         required_dst_info_num: u32,
         /// Room deadline in milliseconds (0: the prefill's default).
         timeout_ms: u64,
+        /// The room's grant to this prefill rank, when the decode issued one.
+        #[serde(default)]
+        grant: Option<MetaGrant>,
     },
     /// Decode -> prefill: give up the room.
     Abort {
@@ -231,6 +266,7 @@ impl CtlWriter {
         line.push(b'\n');
         let mut s = self.stream.lock().unwrap_or_else(|p| p.into_inner());
         s.write_all(&line)?;
+        crate::transport::control_counts::engine_sent();
         Ok(())
     }
 
@@ -281,6 +317,7 @@ impl CtlReader {
                 },
             ));
         }
+        crate::transport::control_counts::engine_received();
         decode_line(&self.buf[..n - 1]).map(Some)
     }
 }

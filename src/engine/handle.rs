@@ -154,6 +154,7 @@ impl Engine {
     /// Forgets a terminal room (refused while writes for it are in flight).
     pub fn clear(&self, room: u64) -> Result<()> {
         lock(&self.inner.rooms).clear(room)?;
+        self.inner.revoke_room_grants(room, None);
         lock(&self.inner.prefill_rooms).remove(&room);
         lock(&self.inner.decode_rooms).remove(&room);
         Ok(())
@@ -353,6 +354,9 @@ impl Inner {
     /// reaches a C or Python host through the log callback).
     pub(super) fn fail_room(&self, room: u64, attempt: u64, e: Error) {
         let peers = self.room_peers(room);
+        if self.cfg.role == Role::Decode {
+            self.revoke_room_grants(room, None);
+        }
         if lock(&self.rooms).fail(room, attempt, e.clone()) {
             log::warn!(
                 "{} room {room} failed, peers [{peers}]: {} ({}): {}",

@@ -44,6 +44,7 @@ mod metrics_http;
 mod nccl_link;
 mod prefill;
 pub mod room;
+mod room_grants;
 mod setup;
 mod staging;
 pub mod synthetic;

@@ -58,6 +58,14 @@ pub(super) fn worker_loop(
         let r = catch("transfer worker", || {
             run_job(&inner, idx, &job, stage.as_mut())
         });
+        // the last chunk closes the room's grants: one round trip per decode rank
+        let r = r.and_then(|()| {
+            if last {
+                close_grants(&inner, room, attempt)
+            } else {
+                Ok(())
+            }
+        });
         match r {
             Ok(()) if last => {
                 if lock(&inner.rooms)
@@ -70,6 +78,7 @@ pub(super) fn worker_loop(
             }
             Ok(()) => {}
             Err(e) => {
+                forget_grants(&inner, room, attempt);
                 inner.fail_room(room, attempt, e.clone());
                 notify_decode(&inner, room, false, Some(e));
             }
@@ -171,6 +180,7 @@ fn send_chunk(
                 format!("decode rank instance {} is gone", m.link.hello.instance_id),
             ));
         }
+        open_grant(m, job.attempt)?;
         let dt = &m.link.hello.topology;
         let dst_l = DcpLayout::new(
             u64::from(dt.page_size),
@@ -315,6 +325,69 @@ fn send_chunk(
         }
     }
     Ok(sent)
+}
+
+/// Opens the room's grant from decode rank `m` on its data connection
+/// (again on each chunk: a no-op once open); a transport without grants
+/// keeps the per-batch protocol.
+fn open_grant(m: &MetaInfo, epoch: u64) -> Result<()> {
+    let Some(g) = &m.grant else { return Ok(()) };
+    match m.link.data().open_room(g, epoch) {
+        Err(e) if e.status() == Status::Unsupported => Ok(()),
+        Err(e) => Err(Error::new(
+            e.status(),
+            format!(
+                "room {}: opening the grant of decode rank instance {}: {}",
+                g.room,
+                m.link.hello.instance_id,
+                e.detail()
+            ),
+        )),
+        Ok(()) => Ok(()),
+    }
+}
+
+/// Closes the room's grants once every batch completed: one RoomEnd /
+/// RoomAck per decode rank whose connection opened one (after every byte
+/// landed on it), before the room is reported done.
+fn close_grants(inner: &Inner, room: u64, attempt: u64) -> Result<()> {
+    let infos = lock(&inner.prefill_rooms)
+        .get(&room)
+        .map(|r| r.infos.clone())
+        .unwrap_or_default();
+    for m in infos.iter().filter(|m| m.grant.is_some()) {
+        match m
+            .link
+            .data()
+            .close_room(room, attempt, inner.cfg.batch_timeout)
+        {
+            Ok(_) => {}
+            // never opened here: the transport has no grants, or the link was remade
+            Err(e) if matches!(e.status(), Status::Unsupported | Status::UnknownRoom) => {}
+            Err(e) => {
+                return Err(Error::new(
+                    e.status(),
+                    format!(
+                        "room {room}: closing the grant of decode rank instance {}: {}",
+                        m.link.hello.instance_id,
+                        e.detail()
+                    ),
+                ))
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Forgets the room's open grants after a failure (the decode revokes them).
+fn forget_grants(inner: &Inner, room: u64, attempt: u64) {
+    let infos = lock(&inner.prefill_rooms)
+        .get(&room)
+        .map(|r| r.infos.clone())
+        .unwrap_or_default();
+    for m in infos.iter().filter(|m| m.grant.is_some()) {
+        m.link.data().forget_room(room, attempt);
+    }
 }
 
 /// Stamps the room's queued time (the chunk's, once).

@@ -31,12 +31,14 @@ mod batch;
 pub mod checksum;
 pub mod cma;
 mod conn;
+pub mod control_counts;
 pub mod handshake;
 pub mod identity;
 pub mod listen;
 pub mod local;
 pub mod nccl;
 pub mod peer_auth;
+pub mod room;
 // Nothing in the RDMA transport crosses the C ABI: keep its items out of pdxfer.h.
 /// cbindgen:ignore
 pub mod rdma;
@@ -372,6 +374,43 @@ pub trait Transport: Send + Sync {
                 self.kind().name()
             ),
         ))
+    }
+
+    /// Opens a room grant (issued by the receiver's
+    /// [`Agent::grant_room`] for this side's instance) on this connection:
+    /// from now on the batches whose options carry `grant.room` and `epoch`
+    /// (and no checksum) are checked against the grant's ranges on this side
+    /// (`OutOfBounds` naming the room for one outside it: nothing is written)
+    /// and skip the per-batch exchange with the receiver. A grant for another
+    /// instance is refused with `PeerIdentity`. Transports that keep the
+    /// per-batch protocol (local) answer `Unsupported`; their batches are unchanged.
+    fn open_room(&self, grant: &room::RoomGrant, epoch: u64) -> Result<()> {
+        let _ = (grant, epoch);
+        Err(crate::Error::new(
+            crate::Status::Unsupported,
+            format!(
+                "the {} transport has no room grants; its batches use the per-batch protocol",
+                self.kind().name()
+            ),
+        ))
+    }
+
+    /// Closes an open room: waits (within `timeout`) for its batches, then one
+    /// round trip: the receiver checks the totals, releases the grant and
+    /// acknowledges once every byte landed. Fails when a batch of the room
+    /// failed, or the receiver refused (revoked, expired or foreign grant).
+    fn close_room(&self, room: u64, epoch: u64, timeout: Duration) -> Result<room::RoomSummary> {
+        let _ = (room, epoch, timeout);
+        Err(crate::Error::new(
+            crate::Status::Unsupported,
+            format!("the {} transport has no room grants", self.kind().name()),
+        ))
+    }
+
+    /// Forgets an open room without closing it (after a failure: the
+    /// receiver revokes its grant itself).
+    fn forget_room(&self, room: u64, epoch: u64) {
+        let _ = (room, epoch);
     }
 
     /// The current status of a batch. A terminal status (`Done`, `Failed`)
