@@ -34,6 +34,16 @@ pub(super) struct DecodeRoom {
     pub(super) bytes: u64,
     pub(super) abort_acks: usize,
     pub(super) state_indices: Vec<u64>,
+    /// What this decode named for the room in its last `send_metadata`
+    /// (transport nccl checks each chunk against it).
+    pub(super) named: Option<NamedPages>,
+}
+
+/// The decode pages and prefix a decode named for a room.
+#[cfg_attr(not(feature = "nccl"), allow(dead_code))]
+pub(super) struct NamedPages {
+    pub(super) dst_pages: Vec<u64>,
+    pub(super) decode_prefix_len: u64,
 }
 
 impl Engine {
@@ -63,6 +73,7 @@ impl Engine {
                         bytes: 0,
                         abort_acks: 0,
                         state_indices: Vec::new(),
+                        named: None,
                     },
                 );
                 Ok(())
@@ -140,6 +151,16 @@ impl Engine {
         if let Some(t) = lock(&self.inner.rooms).times_mut(room, attempt) {
             RoomTimes::stamp(&mut t.queued, Instant::now());
             t.transport.get_or_insert(self.inner.cfg.transport.name());
+        }
+        // recorded before any prefill can act on it
+        if let Some(r) = lock(&self.inner.decode_rooms)
+            .get_mut(&room)
+            .filter(|r| r.attempt == attempt)
+        {
+            r.named = Some(NamedPages {
+                dst_pages: dst_pages.to_vec(),
+                decode_prefix_len,
+            });
         }
         for t in &targets {
             let m = CtlMsg::Meta {
