@@ -12,8 +12,10 @@
 //! at its deadline, no hang, and the next room to that decode gets a fresh
 //! communicator and lands whole); an abort mid-transfer (fenced, the prefill
 //! fails `aborted`); a digest mismatch (`nccl_plan_mismatch` on both sides);
-//! a killed decode (`peer_unreachable` before the deadline); and engines
-//! closed mid-transfer (prompt, the peers' rooms fail).
+//! a killed decode (`peer_unreachable` before the deadline); engines
+//! closed mid-transfer (prompt, the peers' rooms fail); and a prefill whose
+//! chunks name another live room's decode pages (refused `out_of_bounds`
+//! before posting, the other room's bytes unchanged).
 #![cfg(all(feature = "nccl", feature = "testing"))]
 
 use pdxfer::bootstrap::schema::Role;
@@ -109,6 +111,7 @@ fn engines_over_nccl_on_the_fakes() {
         "mismatch",
         "killed",
         "decode_close",
+        "forged",
     ];
     let kids: Vec<_> = cases
         .iter()
@@ -289,6 +292,20 @@ fn prefill_engine(
     room_timeout: Duration,
     never_send: Vec<u64>,
 ) -> Prefill {
+    prefill_engine_with(g, cluster, url, room_timeout, |cfg| {
+        cfg.testing.nccl_plan = plan;
+        cfg.testing.nccl_never_send_rooms = never_send;
+    })
+}
+
+/// The prefill, with test knobs set by `knobs`.
+fn prefill_engine_with(
+    g: &GpuRelayout,
+    cluster: &str,
+    url: &str,
+    room_timeout: Duration,
+    knobs: impl FnOnce(&mut EngineConfig),
+) -> Prefill {
     let host = SyntheticPools::new(LAYERS, ROW, PAGE, PAGES, 8, 32).unwrap();
     let (bufs, kv) = on_device(g, &host);
     let mut cfg = EngineConfig::new(Role::Prefill, cluster, url, host.topology(1, 0), kv);
@@ -297,8 +314,7 @@ fn prefill_engine(
     cfg.aux = host.aux_buffers();
     cfg.transport = TransportKind::Nccl;
     cfg.room_timeout = room_timeout;
-    cfg.testing.nccl_plan = plan;
-    cfg.testing.nccl_never_send_rooms = never_send;
+    knobs(&mut cfg);
     // SAFETY: the device pools and aux live in `Prefill` beside the engine.
     let engine = unsafe { Engine::new(cfg) }.unwrap();
     Prefill { engine, host, bufs }
@@ -525,6 +541,7 @@ fn child_nccl_engine() {
         }
         "killed" => killed(&g, &cluster, &url),
         "decode_close" => decode_close(&g, &cluster, &url),
+        "forged" => forged(&g, &cluster, &url),
         other => panic!("unknown case {other}"),
     }
     println!("nccl engine child {case}: all checks passed");
@@ -742,4 +759,79 @@ fn child_nccl_decode_process() {
     // the parent kills this process
     std::thread::sleep(Duration::from_secs(60));
     panic!("the decode process was not killed");
+}
+
+/// Lands a room of `total` tokens into decode pages `dst` (DCP 1, no
+/// prefix) and checks every byte of it on the decode.
+fn land(g: &GpuRelayout, p: &mut Prefill, d: &mut Decode, room: u64, dst: &[u64], total: u64) {
+    let (src, _, n) = room_pages(room, 1, 0, total);
+    fill(g, p, room, &src, 0, total);
+    open_decodes(&[d], room, dst, 0, Duration::from_secs(20));
+    send_room(&p.engine, room, &src, 100, n);
+    for e in [&p.engine, &d.engine] {
+        assert_eq!(
+            e.wait(room, Duration::from_secs(20)),
+            KvPoll::Success,
+            "room {room}: {:?}",
+            e.failure(room)
+        );
+    }
+    let got = verify(d, room, 1, 0, dst, 0, total);
+    assert_eq!(got, n * LAYERS as u64 * ROW + 32, "room {room}");
+}
+
+/// Every byte of the decode's device pools.
+fn pool_bytes(d: &Decode) -> Vec<Vec<u8>> {
+    d.bufs
+        .iter()
+        .map(|b| {
+            let mut v = vec![0u8; b.len()];
+            b.read(0, &mut v).unwrap();
+            v
+        })
+        .collect()
+}
+
+/// A prefill whose chunks of room 41 name the decode pages of room 40, a
+/// room the decode holds (the test knob forges the pages the prefill plans,
+/// gathers and names): the decode refuses the chunk before posting, both
+/// sides fail room 41 `out_of_bounds` naming the prefill and the room, no
+/// byte of the decode's pools changes (room 40 reads back whole), and the
+/// next honest room lands.
+fn forged(g: &GpuRelayout, cluster: &str, url: &str) {
+    // 100 tokens: 7 pages of 16 per room, disjoint on the decode
+    let total = 100;
+    let pages = |first: u64| (first..first + 7).collect::<Vec<u64>>();
+    let (dst40, dst41, dst42) = (pages(0), pages(8), pages(16));
+    let forged_pages = dst40.clone();
+    let mut p = prefill_engine_with(g, cluster, url, Duration::from_secs(20), |cfg| {
+        cfg.testing.nccl_forge_dst_pages = vec![(41, forged_pages)];
+    });
+    let mut d = decode_engine(g, cluster, url, 1, 0, None, vec![]);
+    land(g, &mut p, &mut d, 40, &dst40, total);
+    let before = pool_bytes(&d);
+    let (src, _, n) = room_pages(41, 1, 0, total);
+    fill(g, &mut p, 41, &src, 0, total);
+    open_decodes(&[&d], 41, &dst41, 0, Duration::from_secs(20));
+    send_room(&p.engine, 41, &src, 100, n);
+    let e = failed(&d.engine, 41, Duration::from_secs(10), "forged, decode");
+    assert_eq!(e.status(), Status::OutOfBounds, "{e}");
+    for want in ["from prefill", "room 41", "nothing was posted"] {
+        assert!(e.detail().contains(want), "{want:?} not in: {e}");
+    }
+    let pe = failed(&p.engine, 41, Duration::from_secs(10), "forged, prefill");
+    assert_eq!(pe.status(), Status::OutOfBounds, "{pe}");
+    assert!(pe.detail().contains("decode rank instance"), "{pe}");
+    assert!(
+        pool_bytes(&d) == before,
+        "bytes landed in the decode's pools despite the refusal"
+    );
+    assert_eq!(d.engine.poll(40), KvPoll::Success);
+    let got = verify(&mut d, 40, 1, 0, &dst40, 0, total);
+    assert_eq!(got, (total * LAYERS as u64 * ROW) + 32, "room 40");
+    println!("forged: a chunk naming room 40's pages for room 41 was refused: {e}");
+    land(g, &mut p, &mut d, 42, &dst42, total);
+    println!("forged: the next honest room landed, every byte checked");
+    p.engine.close();
+    d.engine.close();
 }
