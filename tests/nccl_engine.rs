@@ -419,21 +419,40 @@ fn failed(e: &Engine, room: u64, within: Duration, what: &str) -> pdxfer::Error 
     e.failure(room).unwrap()
 }
 
-/// The fake libnccl's (aborts, destroys, live communicators) in this process.
-fn fake_nccl_counts() -> (u64, u64, u64) {
+/// A function of the fake libnccl loaded in this process.
+fn fake_nccl_symbol(name: &std::ffi::CStr) -> *mut libc::c_void {
     let path = std::ffi::CString::new(env("PDXFER_NCCL")).unwrap();
-    // SAFETY: the already-loaded fake (RTLD_NOLOAD) and its counter function
-    // `void (unsigned long long*, unsigned long long*, unsigned long long*)`.
+    // SAFETY: dlopen with RTLD_NOLOAD only finds the already-loaded fake;
+    // dlsym looks a name up in it. Both take valid C strings.
     unsafe {
         let h = libc::dlopen(path.as_ptr(), libc::RTLD_NOW | libc::RTLD_NOLOAD);
         assert!(!h.is_null(), "the fake libnccl is not loaded");
-        let f = libc::dlsym(h, c"pdx_fake_nccl_counts".as_ptr());
+        let f = libc::dlsym(h, name.as_ptr());
         assert!(!f.is_null(), "not the fake libnccl");
-        let f: extern "C" fn(*mut u64, *mut u64, *mut u64) = std::mem::transmute(f);
-        let (mut a, mut d, mut l) = (0, 0, 0);
-        f(&mut a, &mut d, &mut l);
-        (a, d, l)
+        f
     }
+}
+
+/// The fake libnccl's (aborts, destroys, live communicators) in this process.
+fn fake_nccl_counts() -> (u64, u64, u64) {
+    let f = fake_nccl_symbol(c"pdx_fake_nccl_counts");
+    // SAFETY: the fake's counter function is
+    // `void (unsigned long long*, unsigned long long*, unsigned long long*)`.
+    let f: extern "C" fn(*mut u64, *mut u64, *mut u64) = unsafe { std::mem::transmute(f) };
+    let (mut a, mut d, mut l) = (0, 0, 0);
+    f(&mut a, &mut d, &mut l);
+    (a, d, l)
+}
+
+/// The fake libnccl's aborts of rank 0 (prefill) and rank 1 (decode)
+/// communicators in this process.
+fn fake_nccl_rank_aborts() -> (u64, u64) {
+    let f = fake_nccl_symbol(c"pdx_fake_nccl_rank_aborts");
+    // SAFETY: the fake's function is `void (unsigned long long*, unsigned long long*)`.
+    let f: extern "C" fn(*mut u64, *mut u64) = unsafe { std::mem::transmute(f) };
+    let (mut p, mut d) = (0, 0);
+    f(&mut p, &mut d);
+    (p, d)
 }
 
 #[test]
@@ -692,8 +711,9 @@ fn decode_close(g: &GpuRelayout, cluster: &str, url: &str) {
     send_room(&p.engine, 30, &src, 100, n);
     std::thread::sleep(Duration::from_millis(500));
     assert_eq!(d.engine.poll(30), KvPoll::WaitingForInput);
-    let (aborts_before, _, live) = fake_nccl_counts();
+    let (_, _, live) = fake_nccl_counts();
     assert_eq!(live, 2, "both ends of the link's communicator");
+    let (_, decode_aborts) = fake_nccl_rank_aborts();
     let t0 = Instant::now();
     d.engine.close();
     assert!(
@@ -701,10 +721,11 @@ fn decode_close(g: &GpuRelayout, cluster: &str, url: &str) {
         "close took {:?}",
         t0.elapsed()
     );
-    let (aborts, _, _) = fake_nccl_counts();
+    // counted by rank: the prefill may abort its end at the same time, as
+    // it sees the control connection close
     assert_eq!(
-        aborts,
-        aborts_before + 1,
+        fake_nccl_rank_aborts().1,
+        decode_aborts + 1,
         "the decode's communicator was not aborted"
     );
     // the pools and the engine go now: no NCCL op may still use them
