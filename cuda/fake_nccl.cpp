@@ -28,7 +28,8 @@
 // - ncclCommAbort makes the communicator's pending ops finish at once (their
 //   streams drain) without moving bytes; ncclCommFinalize is ncclInProgress
 //   while ops are pending, then ncclSuccess; ncclCommDestroy frees.
-// - pdx_fake_nccl_counts reports aborts, destroys and live communicators.
+// - pdx_fake_nccl_counts reports aborts, destroys and live communicators;
+//   pdx_fake_nccl_rank_aborts the aborts of each rank's communicators.
 //
 // What this fake does not model:
 // - a peer process that dies: nothing notices (as with NVLink P2P, where
@@ -146,6 +147,7 @@ static unsigned long long g_counter = 0;
 static std::atomic<int> g_fault{0};
 static std::atomic<long> g_groups{0};
 static std::atomic<unsigned long long> g_aborts{0}, g_destroys{0}, g_live{0};
+static std::atomic<unsigned long long> g_rank_aborts[2] = {{0}, {0}};
 
 static long env_or(const char* name, long dflt) {
     const char* v = getenv(name);
@@ -366,6 +368,7 @@ int ncclCommAbort(void* comm) {
     if (h == nullptr) return ncclSuccess;
     h->st->aborted.store(true);
     h->st->sh->aborted[h->st->rank].store(1);
+    g_rank_aborts[h->st->rank & 1].fetch_add(1);
     delete h;  // pending steps keep the state until they finish
     g_aborts.fetch_add(1);
     g_live.fetch_sub(1);
@@ -421,5 +424,9 @@ void pdx_fake_nccl_counts(unsigned long long* aborts, unsigned long long* destro
     *aborts = g_aborts.load();
     *destroys = g_destroys.load();
     *live = g_live.load();
+}
+void pdx_fake_nccl_rank_aborts(unsigned long long* rank0, unsigned long long* rank1) {
+    *rank0 = g_rank_aborts[0].load();
+    *rank1 = g_rank_aborts[1].load();
 }
 }

@@ -12,8 +12,10 @@
 //! at its deadline, no hang, and the next room to that decode gets a fresh
 //! communicator and lands whole); an abort mid-transfer (fenced, the prefill
 //! fails `aborted`); a digest mismatch (`nccl_plan_mismatch` on both sides);
-//! a killed decode (`peer_unreachable` before the deadline); and engines
-//! closed mid-transfer (prompt, the peers' rooms fail).
+//! a killed decode (`peer_unreachable` before the deadline); engines
+//! closed mid-transfer (prompt, the peers' rooms fail); and a prefill whose
+//! chunks name another live room's decode pages (refused `out_of_bounds`
+//! before posting, the other room's bytes unchanged).
 #![cfg(all(feature = "nccl", feature = "testing"))]
 
 use pdxfer::bootstrap::schema::Role;
@@ -109,6 +111,7 @@ fn engines_over_nccl_on_the_fakes() {
         "mismatch",
         "killed",
         "decode_close",
+        "forged",
     ];
     let kids: Vec<_> = cases
         .iter()
@@ -289,6 +292,20 @@ fn prefill_engine(
     room_timeout: Duration,
     never_send: Vec<u64>,
 ) -> Prefill {
+    prefill_engine_with(g, cluster, url, room_timeout, |cfg| {
+        cfg.testing.nccl_plan = plan;
+        cfg.testing.nccl_never_send_rooms = never_send;
+    })
+}
+
+/// The prefill, with test knobs set by `knobs`.
+fn prefill_engine_with(
+    g: &GpuRelayout,
+    cluster: &str,
+    url: &str,
+    room_timeout: Duration,
+    knobs: impl FnOnce(&mut EngineConfig),
+) -> Prefill {
     let host = SyntheticPools::new(LAYERS, ROW, PAGE, PAGES, 8, 32).unwrap();
     let (bufs, kv) = on_device(g, &host);
     let mut cfg = EngineConfig::new(Role::Prefill, cluster, url, host.topology(1, 0), kv);
@@ -297,8 +314,7 @@ fn prefill_engine(
     cfg.aux = host.aux_buffers();
     cfg.transport = TransportKind::Nccl;
     cfg.room_timeout = room_timeout;
-    cfg.testing.nccl_plan = plan;
-    cfg.testing.nccl_never_send_rooms = never_send;
+    knobs(&mut cfg);
     // SAFETY: the device pools and aux live in `Prefill` beside the engine.
     let engine = unsafe { Engine::new(cfg) }.unwrap();
     Prefill { engine, host, bufs }
@@ -403,21 +419,40 @@ fn failed(e: &Engine, room: u64, within: Duration, what: &str) -> pdxfer::Error 
     e.failure(room).unwrap()
 }
 
-/// The fake libnccl's (aborts, destroys, live communicators) in this process.
-fn fake_nccl_counts() -> (u64, u64, u64) {
+/// A function of the fake libnccl loaded in this process.
+fn fake_nccl_symbol(name: &std::ffi::CStr) -> *mut libc::c_void {
     let path = std::ffi::CString::new(env("PDXFER_NCCL")).unwrap();
-    // SAFETY: the already-loaded fake (RTLD_NOLOAD) and its counter function
-    // `void (unsigned long long*, unsigned long long*, unsigned long long*)`.
+    // SAFETY: dlopen with RTLD_NOLOAD only finds the already-loaded fake;
+    // dlsym looks a name up in it. Both take valid C strings.
     unsafe {
         let h = libc::dlopen(path.as_ptr(), libc::RTLD_NOW | libc::RTLD_NOLOAD);
         assert!(!h.is_null(), "the fake libnccl is not loaded");
-        let f = libc::dlsym(h, c"pdx_fake_nccl_counts".as_ptr());
+        let f = libc::dlsym(h, name.as_ptr());
         assert!(!f.is_null(), "not the fake libnccl");
-        let f: extern "C" fn(*mut u64, *mut u64, *mut u64) = std::mem::transmute(f);
-        let (mut a, mut d, mut l) = (0, 0, 0);
-        f(&mut a, &mut d, &mut l);
-        (a, d, l)
+        f
     }
+}
+
+/// The fake libnccl's (aborts, destroys, live communicators) in this process.
+fn fake_nccl_counts() -> (u64, u64, u64) {
+    let f = fake_nccl_symbol(c"pdx_fake_nccl_counts");
+    // SAFETY: the fake's counter function is
+    // `void (unsigned long long*, unsigned long long*, unsigned long long*)`.
+    let f: extern "C" fn(*mut u64, *mut u64, *mut u64) = unsafe { std::mem::transmute(f) };
+    let (mut a, mut d, mut l) = (0, 0, 0);
+    f(&mut a, &mut d, &mut l);
+    (a, d, l)
+}
+
+/// The fake libnccl's aborts of rank 0 (prefill) and rank 1 (decode)
+/// communicators in this process.
+fn fake_nccl_rank_aborts() -> (u64, u64) {
+    let f = fake_nccl_symbol(c"pdx_fake_nccl_rank_aborts");
+    // SAFETY: the fake's function is `void (unsigned long long*, unsigned long long*)`.
+    let f: extern "C" fn(*mut u64, *mut u64) = unsafe { std::mem::transmute(f) };
+    let (mut p, mut d) = (0, 0);
+    f(&mut p, &mut d);
+    (p, d)
 }
 
 #[test]
@@ -525,6 +560,7 @@ fn child_nccl_engine() {
         }
         "killed" => killed(&g, &cluster, &url),
         "decode_close" => decode_close(&g, &cluster, &url),
+        "forged" => forged(&g, &cluster, &url),
         other => panic!("unknown case {other}"),
     }
     println!("nccl engine child {case}: all checks passed");
@@ -675,8 +711,9 @@ fn decode_close(g: &GpuRelayout, cluster: &str, url: &str) {
     send_room(&p.engine, 30, &src, 100, n);
     std::thread::sleep(Duration::from_millis(500));
     assert_eq!(d.engine.poll(30), KvPoll::WaitingForInput);
-    let (aborts_before, _, live) = fake_nccl_counts();
+    let (_, _, live) = fake_nccl_counts();
     assert_eq!(live, 2, "both ends of the link's communicator");
+    let (_, decode_aborts) = fake_nccl_rank_aborts();
     let t0 = Instant::now();
     d.engine.close();
     assert!(
@@ -684,10 +721,11 @@ fn decode_close(g: &GpuRelayout, cluster: &str, url: &str) {
         "close took {:?}",
         t0.elapsed()
     );
-    let (aborts, _, _) = fake_nccl_counts();
+    // counted by rank: the prefill may abort its end at the same time, as
+    // it sees the control connection close
     assert_eq!(
-        aborts,
-        aborts_before + 1,
+        fake_nccl_rank_aborts().1,
+        decode_aborts + 1,
         "the decode's communicator was not aborted"
     );
     // the pools and the engine go now: no NCCL op may still use them
@@ -742,4 +780,79 @@ fn child_nccl_decode_process() {
     // the parent kills this process
     std::thread::sleep(Duration::from_secs(60));
     panic!("the decode process was not killed");
+}
+
+/// Lands a room of `total` tokens into decode pages `dst` (DCP 1, no
+/// prefix) and checks every byte of it on the decode.
+fn land(g: &GpuRelayout, p: &mut Prefill, d: &mut Decode, room: u64, dst: &[u64], total: u64) {
+    let (src, _, n) = room_pages(room, 1, 0, total);
+    fill(g, p, room, &src, 0, total);
+    open_decodes(&[d], room, dst, 0, Duration::from_secs(20));
+    send_room(&p.engine, room, &src, 100, n);
+    for e in [&p.engine, &d.engine] {
+        assert_eq!(
+            e.wait(room, Duration::from_secs(20)),
+            KvPoll::Success,
+            "room {room}: {:?}",
+            e.failure(room)
+        );
+    }
+    let got = verify(d, room, 1, 0, dst, 0, total);
+    assert_eq!(got, n * LAYERS as u64 * ROW + 32, "room {room}");
+}
+
+/// Every byte of the decode's device pools.
+fn pool_bytes(d: &Decode) -> Vec<Vec<u8>> {
+    d.bufs
+        .iter()
+        .map(|b| {
+            let mut v = vec![0u8; b.len()];
+            b.read(0, &mut v).unwrap();
+            v
+        })
+        .collect()
+}
+
+/// A prefill whose chunks of room 41 name the decode pages of room 40, a
+/// room the decode holds (the test knob forges the pages the prefill plans,
+/// gathers and names): the decode refuses the chunk before posting, both
+/// sides fail room 41 `out_of_bounds` naming the prefill and the room, no
+/// byte of the decode's pools changes (room 40 reads back whole), and the
+/// next honest room lands.
+fn forged(g: &GpuRelayout, cluster: &str, url: &str) {
+    // 100 tokens: 7 pages of 16 per room, disjoint on the decode
+    let total = 100;
+    let pages = |first: u64| (first..first + 7).collect::<Vec<u64>>();
+    let (dst40, dst41, dst42) = (pages(0), pages(8), pages(16));
+    let forged_pages = dst40.clone();
+    let mut p = prefill_engine_with(g, cluster, url, Duration::from_secs(20), |cfg| {
+        cfg.testing.nccl_forge_dst_pages = vec![(41, forged_pages)];
+    });
+    let mut d = decode_engine(g, cluster, url, 1, 0, None, vec![]);
+    land(g, &mut p, &mut d, 40, &dst40, total);
+    let before = pool_bytes(&d);
+    let (src, _, n) = room_pages(41, 1, 0, total);
+    fill(g, &mut p, 41, &src, 0, total);
+    open_decodes(&[&d], 41, &dst41, 0, Duration::from_secs(20));
+    send_room(&p.engine, 41, &src, 100, n);
+    let e = failed(&d.engine, 41, Duration::from_secs(10), "forged, decode");
+    assert_eq!(e.status(), Status::OutOfBounds, "{e}");
+    for want in ["from prefill", "room 41", "nothing was posted"] {
+        assert!(e.detail().contains(want), "{want:?} not in: {e}");
+    }
+    let pe = failed(&p.engine, 41, Duration::from_secs(10), "forged, prefill");
+    assert_eq!(pe.status(), Status::OutOfBounds, "{pe}");
+    assert!(pe.detail().contains("decode rank instance"), "{pe}");
+    assert!(
+        pool_bytes(&d) == before,
+        "bytes landed in the decode's pools despite the refusal"
+    );
+    assert_eq!(d.engine.poll(40), KvPoll::Success);
+    let got = verify(&mut d, 40, 1, 0, &dst40, 0, total);
+    assert_eq!(got, (total * LAYERS as u64 * ROW) + 32, "room 40");
+    println!("forged: a chunk naming room 40's pages for room 41 was refused: {e}");
+    land(g, &mut p, &mut d, 42, &dst42, total);
+    println!("forged: the next honest room landed, every byte checked");
+    p.engine.close();
+    d.engine.close();
 }

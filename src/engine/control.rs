@@ -197,9 +197,9 @@ pub enum CtlMsg {
         /// The prefill's pages of the chunk (they shape the plan's runs).
         src_pages: Vec<u64>,
         /// The decode pages of the room, as the decode's metadata gave them
-        /// (the decode checks they lie inside its pools).
+        /// (the decode refuses a chunk naming others, and plans from its own).
         dst_pages: Vec<u64>,
-        /// The decode prefix of the room's metadata.
+        /// The decode prefix of the room's metadata (checked the same way).
         decode_prefix_len: u64,
         /// The prefill plan's digest (`NcclPlan::digest`).
         digest: u64,

@@ -39,6 +39,16 @@ pub(super) struct DecodeRoom {
     pub(super) state_indices: Vec<u64>,
     /// The room's grants to its prefill ranks: (prefill instance, token).
     pub(super) grants: Vec<(u128, u64)>,
+    /// What this decode named for the room in its last `send_metadata`
+    /// (transport nccl checks each chunk against it).
+    pub(super) named: Option<NamedPages>,
+}
+
+/// The decode pages and prefix a decode named for a room.
+#[cfg_attr(not(feature = "nccl"), allow(dead_code))]
+pub(super) struct NamedPages {
+    pub(super) dst_pages: Vec<u64>,
+    pub(super) decode_prefix_len: u64,
 }
 
 impl Engine {
@@ -69,6 +79,7 @@ impl Engine {
                         abort_acks: 0,
                         state_indices: Vec::new(),
                         grants: Vec::new(),
+                        named: None,
                     },
                 );
                 Ok(())
@@ -161,6 +172,16 @@ impl Engine {
         };
         // a new Meta for the room replaces its grants
         self.inner.revoke_room_grants(room, None);
+        // recorded before any prefill can act on it
+        if let Some(r) = lock(&self.inner.decode_rooms)
+            .get_mut(&room)
+            .filter(|r| r.attempt == attempt)
+        {
+            r.named = Some(NamedPages {
+                dst_pages: dst_pages.to_vec(),
+                decode_prefix_len,
+            });
+        }
         for t in &targets {
             let inst = t.registration.instance_id.0;
             let grant = if !self.inner.cfg.room_grants {

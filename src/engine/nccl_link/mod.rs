@@ -13,9 +13,14 @@
 //! Per chunk and decode rank the prefill gathers the pair's rows on its own
 //! stream into a device staging buffer and sends `nccl_chunk` (the chunk's
 //! pages, the decode's pages and the plan's digest). The decode's NCCL thread
-//! for that prefill link builds the same plan from the message and its own
-//! geometry; a different digest is `nccl_plan_mismatch` on both sides
-//! before anything is posted. Otherwise it answers `nccl_accepted`, posts
+//! for that prefill link trusts no decode page of the message: the room's
+//! attempt must be open here against that prefill, the decode pages and
+//! prefix the chunk names must be exactly those the decode's own metadata
+//! named for the room (else `out_of_bounds`, naming the prefill and the
+//! room), and it builds the plan from its own pages, prefix and geometry
+//! (the prefill's pages only shape the runs). A different digest is
+//! `nccl_plan_mismatch` on both sides. Any refusal comes before anything
+//! is posted. Otherwise it answers `nccl_accepted`, posts
 //! the recvs on its own stream (Direct into the pool rows, or Staged into a
 //! staging buffer scattered by the relayout kernel after), and answers
 //! `nccl_ready` once the recvs' completion event (and the scatter) ran. The

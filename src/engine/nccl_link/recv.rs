@@ -3,7 +3,7 @@
 //! chunk's recvs.
 
 use super::*;
-use crate::engine::decode::PrefillLink;
+use crate::engine::decode::{DecodeRoom, PrefillLink};
 use crate::layout::{PairRequest, Side};
 use crate::relayout::{
     self,
@@ -148,8 +148,8 @@ fn receiver_loop(
                     start,
                     num_tokens,
                     src_pages: &src_pages,
-                    dst_pages: &dst_pages,
-                    prefix: decode_prefix_len,
+                    claimed_dst_pages: &dst_pages,
+                    claimed_prefix: decode_prefix_len,
                     digest,
                 };
                 receive(&inner, &link, &mut st, &peer, &c);
@@ -210,9 +210,14 @@ struct Chunk<'a> {
     generation: u64,
     start: u64,
     num_tokens: u64,
+    /// The prefill's own pages: they shape the plan's runs, never where a
+    /// recv lands.
     src_pages: &'a [u64],
-    dst_pages: &'a [u64],
-    prefix: u64,
+    /// The decode pages and prefix the prefill says the room has: only
+    /// compared with what this decode named ([`named_pages`]); the plan
+    /// is built from the decode's own.
+    claimed_dst_pages: &'a [u64],
+    claimed_prefix: u64,
     digest: u64,
 }
 
@@ -256,10 +261,12 @@ fn receive(inner: &Inner, link: &PrefillLink, st: &mut Receiver, peer: &str, c: 
             e.status(),
             format!("nccl chunk at {} from {peer}: {}", c.start, e.detail()),
         );
+        // only a room this prefill serves: a chunk naming another's
+        // room is refused without touching it
         let attempt = lock(&inner.decode_rooms)
             .get(&c.room)
-            .map(|r| r.attempt)
-            .filter(|&a| a == c.attempt);
+            .filter(|r| r.attempt == c.attempt && targets(r, link))
+            .map(|r| r.attempt);
         if let Some(a) = attempt {
             inner.fail_room(c.room, a, local);
         }
@@ -292,16 +299,19 @@ fn receive(inner: &Inner, link: &PrefillLink, st: &mut Receiver, peer: &str, c: 
     inner.cv.notify_all();
 }
 
-/// The decode side's pair request of a chunk (owned page lists).
+/// The decode side's pair request of a chunk: the decode's own pages and
+/// prefix for the room, the prefill's pages from the message.
 struct ReqParts {
     src_layout: crate::layout::DcpLayout,
     src_rank: u64,
     dst_layout: crate::layout::DcpLayout,
     dst_rank: u64,
+    dst_pages: Vec<u64>,
+    dst_origin: u64,
 }
 
 impl ReqParts {
-    fn request<'a>(&self, c: &'a Chunk<'a>) -> PairRequest<'a> {
+    fn request<'a>(&'a self, c: &'a Chunk<'a>) -> PairRequest<'a> {
         PairRequest {
             src: Side {
                 layout: self.src_layout,
@@ -312,8 +322,8 @@ impl ReqParts {
             dst: Side {
                 layout: self.dst_layout,
                 rank: self.dst_rank,
-                pages: c.dst_pages,
-                origin: c.prefix,
+                pages: &self.dst_pages,
+                origin: self.dst_origin,
             },
             start: c.start,
             num_tokens: c.num_tokens,
@@ -321,9 +331,85 @@ impl ReqParts {
     }
 }
 
-/// Everything checked before anything is posted: the room, the
-/// communicator, the pages (inside this engine's pools), the plan and
-/// its digest, and every op's range.
+/// Whether decode room `r` targets prefill `link`.
+fn targets(r: &DecodeRoom, link: &PrefillLink) -> bool {
+    r.targets.iter().any(|t| std::ptr::eq(&**t, link))
+}
+
+/// The decode pages and prefix this decode named for the chunk's room in
+/// its metadata: the room's attempt must be open here against this
+/// prefill link, and the pages the chunk names must be exactly those
+/// (else `out_of_bounds`, naming the prefill and the room). The plan is
+/// built from what is returned, never from the message.
+fn named_pages(
+    inner: &Inner,
+    link: &PrefillLink,
+    peer: &str,
+    c: &Chunk<'_>,
+) -> Result<(Vec<u64>, u64)> {
+    let d = lock(&inner.decode_rooms);
+    let r = d
+        .get(&c.room)
+        .filter(|r| r.attempt == c.attempt && targets(r, link))
+        .ok_or_else(|| {
+            Error::new(
+                Status::UnknownRoom,
+                format!(
+                    "room {} attempt {} is not open here against {peer}",
+                    c.room, c.attempt
+                ),
+            )
+        })?;
+    let named = r.named.as_ref().ok_or_else(|| {
+        Error::new(
+            Status::OutOfBounds,
+            format!(
+                "{peer} sent a chunk of room {} before this decode named its pages; nothing was posted",
+                c.room
+            ),
+        )
+    })?;
+    if c.claimed_prefix != named.decode_prefix_len {
+        return Err(Error::new(
+            Status::OutOfBounds,
+            format!(
+                "{peer} named decode prefix {} for room {}, this decode named {}; nothing was posted",
+                c.claimed_prefix, c.room, named.decode_prefix_len
+            ),
+        ));
+    }
+    if c.claimed_dst_pages != named.dst_pages.as_slice() {
+        let at = c
+            .claimed_dst_pages
+            .iter()
+            .zip(&named.dst_pages)
+            .position(|(a, b)| a != b);
+        let why = match at {
+            Some(i) => format!(
+                "page {} at index {i} where this decode named page {}",
+                c.claimed_dst_pages[i], named.dst_pages[i]
+            ),
+            None => format!(
+                "{} pages where this decode named {}",
+                c.claimed_dst_pages.len(),
+                named.dst_pages.len()
+            ),
+        };
+        return Err(Error::new(
+            Status::OutOfBounds,
+            format!(
+                "{peer} named decode pages for room {} that this decode did not name for it ({why}); nothing was posted",
+                c.room
+            ),
+        ));
+    }
+    Ok((named.dst_pages.clone(), named.decode_prefix_len))
+}
+
+/// Everything checked before anything is posted: the room (open here
+/// against this prefill), the pages (exactly those this decode named for
+/// the room, inside its pools), the communicator, the plan (built from
+/// the decode's own pages) and its digest, and every op's range.
 fn accept(
     inner: &Inner,
     link: &PrefillLink,
@@ -332,15 +418,7 @@ fn accept(
     c: &Chunk<'_>,
 ) -> Result<(NcclPlan, ReqParts)> {
     room_live(inner, c.room, c.attempt)?;
-    let known = lock(&inner.decode_rooms)
-        .get(&c.room)
-        .is_some_and(|r| r.attempt == c.attempt);
-    if !known {
-        return Err(Error::new(
-            Status::UnknownRoom,
-            format!("room {} attempt {} is not open here", c.room, c.attempt),
-        ));
-    }
+    let (dst_pages, dst_origin) = named_pages(inner, link, peer, c)?;
     if st.generation != c.generation || st.pair.is_none() {
         let why = st.open_error.as_ref().map_or_else(
             || "it was dropped after a failure".to_string(),
@@ -354,7 +432,7 @@ fn accept(
             ),
         ));
     }
-    inner.cfg.check_pages(c.dst_pages, "dst_pages", "decode")?;
+    inner.cfg.check_pages(&dst_pages, "dst_pages", "decode")?;
     let topo = &inner.cfg.topology;
     let src = &link.registration.topology;
     let parts = ReqParts {
@@ -362,6 +440,8 @@ fn accept(
         src_rank: u64::from(src.dcp_rank),
         dst_layout: topo.dcp_layout()?,
         dst_rank: u64::from(topo.dcp_rank),
+        dst_pages,
+        dst_origin,
     };
     let req = parts.request(c);
     req.validate()?;

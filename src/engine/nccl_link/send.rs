@@ -296,6 +296,26 @@ fn post_locked(
 ) -> Result<()> {
     let (room, attempt) = (job.room, job.attempt);
     let key: LinkKey = (link.hello.instance_id, link.hello.epoch);
+    #[cfg(any(test, feature = "testing"))]
+    let forged;
+    #[cfg(any(test, feature = "testing"))]
+    let req = match inner
+        .cfg
+        .testing
+        .nccl_forge_dst_pages
+        .iter()
+        .find(|(r, _)| *r == room)
+    {
+        Some((_, pages)) => {
+            log::warn!("engine: test knob: the chunks of room {room} name forged decode pages");
+            forged = PairRequest {
+                dst: crate::layout::Side { pages, ..req.dst },
+                ..*req
+            };
+            &forged
+        }
+        None => req,
+    };
     // the peer's liveness; a room or engine that ended asks for the abort
     let watch = |abort: &NcclAbort| {
         let abort = abort.clone();

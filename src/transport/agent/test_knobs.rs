@@ -34,4 +34,8 @@ pub struct TestKnobs {
     /// accepted by the decode but their sends are never posted (the decode's
     /// recvs stay in flight).
     pub nccl_never_send_rooms: Vec<u64>,
+    /// Engine transport nccl, prefill: the chunks of these rooms plan,
+    /// gather and name these decode pages instead of those the decode's
+    /// metadata gave (a prefill that names another room's pages).
+    pub nccl_forge_dst_pages: Vec<(u64, Vec<u64>)>,
 }
