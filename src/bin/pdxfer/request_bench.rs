@@ -188,7 +188,9 @@ fn median(v: &[f64]) -> Option<f64> {
 }
 
 /// The sum of every sample of the metrics whose name contains
-/// `control_messages` in Prometheus text; `None` when there is none.
+/// `control_messages` in Prometheus text, but those labelled
+/// `direction="received"` (each message is counted once, by its sender);
+/// `None` when there is none.
 fn control_messages(prometheus: &str) -> Option<u64> {
     let mut found = false;
     let mut sum = 0.0;
@@ -201,7 +203,7 @@ fn control_messages(prometheus: &str) -> Option<u64> {
             continue;
         };
         let bare = name.split('{').next().unwrap_or(name);
-        if bare.contains("control_messages") {
+        if bare.contains("control_messages") && !name.contains("direction=\"received\"") {
             if let Ok(v) = value.parse::<f64>() {
                 found = true;
                 sum += v;
@@ -817,8 +819,9 @@ mod tests {
     #[test]
     fn control_messages_sums_matching_metrics_only() {
         let text = "# HELP x\npdxfer_engine_sent_batches_total 9\n\
-                    pdxfer_engine_control_messages_total{kind=\"intent\"} 3\n\
-                    pdxfer_engine_control_messages_total{kind=\"grant\"} 4\n";
+                    pdxfer_engine_control_messages_total{channel=\"engine\",direction=\"sent\"} 3\n\
+                    pdxfer_engine_control_messages_total{channel=\"engine\",direction=\"received\"} 3\n\
+                    pdxfer_engine_control_messages_total{channel=\"data_plane\",direction=\"sent\"} 4\n";
         assert_eq!(control_messages(text), Some(7));
         assert_eq!(
             control_messages("pdxfer_engine_sent_batches_total 9\n"),
