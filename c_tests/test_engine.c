@@ -2,7 +2,9 @@
  * (before it starts any thread), then runs the bootstrap server in-process
  * and hands its URL to the children through pipes. Clusters (small enough for
  * valgrind; python/tests/test_engine.py runs 1->4 and 4->4): DCP 1->2 and
- * 2->2 (matched DCP ranks, as 4->4), chunked, with a decode prefix; every
+ * 2->2 (matched DCP ranks, as 4->4), chunked, with a decode prefix, and 1->2
+ * with the decode KV pools in shared pool allocations (the prefill copies
+ * rows straight into them: its one-copy metric counts every KV byte); every
  * decode rank checks every byte it owns and that nothing else was written.
  * Then, in-process: bad inputs through every export give typed statuses and
  * write nothing. Built with -Wall -Werror and run under valgrind. */
@@ -12,6 +14,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/syscall.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
@@ -49,6 +52,7 @@ typedef struct {
     PdxKvPool pools[LAYERS];
     PdxAuxBuffer auxb;
     PdxTopology topo;
+    int shared; /* kv[] are pdxfer_alloc_shared_pool allocations */
 } Rank;
 
 static void rank_init(Rank *r, uint32_t dcp, uint32_t dcp_rank, uint32_t tp_rank) {
@@ -83,8 +87,25 @@ static void rank_init(Rank *r, uint32_t dcp, uint32_t dcp_rank, uint32_t tp_rank
     r->topo.entry_row_bytes = r->rows;
 }
 
+/* Moves the rank's KV pools into shared pool allocations (zeroed, like calloc's). */
+static void rank_share(Rank *r) {
+    for (int l = 0; l < LAYERS; l++) {
+        void *p = NULL;
+        CHECK(pdxfer_alloc_shared_pool((size_t)POOL_PAGES * PAGE * ROW, &p) == PDX_STATUS_OK);
+        free(r->kv[l]);
+        r->kv[l] = p;
+        r->pools[l].base = p;
+    }
+    r->shared = 1;
+}
+
 static void rank_free(Rank *r) {
-    for (int l = 0; l < LAYERS; l++) free(r->kv[l]);
+    for (int l = 0; l < LAYERS; l++) {
+        if (r->shared)
+            CHECK(pdxfer_free_shared_pool(r->kv[l]) == PDX_STATUS_OK);
+        else
+            free(r->kv[l]);
+    }
     free(r->aux);
 }
 
@@ -138,12 +159,23 @@ typedef struct {
     uint64_t room, total, prefix;
     size_t chunk_pages;
     int layerwise; /* send each chunk layer by layer (pdxfer_engine_send_ex) behind ready flags */
+    int shared;    /* decode KV pools in shared pool allocations: the prefill copies rows straight in */
 } Job;
 
 static size_t make_pages(int64_t *out, uint64_t n, uint64_t v, uint64_t room, uint64_t stride) {
     size_t k = (size_t)((n + v - 1) / v);
     for (size_t i = 0; i < k; i++) out[i] = (int64_t)((i * stride + room) % POOL_PAGES);
     return k;
+}
+
+/* Whether this process can open pidfds, which cma needs to map a peer's
+ * shared memory (valgrind does not know the syscall: it falls back to
+ * process_vm_writev, and the prefill takes the staged path). */
+static int pidfds_work(void) {
+    long fd = syscall(SYS_pidfd_open, getpid(), 0);
+    if (fd < 0) return 0;
+    close((int)fd);
+    return 1;
 }
 
 /* A prefill rank: fills its pattern, sends in chunks, waits for success, then
@@ -203,6 +235,17 @@ static int run_prefill(const Job *j, uint32_t rank, const char *url, int done_fd
     }
     CHECK(pdxfer_engine_wait(e, j->room, 60000, &poll) == PDX_STATUS_OK);
     CHECK(poll == PDXFER_POLL_SUCCESS);
+    {
+        /* every KV byte took the one-copy path with shared decode pools, none otherwise */
+        static char m[1 << 16];
+        size_t need = 0;
+        CHECK(pdxfer_engine_metrics(e, m, sizeof m, &need) == PDX_STATUS_OK);
+        char want[96];
+        unsigned long long kv =
+            j->shared && j->p_dcp == 1 && pidfds_work() ? (unsigned long long)n * LAYERS * ROW : 0;
+        snprintf(want, sizeof want, "\npdxfer_engine_one_copy_bytes_total %llu\n", kv);
+        if (j->p_dcp == 1 || !j->shared) CHECK(strstr(m, want) != NULL);
+    }
     CHECK(pdxfer_engine_clear(e, j->room) == PDX_STATUS_OK);
     char b;
     while (read(done_fd, &b, 1) > 0) {
@@ -217,6 +260,7 @@ static int run_prefill(const Job *j, uint32_t rank, const char *url, int done_fd
 static int run_decode(const Job *j, uint32_t rank, const char *url) {
     Rank r;
     rank_init(&r, j->d_dcp, rank, rank);
+    if (j->shared) rank_share(&r);
     uint64_t n = j->total - j->prefix, vd = (uint64_t)PAGE * j->d_dcp;
     int64_t pages[POOL_PAGES];
     size_t np = make_pages(pages, n, vd, j->room, 3);
@@ -333,6 +377,18 @@ static int all_zero(const Rank *r) {
 
 /* Bad inputs through every export, in one process; nothing is written. */
 static void bad_inputs(void) {
+    /* shared pools: refused calls allocate or free nothing */
+    void *sp = (void *)0x1;
+    CHECK(pdxfer_alloc_shared_pool(0, &sp) == PDX_STATUS_INVALID_ARGUMENT && sp == (void *)0x1);
+    CHECK(pdxfer_alloc_shared_pool(4096, NULL) == PDX_STATUS_NULL_ARGUMENT);
+    CHECK(pdxfer_alloc_shared_pool(3 * 4096, &sp) == PDX_STATUS_OK && ((uintptr_t)sp & 4095) == 0);
+    CHECK(((unsigned char *)sp)[3 * 4096 - 1] == 0);
+    ((unsigned char *)sp)[5] = 7; /* writable */
+    CHECK(pdxfer_free_shared_pool((unsigned char *)sp + 8) == PDX_STATUS_INVALID_ARGUMENT);
+    CHECK(((unsigned char *)sp)[5] == 7); /* still allocated */
+    CHECK(pdxfer_free_shared_pool(NULL) == PDX_STATUS_NULL_ARGUMENT);
+    CHECK(pdxfer_free_shared_pool(sp) == PDX_STATUS_OK);
+    CHECK(pdxfer_free_shared_pool(sp) == PDX_STATUS_INVALID_ARGUMENT);
     PdxBootstrapServerConfig sc;
     memset(&sc, 0, sizeof sc);
     sc.struct_size = sizeof sc;
@@ -511,20 +567,22 @@ static void cluster_in_child(const Job *j) {
 }
 
 int main(void) {
-    Job a = {"c-1to2", 1, 2, 3, 75, 16, 3, 0};
+    Job a = {"c-1to2", 1, 2, 3, 75, 16, 3, 0, 0};
     cluster_in_child(&a);
-    Job b = {"c-2to2", 2, 2, 5, 61, 8, 2, 0};
+    Job b = {"c-2to2", 2, 2, 5, 61, 8, 2, 0, 0};
     cluster_in_child(&b);
-    Job lw = {"c-1to2-layers", 1, 2, 11, 75, 16, 3, 1};
+    Job lw = {"c-1to2-layers", 1, 2, 11, 75, 16, 3, 1, 0};
     cluster_in_child(&lw);
+    Job sh = {"c-1to2-shared", 1, 2, 15, 75, 16, 3, 0, 1};
+    cluster_in_child(&sh);
     /* DCP 1->4 and 4->4 start nine processes: too slow under valgrind, so the
      * test command runs them in a second, uninstrumented pass. */
     if (getenv("PDXFER_C_TESTS_DCP4")) {
-        Job c = {"c-1to4", 1, 4, 7, 120, 16, 3, 0};
+        Job c = {"c-1to4", 1, 4, 7, 120, 16, 3, 0, 0};
         cluster_in_child(&c);
-        Job d = {"c-4to4", 4, 4, 9, 200, 32, 2, 0};
+        Job d = {"c-4to4", 4, 4, 9, 200, 32, 2, 0, 0};
         cluster_in_child(&d);
-        Job dl = {"c-4to4-layers", 4, 4, 13, 200, 32, 2, 1};
+        Job dl = {"c-4to4-layers", 4, 4, 13, 200, 32, 2, 1, 0};
         cluster_in_child(&dl);
     }
     if (failures == 0) bad_inputs();

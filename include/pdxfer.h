@@ -24,6 +24,11 @@
 // straight from the prefill pool.
 #define PDXFER_ENGINE_NO_STAGING 1
 
+// `PdxEngineConfig.flags`: a prefill never copies rows straight into a
+// same-host decode rank's shared KV pools (`pdxfer_alloc_shared_pool`);
+// every write takes the staged path.
+#define PDXFER_ENGINE_NO_ONE_COPY 2
+
 // `PdxEngineConfig.pool_memory`: the KV pools are host memory (the default,
 // and what structs older than ABI 1.2 mean).
 #define PDXFER_POOL_HOST 0
@@ -104,7 +109,9 @@
 // `pdxfer_engine_metrics_address`, `pdxfer_engine_room_telemetry`.
 // 1.4: `PdxAgentOptions.secret` (peer authentication), `pdxfer_engine_send_ex` /
 // `PdxSendOptions` (event-ordered and layer-wise sends).
-#define PDXFER_ABI_VERSION_MINOR 4
+// 1.5: `pdxfer_alloc_shared_pool` / `pdxfer_free_shared_pool` (shared KV
+// pools, one copy on the same host), `PDXFER_ENGINE_NO_ONE_COPY`.
+#define PDXFER_ABI_VERSION_MINOR 5
 
 // Every prefill CP rank transfers its shard.
 #define PDXFER_MAP_ALL_CP_RANKS 1
@@ -1008,6 +1015,24 @@ PdxStatus pdxfer_register_memory(const struct PdxAgent *agent,
 PdxStatus pdxfer_alloc_shared_memory(const struct PdxAgent *agent,
                                      size_t len,
                                      struct PdxRegion *out);
+
+// Allocates `len` zeroed bytes of shareable host memory for the caller's
+// own use, e.g. as KV pools (a memfd mapping, populated now); its address
+// goes to `*out_addr` (page-aligned). No agent is needed: any host memory
+// registered inside it later (an engine's `PdxKvPool.base`, or
+// `pdxfer_register_memory`) is published to same-host peers as shared, so a
+// same-host prefill engine copies KV rows straight into it (one copy, no
+// staging) and cma peers write it with memcpy. Free it with
+// `pdxfer_free_shared_pool` after the engine or agent that registered it
+// closed. On failure nothing is allocated and `*out_addr` is untouched.
+PdxStatus pdxfer_alloc_shared_pool(size_t len, void **out_addr);
+
+// Frees an allocation of `pdxfer_alloc_shared_pool` by its address.
+// Memory of it still registered (an engine not yet closed) stays mapped
+// until unregistered; do not use `addr` afterwards either way.
+// `PDX_STATUS_INVALID_ARGUMENT` (nothing freed) for an address that is not
+// the start of a live allocation.
+PdxStatus pdxfer_free_shared_pool(void *addr);
 
 // Registers `len` bytes of CUDA device memory at device address `dptr` on
 // device `ordinal`. `PDX_STATUS_NO_CUDA_DRIVER` without a driver,

@@ -3,7 +3,8 @@
 
 use pdxfer::rng::SplitMix64;
 use pdxfer::transport::{
-    wire, Agent, AgentOptions, BatchOptions, ConnectOptions, Transport, TransportKind, WriteOp,
+    wire, Agent, AgentOptions, BatchOptions, ConnectOptions, PlacedRange, Transport, TransportKind,
+    WriteOp,
 };
 use pdxfer::Status;
 use std::io::{BufRead, BufReader, Read, Write};
@@ -655,4 +656,115 @@ fn unregister_waits_for_granted_batches() {
     rx.registry()
         .unregister(d.id, Duration::from_secs(5))
         .unwrap();
+}
+
+/// Resident kB of the mapping that starts at `addr` in this process
+/// (`/proc/self/smaps`: pages present in this process's page tables).
+fn resident_kb(addr: u64) -> u64 {
+    let smaps = std::fs::read_to_string("/proc/self/smaps").unwrap();
+    let head = format!("{addr:x}-");
+    let mut lines = smaps.lines().skip_while(|l| !l.starts_with(&head));
+    assert!(lines.next().is_some(), "no mapping at 0x{addr:x}");
+    let rss = lines.find(|l| l.starts_with("Rss:")).unwrap();
+    rss.split_whitespace().nth(1).unwrap().parse().unwrap()
+}
+
+/// cma maps a same-host peer's shared regions and populates them at connect
+/// (no page faults on the first batch); a placed batch is written by the
+/// caller through that mapping only after the peer granted it (the peer here
+/// stalls 300 ms before granting), then committed and completed as any
+/// batch; ranges outside the region, or peers without mapped regions, are
+/// refused before anything is sent.
+#[test]
+fn cma_maps_shared_regions_populated_and_places_after_the_grant() {
+    let mut target = Target::spawn(300);
+    let (a, _src, _) = initiator(4096);
+    let t = connect(&a, &target, TransportKind::Cma, 1);
+    let m = t.mapped_dst(target.region).expect("shared region mapped");
+    assert_eq!(m.len, REGION as u64);
+    assert_eq!(
+        resident_kb(m.addr),
+        REGION as u64 / 1024,
+        "the mapping is populated at connect"
+    );
+    let ranges = [
+        PlacedRange {
+            remote_region: target.region,
+            remote_offset: 4096,
+            len: 10_000,
+        },
+        PlacedRange {
+            remote_region: target.region,
+            remote_offset: REGION as u64 - 77,
+            len: 77,
+        },
+    ];
+    let mut model = vec![0u8; REGION];
+    let mut r = SplitMix64::new(99);
+    for g in &ranges {
+        for b in &mut model[g.remote_offset as usize..(g.remote_offset + g.len) as usize] {
+            *b = r.next_u64() as u8;
+        }
+    }
+    let t0 = Instant::now();
+    let mut placed_after = None;
+    let mut place = || {
+        placed_after = Some(t0.elapsed());
+        for g in &ranges {
+            let (o, n) = (g.remote_offset as usize, g.len as usize);
+            // SAFETY: the range lies in the mapped region (len checked above), granted by the peer.
+            let dst =
+                unsafe { std::slice::from_raw_parts_mut((m.addr as usize + o) as *mut u8, n) };
+            dst.copy_from_slice(&model[o..o + n]);
+        }
+        Ok(())
+    };
+    let opts = BatchOptions {
+        checksum: true,
+        room: 5,
+        ..Default::default()
+    };
+    let id = t.submit_placed(&ranges, &opts, &mut place).unwrap();
+    let waited = placed_after.expect("placed");
+    assert!(
+        waited >= Duration::from_millis(300),
+        "placed after {waited:?}, before the peer's grant"
+    );
+    let c = t.wait(id, Duration::from_secs(20)).unwrap();
+    assert_eq!((c.bytes, c.room), (10_077, 5));
+    assert!(c.checksum.is_some());
+    let line = target.next_line("completion");
+    assert_eq!(line["completion"]["bytes"], 10_077, "{line}");
+    assert!(
+        target.dump() == model,
+        "the placed bytes landed, nothing else"
+    );
+    // out of bounds: refused, nothing placed or sent
+    let bad = [PlacedRange {
+        remote_offset: REGION as u64 - 1,
+        len: 2,
+        ..ranges[0]
+    }];
+    let mut never = || -> pdxfer::Result<()> { panic!("placed a refused batch") };
+    let e = t.submit_placed(&bad, &opts, &mut never).unwrap_err();
+    assert_eq!(e.status(), Status::OutOfBounds, "{e}");
+    // heap regions are not mapped: submit_placed is refused
+    let heap = Target::spawn_with(0, true);
+    let th = connect(&a, &heap, TransportKind::Cma, 1);
+    assert!(th.mapped_dst(heap.region).is_none());
+    let e = th
+        .submit_placed(
+            &[PlacedRange {
+                remote_region: heap.region,
+                remote_offset: 0,
+                len: 8,
+            }],
+            &opts,
+            &mut never,
+        )
+        .unwrap_err();
+    assert_eq!(e.status(), Status::Unsupported, "{e}");
+    // tcp maps nothing
+    let tt = connect(&a, &target, TransportKind::Tcp, 1);
+    assert!(tt.mapped_dst(target.region).is_none());
 }

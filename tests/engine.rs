@@ -46,6 +46,18 @@ fn rank(
     transport: TransportKind,
 ) -> (Engine, SyntheticPools) {
     let pools = SyntheticPools::new(LAYERS, ROW, P, pages, 8, 32).unwrap();
+    rank_over(role, name, url, pools, (dcp, r), transport)
+}
+
+/// One engine rank over `pools` (see [`rank`]).
+fn rank_over(
+    role: Role,
+    name: &str,
+    url: &str,
+    pools: SyntheticPools,
+    (dcp, r): (u32, u32),
+    transport: TransportKind,
+) -> (Engine, SyntheticPools) {
     let mut cfg = EngineConfig::new(role, name, url, pools.topology(dcp, r), pools.kv_pools());
     cfg.aux = pools.aux_buffers();
     cfg.transport = transport;
@@ -55,6 +67,19 @@ fn rank(
 }
 
 fn cluster(name: &str, src_dcp: u32, dcp: u32, transport: TransportKind, staging: u64) -> Cluster {
+    cluster_with(name, src_dcp, dcp, transport, staging, false)
+}
+
+/// [`cluster`], the decode ranks' KV pools in shared pool allocations when
+/// `shared_decode` (a same-host prefill maps them: the one-copy path).
+fn cluster_with(
+    name: &str,
+    src_dcp: u32,
+    dcp: u32,
+    transport: TransportKind,
+    staging: u64,
+    shared_decode: bool,
+) -> Cluster {
     let server = BootstrapServer::start(ServerConfig::default()).unwrap();
     let url = server.url();
     let p_pools = SyntheticPools::new(LAYERS, ROW, P, 64, 8, 32).unwrap();
@@ -75,7 +100,19 @@ fn cluster(name: &str, src_dcp: u32, dcp: u32, transport: TransportKind, staging
     let prefill = unsafe { Engine::new(cfg) }.unwrap();
     let mut decode = Vec::new();
     for r in 0..dcp {
-        decode.push(rank(Role::Decode, name, &url, 32, (dcp, r), transport));
+        let pools = if shared_decode {
+            SyntheticPools::new_shared(LAYERS, ROW, P, 32, 8, 32).unwrap()
+        } else {
+            SyntheticPools::new(LAYERS, ROW, P, 32, 8, 32).unwrap()
+        };
+        decode.push(rank_over(
+            Role::Decode,
+            name,
+            &url,
+            pools,
+            (dcp, r),
+            transport,
+        ));
     }
     Cluster {
         _server: server,
@@ -159,6 +196,39 @@ fn dcp_1_to_4_over_cma_packed_chunked_and_with_prefix() {
     assert_eq!(request(&mut c, 2, 700, 128, 3), 572 * row_total + 4 * 32);
     // staging of 1 MiB holds 4096 tokens of 256 B: this one needs slices
     assert_eq!(request(&mut c, 3, 1000, 0, 100), 1000 * row_total + 4 * 32);
+}
+
+/// Decode pools in shared memory: the prefill gathers every KV row straight
+/// into the decode ranks' pools (one copy, its staging unused); heap decode
+/// pools on the same host take the staged path. Every byte is verified.
+#[test]
+fn dcp_1_to_4_over_cma_one_copy_into_shared_decode_pools() {
+    let row_total = LAYERS as u64 * ROW;
+    let mut c = cluster_with("e2e-one-copy", 1, 4, TransportKind::Cma, 1 << 20, true);
+    let kv = 300 * row_total + 572 * row_total + 1000 * row_total;
+    assert_eq!(request(&mut c, 1, 300, 0, 100), 300 * row_total + 4 * 32);
+    assert_eq!(request(&mut c, 2, 700, 128, 3), 572 * row_total + 4 * 32);
+    assert_eq!(request(&mut c, 3, 1000, 0, 100), 1000 * row_total + 4 * 32);
+    let s = c.prefill.metrics_snapshot();
+    assert_eq!(s.one_copy_bytes, kv, "every KV byte took the one-copy path");
+    assert!(
+        s.gathers > 0 && s.gather_seconds > 0.0,
+        "counted as gathers"
+    );
+    assert!(c
+        .prefill
+        .metrics()
+        .contains(&format!("pdxfer_engine_one_copy_bytes_total {kv}")));
+    // heap decode pools on the same host: staged, nothing on the one-copy path
+    let mut h = cluster_with("e2e-staged", 1, 4, TransportKind::Cma, 1 << 20, false);
+    assert_eq!(request(&mut h, 4, 1000, 0, 100), 1000 * row_total + 4 * 32);
+    let s = h.prefill.metrics_snapshot();
+    assert_eq!(s.one_copy_bytes, 0);
+    assert!(s.gathers > 0, "the staged path gathered into staging");
+    // tcp never maps the decode's memory: shared decode pools take the staged path
+    let mut t = cluster_with("e2e-shared-tcp", 1, 2, TransportKind::Tcp, 1 << 20, true);
+    assert_eq!(request(&mut t, 5, 333, 64, 2), 269 * row_total + 2 * 32);
+    assert_eq!(t.prefill.metrics_snapshot().one_copy_bytes, 0);
 }
 
 #[test]

@@ -42,6 +42,7 @@ from .layout import (
     pair_token_plan,
     rank_mapping,
 )
+from .shared import SharedPool, alloc_shared_pool
 from .transfer import Agent, Completion, Peer, Region, WriteOp
 
 
@@ -70,6 +71,7 @@ __all__ = [
     "Completion",
     "Peer",
     "Region",
+    "SharedPool",
     "WriteOp",
     "ArgumentError",
     "BootstrapError",
@@ -84,6 +86,7 @@ __all__ = [
     "RdmaError",
     "TransportError",
     "abi_version",
+    "alloc_shared_pool",
     "bootstrap",
     "engine",
     "log",

@@ -2,8 +2,10 @@
 
 Usage: python engine_proc.py '<json spec>'. The spec names the bootstrap URL,
 the cluster, the role, the DCP sizes of both sides, this rank and the rooms
-(``room``, ``total``, ``prefix``, ``chunk_pages``). Prints one JSON line per
-room (``{"room", "poll", "bytes"}``, decode: bytes verified) and, for prefill,
+(``room``, ``total``, ``prefix``, ``chunk_pages``); ``shared``: the decode's KV
+pools are shared pool allocations; ``one_copy``: the prefill's option. Prints
+one JSON line per room (``{"room", "poll", "bytes"}``, decode: bytes verified;
+prefill: ``one_copy_bytes`` so far) and, for prefill,
 waits for stdin to close before exiting, so its decode ranks finish first.
 """
 
@@ -28,11 +30,18 @@ def main() -> int:
     pd, dd = s["p_dcp"], s["d_dcp"]
     dcp = pd if role == "prefill" else dd
     pools = SyntheticPools(layers, row, p, POOL_PAGES)
+    shared = []
+    if role == "decode" and s.get("shared"):
+        # the KV pools in shared pool allocations: the prefill copies rows straight in
+        for l, buf in enumerate(pools.kv):
+            shared.append(pdxfer.alloc_shared_pool(buf.nbytes))
+            pools.kv[l] = shared[-1].array(buf.dtype, buf.shape)
     topo = pdxfer.Topology.mla(layers, row, page_size=p, engine_rank=rank, attn_tp_size=dcp,
                                attn_tp_rank=rank, dcp_size=dcp, dcp_rank=rank)
     eng = pdxfer.Engine(role, s["cluster"], s["url"], topo, pools.kv, aux=[(pools.aux, pools.aux_item)],
                         transport=s.get("transport", "auto"), staging_bytes=s.get("staging", 0),
-                        no_staging=s.get("staging", 1) == 0, room_timeout=30)
+                        no_staging=s.get("staging", 1) == 0, one_copy=s.get("one_copy", True),
+                        room_timeout=30)
     vp, vd = p * pd, p * dd
     for r in s["rooms"]:
         room, total, prefix, chunk = r["room"], r["total"], r["prefix"], r["chunk_pages"]
@@ -54,7 +63,7 @@ def main() -> int:
                 snd.send(pages[i:i + chunk], tokens, last=last, aux_index=3)
                 sent += tokens
             st = snd.wait(30)
-            out = {"room": room, "poll": int(st), "bytes": 0}
+            out = {"room": room, "poll": int(st), "bytes": 0, "one_copy_bytes": one_copy_bytes(eng)}
             if st != pdxfer.KVPoll.Success:
                 out["error"] = str(snd.failure_exception())
             snd.clear()
@@ -83,7 +92,17 @@ def main() -> int:
     if role == "prefill":
         sys.stdin.read()
     eng.close()
+    for sp in shared:
+        sp.free()
     return 0
+
+
+def one_copy_bytes(eng) -> int:
+    """The engine's pdxfer_engine_one_copy_bytes_total."""
+    for line in eng.metrics().splitlines():
+        if line.startswith("pdxfer_engine_one_copy_bytes_total "):
+            return int(float(line.split()[1]))
+    raise AssertionError("no pdxfer_engine_one_copy_bytes_total in the metrics")
 
 
 if __name__ == "__main__":

@@ -55,12 +55,14 @@ def test_device_pools_are_typed_errors_here():
     assert e.value.kind == "invalid_argument" and "device address" in str(e.value)
 
 
-def run_cluster(name, p_dcp, d_dcp, rooms, transport="auto", staging=1 << 20):
+def run_cluster(name, p_dcp, d_dcp, rooms, transport="auto", staging=1 << 20, prefill_lines=None, **spec):
     """Starts the prefill ranks, then the decode ranks, as processes; returns
-    the decode ranks' per-room results."""
+    the decode ranks' per-room results (the prefill ranks' lines go to
+    ``prefill_lines`` when given; ``spec`` adds engine_proc.py keys)."""
     with pdxfer.bootstrap.BootstrapServer() as srv:
         base = {"url": srv.url, "cluster": name, "page": PAGE, "layers": LAYERS, "row": ROW,
-                "p_dcp": p_dcp, "d_dcp": d_dcp, "rooms": rooms, "transport": transport, "staging": staging}
+                "p_dcp": p_dcp, "d_dcp": d_dcp, "rooms": rooms, "transport": transport, "staging": staging,
+                **spec}
         env = dict(os.environ)
         procs = []
         try:
@@ -101,6 +103,8 @@ def run_cluster(name, p_dcp, d_dcp, rooms, transport="auto", staging=1 << 20):
                 assert p.returncode == 0, f"prefill {r} failed:\n{err}"
                 for line in (json.loads(l) for l in out.splitlines() if l.startswith("{")):
                     assert line["poll"] == int(pdxfer.KVPoll.Success), line
+                    if prefill_lines is not None:
+                        prefill_lines.append(line)
             return results
         finally:
             for p in procs:

@@ -71,6 +71,12 @@ pub struct EngineConfig {
     pub host: String,
     /// Prefill: bytes of each worker's staging (pack) buffer; 0 disables packing.
     pub staging_bytes: u64,
+    /// Prefill: when a same-host decode rank's KV pools are mapped into this
+    /// process (cma, pools allocated with
+    /// [`shared::alloc_pool`](crate::memory::shared::alloc_pool)), gather
+    /// rows straight into its pool rows: one copy, no staging. `false` keeps
+    /// the staged path everywhere.
+    pub one_copy: bool,
     /// Prefill: transfer worker threads.
     pub workers: usize,
     /// Default room deadline.
@@ -130,6 +136,7 @@ impl EngineConfig {
             transport: TransportKind::Auto,
             host: "127.0.0.1".to_string(),
             staging_bytes: 64 << 20,
+            one_copy: true,
             workers: 2,
             room_timeout: Duration::from_secs(60),
             batch_timeout: Duration::from_secs(30),

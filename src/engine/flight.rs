@@ -5,7 +5,7 @@ use super::handle::lock;
 use super::prefill::DecodeLink;
 use super::room::RoomTable;
 use crate::error::{Error, Result};
-use crate::transport::{BatchId, BatchOptions, Transport, WriteOp};
+use crate::transport::{BatchId, BatchOptions, PlacedRange, Transport, WriteOp};
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -87,6 +87,43 @@ impl<'a> Flight<'a> {
                     data,
                     id,
                     slot,
+                    bytes,
+                });
+                Ok(())
+            }
+            Err(e) => {
+                link.counters.failed_batches.fetch_add(1, Relaxed);
+                lock(self.rooms).end_write(room, epoch);
+                Err(write_error(room, link, &e))
+            }
+        }
+    }
+
+    /// Submits a batch whose bytes `place` writes into `data`'s mapped
+    /// destination ranges once the peer granted them
+    /// ([`Transport::submit_placed`]), as one of the room's writes in flight;
+    /// `data` must be the connection the caller took the mapped addresses
+    /// from. Nothing for no ranges.
+    pub(super) fn submit_placed(
+        &mut self,
+        link: &Arc<DecodeLink>,
+        data: Arc<dyn Transport>,
+        ranges: &[PlacedRange],
+        place: &mut dyn FnMut() -> Result<()>,
+    ) -> Result<()> {
+        if ranges.is_empty() {
+            return Ok(());
+        }
+        let (room, epoch) = (self.opts.room, self.opts.epoch);
+        lock(self.rooms).begin_write(room, epoch)?;
+        let bytes = ranges.iter().map(|r| r.len).sum();
+        match data.submit_placed(ranges, &self.opts, place) {
+            Ok(id) => {
+                self.pending.push(InFlight {
+                    link: link.clone(),
+                    data,
+                    id,
+                    slot: None,
                     bytes,
                 });
                 Ok(())

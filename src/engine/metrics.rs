@@ -190,6 +190,8 @@ pub(crate) struct EngineMetrics {
     gather_ns: AtomicU64,
     /// Gathers into host staging.
     gathers: AtomicU64,
+    /// KV bytes gathered straight into same-host decode pools (one copy).
+    one_copy_bytes: AtomicU64,
     /// Decode: batches that landed (the agent's completion records).
     received_batches: AtomicU64,
 }
@@ -218,6 +220,11 @@ impl EngineMetrics {
         self.gather_ns
             .fetch_add(nanos(since.elapsed()), Ordering::Relaxed);
         self.gathers.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Counts `bytes` gathered straight into a decode rank's mapped pools.
+    pub(crate) fn placed(&self, bytes: u64) {
+        self.one_copy_bytes.fetch_add(bytes, Ordering::Relaxed);
     }
 
     /// Decode: counts `n` batches that landed.
@@ -280,10 +287,14 @@ pub struct MetricsSnapshot {
     pub peers: Vec<PeerSnapshot>,
     /// Decode: batches that landed (the agent's completion records).
     pub received_batches: u64,
-    /// Prefill: seconds workers spent gathering rows into host staging.
+    /// Prefill: seconds workers spent gathering rows into host staging or
+    /// straight into mapped decode pools.
     pub gather_seconds: f64,
     /// Prefill: gathers into host staging.
     pub gathers: u64,
+    /// Prefill: KV bytes gathered straight into same-host decode ranks'
+    /// mapped pools (one copy, no staging; counted once placed).
+    pub one_copy_bytes: u64,
     /// Bytes of the prefill workers' host staging buffers.
     pub staging_bytes: u64,
     /// Registered memory by kind (`kv`, `aux`, `state`, `staging`, `other`).
@@ -319,6 +330,7 @@ impl MetricsSnapshot {
             received_batches: m.received_batches.load(Ordering::Relaxed),
             gather_seconds: m.gather_ns.load(Ordering::Relaxed) as f64 * 1e-9,
             gathers: m.gathers.load(Ordering::Relaxed),
+            one_copy_bytes: m.one_copy_bytes.load(Ordering::Relaxed),
             staging_bytes,
             registered_bytes,
         }
@@ -497,7 +509,7 @@ impl MetricsSnapshot {
             &mut o,
             "pdxfer_engine_gather_seconds_total",
             "counter",
-            "Seconds prefill workers spent gathering rows into host staging (compare with pdxfer_engine_wire_seconds_total).",
+            "Seconds prefill workers spent gathering rows into host staging or straight into mapped decode pools (compare with pdxfer_engine_wire_seconds_total).",
         );
         let _ = writeln!(
             o,
@@ -511,6 +523,17 @@ impl MetricsSnapshot {
             "Gathers into host staging.",
         );
         let _ = writeln!(o, "pdxfer_engine_gathers_total {}", self.gathers);
+        head(
+            &mut o,
+            "pdxfer_engine_one_copy_bytes_total",
+            "counter",
+            "KV bytes gathered straight into same-host decode ranks' mapped pools (one copy, no staging).",
+        );
+        let _ = writeln!(
+            o,
+            "pdxfer_engine_one_copy_bytes_total {}",
+            self.one_copy_bytes
+        );
         head(
             &mut o,
             "pdxfer_engine_staging_bytes",

@@ -13,6 +13,8 @@
 //!   ready flag) and layer-wise sends (their checks and per-chunk plans).
 //! - `flight`: the batches of one chunk in flight (fenced writes, staging slots).
 //! - `staging`: the host staging path (CPU gather into a registered buffer).
+//! - `direct`: the one-copy path (rows gathered straight into a same-host
+//!   decode rank's mapped pools).
 //! - `device`: KV pools in CUDA device memory (GPU staging, the device writer).
 //! - `deadline`: the deadline thread.
 //! - `metrics`: the engine's counters and their Prometheus text;
@@ -28,6 +30,7 @@ pub mod control;
 mod deadline;
 mod decode;
 mod device;
+mod direct;
 mod flight;
 #[cfg(feature = "cuda")]
 pub mod gpu_layerwise_bench;

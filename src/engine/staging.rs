@@ -17,6 +17,17 @@ use std::sync::Arc;
 /// is on the wire (four measured no faster on the demo).
 pub(super) const STAGING_SLOTS: u64 = 2;
 
+/// `len` zeroed bytes for a worker's host staging, every page written once,
+/// so the first request's gathers take no page faults.
+pub(super) fn faulted_in(len: usize) -> Vec<u8> {
+    let mut buf = vec![0u8; len];
+    for i in (0..len).step_by(4096) {
+        // SAFETY: i < len; a volatile write of the zero already there only faults the page in.
+        unsafe { std::ptr::write_volatile(buf.as_mut_ptr().add(i), 0) };
+    }
+    buf
+}
+
 /// A worker's host staging cut into slots for rows of `token_bytes` a token:
 /// `(slots, bytes per slot)`; `(1, 0)` without staging.
 pub(super) fn staging_slots(
@@ -69,7 +80,9 @@ pub(super) fn gather_into_slot(
     Ok((slot, offset))
 }
 
-/// Submits one pair's tokens of a chunk into `flight`: packed through the
+/// Submits one pair's tokens of a chunk into `flight`: gathered straight
+/// into the decode rank's pools where they are mapped here (the one-copy
+/// path, [`super::direct`]), else packed through the
 /// worker's host staging buffer when that makes fewer writes, else straight
 /// from the pool. The staging is used as [`STAGING_SLOTS`] slots: each slice
 /// is gathered into the next slot, waited free first, while the batches of
@@ -86,6 +99,11 @@ pub(super) fn write_pair(
     let tokens = req.token_count();
     if tokens == 0 {
         return Ok(0);
+    }
+    if let Some(n) =
+        super::direct::write_pair_direct(inner, req, row_bytes, dst_regions, link, flight)?
+    {
+        return Ok(n);
     }
     let token_bytes: u64 = row_bytes.iter().sum();
     // one walk counts the writes both ways: unpacked runs (pool rows) and

@@ -7,10 +7,51 @@ use super::{AuxBuffer, KvPool};
 use crate::error::{Error, Result, Status};
 use crate::layout::{KvDtype, KvEntry, PoolKind, Side, Topology};
 
+/// One layer's pool: heap memory, or a shared pool allocation
+/// ([`alloc_pool`](crate::memory::shared::alloc_pool)) freed on drop.
+#[derive(Debug)]
+enum Words {
+    Heap(Vec<u64>),
+    Shared { addr: u64, words: usize },
+}
+
+impl std::ops::Deref for Words {
+    type Target = [u64];
+    fn deref(&self) -> &[u64] {
+        match self {
+            Words::Heap(v) => v,
+            // SAFETY: a live, page-aligned shared allocation of `words` u64s owned by this value.
+            Words::Shared { addr, words } => unsafe {
+                std::slice::from_raw_parts(*addr as *const u64, *words)
+            },
+        }
+    }
+}
+
+impl std::ops::DerefMut for Words {
+    fn deref_mut(&mut self) -> &mut [u64] {
+        match self {
+            Words::Heap(v) => v,
+            // SAFETY: as in `deref`; `&mut self` makes this the only view from here.
+            Words::Shared { addr, words } => unsafe {
+                std::slice::from_raw_parts_mut(*addr as *mut u64, *words)
+            },
+        }
+    }
+}
+
+impl Drop for Words {
+    fn drop(&mut self) {
+        if let Words::Shared { addr, .. } = self {
+            let _ = crate::memory::shared::free_pool(*addr);
+        }
+    }
+}
+
 /// Host memory for `layers` KV entries plus one aux buffer.
 #[derive(Debug)]
 pub struct SyntheticPools {
-    bufs: Vec<Vec<u64>>,
+    bufs: Vec<Words>,
     aux: Vec<u64>,
     /// Tokens per page.
     pub page_size: u64,
@@ -50,9 +91,67 @@ impl SyntheticPools {
                 "synthetic rows must be non-empty multiples of 8 bytes",
             ));
         }
-        let words = (num_pages * page_size * row_bytes / 8) as usize;
+        Self::with_layers(
+            (0..layers).map(|_| {
+                Ok(Words::Heap(vec![
+                    0u64;
+                    Self::words(
+                        row_bytes, page_size, num_pages
+                    )
+                ]))
+            }),
+            row_bytes,
+            page_size,
+            num_pages,
+            aux_rows,
+            aux_item,
+        )
+    }
+
+    /// As [`new`](Self::new), with every KV pool in a shared pool allocation
+    /// ([`alloc_pool`](crate::memory::shared::alloc_pool)): a same-host
+    /// prefill gathers rows straight into them (one copy).
+    pub fn new_shared(
+        layers: u32,
+        row_bytes: u64,
+        page_size: u64,
+        num_pages: u64,
+        aux_rows: u64,
+        aux_item: u64,
+    ) -> Result<SyntheticPools> {
+        let words = Self::words(row_bytes, page_size, num_pages);
+        Self::with_layers(
+            (0..layers).map(|_| {
+                let addr = crate::memory::shared::alloc_pool(words.max(1) * 8)?;
+                Ok(Words::Shared { addr, words })
+            }),
+            row_bytes,
+            page_size,
+            num_pages,
+            aux_rows,
+            aux_item,
+        )
+    }
+
+    fn words(row_bytes: u64, page_size: u64, num_pages: u64) -> usize {
+        (num_pages * page_size * row_bytes / 8) as usize
+    }
+
+    fn with_layers(
+        layers: impl Iterator<Item = Result<Words>>,
+        row_bytes: u64,
+        page_size: u64,
+        num_pages: u64,
+        aux_rows: u64,
+        aux_item: u64,
+    ) -> Result<SyntheticPools> {
+        if !row_bytes.is_multiple_of(8) || !aux_item.is_multiple_of(8) || row_bytes == 0 {
+            return Err(Error::invalid(
+                "synthetic rows must be non-empty multiples of 8 bytes",
+            ));
+        }
         Ok(SyntheticPools {
-            bufs: (0..layers).map(|_| vec![0u64; words]).collect(),
+            bufs: layers.collect::<Result<_>>()?,
             aux: vec![0u64; (aux_rows * aux_item / 8) as usize],
             page_size,
             row_bytes,

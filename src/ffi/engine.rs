@@ -20,6 +20,11 @@ pub const PDXFER_ROLE_DECODE: u32 = 2;
 /// straight from the prefill pool.
 pub const PDXFER_ENGINE_NO_STAGING: u32 = 1;
 
+/// `PdxEngineConfig.flags`: a prefill never copies rows straight into a
+/// same-host decode rank's shared KV pools (`pdxfer_alloc_shared_pool`);
+/// every write takes the staged path.
+pub const PDXFER_ENGINE_NO_ONE_COPY: u32 = 2;
+
 /// `PdxEngineConfig.pool_memory`: the KV pools are host memory (the default,
 /// and what structs older than ABI 1.2 mean).
 pub const PDXFER_POOL_HOST: u32 = 0;
@@ -184,7 +189,7 @@ fn config_from_c(p: *const PdxEngineConfig) -> Result<EngineConfig> {
             )))
         }
     };
-    if c.flags & !PDXFER_ENGINE_NO_STAGING != 0 {
+    if c.flags & !(PDXFER_ENGINE_NO_STAGING | PDXFER_ENGINE_NO_ONE_COPY) != 0 {
         return Err(Error::invalid(format!(
             "unknown engine flags 0x{:x}",
             c.flags
@@ -237,6 +242,7 @@ fn config_from_c(p: *const PdxEngineConfig) -> Result<EngineConfig> {
     if let Some(h) = ptr::opt_c_str(c.host, "config.host")? {
         cfg.host = h.to_string();
     }
+    cfg.one_copy = c.flags & PDXFER_ENGINE_NO_ONE_COPY == 0;
     if c.flags & PDXFER_ENGINE_NO_STAGING != 0 {
         cfg.staging_bytes = 0;
     } else if c.staging_bytes > 0 {

@@ -106,6 +106,44 @@ pub extern "C" fn pdxfer_alloc_shared_memory(
     })
 }
 
+/// Allocates `len` zeroed bytes of shareable host memory for the caller's
+/// own use, e.g. as KV pools (a memfd mapping, populated now); its address
+/// goes to `*out_addr` (page-aligned). No agent is needed: any host memory
+/// registered inside it later (an engine's `PdxKvPool.base`, or
+/// `pdxfer_register_memory`) is published to same-host peers as shared, so a
+/// same-host prefill engine copies KV rows straight into it (one copy, no
+/// staging) and cma peers write it with memcpy. Free it with
+/// `pdxfer_free_shared_pool` after the engine or agent that registered it
+/// closed. On failure nothing is allocated and `*out_addr` is untouched.
+#[no_mangle]
+pub extern "C" fn pdxfer_alloc_shared_pool(len: usize, out_addr: *mut *mut c_void) -> PdxStatus {
+    boundary(|| {
+        ptr::check_out(out_addr, "out_addr")?;
+        let addr = crate::memory::shared::alloc_pool(len)?;
+        ptr::write_out(out_addr, addr as *mut c_void, "out_addr")?;
+        super::ok()
+    })
+}
+
+/// Frees an allocation of `pdxfer_alloc_shared_pool` by its address.
+/// Memory of it still registered (an engine not yet closed) stays mapped
+/// until unregistered; do not use `addr` afterwards either way.
+/// `PDX_STATUS_INVALID_ARGUMENT` (nothing freed) for an address that is not
+/// the start of a live allocation.
+#[no_mangle]
+pub extern "C" fn pdxfer_free_shared_pool(addr: *mut c_void) -> PdxStatus {
+    boundary(|| {
+        if addr.is_null() {
+            return Err(crate::Error::new(
+                crate::Status::NullArgument,
+                "addr is NULL",
+            ));
+        }
+        crate::memory::shared::free_pool(addr as u64)?;
+        super::ok()
+    })
+}
+
 /// Registers `len` bytes of CUDA device memory at device address `dptr` on
 /// device `ordinal`. `PDX_STATUS_NO_CUDA_DRIVER` without a driver,
 /// `PDX_STATUS_UNSUPPORTED` without the `cuda` feature. Only the rdma

@@ -13,7 +13,8 @@
 mod device_writer;
 mod region;
 mod registry;
+pub mod shared;
 
 pub use device_writer::{BounceBuffer, DeviceWriter, Fence};
 pub use region::{RegionDesc, RegionKind};
-pub use registry::{AccessGuard, Registry, UnregisterHook, MEMFD_KEY};
+pub use registry::{AccessGuard, Registry, UnregisterHook, MEMFD_KEY, MEMFD_OFFSET_KEY};

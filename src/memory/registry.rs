@@ -3,6 +3,7 @@
 
 use super::device_writer::DeviceWriter;
 use super::region::{RegionDesc, RegionKind};
+use super::shared::SharedMapping;
 use crate::error::{Error, Result, Status};
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
@@ -13,33 +14,19 @@ struct Entry {
     inflight: u64,
     /// Unregister calls waiting on it (new accesses are refused while > 0).
     closing: u32,
-    /// Memory the registry allocated itself (freed on unregister).
-    _owned: Option<SharedMapping>,
+    /// The shared mapping the region lies in (allocated by the registry, or
+    /// a shared pool allocation): kept mapped while the region is registered.
+    _owned: Option<Arc<SharedMapping>>,
     /// How host-side receivers copy into this device region (`None`: they cannot).
     writer: Option<Arc<dyn DeviceWriter>>,
 }
 
-/// A `memfd` mapped shared into this process; same-host peers map the same
-/// pages (through `pidfd_getfd`) and write them with plain `memcpy`.
-pub(crate) struct SharedMapping {
-    fd: std::os::fd::OwnedFd,
-    ptr: *mut u8,
-    len: usize,
-}
-
-// SAFETY: the mapping is plain shared memory; the pointer is only used as an address.
-unsafe impl Send for SharedMapping {}
-
-impl Drop for SharedMapping {
-    fn drop(&mut self) {
-        // SAFETY: ptr/len are exactly the mapping created in alloc_shared; nothing else unmaps it.
-        unsafe { libc::munmap(self.ptr as *mut libc::c_void, self.len) };
-        let _ = &self.fd; // closed by OwnedFd
-    }
-}
-
 /// Key under which a shared region publishes its memfd number (in the owner process).
 pub const MEMFD_KEY: &str = "memfd";
+
+/// Key under which a shared region publishes its byte offset in that memfd
+/// (absent: 0).
+pub const MEMFD_OFFSET_KEY: &str = "memfd_offset";
 
 #[derive(Default)]
 struct State {
@@ -179,7 +166,34 @@ impl Registry {
         if ptr.is_null() {
             return Err(Error::new(Status::NullArgument, "region pointer is NULL"));
         }
-        self.insert(ptr as u64, len as u64, RegionKind::Host)
+        match super::shared::find(ptr as u64, len as u64) {
+            Some((mapping, offset)) => self.insert_shared(ptr as u64, len, mapping, offset),
+            None => self.insert(ptr as u64, len as u64, RegionKind::Host),
+        }
+    }
+
+    /// Registers `[addr, addr + len)`, which lies at `offset` in the shared
+    /// `mapping`: the descriptor publishes the memfd and the offset, and the
+    /// region holds the mapping until unregistered.
+    fn insert_shared(
+        &self,
+        addr: u64,
+        len: usize,
+        mapping: Arc<SharedMapping>,
+        offset: u64,
+    ) -> Result<RegionDesc> {
+        let mut desc = self.insert(addr, len as u64, RegionKind::Host)?;
+        desc.keys
+            .insert(MEMFD_KEY.to_string(), mapping.raw_fd() as u64);
+        if offset > 0 {
+            desc.keys.insert(MEMFD_OFFSET_KEY.to_string(), offset);
+        }
+        let mut st = self.lock();
+        if let Some(e) = st.regions.get_mut(&desc.id) {
+            e.desc = desc.clone();
+            e._owned = Some(mapping);
+        }
+        Ok(desc)
     }
 
     /// Registers `len` bytes of CUDA device memory at device address `dptr`
@@ -337,62 +351,8 @@ impl Registry {
     /// same-host cma peers can map these pages and write them with plain
     /// `memcpy` (the descriptor carries the `memfd` key). Freed on unregister.
     pub fn alloc_shared(&self, len: usize) -> Result<RegionDesc> {
-        use std::os::fd::FromRawFd;
-        if len == 0 {
-            return Err(Error::invalid("region length must be > 0"));
-        }
-        // SAFETY: the name is a valid NUL-terminated string; flags are valid.
-        let fd = unsafe { libc::memfd_create(c"pdxfer-region".as_ptr(), libc::MFD_CLOEXEC) };
-        if fd < 0 {
-            return Err(Error::new(
-                Status::Io,
-                format!("memfd_create: {}", std::io::Error::last_os_error()),
-            ));
-        }
-        // SAFETY: fd is a fresh descriptor we own from here on.
-        let fd = unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) };
-        use std::os::fd::AsRawFd;
-        // SAFETY: valid fd and length.
-        if unsafe { libc::ftruncate(fd.as_raw_fd(), len as libc::off_t) } != 0 {
-            return Err(Error::new(
-                Status::Io,
-                format!(
-                    "ftruncate memfd to {len}: {}",
-                    std::io::Error::last_os_error()
-                ),
-            ));
-        }
-        // SAFETY: a new shared mapping of the whole memfd; checked for MAP_FAILED below.
-        let p = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED | libc::MAP_POPULATE,
-                fd.as_raw_fd(),
-                0,
-            )
-        };
-        if p == libc::MAP_FAILED {
-            return Err(Error::new(
-                Status::Io,
-                format!("mmap {len} bytes: {}", std::io::Error::last_os_error()),
-            ));
-        }
-        let raw = fd.as_raw_fd();
-        let mapping = SharedMapping {
-            fd,
-            ptr: p as *mut u8,
-            len,
-        };
-        let mut desc = self.insert(p as u64, len as u64, RegionKind::Host)?;
-        desc.keys.insert(MEMFD_KEY.to_string(), raw as u64);
-        let mut st = self.lock();
-        if let Some(e) = st.regions.get_mut(&desc.id) {
-            e.desc = desc.clone();
-            e._owned = Some(mapping);
-        }
-        Ok(desc)
+        let m = Arc::new(SharedMapping::create(len)?);
+        self.insert_shared(m.addr(), len, m, 0)
     }
 
     /// Sets a per-transport key on a region's descriptor (e.g. an RDMA rkey).
@@ -767,6 +727,28 @@ mod shared_tests {
             r.alloc_shared(0).unwrap_err().status(),
             Status::InvalidArgument
         );
+    }
+
+    #[test]
+    fn registering_inside_a_shared_pool_publishes_its_memfd_and_keeps_it_mapped() {
+        let r = Registry::new();
+        let base = crate::memory::shared::alloc_pool(4 << 12).unwrap();
+        // SAFETY: the second page of the live allocation.
+        let d = unsafe { r.register_host((base + 4096 + 8) as *mut u8, 4096) }.unwrap();
+        assert!(d.keys.contains_key(MEMFD_KEY), "{d:?}");
+        assert_eq!(d.keys.get(MEMFD_OFFSET_KEY), Some(&(4096 + 8)));
+        assert_eq!(r.get(d.id).unwrap(), d);
+        // heap memory is registered as before: no memfd
+        let mut heap = vec![0u8; 64];
+        // SAFETY: heap outlives the registration (unregistered below).
+        let h = unsafe { r.register_host(heap.as_mut_ptr(), heap.len()) }.unwrap();
+        assert!(h.keys.is_empty());
+        // freed by its owner while registered: still mapped until unregistered
+        crate::memory::shared::free_pool(base).unwrap();
+        // SAFETY: the registry holds the mapping of the registered range.
+        unsafe { *((base + 4096 + 8) as *mut u8) = 3 };
+        r.unregister(d.id, Duration::from_secs(1)).unwrap();
+        r.unregister(h.id, Duration::from_secs(1)).unwrap();
     }
 }
 

@@ -22,7 +22,10 @@ use super::conn::{Conn, Piece, Reach};
 use super::handshake::Select;
 use super::identity::ProcIdentity;
 use super::wire::{self, Commit, FrameType};
-use super::{BatchId, BatchOptions, ReadOp, Transport, TransportKind, WriteOp};
+use super::{
+    BatchId, BatchOptions, BatchStatus, MappedRegion, PlacedRange, ReadOp, Transport,
+    TransportKind, WriteOp,
+};
 use crate::error::{Error, Result, Status};
 use crate::memory::{AccessGuard, RegionDesc};
 use crossbeam::channel::{unbounded, Sender};
@@ -42,10 +45,13 @@ pub(crate) struct PeerProcess {
     mapped: HashMap<u64, RemoteMap>,
 }
 
-/// The pages of a peer's shared region, mapped into this process.
+/// The pages of a peer's shared region, mapped into this process: the
+/// region starts `delta` bytes into the mapping (mmap offsets are page-aligned).
 struct RemoteMap {
     base: *mut u8,
     len: usize,
+    delta: usize,
+    region_len: u64,
 }
 
 // SAFETY: a shared mapping used only as a destination address by the writer threads.
@@ -53,9 +59,90 @@ unsafe impl Send for RemoteMap {}
 // SAFETY: as above; concurrent writers touch disjoint granted ranges.
 unsafe impl Sync for RemoteMap {}
 
+impl RemoteMap {
+    /// Maps `len` bytes at `offset` of the peer's memfd `fd`; `None` when the
+    /// file is shorter or the mapping fails.
+    fn new(fd: &OwnedFd, offset: u64, len: u64) -> Option<RemoteMap> {
+        // SAFETY: st is a valid out-struct for fstat.
+        let mut st: libc::stat = unsafe { std::mem::zeroed() };
+        // SAFETY: valid fd and out-pointer.
+        if unsafe { libc::fstat(fd.as_raw_fd(), &mut st) } != 0 {
+            return None;
+        }
+        let end = offset.checked_add(len)?;
+        if (st.st_size as u64) < end || len == 0 {
+            return None;
+        }
+        let page = page_size() as u64;
+        let start = offset - offset % page;
+        let delta = (offset - start) as usize;
+        let map_len = usize::try_from(end - start).ok()?;
+        // SAFETY: maps map_len bytes of the shared file from a page-aligned
+        // offset inside it (checked against its size); MAP_FAILED is checked.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                map_len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                fd.as_raw_fd(),
+                start as libc::off_t,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return None;
+        }
+        Some(RemoteMap {
+            base: p as *mut u8,
+            len: map_len,
+            delta,
+            region_len: len,
+        })
+    }
+
+    /// Address of the region's first byte in this process.
+    fn region_addr(&self) -> u64 {
+        self.base as u64 + self.delta as u64
+    }
+
+    /// Populates the mapping's page tables now, off the request path:
+    /// `MADV_POPULATE_WRITE` (Linux 5.14+), else one read per page (never a
+    /// write: the peer may be using the memory). Returns the bytes populated.
+    fn populate(&self) -> u64 {
+        // SAFETY: base/len are exactly this mapping; the advice only faults its pages in.
+        let r = unsafe {
+            libc::madvise(
+                self.base as *mut libc::c_void,
+                self.len,
+                libc::MADV_POPULATE_WRITE,
+            )
+        };
+        if r != 0 {
+            let page = page_size();
+            let mut sum = 0u8;
+            for off in (0..self.len).step_by(page) {
+                // SAFETY: off < len: inside this live mapping; a volatile read only faults the page in.
+                sum ^= unsafe { std::ptr::read_volatile(self.base.add(off)) };
+            }
+            std::hint::black_box(sum);
+        }
+        self.len as u64
+    }
+}
+
+fn page_size() -> usize {
+    // SAFETY: sysconf has no preconditions.
+    let n = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    if n > 0 {
+        n as usize
+    } else {
+        4096
+    }
+}
+
 impl Drop for RemoteMap {
     fn drop(&mut self) {
-        // SAFETY: base/len are exactly the mapping made in map_shared.
+        // SAFETY: base/len are exactly the mapping made in RemoteMap::new.
         unsafe { libc::munmap(self.base as *mut libc::c_void, self.len) };
     }
 }
@@ -105,11 +192,14 @@ impl PeerProcess {
     }
 
     /// Maps the peer's memfd-backed regions (`pidfd_getfd` + `mmap`) so
-    /// they are written with memcpy; a region that cannot be mapped (old
-    /// kernel, no permission, size mismatch) stays on `process_vm_writev`.
-    /// Returns the number of regions mapped.
+    /// they are written with memcpy, and populates the mappings now
+    /// ([`populate`]) so the first batch takes no page faults; a region that
+    /// cannot be mapped (old kernel, no permission, size mismatch) stays on
+    /// `process_vm_writev`. Returns the number of regions mapped.
     pub fn map_shared(&mut self, regions: &[RegionDesc]) -> usize {
         let Some(pidfd) = &self.pidfd else { return 0 };
+        let t0 = std::time::Instant::now();
+        let mut populated = 0u64;
         for d in regions {
             let Some(&remote_fd) = d.keys.get(crate::memory::MEMFD_KEY) else {
                 continue;
@@ -117,6 +207,11 @@ impl PeerProcess {
             if d.kind != crate::memory::RegionKind::Host {
                 continue;
             }
+            let offset = d
+                .keys
+                .get(crate::memory::MEMFD_OFFSET_KEY)
+                .copied()
+                .unwrap_or(0);
             // SAFETY: pidfd_getfd duplicates the peer's descriptor into ours or returns -1.
             let fd = unsafe {
                 libc::syscall(
@@ -131,35 +226,29 @@ impl PeerProcess {
             }
             // SAFETY: fd is a fresh descriptor we own.
             let fd = unsafe { OwnedFd::from_raw_fd(fd as i32) };
-            // SAFETY: st is a valid out-struct for fstat.
-            let mut st: libc::stat = unsafe { std::mem::zeroed() };
-            // SAFETY: valid fd and out-pointer.
-            if unsafe { libc::fstat(fd.as_raw_fd(), &mut st) } != 0 || (st.st_size as u64) < d.len {
+            let Some(m) = RemoteMap::new(&fd, offset, d.len) else {
                 continue;
-            }
-            // SAFETY: maps d.len bytes of the shared file; MAP_FAILED is checked.
-            let p = unsafe {
-                libc::mmap(
-                    std::ptr::null_mut(),
-                    d.len as usize,
-                    libc::PROT_READ | libc::PROT_WRITE,
-                    libc::MAP_SHARED,
-                    fd.as_raw_fd(),
-                    0,
-                )
             };
-            if p == libc::MAP_FAILED {
-                continue;
-            }
-            self.mapped.insert(
-                d.id,
-                RemoteMap {
-                    base: p as *mut u8,
-                    len: d.len as usize,
-                },
+            populated += m.populate();
+            self.mapped.insert(d.id, m);
+        }
+        if !self.mapped.is_empty() {
+            log::debug!(
+                "cma: mapped {} region(s) of pid {}, {populated} B populated in {:?}",
+                self.mapped.len(),
+                self.pid,
+                t0.elapsed()
             );
         }
         self.mapped.len()
+    }
+
+    /// The peer region `region` as mapped here: its start address in this
+    /// process and its length.
+    pub fn mapped(&self, region: u64) -> Option<(u64, u64)> {
+        self.mapped
+            .get(&region)
+            .map(|m| (m.region_addr(), m.region_len))
     }
 
     /// Reads 8 bytes at `addr` in the peer (the handshake proof).
@@ -233,11 +322,11 @@ impl PeerProcess {
                 Some(m)
                     if p.offset
                         .checked_add(p.len)
-                        .is_some_and(|e| e <= m.len as u64) =>
+                        .is_some_and(|e| e <= m.region_len) =>
                 {
                     // SAFETY: the local range is pinned in our registry; the peer range was granted by the peer and lies inside the mapping (checked just above).
                     unsafe {
-                        let peer = m.base.add(p.offset as usize);
+                        let peer = m.base.add(m.delta + p.offset as usize);
                         if read {
                             std::ptr::copy_nonoverlapping(
                                 peer as *const u8,
@@ -378,6 +467,8 @@ struct Job {
     pieces: Vec<Piece>,
     commit: Commit,
     _guards: Arc<Vec<AccessGuard>>,
+    /// The caller placed the bytes already (`submit_placed`): nothing to move.
+    placed: bool,
 }
 
 /// The cma transport (sender side).
@@ -385,6 +476,9 @@ pub struct CmaTransport {
     conn: Arc<Conn>,
     tx: Sender<Job>,
     mapped: usize,
+    /// The peer (shared with the writer thread): its mapped regions live as
+    /// long as this transport.
+    peer: Arc<PeerProcess>,
 }
 
 impl CmaTransport {
@@ -395,16 +489,22 @@ impl CmaTransport {
     ) -> Result<CmaTransport> {
         let regions: Vec<RegionDesc> = conn.regions.values().cloned().collect();
         let mapped = peer.map_shared(&regions);
+        let peer = Arc::new(peer);
         let (tx, rx) = unbounded::<Job>();
-        let c = conn.clone();
+        let (c, p) = (conn.clone(), peer.clone());
         std::thread::Builder::new()
             .name("pdxfer-cma-tx".into())
             .spawn(move || {
                 for job in rx {
-                    c.run_job(&peer, threads, job);
+                    c.run_job(&p, threads, job);
                 }
             })?;
-        Ok(CmaTransport { conn, tx, mapped })
+        Ok(CmaTransport {
+            conn,
+            tx,
+            mapped,
+            peer,
+        })
     }
 }
 
@@ -445,7 +545,9 @@ impl Conn {
         if self.table.finished(job.id) {
             return abort(self);
         }
-        let r = if threads <= 1 || job.pieces.is_empty() || job.commit.bytes < (256 << 10) {
+        let r = if job.placed {
+            Ok(job.commit.bytes)
+        } else if threads <= 1 || job.pieces.is_empty() || job.commit.bytes < (256 << 10) {
             peer.xfer(&job.pieces, job.read)
         } else {
             let groups = split_even(&job.pieces, threads);
@@ -533,6 +635,117 @@ impl CmaTransport {
             pieces,
             commit,
             _guards: guards,
+            placed: false,
+        };
+        if self.tx.send(job).is_err() {
+            self.conn.table.fail(
+                id,
+                Error::new(Status::PeerUnreachable, "cma writer thread is gone"),
+            );
+        }
+        Ok(BatchId(id))
+    }
+}
+
+impl CmaTransport {
+    /// Checks placed ranges against the peer's descriptors and the mapped
+    /// regions: pieces whose source is the mapped destination itself.
+    fn placed_pieces(&self, ranges: &[PlacedRange]) -> Result<(Vec<Piece>, u64)> {
+        if let Some(e) = self.conn.table.dead() {
+            return Err(e);
+        }
+        let mut pieces = Vec::with_capacity(ranges.len());
+        let mut total = 0u64;
+        for (i, r) in ranges.iter().enumerate() {
+            let refused = |status, what: String| {
+                Err(Error::new(
+                    status,
+                    format!("range {i} of the placed batch: {what}; nothing was sent"),
+                ))
+            };
+            let Some(d) = self.conn.regions.get(&r.remote_region) else {
+                return refused(
+                    Status::RegionNotFound,
+                    format!("the peer exported no region {}", r.remote_region),
+                );
+            };
+            if let Err(e) = d.check(r.remote_offset, r.len) {
+                return refused(e.status(), e.detail().to_string());
+            }
+            let Some((addr, _)) = self.peer.mapped(r.remote_region) else {
+                return refused(
+                    Status::Unsupported,
+                    format!(
+                        "the peer's region {} is not mapped here (not memfd-backed); use submit",
+                        r.remote_region
+                    ),
+                );
+            };
+            total = total
+                .checked_add(r.len)
+                .ok_or_else(|| Error::invalid("batch size overflows"))?;
+            pieces.push(Piece {
+                src: addr + r.remote_offset,
+                region: r.remote_region,
+                offset: r.remote_offset,
+                dst: d.addr + r.remote_offset,
+                len: r.len,
+            });
+        }
+        Ok((pieces, total))
+    }
+
+    /// `submit_placed`: the write path of `submit_dir` with the caller's
+    /// placement between the grant and the commit, and the job flagged as
+    /// placed so the writer thread only commits it.
+    fn submit_placed_dir(
+        &self,
+        ranges: &[PlacedRange],
+        opts: &BatchOptions,
+        place: &mut dyn FnMut() -> Result<()>,
+    ) -> Result<BatchId> {
+        let (pieces, bytes) = self.placed_pieces(ranges)?;
+        let guards = Arc::new(Vec::new());
+        // the checksum covers the placed bytes: computed once they are there
+        let announce_opts = BatchOptions {
+            checksum: false,
+            ..*opts
+        };
+        let mut commit = self
+            .conn
+            .announce(&pieces, &guards, bytes, &announce_opts, false)?;
+        let id = commit.batch;
+        let gone = |e: Error| {
+            self.conn.table.fail(id, e);
+            let _ = self.conn.send(FrameType::Abort, &id.to_le_bytes());
+            match self.conn.table.poll(BatchId(id)) {
+                Ok(BatchStatus::Failed(e)) => e,
+                _ => Error::new(Status::BatchFailed, "placed batch failed"),
+            }
+        };
+        // Place only after the grant: the peer validated and pinned every range.
+        if let Err(e) = self.conn.table.wait_granted(id) {
+            return Err(gone(e));
+        }
+        if let Err(e) = self.peer.check_alive() {
+            self.conn.table.fail_all(e.clone());
+            return Err(gone(e));
+        }
+        if let Err(e) = place() {
+            return Err(gone(e));
+        }
+        if opts.checksum {
+            let sum = super::conn::checksum_pieces(&pieces);
+            commit.checksum = Some(sum);
+            self.conn.table.set_checksum(id, sum);
+        }
+        let job = Job {
+            id,
+            read: false,
+            pieces,
+            commit,
+            _guards: guards,
+            placed: true,
         };
         if self.tx.send(job).is_err() {
             self.conn.table.fail(
@@ -566,6 +779,21 @@ impl Transport for CmaTransport {
     fn submit_reads(&self, ops: &[ReadOp], opts: &BatchOptions) -> Result<BatchId> {
         let w: Vec<WriteOp> = ops.iter().map(ReadOp::as_write).collect();
         self.submit_dir(&w, opts, true)
+    }
+
+    fn mapped_dst(&self, region: u64) -> Option<MappedRegion> {
+        self.peer
+            .mapped(region)
+            .map(|(addr, len)| MappedRegion { addr, len })
+    }
+
+    fn submit_placed(
+        &self,
+        ranges: &[PlacedRange],
+        opts: &BatchOptions,
+        place: &mut dyn FnMut() -> Result<()>,
+    ) -> Result<BatchId> {
+        self.submit_placed_dir(ranges, opts, place)
     }
 
     fn close(&self) {

@@ -112,6 +112,28 @@ impl ReadOp {
     }
 }
 
+/// A peer's region mapped into this process (see [`Transport::mapped_dst`]):
+/// byte `k` of the region is at `addr + k` here.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MappedRegion {
+    /// Address of the region's first byte in this process.
+    pub addr: u64,
+    /// Length of the region in bytes.
+    pub len: u64,
+}
+
+/// One destination range of a batch whose bytes the caller places itself
+/// (see [`Transport::submit_placed`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct PlacedRange {
+    /// Destination region id in the peer's registry.
+    pub remote_region: u64,
+    /// Offset inside the destination region.
+    pub remote_offset: u64,
+    /// Bytes the caller places there.
+    pub len: u64,
+}
+
 /// Identifies a submitted batch on the peer connection that accepted it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 pub struct BatchId(pub u64);
@@ -300,6 +322,43 @@ pub trait Transport: Send + Sync {
             crate::Status::Unsupported,
             format!(
                 "the {} transport cannot read from the peer; ask the peer to write instead",
+                self.kind().name()
+            ),
+        ))
+    }
+
+    /// The peer's region `region` when it is mapped into this process (cma:
+    /// a memfd-backed region of a same-host peer), so a caller can place a
+    /// batch's bytes itself ([`submit_placed`](Self::submit_placed)); `None`
+    /// for every other region and transport. The address stays valid while
+    /// this transport lives.
+    fn mapped_dst(&self, region: u64) -> Option<MappedRegion> {
+        let _ = region;
+        None
+    }
+
+    /// Submits a batch whose bytes the caller places itself into the peer's
+    /// mapped regions ([`mapped_dst`](Self::mapped_dst)): the same
+    /// validation, grant, commit and completion as [`submit`](Self::submit),
+    /// with `place` in place of the transport's copy. `place` is called once,
+    /// on this thread, only after the peer validated and pinned every range
+    /// (its grant), and must write exactly `ranges` (and only them) through
+    /// the mapped addresses. Returns once the batch is committed (wait for its
+    /// completion as for any batch); an error names the refusal, the grant
+    /// that never came or `place`'s failure, and the batch is then gone (the
+    /// peer gets no completion). A range outside a mapped region, or on a
+    /// transport that maps none: `Unsupported`, nothing sent.
+    fn submit_placed(
+        &self,
+        ranges: &[PlacedRange],
+        opts: &BatchOptions,
+        place: &mut dyn FnMut() -> Result<()>,
+    ) -> Result<BatchId> {
+        let _ = (ranges, opts, place);
+        Err(crate::Error::new(
+            crate::Status::Unsupported,
+            format!(
+                "the {} transport maps no peer memory; use submit",
                 self.kind().name()
             ),
         ))

@@ -2,9 +2,14 @@
 //!
 //! The sender writes each piece as a 48-byte header followed by the bytes,
 //! gathered straight from registered memory with `writev` (many pieces per
-//! call, partial writes resumed). The receiver reads the header, validates
-//! the destination against its registry, and reads the payload straight into
-//! it (an invalid destination is drained into scratch: nothing is written).
+//! call, partial writes resumed). The receiver reads through a buffer per
+//! stream (one `read` brings many headers and small payloads, copied from
+//! it), validates each destination against its registry, and reads a payload
+//! not all buffered straight into its destination with `readv` (an invalid
+//! destination is drained: nothing is written). Pieces cost no lock: a
+//! stream keeps the region of its pieces pinned across a run of buffered
+//! pieces and merges its byte counts into the session's batches before it
+//! waits on its socket.
 //! A destination in device memory (a region registered with a
 //! [`DeviceWriter`](crate::memory::DeviceWriter)) is read into the stream's
 //! bounded bounce buffer (page-locked where the writer can allocate it) and
@@ -24,9 +29,11 @@
 //! - `send`: the sender ([`TcpTransport`]) and its setup on a dialed control
 //!   connection (the data streams attach to the receiver's session);
 //! - `recv`: the receiver: data streams, batch accounting, the verdict on commit;
+//! - `inbuf`: a data stream's receive buffer and the pin timeout of payload reads;
 //! - `device`: the receiver's landing of a piece in device memory.
 
 mod device;
+mod inbuf;
 mod recv;
 mod send;
 

@@ -21,8 +21,8 @@ use std::time::Duration;
 
 /// Pieces larger than this are split across streams when there are several.
 const SPLIT: u64 = 512 << 10;
-/// Most pieces gathered into one `writev` (2 iovecs each).
-const GATHER: usize = 256;
+/// Most pieces gathered into one `writev` (2 iovecs each: `IOV_MAX` is 1024).
+const GATHER: usize = 512;
 /// A write blocked this long fails the connection.
 const WRITE_TIMEOUT: Duration = Duration::from_secs(30);
 
@@ -57,8 +57,9 @@ impl TcpTransport {
             std::thread::Builder::new()
                 .name(format!("pdxfer-tcp-tx{i}"))
                 .spawn(move || {
+                    let mut gather = Gather::default();
                     for job in rx {
-                        if let Err(e) = send_job(&c, &s, &job) {
+                        if let Err(e) = send_job(&c, &s, &job, &mut gather) {
                             c.table.fail_all(Error::new(
                                 Status::PeerUnreachable,
                                 format!(
@@ -138,38 +139,43 @@ fn finish_part(c: &Conn, b: &BatchShared) {
     }
 }
 
-fn send_job(c: &Conn, s: &TcpStream, job: &Job) -> Result<()> {
+/// A stream's headers and iovecs of one `writev`, reused from group to group.
+#[derive(Default)]
+struct Gather {
+    headers: Vec<[u8; DATA_HEADER_LEN]>,
+    iov: Vec<libc::iovec>,
+}
+
+fn send_job(c: &Conn, s: &TcpStream, job: &Job, g: &mut Gather) -> Result<()> {
     if c.table.finished(job.batch.commit.batch) {
         return Ok(()); // failed or expired: skip its bytes
     }
     for group in job.pieces.chunks(GATHER) {
-        let headers: Vec<[u8; DATA_HEADER_LEN]> = group
-            .iter()
-            .map(|p| {
-                DataHeader {
-                    flags: job.flags,
-                    batch: job.batch.commit.batch,
-                    region: p.region,
-                    offset: p.offset,
-                    len: p.len,
-                }
-                .encode()
-            })
-            .collect();
-        let mut iov: Vec<libc::iovec> = Vec::with_capacity(group.len() * 2);
-        for (h, p) in headers.iter().zip(group) {
-            iov.push(libc::iovec {
+        g.headers.clear();
+        g.headers.extend(group.iter().map(|p| {
+            DataHeader {
+                flags: job.flags,
+                batch: job.batch.commit.batch,
+                region: p.region,
+                offset: p.offset,
+                len: p.len,
+            }
+            .encode()
+        }));
+        g.iov.clear();
+        for (h, p) in g.headers.iter().zip(group) {
+            g.iov.push(libc::iovec {
                 iov_base: h.as_ptr() as *mut libc::c_void,
                 iov_len: DATA_HEADER_LEN,
             });
             if p.len > 0 {
-                iov.push(libc::iovec {
+                g.iov.push(libc::iovec {
                     iov_base: p.src as *mut libc::c_void,
                     iov_len: p.len as usize,
                 });
             }
         }
-        writev_all(s, &mut iov)?;
+        writev_all(s, &mut g.iov)?;
     }
     Ok(())
 }

@@ -1,0 +1,268 @@
+//! The one-copy path of a prefill worker on the same host: when the link's
+//! transport has the decode rank's KV pools mapped into this process (cma,
+//! decode pools in shared memory: [`alloc_pool`](crate::memory::shared::alloc_pool)),
+//! a pair's rows are copied straight from the prefill's pools into the
+//! decode's rows, after the decode granted the destination ranges; no
+//! staging, no second copy.
+
+use super::flight::Flight;
+use super::handle::Inner;
+use super::prefill::DecodeLink;
+use crate::error::{Error, Result, Status};
+use crate::layout::{PairRequest, Run};
+use crate::relayout::CopyEntry;
+use crate::transport::{MappedRegion, PlacedRange};
+use std::sync::Arc;
+use std::time::Instant;
+
+/// Submits one pair's tokens of a chunk on the one-copy path when every
+/// destination pool of the pair is mapped here (and the engine's
+/// `one_copy` is on); returns the bytes, or `None` (nothing done) when the
+/// staged path must be taken.
+pub(super) fn write_pair_direct(
+    inner: &Inner,
+    req: &PairRequest<'_>,
+    row_bytes: &[u64],
+    dst_regions: &[u64],
+    link: &Arc<DecodeLink>,
+    flight: &mut Flight<'_>,
+) -> Result<Option<u64>> {
+    if !inner.cfg.one_copy || inner.cfg.pool_device.is_some() {
+        return Ok(None);
+    }
+    let data = link.data();
+    let Some(maps) = dst_regions
+        .iter()
+        .map(|&r| data.mapped_dst(r))
+        .collect::<Option<Vec<MappedRegion>>>()
+    else {
+        return Ok(None);
+    };
+    if maps.len() != row_bytes.len() || inner.pool_regions.len() != row_bytes.len() {
+        return Err(Error::new(
+            Status::GeometryMismatch,
+            format!(
+                "{} row sizes, {} decode pools, {} prefill pools",
+                row_bytes.len(),
+                maps.len(),
+                inner.pool_regions.len()
+            ),
+        ));
+    }
+    let runs = req.runs(false)?;
+    let mut entries = Vec::with_capacity(row_bytes.len());
+    for (e, &rb) in row_bytes.iter().enumerate() {
+        let src = &inner.pool_regions[e];
+        for r in &runs {
+            check_rows(r.src, r.len, rb, src.len, "prefill pool", e)?;
+            check_rows(r.dst, r.len, rb, maps[e].len, "decode pool", e)?;
+        }
+        entries.push(CopyEntry {
+            src: src.addr,
+            dst: maps[e].addr,
+            row_bytes: rb,
+            reserved: 0,
+        });
+    }
+    let ranges = placed_ranges(&runs, row_bytes, dst_regions);
+    let bytes: u64 = ranges.iter().map(|r| r.len).sum();
+    let metrics = &inner.metrics;
+    let mut place = || {
+        let t0 = Instant::now();
+        // SAFETY: every run of every entry was checked above to lie inside the
+        // prefill's pool (valid for the engine's life) and inside the decode
+        // pool's mapping (valid while `data`, held by the flight, lives); the
+        // decode has granted and pinned exactly these destination ranges (this
+        // runs only after its grant); source and destination are different
+        // memory (our pool, the peer's memfd).
+        unsafe { copy_spread(&entries, &runs, bytes) };
+        metrics.gathered(t0);
+        metrics.placed(bytes);
+        Ok(())
+    };
+    flight.submit_placed(link, data, &ranges, &mut place)?;
+    Ok(Some(bytes))
+}
+
+/// Bytes of a pair below which one thread copies it.
+const SPREAD_MIN_BYTES: u64 = 8 << 20;
+
+/// Most threads one pair's copy is spread over.
+const SPREAD_MAX_THREADS: usize = 8;
+
+/// [`copy_spans_raw`](crate::relayout::cpu::copy_spans_raw) of `bytes`,
+/// spread over up to [`SPREAD_MAX_THREADS`] threads (the available cores)
+/// in slices of about equal rows when the pair is large.
+///
+/// # Safety
+/// As `copy_spans_raw`: every span of every entry readable at its source
+/// and writable at its destination, no destination byte overlapping a
+/// source byte or another destination byte.
+unsafe fn copy_spread(entries: &[CopyEntry], runs: &[Run], bytes: u64) {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let threads = cores.min(SPREAD_MAX_THREADS);
+    if bytes < SPREAD_MIN_BYTES || threads < 2 || runs.len() < 2 {
+        // SAFETY: the caller's contract.
+        unsafe { crate::relayout::cpu::copy_spans_raw(entries, runs) };
+        return;
+    }
+    let rows: u64 = runs.iter().map(|r| r.len).sum();
+    let share = rows.div_ceil(threads as u64).max(1);
+    let mut groups: Vec<&[Run]> = Vec::with_capacity(threads);
+    let (mut start, mut acc) = (0usize, 0u64);
+    for (i, r) in runs.iter().enumerate() {
+        acc += r.len;
+        if acc >= share {
+            groups.push(&runs[start..=i]);
+            (start, acc) = (i + 1, 0);
+        }
+    }
+    if start < runs.len() {
+        groups.push(&runs[start..]);
+    }
+    std::thread::scope(|s| {
+        for g in &groups[1..] {
+            // SAFETY: a subset of the caller's spans: the same contract, and
+            // the groups are disjoint, so no two threads write the same byte.
+            s.spawn(move || unsafe { crate::relayout::cpu::copy_spans_raw(entries, g) });
+        }
+        // SAFETY: as above, the first group on this thread.
+        unsafe { crate::relayout::cpu::copy_spans_raw(entries, groups[0]) };
+    });
+}
+
+/// `OutOfBounds` unless rows `row..row + rows` of `row_bytes` lie in `len` bytes.
+fn check_rows(row: u64, rows: u64, row_bytes: u64, len: u64, what: &str, e: usize) -> Result<()> {
+    let end = row.checked_add(rows).and_then(|r| r.checked_mul(row_bytes));
+    match end {
+        Some(end) if end <= len => Ok(()),
+        _ => Err(Error::new(
+            Status::OutOfBounds,
+            format!(
+                "one-copy rows {row}..{} of {row_bytes} B are outside the {what} of entry {e} ({len} B); nothing was copied",
+                row.saturating_add(rows)
+            ),
+        )),
+    }
+}
+
+/// The destination ranges of `runs` for each entry (region `dst_regions[e]`,
+/// rows of `row_bytes[e]`), merged where the destination rows continue
+/// (whatever the source rows do): what the decode validates and pins.
+fn placed_ranges(runs: &[Run], row_bytes: &[u64], dst_regions: &[u64]) -> Vec<PlacedRange> {
+    let mut out = Vec::new();
+    for (&rb, &region) in row_bytes.iter().zip(dst_regions) {
+        let first = out.len();
+        for r in runs {
+            let (off, len) = (r.dst * rb, r.len * rb);
+            if let Some(last) = out[first..].last_mut() {
+                let last: &mut PlacedRange = last;
+                if last.remote_offset + last.len == off {
+                    last.len += len;
+                    continue;
+                }
+            }
+            out.push(PlacedRange {
+                remote_region: region,
+                remote_offset: off,
+                len,
+            });
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ranges_merge_where_the_destination_continues() {
+        let runs = [
+            Run {
+                src: 8,
+                dst: 0,
+                len: 1,
+            },
+            // the source jumps, the destination continues: one range
+            Run {
+                src: 12,
+                dst: 1,
+                len: 2,
+            },
+            Run {
+                src: 14,
+                dst: 9,
+                len: 1,
+            },
+        ];
+        let r = placed_ranges(&runs, &[4, 10], &[5, 6]);
+        let want = |remote_region, remote_offset, len| PlacedRange {
+            remote_region,
+            remote_offset,
+            len,
+        };
+        assert_eq!(
+            r,
+            [
+                want(5, 0, 12),
+                want(5, 36, 4),
+                want(6, 0, 30),
+                want(6, 90, 10)
+            ]
+        );
+        assert_eq!(r.iter().map(|r| r.len).sum::<u64>(), 4 * (4 + 10));
+    }
+
+    #[test]
+    fn a_spread_copy_moves_every_row_once() {
+        let rb = 64u64;
+        let rows = 4096u64;
+        let src: Vec<Vec<u8>> = (0..16)
+            .map(|e| (0..rows * rb).map(|i| (i as u8) ^ (e as u8 * 17)).collect())
+            .collect();
+        let mut dst: Vec<Vec<u8>> = (0..16).map(|_| vec![0u8; (rows * rb) as usize]).collect();
+        // every other source row to the destination rows in reverse pairs
+        let runs: Vec<Run> = (0..rows / 2)
+            .map(|i| Run {
+                src: 2 * i,
+                dst: rows - 1 - i,
+                len: 1,
+            })
+            .collect();
+        let entries: Vec<CopyEntry> = src
+            .iter()
+            .zip(&mut dst)
+            .map(|(s, d)| CopyEntry {
+                src: s.as_ptr() as u64,
+                dst: d.as_mut_ptr() as u64,
+                row_bytes: rb,
+                reserved: 0,
+            })
+            .collect();
+        // SAFETY: every run lies inside both vectors; destinations are distinct rows.
+        // (`bytes` at the threshold: spread over the cores there are)
+        unsafe { copy_spread(&entries, &runs, SPREAD_MIN_BYTES) };
+        for (e, (s, d)) in src.iter().zip(&dst).enumerate() {
+            for i in 0..rows {
+                let got = &d[(i * rb) as usize..((i + 1) * rb) as usize];
+                if i < rows / 2 {
+                    assert!(got.iter().all(|&b| b == 0), "entry {e} row {i} written");
+                } else {
+                    let from = 2 * (rows - 1 - i);
+                    assert_eq!(got, &s[(from * rb) as usize..((from + 1) * rb) as usize]);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn rows_outside_a_pool_are_refused() {
+        check_rows(2, 2, 8, 32, "decode pool", 0).unwrap();
+        let e = check_rows(3, 2, 8, 32, "decode pool", 1).unwrap_err();
+        assert_eq!(e.status(), Status::OutOfBounds);
+        assert!(e.detail().contains("decode pool of entry 1"), "{e}");
+        let e = check_rows(u64::MAX, 2, 8, 32, "prefill pool", 0).unwrap_err();
+        assert_eq!(e.status(), Status::OutOfBounds);
+    }
+}
