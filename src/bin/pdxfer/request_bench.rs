@@ -140,14 +140,6 @@ impl Mode {
     }
 }
 
-/// Shared KV pools need an engine option this engine does not have yet.
-fn shared_pools_unsupported() -> Error {
-    Error::new(
-        Status::Unsupported,
-        "cma-shared: the engine has no option to place its KV pools in shared (memfd) memory yet",
-    )
-}
-
 /// Seconds of one copy of `src` into `dst` (same length).
 fn copy_seconds(src: &[u8], dst: &mut [u8]) -> f64 {
     let t0 = Instant::now();
@@ -228,16 +220,12 @@ fn pages_of(v: &Value, k: &str) -> Vec<u64> {
 /// Runs one engine rank of the bench, driven by JSON lines on stdin.
 pub fn run_rank(a: &RequestRankArgs) -> Result<()> {
     let role = Role::parse(&a.role)?;
-    if a.pools == "shared" {
-        return Err(shared_pools_unsupported());
-    }
-    if a.pools != "heap" {
-        return Err(Error::invalid(format!(
-            "pools {:?}: heap or shared",
-            a.pools
-        )));
-    }
-    let mut pools = SyntheticPools::new(
+    let alloc = match a.pools.as_str() {
+        "heap" => SyntheticPools::new,
+        "shared" => SyntheticPools::new_shared,
+        other => return Err(Error::invalid(format!("pools {other:?}: heap or shared"))),
+    };
+    let mut pools = alloc(
         a.layers,
         a.row_bytes,
         a.page_size,
@@ -536,9 +524,6 @@ fn iperf3_gbps(secs: u32) -> std::result::Result<f64, String> {
 }
 
 fn run_mode(a: &RequestBenchArgs, mode: Mode, bar: &indicatif::ProgressBar) -> Result<ModeResult> {
-    if mode.shared_pools {
-        return Err(shared_pools_unsupported());
-    }
     let (p, d) = (a.page_size, u64::from(a.dcp_size));
     let src_pages = a.tokens.div_ceil(p);
     let dst_pages = a.tokens.div_ceil(p * d);
