@@ -123,6 +123,10 @@ def main():
                     r["ratio_vs_iperf3"], "x iperf3", ">= 0.9x", r["ratio_vs_iperf3"] >= 0.9, "same run")
             row(f"PD request {m}, first ({r['first_ms']:.1f} ms) over warm", r["first_over_warm"], "x",
                 "<= 1.2x", r["first_over_warm"] <= 1.2, "same run")
+            if m == "cma-shared":
+                share = r.get("one_copy_bytes_per_request", 0) / r["request_bytes"]
+                row(f"PD request {m}, KV bytes copied straight into the decode's rows", share * 100, "%",
+                    "(one copy)", None, "same run")
             c = r.get("control_messages_per_request")
             row(f"PD request {m}, control messages per request", c, "", "(counted)", None, "same run")
         for e in v.get("errors", []):

@@ -18,10 +18,11 @@ fn pdxfer(args: &[&str]) -> (i32, String, String) {
 
 #[test]
 fn bench_request_times_verified_requests_over_cma_and_tcp() {
+    // cma-shared: every rank's pools shareable, the prefill's one-copy path
     let (code, out, err) = pdxfer(&[
         "bench-request",
         "--modes",
-        "cma-heap,tcp",
+        "cma-heap,cma-shared,tcp",
         "--tokens",
         "512",
         "--layers",
@@ -43,7 +44,7 @@ fn bench_request_times_verified_requests_over_cma_and_tcp() {
         .iter()
         .map(|r| r["mode"].as_str().unwrap())
         .collect();
-    assert_eq!(modes, ["cma-heap", "tcp-heap"]);
+    assert_eq!(modes, ["cma-heap", "cma-shared", "tcp-heap"]);
     for r in results {
         let ms: Vec<f64> = r["transfer_ms"]
             .as_array()
@@ -62,6 +63,14 @@ fn bench_request_times_verified_requests_over_cma_and_tcp() {
         assert!(memcpy > 0.0);
         let ratio = r["ratio_vs_memcpy"].as_f64().unwrap();
         assert!((ratio - memcpy / median).abs() < 1e-9);
+        // shared pools take the one-copy path for every KV byte; the others never
+        let one_copy = r["one_copy_bytes_per_request"].as_f64().unwrap();
+        let want = if r["mode"] == "cma-shared" {
+            512.0 * 3.0 * 1152.0
+        } else {
+            0.0
+        };
+        assert_eq!(one_copy, want, "{}", r["mode"]);
         // iperf3 was switched off: no figure, and no note either
         assert!(r["iperf3_gb_per_s"].is_null() && r["iperf3_note"].is_null());
     }

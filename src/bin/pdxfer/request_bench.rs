@@ -27,10 +27,11 @@ use std::time::{Duration, Instant};
 /// Arguments of `pdxfer bench-request`.
 #[derive(Args, Debug)]
 pub struct RequestBenchArgs {
-    /// Modes to run, each with fresh rank processes: cma-heap (decode pools
-    /// in heap memory: process_vm_writev), cma-shared (decode pools in
-    /// shared memfd mappings), tcp.
-    #[arg(long, value_delimiter = ',', default_value = "cma-heap,tcp")]
+    /// Modes to run, each with fresh rank processes: cma-heap (KV pools in
+    /// heap memory: process_vm_writev), cma-shared (KV pools in shareable
+    /// memory, `SyntheticPools::new_shared`: the prefill copies rows straight
+    /// into the decode's rows), tcp.
+    #[arg(long, value_delimiter = ',', default_value = "cma-heap,cma-shared,tcp")]
     modes: Vec<String>,
     /// Requests per mode (the first is reported apart from the median of the rest).
     #[arg(long, default_value_t = 6)]
@@ -281,7 +282,8 @@ pub fn run_rank(a: &RequestRankArgs) -> Result<()> {
             }
             Some("metrics") => {
                 say(
-                    &json!({"event": "metrics", "control_messages": control_messages(&engine.metrics())}),
+                    &json!({"event": "metrics", "control_messages": control_messages(&engine.metrics()),
+                        "one_copy_bytes": engine.metrics_snapshot().one_copy_bytes}),
                 );
             }
             Some("memcpy") => {
@@ -432,6 +434,8 @@ struct ModeResult {
     ratio_vs_memcpy: f64,
     /// Control messages per request, all ranks together (`None`: the engine does not count them).
     control_messages_per_request: Option<f64>,
+    /// KV bytes per request the prefill copied straight into the decode's rows (one copy, no staging).
+    one_copy_bytes_per_request: f64,
     /// iperf3 loopback single stream, decimal GB/s (tcp modes).
     iperf3_gb_per_s: Option<f64>,
     /// Warm request speed over iperf3's.
@@ -475,17 +479,27 @@ fn collect(
         .collect())
 }
 
-/// Control messages counted by every rank so far (`None` if any rank does not count them).
-fn control_total(procs: &mut [Proc], rx: &Receiver<(usize, Value)>) -> Result<Option<u64>> {
+/// Counters of every rank so far.
+struct Counters {
+    /// Control messages of all ranks (`None` if any rank does not count them).
+    control: Option<u64>,
+    /// KV bytes the prefill (rank 0) copied straight into decode rows.
+    one_copy_bytes: u64,
+}
+
+fn counters(procs: &mut [Proc], rx: &Receiver<(usize, Value)>) -> Result<Counters> {
     for p in procs.iter_mut() {
         p.send(&json!({"cmd": "metrics"}))?;
     }
     let all: Vec<usize> = (0..procs.len()).collect();
     let counts = collect(rx, &all, "metrics", Duration::from_secs(10))?;
-    Ok(counts
-        .iter()
-        .map(|e| e["control_messages"].as_u64())
-        .sum::<Option<u64>>())
+    Ok(Counters {
+        control: counts
+            .iter()
+            .map(|e| e["control_messages"].as_u64())
+            .sum::<Option<u64>>(),
+        one_copy_bytes: counts[0]["one_copy_bytes"].as_u64().unwrap_or(0),
+    })
 }
 
 /// Runs `iperf3` on loopback, one stream, `secs` seconds; decimal GB/s received.
@@ -622,7 +636,7 @@ fn drive(
     let (p, d) = (a.page_size, u64::from(a.dcp_size));
     let src: Vec<u64> = (0..a.tokens.div_ceil(p)).collect();
     let dst: Vec<u64> = (0..a.tokens.div_ceil(p * d)).collect();
-    let control_before = control_total(procs, rx)?;
+    let before = counters(procs, rx)?;
     let mut transfer_ms = Vec::new();
     for room in 1..=u64::from(a.requests) {
         bar.set_message(format!("{}: request {room}", mode.name()));
@@ -646,7 +660,7 @@ fn drive(
         transfer_ms.push(done[0]["transfer_ms"].as_f64().unwrap_or(0.0));
         bar.inc(1);
     }
-    let control_after = control_total(procs, rx)?;
+    let after = counters(procs, rx)?;
     bar.set_message(format!("{}: memcpy", mode.name()));
     procs[0].send(&json!({"cmd": "memcpy", "bytes": request_bytes}))?;
     let m = collect(rx, &[0], "memcpy", Duration::from_secs(120))?.remove(0);
@@ -654,8 +668,9 @@ fn drive(
     let memcpy_first_ms = m["first_s"].as_f64().unwrap_or(0.0) * 1e3;
     let first_ms = transfer_ms[0];
     let warm_median_ms = median(&transfer_ms[1..]).unwrap_or(first_ms);
-    let control = match (control_before, control_after) {
-        (Some(b), Some(e)) => Some(e.saturating_sub(b) as f64 / f64::from(a.requests)),
+    let n = f64::from(a.requests);
+    let control = match (before.control, after.control) {
+        (Some(b), Some(e)) => Some(e.saturating_sub(b) as f64 / n),
         _ => None,
     };
     Ok(ModeResult {
@@ -670,6 +685,9 @@ fn drive(
         memcpy_first_ms,
         ratio_vs_memcpy: memcpy_ms / warm_median_ms,
         control_messages_per_request: control,
+        one_copy_bytes_per_request: after.one_copy_bytes.saturating_sub(before.one_copy_bytes)
+            as f64
+            / n,
         iperf3_gb_per_s: None,
         ratio_vs_iperf3: None,
         iperf3_note: None,
@@ -730,11 +748,11 @@ pub fn run(a: &RequestBenchArgs) -> Result<()> {
             a.tokens, a.layers, a.row_bytes, bytes as f64 / 1e6, a.dcp_size, a.requests, a.requests
         );
         println!();
-        println!("| mode | first ms | warm ms | GB/s (warm) | memcpy ms (same run) | x memcpy | first / warm | control msgs / request | iperf3 GB/s | x iperf3 |");
-        println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+        println!("| mode | first ms | warm ms | GB/s (warm) | memcpy ms (same run) | x memcpy | first / warm | control msgs / request | one-copy share | iperf3 GB/s | x iperf3 |");
+        println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
         for r in &results {
             println!(
-                "| {} | {:.1} | {:.1} | {:.2} | {:.1} | {:.2}x | {:.2}x | {} | {} | {} |",
+                "| {} | {:.1} | {:.1} | {:.2} | {:.1} | {:.2}x | {:.2}x | {} | {:.0}% | {} | {} |",
                 r.mode,
                 r.first_ms,
                 r.warm_median_ms,
@@ -743,13 +761,14 @@ pub fn run(a: &RequestBenchArgs) -> Result<()> {
                 r.ratio_vs_memcpy,
                 r.first_over_warm,
                 opt(r.control_messages_per_request, 1, ""),
+                r.one_copy_bytes_per_request / r.request_bytes as f64 * 1e2,
                 opt(r.iperf3_gb_per_s, 2, ""),
                 opt(r.ratio_vs_iperf3, 2, "x"),
             );
         }
         for e in &errors {
             println!(
-                "| {} | {} | | | | | | | | |",
+                "| {} | {} | | | | | | | | | |",
                 e["mode"].as_str().unwrap_or(""),
                 e["error"].as_str().unwrap_or("")
             );
