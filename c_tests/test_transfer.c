@@ -18,6 +18,9 @@ _Static_assert(sizeof(PdxRegion) == 40, "PdxRegion size is ABI");
 _Static_assert(sizeof(PdxPeerOptions) == 32, "PdxPeerOptions size is ABI");
 _Static_assert(sizeof(PdxWriteOp) == 40, "PdxWriteOp size is ABI");
 _Static_assert(sizeof(PdxBatchOptions) == 40, "PdxBatchOptions size is ABI");
+_Static_assert(PDXFER_TRANSPORT_AUTO == 0 && PDXFER_TRANSPORT_LOCAL == 1 && PDXFER_TRANSPORT_CMA == 2 &&
+                   PDXFER_TRANSPORT_TCP == 3 && PDXFER_TRANSPORT_RDMA == 4 && PDXFER_TRANSPORT_NCCL == 5,
+               "PDXFER_TRANSPORT_* values are ABI");
 
 #define N (256 * 1024)
 

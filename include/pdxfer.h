@@ -95,6 +95,10 @@
 // RDMA: one-sided RDMA WRITE/READ (`PDX_STATUS_NO_RDMA_DEVICE` without a usable NIC).
 #define PDXFER_TRANSPORT_RDMA 4
 
+// NCCL point-to-point between engines with device pools on both sides
+// (`PdxEngineConfig.transport = "nccl"`; a peer cannot be opened with it).
+#define PDXFER_TRANSPORT_NCCL 5
+
 // Plan only the packed layout: source rows are indices into a staging buffer.
 #define PDXFER_PLAN_PACKED 1
 
@@ -450,7 +454,7 @@ typedef struct PdxEngineConfig {
   const struct PdxAuxBuffer *aux;
   // Number of `aux`.
   uint64_t num_aux;
-  // Transport for KV data: `"auto"` (NULL), `"cma"`, `"tcp"`, `"local"`, `"rdma"`.
+  // Transport for KV data: `"auto"` (NULL), `"cma"`, `"tcp"`, `"local"`, `"rdma"`, `"nccl"` (device pools on both sides).
   const char *transport;
   // Host to listen on (NULL: `127.0.0.1`).
   const char *host;

@@ -31,9 +31,11 @@
 #   strip -o target/gpu-check target/release/examples/gpu_check     # ~2 MB
 #   cargo build --release --lib --no-default-features --features cuda
 #   strip -o target/libpdxfer.so target/release/libpdxfer.so       # the SGLang step
-#   # and, for the NCCL step, target/nccl-check (build line in scripts/nccl-check.sh)
+#   # and, for the NCCL steps, target/nccl-check and target/pdxfer-nccl (build
+#   # lines in scripts/nccl-check.sh)
 #   # then run this script on the GPU host with them carried along (device tool:
-#   # carry=["target/gpu-check", "target/libpdxfer.so", "target/nccl-check"], command="scripts/gpu-check.sh")
+#   # carry=["target/gpu-check", "target/libpdxfer.so", "target/nccl-check",
+#   #        "target/pdxfer-nccl"], command="scripts/gpu-check.sh")
 #
 # The binary loads its kernels from, in order: $PDXFER_KERNEL_MODULE, the
 # embedded images this driver can load (a cubin of the driver's CUDA major,
@@ -197,6 +199,22 @@ if [ -n "$nccl_bin" ]; then
     fi
 else
     say "gpu-check: NCCL step not run: no target/nccl-check (build line in scripts/nccl-check.sh)"
+fi
+# The engine over transport nccl needs two GPUs (scripts/nccl-check.sh); on
+# one, `pdxfer bench --transport nccl` (target/pdxfer-nccl, built as
+# scripts/nccl-check.sh says) must refuse at once, saying why.
+if [ -x target/pdxfer-nccl ]; then
+    gcount=$(nvidia-smi --query-gpu=index --format=csv,noheader 2>/dev/null | wc -l)
+    if [ "$gcount" -eq 1 ]; then
+        say "gpu-check: engine over nccl on one GPU: a typed refusal"
+        out=$(timeout "$(within 30)" target/pdxfer-nccl bench --transport nccl 2>&1)
+        erc=$?
+        echo "$out" | tee -a "$log"
+        if [ "$erc" -eq 0 ] || ! echo "$out" | grep -Eq "one GPU per rank|no_nccl"; then
+            say "gpu-check: engine over nccl on one GPU: no typed refusal (exit $erc)"
+            [ "$rc" -eq 0 ] && rc=1
+        fi
+    fi
 fi
 say "gpu-check: exit $rc"
 exit "$rc"

@@ -3,19 +3,30 @@
 # ranks of one communicator on one GPU). Runs the pdxfer NCCL pair (the
 # receiver on GPU 1, the sender on GPU 0, separate processes) on one DCP pair
 # request, every byte verified on the receiver against the CPU relayout, then
-# nccl-tests' sendrecv_perf over the same two GPUs when it is present, and
-# prints the GB/s side by side. Builds nothing; bash, coreutils and the binary:
+# the engine over transport nccl (`pdxfer bench --transport nccl`: a prefill
+# engine with device pools on GPU 0 and a decode engine on GPU 1, rooms timed
+# whole from `sender` to the decode's Success, the last room of each size
+# read back and checked), then nccl-tests' sendrecv_perf over the same two
+# GPUs when it is present, and prints the GB/s side by side. Builds nothing;
+# bash, coreutils and the binaries:
 #
 #   # on the build machine
 #   cargo build --release --example nccl_check --no-default-features --features nccl
 #   strip -o target/nccl-check target/release/examples/nccl_check
-#   # then on the GPU host, with target/nccl-check carried along
+#   cargo build --release --bin pdxfer --no-default-features --features nccl
+#   strip -o target/pdxfer-nccl target/release/pdxfer
+#   # then on the GPU host, with target/nccl-check and target/pdxfer-nccl carried along
 #   scripts/nccl-check.sh
 #
 # NCCL is found as libnccl.so.2 on the loader path, in a Python's
 # site-packages (the nvidia-nccl-cu12/-cu13 wheel, e.g. PyTorch's), or at
 # $PDXFER_NCCL. Environment: PDXFER_NCCL_CHECK_BIN (binary), NCCL_CHECK_ARGS
-# (extra pair arguments, e.g. "--tokens 32768 --staged"), SENDRECV_PERF
+# (extra pair arguments, e.g. "--tokens 32768 --staged"), PDXFER_BIN (the
+# pdxfer binary of the engine step; default target/pdxfer-nccl, then
+# target/release/pdxfer; the step is reported as not run without one),
+# NCCL_ENGINE_ARGS (its bench arguments, default "--block-sizes
+# 64M,256M,1G --iters 10 --max-ms 3000"), NCCL_ENGINE_GPUS (the prefill's
+# and the decode's GPU, default 0,1), SENDRECV_PERF
 # (path of nccl-tests' sendrecv_perf; else looked up on PATH and in
 # $NCCL_TESTS_DIR/build), NCCL_CHECK_BUDGET (seconds for the whole script,
 # default 300). Output: the log on stdout, and $OUT/nccl-check.log when $OUT
@@ -75,6 +86,34 @@ if ! grep -q "recv verified every byte" "$dir/recv.log"; then
 fi
 ours=$(grep -o "recv [A-Za-z]* .*GB/s over" "$dir/recv.log" | head -1)
 
+# the engine over transport nccl: prefill on GPU 0, decode on GPU 1
+pdx=${PDXFER_BIN:-}
+if [ -z "$pdx" ]; then
+    for b in target/pdxfer-nccl target/release/pdxfer; do
+        if [ -x "$b" ]; then pdx=$b; break; fi
+    done
+fi
+engine="(not run: no pdxfer binary; build line at the top of $0)"
+if [ -n "$pdx" ] && [ -x "$pdx" ]; then
+    egpus=${NCCL_ENGINE_GPUS:-0,1}
+    say "nccl-check: $pdx bench --transport nccl --nccl-gpus $egpus ${NCCL_ENGINE_ARGS:---block-sizes 64M,256M,1G --iters 10 --max-ms 3000}"
+    # shellcheck disable=SC2086 # NCCL_ENGINE_ARGS is a list of arguments
+    timeout "$(within 150)" "$pdx" bench --transport nccl --nccl-gpus "$egpus" \
+        ${NCCL_ENGINE_ARGS:---block-sizes 64M,256M,1G --iters 10 --max-ms 3000} 2>&1 |
+        tee -a "$log" "$dir/engine.log" >/dev/null
+    erc=${PIPESTATUS[0]}
+    if [ "$erc" -ne 0 ]; then
+        say "nccl-check: the engine over nccl failed (exit $erc)"
+        tail -20 "$dir/engine.log"
+        [ "$rc" -eq 0 ] && rc=$erc
+    elif ! grep -q "every byte of the last room checked" "$dir/engine.log"; then
+        say "nccl-check: the engine over nccl verified no room"
+        [ "$rc" -eq 0 ] && rc=1
+    fi
+    # the largest room's line: "nccl  room <bytes> B ... <GB/s> GB/s"
+    engine=$(grep "^nccl  room" "$dir/engine.log" | tail -1 | sed 's/  */ /g; s/ (every.*//')
+fi
+
 perf=${SENDRECV_PERF:-}
 if [ -z "$perf" ]; then
     perf=$(command -v sendrecv_perf || true)
@@ -88,7 +127,8 @@ if [ -n "$perf" ]; then
     # the out-of-place busbw of the largest size (column 8 of its row)
     theirs=$(awk '$1 ~ /^[0-9]+$/ && NF >= 8 { last = $0 } END { n = split(last, f); if (n) print f[1] " B: " f[8] " GB/s busbw" }' "$dir/perf.log")
 fi
-say "nccl-check: pdxfer pair : ${ours:-no result}"
-say "nccl-check: sendrecv_perf: ${theirs:-no result}"
+say "nccl-check: pdxfer pair   : ${ours:-no result}"
+say "nccl-check: engine (nccl) : ${engine:-no result}"
+say "nccl-check: sendrecv_perf : ${theirs:-no result}"
 say "nccl-check: exit $rc"
 exit "$rc"

@@ -783,3 +783,117 @@ fn a_qp_error_fails_its_room_and_later_rooms_reconnect_over_rdma() {
     assert_eq!(qpns.len(), 4, "one new data link: {qpns:?}");
     assert!(qpns[2..].iter().all(|q| fake::qp_alive(*q)));
 }
+
+/// Room grants held by each decode rank of `c`.
+fn grants_held(c: &Cluster) -> Vec<u64> {
+    c.decode
+        .iter()
+        .map(|(e, _)| e.metrics_snapshot().room_grants_held)
+        .collect()
+}
+
+/// Opens `room` on every decode rank (metadata for pages `dst`) and on the
+/// prefill, and waits until the prefill saw every decode rank's metadata.
+fn open_room(c: &Cluster, room: u64, dst: &[u64], timeout: Duration) {
+    for (e, _) in &c.decode {
+        e.receiver(room, 0, Some(timeout)).unwrap();
+        e.send_metadata(room, dst, 0, 5).unwrap();
+    }
+    c.prefill.sender(room).unwrap();
+    let mut waited = 0;
+    while c.prefill.poll(room) == KvPoll::Bootstrapping {
+        std::thread::sleep(Duration::from_millis(5));
+        waited += 1;
+        assert!(waited < 2000, "prefill never saw the decode metadata");
+    }
+}
+
+/// The decode's metadata grants the room once per prefill rank; the grant
+/// is released when the room succeeds, and the bytes are exact.
+#[test]
+fn cma_rooms_are_granted_with_the_metadata_and_released_on_success() {
+    let mut c = cluster("grant-success", 1, 2, TransportKind::Cma, 1 << 20);
+    let row_total = LAYERS as u64 * ROW;
+    assert_eq!(grants_held(&c), [0, 0]);
+    // a request whose metadata grants and whose success releases
+    assert_eq!(request(&mut c, 1, 300, 0, 3), 300 * row_total + 2 * 32);
+    assert_eq!(grants_held(&c), [0, 0], "released once the room succeeded");
+    // held while the room is open
+    open_room(&c, 2, &[4, 5], Duration::from_secs(20));
+    assert_eq!(grants_held(&c), [1, 1], "one grant per decode rank");
+    c.prefill.send(2, &[1, 2, 3, 4], 64, true, 3).unwrap();
+    for (e, _) in &c.decode {
+        assert_eq!(e.wait(2, Duration::from_secs(20)), KvPoll::Success);
+    }
+    assert_eq!(grants_held(&c), [0, 0]);
+    // the metrics say so
+    let m = c.decode[0].0.metrics();
+    assert!(m.contains("pdxfer_engine_room_grants_held 0"), "{m}");
+    assert!(
+        m.contains("pdxfer_engine_control_messages_total{channel=\"engine\",direction=\"sent\"}"),
+        "{m}"
+    );
+}
+
+/// An aborted room's grants go once the prefill fenced the abort, a failed
+/// room's at once, and a room past its deadline's at the deadline.
+#[test]
+fn abort_failure_and_deadline_revoke_the_room_grants() {
+    let c = cluster("grant-revoke", 1, 2, TransportKind::Cma, 1 << 20);
+    // decode abort: revoked once acknowledged (fenced)
+    open_room(&c, 10, &[1, 2], Duration::from_secs(20));
+    assert_eq!(grants_held(&c), [1, 1]);
+    for (e, _) in &c.decode {
+        e.abort(10).unwrap();
+    }
+    for (r, (e, _)) in c.decode.iter().enumerate() {
+        let fenced = common::poll(Duration::from_secs(5), || e.is_fenced(10).then_some(()));
+        assert!(fenced.is_some(), "decode {r}: the abort was never fenced");
+    }
+    assert_eq!(grants_held(&c), [0, 0], "revoked after the fenced abort");
+    // a prefill abort fails the decode rooms: their grants go with them
+    open_room(&c, 11, &[3, 4], Duration::from_secs(20));
+    assert_eq!(grants_held(&c), [1, 1]);
+    c.prefill.abort(11).unwrap();
+    for (e, _) in &c.decode {
+        assert_eq!(e.wait(11, Duration::from_secs(5)), KvPoll::Failed);
+    }
+    assert_eq!(grants_held(&c), [0, 0], "revoked when the room failed");
+    // the room deadline (no prefill ever sends)
+    for (e, _) in &c.decode {
+        e.receiver(12, 0, Some(Duration::from_millis(300))).unwrap();
+        e.send_metadata(12, &[5, 6], 0, 5).unwrap();
+    }
+    assert_eq!(grants_held(&c), [1, 1]);
+    for (e, _) in &c.decode {
+        assert_eq!(e.wait(12, Duration::from_secs(5)), KvPoll::Failed);
+        assert_eq!(e.failure(12).unwrap().status(), Status::Timeout);
+    }
+    assert_eq!(grants_held(&c), [0, 0], "revoked at the deadline");
+}
+
+/// With room grants a room reaches each decode rank as one completion
+/// record (after every byte landed), on every transport with grants.
+#[test]
+fn a_granted_room_is_one_completion_per_decode_rank_on_cma_tcp_and_rdma() {
+    for transport in [TransportKind::Cma, TransportKind::Tcp, TransportKind::Rdma] {
+        let name = format!("grant-records-{}", transport.name());
+        let mut c = cluster(&name, 1, 2, transport, 1 << 20);
+        let row_total = LAYERS as u64 * ROW;
+        // chunked: several KV batches and the aux batch per decode rank
+        assert_eq!(request(&mut c, 1, 300, 0, 3), 300 * row_total + 2 * 32);
+        for (r, (e, _)) in c.decode.iter().enumerate() {
+            let one = common::poll(Duration::from_secs(5), || {
+                (e.metrics_snapshot().received_batches >= 1).then_some(())
+            });
+            assert!(one.is_some(), "{name}: decode {r} got no record");
+            std::thread::sleep(Duration::from_millis(150)); // a later drain
+            assert_eq!(
+                e.metrics_snapshot().received_batches,
+                1,
+                "{name}: decode {r}: one record for the room"
+            );
+        }
+        assert_eq!(grants_held(&c), [0, 0], "{name}");
+    }
+}

@@ -1443,8 +1443,9 @@ fn child_engine_decode_device_pools_on_fake_driver() {
 /// prefill with host pools: where the device reports
 /// `CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WRITES_ORDERING` NONE, the decode
 /// flushes (`cuFlushGPUDirectRDMAWrites`) once per delivered batch that
-/// wrote its device pools, and a flush that fails delivers nothing (the
-/// room fails); where it reports OWNER, nothing is flushed; where it can
+/// wrote its device pools (with room grants: once per room, before the
+/// room's one completion record), and a flush that fails delivers nothing
+/// (the room fails); where it reports OWNER, nothing is flushed; where it can
 /// neither order nor flush, an explicit rdma decode is refused at creation
 /// naming the attribute and an `auto` one is written over tcp.
 #[test]
@@ -1479,15 +1480,20 @@ fn child_engine_gpudirect_flush_on_fake_driver() {
     // the decode's completion records so far (drained by its deadline thread)
     let received = |e: &Engine| e.metrics_snapshot().received_batches;
 
-    // (case, ordering, flush options, decode transport)
-    for (case, ordering, flush_options, transport) in [
+    // (case, ordering, flush options, decode transport), each with
+    // per-batch grants and with room grants
+    let cases = [
         ("none", 0i32, 1i32, TransportKind::Rdma),
         ("owner", 100, 1, TransportKind::Rdma),
         ("unflushable-auto", 0, 0, TransportKind::Auto),
-    ] {
+    ];
+    for (room_grants, (case, ordering, flush_options, transport)) in [false, true]
+        .into_iter()
+        .flat_map(|g| cases.into_iter().map(move |c| (g, c)))
+    {
         fake_set(c"pdx_fake_set_rdma_ordering", ordering);
         fake_set(c"pdx_fake_set_rdma_flush_options", flush_options);
-        let name = format!("fake-gdr-flush-{case}");
+        let name = format!("fake-gdr-flush-{case}-{room_grants}");
         let mut host = SyntheticPools::new(LAYERS, ROW, P, PAGES, 8, 32).unwrap();
         let mut cfg = EngineConfig::new(
             Role::Prefill,
@@ -1498,8 +1504,10 @@ fn child_engine_gpudirect_flush_on_fake_driver() {
         );
         cfg.aux = host.aux_buffers();
         cfg.transport = transport;
-        cfg.testing.nic =
-            Some(FakeNic::new(&format!("{case}-p"), 1, Mtu::Mtu4096) as Arc<dyn NicProvider>);
+        cfg.testing.nic = Some(
+            FakeNic::new(&format!("{case}-{room_grants}-p"), 1, Mtu::Mtu4096)
+                as Arc<dyn NicProvider>,
+        );
         cfg.room_timeout = Duration::from_secs(20);
         // SAFETY: the host pools and aux outlive the engine (closed below).
         let prefill = unsafe { Engine::new(cfg) }.unwrap();
@@ -1523,7 +1531,9 @@ fn child_engine_gpudirect_flush_on_fake_driver() {
             cfg.pool_device = Some(0);
             cfg.aux = mirror.aux_buffers();
             cfg.transport = transport;
-            cfg.testing.nic = Some(FakeNic::new(&format!("{case}-d"), 1, Mtu::Mtu4096) as _);
+            cfg.testing.nic =
+                Some(FakeNic::new(&format!("{case}-{room_grants}-d"), 1, Mtu::Mtu4096) as _);
+            cfg.room_grants = room_grants;
             cfg
         };
         if flush_options == 0 {
@@ -1574,27 +1584,53 @@ fn child_engine_gpudirect_flush_on_fake_driver() {
             decode.clear(room).unwrap();
             prefill.clear(room).unwrap();
         }
-        // the KV batches of the rooms: every record but one aux batch per room
+        // per-batch grants: the KV batches of the rooms are every record but
+        // one aux batch per room; room grants: one record per room
         let aux_batches = rooms.len() as u64;
+        let want = if room_grants {
+            aux_batches
+        } else {
+            aux_batches + 2
+        };
         let deadline = Instant::now() + Duration::from_secs(5);
-        while received(&decode) < aux_batches + 2 && Instant::now() < deadline {
+        while received(&decode) < want && Instant::now() < deadline {
             std::thread::sleep(Duration::from_millis(20));
         }
         std::thread::sleep(Duration::from_millis(200)); // the last drain
-        let kv_batches = received(&decode) - aux_batches;
+        let kv_batches = received(&decode).saturating_sub(aux_batches);
         let flushed = flushes() - flushes_before;
         let peers = prefill.metrics_snapshot().peers;
         let used: Vec<&str> = peers.iter().map(|p| p.transport.as_str()).collect();
-        match case {
-            "none" => {
+        let case = format!("{case} (room grants: {room_grants})");
+        let case = case.as_str();
+        match (case.split(' ').next().unwrap_or_default(), room_grants) {
+            ("none", true) => {
+                assert_eq!(used, ["rdma"], "{case}");
+                assert_eq!(
+                    received(&decode),
+                    aux_batches,
+                    "{case}: one record per room"
+                );
+                assert_eq!(flushed, aux_batches, "{case}: one flush per GPUDirect room");
+                assert_eq!(fake_htod_copies(), htod_before, "{case}: not GPUDirect");
+            }
+            ("none", false) => {
                 assert_eq!(used, ["rdma"], "{case}");
                 assert!(kv_batches >= 2, "{case}: {kv_batches} KV batches");
                 assert_eq!(flushed, kv_batches, "{case}: one flush per GPUDirect batch");
                 assert_eq!(fake_htod_copies(), htod_before, "{case}: not GPUDirect");
             }
-            "owner" => {
+            ("owner", _) => {
                 assert_eq!(used, ["rdma"], "{case}");
-                assert!(kv_batches >= 2, "{case}: {kv_batches} KV batches");
+                if room_grants {
+                    assert_eq!(
+                        received(&decode),
+                        aux_batches,
+                        "{case}: one record per room"
+                    );
+                } else {
+                    assert!(kv_batches >= 2, "{case}: {kv_batches} KV batches");
+                }
                 assert_eq!(
                     flushed, 0,
                     "{case}: flushed although the device orders writes"
@@ -1613,7 +1649,7 @@ fn child_engine_gpudirect_flush_on_fake_driver() {
         println!(
             "fake-driver gpudirect-flush child: {case}: {kv_batches} KV batches over {used:?}, {flushed} flushes, every byte checked"
         );
-        if case == "none" {
+        if case.starts_with("none") {
             // a flush that fails delivers nothing: the room fails and no
             // record of its KV batches reaches the decode
             fake_set(c"pdx_fake_set_rdma_flush_options", 0i32);

@@ -315,8 +315,9 @@ class Engine:
     ``aux``: items ``(base, item_bytes)`` or ``(base, item_bytes, count)``
     (count taken from the buffer's size when omitted). Timeouts are seconds.
     ``pool_device``: CUDA device ordinal when the KV pools are device memory
-    (a decode's: tcp, rdma or auto, not cma; see the module docs); aux and
-    state stay host memory. ``metrics_listen``: ``"host:port"`` to serve the
+    (a decode's: tcp, rdma, nccl or auto, not cma; see the module docs); aux
+    and state stay host memory. ``transport="nccl"``: NCCL point-to-point
+    between engines with device pools on both sides, one GPU per rank. ``metrics_listen``: ``"host:port"`` to serve the
     engine's Prometheus text on ``GET /metrics`` (port 0 picks one; see
     :attr:`metrics_address`); no authentication, keep it on loopback or a
     monitoring network.

@@ -31,7 +31,7 @@ __all__ = [
     "TRANSPORT_NAMES",
 ]
 
-TRANSPORTS = {"auto": 0, "local": 1, "cma": 2, "tcp": 3, "rdma": 4}
+TRANSPORTS = {"auto": 0, "local": 1, "cma": 2, "tcp": 3, "rdma": 4, "nccl": 5}
 TRANSPORT_NAMES = {v: k for k, v in TRANSPORTS.items()}
 _BATCH_CHECKSUM = 1
 _IN_PROGRESS = 1
@@ -292,7 +292,7 @@ class Agent:
 
     @guarded
     def connect(self, addr: str, transport: str = "auto", streams: int = 1, threads: int = 1, timeout: float = 10.0) -> "Peer":
-        """Connects to the agent at ``addr`` over ``transport`` (auto, cma, tcp, rdma)."""
+        """Connects to the agent at ``addr`` over ``transport`` (auto, cma, tcp, rdma; nccl is an engine transport only)."""
         if transport not in TRANSPORTS:
             raise ArgumentError(-101, f"unknown transport {transport!r} ({', '.join(TRANSPORTS)})")
         o = _PeerOptions(struct_size=ctypes.sizeof(_PeerOptions), transport=TRANSPORTS[transport], streams=streams, threads=threads, timeout_ms=int(timeout * 1000))

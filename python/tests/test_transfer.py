@@ -26,6 +26,18 @@ def test_struct_sizes_pinned():
     assert ctypes.sizeof(T._BatchOptions) == 40
 
 
+def test_transport_constants_match_the_header():
+    """TRANSPORTS carries the header's PDXFER_TRANSPORT_* numbers, one per name."""
+    header = Path(__file__).resolve().parents[2] / "include" / "pdxfer.h"
+    defined = {}
+    for line in header.read_text().splitlines():
+        parts = line.split()
+        if len(parts) == 3 and parts[0] == "#define" and parts[1].startswith("PDXFER_TRANSPORT_"):
+            defined[parts[1][len("PDXFER_TRANSPORT_"):].lower()] = int(parts[2])
+    assert defined == T.TRANSPORTS
+    assert T.TRANSPORTS["nccl"] == 5
+
+
 SECRET = "0123456789abcdef-python-cluster"
 
 

@@ -65,7 +65,9 @@ pub struct EngineConfig {
     /// (state is not DCP-sharded, as in SGLang).
     pub state: Vec<AuxBuffer>,
     /// Transport for KV data (`Auto`: cma on one host, else rdma when both
-    /// sides have a usable NIC, else tcp; `Rdma` needs a NIC: `no_rdma_device`).
+    /// sides have a usable NIC, else tcp; `Rdma` needs a NIC: `no_rdma_device`;
+    /// `Nccl`: device pools on both sides, NCCL point-to-point, `no_nccl`
+    /// without a loadable NCCL).
     pub transport: TransportKind,
     /// Host to listen on.
     pub host: String,
@@ -106,6 +108,11 @@ pub struct EngineConfig {
     /// Prefill: keepalive interval of the idle data connections to decode
     /// ranks (shorter than their `idle_timeout`).
     pub keepalive: Duration,
+    /// Decode: grant each room's rows to its prefill ranks once, with the
+    /// metadata, so their batches skip the per-batch round trip where the
+    /// data connection supports it (cma, tcp, rdma); `false` keeps the per-batch
+    /// grant for every batch.
+    pub room_grants: bool,
     /// Test knobs of the engine's agent (e.g. the software RDMA fabric);
     /// the default is production behaviour.
     #[cfg(any(test, feature = "testing"))]
@@ -145,10 +152,21 @@ impl EngineConfig {
             listen_limits: ListenLimits::default(),
             handshake_timeout: Duration::from_secs(10),
             idle_timeout: Duration::from_secs(120),
+            room_grants: true,
             pin_timeout: Duration::from_secs(60),
             keepalive: Duration::from_secs(15),
             #[cfg(any(test, feature = "testing"))]
             testing: Default::default(),
+        }
+    }
+
+    /// The transport of the agent's data connection: the configured one, or
+    /// `Auto` for an nccl engine (its KV moves over NCCL; the aux and state
+    /// rows, in host memory, over the automatic choice).
+    pub(crate) fn data_transport(&self) -> TransportKind {
+        match self.transport {
+            TransportKind::Nccl => TransportKind::Auto,
+            t => t,
         }
     }
 

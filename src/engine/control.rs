@@ -43,6 +43,38 @@ impl RegionMap {
     }
 }
 
+/// The grant part of a Meta: the token the receiver issued and whom for;
+/// the ranges follow from the Meta's pages and rows (the same on both sides).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MetaGrant {
+    /// The grant's token.
+    pub token: u64,
+    /// The decode's epoch of the room (its attempt).
+    pub epoch: u64,
+    /// The prefill instance the grant is for.
+    pub grantee: [u8; 16],
+    /// Milliseconds the grant lives from its issue.
+    pub expires_in_ms: u64,
+}
+
+impl MetaGrant {
+    /// The grant as the transport takes it, with its ranges.
+    pub(crate) fn with_ranges(
+        &self,
+        room: u64,
+        ranges: Vec<crate::transport::room::GrantRange>,
+    ) -> crate::transport::room::RoomGrant {
+        crate::transport::room::RoomGrant {
+            token: self.token,
+            room,
+            epoch: self.epoch,
+            grantee: self.grantee,
+            expires_in_ms: self.expires_in_ms,
+            ranges,
+        }
+    }
+}
+
 /// One control message.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "type", rename_all = "snake_case")]
@@ -101,6 +133,9 @@ pub enum CtlMsg {
         required_dst_info_num: u32,
         /// Room deadline in milliseconds (0: the prefill's default).
         timeout_ms: u64,
+        /// The room's grant to this prefill rank, when the decode issued one.
+        #[serde(default)]
+        grant: Option<MetaGrant>,
     },
     /// Decode -> prefill: give up the room.
     Abort {
@@ -133,6 +168,81 @@ pub enum CtlMsg {
         /// The decode room's attempt.
         attempt: u64,
     },
+    /// Prefill -> decode (transport nccl): join communicator `generation` of
+    /// this link, made from the prefill's NCCL unique id (rank 0 is the
+    /// prefill, rank 1 the decode). A later generation replaces an earlier
+    /// one (after a failure, or a new peer epoch).
+    NcclOpen {
+        /// Communicator generation on this link, from 1.
+        generation: u64,
+        /// `ncclUniqueId`, 256 lower-case hex characters.
+        id: String,
+    },
+    /// Prefill -> decode (transport nccl): the prefill's half of one chunk of
+    /// a room. The decode builds the same plan from it and its own geometry,
+    /// checks `digest` (`nccl_plan_mismatch`, nothing posted, otherwise),
+    /// answers `nccl_accepted`, posts the matching recvs, and answers
+    /// `nccl_ready` once they completed.
+    NcclChunk {
+        /// Room id.
+        room: u64,
+        /// The decode room's attempt.
+        attempt: u64,
+        /// The communicator the sends go on.
+        generation: u64,
+        /// First sequence position of the chunk.
+        start: u64,
+        /// Sequence positions in the chunk.
+        num_tokens: u64,
+        /// The prefill's pages of the chunk (they shape the plan's runs).
+        src_pages: Vec<u64>,
+        /// The decode pages of the room, as the decode's metadata gave them
+        /// (the decode checks they lie inside its pools).
+        dst_pages: Vec<u64>,
+        /// The decode prefix of the room's metadata.
+        decode_prefix_len: u64,
+        /// The prefill plan's digest (`NcclPlan::digest`).
+        digest: u64,
+    },
+    /// Decode -> prefill (transport nccl): the chunk's plan matched and its
+    /// recvs are being posted (`ok`), or the chunk was refused before
+    /// anything was posted on either side (reason and code, e.g.
+    /// `nccl_plan_mismatch`); the prefill posts its sends only after `ok`.
+    NcclAccepted {
+        /// Room id.
+        room: u64,
+        /// The decode room's attempt.
+        attempt: u64,
+        /// The communicator of the chunk.
+        generation: u64,
+        /// The chunk's first position.
+        start: u64,
+        /// True when the recvs are being posted.
+        ok: bool,
+        /// Failure reason, when not ok.
+        reason: Option<String>,
+        /// Stable status code of the failure, when not ok.
+        code: Option<i32>,
+    },
+    /// Decode -> prefill (transport nccl): the chunk's recvs completed on the
+    /// decode's stream (and the staged scatter ran): its bytes are in the
+    /// pools (`ok`), or they failed (reason and code).
+    NcclReady {
+        /// Room id.
+        room: u64,
+        /// The decode room's attempt.
+        attempt: u64,
+        /// The communicator of the chunk.
+        generation: u64,
+        /// The chunk's first position.
+        start: u64,
+        /// True when every byte of the chunk landed.
+        ok: bool,
+        /// Failure reason, when not ok.
+        reason: Option<String>,
+        /// Stable status code of the failure, when not ok.
+        code: Option<i32>,
+    },
 }
 
 /// A framed control connection (one writer lock; one reader thread owns the reader).
@@ -156,6 +266,7 @@ impl CtlWriter {
         line.push(b'\n');
         let mut s = self.stream.lock().unwrap_or_else(|p| p.into_inner());
         s.write_all(&line)?;
+        crate::transport::control_counts::engine_sent();
         Ok(())
     }
 
@@ -206,6 +317,7 @@ impl CtlReader {
                 },
             ));
         }
+        crate::transport::control_counts::engine_received();
         decode_line(&self.buf[..n - 1]).map(Some)
     }
 }

@@ -49,6 +49,11 @@ pub(super) fn deadline_loop(w: std::sync::Weak<Inner>) {
             continue;
         }
         inner.cv.notify_all();
+        if inner.cfg.role == Role::Decode {
+            for &room in &expired {
+                inner.revoke_room_grants(room, None);
+            }
+        }
         if inner.cfg.role == Role::Prefill {
             for room in expired {
                 // read the failure first: the rooms lock is not held while

@@ -2,10 +2,13 @@
 //! the metadata sent to them, the control link to each prefill rank and its
 //! reader (statuses, abort acknowledgements, disconnects).
 
-use super::control::{authenticate_to_prefill, CtlMsg, CtlReader, CtlWriter, CONTROL_VERSION};
+use super::control::{
+    authenticate_to_prefill, CtlMsg, CtlReader, CtlWriter, MetaGrant, CONTROL_VERSION,
+};
 use super::handle::{lock, Engine, Inner};
 use super::metrics::PeerCounters;
 use super::room::KvPoll;
+use super::room_grants::room_ranges;
 use super::telemetry::RoomTimes;
 use crate::auth::PeerInstance;
 use crate::bootstrap::peer::{prefill_targets, verify_peer};
@@ -34,6 +37,8 @@ pub(super) struct DecodeRoom {
     pub(super) bytes: u64,
     pub(super) abort_acks: usize,
     pub(super) state_indices: Vec<u64>,
+    /// The room's grants to its prefill ranks: (prefill instance, token).
+    pub(super) grants: Vec<(u128, u64)>,
 }
 
 impl Engine {
@@ -63,6 +68,7 @@ impl Engine {
                         bytes: 0,
                         abort_acks: 0,
                         state_indices: Vec::new(),
+                        grants: Vec::new(),
                     },
                 );
                 Ok(())
@@ -141,7 +147,43 @@ impl Engine {
             RoomTimes::stamp(&mut t.queued, Instant::now());
             t.transport.get_or_insert(self.inner.cfg.transport.name());
         }
+        let ranges = room_ranges(
+            &self.inner.region_map(),
+            &self.inner.cfg.topology,
+            dst_pages,
+            aux_index,
+            &state_indices,
+        )?;
+        let grant_for = if timeout_ms > 0 {
+            Duration::from_millis(timeout_ms)
+        } else {
+            self.inner.cfg.room_timeout
+        };
+        // a new Meta for the room replaces its grants
+        self.inner.revoke_room_grants(room, None);
         for t in &targets {
+            let inst = t.registration.instance_id.0;
+            let grant = if !self.inner.cfg.room_grants {
+                None
+            } else {
+                match self.inner.agent.grant_room(
+                    PeerInstance(inst.to_be_bytes()),
+                    room,
+                    attempt,
+                    &ranges,
+                    grant_for,
+                ) {
+                    Ok(g) => Some(g),
+                    Err(e) => {
+                        self.inner.revoke_room_grants(room, None);
+                        self.inner.fail_room(room, attempt, e.clone());
+                        return Err(e);
+                    }
+                }
+            };
+            if let (Some(g), Some(r)) = (&grant, lock(&self.inner.decode_rooms).get_mut(&room)) {
+                r.grants.push((inst, g.token));
+            }
             let m = CtlMsg::Meta {
                 room,
                 attempt,
@@ -151,6 +193,12 @@ impl Engine {
                 state_indices: state_indices.clone(),
                 required_dst_info_num: required,
                 timeout_ms,
+                grant: grant.map(|g| MetaGrant {
+                    token: g.token,
+                    epoch: g.epoch,
+                    grantee: g.grantee,
+                    expires_in_ms: g.expires_in_ms,
+                }),
             };
             if let Err(e) = t.writer.send(&m) {
                 let e = Error::new(
@@ -322,6 +370,7 @@ fn decode_reader(w: std::sync::Weak<Inner>, link: Arc<PrefillLink>, mut reader: 
                     let done = r.responded.len() >= r.targets.len();
                     drop(d);
                     if done {
+                        inner.revoke_room_grants(room, None);
                         lock(&inner.rooms).update(room, attempt, KvPoll::Success);
                     } else {
                         lock(&inner.rooms).update(room, attempt, KvPoll::Transferring);
@@ -348,10 +397,18 @@ fn decode_reader(w: std::sync::Weak<Inner>, link: Arc<PrefillLink>, mut reader: 
             }
             Ok(Some(CtlMsg::AbortAck { room, attempt })) => {
                 let mut d = lock(&inner.decode_rooms);
-                if let Some(r) = d.get_mut(&room).filter(|r| r.attempt == attempt) {
+                let acked = d.get_mut(&room).filter(|r| r.attempt == attempt).map(|r| {
                     r.abort_acks += 1;
+                });
+                drop(d);
+                if acked.is_some() {
+                    // fenced on that prefill rank: its grant goes
+                    inner.revoke_room_grants(room, Some(link.registration.instance_id.0));
                 }
                 inner.cv.notify_all();
+            }
+            Ok(Some(m @ (CtlMsg::NcclOpen { .. } | CtlMsg::NcclChunk { .. }))) => {
+                super::nccl_link::on_prefill_message(&inner, &link, m);
             }
             Ok(Some(_)) => {}
             Ok(None) | Err(_) => {

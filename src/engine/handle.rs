@@ -42,7 +42,9 @@ use std::time::{Duration, Instant};
 ///
 /// `rooms` (`cv` waits on it), `registrar`, `decode_links`, `decode_rooms`,
 /// `prefill_links` and the job queue are never held while another of these
-/// is taken, nor taken under one. No control socket is written under any of
+/// is taken, nor taken under one. The `nccl` state's locks are leaves too,
+/// except a link's NCCL sender (held by the one worker moving that link's
+/// chunk), under which `rooms`, `decode_links` and `nccl`'s answers are taken. No control socket is written under any of
 /// them except a control writer's own lock (`CtlWriter::send`, `shutdown`),
 /// which takes none: a stuck decode socket then stalls only the thread
 /// writing to it (`notify_decode` copies the room's links out of
@@ -73,6 +75,8 @@ pub(super) struct Inner {
     // decode
     pub(super) decode_rooms: Mutex<HashMap<u64, DecodeRoom>>,
     pub(super) prefill_links: Mutex<HashMap<(InstanceId, u64), Arc<PrefillLink>>>,
+    /// Transport nccl: communicators, the decode's NCCL threads, answers.
+    pub(super) nccl: super::nccl_link::NcclLinks,
 }
 
 /// One rank's transfer engine.
@@ -150,6 +154,7 @@ impl Engine {
     /// Forgets a terminal room (refused while writes for it are in flight).
     pub fn clear(&self, room: u64) -> Result<()> {
         lock(&self.inner.rooms).clear(room)?;
+        self.inner.revoke_room_grants(room, None);
         lock(&self.inner.prefill_rooms).remove(&room);
         lock(&self.inner.decode_rooms).remove(&room);
         Ok(())
@@ -272,13 +277,16 @@ impl Engine {
     pub fn is_fenced(&self, room: u64) -> bool {
         if self.inner.cfg.role == Role::Decode {
             let d = lock(&self.inner.decode_rooms);
-            return d.get(&room).is_none_or(|r| {
+            let acked = d.get(&room).is_none_or(|r| {
                 r.abort_acks
                     >= r.targets
                         .iter()
                         .filter(|t| t.alive.load(Ordering::Acquire))
                         .count()
             });
+            drop(d);
+            // transport nccl: this side's own recvs for the room stopped too
+            return acked && self.inner.nccl.idle(room);
         }
         lock(&self.inner.rooms).is_fenced(room)
     }
@@ -308,6 +316,8 @@ impl Engine {
         for (_, l) in lock(&self.inner.prefill_links).drain() {
             l.writer.shutdown();
         }
+        // NCCL waits abort, the decode's NCCL threads are joined
+        self.inner.nccl.close();
         self.inner.agent.shutdown();
     }
 }
@@ -344,6 +354,9 @@ impl Inner {
     /// reaches a C or Python host through the log callback).
     pub(super) fn fail_room(&self, room: u64, attempt: u64, e: Error) {
         let peers = self.room_peers(room);
+        if self.cfg.role == Role::Decode {
+            self.revoke_room_grants(room, None);
+        }
         if lock(&self.rooms).fail(room, attempt, e.clone()) {
             log::warn!(
                 "{} room {room} failed, peers [{peers}]: {} ({}): {}",

@@ -299,6 +299,12 @@ pub struct MetricsSnapshot {
     pub staging_bytes: u64,
     /// Registered memory by kind (`kv`, `aux`, `state`, `staging`, `other`).
     pub registered_bytes: BTreeMap<&'static str, u64>,
+    /// Control messages this process sent and received so far (engine
+    /// control channel and data-plane control frames; process-wide).
+    pub control: crate::transport::control_counts::ControlCounts,
+    /// Decode: room grants this engine's agent holds (rooms granted to
+    /// their prefill ranks and not yet ended, revoked or expired).
+    pub room_grants_held: u64,
 }
 
 /// `KvPoll` state names as label values, indexed by the state's value.
@@ -333,6 +339,8 @@ impl MetricsSnapshot {
             one_copy_bytes: m.one_copy_bytes.load(Ordering::Relaxed),
             staging_bytes,
             registered_bytes,
+            control: crate::transport::control_counts::control_counts(),
+            room_grants_held: 0,
         }
     }
 
@@ -505,6 +513,36 @@ impl MetricsSnapshot {
                 self.received_batches
             );
         }
+        if self.role == Role::Decode {
+            head(
+                &mut o,
+                "pdxfer_engine_room_grants_held",
+                "gauge",
+                "Room grants this decode engine holds for its prefill ranks (pinned until the room ends, is revoked or expires).",
+            );
+            let _ = writeln!(
+                o,
+                "pdxfer_engine_room_grants_held {}",
+                self.room_grants_held
+            );
+        }
+        head(
+            &mut o,
+            "pdxfer_engine_control_messages_total",
+            "counter",
+            "Control messages this process sent and received, by channel (engine: the rank-to-rank control channel; data_plane: handshake, intent, grant, commit, ack and room frames) and direction.",
+        );
+        for (channel, dir, v) in [
+            ("engine", "sent", self.control.engine_sent),
+            ("engine", "received", self.control.engine_received),
+            ("data_plane", "sent", self.control.data_plane_sent),
+            ("data_plane", "received", self.control.data_plane_received),
+        ] {
+            let _ = writeln!(
+                o,
+                "pdxfer_engine_control_messages_total{{channel=\"{channel}\",direction=\"{dir}\"}} {v}"
+            );
+        }
         head(
             &mut o,
             "pdxfer_engine_gather_seconds_total",
@@ -589,7 +627,7 @@ impl Engine {
             .sum();
         // device staging, the tcp receiver's bounce buffers, ...
         registered.insert("other", all.saturating_sub(known));
-        MetricsSnapshot::new(
+        let mut s = MetricsSnapshot::new(
             inner.cfg.role,
             &inner.cfg.cluster,
             rooms,
@@ -597,7 +635,9 @@ impl Engine {
             &inner.metrics,
             staging_bytes,
             registered,
-        )
+        );
+        s.room_grants_held = inner.agent.room_grants_held() as u64;
+        s
     }
 
     /// The engine's metrics as Prometheus text (format 0.0.4).

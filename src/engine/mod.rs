@@ -17,6 +17,8 @@
 //!   decode rank's mapped pools).
 //! - `device`: KV pools in CUDA device memory (GPU staging, the device writer).
 //! - `deadline`: the deadline thread.
+//! - `nccl_link`: transport nccl (device pools on both sides, one NCCL
+//!   communicator per link, set up over the control channel).
 //! - `metrics`: the engine's counters and their Prometheus text;
 //!   `metrics_http`: the optional `/metrics` responder.
 //! - `telemetry`: per-room times and counts.
@@ -39,8 +41,10 @@ mod jobs;
 mod layers;
 mod metrics;
 mod metrics_http;
+mod nccl_link;
 mod prefill;
 pub mod room;
+mod room_grants;
 mod setup;
 mod staging;
 pub mod synthetic;

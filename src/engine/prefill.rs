@@ -9,12 +9,14 @@ use super::handle::{catch, lock, Engine, Inner};
 use super::layers::{check_next, LayerChunk, LayerPlan, Ready, SendOptions};
 use super::metrics::PeerCounters;
 use super::room::KvPoll;
+use super::room_grants::room_ranges;
 use super::worker::Job;
 use crate::bootstrap::peer::check_pair;
 use crate::bootstrap::schema::{PeerHello, Role};
 use crate::error::{Error, Result, Status};
 use crate::layout::prefill_unique_rank;
 use crate::transport::listen::{self, Framing, ListenStats, Slot};
+use crate::transport::room::RoomGrant;
 use crate::transport::{ConnectOptions, Transport, TransportKind};
 use std::net::{TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -59,6 +61,9 @@ pub(super) struct MetaInfo {
     pub(super) required: u32,
     pub(super) bytes: u64,
     pub(super) arrived: Instant,
+    /// The room's grant on this decode rank (its batches then skip the
+    /// per-batch round trip where the data connection supports grants).
+    pub(super) grant: Option<RoomGrant>,
 }
 
 /// Prefill-side room data beyond the state machine.
@@ -316,7 +321,7 @@ impl Inner {
         match self.agent.connect(
             &link.data_addr,
             &ConnectOptions {
-                transport: self.cfg.transport,
+                transport: self.cfg.data_transport(),
                 ..Default::default()
             },
         ) {
@@ -438,6 +443,8 @@ fn prefill_conn(w: std::sync::Weak<Inner>, s: TcpStream, first: &[u8], mut slot:
     let _ = s.set_write_timeout(handshake);
     let writer = CtlWriter::new(ws);
     let mut reader = CtlReader::new(rs);
+    // the first line (read by the listener) is one control message received
+    crate::transport::control_counts::engine_received();
     // The listener read the first line whole: it must be the auth_hello, and
     // nothing may follow it before it is answered.
     let first = match first.iter().position(|&b| b == b'\n') {
@@ -529,7 +536,7 @@ fn prefill_conn(w: std::sync::Weak<Inner>, s: TcpStream, first: &[u8], mut slot:
     let data = match inner.agent.connect(
         &data_addr,
         &ConnectOptions {
-            transport: inner.cfg.transport,
+            transport: inner.cfg.data_transport(),
             keepalive: inner.cfg.keepalive,
             // the decode's data plane must be the instance this channel authenticated
             expect_instance: Some(peer),
@@ -596,10 +603,27 @@ fn prefill_conn(w: std::sync::Weak<Inner>, s: TcpStream, first: &[u8], mut slot:
                 aux_index,
                 state_indices,
                 required_dst_info_num,
+                grant,
                 ..
             })) => {
                 // a data link broken by the last room is made again for this one
                 inner.redial_if_broken(&link);
+                // the grant covers the rows this Meta names, computed as the decode did
+                let grant = grant.and_then(|g| {
+                    match room_ranges(
+                        &link.regions,
+                        &link.hello.topology,
+                        &dst_pages,
+                        aux_index,
+                        &state_indices,
+                    ) {
+                        Ok(r) => Some(g.with_ranges(room, r)),
+                        Err(e) => {
+                            log::warn!("room {room}: cannot open the decode's grant ({e}); writing with per-batch grants");
+                            None
+                        }
+                    }
+                });
                 inner.add_meta(
                     room,
                     MetaInfo {
@@ -612,6 +636,7 @@ fn prefill_conn(w: std::sync::Weak<Inner>, s: TcpStream, first: &[u8], mut slot:
                         required: required_dst_info_num,
                         bytes: 0,
                         arrived: Instant::now(),
+                        grant,
                     },
                 );
             }
@@ -629,6 +654,10 @@ fn prefill_conn(w: std::sync::Weak<Inner>, s: TcpStream, first: &[u8], mut slot:
             }
             Ok(Some(CtlMsg::Abort { room, attempt })) => {
                 let _ = link.writer.send(&CtlMsg::AbortAck { room, attempt });
+            }
+            Ok(Some(m @ (CtlMsg::NcclAccepted { .. } | CtlMsg::NcclReady { .. }))) => {
+                let key = (link.hello.instance_id, link.hello.epoch);
+                inner.nccl.answer(key, m);
             }
             Ok(Some(_)) => {}
             Ok(None) | Err(_) => {

@@ -74,6 +74,7 @@ impl Engine {
             jobs: Arc::new(JobQueue::default()),
             decode_rooms: Mutex::new(HashMap::new()),
             prefill_links: Mutex::new(HashMap::new()),
+            nccl: Default::default(),
         });
         let (mut endpoints, listener) = start_threads(&inner, workers, regions.stages)?;
         if let (Some(l), Some(addr)) = (metrics_listener, metrics_addr) {
@@ -125,6 +126,7 @@ fn validate(cfg: &EngineConfig) -> Result<()> {
     if let Some(ordinal) = cfg.pool_device {
         super::device::preflight(cfg, ordinal)?;
     }
+    super::nccl_link::preflight(cfg)?;
     Ok(())
 }
 

@@ -14,7 +14,7 @@ use super::staging::write_pair;
 use super::telemetry::RoomTimes;
 use crate::error::{Error, Result, Status};
 use crate::layout::{DcpLayout, PairRequest, Side};
-use crate::transport::{BatchOptions, WriteOp};
+use crate::transport::{BatchOptions, TransportKind, WriteOp};
 use std::ops::Range;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -58,6 +58,14 @@ pub(super) fn worker_loop(
         let r = catch("transfer worker", || {
             run_job(&inner, idx, &job, stage.as_mut())
         });
+        // the last chunk closes the room's grants: one round trip per decode rank
+        let r = r.and_then(|()| {
+            if last {
+                close_grants(&inner, room, attempt)
+            } else {
+                Ok(())
+            }
+        });
         match r {
             Ok(()) if last => {
                 if lock(&inner.rooms)
@@ -70,6 +78,7 @@ pub(super) fn worker_loop(
             }
             Ok(()) => {}
             Err(e) => {
+                forget_grants(&inner, room, attempt);
                 inner.fail_room(room, attempt, e.clone());
                 notify_decode(&inner, room, false, Some(e));
             }
@@ -162,6 +171,8 @@ fn send_chunk(
         None
     };
     let mut planned: Vec<PairPlan> = Vec::new();
+    // transport nccl: the chunk's pairs with their sends posted
+    let mut nccl = Vec::new();
     for (i, m) in infos.iter().enumerate() {
         if !m.link.alive.load(Ordering::Acquire) {
             return Err(Error::new(
@@ -169,6 +180,7 @@ fn send_chunk(
                 format!("decode rank instance {} is gone", m.link.hello.instance_id),
             ));
         }
+        open_grant(m, job.attempt)?;
         let dt = &m.link.hello.topology;
         let dst_l = DcpLayout::new(
             u64::from(dt.page_size),
@@ -216,6 +228,12 @@ fn send_chunk(
                 }
             };
             let l = &job.layers;
+            if inner.cfg.transport == TransportKind::Nccl {
+                return Err(Error::new(
+                    Status::Unsupported,
+                    "layer-wise sends over transport nccl are not supported: send whole chunks",
+                ));
+            }
             match stage.as_deref_mut() {
                 Some(st) => write_group_device(
                     inner,
@@ -241,6 +259,11 @@ fn send_chunk(
         } else {
             req.validate()?;
             match stage.as_deref_mut() {
+                Some(_) if inner.cfg.transport == TransportKind::Nccl => {
+                    let p = super::nccl_link::start_pair(inner, job, &req, &row_bytes, &m.link)?;
+                    nccl.extend(p);
+                    req.token_count() * row_bytes.iter().sum::<u64>()
+                }
                 Some(st) => {
                     write_pair_device(inner, st, &req, &row_bytes, &dst_regions, &m.link, &opts)?
                 }
@@ -286,6 +309,8 @@ fn send_chunk(
             flight.submit(&m.link, &ops, None)?;
         }
     }
+    // every nccl pair of the chunk is on the wire: each completes (or aborts) here
+    super::nccl_link::finish_all(nccl)?;
     if job.layered {
         let done = job.layers.end == topo.entries.len();
         if let Some(r) = lock(&inner.prefill_rooms).get_mut(&job.room) {
@@ -302,6 +327,69 @@ fn send_chunk(
     Ok(sent)
 }
 
+/// Opens the room's grant from decode rank `m` on its data connection
+/// (again on each chunk: a no-op once open); a transport without grants
+/// keeps the per-batch protocol.
+fn open_grant(m: &MetaInfo, epoch: u64) -> Result<()> {
+    let Some(g) = &m.grant else { return Ok(()) };
+    match m.link.data().open_room(g, epoch) {
+        Err(e) if e.status() == Status::Unsupported => Ok(()),
+        Err(e) => Err(Error::new(
+            e.status(),
+            format!(
+                "room {}: opening the grant of decode rank instance {}: {}",
+                g.room,
+                m.link.hello.instance_id,
+                e.detail()
+            ),
+        )),
+        Ok(()) => Ok(()),
+    }
+}
+
+/// Closes the room's grants once every batch completed: one RoomEnd /
+/// RoomAck per decode rank whose connection opened one (after every byte
+/// landed on it), before the room is reported done.
+fn close_grants(inner: &Inner, room: u64, attempt: u64) -> Result<()> {
+    let infos = lock(&inner.prefill_rooms)
+        .get(&room)
+        .map(|r| r.infos.clone())
+        .unwrap_or_default();
+    for m in infos.iter().filter(|m| m.grant.is_some()) {
+        match m
+            .link
+            .data()
+            .close_room(room, attempt, inner.cfg.batch_timeout)
+        {
+            Ok(_) => {}
+            // never opened here: the transport has no grants, or the link was remade
+            Err(e) if matches!(e.status(), Status::Unsupported | Status::UnknownRoom) => {}
+            Err(e) => {
+                return Err(Error::new(
+                    e.status(),
+                    format!(
+                        "room {room}: closing the grant of decode rank instance {}: {}",
+                        m.link.hello.instance_id,
+                        e.detail()
+                    ),
+                ))
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Forgets the room's open grants after a failure (the decode revokes them).
+fn forget_grants(inner: &Inner, room: u64, attempt: u64) {
+    let infos = lock(&inner.prefill_rooms)
+        .get(&room)
+        .map(|r| r.infos.clone())
+        .unwrap_or_default();
+    for m in infos.iter().filter(|m| m.grant.is_some()) {
+        m.link.data().forget_room(room, attempt);
+    }
+}
+
 /// Stamps the room's queued time (the chunk's, once).
 fn stamp_queued(inner: &Inner, job: &Job) {
     if let Some(t) = lock(&inner.rooms).times_mut(job.room, job.attempt) {
@@ -314,7 +402,10 @@ fn stamp_queued(inner: &Inner, job: &Job) {
 fn stamp_planned(inner: &Inner, job: &Job, infos: &[MetaInfo]) {
     let mut kinds = infos.iter().map(|m| m.link.data().kind().name());
     let first = kinds.next().unwrap_or("unknown");
-    let transport = if kinds.all(|k| k == first) {
+    // transport nccl: the KV goes over NCCL (the data link carries aux and state)
+    let transport = if inner.cfg.transport == TransportKind::Nccl {
+        "nccl"
+    } else if kinds.all(|k| k == first) {
         first
     } else {
         "mixed"

@@ -114,7 +114,7 @@ pub struct PdxEngineConfig {
     pub aux: *const PdxAuxBuffer,
     /// Number of `aux`.
     pub num_aux: u64,
-    /// Transport for KV data: `"auto"` (NULL), `"cma"`, `"tcp"`, `"local"`, `"rdma"`.
+    /// Transport for KV data: `"auto"` (NULL), `"cma"`, `"tcp"`, `"local"`, `"rdma"`, `"nccl"` (device pools on both sides).
     pub transport: *const c_char,
     /// Host to listen on (NULL: `127.0.0.1`).
     pub host: *const c_char,

@@ -19,6 +19,9 @@ pub const PDXFER_TRANSPORT_CMA: u32 = 2;
 pub const PDXFER_TRANSPORT_TCP: u32 = 3;
 /// RDMA: one-sided RDMA WRITE/READ (`PDX_STATUS_NO_RDMA_DEVICE` without a usable NIC).
 pub const PDXFER_TRANSPORT_RDMA: u32 = 4;
+/// NCCL point-to-point between engines with device pools on both sides
+/// (`PdxEngineConfig.transport = "nccl"`; a peer cannot be opened with it).
+pub const PDXFER_TRANSPORT_NCCL: u32 = 5;
 
 /// Opaque peer handle (`pdxfer_peer_open` / `pdxfer_peer_close`).
 pub struct PdxPeer {
@@ -56,6 +59,7 @@ pub(crate) fn kind_from_u32(v: u32) -> crate::Result<TransportKind> {
         PDXFER_TRANSPORT_CMA => TransportKind::Cma,
         PDXFER_TRANSPORT_TCP => TransportKind::Tcp,
         PDXFER_TRANSPORT_RDMA => TransportKind::Rdma,
+        PDXFER_TRANSPORT_NCCL => TransportKind::Nccl,
         _ => {
             return Err(Error::invalid(format!(
                 "unknown transport {v} (PDXFER_TRANSPORT_*)"
@@ -71,6 +75,7 @@ fn kind_to_u32(k: TransportKind) -> u32 {
         TransportKind::Cma => PDXFER_TRANSPORT_CMA,
         TransportKind::Tcp => PDXFER_TRANSPORT_TCP,
         TransportKind::Rdma => PDXFER_TRANSPORT_RDMA,
+        TransportKind::Nccl => PDXFER_TRANSPORT_NCCL,
     }
 }
 
@@ -92,6 +97,12 @@ pub extern "C" fn pdxfer_peer_open(
         if !options.is_null() {
             let p = ptr::read_versioned(options)?;
             o.transport = kind_from_u32(p.transport)?;
+            if o.transport == TransportKind::Nccl {
+                return Err(Error::new(
+                    crate::Status::Unsupported,
+                    "nccl is an engine transport (PdxEngineConfig.transport = \"nccl\", device pools on both sides): a peer cannot be opened with it; use auto, cma, tcp or rdma",
+                ));
+            }
             o.streams = p.streams.max(1);
             o.threads = p.threads.max(1);
             if p.timeout_ms > 0 {
@@ -170,4 +181,29 @@ pub extern "C" fn pdxfer_peer_regions(
                 .collect();
         ptr::fill(&v, out, capacity, out_len, "regions")
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The constants are the ABI: every kind maps to its number and back,
+    /// and the numbers are the ones `include/pdxfer.h` and
+    /// `python/pdxfer/transfer.py` carry (pinned there by their own tests).
+    #[test]
+    fn transport_constants_round_trip() {
+        let pinned = [
+            (TransportKind::Auto, 0),
+            (TransportKind::Local, 1),
+            (TransportKind::Cma, 2),
+            (TransportKind::Tcp, 3),
+            (TransportKind::Rdma, 4),
+            (TransportKind::Nccl, 5),
+        ];
+        for (k, v) in pinned {
+            assert_eq!(kind_to_u32(k), v, "{k:?}");
+            assert_eq!(kind_from_u32(v).unwrap(), k);
+        }
+        assert!(kind_from_u32(6).is_err());
+    }
 }

@@ -125,6 +125,14 @@ impl BatchTable {
         self.cv.notify_all();
     }
 
+    /// Why a batch failed, while it is still held (not yet collected).
+    pub fn failure(&self, id: u64) -> Option<Error> {
+        match &self.lock().entries.get(&id)?.stage {
+            Stage::Failed(e) => Some(e.clone()),
+            _ => None,
+        }
+    }
+
     /// The reason the connection died, if it did.
     pub fn dead(&self) -> Option<Error> {
         self.lock().dead.clone()

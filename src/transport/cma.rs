@@ -10,6 +10,11 @@
 //! is never written: the sender checks it, and the receiver's grant is
 //! required before the first byte moves.
 //!
+//! A batch of a room whose grant is open on the connection
+//! ([`room`](super::room)) skips that exchange: it is checked against the
+//! room's granted ranges here, written, and done once its bytes landed, with
+//! no frame at all; the room's one RoomEnd/RoomAck follows its last batch.
+//!
 //! The peer is checked to be the process it claims: same boot id, the
 //! claimed start time in `/proc/<pid>/stat`, a pidfd opened before the
 //! proof, and a nonce read from the peer's memory and echoed back over the
@@ -466,6 +471,9 @@ struct Job {
     read: bool,
     pieces: Vec<Piece>,
     commit: Commit,
+    /// A batch of a room open under a grant: (room, epoch); it ends here,
+    /// with no frame to the receiver.
+    room: Option<(u64, u64)>,
     _guards: Arc<Vec<AccessGuard>>,
     /// The caller placed the bytes already (`submit_placed`): nothing to move.
     placed: bool,
@@ -532,18 +540,50 @@ pub(crate) fn connect(mut d: Dialed<'_>) -> Result<Box<dyn Transport>> {
 
 impl Conn {
     fn run_job(&self, peer: &PeerProcess, threads: usize, job: Job) {
-        let abort = |c: &Conn| {
-            let _ = c.send(FrameType::Abort, &job.id.to_le_bytes());
-        };
-        if self.table.wait_granted(job.id).is_err() {
-            return abort(self);
-        }
-        if let Err(e) = peer.check_alive() {
-            self.table.fail_all(e);
+        let r = self.move_job(peer, threads, &job);
+        if let Some(key) = job.room {
+            // a granted room's batch ends here: no commit, no frame
+            let outcome = match r {
+                Ok(_) => {
+                    self.table.set(job.id, Stage::Done);
+                    Ok(job.commit.bytes)
+                }
+                Err(e) => {
+                    self.table.fail(job.id, e.clone());
+                    Err(e)
+                }
+            };
+            self.rooms.finished(key, outcome);
             return;
         }
+        match r {
+            Ok(read_sum) => {
+                let mut commit = job.commit;
+                if read_sum.is_some() {
+                    commit.checksum = read_sum;
+                }
+                let _ = self.send(FrameType::Commit, &wire::encode_commit(&commit));
+            }
+            Err(_) => {
+                let _ = self.send(FrameType::Abort, &job.id.to_le_bytes());
+            }
+        }
+    }
+
+    /// Moves a job's bytes once it is granted; `Ok` when every byte landed
+    /// before the batch's deadline (the batch is then `Written`; a read asked
+    /// for a checksum gets it, recorded and returned), else why not (the
+    /// batch failed).
+    fn move_job(&self, peer: &PeerProcess, threads: usize, job: &Job) -> Result<Option<u64>> {
+        let gone = || Error::new(Status::BatchFailed, "the batch ended before it was written");
+        self.table.wait_granted(job.id)?;
+        if let Err(e) = peer.check_alive() {
+            self.rooms.fail_all(e.clone());
+            self.table.fail_all(e.clone());
+            return Err(e);
+        }
         if self.table.finished(job.id) {
-            return abort(self);
+            return Err(gone());
         }
         let r = if job.placed {
             Ok(job.commit.bytes)
@@ -575,36 +615,34 @@ impl Conn {
         };
         match r {
             Ok(n) if n == job.commit.bytes => {
-                let mut commit = job.commit;
-                if job.read && commit.checksum.is_some() {
+                let mut read_sum = None;
+                if job.read && job.commit.checksum.is_some() {
                     let sum = read_checksum(&job.pieces);
-                    commit.checksum = Some(sum);
                     self.table.set_checksum(job.id, sum);
+                    read_sum = Some(sum);
                 }
                 self.table.set(job.id, Stage::Written);
                 if self.table.finished(job.id) {
                     // Deadline passed while writing: no completion for the receiver.
-                    return abort(self);
+                    return Err(gone());
                 }
-                let _ = self.send(FrameType::Commit, &wire::encode_commit(&commit));
+                Ok(read_sum)
             }
             Ok(n) => {
-                self.table.fail(
-                    job.id,
-                    Error::new(
-                        Status::BatchFailed,
-                        format!("wrote {n} of {} bytes", job.commit.bytes),
-                    ),
+                let e = Error::new(
+                    Status::BatchFailed,
+                    format!("wrote {n} of {} bytes", job.commit.bytes),
                 );
-                abort(self);
+                self.table.fail(job.id, e.clone());
+                Err(e)
             }
             Err(e) => {
-                let fatal = e.status() == Status::PeerUnreachable;
                 self.table.fail(job.id, e.clone());
-                abort(self);
-                if fatal {
-                    self.table.fail_all(e);
+                if e.status() == Status::PeerUnreachable {
+                    self.rooms.fail_all(e.clone());
+                    self.table.fail_all(e.clone());
                 }
+                Err(e)
             }
         }
     }
@@ -627,23 +665,66 @@ impl CmaTransport {
                 std::mem::swap(&mut p.src, &mut p.dst);
             }
         }
-        let commit = self.conn.announce(&pieces, &guards, bytes, opts, read)?;
+        let granted = if read {
+            None
+        } else {
+            self.conn.rooms.admit(&pieces, opts)?
+        };
+        let (commit, room) = match granted {
+            None => (
+                self.conn.announce(&pieces, &guards, bytes, opts, read)?,
+                None,
+            ),
+            Some(_token) => {
+                let key = (opts.room, opts.epoch);
+                let template = super::Completion::pending(bytes, None, opts);
+                let id = match self
+                    .conn
+                    .table
+                    .insert(opts.timeout, template, guards.clone())
+                {
+                    Ok(id) => id,
+                    Err(e) => {
+                        self.conn.rooms.finished(key, Err(e.clone()));
+                        return Err(e);
+                    }
+                };
+                // validated against the room's grant: no intent, no grant frame
+                self.conn.table.set(id, Stage::Granted);
+                let commit = Commit {
+                    batch: id,
+                    bytes,
+                    checksum: None,
+                    room: opts.room,
+                    epoch: opts.epoch,
+                };
+                (commit, Some(key))
+            }
+        };
         let id = commit.batch;
         let job = Job {
             id,
             read,
             pieces,
             commit,
+            room,
             _guards: guards,
             placed: false,
         };
-        if self.tx.send(job).is_err() {
-            self.conn.table.fail(
-                id,
-                Error::new(Status::PeerUnreachable, "cma writer thread is gone"),
-            );
-        }
+        self.queue(job);
         Ok(BatchId(id))
+    }
+
+    /// Hands a job to the writer thread (it fails when the thread is gone).
+    fn queue(&self, job: Job) {
+        let (id, room) = (job.id, job.room);
+        if self.tx.send(job).is_err() {
+            let e = Error::new(Status::PeerUnreachable, "cma writer thread is gone");
+            if let Some(key) = room {
+                self.conn.rooms.finished(key, Err(e.clone()));
+            }
+            self.conn.table.fail(id, e);
+        }
     }
 }
 
@@ -706,6 +787,9 @@ impl CmaTransport {
     ) -> Result<BatchId> {
         let (pieces, bytes) = self.placed_pieces(ranges)?;
         let guards = Arc::new(Vec::new());
+        if let Some(_token) = self.conn.rooms.admit(&pieces, opts)? {
+            return self.submit_placed_in_room(pieces, bytes, guards, opts, place);
+        }
         // the checksum covers the placed bytes: computed once they are there
         let announce_opts = BatchOptions {
             checksum: false,
@@ -744,15 +828,64 @@ impl CmaTransport {
             read: false,
             pieces,
             commit,
+            room: None,
             _guards: guards,
             placed: true,
         };
-        if self.tx.send(job).is_err() {
-            self.conn.table.fail(
-                id,
-                Error::new(Status::PeerUnreachable, "cma writer thread is gone"),
-            );
+        self.queue(job);
+        Ok(BatchId(id))
+    }
+
+    /// `submit_placed` for a batch of a room whose grant is open (its
+    /// ranges were checked against it): placed at once, no intent, no grant
+    /// and no commit frame; the writer thread only marks it done.
+    fn submit_placed_in_room(
+        &self,
+        pieces: Vec<Piece>,
+        bytes: u64,
+        guards: Arc<Vec<AccessGuard>>,
+        opts: &BatchOptions,
+        place: &mut dyn FnMut() -> Result<()>,
+    ) -> Result<BatchId> {
+        let key = (opts.room, opts.epoch);
+        let template = super::Completion::pending(bytes, None, opts);
+        let id = match self
+            .conn
+            .table
+            .insert(opts.timeout, template, guards.clone())
+        {
+            Ok(id) => id,
+            Err(e) => {
+                self.conn.rooms.finished(key, Err(e.clone()));
+                return Err(e);
+            }
+        };
+        self.conn.table.set(id, Stage::Granted);
+        let placed = self.peer.check_alive().inspect_err(|e| {
+            self.conn.rooms.fail_all(e.clone());
+            self.conn.table.fail_all(e.clone());
+        });
+        if let Err(e) = placed.and_then(|()| place()) {
+            self.conn.table.fail(id, e.clone());
+            let _ = self.conn.table.poll(BatchId(id));
+            self.conn.rooms.finished(key, Err(e.clone()));
+            return Err(e);
         }
+        self.queue(Job {
+            id,
+            read: false,
+            pieces,
+            commit: Commit {
+                batch: id,
+                bytes,
+                checksum: None,
+                room: opts.room,
+                epoch: opts.epoch,
+            },
+            room: Some(key),
+            _guards: guards,
+            placed: true,
+        });
         Ok(BatchId(id))
     }
 }
@@ -771,6 +904,7 @@ impl Transport for CmaTransport {
     }
 
     super::conn::conn_backed_transport!();
+    super::conn::conn_room_grants!();
 
     fn submit(&self, ops: &[WriteOp], opts: &BatchOptions) -> Result<BatchId> {
         self.submit_dir(ops, opts, false)

@@ -4,6 +4,7 @@
 
 use super::batch::{BatchTable, Stage};
 use super::identity::ProcIdentity;
+use super::room::{self, OpenRooms, RoomEnd, RoomGrant, RoomSummary};
 use super::wire::{self, FrameType};
 use super::WriteOp;
 use crate::error::{Error, Result, Status};
@@ -35,9 +36,14 @@ pub(crate) struct Conn {
     pub registry: Registry,
     pub session: u64,
     pub addr: String,
+    /// The instance this side authenticated as (room grants name it).
+    pub instance: [u8; 16],
+    /// Room grants open on this connection.
+    pub rooms: OpenRooms,
 }
 
 impl Conn {
+    #[allow(clippy::too_many_arguments)]
     pub fn start(
         stream: TcpStream,
         peer: ProcIdentity,
@@ -46,6 +52,7 @@ impl Conn {
         session: u64,
         addr: String,
         keepalive: Duration,
+        instance: [u8; 16],
     ) -> Result<Arc<Conn>> {
         let reader = stream.try_clone()?;
         let shut = stream.try_clone()?;
@@ -58,6 +65,8 @@ impl Conn {
             registry,
             session,
             addr,
+            instance,
+            rooms: OpenRooms::default(),
         });
         let c = conn.clone();
         std::thread::Builder::new()
@@ -96,6 +105,11 @@ impl Conn {
                 FrameType::Refuse | FrameType::Nack => {
                     wire::decode_reason(&p).map(|(b, e)| self.table.fail(b, e))
                 }
+                FrameType::RoomAck => room::decode_room_ack(&p)
+                    .map(|(token, sum)| self.rooms.answered(token, Ok(sum))),
+                FrameType::RoomRefuse => {
+                    wire::decode_reason(&p).map(|(token, e)| self.rooms.answered(token, Err(e)))
+                }
                 other => Err(Error::new(
                     Status::Protocol,
                     format!("unexpected {other:?} frame from the receiver"),
@@ -118,7 +132,9 @@ impl Conn {
         } else {
             Status::PeerUnreachable
         };
-        self.table.fail_all(Error::new(status, detail));
+        let e = Error::new(status, detail);
+        self.rooms.fail_all(e.clone());
+        self.table.fail_all(e);
         let _ = self.shut.shutdown(Shutdown::Both);
     }
 
@@ -130,7 +146,7 @@ impl Conn {
             wire::write_frame(&mut w.0, ty, payload)
         };
         if let Err(e) = &r {
-            self.table.fail_all(Error::new(
+            let e = Error::new(
                 Status::PeerUnreachable,
                 format!(
                     "sending to peer pid {} at {} failed: {}",
@@ -138,9 +154,60 @@ impl Conn {
                     self.addr,
                     e.detail()
                 ),
-            ));
+            );
+            self.rooms.fail_all(e.clone());
+            self.table.fail_all(e);
         }
         r
+    }
+
+    /// Opens a room grant on this connection for the batches tagged
+    /// `(grant.room, epoch)`.
+    pub fn open_room(&self, grant: &RoomGrant, epoch: u64) -> Result<()> {
+        if let Some(e) = self.table.dead() {
+            return Err(e);
+        }
+        self.rooms.open(grant, epoch, self.instance)
+    }
+
+    /// Closes an open room: waits for its batches, sends RoomEnd with their
+    /// totals and waits for the receiver's RoomAck (all within `timeout`).
+    pub fn close_room(&self, room: u64, epoch: u64, timeout: Duration) -> Result<RoomSummary> {
+        let t0 = Instant::now();
+        let (grant, sum) = self.rooms.take(room, epoch, timeout)?;
+        let end = RoomEnd {
+            token: grant.token,
+            room: grant.room,
+            epoch: grant.epoch,
+            batches: sum.batches,
+            bytes: sum.bytes,
+        };
+        if let Err(e) = self.send(FrameType::RoomEnd, &end.encode()) {
+            self.rooms.answered(grant.token, Err(e));
+        }
+        let got = self
+            .rooms
+            .wait_answer(grant.token, timeout.saturating_sub(t0.elapsed()))
+            .map_err(|e| {
+                Error::new(
+                    e.status(),
+                    format!(
+                        "closing room {room} on peer pid {}: {}",
+                        self.peer.pid,
+                        e.detail()
+                    ),
+                )
+            })?;
+        if got != sum {
+            return Err(Error::new(
+                Status::Protocol,
+                format!(
+                    "room {room}: the receiver acknowledged {} batches / {} bytes, this side wrote {} / {}",
+                    got.batches, got.bytes, sum.batches, sum.bytes
+                ),
+            ));
+        }
+        Ok(sum)
     }
 
     /// How long since a frame was last sent.
@@ -153,10 +220,12 @@ impl Conn {
     }
 
     pub fn close(&self) {
-        self.table.fail_all(Error::new(
+        let e = Error::new(
             Status::PeerUnreachable,
             "the connection was closed by this side",
-        ));
+        );
+        self.rooms.fail_all(e.clone());
+        self.table.fail_all(e);
         let _ = self.shut.shutdown(Shutdown::Both);
     }
 
@@ -373,6 +442,35 @@ macro_rules! conn_backed_transport {
     };
 }
 pub(crate) use conn_backed_transport;
+
+/// The room-grant `Transport` methods of a connection-backed transport whose
+/// batches honour open grants (cma, tcp, rdma). Expands like
+/// [`conn_backed_transport`].
+macro_rules! conn_room_grants {
+    () => {
+        fn open_room(
+            &self,
+            grant: &$crate::transport::room::RoomGrant,
+            epoch: u64,
+        ) -> $crate::error::Result<()> {
+            self.conn.open_room(grant, epoch)
+        }
+
+        fn close_room(
+            &self,
+            room: u64,
+            epoch: u64,
+            timeout: std::time::Duration,
+        ) -> $crate::error::Result<$crate::transport::room::RoomSummary> {
+            self.conn.close_room(room, epoch, timeout)
+        }
+
+        fn forget_room(&self, room: u64, epoch: u64) {
+            self.conn.rooms.forget(room, epoch)
+        }
+    };
+}
+pub(crate) use conn_room_grants;
 
 #[cfg(test)]
 mod tests {

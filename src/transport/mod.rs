@@ -19,7 +19,8 @@
 //! region is refused with `unsupported`).
 //!
 //! [`nccl`] is not a `Transport`: NCCL point-to-point plans and communicator
-//! pairs, used by the `probe` CLI and tests so far.
+//! pairs, which the engine uses for [`TransportKind::Nccl`] (device pools on
+//! both sides; the communicators are set up over the engine's control channel).
 //!
 //! [`listen`] serves every port peers can reach (the agent's data port, the
 //! engine's control port) within bounds: no thread before a connection's
@@ -30,12 +31,14 @@ mod batch;
 pub mod checksum;
 pub mod cma;
 mod conn;
+pub mod control_counts;
 pub mod handshake;
 pub mod identity;
 pub mod listen;
 pub mod local;
 pub mod nccl;
 pub mod peer_auth;
+pub mod room;
 // Nothing in the RDMA transport crosses the C ABI: keep its items out of pdxfer.h.
 /// cbindgen:ignore
 pub mod rdma;
@@ -226,6 +229,13 @@ pub enum TransportKind {
     /// Moves host and device regions (device ones where the NIC has
     /// GPUDirect RDMA, `NoGpuDirect` with the reason otherwise).
     Rdma,
+    /// NCCL point-to-point, for engines with KV pools in device memory on
+    /// both sides: a two-rank communicator per (prefill rank, decode rank)
+    /// link, the decode posting the recvs (see [`nccl`]). An engine choice,
+    /// not a [`Transport`]: the aux and state rows of such an engine move
+    /// over the automatic choice, and [`choose_auto`] never picks nccl.
+    /// Without NCCL or a CUDA driver: `NoNccl` / `NoCudaDriver`.
+    Nccl,
 }
 
 impl TransportKind {
@@ -237,10 +247,11 @@ impl TransportKind {
             TransportKind::Cma => "cma",
             TransportKind::Tcp => "tcp",
             TransportKind::Rdma => "rdma",
+            TransportKind::Nccl => "nccl",
         }
     }
 
-    /// Parses a name (`auto`, `local`, `cma`, `tcp`, `rdma`).
+    /// Parses a name (`auto`, `local`, `cma`, `tcp`, `rdma`, `nccl`).
     pub fn parse(s: &str) -> Result<TransportKind> {
         Ok(match s {
             "auto" => TransportKind::Auto,
@@ -248,9 +259,10 @@ impl TransportKind {
             "cma" => TransportKind::Cma,
             "tcp" => TransportKind::Tcp,
             "rdma" => TransportKind::Rdma,
+            "nccl" => TransportKind::Nccl,
             _ => {
                 return Err(crate::Error::invalid(format!(
-                    "unknown transport {s:?} (auto, local, cma, tcp, rdma)"
+                    "unknown transport {s:?} (auto, local, cma, tcp, rdma, nccl)"
                 )))
             }
         })
@@ -364,6 +376,43 @@ pub trait Transport: Send + Sync {
         ))
     }
 
+    /// Opens a room grant (issued by the receiver's
+    /// [`Agent::grant_room`] for this side's instance) on this connection:
+    /// from now on the batches whose options carry `grant.room` and `epoch`
+    /// (and no checksum) are checked against the grant's ranges on this side
+    /// (`OutOfBounds` naming the room for one outside it: nothing is written)
+    /// and skip the per-batch exchange with the receiver. A grant for another
+    /// instance is refused with `PeerIdentity`. Transports that keep the
+    /// per-batch protocol (local) answer `Unsupported`; their batches are unchanged.
+    fn open_room(&self, grant: &room::RoomGrant, epoch: u64) -> Result<()> {
+        let _ = (grant, epoch);
+        Err(crate::Error::new(
+            crate::Status::Unsupported,
+            format!(
+                "the {} transport has no room grants; its batches use the per-batch protocol",
+                self.kind().name()
+            ),
+        ))
+    }
+
+    /// Closes an open room: waits (within `timeout`) for its batches, then one
+    /// round trip: the receiver checks the totals, releases the grant and
+    /// acknowledges once every byte landed. Fails when a batch of the room
+    /// failed, or the receiver refused (revoked, expired or foreign grant).
+    fn close_room(&self, room: u64, epoch: u64, timeout: Duration) -> Result<room::RoomSummary> {
+        let _ = (room, epoch, timeout);
+        Err(crate::Error::new(
+            crate::Status::Unsupported,
+            format!("the {} transport has no room grants", self.kind().name()),
+        ))
+    }
+
+    /// Forgets an open room without closing it (after a failure: the
+    /// receiver revokes its grant itself).
+    fn forget_room(&self, room: u64, epoch: u64) {
+        let _ = (room, epoch);
+    }
+
     /// The current status of a batch. A terminal status (`Done`, `Failed`)
     /// is returned once; the batch id is then forgotten.
     fn poll(&self, id: BatchId) -> Result<BatchStatus>;
@@ -418,5 +467,24 @@ mod tests {
         }
         assert_eq!(choose_auto_for(true, false, false, false), Cma);
         assert_eq!(choose_auto_for(false, true, true, false), Rdma);
+    }
+
+    #[test]
+    fn every_kind_parses_from_its_name_and_auto_never_picks_nccl() {
+        use TransportKind::*;
+        for k in [Auto, Local, Cma, Tcp, Rdma, Nccl] {
+            assert_eq!(TransportKind::parse(k.name()).unwrap(), k);
+        }
+        let e = TransportKind::parse("nvlink").unwrap_err();
+        assert!(e.detail().contains("nccl"), "{e}");
+        for s in [false, true] {
+            for l in [false, true] {
+                for p in [false, true] {
+                    for d in [false, true] {
+                        assert_ne!(choose_auto_for(s, l, p, d), Nccl);
+                    }
+                }
+            }
+        }
     }
 }

@@ -67,6 +67,13 @@ pub enum FrameType {
     AuthChallenge = 31,
     /// Client -> server: its proof (JSON [`crate::auth::AuthProof`]).
     AuthProof = 32,
+    /// Sender: every batch of a granted room was written (token, room,
+    /// epoch, batches, bytes).
+    RoomEnd = 40,
+    /// Receiver: the room's totals were accepted and its grant released.
+    RoomAck = 41,
+    /// Receiver: the room end was refused (token, code, reason).
+    RoomRefuse = 42,
 }
 
 impl FrameType {
@@ -93,6 +100,9 @@ impl FrameType {
             30 => AuthHello,
             31 => AuthChallenge,
             32 => AuthProof,
+            40 => RoomEnd,
+            41 => RoomAck,
+            42 => RoomRefuse,
             _ => return None,
         })
     }
@@ -135,6 +145,7 @@ pub fn write_frame(w: &mut impl Write, ty: FrameType, payload: &[u8]) -> Result<
     buf.extend_from_slice(payload);
     w.write_all(&buf)?;
     w.flush()?;
+    super::control_counts::frame_sent(ty);
     Ok(())
 }
 
@@ -161,6 +172,7 @@ pub fn read_frame_max(r: &mut impl Read, max: u32) -> Result<(FrameType, Vec<u8>
     }
     let mut payload = vec![0u8; len as usize];
     r.read_exact(&mut payload)?;
+    super::control_counts::frame_received(ty);
     Ok((ty, payload))
 }
 
@@ -403,13 +415,16 @@ pub fn decode_batch(p: &[u8]) -> Result<u64> {
 
 /// Data frame flag: the receiver sums piece checksums for this batch.
 pub const DATA_FLAG_CHECKSUM: u32 = 1;
+/// Data frame flag: a piece of a granted room; the header's batch field
+/// carries the room grant's token, and the piece is checked against it.
+pub const DATA_FLAG_ROOM: u32 = 2;
 
 /// Header of one tcp data frame.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct DataHeader {
     /// `DATA_FLAG_*` bits.
     pub flags: u32,
-    /// Batch id.
+    /// Batch id (with [`DATA_FLAG_ROOM`]: the room grant's token).
     pub batch: u64,
     /// Destination region.
     pub region: u64,

@@ -9,7 +9,10 @@
 //! `memcpy` of the same bytes measured in the same run (for the ratio).
 
 use clap::Args;
+use pdxfer::auth::PeerInstance;
 use pdxfer::error::{Error, Result};
+use pdxfer::transport::control_counts::control_counts;
+use pdxfer::transport::room::{GrantRange, RoomGrant};
 use pdxfer::transport::{
     Agent, AgentOptions, BatchId, BatchOptions, ConnectOptions, Transport, TransportKind, WriteOp,
 };
@@ -23,7 +26,9 @@ use std::time::{Duration, Instant};
 #[derive(Args, Debug, Clone)]
 pub struct BenchArgs {
     /// Transport: cma, tcp, rdma, local or auto (rdma: one-sided RDMA WRITE
-    /// through the agent's RDMA link; needs a usable NIC on both sides).
+    /// through the agent's RDMA link; needs a usable NIC on both sides), or
+    /// nccl (engines with device pools on two GPUs; --block-sizes are KV
+    /// bytes per room).
     #[arg(long, default_value = "cma")]
     pub transport: String,
     /// Use an already running target at this address instead of spawning one.
@@ -59,8 +64,16 @@ pub struct BenchArgs {
     /// Draw GB/s against block size into this PNG.
     #[arg(long)]
     pub plot: Option<String>,
+    /// Write every point's batches under one room grant of the target (no
+    /// per-batch round trip where the transport supports grants: cma, tcp, rdma);
+    /// the room closes with one round trip after the point.
+    #[arg(long)]
+    pub room_grant: bool,
     #[command(flatten)]
     pub layerwise: crate::layerwise_bench::LayerwiseArgs,
+    /// --transport nccl: the prefill's and the decode's GPU (default 0,1).
+    #[arg(long)]
+    pub nccl_gpus: Option<String>,
 }
 
 /// One measured point.
@@ -90,6 +103,11 @@ pub struct Point {
     pub p50_us: f64,
     /// 99th percentile batch latency, microseconds.
     pub p99_us: f64,
+    /// The batches were written under a room grant.
+    pub room_grant: bool,
+    /// Control messages this process sent and received per batch (the
+    /// room's close included).
+    pub control_messages_per_batch: f64,
 }
 
 /// Parses `4K`, `1M`, `123` (binary suffixes).
@@ -110,6 +128,8 @@ pub fn parse_size(s: &str) -> Result<u64> {
 
 struct Target {
     child: Option<Child>,
+    /// The spawned target's answers to commands.
+    out: Option<BufReader<std::process::ChildStdout>>,
     addr: String,
     local: Option<Agent>,
     _local_buf: Vec<u8>,
@@ -152,17 +172,69 @@ fn spawn_target(size: u64, heap: bool) -> Result<Target> {
         .stdout
         .take()
         .ok_or_else(|| Error::invalid("no target stdout"))?;
+    let mut out = BufReader::new(out);
     let mut line = String::new();
-    BufReader::new(out).read_line(&mut line)?;
+    out.read_line(&mut line)?;
     let v: serde_json::Value = serde_json::from_str(line.trim())
         .map_err(|e| Error::invalid(format!("target did not start: {e}: {line:?}")))?;
     let addr = v["addr"].as_str().unwrap_or_default().to_string();
     Ok(Target {
         child: Some(child),
+        out: Some(out),
         addr,
         local: None,
         _local_buf: Vec::new(),
     })
+}
+
+impl Target {
+    /// A room grant of the target's regions to `me` for `room` (epoch 1).
+    fn grant(&mut self, me: PeerInstance, room: u64) -> Result<RoomGrant> {
+        let live = Duration::from_secs(600);
+        if let Some(ag) = &self.local {
+            let ranges: Vec<GrantRange> = ag
+                .registry()
+                .descriptors()
+                .iter()
+                .map(|d| GrantRange {
+                    region: d.id,
+                    offset: 0,
+                    len: d.len,
+                })
+                .collect();
+            return ag.grant_room(me, room, 1, &ranges, live);
+        }
+        let (Some(child), Some(out)) = (&mut self.child, &mut self.out) else {
+            return Err(Error::invalid(
+                "--room-grant needs a target this bench spawns (not --connect)",
+            ));
+        };
+        let stdin = child
+            .stdin
+            .as_mut()
+            .ok_or_else(|| Error::invalid("no target stdin"))?;
+        writeln!(stdin, "grant {me} {room} 1 {}", live.as_millis())?;
+        stdin.flush()?;
+        loop {
+            let mut line = String::new();
+            if out.read_line(&mut line)? == 0 {
+                return Err(Error::invalid("the target exited before granting"));
+            }
+            let v: serde_json::Value = match serde_json::from_str(line.trim()) {
+                Ok(v) => v,
+                Err(_) => continue,
+            };
+            if v.get("grant").is_none() {
+                continue;
+            }
+            return serde_json::from_value(v["grant"].clone()).map_err(|e| {
+                Error::invalid(format!(
+                    "the target refused the grant: {} ({e})",
+                    v["error"].as_str().unwrap_or("?")
+                ))
+            });
+        }
+    }
 }
 
 fn percentile(sorted: &[f64], p: f64) -> f64 {
@@ -194,6 +266,7 @@ fn measure(
     block: u64,
     batch: usize,
     a: &BenchArgs,
+    room: u64,
 ) -> Result<(usize, f64, Vec<f64>)> {
     let ops: Vec<WriteOp> = (0..batch as u64)
         .map(|i| WriteOp {
@@ -207,7 +280,8 @@ fn measure(
     let opts = BatchOptions {
         timeout: Duration::from_secs(30),
         checksum: a.checksum,
-        ..Default::default()
+        room,
+        epoch: 1,
     };
     let run = |n: usize, budget: Duration, lat: &mut Vec<f64>| -> Result<usize> {
         let t0 = Instant::now();
@@ -243,6 +317,9 @@ pub fn run(a: &BenchArgs) -> Result<()> {
         return crate::layerwise_bench::run(&a.layerwise, &a.transport, a.json);
     }
     let kind = TransportKind::parse(&a.transport)?;
+    if kind == TransportKind::Nccl {
+        return nccl(a);
+    }
     let blocks: Vec<u64> = a
         .block_sizes
         .iter()
@@ -267,6 +344,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
         unsafe { ag.register_host(buf.as_mut_ptr(), buf.len()) }?;
         Target {
             child: None,
+            out: None,
             addr: String::new(),
             local: Some(ag),
             _local_buf: buf,
@@ -274,6 +352,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
     } else if let Some(addr) = &a.connect {
         Target {
             child: None,
+            out: None,
             addr: addr.clone(),
             local: None,
             _local_buf: Vec::new(),
@@ -295,6 +374,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
         bar.set_draw_target(indicatif::ProgressDrawTarget::hidden());
     }
     let mut points = Vec::new();
+    let mut room = 0u64;
     for &threads in &a.threads {
         let t: Box<dyn Transport> = match &target.local {
             Some(ag) => me.connect_local(ag),
@@ -322,7 +402,20 @@ pub fn run(a: &BenchArgs) -> Result<()> {
                     "{} block={block} batch={batch} threads={threads}",
                     t.kind().name()
                 ));
-                let (n, secs, mut lat) = measure(&*t, s_desc.id, d_region, block, batch, a)?;
+                room += 1;
+                let c0 = control_counts();
+                if a.room_grant {
+                    let g = target.grant(me.instance(), room)?;
+                    t.open_room(&g, 1)?;
+                }
+                let (n, secs, mut lat) = measure(&*t, s_desc.id, d_region, block, batch, a, room)?;
+                if a.room_grant {
+                    t.close_room(room, 1, Duration::from_secs(30))?;
+                }
+                let c1 = control_counts();
+                // the warm-up's 3 batches are counted too
+                let per_batch =
+                    (c1.sent() + c1.received() - c0.sent() - c0.received()) as f64 / (n + 3) as f64;
                 lat.sort_by(|x, y| x.total_cmp(y));
                 let bytes = block as f64 * batch as f64 * n as f64;
                 let gbps = bytes / secs / 1e9;
@@ -344,13 +437,17 @@ pub fn run(a: &BenchArgs) -> Result<()> {
                     ops_per_s: (batch * n) as f64 / secs,
                     p50_us: percentile(&lat, 0.50),
                     p99_us: percentile(&lat, 0.99),
+                    room_grant: a.room_grant,
+                    control_messages_per_batch: per_batch,
                 };
                 bar.suspend(|| {
                     if !a.json {
                         println!(
-                            "{:<5} block={:>9} batch={:>4} thr={:>2}  {:>7.3} GB/s  memcpy {:>7.3} GB/s  ratio {:>5.2}  {:>10.0} ops/s  p50 {:>9.1} us  p99 {:>9.1} us",
+                            "{:<5} block={:>9} batch={:>4} thr={:>2}  {:>7.3} GB/s  memcpy {:>7.3} GB/s  ratio {:>5.2}  {:>10.0} ops/s  p50 {:>9.1} us  p99 {:>9.1} us  ctl/batch {:>5.2}{}",
                             p.transport, p.block_size, p.batch_size, p.threads, p.gb_per_s,
-                            p.memcpy_gb_per_s, p.ratio_vs_memcpy, p.ops_per_s, p.p50_us, p.p99_us
+                            p.memcpy_gb_per_s, p.ratio_vs_memcpy, p.ops_per_s, p.p50_us, p.p99_us,
+                            p.control_messages_per_batch,
+                            if p.room_grant { "  (room grant)" } else { "" }
                         );
                     }
                 });
@@ -460,6 +557,22 @@ fn plot(path: &str, points: &[Point]) -> Result<()> {
     Ok(())
 }
 
+/// `--transport nccl`: engines over NCCL (`nccl_bench`).
+fn nccl(a: &BenchArgs) -> Result<()> {
+    #[cfg(feature = "nccl")]
+    {
+        crate::nccl_bench::run(a)
+    }
+    #[cfg(not(feature = "nccl"))]
+    {
+        let _ = a;
+        Err(Error::new(
+            pdxfer::Status::Unsupported,
+            "pdxfer bench --transport nccl needs pdxfer built with the `nccl` feature",
+        ))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -489,6 +602,8 @@ mod tests {
             ops_per_s: 1.0,
             p50_us: 1.0,
             p99_us: 2.0,
+            room_grant: false,
+            control_messages_per_batch: 2.0,
         };
         let dir = std::env::temp_dir().join(format!("pdxfer-plot-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();

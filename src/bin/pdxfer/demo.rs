@@ -58,6 +58,9 @@ pub struct DemoArgs {
     /// Print one JSON object as the last line.
     #[arg(long)]
     json: bool,
+    /// Grant every batch separately (no room-level grants).
+    #[arg(long)]
+    no_room_grants: bool,
 }
 
 /// Arguments of `pdxfer demo-rank` (one engine process of the demo).
@@ -96,6 +99,9 @@ pub struct DemoRankArgs {
     /// Staging (pack) buffer per prefill worker, MiB (0: unpacked writes).
     #[arg(long, default_value_t = 64)]
     staging_mib: u64,
+    /// Grant every batch separately (no room-level grants).
+    #[arg(long)]
+    no_room_grants: bool,
 }
 
 const AUX_ROWS: u64 = 64;
@@ -135,6 +141,7 @@ pub fn run_rank(a: &DemoRankArgs) -> Result<()> {
     cfg.transport = TransportKind::parse(&a.transport)?;
     cfg.room_timeout = Duration::from_secs(60);
     cfg.staging_bytes = a.staging_mib << 20;
+    cfg.room_grants = !a.no_room_grants;
     // SAFETY: `pools` lives until this function returns, after `engine.close()`.
     let engine = unsafe { Engine::new(cfg)? };
     let pools = Arc::new(Mutex::new(pools));
@@ -171,7 +178,8 @@ pub fn run_rank(a: &DemoRankArgs) -> Result<()> {
                 say(&out, &json!({"event": "done", "room": room, "ok": ok, "verified_bytes": bytes, "error": err}));
             })),
             Some("metrics") => {
-                say(&out, &json!({"event": "metrics", "latency": latency_summary(&engine)}));
+                let control = engine.metrics_snapshot().control;
+                say(&out, &json!({"event": "metrics", "latency": latency_summary(&engine), "control": control}));
             }
             Some("quit") => break,
             _ => {}
@@ -203,22 +211,37 @@ fn latency_summary(engine: &Engine) -> Value {
     Value::Object(out)
 }
 
-/// Asks the prefill rank for its latency histogram summary (waits up to 10 s).
-fn prefill_latency(procs: &mut [Proc], rx: &Receiver<Event>) -> Result<Value> {
-    send(&mut procs[0], &json!({"cmd": "metrics"}))?;
+/// Asks every rank for its metrics (waits up to 10 s): the prefill rank's
+/// latency histogram summary, and the control messages all ranks sent and
+/// received (summed over the processes).
+fn rank_metrics(procs: &mut [Proc], rx: &Receiver<Event>) -> Result<(Value, u64, u64)> {
+    for p in procs.iter_mut() {
+        send(p, &json!({"cmd": "metrics"}))?;
+    }
     let end = Instant::now() + Duration::from_secs(10);
-    loop {
+    let (mut latency, mut sent, mut received, mut left) = (Value::Null, 0, 0, procs.len());
+    while left > 0 {
         match rx.recv_timeout(end.saturating_duration_since(Instant::now())) {
-            Ok((0, e)) if e["event"] == "metrics" => return Ok(e["latency"].clone()),
+            Ok((i, e)) if e["event"] == "metrics" => {
+                if i == 0 {
+                    latency = e["latency"].clone();
+                }
+                let c = &e["control"];
+                let n = |k: &str| c[k].as_u64().unwrap_or(0);
+                sent += n("engine_sent") + n("data_plane_sent");
+                received += n("engine_received") + n("data_plane_received");
+                left -= 1;
+            }
             Ok(_) => {}
             Err(_) => {
                 return Err(Error::new(
                     Status::Timeout,
-                    "the prefill rank did not report its metrics within 10 s",
+                    "the demo ranks did not report their metrics within 10 s",
                 ))
             }
         }
     }
+    Ok((latency, sent, received))
 }
 
 /// Fills the request's rows, opens the room, sends the chunks; returns the
@@ -411,6 +434,7 @@ pub fn run(a: &DemoArgs) -> Result<()> {
         ]
         .iter()
         .map(|s| s.to_string())
+        .chain(a.no_room_grants.then(|| "--no-room-grants".to_string()))
         .collect()
     };
     // one cluster secret per run: the ranks authenticate every connection
@@ -616,7 +640,10 @@ fn drive(
     }
     bar.finish_and_clear();
     let secs = start.elapsed().as_secs_f64();
-    let histogram = prefill_latency(procs, rx)?;
+    let (histogram, ctl_sent, ctl_received) = rank_metrics(procs, rx)?;
+    // every message is sent by one rank and received by another: per request,
+    // the messages sent (connection set-up included, spread over the requests)
+    let ctl_per_request = ctl_sent as f64 / f64::from(a.requests.max(1));
     latencies.sort_by(|x, y| x.total_cmp(y));
     let pct = |q: f64| latencies[((latencies.len() as f64 - 1.0) * q).round() as usize];
     let verified = failures.is_empty();
@@ -664,6 +691,9 @@ fn drive(
                 );
             }
         }
+        println!(
+            "control messages: {ctl_sent} sent, {ctl_received} received by all ranks; {ctl_per_request:.1} per request (connection set-up included)"
+        );
         for f in &failures {
             println!("  FAILED {f}");
         }
@@ -675,6 +705,8 @@ fn drive(
             "gb_per_s": bytes as f64 / secs / 1e9, "p50_ms": pct(0.5), "p99_ms": pct(0.99),
             "transport": tname, "dcp_size": a.dcp_size, "failures": failures,
             "latency_histogram": histogram,
+            "control_messages": ctl_sent, "control_messages_received": ctl_received,
+            "control_messages_per_request": ctl_per_request,
         })
     );
     if verified {

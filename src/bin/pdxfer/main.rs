@@ -7,6 +7,8 @@ mod bootstrap;
 mod demo;
 mod layerwise_bench;
 mod logging;
+#[cfg(feature = "nccl")]
+mod nccl_bench;
 mod plan;
 mod rank;
 mod rdma_bench;

@@ -5,7 +5,9 @@
 //! then one JSON line per completion record received. Commands on stdin:
 //! `dump PATH` (write every region, in id order, to PATH), `unregister ID
 //! [TIMEOUT_MS]` (answers `{"unregistered":ID,"ok":..}`), `stats` (sessions
-//! and connections), `quit`; end of stdin also quits.
+//! and connections), `grant INSTANCE ROOM EPOCH MS` (grants the instance,
+//! 32 hex digits, every region for the room; answers `{"grant":..}`), `quit`;
+//! end of stdin also quits.
 
 use clap::Args;
 use pdxfer::transport::listen::ListenLimits;
@@ -163,6 +165,14 @@ pub fn run(a: &TargetArgs) -> pdxfer::Result<()> {
                         "error": r.err().map(|e| e.to_string())})
                 );
             }
+            (Some("grant"), Some(instance)) => {
+                let r = grant(&agent, &descs, instance, &mut it);
+                println!(
+                    "{}",
+                    serde_json::json!({"grant": r.as_ref().ok(),
+                        "error": r.err().map(|e| e.to_string())})
+                );
+            }
             (Some("stats"), _) => println!(
                 "{}",
                 serde_json::json!({"sessions": agent.sessions(), "connections": agent.connections()})
@@ -182,4 +192,33 @@ pub fn run(a: &TargetArgs) -> pdxfer::Result<()> {
     }
     drop(bufs);
     Ok(())
+}
+
+/// `grant INSTANCE ROOM EPOCH MS`: a room grant of every region to `instance`.
+fn grant<'a>(
+    agent: &Agent,
+    descs: &[pdxfer::memory::RegionDesc],
+    instance: &str,
+    rest: &mut impl Iterator<Item = &'a str>,
+) -> pdxfer::Result<pdxfer::transport::room::RoomGrant> {
+    let bad = || pdxfer::Error::invalid("usage: grant INSTANCE(32 hex) ROOM EPOCH MS");
+    let id = u128::from_str_radix(instance, 16).map_err(|_| bad())?;
+    let mut num =
+        || -> pdxfer::Result<u64> { rest.next().and_then(|v| v.parse().ok()).ok_or_else(bad) };
+    let (room, epoch, ms) = (num()?, num()?, num()?);
+    let ranges: Vec<_> = descs
+        .iter()
+        .map(|d| pdxfer::transport::room::GrantRange {
+            region: d.id,
+            offset: 0,
+            len: d.len,
+        })
+        .collect();
+    agent.grant_room(
+        pdxfer::auth::PeerInstance(id.to_be_bytes()),
+        room,
+        epoch,
+        &ranges,
+        Duration::from_millis(ms),
+    )
 }

@@ -146,6 +146,7 @@ fn serve_control(
         tcp: Mutex::new(TcpRecv::default()),
         sockets: Mutex::new(s.try_clone().into_iter().collect()),
         rdma: Mutex::new(None),
+        lands_tcp: AtomicBool::new(false),
         closed: AtomicBool::new(false),
     });
     let nic = a.nic();
@@ -174,7 +175,7 @@ fn serve_control(
                     ));
                 }
             }
-            TransportKind::Tcp => {}
+            TransportKind::Tcp => session.lands_tcp.store(true, Ordering::SeqCst),
             TransportKind::Rdma => {
                 let nic = nic.clone()?;
                 let remote = sel.rdma.as_deref().ok_or_else(|| {

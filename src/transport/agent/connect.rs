@@ -53,6 +53,7 @@ impl Dialed<'_> {
             self.ack.session,
             self.addr.to_string(),
             self.opts.keepalive,
+            self.instance,
         )
     }
 }

@@ -46,6 +46,7 @@ pub(super) fn control_loop(
             .clamp(Duration::from_millis(10), Duration::from_secs(1));
         if !readable(s, tick)? {
             expire_grants(a, sess);
+            a.room_grants.expire();
             if last.elapsed() >= a.idle_timeout {
                 return Err(Error::new(
                     Status::Timeout,
@@ -105,6 +106,7 @@ pub(super) fn control_loop(
                     Err(e) => sess.send(FrameType::Refuse, &wire::encode_reason(batch, &e)),
                 }
             }
+            FrameType::RoomEnd => super::room_grant::room_end(a, sess, &p, &peer),
             FrameType::Abort => {
                 let batch = wire::decode_batch(&p)?;
                 lock(&sess.granted).remove(&batch);

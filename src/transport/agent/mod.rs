@@ -17,6 +17,7 @@ mod connect;
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 mod gpu_direct;
 mod grant;
+mod room_grant;
 mod session;
 #[cfg(any(test, feature = "testing"))]
 mod test_knobs;
@@ -26,6 +27,7 @@ mod tests;
 pub(crate) use accept::refuse;
 pub(crate) use connect::Dialed;
 pub(crate) use grant::completion;
+pub(crate) use room_grant::piece_landed;
 pub(crate) use session::ReceiverSession;
 
 use super::identity::ProcIdentity;
@@ -223,6 +225,8 @@ pub(crate) struct AgentInner {
     /// How peers' GPUDirect RDMA writes into device regions are treated
     /// (unset: delivered as the NIC completes them).
     gpu_writes: OnceLock<gpu_direct::GpuDirectWrites>,
+    /// Room-level grants issued to senders ([`Agent::grant_room`]).
+    pub(crate) room_grants: room_grant::RoomGrants,
 }
 
 impl AgentInner {
@@ -326,6 +330,7 @@ impl Agent {
             auth,
             instance,
             gpu_writes: OnceLock::new(),
+            room_grants: Default::default(),
         });
         // Unregistering a region drops its NIC registration before the memory
         // can be freed, so a peer holding its rkey cannot write into it.

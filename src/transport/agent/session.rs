@@ -1,5 +1,5 @@
 //! The receiver's state for one sender connection: its control socket, the
-//! grants it holds (cma, rdma), its tcp batches in progress and its RDMA
+//! per-batch grants it holds (cma, rdma), its tcp batches in progress and its RDMA
 //! queue pairs. Created by the handshake, closed when the control
 //! connection ends or the agent shuts down.
 
@@ -34,6 +34,8 @@ pub(crate) struct ReceiverSession {
     pub(crate) sockets: Mutex<Vec<TcpStream>>,
     /// rdma: this side's connected QPs (the peer writes through them).
     pub(crate) rdma: Mutex<Option<Box<dyn DataPath>>>,
+    /// tcp was selected: this side lands the bytes (its data streams).
+    pub(crate) lands_tcp: AtomicBool,
     pub(crate) closed: AtomicBool,
 }
 

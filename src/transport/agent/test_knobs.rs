@@ -23,4 +23,15 @@ pub struct TestKnobs {
     /// automatically (so two agents of one process can test the cross-host
     /// choice).
     pub deny_same_host: bool,
+    /// Engine transport nccl: the NCCL plan options this engine plans with
+    /// instead of the defaults (a peer planning with others sees
+    /// `nccl_plan_mismatch`).
+    pub nccl_plan: Option<crate::transport::nccl::NcclPlanOptions>,
+    /// Engine transport nccl, decode: the chunks of these rooms are accepted
+    /// but their recvs are never posted (a decode that never posts).
+    pub nccl_never_post_rooms: Vec<u64>,
+    /// Engine transport nccl, prefill: the chunks of these rooms are
+    /// accepted by the decode but their sends are never posted (the decode's
+    /// recvs stay in flight).
+    pub nccl_never_send_rooms: Vec<u64>,
 }

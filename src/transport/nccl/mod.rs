@@ -4,9 +4,11 @@
 //!
 //! This is **not** a [`Transport`](crate::transport::Transport): it moves no
 //! [`WriteOp`](crate::transport::WriteOp)s between registered regions, has no
-//! registry checks, grants or completion records, and no engine or agent
-//! selects it yet. It is the building block of an NCCL path: the `probe` CLI,
-//! `pdxfer info` and tests use it today.
+//! registry checks, grants or completion records, and the agent never
+//! selects it. The engine uses it for transport nccl (`engine::nccl_link`:
+//! the communicator of a link is made over the engine's control channel,
+//! and both sides plan each chunk from the room's metadata); `pdxfer info`,
+//! `examples/nccl_check.rs` and tests use it directly.
 //!
 //! One communicator per (prefill rank, decode rank) pair: world size 2, the
 //! prefill (sender) is NCCL rank 0, the decode (receiver) rank 1. The prefill

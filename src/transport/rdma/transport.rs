@@ -15,6 +15,11 @@
 //! reason and is never retried (the bytes may or may not have landed); the
 //! receiver then drops its grant and delivers nothing.
 //!
+//! A batch of a room whose grant is open on the connection
+//! ([`room`](crate::transport::room)) skips the intent and the commit: it is
+//! checked against the room's granted ranges here and is done at its work
+//! completions; the room's one RoomEnd/RoomAck follows its last batch.
+//!
 //! Device regions (GPU memory) move like host ones: the NIC reads and writes
 //! them directly (GPUDirect RDMA), registered through the provider's GPU
 //! path; a NIC without one refuses them with `NoGpuDirect` (the sender's for
@@ -45,6 +50,9 @@ struct Job {
     pieces: Vec<Piece>,
     commit: Commit,
     deadline: Instant,
+    /// A batch of a room open under a grant: (room, epoch); it is done at
+    /// its work completions, with no frame to the receiver.
+    room: Option<(u64, u64)>,
     _guards: Arc<Vec<AccessGuard>>,
 }
 
@@ -154,7 +162,38 @@ impl RdmaTransport {
             }
         }
         self.ensure_local(ops)?;
-        let commit = self.conn.announce(&pieces, &guards, bytes, opts, read)?;
+        let granted = if read {
+            None
+        } else {
+            self.conn.rooms.admit(&pieces, opts)?
+        };
+        let room = granted.map(|_| (opts.room, opts.epoch));
+        let commit = match room {
+            None => self.conn.announce(&pieces, &guards, bytes, opts, read)?,
+            Some(key) => {
+                let template = crate::transport::Completion::pending(bytes, None, opts);
+                let id = match self
+                    .conn
+                    .table
+                    .insert(opts.timeout, template, guards.clone())
+                {
+                    Ok(id) => id,
+                    Err(e) => {
+                        self.conn.rooms.finished(key, Err(e.clone()));
+                        return Err(e);
+                    }
+                };
+                // validated against the room's grant: no intent, no grant frame
+                self.conn.table.set(id, Stage::Granted);
+                Commit {
+                    batch: id,
+                    bytes,
+                    checksum: None,
+                    room: opts.room,
+                    epoch: opts.epoch,
+                }
+            }
+        };
         let id = commit.batch;
         let job = Job {
             id,
@@ -162,15 +201,34 @@ impl RdmaTransport {
             pieces,
             commit,
             deadline: Instant::now() + opts.timeout,
+            room,
             _guards: guards,
         };
         if self.tx.send(job).is_err() {
-            self.conn.table.fail(
-                id,
-                Error::new(Status::PeerUnreachable, "the rdma poster thread is gone"),
-            );
+            let e = Error::new(Status::PeerUnreachable, "the rdma poster thread is gone");
+            if let Some(key) = room {
+                self.conn.rooms.finished(key, Err(e.clone()));
+            }
+            self.conn.table.fail(id, e);
         }
         Ok(BatchId(id))
+    }
+}
+
+/// Abandons a batch: the receiver drops its grant (Abort); a batch of a
+/// granted room has no receiver state: its room records the failure.
+fn abort_job(conn: &Conn, job: &Job) {
+    match job.room {
+        Some(key) => conn.rooms.finished(
+            key,
+            Err(conn.table.failure(job.id).unwrap_or_else(|| {
+                Error::new(
+                    Status::BatchFailed,
+                    format!("rdma batch {} was abandoned", job.id),
+                )
+            })),
+        ),
+        None => abort(conn, job.id),
     }
 }
 
@@ -205,7 +263,7 @@ fn fail_and_abort(conn: &Conn, path: &dyn DataPath, job: &Job, e: Error) {
         rdma_id(job.id),
         job.deadline.max(Instant::now()) + SETTLE_GRACE,
     );
-    abort(conn, job.id);
+    abort_job(conn, job);
 }
 
 /// The RDMA batch id of a connection batch (ids grow from 1; the tracker
@@ -218,7 +276,7 @@ fn rdma_id(id: u64) -> u32 {
 fn poster(conn: &Conn, path: &dyn DataPath, rx: Receiver<Job>, done: Sender<Job>) {
     for job in rx {
         if conn.table.wait_granted(job.id).is_err() || conn.table.finished(job.id) {
-            abort(conn, job.id);
+            abort_job(conn, &job);
             continue;
         }
         if job.pieces.is_empty() {
@@ -289,7 +347,13 @@ fn completer(conn: &Conn, path: &dyn DataPath, rx: Receiver<Job>) {
                 conn.table.set(job.id, Stage::Written);
                 if conn.table.finished(job.id) {
                     // Deadline passed while writing: no completion for the receiver.
-                    abort(conn, job.id);
+                    abort_job(conn, &job);
+                    continue;
+                }
+                if let Some(key) = job.room {
+                    // RC work completions: every byte is placed in the peer's memory
+                    conn.table.set(job.id, Stage::Done);
+                    conn.rooms.finished(key, Ok(job.commit.bytes));
                     continue;
                 }
                 let _ = conn.send(FrameType::Commit, &wire::encode_commit(&commit));
@@ -300,7 +364,7 @@ fn completer(conn: &Conn, path: &dyn DataPath, rx: Receiver<Job>) {
                     format!("moved {bytes} of {} bytes", job.commit.bytes),
                 );
                 conn.table.fail(job.id, e);
-                abort(conn, job.id);
+                abort_job(conn, &job);
             }
             BatchState::Failed(e) => fail_and_abort(conn, path, &job, e),
             BatchState::InProgress => {
@@ -390,6 +454,8 @@ impl Transport for RdmaTransport {
     fn wait(&self, id: BatchId, timeout: Duration) -> Result<crate::transport::Completion> {
         self.conn.table.wait(id, timeout)
     }
+
+    crate::transport::conn::conn_room_grants!();
 
     /// False once the control connection is gone, and also once a rail's QP
     /// went to the error state: an RC QP in error stays there, so every

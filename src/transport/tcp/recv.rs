@@ -8,14 +8,19 @@
 //! merges its counts into the session's batch table before it waits on its
 //! socket; once the batch's commit arrived on the control connection and
 //! every byte counted, the verdict (bytes, checksum) is delivered and
-//! answered with Ack or Nack.
+//! answered with Ack or Nack. A piece of a granted room is checked against
+//! the room's grant (its token, for the session's authenticated instance),
+//! not only the registry, and its bytes are counted under the grant; the
+//! room's RoomEnd is answered once every byte it names landed.
 
 use super::device::{receive_into_device, DEVICE_BOUNCE_BYTES};
 use super::inbuf::{InBuf, Source, STREAM_BUFFER_BYTES};
 use crate::auth::PeerInstance;
 use crate::error::{Error, Result, Status};
 use crate::memory::{AccessGuard, DeviceWriter, RegionDesc, RegionKind, Registry};
-use crate::transport::agent::{completion, lock, refuse, AgentInner, ReceiverSession};
+use crate::transport::agent::{
+    completion, lock, piece_landed, refuse, AgentInner, ReceiverSession,
+};
 use crate::transport::checksum;
 use crate::transport::handshake::Attach;
 use crate::transport::identity::ProcIdentity;
@@ -225,8 +230,19 @@ pub(super) trait Ledger {
     fn stall(&mut self, batch: u64);
     /// Merges the stream's counts into the batch table (emptying `tally`),
     /// decides the batches whose every byte is counted, and tells `tally`
-    /// which of them take no more pieces.
+    /// which of them take no more pieces; hands the bytes landed under room
+    /// grants to their grants.
     fn merge(&mut self, tally: &mut Tally);
+    /// Whether piece `h` of a granted room (its batch field the grant's
+    /// token) lies in the grant, for this session's authenticated instance;
+    /// nothing is written when it does not.
+    fn admit_room(&mut self, h: &DataHeader) -> Result<()> {
+        let _ = h;
+        Err(Error::new(
+            Status::Unsupported,
+            "this receiver holds no room grants",
+        ))
+    }
 }
 
 struct SessionLedger<'a> {
@@ -252,12 +268,28 @@ impl Ledger for SessionLedger<'_> {
     }
 
     fn merge(&mut self, tally: &mut Tally) {
+        let (a, sess, peer) = (self.a, self.sess, self.peer);
+        for r in tally.rooms.drain(..) {
+            piece_landed(a, sess, peer, r.token, r.failed.map_or(Ok(r.received), Err));
+        }
         if tally.counts.is_empty() {
             return;
         }
-        let (a, sess, peer) = (self.a, self.sess, self.peer);
         lock(&sess.tcp).merge(tally, |t, batch| finalize_tcp(a, sess, t, batch, peer));
     }
+
+    fn admit_room(&mut self, h: &DataHeader) -> Result<()> {
+        self.a
+            .room_grants
+            .admit_piece(h.batch, self.sess.instance, h.region, h.offset, h.len)
+    }
+}
+
+/// One stream's count of the pieces of one room grant since its last merge.
+pub(crate) struct RoomCount {
+    token: u64,
+    received: u64,
+    failed: Option<Error>,
 }
 
 /// One stream's count of one batch since its last merge.
@@ -274,6 +306,8 @@ pub(crate) struct Count {
 #[derive(Default)]
 pub(crate) struct Tally {
     counts: Vec<Count>,
+    /// Bytes landed under room grants, by token.
+    rooms: Vec<RoomCount>,
     /// Batches finished or failed (newest last): their pieces are drained.
     closed: VecDeque<u64>,
 }
@@ -325,6 +359,28 @@ impl Tally {
 
     fn is_closed(&self, batch: u64) -> bool {
         self.closed.contains(&batch)
+    }
+
+    /// A piece of the room grant `token` landed `Ok(len)` bytes, or failed.
+    fn room(&mut self, token: u64, outcome: Result<u64>) {
+        let i = match self.rooms.iter().rposition(|r| r.token == token) {
+            Some(i) => i,
+            None => {
+                self.rooms.push(RoomCount {
+                    token,
+                    received: 0,
+                    failed: None,
+                });
+                self.rooms.len() - 1
+            }
+        };
+        let r = &mut self.rooms[i];
+        match outcome {
+            Ok(n) => r.received += n,
+            Err(e) => {
+                r.failed.get_or_insert(e);
+            }
+        }
     }
 }
 
@@ -478,7 +534,20 @@ impl<'r, S: Source> StreamReceiver<'r, S> {
             ledger.merge(&mut self.tally);
         }
         let mut r = self.inb.piece();
-        if self.tally.is_closed(h.batch) {
+        if h.flags & wire::DATA_FLAG_ROOM != 0 {
+            // a granted room's piece: checked against its grant first
+            let outcome = match ledger.admit_room(h) {
+                Ok(()) => {
+                    let dest = self.dests.validate(h);
+                    land(dest, &mut r, h, &mut self.scratch, &mut self.bounce)?.map(|_| h.len)
+                }
+                Err(e) => {
+                    drain(&mut r, h.len, &mut self.scratch)?;
+                    Err(e)
+                }
+            };
+            self.tally.room(h.batch, outcome);
+        } else if self.tally.is_closed(h.batch) {
             drain(&mut r, h.len, &mut self.scratch)?;
         } else {
             let dest = self.dests.validate(h);

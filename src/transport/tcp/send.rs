@@ -1,6 +1,9 @@
 //! The tcp sender: one thread per data stream gathers pieces straight from
 //! registered memory with `writev`; the last stream of a batch sends its
-//! commit on the control connection.
+//! commit on the control connection. A batch of a room whose grant is open
+//! on the connection sends no commit: its pieces carry the grant's token, it
+//! is done once they were written, and the room's RoomEnd (after its last
+//! batch) is answered once the receiver landed every byte.
 
 use crate::error::{Error, Result, Status};
 use crate::memory::AccessGuard;
@@ -29,6 +32,8 @@ const WRITE_TIMEOUT: Duration = Duration::from_secs(30);
 struct BatchShared {
     remaining: AtomicUsize,
     commit: Commit,
+    /// A batch of a granted room: (room, epoch) and the grant's token.
+    room: Option<((u64, u64), u64)>,
     _guards: Arc<Vec<AccessGuard>>,
 }
 
@@ -60,7 +65,7 @@ impl TcpTransport {
                     let mut gather = Gather::default();
                     for job in rx {
                         if let Err(e) = send_job(&c, &s, &job, &mut gather) {
-                            c.table.fail_all(Error::new(
+                            let e = Error::new(
                                 Status::PeerUnreachable,
                                 format!(
                                     "data stream {i} to peer pid {} at {} failed: {}",
@@ -68,7 +73,9 @@ impl TcpTransport {
                                     c.addr,
                                     e.detail()
                                 ),
-                            ));
+                            );
+                            c.rooms.fail_all(e.clone());
+                            c.table.fail_all(e);
                             let _ = s.shutdown(Shutdown::Both);
                             return;
                         }
@@ -134,6 +141,17 @@ pub(crate) fn connect(mut d: Dialed<'_>) -> Result<Box<dyn Transport>> {
 fn finish_part(c: &Conn, b: &BatchShared) {
     if b.remaining.fetch_sub(1, Ordering::AcqRel) == 1 {
         let id = b.commit.batch;
+        if let Some((key, _)) = b.room {
+            // every piece is on the wire; the room's end confirms they landed
+            match c.table.failure(id) {
+                Some(e) => c.rooms.finished(key, Err(e)),
+                None => {
+                    c.table.set(id, Stage::Done);
+                    c.rooms.finished(key, Ok(b.commit.bytes));
+                }
+            }
+            return;
+        }
         c.table.set(id, Stage::Written);
         let _ = c.send(FrameType::Commit, &wire::encode_commit(&b.commit));
     }
@@ -155,7 +173,7 @@ fn send_job(c: &Conn, s: &TcpStream, job: &Job, g: &mut Gather) -> Result<()> {
         g.headers.extend(group.iter().map(|p| {
             DataHeader {
                 flags: job.flags,
-                batch: job.batch.commit.batch,
+                batch: job.batch.room.map_or(job.batch.commit.batch, |(_, t)| t),
                 region: p.region,
                 offset: p.offset,
                 len: p.len,
@@ -248,10 +266,16 @@ impl Transport for TcpTransport {
     }
 
     crate::transport::conn::conn_backed_transport!();
+    crate::transport::conn::conn_room_grants!();
 
     fn submit(&self, ops: &[WriteOp], opts: &BatchOptions) -> Result<BatchId> {
         // device destinations are landed by the receiver's device writer
         let (pieces, guards, bytes) = self.conn.validate(ops, Reach::AnyDestination)?;
+        let room = self
+            .conn
+            .rooms
+            .admit(&pieces, opts)?
+            .map(|token| ((opts.room, opts.epoch), token));
         let parts = assign(pieces, self.streams.len());
         // The checksum is over the pieces as sent (the receiver sums the same pieces).
         let checksum = opts.checksum.then(|| {
@@ -261,10 +285,19 @@ impl Transport for TcpTransport {
                 .fold(0u64, u64::wrapping_add)
         });
         let template = Completion::pending(bytes, checksum, opts);
-        let id = self
+        let id = match self
             .conn
             .table
-            .insert(opts.timeout, template, guards.clone())?;
+            .insert(opts.timeout, template, guards.clone())
+        {
+            Ok(id) => id,
+            Err(e) => {
+                if let Some((key, _)) = room {
+                    self.conn.rooms.finished(key, Err(e.clone()));
+                }
+                return Err(e);
+            }
+        };
         self.conn.table.set(id, Stage::Granted);
         let used: Vec<usize> = (0..parts.len()).filter(|&k| !parts[k].is_empty()).collect();
         let shared = Arc::new(BatchShared {
@@ -276,6 +309,7 @@ impl Transport for TcpTransport {
                 room: opts.room,
                 epoch: opts.epoch,
             },
+            room,
             _guards: guards,
         });
         if used.is_empty() {
@@ -284,6 +318,8 @@ impl Transport for TcpTransport {
         }
         let flags = if checksum.is_some() {
             wire::DATA_FLAG_CHECKSUM
+        } else if room.is_some() {
+            wire::DATA_FLAG_ROOM
         } else {
             0
         };
@@ -297,12 +333,13 @@ impl Transport for TcpTransport {
                 batch: shared.clone(),
             };
             if self.streams[k].send(job).is_err() {
-                self.conn.table.fail(
-                    id,
-                    self.conn.table.dead().unwrap_or_else(|| {
-                        Error::new(Status::PeerUnreachable, format!("data stream {k} is gone"))
-                    }),
-                );
+                let e = self.conn.table.dead().unwrap_or_else(|| {
+                    Error::new(Status::PeerUnreachable, format!("data stream {k} is gone"))
+                });
+                if let Some((key, _)) = room {
+                    self.conn.rooms.finished(key, Err(e.clone()));
+                }
+                self.conn.table.fail(id, e);
                 break;
             }
         }

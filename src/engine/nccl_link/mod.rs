@@ -1,0 +1,419 @@
+//! Transport nccl (`EngineConfig::transport = Nccl`): KV pools in CUDA device
+//! memory on both sides, moved by NCCL point-to-point over one two-rank
+//! communicator per (prefill rank, decode rank) link.
+//!
+//! The communicator is made through the engine's control channel: the
+//! prefill sends `nccl_open` (a generation and a fresh unique id) and both
+//! ends join it non-blocking, against a deadline, the peer's liveness and an
+//! abort flag ([`NcclPair::connect`](crate::transport::nccl::NcclPair)). It
+//! is cached per peer instance and epoch (one per link) and, after any
+//! failure, dropped (aborted): the next chunk to that peer opens a new
+//! generation with a new unique id.
+//!
+//! Per chunk and decode rank the prefill gathers the pair's rows on its own
+//! stream into a device staging buffer and sends `nccl_chunk` (the chunk's
+//! pages, the decode's pages and the plan's digest). The decode's NCCL thread
+//! for that prefill link builds the same plan from the message and its own
+//! geometry; a different digest is `nccl_plan_mismatch` on both sides
+//! before anything is posted. Otherwise it answers `nccl_accepted`, posts
+//! the recvs on its own stream (Direct into the pool rows, or Staged into a
+//! staging buffer scattered by the relayout kernel after), and answers
+//! `nccl_ready` once the recvs' completion event (and the scatter) ran. The
+//! prefill posts its sends after `nccl_accepted`, waits for their event and
+//! then for `nccl_ready`: only then is the chunk done, so the room's
+//! completion (the prefill's final status) reaches the decode only after
+//! every byte is in its pools.
+//!
+//! Never a hang: every wait is bounded by the room's deadline and polls
+//! NCCL's async error, the link's liveness, the room (aborted or failed) and
+//! the engine (closing); any of them aborts the communicator (its kernels
+//! return, the stream is waited) and fails the room with a reason naming the
+//! peer. Other links have their own communicators and go on. A decode's
+//! aborted room is fenced only once its recvs stopped; closing an engine
+//! aborts the communicators in use and joins the decode's NCCL threads, so
+//! nothing NCCL writes outlives it.
+//!
+//! The aux and state rows of an nccl engine move over the automatic data
+//! connection (host memory), as for any other transport.
+//!
+//! - this file: the checks at creation, the engine's NCCL state
+//!   ([`NcclLinks`]: the decode's answers, the decode's active rooms, close);
+//! - `send`: the prefill side (a link's sending end, a chunk's pairs);
+//! - `recv`: the decode side (the NCCL thread of a prefill link).
+
+#![cfg_attr(not(feature = "nccl"), allow(dead_code))]
+
+use super::config::EngineConfig;
+use super::control::CtlMsg;
+use super::handle::{lock, Inner};
+use crate::bootstrap::schema::InstanceId;
+use crate::error::{Error, Result, Status};
+use crate::transport::TransportKind;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+/// Checks an nccl engine before anything is opened: device pools, and an
+/// NCCL that loads (`no_nccl` listing the paths tried, otherwise).
+pub(super) fn preflight(cfg: &EngineConfig) -> Result<()> {
+    if cfg.transport != TransportKind::Nccl {
+        return Ok(());
+    }
+    if cfg.pool_device.is_none() {
+        return Err(Error::new(
+            Status::Unsupported,
+            "transport nccl moves KV pools in CUDA device memory: set pool_device on both sides (host pools: use cma, tcp or rdma)",
+        ));
+    }
+    let (version, path) = crate::transport::nccl::probe()?;
+    log::info!("engine: transport nccl, NCCL {version} from {path}");
+    Ok(())
+}
+
+/// A peer link's key: the peer's instance and epoch.
+pub(super) type LinkKey = (InstanceId, u64);
+
+/// Which answer of the decode a prefill waits for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+struct AnswerKey {
+    link: LinkKey,
+    room: u64,
+    attempt: u64,
+    generation: u64,
+    start: u64,
+    /// false: `nccl_accepted`; true: `nccl_ready`.
+    landed: bool,
+}
+
+/// One answer of the decode.
+#[derive(Debug, Clone)]
+struct Answer {
+    ok: bool,
+    reason: Option<String>,
+    code: Option<i32>,
+}
+
+/// Answers kept at most (late ones for chunks nobody waits for any more).
+const MAX_ANSWERS: usize = 4096;
+
+/// The engine's NCCL state (empty unless the transport is nccl).
+#[derive(Default)]
+pub(super) struct NcclLinks {
+    /// Prefill: the decode's answers, by chunk.
+    answers: Mutex<HashMap<AnswerKey, Answer>>,
+    answered: Condvar,
+    /// Decode: rooms whose recvs are being posted or run, with a count.
+    active: Mutex<HashMap<u64, usize>>,
+    /// Set by `close`: every wait aborts.
+    closing: AtomicBool,
+    /// Prefill: the sending end of each decode link.
+    #[cfg(feature = "nccl")]
+    senders: Mutex<HashMap<LinkKey, std::sync::Arc<Mutex<send::Sender>>>>,
+    /// Decode: the NCCL thread of each prefill link.
+    #[cfg(feature = "nccl")]
+    receivers: Mutex<HashMap<LinkKey, recv::ReceiverThread>>,
+}
+
+impl NcclLinks {
+    /// Prefill: records an `nccl_accepted` or `nccl_ready` from decode `link`.
+    pub(super) fn answer(&self, link: LinkKey, m: CtlMsg) {
+        let (key, a) = match m {
+            CtlMsg::NcclAccepted {
+                room,
+                attempt,
+                generation,
+                start,
+                ok,
+                reason,
+                code,
+            } => (
+                AnswerKey {
+                    link,
+                    room,
+                    attempt,
+                    generation,
+                    start,
+                    landed: false,
+                },
+                Answer { ok, reason, code },
+            ),
+            CtlMsg::NcclReady {
+                room,
+                attempt,
+                generation,
+                start,
+                ok,
+                reason,
+                code,
+            } => (
+                AnswerKey {
+                    link,
+                    room,
+                    attempt,
+                    generation,
+                    start,
+                    landed: true,
+                },
+                Answer { ok, reason, code },
+            ),
+            _ => return,
+        };
+        let mut m = lock(&self.answers);
+        if m.len() >= MAX_ANSWERS {
+            m.retain(|k, _| k.room == key.room);
+        }
+        m.insert(key, a);
+        drop(m);
+        self.answered.notify_all();
+    }
+
+    /// Prefill: waits for one answer until `deadline`, while `live` holds
+    /// (checked every few milliseconds; its error ends the wait).
+    fn wait_answer(
+        &self,
+        key: AnswerKey,
+        deadline: Instant,
+        live: &mut dyn FnMut() -> Result<()>,
+    ) -> Result<Answer> {
+        let mut m = lock(&self.answers);
+        loop {
+            if let Some(a) = m.remove(&key) {
+                return Ok(a);
+            }
+            drop(m);
+            live()?;
+            let now = Instant::now();
+            if now >= deadline {
+                return Err(Error::new(
+                    Status::Timeout,
+                    format!(
+                        "no {} from the decode for room {} chunk at {} by the room's deadline",
+                        if key.landed {
+                            "nccl_ready"
+                        } else {
+                            "nccl_accepted"
+                        },
+                        key.room,
+                        key.start
+                    ),
+                ));
+            }
+            m = lock(&self.answers);
+            if m.contains_key(&key) {
+                continue;
+            }
+            let nap = (deadline - now).min(Duration::from_millis(5));
+            m = self
+                .answered
+                .wait_timeout(m, nap)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+    }
+
+    /// Prefill: takes one answer if it arrived.
+    fn take_answer(&self, key: &AnswerKey) -> Option<Answer> {
+        lock(&self.answers).remove(key)
+    }
+
+    /// Forgets every answer of a room's attempt (its chunk ended).
+    fn forget(&self, link: LinkKey, room: u64, attempt: u64) {
+        lock(&self.answers)
+            .retain(|k, _| !(k.link == link && k.room == room && k.attempt == attempt));
+    }
+
+    /// Decode: true while no recv of `room` is being posted or runs.
+    pub(super) fn idle(&self, room: u64) -> bool {
+        !lock(&self.active).contains_key(&room)
+    }
+
+    fn enter(&self, room: u64) {
+        *lock(&self.active).entry(room).or_default() += 1;
+    }
+
+    fn leave(&self, room: u64) {
+        let mut a = lock(&self.active);
+        if let Some(n) = a.get_mut(&room) {
+            *n -= 1;
+            if *n == 0 {
+                a.remove(&room);
+            }
+        }
+    }
+
+    /// True once the engine is closing.
+    fn is_closing(&self) -> bool {
+        self.closing.load(Ordering::Acquire)
+    }
+
+    /// Closing the engine: every NCCL wait aborts its communicator, and the
+    /// decode's NCCL threads are joined (their recvs stopped and their
+    /// streams waited), so no NCCL write into the pools outlives the engine.
+    pub(super) fn close(&self) {
+        self.closing.store(true, Ordering::Release);
+        self.answered.notify_all();
+        #[cfg(feature = "nccl")]
+        {
+            let threads: Vec<recv::ReceiverThread> =
+                lock(&self.receivers).drain().map(|(_, t)| t).collect();
+            for t in threads {
+                t.join();
+            }
+            // a prefill worker moving a chunk holds its link's sender until
+            // its waits abort (they watch `closing`); then the communicator
+            // goes and the link's stream is waited, so no gather or send
+            // still reads the pools or the staging once close returns
+            let senders: Vec<_> = lock(&self.senders).drain().map(|(_, s)| s).collect();
+            for slot in senders {
+                let mut s = lock(&slot);
+                s.pair = None;
+                if let Ok(ev) = s.gpu.record(false) {
+                    let _ = ev.wait();
+                }
+            }
+        }
+    }
+}
+
+/// The room's deadline, or the engine's default from now.
+fn room_deadline(inner: &Inner, room: u64) -> Instant {
+    lock(&inner.rooms)
+        .get(room)
+        .ok()
+        .and_then(|r| r.deadline)
+        .unwrap_or_else(|| Instant::now() + inner.cfg.room_timeout)
+}
+
+/// Whether the room's `attempt` still takes bytes (not failed, aborted or
+/// ended) and the engine is open.
+fn room_live(inner: &Inner, room: u64, attempt: u64) -> Result<()> {
+    if inner.closed.load(Ordering::Acquire) || inner.nccl.is_closing() {
+        return Err(Error::new(Status::EngineClosed, "engine is closing"));
+    }
+    let rooms = lock(&inner.rooms);
+    match rooms.get(room) {
+        Ok(r) if r.attempt == attempt && !r.aborted && r.poll != super::room::KvPoll::Failed => {
+            Ok(())
+        }
+        Ok(r) if r.aborted => Err(Error::new(
+            Status::Aborted,
+            format!("room {room} was aborted"),
+        )),
+        Ok(r) => Err(Error::new(
+            Status::RoomFailed,
+            format!(
+                "room {room} ended: {}",
+                r.failure.as_ref().map_or("superseded", |e| e.detail())
+            ),
+        )),
+        Err(e) => Err(e),
+    }
+}
+
+/// The plan options of this engine (the defaults; test builds may set others).
+#[cfg(feature = "nccl")]
+fn plan_options(cfg: &EngineConfig) -> crate::transport::nccl::NcclPlanOptions {
+    #[cfg(any(test, feature = "testing"))]
+    if let Some(o) = cfg.testing.nccl_plan {
+        return o;
+    }
+    let _ = cfg;
+    Default::default()
+}
+
+#[cfg(feature = "nccl")]
+mod recv;
+#[cfg(feature = "nccl")]
+mod send;
+#[cfg(feature = "nccl")]
+pub(super) use recv::on_prefill_message;
+#[cfg(feature = "nccl")]
+pub(super) use send::{finish_all, start_pair};
+
+/// Without the `nccl` feature an nccl engine is refused at creation.
+#[cfg(not(feature = "nccl"))]
+pub(super) enum NcclSend {}
+
+/// Without the `nccl` feature there is no pair to finish.
+#[cfg(not(feature = "nccl"))]
+pub(super) fn finish_all(pairs: Vec<NcclSend>) -> Result<()> {
+    match pairs.into_iter().next() {
+        None => Ok(()),
+        Some(p) => match p {},
+    }
+}
+
+/// Without the `nccl` feature an nccl engine is refused at creation.
+#[cfg(not(feature = "nccl"))]
+pub(super) fn start_pair(
+    _inner: &Inner,
+    _job: &super::worker::Job,
+    _req: &crate::layout::PairRequest<'_>,
+    _row_bytes: &[u64],
+    _link: &std::sync::Arc<super::prefill::DecodeLink>,
+) -> Result<Option<NcclSend>> {
+    Err(Error::new(
+        Status::Unsupported,
+        "built without the `nccl` feature",
+    ))
+}
+
+/// Without the `nccl` feature no message is acted on.
+#[cfg(not(feature = "nccl"))]
+pub(super) fn on_prefill_message(
+    _inner: &std::sync::Arc<Inner>,
+    _link: &std::sync::Arc<super::decode::PrefillLink>,
+    _m: CtlMsg,
+) {
+}
+
+/// A device buffer of at least `need` bytes in `slot` (grown, never shrunk).
+#[cfg(feature = "nccl")]
+fn staging<'a>(
+    gpu: &crate::relayout::gpu::GpuRelayout,
+    slot: &'a mut Option<crate::relayout::gpu::DeviceBuffer>,
+    need: usize,
+) -> Result<&'a crate::relayout::gpu::DeviceBuffer> {
+    if slot.as_ref().is_none_or(|b| b.len() < need) {
+        if slot.is_some() {
+            // work enqueued on this stream (a gather whose chunk was
+            // refused) may still use the old buffer: wait before freeing
+            gpu.record(false)?.wait()?;
+        }
+        *slot = None;
+        *slot = Some(gpu.alloc(need.max(1))?);
+    }
+    Ok(slot.as_ref().expect("allocated above"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::bootstrap::schema::Role;
+    use crate::engine::synthetic::SyntheticPools;
+
+    /// Transport nccl moves device pools only: host pools are refused
+    /// before anything opens, saying what to use instead; other transports
+    /// pass this check untouched.
+    #[test]
+    fn nccl_engines_need_device_pools() {
+        let pools = SyntheticPools::new(2, 64, 16, 4, 1, 8).unwrap();
+        let mut cfg = EngineConfig::new(
+            Role::Decode,
+            "c",
+            "http://127.0.0.1:1",
+            pools.topology(1, 0),
+            pools.kv_pools(),
+        );
+        cfg.transport = TransportKind::Nccl;
+        let e = preflight(&cfg).unwrap_err();
+        assert_eq!(e.status(), Status::Unsupported, "{e}");
+        assert!(e.detail().contains("pool_device"), "{e}");
+        cfg.transport = TransportKind::Tcp;
+        preflight(&cfg).unwrap();
+        assert_eq!(cfg.data_transport(), TransportKind::Tcp);
+        cfg.transport = TransportKind::Nccl;
+        assert_eq!(cfg.data_transport(), TransportKind::Auto);
+    }
+}

@@ -1,0 +1,446 @@
+//! The decode side of transport nccl: one NCCL thread per prefill link that
+//! joins the link's communicators and checks, posts and completes each
+//! chunk's recvs.
+
+use super::*;
+use crate::engine::decode::PrefillLink;
+use crate::layout::{PairRequest, Side};
+use crate::relayout::{
+    self,
+    gpu::{DeviceBuffer, GpuRelayout},
+};
+use crate::transport::nccl::{
+    check_mirror, NcclAbort, NcclBuffer, NcclId, NcclPair, NcclPlan, NcclRole,
+};
+use std::sync::atomic::AtomicU64;
+use std::sync::mpsc;
+use std::sync::{Arc, Weak};
+
+/// Decode: the NCCL thread of one prefill link.
+pub(in crate::engine) struct ReceiverThread {
+    tx: mpsc::Sender<CtlMsg>,
+    /// The newest generation the prefill opened (ahead of the thread
+    /// while an `nccl_open` waits in the queue).
+    opened: Arc<AtomicU64>,
+    handle: std::thread::JoinHandle<()>,
+}
+
+impl ReceiverThread {
+    /// Stops taking messages and waits for the thread (skipped when it
+    /// is the caller: an engine dropped from its own NCCL thread).
+    pub(super) fn join(self) {
+        drop(self.tx);
+        if self.handle.thread().id() != std::thread::current().id() {
+            let _ = self.handle.join();
+        }
+    }
+}
+
+/// Decode: hands an `nccl_open` or `nccl_chunk` from prefill `link` to
+/// that link's NCCL thread (started on the first one).
+pub(in crate::engine) fn on_prefill_message(
+    inner: &Arc<Inner>,
+    link: &Arc<PrefillLink>,
+    m: CtlMsg,
+) {
+    if inner.nccl.is_closing() {
+        return;
+    }
+    let key: LinkKey = (link.registration.instance_id, link.registration.epoch);
+    let newer = match &m {
+        CtlMsg::NcclOpen { generation, .. } => *generation,
+        _ => 0,
+    };
+    let mut r = lock(&inner.nccl.receivers);
+    r.retain(|_, t| !t.handle.is_finished());
+    let m = match r.get(&key) {
+        Some(t) => {
+            // a recv of an older communicator still waiting is aborted:
+            // the prefill gave up on it
+            t.opened.fetch_max(newer, Ordering::AcqRel);
+            match t.tx.send(m) {
+                Ok(()) => return,
+                Err(mpsc::SendError(m)) => m,
+            }
+        }
+        None => m,
+    };
+    let (tx, rx) = mpsc::channel();
+    let _ = tx.send(m);
+    let opened = Arc::new(AtomicU64::new(newer));
+    let (w, l, o) = (Arc::downgrade(inner), link.clone(), opened.clone());
+    match std::thread::Builder::new()
+        .name("pdxfer-nccl-d".into())
+        .spawn(move || receiver_loop(w, l, rx, o))
+    {
+        Ok(handle) => {
+            r.insert(key, ReceiverThread { tx, opened, handle });
+        }
+        Err(e) => log::warn!(
+            "engine: cannot start the NCCL thread for prefill {}: {e}",
+            link.registration.describe()
+        ),
+    }
+}
+
+/// The decode end of one prefill link (drop order: the pair first).
+struct Receiver {
+    pair: Option<NcclPair>,
+    generation: u64,
+    /// Why the last `nccl_open` failed (named in the chunks' refusals).
+    open_error: Option<Error>,
+    staging: Option<DeviceBuffer>,
+    gpu: Result<GpuRelayout>,
+    /// See [`ReceiverThread::opened`].
+    opened: Arc<AtomicU64>,
+}
+
+fn receiver_loop(
+    w: Weak<Inner>,
+    link: Arc<PrefillLink>,
+    rx: mpsc::Receiver<CtlMsg>,
+    opened: Arc<AtomicU64>,
+) {
+    let ordinal = w.upgrade().and_then(|i| i.cfg.pool_device).unwrap_or(0);
+    let mut st = Receiver {
+        pair: None,
+        generation: 0,
+        open_error: None,
+        staging: None,
+        gpu: GpuRelayout::new(ordinal as usize),
+        opened,
+    };
+    let peer = format!("prefill {}", link.registration.describe());
+    loop {
+        let m = match rx.recv_timeout(Duration::from_millis(200)) {
+            Ok(m) => m,
+            Err(mpsc::RecvTimeoutError::Timeout) => {
+                let gone = w
+                    .upgrade()
+                    .is_none_or(|i| i.nccl.is_closing() || i.closed.load(Ordering::Acquire));
+                if gone || !link.alive.load(Ordering::Acquire) {
+                    return;
+                }
+                continue;
+            }
+            Err(mpsc::RecvTimeoutError::Disconnected) => return,
+        };
+        let Some(inner) = w.upgrade() else { return };
+        match m {
+            CtlMsg::NcclOpen { generation, id } => {
+                open(&inner, &link, &mut st, &peer, generation, &id, ordinal)
+            }
+            CtlMsg::NcclChunk {
+                room,
+                attempt,
+                generation,
+                start,
+                num_tokens,
+                src_pages,
+                dst_pages,
+                decode_prefix_len,
+                digest,
+            } => {
+                let c = Chunk {
+                    room,
+                    attempt,
+                    generation,
+                    start,
+                    num_tokens,
+                    src_pages: &src_pages,
+                    dst_pages: &dst_pages,
+                    prefix: decode_prefix_len,
+                    digest,
+                };
+                receive(&inner, &link, &mut st, &peer, &c);
+            }
+            _ => {}
+        }
+    }
+}
+
+/// Joins communicator `generation` (the previous one is dropped first).
+fn open(
+    inner: &Inner,
+    link: &PrefillLink,
+    st: &mut Receiver,
+    peer: &str,
+    generation: u64,
+    id: &str,
+    ordinal: u32,
+) {
+    st.pair = None;
+    st.generation = generation;
+    st.open_error = None;
+    let r = (|| {
+        let id = NcclId::from_hex(id)?;
+        let gpu = st.gpu.as_ref().map_err(Clone::clone)?;
+        let abort = NcclAbort::new();
+        let a2 = abort.clone();
+        let mut alive = || {
+            if inner.nccl.is_closing() || inner.closed.load(Ordering::Acquire) {
+                a2.abort();
+            }
+            link.alive.load(Ordering::Acquire)
+        };
+        NcclPair::connect(
+            &id,
+            NcclRole::Receiver,
+            ordinal as usize,
+            gpu.stream_handle(),
+            peer,
+            Instant::now() + inner.cfg.handshake_timeout,
+            &mut alive,
+            abort,
+        )
+    })();
+    match r {
+        Ok(p) => st.pair = Some(p),
+        Err(e) => {
+            log::warn!("engine: NCCL communicator {generation} with {peer} failed: {e}");
+            st.open_error = Some(e);
+        }
+    }
+}
+
+/// One `nccl_chunk` as the decode read it.
+struct Chunk<'a> {
+    room: u64,
+    attempt: u64,
+    generation: u64,
+    start: u64,
+    num_tokens: u64,
+    src_pages: &'a [u64],
+    dst_pages: &'a [u64],
+    prefix: u64,
+    digest: u64,
+}
+
+/// Checks, posts and completes one chunk's recvs, answering the prefill
+/// at each step; a failure also fails the local room, naming the prefill.
+fn receive(inner: &Inner, link: &PrefillLink, st: &mut Receiver, peer: &str, c: &Chunk<'_>) {
+    let send = |landed: bool, r: &Result<()>| {
+        let (ok, reason, code) = match r {
+            Ok(()) => (true, None, None),
+            Err(e) => (false, Some(e.detail().to_string()), Some(e.status() as i32)),
+        };
+        let (room, attempt, generation, start) = (c.room, c.attempt, c.generation, c.start);
+        let m = if landed {
+            CtlMsg::NcclReady {
+                room,
+                attempt,
+                generation,
+                start,
+                ok,
+                reason,
+                code,
+            }
+        } else {
+            CtlMsg::NcclAccepted {
+                room,
+                attempt,
+                generation,
+                start,
+                ok,
+                reason,
+                code,
+            }
+        };
+        let _ = link.writer.send(&m);
+    };
+    let fail = |e: &Error, st: &mut Receiver, posted: bool| {
+        if posted {
+            st.pair = None; // aborts a communicator with work in flight
+        }
+        let local = Error::new(
+            e.status(),
+            format!("nccl chunk at {} from {peer}: {}", c.start, e.detail()),
+        );
+        let attempt = lock(&inner.decode_rooms)
+            .get(&c.room)
+            .map(|r| r.attempt)
+            .filter(|&a| a == c.attempt);
+        if let Some(a) = attempt {
+            inner.fail_room(c.room, a, local);
+        }
+    };
+    inner.nccl.enter(c.room);
+    let r = accept(inner, link, st, peer, c);
+    let (plan, req_parts) = match r {
+        Ok(v) => v,
+        Err(e) => {
+            send(false, &Err(e.clone()));
+            fail(&e, st, false);
+            inner.nccl.leave(c.room);
+            inner.cv.notify_all();
+            return;
+        }
+    };
+    send(false, &Ok(()));
+    #[cfg(any(test, feature = "testing"))]
+    if inner.cfg.testing.nccl_never_post_rooms.contains(&c.room) {
+        log::warn!("engine: test knob: room {} is never posted", c.room);
+        inner.nccl.leave(c.room);
+        return;
+    }
+    let r = post_and_wait(inner, link, st, c, &plan, &req_parts);
+    send(true, &r);
+    if let Err(e) = &r {
+        fail(e, st, true);
+    }
+    inner.nccl.leave(c.room);
+    inner.cv.notify_all();
+}
+
+/// The decode side's pair request of a chunk (owned page lists).
+struct ReqParts {
+    src_layout: crate::layout::DcpLayout,
+    src_rank: u64,
+    dst_layout: crate::layout::DcpLayout,
+    dst_rank: u64,
+}
+
+impl ReqParts {
+    fn request<'a>(&self, c: &'a Chunk<'a>) -> PairRequest<'a> {
+        PairRequest {
+            src: Side {
+                layout: self.src_layout,
+                rank: self.src_rank,
+                pages: c.src_pages,
+                origin: c.start,
+            },
+            dst: Side {
+                layout: self.dst_layout,
+                rank: self.dst_rank,
+                pages: c.dst_pages,
+                origin: c.prefix,
+            },
+            start: c.start,
+            num_tokens: c.num_tokens,
+        }
+    }
+}
+
+/// Everything checked before anything is posted: the room, the
+/// communicator, the pages (inside this engine's pools), the plan and
+/// its digest, and every op's range.
+fn accept(
+    inner: &Inner,
+    link: &PrefillLink,
+    st: &mut Receiver,
+    peer: &str,
+    c: &Chunk<'_>,
+) -> Result<(NcclPlan, ReqParts)> {
+    room_live(inner, c.room, c.attempt)?;
+    let known = lock(&inner.decode_rooms)
+        .get(&c.room)
+        .is_some_and(|r| r.attempt == c.attempt);
+    if !known {
+        return Err(Error::new(
+            Status::UnknownRoom,
+            format!("room {} attempt {} is not open here", c.room, c.attempt),
+        ));
+    }
+    if st.generation != c.generation || st.pair.is_none() {
+        let why = st.open_error.as_ref().map_or_else(
+            || "it was dropped after a failure".to_string(),
+            |e| e.to_string(),
+        );
+        return Err(Error::new(
+            Status::Nccl,
+            format!(
+                "no NCCL communicator of generation {} with {peer} (this side has generation {}: {why})",
+                c.generation, st.generation
+            ),
+        ));
+    }
+    inner.cfg.check_pages(c.dst_pages, "dst_pages", "decode")?;
+    let topo = &inner.cfg.topology;
+    let src = &link.registration.topology;
+    let parts = ReqParts {
+        src_layout: src.dcp_layout()?,
+        src_rank: u64::from(src.dcp_rank),
+        dst_layout: topo.dcp_layout()?,
+        dst_rank: u64::from(topo.dcp_rank),
+    };
+    let req = parts.request(c);
+    req.validate()?;
+    let rows: Vec<u64> = topo.entries.iter().map(|e| e.row_bytes).collect();
+    let plan = NcclPlan::build(&req, &rows, NcclRole::Receiver, &plan_options(&inner.cfg))?;
+    check_mirror(&plan, c.digest)?;
+    for op in &plan.ops {
+        let end = op.offset.checked_add(op.len);
+        let cap = match op.buffer {
+            NcclBuffer::Staging => Some(plan.pack.total_bytes),
+            NcclBuffer::Entry(e) => inner.pool_regions.get(e as usize).map(|r| r.len),
+        };
+        if end.is_none() || cap.is_none() || end > cap {
+            return Err(Error::new(
+                Status::OutOfBounds,
+                format!(
+                    "NCCL recv of {} B at {} into {:?} lies outside this engine's memory",
+                    op.len, op.offset, op.buffer
+                ),
+            ));
+        }
+    }
+    Ok((plan, parts))
+}
+
+fn post_and_wait(
+    inner: &Inner,
+    link: &PrefillLink,
+    st: &mut Receiver,
+    c: &Chunk<'_>,
+    plan: &NcclPlan,
+    parts: &ReqParts,
+) -> Result<()> {
+    let deadline = room_deadline(inner, c.room);
+    let Receiver {
+        pair,
+        staging: slot,
+        gpu,
+        opened,
+        ..
+    } = st;
+    let gpu = gpu.as_mut().map_err(|e| e.clone())?;
+    let pair = pair.as_mut().expect("checked by accept");
+    let need = if plan.needs_scatter() {
+        usize::try_from(plan.pack.total_bytes)
+            .map_err(|_| Error::invalid("the pair's pack does not fit this machine"))?
+    } else {
+        1
+    };
+    let buf = staging(gpu, slot, need)?;
+    let bases: Vec<u64> = inner.pool_regions.iter().map(|r| r.addr).collect();
+    let abort = pair.abort_handle();
+    let mut watch = || {
+        if room_live(inner, c.room, c.attempt).is_err()
+            || opened.load(Ordering::Acquire) > c.generation
+        {
+            abort.abort();
+        }
+        link.alive.load(Ordering::Acquire)
+    };
+    // SAFETY: every op was checked to lie inside a pool (device memory of
+    // this device for the engine's life) or the staging buffer, which
+    // outlives the pair's work (waited here; close joins this thread).
+    unsafe { pair.post(plan, buf.ptr(), &bases, deadline, &mut watch) }?;
+    pair.wait(deadline, &mut watch)?;
+    if plan.needs_scatter() {
+        let req = parts.request(c);
+        let rows: Vec<u64> = inner
+            .cfg
+            .topology
+            .entries
+            .iter()
+            .map(|e| e.row_bytes)
+            .collect();
+        let ents = relayout::scatter_entries(&bases, &rows, buf.ptr(), &plan.pack)?;
+        let spans = relayout::scatter_spans(&req)?;
+        // SAFETY: as above; the scatter reads the staging buffer the recvs
+        // filled (complete: their event was waited) into the pools.
+        unsafe { gpu.scatter(&ents, &spans) }?.wait()?;
+    }
+    Ok(())
+}
