@@ -1,5 +1,5 @@
 //! The `pdxfer` command line: `info`, `plan`, `demo`, `target`, `bench`,
-//! `bootstrap`, `rank`, `rdma-bench`. It lives in the binary, not in the
+//! `bootstrap`, `rank`, `rdma-bench`, `bench-request`. It lives in the binary, not in the
 //! library, so `libpdxfer.so` does not link clap, plotters or indicatif.
 
 mod bench;
@@ -13,6 +13,7 @@ mod plan;
 mod rank;
 mod rdma_bench;
 mod rdma_gpu;
+mod request_bench;
 mod target;
 
 use clap::{Parser, Subcommand};
@@ -54,6 +55,11 @@ enum Cmd {
     Rank(rank::RankArgs),
     /// RDMA bandwidth through pdxfer's RDMA transport (one host, or --serve/--connect).
     RdmaBench(rdma_bench::RdmaBenchArgs),
+    /// One PD request through the engine (1 prefill -> N decode processes) against memcpy and iperf3.
+    BenchRequest(request_bench::RequestBenchArgs),
+    /// One engine process of `pdxfer bench-request` (driven by JSON lines on stdin).
+    #[command(hide = true)]
+    BenchRequestRank(request_bench::RequestRankArgs),
 }
 
 fn main() {
@@ -74,6 +80,8 @@ fn run() -> i32 {
         Cmd::Bootstrap(a) => bootstrap::run(&a),
         Cmd::Rank(a) => rank::run(&a),
         Cmd::RdmaBench(a) => rdma_bench::run(&a),
+        Cmd::BenchRequest(a) => request_bench::run(&a),
+        Cmd::BenchRequestRank(a) => request_bench::run_rank(&a),
     };
     match r {
         Ok(()) => 0,
