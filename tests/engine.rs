@@ -897,3 +897,57 @@ fn a_granted_room_is_one_completion_per_decode_rank_on_cma_tcp_and_rdma() {
         assert_eq!(grants_held(&c), [0, 0], "{name}");
     }
 }
+
+/// Pages of decode pool `l` resident in memory.
+fn resident(pools: &SyntheticPools, l: usize) -> (usize, usize) {
+    let b = pools.layer_bytes(l);
+    // SAFETY: the layer's bytes are live memory of `pools` for this call.
+    let n =
+        unsafe { pdxfer::memory::prefault::resident_pages(b.as_ptr(), b.len()) }.expect("mincore");
+    let (start, end) = (
+        b.as_ptr() as usize / 4096,
+        (b.as_ptr() as usize + b.len()).div_ceil(4096),
+    );
+    (n, end - start)
+}
+
+#[test]
+fn a_decode_faults_its_host_pools_in_at_creation_unless_told_not_to() {
+    let server = BootstrapServer::start(ServerConfig::default()).unwrap();
+    let url = server.url();
+    for prefault in [true, false] {
+        // 1 MiB per layer: fresh pages from the allocator, none touched yet
+        let pools = SyntheticPools::new(LAYERS, ROW, P, 1024, 8, 32).unwrap();
+        let before = resident(&pools, 1);
+        assert!(
+            before.0 * 2 < before.1,
+            "fresh pool pages are not resident yet: {before:?}"
+        );
+        let name = format!("prefault-{prefault}");
+        let mut cfg = EngineConfig::new(
+            Role::Decode,
+            &name,
+            &url,
+            pools.topology(1, 0),
+            pools.kv_pools(),
+        );
+        cfg.aux = pools.aux_buffers();
+        cfg.prefault = prefault;
+        // SAFETY: the pools outlive the engine (dropped first, below).
+        let engine = unsafe { Engine::new(cfg) }.unwrap();
+        for l in 0..LAYERS as usize {
+            let (n, total) = resident(&pools, l);
+            if prefault {
+                assert_eq!(n, total, "layer {l}: every page faulted in at creation");
+            } else {
+                assert!(
+                    n * 2 < total,
+                    "layer {l}: prefault off leaves the pages alone ({n} of {total})"
+                );
+            }
+        }
+        // not a byte changed
+        assert!((0..LAYERS as usize).all(|l| pools.layer_bytes(l).iter().all(|&b| b == 0)));
+        drop(engine);
+    }
+}

@@ -79,6 +79,11 @@ pub struct EngineConfig {
     /// rows straight into its pool rows: one copy, no staging. `false` keeps
     /// the staged path everywhere.
     pub one_copy: bool,
+    /// Decode: fault the host KV pools, aux and state buffers in when the
+    /// engine is created (`MADV_POPULATE_WRITE`: every page mapped writable,
+    /// no byte changed), so the first request's bytes take no page faults.
+    /// It commits the memory now; `false` leaves the pages to first touch.
+    pub prefault: bool,
     /// Prefill: transfer worker threads.
     pub workers: usize,
     /// Default room deadline.
@@ -144,6 +149,7 @@ impl EngineConfig {
             host: "127.0.0.1".to_string(),
             staging_bytes: 64 << 20,
             one_copy: true,
+            prefault: true,
             workers: 2,
             room_timeout: Duration::from_secs(60),
             batch_timeout: Duration::from_secs(30),

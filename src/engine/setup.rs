@@ -257,6 +257,14 @@ unsafe fn register_regions(cfg: &EngineConfig, agent: &Agent, workers: usize) ->
         // SAFETY: as above, the caller guarantees the state memory (function contract).
         state_regions.push(unsafe { reg.register_host(a.base as *mut u8, len as usize)? });
     }
+    if cfg.role == Role::Decode && cfg.prefault {
+        let host = cfg.pool_device.is_none().then_some(&pool_spans[..]);
+        let rows: Vec<(u64, u64)> = (cfg.aux.iter().chain(&cfg.state))
+            .map(|a| (a.base, a.item_bytes * a.count))
+            .collect();
+        // SAFETY: every span is pool, aux or state memory the caller guarantees valid (function contract).
+        unsafe { prefault(host.into_iter().flatten().chain(&rows)) };
+    }
     let mut staging = Vec::new();
     for _ in 0..workers {
         if cfg.staging_bytes == 0 || cfg.pool_device.is_some() {
@@ -290,6 +298,30 @@ unsafe fn register_regions(cfg: &EngineConfig, agent: &Agent, workers: usize) ->
         staging,
         stages,
     })
+}
+
+/// Faults the decode's host memory in before any request (see
+/// [`EngineConfig::prefault`]); a kernel that refuses is logged, not an error.
+///
+/// # Safety
+/// Every `(base, len)` span is mapped memory of this process.
+unsafe fn prefault<'a>(spans: impl Iterator<Item = &'a (u64, u64)>) {
+    let t0 = std::time::Instant::now();
+    let mut bytes = 0u64;
+    for &(base, len) in spans {
+        // SAFETY: the caller guarantees the span is mapped (function contract).
+        match unsafe { crate::memory::prefault::populate_write(base as *mut u8, len as usize) } {
+            Ok(()) => bytes += len,
+            Err(e) => {
+                log::warn!("engine: could not fault in {len} B at 0x{base:x} ahead of the first request ({e}); its pages fault on first touch");
+                return;
+            }
+        }
+    }
+    log::info!(
+        "engine: faulted in {bytes} B of host KV, aux and state memory in {:?}",
+        t0.elapsed()
+    );
 }
 
 /// Binds the prefill's control listener (accepted from once the rank is

@@ -11,6 +11,7 @@
 //! memory registration, so its rkey stops working) before it returns.
 
 mod device_writer;
+pub mod prefault;
 mod region;
 mod registry;
 pub mod shared;
