@@ -29,6 +29,10 @@
 // every write takes the staged path.
 #define PDXFER_ENGINE_NO_ONE_COPY 2
 
+// `PdxEngineConfig.flags`: a decode does not fault its host KV pools, aux
+// and state buffers in at creation (they fault on first touch instead).
+#define PDXFER_ENGINE_NO_PREFAULT 4
+
 // `PdxEngineConfig.pool_memory`: the KV pools are host memory (the default,
 // and what structs older than ABI 1.2 mean).
 #define PDXFER_POOL_HOST 0
@@ -114,7 +118,8 @@
 // 1.4: `PdxAgentOptions.secret` (peer authentication), `pdxfer_engine_send_ex` /
 // `PdxSendOptions` (event-ordered and layer-wise sends).
 // 1.5: `pdxfer_alloc_shared_pool` / `pdxfer_free_shared_pool` (shared KV
-// pools, one copy on the same host), `PDXFER_ENGINE_NO_ONE_COPY`.
+// pools, one copy on the same host), `PDXFER_ENGINE_NO_ONE_COPY`,
+// `PDXFER_ENGINE_NO_PREFAULT`.
 #define PDXFER_ABI_VERSION_MINOR 5
 
 // Every prefill CP rank transfers its shard.

@@ -46,6 +46,7 @@ ROLE_PREFILL = 1
 ROLE_DECODE = 2
 NO_STAGING = 1
 NO_ONE_COPY = 2
+NO_PREFAULT = 4
 POOL_HOST = 0
 POOL_CUDA = 1
 
@@ -324,6 +325,9 @@ class Engine:
     ``one_copy`` (prefill): copy rows straight into same-host decode ranks'
     KV pools where they are shared pools (:func:`pdxfer.alloc_shared_pool`),
     no staging; ``False`` keeps every write on the staged path.
+    ``prefault`` (decode): fault the host KV pools, aux and state buffers in at
+    creation (no byte changed), so the first request takes no page faults;
+    ``False`` leaves them to first touch.
     ``token``: the cluster secret (at least 16 bytes), which guards bootstrap
     writes and authenticates every peer connection; ``None`` reads
     ``PDXFER_CLUSTER_SECRET``, and without either only loopback listeners are
@@ -347,6 +351,7 @@ class Engine:
         staging_bytes: int = 0,
         no_staging: bool = False,
         one_copy: bool = True,
+        prefault: bool = True,
         workers: int = 0,
         dp_size: int = 1,
         dp_rank: int = 0,
@@ -385,7 +390,8 @@ class Engine:
         b = lambda s: None if s is None else s.encode()  # noqa: E731
         cfg = CEngineConfig(
             ctypes.sizeof(CEngineConfig), roles[role], dp_size, dp_rank, workers,
-            (NO_STAGING if no_staging else 0) | (0 if one_copy else NO_ONE_COPY), 0, b(cluster), b(bootstrap), b(token),
+            (NO_STAGING if no_staging else 0) | (0 if one_copy else NO_ONE_COPY)
+            | (0 if prefault else NO_PREFAULT), 0, b(cluster), b(bootstrap), b(token),
             ctypes.pointer(topo), ctypes.cast(cpools, ctypes.POINTER(CKvPool)), len(pools),
             ctypes.cast(caux, ctypes.POINTER(CAuxBuffer)), len(aux), b(transport), b(host),
             staging_bytes, _ms(room_timeout), _ms(batch_timeout), _ms(lease_ttl),

@@ -27,6 +27,19 @@ def test_kvpoll_values_are_sglangs():
     assert pdxfer.KVPoll.WaitingForInput.name == "WaitingForInput"
 
 
+def test_engine_flags_match_the_header():
+    """The engine's flag constants are the header's PDXFER_ENGINE_* numbers."""
+    from pathlib import Path
+
+    header = Path(__file__).resolve().parents[2] / "include" / "pdxfer.h"
+    defined = {}
+    for line in header.read_text().splitlines():
+        parts = line.split()
+        if len(parts) == 3 and parts[0] == "#define" and parts[1].startswith("PDXFER_ENGINE_"):
+            defined[parts[1][len("PDXFER_ENGINE_"):]] = int(parts[2])
+    assert defined == {"NO_STAGING": E.NO_STAGING, "NO_ONE_COPY": E.NO_ONE_COPY, "NO_PREFAULT": E.NO_PREFAULT}
+
+
 def test_struct_sizes_are_pinned():
     assert ctypes.sizeof(E.CEngineConfig) == 176
     assert ctypes.sizeof(E.CKvPool) == 32

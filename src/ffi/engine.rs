@@ -25,6 +25,10 @@ pub const PDXFER_ENGINE_NO_STAGING: u32 = 1;
 /// every write takes the staged path.
 pub const PDXFER_ENGINE_NO_ONE_COPY: u32 = 2;
 
+/// `PdxEngineConfig.flags`: a decode does not fault its host KV pools, aux
+/// and state buffers in at creation (they fault on first touch instead).
+pub const PDXFER_ENGINE_NO_PREFAULT: u32 = 4;
+
 /// `PdxEngineConfig.pool_memory`: the KV pools are host memory (the default,
 /// and what structs older than ABI 1.2 mean).
 pub const PDXFER_POOL_HOST: u32 = 0;
@@ -189,7 +193,9 @@ fn config_from_c(p: *const PdxEngineConfig) -> Result<EngineConfig> {
             )))
         }
     };
-    if c.flags & !(PDXFER_ENGINE_NO_STAGING | PDXFER_ENGINE_NO_ONE_COPY) != 0 {
+    if c.flags & !(PDXFER_ENGINE_NO_STAGING | PDXFER_ENGINE_NO_ONE_COPY | PDXFER_ENGINE_NO_PREFAULT)
+        != 0
+    {
         return Err(Error::invalid(format!(
             "unknown engine flags 0x{:x}",
             c.flags
@@ -243,6 +249,7 @@ fn config_from_c(p: *const PdxEngineConfig) -> Result<EngineConfig> {
         cfg.host = h.to_string();
     }
     cfg.one_copy = c.flags & PDXFER_ENGINE_NO_ONE_COPY == 0;
+    cfg.prefault = c.flags & PDXFER_ENGINE_NO_PREFAULT == 0;
     if c.flags & PDXFER_ENGINE_NO_STAGING != 0 {
         cfg.staging_bytes = 0;
     } else if c.staging_bytes > 0 {
