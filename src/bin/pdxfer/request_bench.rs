@@ -57,6 +57,9 @@ pub struct RequestBenchArgs {
     /// Seconds of the iperf3 loopback stream (tcp mode); 0 skips it.
     #[arg(long, default_value_t = 3)]
     iperf3_secs: u32,
+    /// Decode ranks leave their pools to first touch (`EngineConfig::prefault = false`).
+    #[arg(long)]
+    no_prefault: bool,
     /// Print one JSON object as the last line (and no table).
     #[arg(long)]
     json: bool,
@@ -101,6 +104,9 @@ pub struct RequestRankArgs {
     /// Staging (pack) buffer per prefill worker, MiB.
     #[arg(long, default_value_t = 64)]
     staging_mib: u64,
+    /// Leave the pools to first touch.
+    #[arg(long)]
+    no_prefault: bool,
 }
 
 const AUX_ROWS: u64 = 4;
@@ -245,6 +251,7 @@ pub fn run_rank(a: &RequestRankArgs) -> Result<()> {
     cfg.transport = TransportKind::parse(&a.transport)?;
     cfg.room_timeout = Duration::from_secs(120);
     cfg.staging_bytes = a.staging_mib << 20;
+    cfg.prefault = !a.no_prefault;
     // SAFETY: `pools` lives until this function returns, after `engine.close()`.
     let engine = unsafe { Engine::new(cfg)? };
     say(&json!({"event": "ready", "pid": std::process::id()}));
@@ -563,9 +570,14 @@ fn run_mode(a: &RequestBenchArgs, mode: Mode, bar: &indicatif::ProgressBar) -> R
             ),
             ("--staging-mib", a.staging_mib.to_string()),
         ];
-        v.into_iter()
+        let mut v: Vec<String> = v
+            .into_iter()
             .flat_map(|(k, v)| [k.to_string(), v])
-            .collect()
+            .collect();
+        if a.no_prefault {
+            v.push("--no-prefault".into());
+        }
+        v
     };
     let mut key = [0u8; 32];
     getrandom::fill(&mut key)
