@@ -768,3 +768,114 @@ fn cma_maps_shared_regions_populated_and_places_after_the_grant() {
     let tt = connect(&a, &target, TransportKind::Tcp, 1);
     assert!(tt.mapped_dst(target.region).is_none());
 }
+
+/// Rows of `ROW` bytes: every 4th row of the source lands in consecutive
+/// destination rows (a DCP rank's share of a request), so the tcp sender
+/// sends each destination run as one piece gathered from its rows.
+const ROW: u64 = 1152;
+
+fn scattered_run(sreg: u64, dreg: u64, src_row: u64, dst_off: u64, rows: u64) -> Vec<WriteOp> {
+    (0..rows)
+        .map(|i| WriteOp {
+            local_region: sreg,
+            local_offset: (src_row + 4 * i) * ROW,
+            remote_region: dreg,
+            remote_offset: dst_off + i * ROW,
+            len: ROW,
+        })
+        .collect()
+}
+
+#[test]
+fn tcp_runs_of_scattered_rows_land_byte_exact_with_checksums() {
+    for streams in [1, 3] {
+        let mut target = Target::spawn(0);
+        let (a, src, sreg) = initiator(8 << 20);
+        let t = connect(&a, &target, TransportKind::Tcp, streams);
+        // a run of more rows than IOV_MAX, a run of rows long enough to be
+        // sent in place, an op that follows no other, and rows in reverse
+        // order (destinations descend: none follows the previous one)
+        let mut ops = scattered_run(sreg, target.region, 3, 0, 1500);
+        ops.extend((0..40u64).map(|i| WriteOp {
+            local_region: sreg,
+            local_offset: (6 << 20) + i * 40_000,
+            remote_region: target.region,
+            remote_offset: (2 << 20) + i * 20_000,
+            len: 20_000,
+        }));
+        ops.push(WriteOp {
+            local_region: sreg,
+            local_offset: 17,
+            remote_region: target.region,
+            remote_offset: (3 << 20) + 5,
+            len: 999,
+        });
+        ops.extend(
+            scattered_run(sreg, target.region, 1, (3 << 20) + 100_000, 50)
+                .into_iter()
+                .rev(),
+        );
+        let mut model = vec![0u8; REGION];
+        for o in &ops {
+            model[o.remote_offset as usize..(o.remote_offset + o.len) as usize]
+                .copy_from_slice(&src[o.local_offset as usize..(o.local_offset + o.len) as usize]);
+        }
+        for checksum in [true, false] {
+            let opts = BatchOptions {
+                checksum,
+                ..Default::default()
+            };
+            let id = t.submit(&ops, &opts).unwrap();
+            let c = t.wait(id, Duration::from_secs(20)).unwrap();
+            assert_eq!(c.bytes, ops.iter().map(|o| o.len).sum::<u64>());
+            target.next_line("completion");
+        }
+        let got = target.dump();
+        if let Some(i) = (0..REGION).find(|&i| got[i] != model[i]) {
+            panic!(
+                "{streams} streams: byte {i} differs: target has {}, expected {}",
+                got[i], model[i]
+            );
+        }
+    }
+}
+
+#[test]
+fn tcp_a_bad_op_inside_a_run_refuses_the_batch_nothing_written() {
+    let mut target = Target::spawn(0);
+    let (a, _src, sreg) = initiator(8 << 20);
+    let t = connect(&a, &target, TransportKind::Tcp, 1);
+    for bad in 0..3 {
+        let mut ops = scattered_run(sreg, target.region, 0, 0, 600);
+        let e = match bad {
+            // its source outside the local region
+            0 => {
+                ops[300].local_offset = (8 << 20) - 100;
+                Status::OutOfBounds
+            }
+            // a region the peer never exported, where the run goes on
+            1 => {
+                ops[300].remote_region = target.region + 1000;
+                Status::RegionNotFound
+            }
+            // the last row of the run past the end of the region
+            _ => {
+                let last = ops.last_mut().unwrap();
+                last.remote_offset = REGION as u64 - 10;
+                Status::OutOfBounds
+            }
+        };
+        let err = t.submit(&ops, &BatchOptions::default()).unwrap_err();
+        assert_eq!(err.status(), e, "{err}");
+    }
+    // the connection still works, and nothing of the refused batches landed
+    let ops = scattered_run(sreg, target.region, 0, 1 << 20, 10);
+    let id = t.submit(&ops, &BatchOptions::default()).unwrap();
+    t.wait(id, Duration::from_secs(20)).unwrap();
+    let got = target.dump();
+    assert!(
+        got[..1 << 20].iter().all(|&b| b == 0),
+        "a refused batch wrote"
+    );
+    assert!(got[(1 << 20) + 10 * ROW as usize..].iter().all(|&b| b == 0));
+}

@@ -225,17 +225,35 @@ fn dcp_1_to_4_over_cma_one_copy_into_shared_decode_pools() {
     let s = h.prefill.metrics_snapshot();
     assert_eq!(s.one_copy_bytes, 0);
     assert!(s.gathers > 0, "the staged path gathered into staging");
-    // tcp never maps the decode's memory: shared decode pools take the staged path
+    // tcp never maps the decode's memory: shared decode pools are written
+    // from the prefill's pools, its sender gathering the rows
     let mut t = cluster_with("e2e-shared-tcp", 1, 2, TransportKind::Tcp, 1 << 20, true);
     assert_eq!(request(&mut t, 5, 333, 64, 2), 269 * row_total + 2 * 32);
     assert_eq!(t.prefill.metrics_snapshot().one_copy_bytes, 0);
 }
 
+/// Over tcp the rows go straight from the prefill's pools, staging or not:
+/// the sender sends each run of consecutive destination rows as one piece
+/// gathered from the scattered rows. Every byte is verified.
 #[test]
-fn dcp_1_to_4_over_tcp_unpacked() {
-    let mut c = cluster("e2e-tcp", 1, 4, TransportKind::Tcp, 0);
+fn dcp_1_to_4_over_tcp_from_the_pools_with_or_without_staging() {
     let row_total = LAYERS as u64 * ROW;
-    assert_eq!(request(&mut c, 9, 333, 64, 2), 269 * row_total + 4 * 32);
+    for staging in [0, 1 << 20] {
+        let mut c = cluster(
+            &format!("e2e-tcp-{staging}"),
+            1,
+            4,
+            TransportKind::Tcp,
+            staging,
+        );
+        assert_eq!(request(&mut c, 9, 333, 64, 2), 269 * row_total + 4 * 32);
+        assert_eq!(request(&mut c, 10, 1000, 0, 100), 1000 * row_total + 4 * 32);
+        let s = c.prefill.metrics_snapshot();
+        assert_eq!(
+            s.gathers, 0,
+            "staging {staging}: rows gathered into staging"
+        );
+    }
 }
 
 #[test]

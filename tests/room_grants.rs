@@ -441,6 +441,60 @@ fn tcp_write_outside_the_grant_is_refused() {
     outside_the_grant_is_refused(TransportKind::Tcp);
 }
 
+/// A granted room's rows gathered from scattered sources into consecutive
+/// destination rows go as one tcp piece per run, also across ranges granted
+/// apart that adjoin; a run leaving the grant is refused, nothing written.
+#[test]
+fn tcp_runs_of_a_granted_room_land_across_adjoining_ranges() {
+    let _g = serial();
+    let mut p = pair(TransportKind::Tcp, "tcp-runs");
+    p.dst.iter_mut().for_each(|b| *b = 0xee);
+    let g =
+        p.rx.grant_room(
+            p.tx.instance(),
+            ROOM,
+            DECODE_EPOCH,
+            &[
+                range(&p.d, 0, 8192),
+                range(&p.d, 8192, 8192),
+                range(&p.d, 64 << 10, 4096),
+            ],
+            Duration::from_secs(30),
+        )
+        .unwrap();
+    p.t.open_room(&g, EPOCH).unwrap();
+    // every 4th 1 KiB row of the source into consecutive rows
+    let rows = |dst: u64, n: u64| -> Vec<WriteOp> {
+        (0..n)
+            .map(|i| op(&p, (1 + 4 * i) * 1024, dst + i * 1024, 1024))
+            .collect()
+    };
+    let want = |n: usize| -> Vec<u8> {
+        (0..n)
+            .flat_map(|i| expected(1024, (1 + 4 * i) * 1024))
+            .collect()
+    };
+    // a run past the end of the last range: refused, nothing written
+    let e = p.t.submit(&rows(64 << 10, 5), &opts()).unwrap_err();
+    assert_eq!(e.status(), Status::OutOfBounds, "{e}");
+    // 16 rows across the two adjoining ranges, 4 rows in the third
+    let mut ops = rows(0, 16);
+    ops.extend(rows(64 << 10, 4));
+    let id = p.t.submit(&ops, &opts()).unwrap();
+    p.t.wait(id, Duration::from_secs(10)).unwrap();
+    let sum =
+        p.t.close_room(ROOM, EPOCH, Duration::from_secs(10))
+            .unwrap();
+    assert_eq!((sum.batches, sum.bytes), (1, 20 * 1024));
+    assert!(p.dst[..16 << 10] == want(16)[..], "the first run differs");
+    assert!(
+        p.dst[64 << 10..68 << 10] == want(4)[..],
+        "the second run differs"
+    );
+    assert!(p.dst[16 << 10..64 << 10].iter().all(|&b| b == 0xee));
+    assert!(p.dst[68 << 10..].iter().all(|&b| b == 0xee));
+}
+
 /// The tcp receiver checks every piece of a room against the grant it
 /// holds, not against what the sender was told: a sender whose copy of the
 /// grant was widened, forged, revoked or taken from another instance gets

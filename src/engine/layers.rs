@@ -16,7 +16,7 @@ use super::flight::Flight;
 use super::handle::{lock, Inner};
 use super::prefill::DecodeLink;
 use super::room::KvPoll;
-use super::staging::{gather_into_slot, pool_slices, staging_slots};
+use super::staging::{gather_into_slot, pool_slices, sender_gathers, staging_slots};
 use crate::error::{Error, Result, Status};
 use crate::layout::{PackLayout, PairRequest, Run};
 use crate::transport::{BatchOptions, WriteOp};
@@ -365,9 +365,10 @@ pub(super) fn write_group(
     let staging = inner.staging.get(idx);
     let (slots, slot_bytes) = staging_slots(staging, token_bytes);
     let cap = slot_bytes / token_bytes.max(1);
+    // over tcp the sender gathers each destination run itself (sender_gathers)
     let (Some((buf, desc)), true) = (
         staging,
-        cap > 0 && plan.scatter.len() * 2 <= plan.direct.len(),
+        cap > 0 && plan.scatter.len() * 2 <= plan.direct.len() && !sender_gathers(link),
     ) else {
         let ops = direct_ops(inner, plan, layers, row_bytes, dst_regions);
         flight.submit(link, &ops, None)?;

@@ -1,6 +1,9 @@
 //! The host staging path of a prefill worker: a pair's rows written
 //! straight from the pools, or gathered on the CPU into the worker's
-//! registered staging buffer slice by slice and written from there.
+//! registered staging buffer slice by slice and written from there. Over
+//! tcp the rows always go straight from the pools: its sender gathers the
+//! scattered rows of a destination run itself (one piece, one `writev`), so
+//! packing them first would only add a copy.
 
 use super::flight::Flight;
 use super::handle::Inner;
@@ -9,7 +12,7 @@ use crate::error::Result;
 use crate::layout::plan::RunMerger;
 use crate::layout::{slice_requests, PackLayout, PairRequest, Run};
 use crate::memory::RegionDesc;
-use crate::transport::WriteOp;
+use crate::transport::{TransportKind, WriteOp};
 use std::sync::Arc;
 
 /// Slots a worker's host staging buffer is cut into (fewer when a slot
@@ -39,6 +42,48 @@ pub(super) fn staging_slots(
         let n = (len / token_bytes.max(1)).clamp(1, STAGING_SLOTS);
         (n as usize, len / n)
     })
+}
+
+/// Whether `link`'s sender gathers scattered sources itself: tcp sends
+/// consecutive writes whose destinations follow each other as one piece,
+/// its payload gathered by the kernel from their sources, so rows written
+/// straight from the pools (each entry's runs in order) cost no more pieces
+/// than packed ones and save the copy into staging.
+pub(super) fn sender_gathers(link: &DecodeLink) -> bool {
+    link.data().kind() == TransportKind::Tcp
+}
+
+/// The writes of a pair's rows straight from the pools: one per run and
+/// entry, run-major, or entry-major (`by_entry`: each entry's runs in
+/// order, so runs that follow each other in the decode's rows are
+/// consecutive writes).
+fn pool_ops(
+    inner: &Inner,
+    req: &PairRequest<'_>,
+    row_bytes: &[u64],
+    dst_regions: &[u64],
+    by_entry: bool,
+) -> Result<Vec<WriteOp>> {
+    let op = |e: usize, r: &Run| WriteOp {
+        local_region: inner.pool_regions[e].id,
+        local_offset: r.src * row_bytes[e],
+        remote_region: dst_regions[e],
+        remote_offset: r.dst * row_bytes[e],
+        len: r.len * row_bytes[e],
+    };
+    let mut ops = Vec::new();
+    if by_entry {
+        let runs = req.runs(false)?;
+        ops.reserve(runs.len() * row_bytes.len());
+        for e in 0..row_bytes.len() {
+            ops.extend(runs.iter().map(|r| op(e, r)));
+        }
+    } else {
+        req.for_each_run(false, |r| {
+            ops.extend((0..row_bytes.len()).map(|e| op(e, &r)))
+        })?;
+    }
+    Ok(ops)
 }
 
 /// The KV pools of `entries` as byte slices, for the CPU gather.
@@ -82,7 +127,8 @@ pub(super) fn gather_into_slot(
 
 /// Submits one pair's tokens of a chunk into `flight`: gathered straight
 /// into the decode rank's pools where they are mapped here (the one-copy
-/// path, [`super::direct`]), else packed through the
+/// path, [`super::direct`]), else straight from the pools where the link's
+/// sender gathers them ([`sender_gathers`]: tcp), else packed through the
 /// worker's host staging buffer when that makes fewer writes, else straight
 /// from the pool. The staging is used as [`STAGING_SLOTS`] slots: each slice
 /// is gathered into the next slot, waited free first, while the batches of
@@ -106,6 +152,11 @@ pub(super) fn write_pair(
         return Ok(n);
     }
     let token_bytes: u64 = row_bytes.iter().sum();
+    if sender_gathers(link) {
+        let ops = pool_ops(inner, req, row_bytes, dst_regions, true)?;
+        flight.submit(link, &ops, None)?;
+        return Ok(tokens * token_bytes);
+    }
     // one walk counts the writes both ways: unpacked runs (pool rows) and
     // packed runs (consecutive staging indices)
     let (mut unpacked, mut packed) = (0u64, 0u64);
@@ -122,18 +173,7 @@ pub(super) fn write_pair(
     let (slots, slot_bytes) = staging_slots(staging, token_bytes);
     let cap_tokens = slot_bytes / token_bytes.max(1);
     if staging.is_none() || packed * 2 > unpacked || cap_tokens == 0 {
-        let mut ops = Vec::new();
-        req.for_each_run(false, |r| {
-            for (e, &rb) in row_bytes.iter().enumerate() {
-                ops.push(WriteOp {
-                    local_region: inner.pool_regions[e].id,
-                    local_offset: r.src * rb,
-                    remote_region: dst_regions[e],
-                    remote_offset: r.dst * rb,
-                    len: r.len * rb,
-                });
-            }
-        })?;
+        let ops = pool_ops(inner, req, row_bytes, dst_regions, false)?;
         flight.submit(link, &ops, None)?;
         return Ok(tokens * token_bytes);
     }

@@ -2,7 +2,10 @@
 //! piece headers and small payloads, which are then taken from memory; a
 //! payload that is not all buffered is read from the socket straight into
 //! its destination, with the buffer as a second iovec (`readv`), so the bytes
-//! after it arrive in the same call. Reads of a payload are bounded by the
+//! after it arrive in the same call; a long payload is read
+//! [`DIRECT_READ_BYTES`] at a time (the kernel reopens the receive window
+//! after each read, so the sender never waits for one long read to end).
+//! Reads of a payload are bounded by the
 //! pin timeout (its destination is pinned meanwhile); reads between pieces
 //! wait as long as the stream lives.
 
@@ -12,6 +15,11 @@ use std::time::{Duration, Instant};
 
 /// Bytes a data stream reads from its socket at a time.
 pub(crate) const STREAM_BUFFER_BYTES: usize = 256 << 10;
+
+/// Most bytes one read takes of a payload straight into its destination.
+/// Measured on loopback: 64-128 KiB reads keep the sender busy (one read of
+/// a whole multi-megabyte payload left it waiting for the window).
+pub(super) const DIRECT_READ_BYTES: usize = 128 << 10;
 
 /// Receive timeouts shorter than this are not kept while the stream idles
 /// between pieces (the stream would wake up that often for nothing).
@@ -116,12 +124,14 @@ impl<S: Source> InBuf<S> {
         }
     }
 
-    /// One read from the socket into `dst` and, behind it, into the (empty)
-    /// buffer, bounded by `deadline`: the bytes read into `dst`.
+    /// One read from the socket into `dst` and, when `behind`, into the
+    /// (empty) buffer behind it (the bytes that follow in the stream),
+    /// bounded by `deadline`: the bytes read into `dst`.
     fn read_through(
         &mut self,
         dst: &mut [u8],
         deadline: &mut Option<Instant>,
+        behind: bool,
     ) -> std::io::Result<usize> {
         debug_assert!(self.start == self.end);
         self.start = 0;
@@ -145,7 +155,8 @@ impl<S: Source> InBuf<S> {
                 self.timeout = Some(left);
             }
             let mut iov = [IoSliceMut::new(dst), IoSliceMut::new(&mut self.buf)];
-            match self.s.read_vectored(&mut iov) {
+            let n = if behind { 2 } else { 1 };
+            match self.s.read_vectored(&mut iov[..n]) {
                 Ok(0) => return Err(ErrorKind::UnexpectedEof.into()),
                 Ok(k) => {
                     let into_dst = k.min(dst.len());
@@ -181,6 +192,12 @@ impl<S: Source> Read for PieceReader<'_, S> {
             self.b.consume(n);
             return Ok(n);
         }
-        self.b.read_through(dst, &mut self.deadline)
+        // a long `dst` is read in parts with no buffer behind them (the
+        // bytes after a part are its own: they go straight in next)
+        if dst.len() > DIRECT_READ_BYTES {
+            let dst = &mut dst[..DIRECT_READ_BYTES];
+            return self.b.read_through(dst, &mut self.deadline, false);
+        }
+        self.b.read_through(dst, &mut self.deadline, true)
     }
 }

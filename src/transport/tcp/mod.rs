@@ -1,8 +1,10 @@
 //! TCP: several data streams per peer plus the control connection.
 //!
-//! The sender writes each piece as a 48-byte header followed by the bytes,
-//! gathered straight from registered memory with `writev` (many pieces per
-//! call, partial writes resumed). The receiver reads through a buffer per
+//! The sender writes each piece as a 48-byte header followed by the bytes
+//! with `writev` (many pieces per call, partial writes resumed): consecutive
+//! ops whose destinations follow each other are one piece, its payload
+//! gathered from their sources (short ones through the stream's small,
+//! cache-resident gather buffer, long ones straight from registered memory). The receiver reads through a buffer per
 //! stream (one `read` brings many headers and small payloads, copied from
 //! it), validates each destination against its registry, and reads a payload
 //! not all buffered straight into its destination with `readv` (an invalid

@@ -890,6 +890,44 @@ mod tests {
     }
 
     #[test]
+    fn a_long_payload_is_read_straight_in_bounded_reads() {
+        use super::super::inbuf::DIRECT_READ_BYTES;
+        let reg = Registry::new();
+        let mut mem = vec![0u8; 2 << 20];
+        let r = host(&reg, &mut mem);
+        let len = 3 * DIRECT_READ_BYTES + 1000;
+        let pieces = vec![piece(1, r, 4096, len, 5), piece(1, r, 0, 100, 6)];
+        let buffer = 4096;
+        let mut book = Book::default();
+        // the socket would hand over everything in one read
+        let (e, rx) = run(
+            &reg,
+            Script::new(frames(&pieces), usize::MAX),
+            buffer,
+            &mut book,
+        );
+        assert_eq!(e.status(), Status::PeerUnreachable, "{e}");
+        for p in &pieces {
+            let at = p.offset as usize;
+            assert_eq!(&mem[at..at + p.data.len()], &p.data[..]);
+        }
+        assert_eq!(book.t.batches[&1].sum, sum_of(&pieces));
+        let lo = mem.as_ptr() as usize + 4096;
+        let reads: Vec<usize> = rx
+            .inb_source()
+            .landed
+            .iter()
+            .filter(|&&(at, _)| at >= lo && at < lo + len)
+            .map(|&(_, n)| n)
+            .collect();
+        // straight in (but for the first buffer's worth), at most
+        // DIRECT_READ_BYTES a read: the window reopens between them
+        assert!(reads.iter().sum::<usize>() >= len - buffer, "{reads:?}");
+        assert!(reads.len() >= 3, "{reads:?}");
+        assert!(reads.iter().all(|&n| n <= DIRECT_READ_BYTES), "{reads:?}");
+    }
+
+    #[test]
     fn a_bad_piece_fails_its_batch_and_nothing_after_it_lands_later_batches_do() {
         // one read brings it all, or reads of a few pieces each
         for (buffer, max) in [(1 << 16, usize::MAX), (300, 97)] {

@@ -1,19 +1,30 @@
-//! The tcp sender: one thread per data stream gathers pieces straight from
-//! registered memory with `writev`; the last stream of a batch sends its
+//! The tcp sender: one thread per data stream writes its pieces with
+//! `writev`, long sources straight from registered memory; the last stream
+//! of a batch sends its
 //! commit on the control connection. A batch of a room whose grant is open
 //! on the connection sends no commit: its pieces carry the grant's token, it
 //! is done once they were written, and the room's RoomEnd (after its last
 //! batch) is answered once the receiver landed every byte.
+//!
+//! Consecutive ops of a batch whose destinations follow each other (same
+//! remote region, each starting where the previous one ends) go as one
+//! piece: one header naming the whole destination run, its payload gathered
+//! from the ops' sources, so scattered rows need no packing into staging
+//! and the receiver reads the run straight into place. Headers and sources
+//! shorter than [`COPY_BELOW`] are gathered into the stream's small buffer,
+//! which stays in cache, and sent from there; measured on loopback, the
+//! kernel's copy from many short scattered iovecs ran at half the speed.
 
 use crate::error::{Error, Result, Status};
 use crate::memory::AccessGuard;
 use crate::transport::agent::Dialed;
 use crate::transport::batch::Stage;
-use crate::transport::conn::{checksum_pieces, Conn, Piece, Reach};
+use crate::transport::checksum;
+use crate::transport::conn::{Conn, Piece, Reach};
 use crate::transport::handshake::Attach;
 use crate::transport::handshake::Select;
 use crate::transport::peer_auth::authenticate_client;
-use crate::transport::wire::{self, Commit, DataHeader, FrameType, DATA_HEADER_LEN};
+use crate::transport::wire::{self, Commit, DataHeader, FrameType};
 use crate::transport::{BatchId, BatchOptions, Completion, Transport, TransportKind, WriteOp};
 use crossbeam::channel::{unbounded, Sender};
 use std::net::{Shutdown, TcpStream};
@@ -24,8 +35,8 @@ use std::time::Duration;
 
 /// Pieces larger than this are split across streams when there are several.
 const SPLIT: u64 = 512 << 10;
-/// Most pieces gathered into one `writev` (2 iovecs each: `IOV_MAX` is 1024).
-const GATHER: usize = 512;
+/// Most iovecs one `writev` takes (Linux `IOV_MAX`).
+const IOV_MAX: usize = 1024;
 /// A write blocked this long fails the connection.
 const WRITE_TIMEOUT: Duration = Duration::from_secs(30);
 
@@ -37,8 +48,69 @@ struct BatchShared {
     _guards: Arc<Vec<AccessGuard>>,
 }
 
+/// One piece as sent: a header naming the destination `[offset, offset +
+/// len)` of `region`, its payload gathered from the next `nsrc` sources of
+/// its [`Part`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Span {
+    region: u64,
+    offset: u64,
+    len: u64,
+    nsrc: usize,
+}
+
+/// A source range of a span's payload (a pinned registered address).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Src {
+    addr: u64,
+    len: u64,
+}
+
+/// What one stream sends of a batch: its spans, in order, and their sources.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+struct Part {
+    spans: Vec<Span>,
+    srcs: Vec<Src>,
+}
+
+impl Part {
+    fn is_empty(&self) -> bool {
+        self.spans.is_empty()
+    }
+
+    /// Appends `len` bytes at `addr` to the sources of the span being built
+    /// (whose first source is `srcs[first]`), extending its last source when
+    /// they follow it.
+    fn push_src(&mut self, first: usize, addr: u64, len: u64) {
+        if len == 0 {
+            return;
+        }
+        match self.srcs[first..].last_mut() {
+            Some(l) if l.addr + l.len == addr => l.len += len,
+            _ => self.srcs.push(Src { addr, len }),
+        }
+    }
+
+    /// The batch checksum of the spans as sent: the receiver hashes each
+    /// span's bytes, in order, as one piece.
+    fn checksum(&self) -> u64 {
+        let mut at = 0;
+        self.spans.iter().fold(0u64, |acc, sp| {
+            let mut h = checksum::PieceHasher::new(sp.region, sp.offset);
+            for src in &self.srcs[at..at + sp.nsrc] {
+                // SAFETY: validate_ops checked every source lies in a registered local region, pinned by the batch's guards.
+                h.update(unsafe {
+                    std::slice::from_raw_parts(src.addr as *const u8, src.len as usize)
+                });
+            }
+            at += sp.nsrc;
+            checksum::combine(acc, h.finish())
+        })
+    }
+}
+
 struct Job {
-    pieces: Vec<Piece>,
+    part: Part,
     flags: u32,
     batch: Arc<BatchShared>,
 }
@@ -157,45 +229,114 @@ fn finish_part(c: &Conn, b: &BatchShared) {
     }
 }
 
-/// A stream's headers and iovecs of one `writev`, reused from group to group.
-#[derive(Default)]
+/// Sources shorter than this are copied into the stream's gather buffer
+/// (with the headers) rather than sent in place.
+const COPY_BELOW: u64 = 16 << 10;
+/// A stream's gather buffer: small enough to stay in cache (64 KiB sent
+/// 1152-byte rows faster than 256 KiB or 1 MiB, measured on loopback).
+const GATHER_BYTES: usize = 64 << 10;
+const _: () = assert!(COPY_BELOW as usize + wire::DATA_HEADER_LEN <= GATHER_BYTES);
+
+/// What one `writev` of a stream sends: iovecs over its gather buffer
+/// (headers, and short sources copied there) and over longer sources in
+/// place. Reused from call to call.
 struct Gather {
-    headers: Vec<[u8; DATA_HEADER_LEN]>,
+    buf: Box<[u8]>,
+    used: usize,
     iov: Vec<libc::iovec>,
+}
+
+impl Default for Gather {
+    fn default() -> Gather {
+        Gather {
+            buf: vec![0u8; GATHER_BYTES].into_boxed_slice(),
+            used: 0,
+            iov: Vec::with_capacity(IOV_MAX),
+        }
+    }
+}
+
+impl Gather {
+    /// Writes what is gathered.
+    fn flush(&mut self, s: &TcpStream) -> Result<()> {
+        if !self.iov.is_empty() {
+            writev_all(s, &mut self.iov)?;
+        }
+        self.iov.clear();
+        self.used = 0;
+        Ok(())
+    }
+
+    /// Makes room for one more iovec and, in the buffer, `len` bytes.
+    fn room(&mut self, s: &TcpStream, len: usize) -> Result<()> {
+        if self.iov.len() >= IOV_MAX || self.used + len > self.buf.len() {
+            self.flush(s)?;
+        }
+        Ok(())
+    }
+
+    /// Copies `data` into the buffer, to be sent next.
+    fn copy(&mut self, s: &TcpStream, data: &[u8]) -> Result<()> {
+        self.room(s, data.len())?;
+        let at = self.used;
+        self.buf[at..at + data.len()].copy_from_slice(data);
+        self.used += data.len();
+        let base = self.buf.as_ptr() as usize;
+        match self.iov.last_mut() {
+            Some(l) if l.iov_base as usize + l.iov_len == base + at => l.iov_len += data.len(),
+            _ => self.iov.push(libc::iovec {
+                iov_base: (base + at) as *mut libc::c_void,
+                iov_len: data.len(),
+            }),
+        }
+        Ok(())
+    }
+
+    /// Sends `len` bytes at `addr` next, copied when short.
+    fn source(&mut self, s: &TcpStream, addr: u64, len: u64) -> Result<()> {
+        if len < COPY_BELOW {
+            // SAFETY: validate_ops checked [addr, addr+len) lies in a registered local region, pinned by the batch's guards.
+            let data = unsafe { std::slice::from_raw_parts(addr as *const u8, len as usize) };
+            return self.copy(s, data);
+        }
+        self.room(s, 0)?;
+        self.iov.push(libc::iovec {
+            iov_base: addr as *mut libc::c_void,
+            iov_len: len as usize,
+        });
+        Ok(())
+    }
 }
 
 fn send_job(c: &Conn, s: &TcpStream, job: &Job, g: &mut Gather) -> Result<()> {
     if c.table.finished(job.batch.commit.batch) {
         return Ok(()); // failed or expired: skip its bytes
     }
-    for group in job.pieces.chunks(GATHER) {
-        g.headers.clear();
-        g.headers.extend(group.iter().map(|p| {
-            DataHeader {
-                flags: job.flags,
-                batch: job.batch.room.map_or(job.batch.commit.batch, |(_, t)| t),
-                region: p.region,
-                offset: p.offset,
-                len: p.len,
-            }
-            .encode()
-        }));
-        g.iov.clear();
-        for (h, p) in g.headers.iter().zip(group) {
-            g.iov.push(libc::iovec {
-                iov_base: h.as_ptr() as *mut libc::c_void,
-                iov_len: DATA_HEADER_LEN,
-            });
-            if p.len > 0 {
-                g.iov.push(libc::iovec {
-                    iov_base: p.src as *mut libc::c_void,
-                    iov_len: p.len as usize,
-                });
-            }
+    let batch = job.batch.room.map_or(job.batch.commit.batch, |(_, t)| t);
+    send_part(s, &job.part, job.flags, batch, g)
+}
+
+/// Writes the spans of `part`, each a header (`flags`, `batch`) and its
+/// payload from its sources, with as few `writev` calls as the gather
+/// buffer and [`IOV_MAX`] allow (a span may take several).
+fn send_part(s: &TcpStream, part: &Part, flags: u32, batch: u64, g: &mut Gather) -> Result<()> {
+    let mut at = 0usize;
+    for sp in &part.spans {
+        let h = DataHeader {
+            flags,
+            batch,
+            region: sp.region,
+            offset: sp.offset,
+            len: sp.len,
         }
-        writev_all(s, &mut g.iov)?;
+        .encode();
+        g.copy(s, &h)?;
+        for x in &part.srcs[at..at + sp.nsrc] {
+            g.source(s, x.addr, x.len)?;
+        }
+        at += sp.nsrc;
     }
-    Ok(())
+    g.flush(s)
 }
 
 /// `writev` until every iovec is written, resuming partial writes.
@@ -203,8 +344,8 @@ fn writev_all(s: &TcpStream, iov: &mut [libc::iovec]) -> Result<()> {
     let fd = s.as_raw_fd();
     let mut start = 0usize;
     while start < iov.len() {
-        let cnt = (iov.len() - start).min(1024);
-        // SAFETY: every iovec points at a live header or a pinned registered source range.
+        let cnt = (iov.len() - start).min(IOV_MAX);
+        // SAFETY: every iovec points into the stream's gather buffer or at a pinned registered source range.
         let n = unsafe { libc::writev(fd, iov[start..].as_ptr(), cnt as i32) };
         if n < 0 {
             let e = std::io::Error::last_os_error();
@@ -235,27 +376,59 @@ fn writev_all(s: &TcpStream, iov: &mut [libc::iovec]) -> Result<()> {
     Ok(())
 }
 
-/// Splits large pieces (with several streams) and assigns them to the least loaded stream.
-fn assign(pieces: Vec<Piece>, n: usize) -> Vec<Vec<Piece>> {
-    let mut out = vec![Vec::new(); n];
+/// Cuts validated pieces into what each of `n` streams sends: consecutive
+/// pieces whose destinations follow each other (same region, each starting
+/// where the previous one ends) become one span, its sources gathered; with
+/// several streams a span is cut into parts of [`SPLIT`] bytes at most. Each
+/// span (or part) goes to the least loaded stream.
+fn assign(pieces: &[Piece], n: usize) -> Vec<Part> {
+    let n = n.max(1);
+    let cap = if n > 1 { SPLIT } else { u64::MAX };
+    let mut out = vec![Part::default(); n];
     let mut load = vec![0u64; n];
-    for p in pieces {
-        let mut p = p;
+    let mut i = 0;
+    while i < pieces.len() {
+        let (region, start) = (pieces[i].region, pieces[i].offset);
+        let mut end = start + pieces[i].len;
+        let mut j = i + 1;
+        while j < pieces.len() && pieces[j].region == region && pieces[j].offset == end {
+            end += pieces[j].len;
+            j += 1;
+        }
+        // pieces[i..j] land as [start, end) of region; `at` is the next
+        // source piece, `used` the bytes of it already sent
+        let (mut at, mut used) = (i, 0u64);
+        let mut offset = start;
         loop {
-            let take = if n > 1 { p.len.min(SPLIT) } else { p.len };
-            let mut part = p;
-            part.len = take;
+            let take = (end - offset).min(cap);
             let k = (0..n).min_by_key(|&k| load[k]).unwrap_or(0);
             load[k] += take.max(1);
-            out[k].push(part);
-            p.src += take;
-            p.dst += take;
-            p.offset += take;
-            p.len -= take;
-            if p.len == 0 {
+            let part = &mut out[k];
+            let first = part.srcs.len();
+            let mut left = take;
+            while left > 0 {
+                let p = &pieces[at];
+                let t = (p.len - used).min(left);
+                part.push_src(first, p.src + used, t);
+                left -= t;
+                used += t;
+                if used == p.len {
+                    at += 1;
+                    used = 0;
+                }
+            }
+            part.spans.push(Span {
+                region,
+                offset,
+                len: take,
+                nsrc: part.srcs.len() - first,
+            });
+            offset += take;
+            if offset == end {
                 break;
             }
         }
+        i = j;
     }
     out
 }
@@ -276,13 +449,13 @@ impl Transport for TcpTransport {
             .rooms
             .admit(&pieces, opts)?
             .map(|token| ((opts.room, opts.epoch), token));
-        let parts = assign(pieces, self.streams.len());
-        // The checksum is over the pieces as sent (the receiver sums the same pieces).
+        let parts = assign(&pieces, self.streams.len());
+        // The checksum is over the spans as sent (the receiver sums the same spans).
         let checksum = opts.checksum.then(|| {
             parts
                 .iter()
-                .map(|p| checksum_pieces(p))
-                .fold(0u64, u64::wrapping_add)
+                .map(Part::checksum)
+                .fold(0u64, checksum::combine)
         });
         let template = Completion::pending(bytes, checksum, opts);
         let id = match self
@@ -323,12 +496,12 @@ impl Transport for TcpTransport {
         } else {
             0
         };
-        for (k, pieces) in parts.into_iter().enumerate() {
-            if pieces.is_empty() {
+        for (k, part) in parts.into_iter().enumerate() {
+            if part.is_empty() {
                 continue;
             }
             let job = Job {
-                pieces,
+                part,
                 flags,
                 batch: shared.clone(),
             };
@@ -363,21 +536,229 @@ impl Drop for TcpTransport {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::transport::wire::DATA_HEADER_LEN;
+    use std::io::Read;
+    use std::net::TcpListener;
+
+    fn p(src: u64, region: u64, offset: u64, len: u64) -> Piece {
+        Piece {
+            src,
+            region,
+            offset,
+            dst: offset,
+            len,
+        }
+    }
+
+    /// Every byte a part sends, as (region, destination offset, source address).
+    fn bytes_of(parts: &[Part]) -> Vec<(u64, u64, u64)> {
+        let mut v = Vec::new();
+        for part in parts {
+            let mut at = 0;
+            for sp in &part.spans {
+                let mut off = sp.offset;
+                for x in &part.srcs[at..at + sp.nsrc] {
+                    for b in 0..x.len {
+                        v.push((sp.region, off, x.addr + b));
+                        off += 1;
+                    }
+                }
+                assert_eq!(off, sp.offset + sp.len, "a span's sources cover its length");
+                at += sp.nsrc;
+            }
+            assert_eq!(at, part.srcs.len());
+        }
+        v.sort_unstable();
+        v
+    }
+
+    fn bytes_of_pieces(pieces: &[Piece]) -> Vec<(u64, u64, u64)> {
+        let mut v: Vec<_> = pieces
+            .iter()
+            .flat_map(|x| (0..x.len).map(move |b| (x.region, x.offset + b, x.src + b)))
+            .collect();
+        v.sort_unstable();
+        v
+    }
 
     #[test]
-    fn assign_balances_and_covers() {
-        let p = |src, len| Piece {
-            src,
-            region: 1,
-            offset: src,
-            dst: src,
-            len,
-        };
-        let parts = assign(vec![p(0, 3 * SPLIT + 5), p(10_000_000, 7)], 3);
-        let total: u64 = parts.iter().flatten().map(|x| x.len).sum();
-        assert_eq!(total, 3 * SPLIT + 12);
-        assert!(parts.iter().all(|v| !v.is_empty()));
-        let one = assign(vec![p(0, 3 * SPLIT)], 1);
-        assert_eq!(one[0].len(), 1);
+    fn contiguous_destinations_from_scattered_sources_make_one_span() {
+        // every 4th row of the source into consecutive destination rows
+        let pieces: Vec<Piece> = (0..10)
+            .map(|i| p(1000 + i * 4 * 64, 7, i * 64, 64))
+            .collect();
+        let parts = assign(&pieces, 1);
+        assert_eq!(
+            parts[0].spans,
+            vec![Span {
+                region: 7,
+                offset: 0,
+                len: 640,
+                nsrc: 10
+            }]
+        );
+        assert_eq!(bytes_of(&parts), bytes_of_pieces(&pieces));
+    }
+
+    #[test]
+    fn only_destinations_that_follow_each_other_merge() {
+        let pieces = vec![
+            p(0, 1, 0, 10),
+            p(50, 1, 10, 10), // follows: merged
+            p(90, 1, 21, 5),  // a gap of one byte
+            p(200, 2, 26, 5), // another region
+            p(300, 2, 0, 5),  // before the previous one
+            p(400, 2, 5, 0),  // empty, where the previous one ends: merged
+            p(500, 2, 5, 3),  // merged
+        ];
+        let parts = assign(&pieces, 1);
+        let spans: Vec<(u64, u64, u64, usize)> = parts[0]
+            .spans
+            .iter()
+            .map(|s| (s.region, s.offset, s.len, s.nsrc))
+            .collect();
+        assert_eq!(
+            spans,
+            vec![(1, 0, 20, 2), (1, 21, 5, 1), (2, 26, 5, 1), (2, 0, 8, 2)]
+        );
+        assert_eq!(bytes_of(&parts), bytes_of_pieces(&pieces));
+        // a lone empty op is still sent (its header names its destination)
+        let empty = assign(&[p(0, 1, 30, 0)], 1);
+        assert_eq!(empty[0].spans.len(), 1);
+        assert!(empty[0].srcs.is_empty());
+    }
+
+    #[test]
+    fn sources_that_follow_each_other_take_one_iovec() {
+        let pieces = vec![p(0, 1, 0, 100), p(100, 1, 100, 100), p(300, 1, 200, 50)];
+        let parts = assign(&pieces, 1);
+        assert_eq!(
+            parts[0].srcs,
+            vec![Src { addr: 0, len: 200 }, Src { addr: 300, len: 50 }]
+        );
+        assert_eq!(parts[0].spans[0].nsrc, 2);
+    }
+
+    #[test]
+    fn several_streams_split_runs_and_cover_every_byte() {
+        // a run of 3 * SPLIT + 5 bytes in rows of 1000 bytes, then a lone piece
+        let rows = (3 * SPLIT + 5).div_ceil(1000);
+        let mut pieces: Vec<Piece> = (0..rows).map(|i| p(i * 3000, 1, i * 1000, 1000)).collect();
+        pieces.last_mut().unwrap().len = 3 * SPLIT + 5 - (rows - 1) * 1000;
+        pieces.push(p(90_000_000, 1, 50_000_000, 7));
+        let parts = assign(&pieces, 3);
+        assert!(parts.iter().all(|x| !x.is_empty()));
+        assert!(parts
+            .iter()
+            .flat_map(|x| &x.spans)
+            .all(|sp| sp.len <= SPLIT));
+        assert_eq!(parts.iter().map(|x| x.spans.len()).sum::<usize>(), 5);
+        assert_eq!(bytes_of(&parts), bytes_of_pieces(&pieces));
+        // one stream: the run is one span
+        let one = assign(&pieces, 1);
+        assert_eq!(one[0].spans.len(), 2);
+    }
+
+    /// Reads one header and its payload from `r`.
+    fn read_piece(r: &mut impl Read) -> (DataHeader, Vec<u8>) {
+        let mut hb = [0u8; DATA_HEADER_LEN];
+        r.read_exact(&mut hb).unwrap();
+        let h = DataHeader::decode(&hb).unwrap();
+        let mut data = vec![0u8; h.len as usize];
+        r.read_exact(&mut data).unwrap();
+        (h, data)
+    }
+
+    /// Sends `part` over a loopback socket; the pieces the peer reads.
+    fn send_and_read(part: &Part, flags: u32, batch: u64) -> Vec<(DataHeader, Vec<u8>)> {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let tx = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let (mut rx, _) = l.accept().unwrap();
+        let part = part.clone();
+        let sender = std::thread::spawn(move || {
+            let mut g = Gather::default();
+            send_part(&tx, &part, flags, batch, &mut g).unwrap();
+        });
+        let mut all = Vec::new();
+        rx.read_to_end(&mut all).unwrap();
+        sender.join().unwrap();
+        let mut r = &all[..];
+        let mut out = Vec::new();
+        while !r.is_empty() {
+            out.push(read_piece(&mut r));
+        }
+        out
+    }
+
+    /// The bytes of `rows` rows of `row` bytes, every `stride`-th row of `src`.
+    fn every_nth(src: &[u8], rows: usize, row: usize, stride: usize) -> Vec<u8> {
+        (0..rows)
+            .flat_map(|i| src[i * stride * row..][..row].iter().copied())
+            .collect()
+    }
+
+    #[test]
+    fn runs_of_scattered_rows_go_as_one_piece_each_byte_exact() {
+        // short rows (copied through the gather buffer, many buffers' worth)
+        let row = 1152u64;
+        let rows = 2 * IOV_MAX as u64 + 300;
+        let src: Vec<u8> = (0..rows * row * 3).map(|i| (i * 31 % 251) as u8).collect();
+        let base = src.as_ptr() as u64;
+        // every 3rd row of the source, to consecutive destination rows
+        let mut pieces: Vec<Piece> = (0..rows)
+            .map(|i| p(base + i * 3 * row, 4, 8192 + i * row, row))
+            .collect();
+        // and a short run elsewhere
+        pieces.push(p(base + row, 4, 0, 100));
+        pieces.push(p(base + 5 * row, 4, 100, 28));
+        let parts = assign(&pieces, 1);
+        assert_eq!(parts[0].spans.len(), 2);
+        let got = send_and_read(&parts[0], wire::DATA_FLAG_CHECKSUM, 77);
+        assert_eq!(got.len(), 2, "one piece per destination run");
+        let (h1, d1) = &got[0];
+        assert_eq!(
+            (h1.flags, h1.batch, h1.region, h1.offset, h1.len),
+            (wire::DATA_FLAG_CHECKSUM, 77, 4, 8192, rows * row)
+        );
+        assert!(
+            *d1 == every_nth(&src, rows as usize, row as usize, 3),
+            "the run's payload differs"
+        );
+        let (h2, d2) = &got[1];
+        assert_eq!((h2.region, h2.offset, h2.len), (4, 0, 128));
+        let want2 = [&src[row as usize..][..100], &src[5 * row as usize..][..28]].concat();
+        assert_eq!(*d2, want2);
+        // the checksum is the receiver's: one hash per piece as received
+        let sum = checksum::combine(checksum::piece(4, 8192, d1), checksum::piece(4, 0, d2));
+        assert_eq!(parts[0].checksum(), sum);
+    }
+
+    #[test]
+    fn a_run_of_more_sources_in_place_than_iov_max_is_byte_exact() {
+        // sources long enough to go in place, one iovec each, scattered
+        let row = COPY_BELOW as usize;
+        let rows = IOV_MAX + 37;
+        let src: Vec<u8> = (0..rows * row * 2).map(|i| (i * 13 % 241) as u8).collect();
+        let base = src.as_ptr() as u64;
+        let r = row as u64;
+        let mut pieces: Vec<Piece> = (0..rows as u64)
+            .map(|i| p(base + i * 2 * r, 9, i * r, r))
+            .collect();
+        // a short source inside the run: copied between sources in place
+        pieces.insert(5, p(base + 3 * r, 9, 5 * r, 10));
+        for x in &mut pieces[6..] {
+            x.offset += 10;
+        }
+        let parts = assign(&pieces, 1);
+        assert_eq!(parts[0].spans.len(), 1);
+        assert!(parts[0].srcs.len() > IOV_MAX, "{}", parts[0].srcs.len());
+        let got = send_and_read(&parts[0], 0, 3);
+        assert_eq!(got.len(), 1);
+        let (h, d) = &got[0];
+        assert_eq!((h.region, h.offset, h.len), (9, 0, rows as u64 * r + 10));
+        let mut want = every_nth(&src, 5, row, 2);
+        want.extend_from_slice(&src[3 * row..][..10]);
+        want.extend(every_nth(&src[10 * row..], rows - 5, row, 2));
+        assert!(*d == want, "the run's payload differs");
     }
 }
