@@ -290,7 +290,9 @@ fn measure(
         let mut submitted = 0usize;
         while done < n {
             while inflight.len() < a.depth.max(1) && submitted < n && t0.elapsed() < budget {
-                inflight.push_back((t.submit(&ops, &opts)?, Instant::now()));
+                // timed from before the submit: a transport may move the bytes inside it
+                let s = Instant::now();
+                inflight.push_back((t.submit(&ops, &opts)?, s));
                 submitted += 1;
             }
             let Some((id, s)) = inflight.pop_front() else {
