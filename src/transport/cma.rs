@@ -680,31 +680,10 @@ impl CmaTransport {
                 self.conn.announce(&pieces, &guards, bytes, opts, read)?,
                 None,
             ),
-            Some(_token) => {
-                let key = (opts.room, opts.epoch);
-                let template = super::Completion::pending(bytes, None, opts);
-                let id = match self
-                    .conn
-                    .table
-                    .insert(opts.timeout, template, guards.clone())
-                {
-                    Ok(id) => id,
-                    Err(e) => {
-                        self.conn.rooms.finished(key, Err(e.clone()));
-                        return Err(e);
-                    }
-                };
-                // validated against the room's grant: no intent, no grant frame
-                self.conn.table.set(id, Stage::Granted);
-                let commit = Commit {
-                    batch: id,
-                    bytes,
-                    checksum: None,
-                    room: opts.room,
-                    epoch: opts.epoch,
-                };
-                (commit, Some(key))
-            }
+            Some(_token) => (
+                self.conn.insert_room_batch(bytes, &guards, opts)?,
+                Some((opts.room, opts.epoch)),
+            ),
         };
         let id = commit.batch;
         let job = Job {
@@ -859,19 +838,8 @@ impl CmaTransport {
         place: &mut dyn FnMut() -> Result<()>,
     ) -> Result<BatchId> {
         let key = (opts.room, opts.epoch);
-        let template = super::Completion::pending(bytes, None, opts);
-        let id = match self
-            .conn
-            .table
-            .insert(opts.timeout, template, guards.clone())
-        {
-            Ok(id) => id,
-            Err(e) => {
-                self.conn.rooms.finished(key, Err(e.clone()));
-                return Err(e);
-            }
-        };
-        self.conn.table.set(id, Stage::Granted);
+        let commit = self.conn.insert_room_batch(bytes, &guards, opts)?;
+        let id = commit.batch;
         let placed = self.peer.check_alive().inspect_err(|e| {
             self.conn.rooms.fail_all(e.clone());
             self.conn.table.fail_all(e.clone());
@@ -890,13 +858,7 @@ impl CmaTransport {
                 id,
                 read: false,
                 pieces,
-                commit: Commit {
-                    batch: id,
-                    bytes,
-                    checksum: None,
-                    room: opts.room,
-                    epoch: opts.epoch,
-                },
+                commit,
                 room: Some(key),
                 _guards: guards,
                 placed: true,

@@ -233,6 +233,34 @@ impl Conn {
         self.table.dead().is_none()
     }
 
+    /// Numbers a batch of a room whose grant is open here (its pieces were
+    /// admitted against the grant): no Intent, no Grant frame; the entry is
+    /// granted at once. Returns the commit record the batch ends with. A
+    /// refusal (the batch table is full or dead) is counted as the room's.
+    pub fn insert_room_batch(
+        &self,
+        bytes: u64,
+        guards: &Arc<Vec<AccessGuard>>,
+        opts: &super::BatchOptions,
+    ) -> Result<wire::Commit> {
+        let template = super::Completion::pending(bytes, None, opts);
+        let id = match self.table.insert(opts.timeout, template, guards.clone()) {
+            Ok(id) => id,
+            Err(e) => {
+                self.rooms.finished((opts.room, opts.epoch), Err(e.clone()));
+                return Err(e);
+            }
+        };
+        self.table.set(id, Stage::Granted);
+        Ok(wire::Commit {
+            batch: id,
+            bytes,
+            checksum: None,
+            room: opts.room,
+            epoch: opts.epoch,
+        })
+    }
+
     /// Numbers a one-sided batch and announces it to the peer: the checksum of
     /// the source pieces for writes (a placeholder for reads, computed once the
     /// bytes landed), the batch-table entry holding `guards` until the batch

@@ -170,29 +170,7 @@ impl RdmaTransport {
         let room = granted.map(|_| (opts.room, opts.epoch));
         let commit = match room {
             None => self.conn.announce(&pieces, &guards, bytes, opts, read)?,
-            Some(key) => {
-                let template = crate::transport::Completion::pending(bytes, None, opts);
-                let id = match self
-                    .conn
-                    .table
-                    .insert(opts.timeout, template, guards.clone())
-                {
-                    Ok(id) => id,
-                    Err(e) => {
-                        self.conn.rooms.finished(key, Err(e.clone()));
-                        return Err(e);
-                    }
-                };
-                // validated against the room's grant: no intent, no grant frame
-                self.conn.table.set(id, Stage::Granted);
-                Commit {
-                    batch: id,
-                    bytes,
-                    checksum: None,
-                    room: opts.room,
-                    epoch: opts.epoch,
-                }
-            }
+            Some(_) => self.conn.insert_room_batch(bytes, &guards, opts)?,
         };
         let id = commit.batch;
         let job = Job {
