@@ -5,8 +5,9 @@
 //! (some with a cached decode prefix, some chunked); every decode rank verifies
 //! every byte it owns against the plan; prints a summary (and `--json`).
 
+use crate::rank_proc::{pages_of, spawn, Event, Proc};
 use clap::Args;
-use crossbeam::channel::{unbounded, Receiver, Sender};
+use crossbeam::channel::{unbounded, Receiver};
 use pdxfer::bootstrap::schema::Role;
 use pdxfer::bootstrap::server::{BootstrapServer, ServerConfig};
 use pdxfer::engine::synthetic::SyntheticPools;
@@ -17,8 +18,7 @@ use pdxfer::rng::SplitMix64;
 use pdxfer::transport::TransportKind;
 use serde_json::{json, Value};
 use std::collections::{HashMap, VecDeque};
-use std::io::{BufRead, BufReader, Write};
-use std::process::{Child, ChildStdin, Command, Stdio};
+use std::io::{BufRead, Write};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -111,12 +111,6 @@ fn say(out: &Mutex<std::io::Stdout>, v: &Value) {
     let mut o = out.lock().unwrap_or_else(|p| p.into_inner());
     let _ = writeln!(o, "{v}");
     let _ = o.flush();
-}
-
-fn pages_of(v: &Value, k: &str) -> Vec<u64> {
-    v[k].as_array()
-        .map(|a| a.iter().filter_map(Value::as_u64).collect())
-        .unwrap_or_default()
 }
 
 /// Runs one engine rank of the demo, driven by JSON lines on stdin.
@@ -216,7 +210,7 @@ fn latency_summary(engine: &Engine) -> Value {
 /// received (summed over the processes).
 fn rank_metrics(procs: &mut [Proc], rx: &Receiver<Event>) -> Result<(Value, u64, u64)> {
     for p in procs.iter_mut() {
-        send(p, &json!({"cmd": "metrics"}))?;
+        p.send(&json!({"cmd": "metrics"}))?;
     }
     let end = Instant::now() + Duration::from_secs(10);
     let (mut latency, mut sent, mut received, mut left) = (Value::Null, 0, 0, procs.len());
@@ -337,50 +331,6 @@ fn decode_room(
 }
 
 /// An event from demo rank `.0`.
-type Event = (usize, Value);
-
-struct Proc {
-    child: Child,
-    stdin: ChildStdin,
-}
-
-fn spawn(args: &[String], idx: usize, secret: &str, tx: Sender<Event>) -> Result<Proc> {
-    let exe = std::env::current_exe()?;
-    let mut child = Command::new(exe)
-        .arg("demo-rank")
-        .args(args)
-        // the ranks authenticate each other with this run's cluster secret
-        .env("PDXFER_CLUSTER_SECRET", secret)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()?;
-    let stdin = child
-        .stdin
-        .take()
-        .ok_or_else(|| Error::new(Status::Io, "no stdin"))?;
-    let stdout = child
-        .stdout
-        .take()
-        .ok_or_else(|| Error::new(Status::Io, "no stdout"))?;
-    std::thread::spawn(move || {
-        for line in BufReader::new(stdout).lines() {
-            let Ok(line) = line else { break };
-            if let Ok(v) = serde_json::from_str::<Value>(&line) {
-                let _ = tx.send((idx, v));
-            }
-        }
-        let _ = tx.send((idx, json!({"event": "exit"})));
-    });
-    Ok(Proc { child, stdin })
-}
-
-fn send(p: &mut Proc, v: &Value) -> Result<()> {
-    writeln!(p.stdin, "{v}")?;
-    p.stdin.flush()?;
-    Ok(())
-}
-
 struct Req {
     room: u64,
     total: u64,
@@ -444,6 +394,7 @@ pub fn run(a: &DemoArgs) -> Result<()> {
     let secret: String = key.iter().map(|b| format!("{b:02x}")).collect();
     let (tx, rx) = unbounded::<Event>();
     let mut procs = vec![spawn(
+        "demo-rank",
         &common("prefill", 1, 0, src_pages_total),
         0,
         &secret,
@@ -451,6 +402,7 @@ pub fn run(a: &DemoArgs) -> Result<()> {
     )?];
     for r in 0..a.dcp_size {
         procs.push(spawn(
+            "demo-rank",
             &common("decode", a.dcp_size, r, dst_pages_total),
             r as usize + 1,
             &secret,
@@ -467,7 +419,7 @@ pub fn run(a: &DemoArgs) -> Result<()> {
         transport,
     );
     for pr in procs.iter_mut() {
-        let _ = send(pr, &json!({"cmd": "quit"}));
+        let _ = pr.send(&json!({"cmd": "quit"}));
     }
     for pr in procs.iter_mut() {
         let deadline = Instant::now() + Duration::from_secs(10);
@@ -562,13 +514,11 @@ fn drive(
                 .collect();
             let aux = room % AUX_ROWS;
             for pr in procs.iter_mut().skip(1) {
-                send(
-                    pr,
+                pr.send(
                     &json!({"cmd": "recv", "room": room, "dst_pages": dst, "prefix": prefix, "total": total, "aux_index": aux}),
                 )?;
             }
-            send(
-                &mut procs[0],
+            procs[0].send(
                 &json!({"cmd": "send", "room": room, "pages": src, "prefix": prefix, "total": total, "chunk_pages": chunk, "aux_index": aux}),
             )?;
             inflight.insert(

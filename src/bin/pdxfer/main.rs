@@ -11,6 +11,7 @@ mod logging;
 mod nccl_bench;
 mod plan;
 mod rank;
+mod rank_proc;
 mod rdma_bench;
 mod rdma_gpu;
 mod request_bench;

@@ -9,8 +9,9 @@
 //! warm ones. Every request is verified byte by byte on every decode rank
 //! (after its timing).
 
+use crate::rank_proc::{pages_of, spawn, Event, Proc};
 use clap::Args;
-use crossbeam::channel::{unbounded, Receiver, Sender};
+use crossbeam::channel::{unbounded, Receiver};
 use pdxfer::bootstrap::schema::Role;
 use pdxfer::bootstrap::server::{BootstrapServer, ServerConfig};
 use pdxfer::engine::synthetic::SyntheticPools;
@@ -20,8 +21,8 @@ use pdxfer::layout::{DcpLayout, Side};
 use pdxfer::transport::TransportKind;
 use serde::Serialize;
 use serde_json::{json, Value};
-use std::io::{BufRead, BufReader, Write};
-use std::process::{Child, ChildStdin, Command, Stdio};
+use std::io::{BufRead, Write};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 /// Arguments of `pdxfer bench-request`.
@@ -218,12 +219,6 @@ fn say(v: &Value) {
     let _ = o.flush();
 }
 
-fn pages_of(v: &Value, k: &str) -> Vec<u64> {
-    v[k].as_array()
-        .map(|a| a.iter().filter_map(Value::as_u64).collect())
-        .unwrap_or_default()
-}
-
 /// Runs one engine rank of the bench, driven by JSON lines on stdin.
 pub fn run_rank(a: &RequestRankArgs) -> Result<()> {
     let role = Role::parse(&a.role)?;
@@ -375,49 +370,6 @@ fn decode_room(
     pools.verify(room, &side, total, Some(0))
 }
 
-struct Proc {
-    child: Child,
-    stdin: ChildStdin,
-}
-
-impl Proc {
-    fn send(&mut self, v: &Value) -> Result<()> {
-        writeln!(self.stdin, "{v}")?;
-        self.stdin.flush()?;
-        Ok(())
-    }
-}
-
-fn spawn(args: &[String], idx: usize, secret: &str, tx: Sender<(usize, Value)>) -> Result<Proc> {
-    let exe = std::env::current_exe()?;
-    let mut child = Command::new(exe)
-        .arg("bench-request-rank")
-        .args(args)
-        .env("PDXFER_CLUSTER_SECRET", secret)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()?;
-    let stdin = child
-        .stdin
-        .take()
-        .ok_or_else(|| Error::new(Status::Io, "no stdin"))?;
-    let stdout = child
-        .stdout
-        .take()
-        .ok_or_else(|| Error::new(Status::Io, "no stdout"))?;
-    std::thread::spawn(move || {
-        for line in BufReader::new(stdout).lines() {
-            let Ok(line) = line else { break };
-            if let Ok(v) = serde_json::from_str::<Value>(&line) {
-                let _ = tx.send((idx, v));
-            }
-        }
-        let _ = tx.send((idx, json!({"event": "exit"})));
-    });
-    Ok(Proc { child, stdin })
-}
-
 /// The figures of one mode.
 #[derive(Debug, Clone, Serialize)]
 struct ModeResult {
@@ -453,7 +405,7 @@ struct ModeResult {
 
 /// Waits for `event` from every rank in `from` (any order); their events by rank.
 fn collect(
-    rx: &Receiver<(usize, Value)>,
+    rx: &Receiver<Event>,
     from: &[usize],
     event: &str,
     timeout: Duration,
@@ -494,7 +446,7 @@ struct Counters {
     one_copy_bytes: u64,
 }
 
-fn counters(procs: &mut [Proc], rx: &Receiver<(usize, Value)>) -> Result<Counters> {
+fn counters(procs: &mut [Proc], rx: &Receiver<Event>) -> Result<Counters> {
     for p in procs.iter_mut() {
         p.send(&json!({"cmd": "metrics"}))?;
     }
@@ -587,6 +539,7 @@ fn run_mode(a: &RequestBenchArgs, mode: Mode, bar: &indicatif::ProgressBar) -> R
     let mut procs = Vec::new();
     let mut spawned = || -> Result<()> {
         procs.push(spawn(
+            "bench-request-rank",
             &common("prefill", 1, 0, src_pages),
             0,
             &secret,
@@ -594,6 +547,7 @@ fn run_mode(a: &RequestBenchArgs, mode: Mode, bar: &indicatif::ProgressBar) -> R
         )?);
         for r in 0..a.dcp_size {
             procs.push(spawn(
+                "bench-request-rank",
                 &common("decode", a.dcp_size, r, dst_pages),
                 r as usize + 1,
                 &secret,
@@ -639,7 +593,7 @@ fn drive(
     a: &RequestBenchArgs,
     mode: Mode,
     procs: &mut [Proc],
-    rx: &Receiver<(usize, Value)>,
+    rx: &Receiver<Event>,
     request_bytes: u64,
     bar: &indicatif::ProgressBar,
 ) -> Result<ModeResult> {
