@@ -90,12 +90,12 @@ const SPREAD_MIN_BYTES: u64 = 8 << 20;
 /// Most threads one pair's copy is spread over.
 const SPREAD_MAX_THREADS: usize = 8;
 
-/// [`copy_spans_raw`](crate::relayout::cpu::copy_spans_raw) of `bytes`,
+/// [`copy_spans_streaming`](crate::relayout::cpu::copy_spans_streaming) of `bytes`,
 /// spread over up to [`SPREAD_MAX_THREADS`] threads (the available cores)
 /// in slices of about equal rows when the pair is large.
 ///
 /// # Safety
-/// As `copy_spans_raw`: every span of every entry readable at its source
+/// As `copy_spans_streaming`: every span of every entry readable at its source
 /// and writable at its destination, no destination byte overlapping a
 /// source byte or another destination byte.
 unsafe fn copy_spread(entries: &[CopyEntry], runs: &[Run], bytes: u64) {
@@ -103,7 +103,7 @@ unsafe fn copy_spread(entries: &[CopyEntry], runs: &[Run], bytes: u64) {
     let threads = cores.min(SPREAD_MAX_THREADS);
     if bytes < SPREAD_MIN_BYTES || threads < 2 || runs.len() < 2 {
         // SAFETY: the caller's contract.
-        unsafe { crate::relayout::cpu::copy_spans_raw(entries, runs) };
+        unsafe { crate::relayout::cpu::copy_spans_streaming(entries, runs) };
         return;
     }
     let rows: u64 = runs.iter().map(|r| r.len).sum();
@@ -124,10 +124,10 @@ unsafe fn copy_spread(entries: &[CopyEntry], runs: &[Run], bytes: u64) {
         for g in &groups[1..] {
             // SAFETY: a subset of the caller's spans: the same contract, and
             // the groups are disjoint, so no two threads write the same byte.
-            s.spawn(move || unsafe { crate::relayout::cpu::copy_spans_raw(entries, g) });
+            s.spawn(move || unsafe { crate::relayout::cpu::copy_spans_streaming(entries, g) });
         }
         // SAFETY: as above, the first group on this thread.
-        unsafe { crate::relayout::cpu::copy_spans_raw(entries, groups[0]) };
+        unsafe { crate::relayout::cpu::copy_spans_streaming(entries, groups[0]) };
     });
 }
 
