@@ -11,40 +11,13 @@
 //! engine end to end with prefill KV pools in (fake) device memory.
 #![cfg(feature = "cuda")]
 
-use std::path::PathBuf;
+#[path = "support/fakes.rs"]
+mod fakes;
 use std::process::Command;
 
 #[test]
 fn device_path_runs_on_fake_driver() {
-    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
-    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("fake-cuda");
-    std::fs::create_dir_all(&dir).unwrap();
-    let cxx = std::env::var("CXX").unwrap_or_else(|_| "g++".into());
-    for (lib, src) in [
-        ("libcuda.so", "cuda/fake_driver.cpp"),
-        ("libnccl.so.2", "cuda/fake_nccl.cpp"),
-    ] {
-        let ok = Command::new(&cxx)
-            .args([
-                "-std=c++17",
-                "-O1",
-                "-Wall",
-                "-Wextra",
-                "-Werror",
-                "-fno-strict-aliasing",
-                "-shared",
-                "-fPIC",
-                "-o",
-            ])
-            .arg(dir.join(lib))
-            .arg(root.join(src))
-            .arg("-lpthread")
-            .status()
-            .unwrap_or_else(|e| panic!("cannot run {cxx} (a C++ compiler is required): {e}"));
-        assert!(ok.success(), "building the fake {lib} failed");
-    }
-    // Any module image will do: the fake maps function names to the harness.
-    std::fs::write(dir.join("module.ptx"), "// fake module\n").unwrap();
+    let dir = fakes::compile_fakes("fake-cuda");
     let ld = match std::env::var("LD_LIBRARY_PATH") {
         Ok(p) if !p.is_empty() => format!("{}:{p}", dir.display()),
         _ => dir.display().to_string(),

@@ -18,6 +18,8 @@
 //! before posting, the other room's bytes unchanged).
 #![cfg(all(feature = "nccl", feature = "testing"))]
 
+#[path = "support/fakes.rs"]
+mod fakes;
 use pdxfer::bootstrap::schema::Role;
 use pdxfer::bootstrap::server::{BootstrapServer, ServerConfig};
 use pdxfer::engine::synthetic::SyntheticPools;
@@ -40,39 +42,9 @@ const DPAGES: u64 = 24;
 /// Builds both fakes once per test process (the tests run in parallel threads).
 fn build_fakes() -> PathBuf {
     static BUILT: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
-    BUILT.get_or_init(compile_fakes).clone()
-}
-
-fn compile_fakes() -> PathBuf {
-    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
-    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("fake-nccl-engine");
-    std::fs::create_dir_all(&dir).unwrap();
-    let cxx = std::env::var("CXX").unwrap_or_else(|_| "g++".into());
-    for (lib, src) in [
-        ("libcuda.so", "cuda/fake_driver.cpp"),
-        ("libnccl.so.2", "cuda/fake_nccl.cpp"),
-    ] {
-        let ok = Command::new(&cxx)
-            .args(["-std=c++17", "-O1", "-Wall", "-Wextra", "-Werror"])
-            .args(["-fno-strict-aliasing", "-shared", "-fPIC", "-o"])
-            .arg(dir.join(lib))
-            .arg(root.join(src))
-            .arg("-lpthread")
-            .status()
-            .unwrap_or_else(|e| panic!("cannot run {cxx} (a C++ compiler is required): {e}"));
-        assert!(ok.success(), "building the fake {lib} failed");
-    }
-    std::fs::write(dir.join("module.ptx"), "// fake module\n").unwrap();
-    // rendezvous files of communicators earlier runs aborted
-    for f in std::fs::read_dir(&dir).unwrap().flatten() {
-        if f.file_name()
-            .to_string_lossy()
-            .starts_with("pdxfer-fake-nccl")
-        {
-            let _ = std::fs::remove_file(f.path());
-        }
-    }
-    dir
+    BUILT
+        .get_or_init(|| fakes::compile_fakes("fake-nccl-engine"))
+        .clone()
 }
 
 fn child(fakes: &std::path::Path, name: &str, case: &str) -> Command {

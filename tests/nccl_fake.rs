@@ -19,6 +19,8 @@
 //! the process if NCCL still used them).
 #![cfg(feature = "nccl")]
 
+#[path = "support/fakes.rs"]
+mod fakes;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -31,30 +33,9 @@ const ROWS: [u64; 3] = [48, 100, 1152];
 /// Builds both fakes once per test process (the tests run in parallel threads).
 fn build_fakes() -> PathBuf {
     static BUILT: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
-    BUILT.get_or_init(compile_fakes).clone()
-}
-
-fn compile_fakes() -> PathBuf {
-    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
-    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("fake-nccl");
-    std::fs::create_dir_all(&dir).unwrap();
-    let cxx = std::env::var("CXX").unwrap_or_else(|_| "g++".into());
-    for (lib, src) in [
-        ("libcuda.so", "cuda/fake_driver.cpp"),
-        ("libnccl.so.2", "cuda/fake_nccl.cpp"),
-    ] {
-        let ok = Command::new(&cxx)
-            .args(["-std=c++17", "-O1", "-Wall", "-Wextra", "-Werror"])
-            .args(["-fno-strict-aliasing", "-shared", "-fPIC", "-o"])
-            .arg(dir.join(lib))
-            .arg(root.join(src))
-            .arg("-lpthread")
-            .status()
-            .unwrap_or_else(|e| panic!("cannot run {cxx} (a C++ compiler is required): {e}"));
-        assert!(ok.success(), "building the fake {lib} failed");
-    }
-    std::fs::write(dir.join("module.ptx"), "// fake module\n").unwrap();
-    dir
+    BUILT
+        .get_or_init(|| fakes::compile_fakes("fake-nccl"))
+        .clone()
 }
 
 struct Scenario {
