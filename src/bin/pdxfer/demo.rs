@@ -5,13 +5,12 @@
 //! (some with a cached decode prefix, some chunked); every decode rank verifies
 //! every byte it owns against the plan; prints a summary (and `--json`).
 
-use crate::rank_proc::{pages_of, spawn, Event, Proc};
+use crate::rank_proc::{pages_of, spawn, EngineRankArgs, Event, Proc};
 use clap::Args;
 use crossbeam::channel::{unbounded, Receiver};
-use pdxfer::bootstrap::schema::Role;
 use pdxfer::bootstrap::server::{BootstrapServer, ServerConfig};
 use pdxfer::engine::synthetic::SyntheticPools;
-use pdxfer::engine::{Engine, EngineConfig, KvPoll};
+use pdxfer::engine::{Engine, KvPoll};
 use pdxfer::error::{Error, Result, Status};
 use pdxfer::layout::{DcpLayout, Side};
 use pdxfer::rng::SplitMix64;
@@ -66,39 +65,8 @@ pub struct DemoArgs {
 /// Arguments of `pdxfer demo-rank` (one engine process of the demo).
 #[derive(Args, Debug)]
 pub struct DemoRankArgs {
-    /// prefill or decode.
-    #[arg(long)]
-    role: String,
-    /// Bootstrap URL.
-    #[arg(long)]
-    bootstrap: String,
-    /// Cluster name.
-    #[arg(long)]
-    cluster: String,
-    /// DCP size of this side.
-    #[arg(long, default_value_t = 1)]
-    dcp_size: u32,
-    /// DCP rank.
-    #[arg(long, default_value_t = 0)]
-    rank: u32,
-    /// Layers.
-    #[arg(long)]
-    layers: u32,
-    /// Bytes per token row.
-    #[arg(long)]
-    row_bytes: u64,
-    /// Tokens per page.
-    #[arg(long)]
-    page_size: u64,
-    /// Pages per layer pool.
-    #[arg(long)]
-    pages: u64,
-    /// Transport.
-    #[arg(long, default_value = "auto")]
-    transport: String,
-    /// Staging (pack) buffer per prefill worker, MiB (0: unpacked writes).
-    #[arg(long, default_value_t = 64)]
-    staging_mib: u64,
+    #[command(flatten)]
+    pub rank: EngineRankArgs,
     /// Grant every batch separately (no room-level grants).
     #[arg(long)]
     no_room_grants: bool,
@@ -114,8 +82,8 @@ fn say(out: &Mutex<std::io::Stdout>, v: &Value) {
 }
 
 /// Runs one engine rank of the demo, driven by JSON lines on stdin.
-pub fn run_rank(a: &DemoRankArgs) -> Result<()> {
-    let role = Role::parse(&a.role)?;
+pub fn run_rank(args: &DemoRankArgs) -> Result<()> {
+    let a = &args.rank;
     let pools = SyntheticPools::new(
         a.layers,
         a.row_bytes,
@@ -124,18 +92,9 @@ pub fn run_rank(a: &DemoRankArgs) -> Result<()> {
         AUX_ROWS,
         AUX_ITEM,
     )?;
-    let mut cfg = EngineConfig::new(
-        role,
-        &a.cluster,
-        &a.bootstrap,
-        pools.topology(a.dcp_size, a.rank),
-        pools.kv_pools(),
-    );
-    cfg.aux = pools.aux_buffers();
-    cfg.transport = TransportKind::parse(&a.transport)?;
+    let mut cfg = a.engine_config(&pools)?;
     cfg.room_timeout = Duration::from_secs(60);
-    cfg.staging_bytes = a.staging_mib << 20;
-    cfg.room_grants = !a.no_room_grants;
+    cfg.room_grants = !args.no_room_grants;
     // SAFETY: `pools` lives until this function returns, after `engine.close()`.
     let engine = unsafe { Engine::new(cfg)? };
     let pools = Arc::new(Mutex::new(pools));

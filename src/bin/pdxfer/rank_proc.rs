@@ -2,8 +2,13 @@
 //! drive: each a child of this binary running a hidden rank subcommand,
 //! spoken to in JSON lines on stdin, answering in JSON lines on stdout.
 
+use clap::Args;
 use crossbeam::channel::Sender;
+use pdxfer::bootstrap::schema::Role;
+use pdxfer::engine::synthetic::SyntheticPools;
+use pdxfer::engine::EngineConfig;
 use pdxfer::error::{Error, Result, Status};
+use pdxfer::transport::TransportKind;
 use serde_json::{json, Value};
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Child, ChildStdin, Command, Stdio};
@@ -71,4 +76,61 @@ pub fn pages_of(v: &Value, k: &str) -> Vec<u64> {
     v[k].as_array()
         .map(|a| a.iter().filter_map(Value::as_u64).collect())
         .unwrap_or_default()
+}
+
+/// What every rank process of `demo` and `bench-request` is started with:
+/// who it is, where the bootstrap is, and its synthetic KV geometry.
+#[derive(Args, Debug)]
+pub struct EngineRankArgs {
+    /// prefill or decode.
+    #[arg(long)]
+    pub role: String,
+    /// Bootstrap URL.
+    #[arg(long)]
+    pub bootstrap: String,
+    /// Cluster name.
+    #[arg(long)]
+    pub cluster: String,
+    /// DCP size of this side.
+    #[arg(long, default_value_t = 1)]
+    pub dcp_size: u32,
+    /// DCP rank.
+    #[arg(long, default_value_t = 0)]
+    pub rank: u32,
+    /// Layers.
+    #[arg(long)]
+    pub layers: u32,
+    /// Bytes per token row.
+    #[arg(long)]
+    pub row_bytes: u64,
+    /// Tokens per page.
+    #[arg(long)]
+    pub page_size: u64,
+    /// Pages per layer pool.
+    #[arg(long)]
+    pub pages: u64,
+    /// Transport.
+    #[arg(long, default_value = "auto")]
+    pub transport: String,
+    /// Staging (pack) buffer per prefill worker, MiB (0: unpacked writes).
+    #[arg(long, default_value_t = 64)]
+    pub staging_mib: u64,
+}
+
+impl EngineRankArgs {
+    /// The rank's engine configuration over `pools` (role, cluster,
+    /// bootstrap, topology, KV and aux buffers, transport, staging).
+    pub fn engine_config(&self, pools: &SyntheticPools) -> Result<EngineConfig> {
+        let mut cfg = EngineConfig::new(
+            Role::parse(&self.role)?,
+            &self.cluster,
+            &self.bootstrap,
+            pools.topology(self.dcp_size, self.rank),
+            pools.kv_pools(),
+        );
+        cfg.aux = pools.aux_buffers();
+        cfg.transport = TransportKind::parse(&self.transport)?;
+        cfg.staging_bytes = self.staging_mib << 20;
+        Ok(cfg)
+    }
 }

@@ -9,13 +9,12 @@
 //! warm ones. Every request is verified byte by byte on every decode rank
 //! (after its timing).
 
-use crate::rank_proc::{pages_of, spawn, Event, Proc};
+use crate::rank_proc::{pages_of, spawn, EngineRankArgs, Event, Proc};
 use clap::Args;
 use crossbeam::channel::{unbounded, Receiver};
-use pdxfer::bootstrap::schema::Role;
 use pdxfer::bootstrap::server::{BootstrapServer, ServerConfig};
 use pdxfer::engine::synthetic::SyntheticPools;
-use pdxfer::engine::{Engine, EngineConfig, KvPoll};
+use pdxfer::engine::{Engine, KvPoll};
 use pdxfer::error::{Error, Result, Status};
 use pdxfer::layout::{DcpLayout, Side};
 use pdxfer::transport::TransportKind;
@@ -69,42 +68,11 @@ pub struct RequestBenchArgs {
 /// Arguments of `pdxfer bench-request-rank` (one engine process of the bench).
 #[derive(Args, Debug)]
 pub struct RequestRankArgs {
-    /// prefill or decode.
-    #[arg(long)]
-    role: String,
-    /// Bootstrap URL.
-    #[arg(long)]
-    bootstrap: String,
-    /// Cluster name.
-    #[arg(long)]
-    cluster: String,
-    /// DCP size of this side.
-    #[arg(long, default_value_t = 1)]
-    dcp_size: u32,
-    /// DCP rank.
-    #[arg(long, default_value_t = 0)]
-    rank: u32,
-    /// Layers.
-    #[arg(long)]
-    layers: u32,
-    /// Bytes per token row.
-    #[arg(long)]
-    row_bytes: u64,
-    /// Tokens per page.
-    #[arg(long)]
-    page_size: u64,
-    /// Pages per layer pool.
-    #[arg(long)]
-    pages: u64,
-    /// Transport.
-    #[arg(long)]
-    transport: String,
+    #[command(flatten)]
+    pub rank: EngineRankArgs,
     /// Pool memory: heap or shared.
     #[arg(long, default_value = "heap")]
     pools: String,
-    /// Staging (pack) buffer per prefill worker, MiB.
-    #[arg(long, default_value_t = 64)]
-    staging_mib: u64,
     /// Leave the pools to first touch.
     #[arg(long)]
     no_prefault: bool,
@@ -220,9 +188,9 @@ fn say(v: &Value) {
 }
 
 /// Runs one engine rank of the bench, driven by JSON lines on stdin.
-pub fn run_rank(a: &RequestRankArgs) -> Result<()> {
-    let role = Role::parse(&a.role)?;
-    let alloc = match a.pools.as_str() {
+pub fn run_rank(args: &RequestRankArgs) -> Result<()> {
+    let a = &args.rank;
+    let alloc = match args.pools.as_str() {
         "heap" => SyntheticPools::new,
         "shared" => SyntheticPools::new_shared,
         other => return Err(Error::invalid(format!("pools {other:?}: heap or shared"))),
@@ -235,18 +203,9 @@ pub fn run_rank(a: &RequestRankArgs) -> Result<()> {
         AUX_ROWS,
         AUX_ITEM,
     )?;
-    let mut cfg = EngineConfig::new(
-        role,
-        &a.cluster,
-        &a.bootstrap,
-        pools.topology(a.dcp_size, a.rank),
-        pools.kv_pools(),
-    );
-    cfg.aux = pools.aux_buffers();
-    cfg.transport = TransportKind::parse(&a.transport)?;
+    let mut cfg = a.engine_config(&pools)?;
     cfg.room_timeout = Duration::from_secs(120);
-    cfg.staging_bytes = a.staging_mib << 20;
-    cfg.prefault = !a.no_prefault;
+    cfg.prefault = !args.no_prefault;
     // SAFETY: `pools` lives until this function returns, after `engine.close()`.
     let engine = unsafe { Engine::new(cfg)? };
     say(&json!({"event": "ready", "pid": std::process::id()}));
@@ -346,7 +305,7 @@ fn decode_room(
     pools: &SyntheticPools,
     cmd: &Value,
     page: u64,
-    a: &RequestRankArgs,
+    a: &EngineRankArgs,
 ) -> Result<u64> {
     let room = cmd["room"].as_u64().unwrap_or(0);
     let pages = pages_of(cmd, "dst_pages");
