@@ -115,7 +115,8 @@ def run_cluster(name, p_dcp, d_dcp, rooms, transport="auto", staging=1 << 20, pr
                 out, err = p.communicate(input="", timeout=60)
                 assert p.returncode == 0, f"prefill {r} failed:\n{err}"
                 for line in (json.loads(l) for l in out.splitlines() if l.startswith("{")):
-                    assert line["poll"] == int(pdxfer.KVPoll.Success), line
+                    assert line["poll"] == int(pdxfer.KVPoll.Success), (
+                        f"prefill {r}: {json.dumps(line)}\nprefill stderr:\n{err}")
                     if prefill_lines is not None:
                         prefill_lines.append(line)
             return results
