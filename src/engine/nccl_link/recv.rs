@@ -276,8 +276,10 @@ fn receive(inner: &Inner, link: &PrefillLink, st: &mut Receiver, peer: &str, c: 
     let (plan, req_parts) = match r {
         Ok(v) => v,
         Err(e) => {
-            send(false, &Err(e.clone()));
+            // the room fails here first, with this decode's reason, before
+            // the prefill hears of it (and could report its own failure back)
             fail(&e, st, false);
+            send(false, &Err(e.clone()));
             inner.nccl.leave(c.room);
             inner.cv.notify_all();
             return;
