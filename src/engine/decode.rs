@@ -6,7 +6,7 @@ use super::control::{
     authenticate_to_prefill, CtlMsg, CtlReader, CtlWriter, MetaGrant, CONTROL_VERSION,
 };
 use super::handle::{lock, Engine, Inner};
-use super::metrics::PeerCounters;
+use super::link::PrefillLink;
 use super::room::KvPoll;
 use super::room_grants::room_ranges;
 use super::telemetry::RoomTimes;
@@ -19,15 +19,6 @@ use std::net::TcpStream;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-
-/// A prefill rank as the decode engine sees it.
-pub(super) struct PrefillLink {
-    pub(super) registration: Registration,
-    pub(super) writer: CtlWriter,
-    pub(super) alive: AtomicBool,
-    /// The KV bytes this prefill rank reported for its rooms.
-    pub(super) counters: Arc<PeerCounters>,
-}
 
 /// Decode-side room data beyond the state machine.
 pub(super) struct DecodeRoom {

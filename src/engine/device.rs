@@ -38,7 +38,7 @@ use crate::transport::TransportKind;
 
 use super::flight::Flight;
 use super::handle::{lock, Inner};
-use super::prefill::DecodeLink;
+use super::link::DecodeLink;
 use super::staging::staged_ops;
 use super::EngineConfig;
 use crate::layout::{slice_requests, PairRequest};

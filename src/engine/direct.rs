@@ -7,7 +7,7 @@
 
 use super::flight::Flight;
 use super::handle::Inner;
-use super::prefill::DecodeLink;
+use super::link::DecodeLink;
 use crate::error::{Error, Result, Status};
 use crate::layout::{PairRequest, Run};
 use crate::relayout::CopyEntry;

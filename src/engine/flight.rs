@@ -2,7 +2,7 @@
 //! room's fenced writes, and the host staging slots they read.
 
 use super::handle::lock;
-use super::prefill::DecodeLink;
+use super::link::DecodeLink;
 use super::room::RoomTable;
 use crate::error::{Error, Result};
 use crate::transport::{BatchId, BatchOptions, PlacedRange, Transport, WriteOp};

@@ -10,10 +10,11 @@
 //! never stops the others: workers and readers catch errors and panics per job.
 
 use super::control::{CtlMsg, RegionMap};
-use super::decode::{DecodeRoom, PrefillLink};
+use super::decode::DecodeRoom;
 use super::jobs::JobQueue;
+use super::link::{DecodeLink, PrefillLink};
 use super::metrics::EngineMetrics;
-use super::prefill::{DecodeLink, MetaInfo, PrefillRoom};
+use super::prefill::{MetaInfo, PrefillRoom};
 use super::room::{KvPoll, RoomTable};
 use super::EngineConfig;
 use crate::bootstrap::client::Registrar;

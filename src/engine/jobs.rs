@@ -8,10 +8,34 @@
 //! the others go on with the rooms of every other decode rank.
 
 use super::handle::lock;
-use super::worker::Job;
+use super::layers::Ready;
 use std::collections::{HashSet, VecDeque};
+use std::ops::Range;
 use std::sync::{Condvar, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
+
+/// One chunk (or layer group of one) that `send` queued for the workers.
+pub(super) struct Job {
+    pub(super) room: u64,
+    pub(super) attempt: u64,
+    pub(super) pages: Vec<u64>,
+    pub(super) start: u64,
+    pub(super) num_tokens: u64,
+    pub(super) last: bool,
+    pub(super) aux_index: u64,
+    pub(super) state_indices: Vec<u64>,
+    /// When `send` queued the chunk.
+    pub(super) queued: Instant,
+    /// The room's decode ranks (see [`JobQueue`]).
+    pub(super) peers: Vec<PeerKey>,
+    /// The layers (topology entries) whose rows this job moves.
+    pub(super) layers: Range<usize>,
+    /// Part of a chunk sent layer by layer: the chunk's plan is made by its
+    /// first job and reused by the others.
+    pub(super) layered: bool,
+    /// What the rows depend on (the caller's CUDA event or ready flag).
+    pub(super) ready: Ready,
+}
 
 /// A decode rank as the scheduler tells them apart (its link's address).
 pub(super) type PeerKey = usize;

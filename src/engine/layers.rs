@@ -14,7 +14,7 @@
 use super::device::DeviceStage;
 use super::flight::Flight;
 use super::handle::{lock, Inner};
-use super::prefill::DecodeLink;
+use super::link::DecodeLink;
 use super::room::KvPoll;
 use super::staging::{gather_into_slot, pool_slices, sender_gathers, staging_slots};
 use crate::error::{Error, Result, Status};

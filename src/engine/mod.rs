@@ -39,6 +39,7 @@ pub mod gpu_layerwise_bench;
 mod handle;
 mod jobs;
 mod layers;
+mod link;
 mod metrics;
 mod metrics_http;
 mod nccl_link;

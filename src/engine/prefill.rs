@@ -2,52 +2,24 @@
 //! `sender` and fed by `send`, the control listener and one connection per
 //! decode rank (handshake, metadata, aborts), and the final status sent back.
 
-use super::control::{
-    authenticate_decode, CtlMsg, CtlReader, CtlWriter, RegionMap, CONTROL_VERSION,
-};
+use super::control::{authenticate_decode, CtlMsg, CtlReader, CtlWriter, CONTROL_VERSION};
 use super::handle::{catch, lock, Engine, Inner};
+use super::jobs::Job;
 use super::layers::{check_next, LayerChunk, LayerPlan, Ready, SendOptions};
-use super::metrics::PeerCounters;
+use super::link::DecodeLink;
 use super::room::KvPoll;
 use super::room_grants::room_ranges;
-use super::worker::Job;
 use crate::bootstrap::peer::check_pair;
 use crate::bootstrap::schema::{PeerHello, Role};
 use crate::error::{Error, Result, Status};
 use crate::layout::prefill_unique_rank;
 use crate::transport::listen::{self, Framing, ListenStats, Slot};
 use crate::transport::room::RoomGrant;
-use crate::transport::{ConnectOptions, Transport, TransportKind};
+use crate::transport::{ConnectOptions, TransportKind};
 use std::net::{TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
-
-/// A decode rank as the prefill engine sees it.
-pub(super) struct DecodeLink {
-    pub(super) hello: PeerHello,
-    pub(super) regions: RegionMap,
-    pub(super) writer: CtlWriter,
-    /// The data connection; remade when it breaks while the control
-    /// connection lives ([`Inner::redial_if_broken`]).
-    pub(super) data: Mutex<Arc<dyn Transport>>,
-    /// Where the decode rank's agent accepts data connections.
-    pub(super) data_addr: String,
-    pub(super) alive: AtomicBool,
-    /// Device pools: slices are written straight from the device staging
-    /// buffer (rdma with GPUDirect RDMA), not copied to the host first;
-    /// cleared for good when the NIC refuses device memory.
-    pub(super) zero_copy: AtomicBool,
-    /// Bytes, batches and wire time of the writes to this decode rank.
-    pub(super) counters: Arc<PeerCounters>,
-}
-
-impl DecodeLink {
-    /// The current data connection.
-    pub(super) fn data(&self) -> Arc<dyn Transport> {
-        lock(&self.data).clone()
-    }
-}
 
 /// What one decode rank asked for in one room.
 #[derive(Clone)]

@@ -7,7 +7,7 @@
 
 use super::flight::Flight;
 use super::handle::Inner;
-use super::prefill::DecodeLink;
+use super::link::DecodeLink;
 use crate::error::Result;
 use crate::layout::plan::RunMerger;
 use crate::layout::{slice_requests, PackLayout, PairRequest, Run};

@@ -6,8 +6,8 @@ use super::control::CtlMsg;
 use super::device::{write_pair_device, DeviceStage};
 use super::flight::Flight;
 use super::handle::{catch, lock, Inner};
-use super::jobs::{JobQueue, PeerKey};
-use super::layers::{wait_ready, write_group, write_group_device, LayerPlan, PairPlan, Ready};
+use super::jobs::{Job, JobQueue};
+use super::layers::{wait_ready, write_group, write_group_device, LayerPlan, PairPlan};
 use super::prefill::{notify_decode, MetaInfo};
 use super::room::KvPoll;
 use super::staging::write_pair;
@@ -15,33 +15,10 @@ use super::telemetry::RoomTimes;
 use crate::error::{Error, Result, Status};
 use crate::layout::{DcpLayout, PairRequest, Side};
 use crate::transport::{BatchOptions, TransportKind, WriteOp};
-use std::ops::Range;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 use std::time::Instant;
-
-pub(super) struct Job {
-    pub(super) room: u64,
-    pub(super) attempt: u64,
-    pub(super) pages: Vec<u64>,
-    pub(super) start: u64,
-    pub(super) num_tokens: u64,
-    pub(super) last: bool,
-    pub(super) aux_index: u64,
-    pub(super) state_indices: Vec<u64>,
-    /// When `send` queued the chunk.
-    pub(super) queued: Instant,
-    /// The room's decode ranks (see [`JobQueue`](super::jobs::JobQueue)).
-    pub(super) peers: Vec<PeerKey>,
-    /// The layers (topology entries) whose rows this job moves.
-    pub(super) layers: Range<usize>,
-    /// Part of a chunk sent layer by layer: the chunk's plan is made by its
-    /// first job and reused by the others.
-    pub(super) layered: bool,
-    /// What the rows depend on (the caller's CUDA event or ready flag).
-    pub(super) ready: Ready,
-}
 
 pub(super) fn worker_loop(
     w: std::sync::Weak<Inner>,

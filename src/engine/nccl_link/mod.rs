@@ -353,10 +353,10 @@ pub(super) fn finish_all(pairs: Vec<NcclSend>) -> Result<()> {
 #[cfg(not(feature = "nccl"))]
 pub(super) fn start_pair(
     _inner: &Inner,
-    _job: &super::worker::Job,
+    _job: &super::jobs::Job,
     _req: &crate::layout::PairRequest<'_>,
     _row_bytes: &[u64],
-    _link: &std::sync::Arc<super::prefill::DecodeLink>,
+    _link: &std::sync::Arc<super::link::DecodeLink>,
 ) -> Result<Option<NcclSend>> {
     Err(Error::new(
         Status::Unsupported,
@@ -368,7 +368,7 @@ pub(super) fn start_pair(
 #[cfg(not(feature = "nccl"))]
 pub(super) fn on_prefill_message(
     _inner: &std::sync::Arc<Inner>,
-    _link: &std::sync::Arc<super::decode::PrefillLink>,
+    _link: &std::sync::Arc<super::link::PrefillLink>,
     _m: CtlMsg,
 ) {
 }

@@ -3,7 +3,8 @@
 //! chunk's recvs.
 
 use super::*;
-use crate::engine::decode::{DecodeRoom, PrefillLink};
+use crate::engine::decode::DecodeRoom;
+use crate::engine::link::PrefillLink;
 use crate::layout::{PairRequest, Side};
 use crate::relayout::{
     self,

@@ -3,8 +3,8 @@
 //! another and finished together.
 
 use super::*;
-use crate::engine::prefill::DecodeLink;
-use crate::engine::worker::Job;
+use crate::engine::jobs::Job;
+use crate::engine::link::DecodeLink;
 use crate::layout::PairRequest;
 use crate::relayout::{
     self,
