@@ -500,3 +500,63 @@ fn cuda_event_on_host_pools_is_refused() {
     e.send(req.room, &req.src[0], 64, true, 3).unwrap();
     assert_eq!(finish(&c, &req), 64 * TOKEN + 32);
 }
+
+/// Layer-wise sends over cma into decode pools in shared memory take the
+/// one-copy path, as whole-chunk sends do: every KV byte is copied straight
+/// into the decode ranks' pools (the one-copy counter equals the KV bytes),
+/// and every byte is verified.
+#[test]
+fn layerwise_over_cma_into_shared_decode_pools_takes_the_one_copy_path() {
+    let t = Duration::from_secs(20);
+    let server = BootstrapServer::start(ServerConfig::default()).unwrap();
+    let url = server.url();
+    let name = "lw-one-copy";
+    let cma = TransportKind::Cma;
+    let prefill = vec![rank(
+        Role::Prefill,
+        name,
+        &url,
+        64,
+        (1, 0),
+        cma,
+        (1 << 20, t),
+    )];
+    let decode = (0..4)
+        .map(|r| {
+            let pools = SyntheticPools::new_shared(LAYERS, ROW, P, 32, 8, 32).unwrap();
+            let mut cfg = EngineConfig::new(
+                Role::Decode,
+                name,
+                &url,
+                pools.topology(4, r),
+                pools.kv_pools(),
+            );
+            cfg.aux = pools.aux_buffers();
+            cfg.transport = cma;
+            cfg.room_timeout = t;
+            // SAFETY: the pools are kept next to the engine in the cluster.
+            (unsafe { Engine::new(cfg) }.unwrap(), pools)
+        })
+        .collect();
+    let mut c = Cluster {
+        _server: server,
+        prefill,
+        decode,
+    };
+    let mut kv = 0;
+    for (room, total, prefix, chunk_pages) in [(1u64, 300u64, 0u64, 100usize), (2, 700, 128, 3)] {
+        let req = open(&mut c, room, total, prefix, true);
+        send_layerwise(&c, &req, chunk_pages);
+        assert_eq!(finish(&c, &req), req.n() * TOKEN + 4 * 32, "room {room}");
+        kv += req.n() * TOKEN;
+    }
+    let p = &c.prefill[0].0;
+    assert_eq!(
+        p.metrics_snapshot().one_copy_bytes,
+        kv,
+        "every KV byte of the layer-wise sends took the one-copy path"
+    );
+    assert!(p
+        .metrics()
+        .contains(&format!("pdxfer_engine_one_copy_bytes_total {kv}")));
+}

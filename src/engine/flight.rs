@@ -201,6 +201,7 @@ mod tests {
     use super::*;
     use crate::bootstrap::schema::{InstanceId, PeerHello, Registration, Role};
     use crate::engine::control::{CtlWriter, RegionMap};
+    use crate::engine::path::{Conn, WritePath};
     use crate::engine::room::KvPoll;
     use crate::error::Status;
     use crate::layout::Topology;
@@ -334,10 +335,14 @@ mod tests {
             hello: PeerHello::from(&reg),
             regions: RegionMap::default(),
             writer: CtlWriter::new(ctl),
-            data: Mutex::new(Arc::new(FakeTransport(fabric.clone()))),
+            conn: Mutex::new(Conn {
+                data: Arc::new(FakeTransport(fabric.clone())),
+                path: Arc::new(WritePath::Staged {
+                    sender_gathers: false,
+                }),
+            }),
             data_addr: String::new(),
             alive: AtomicBool::new(true),
-            zero_copy: AtomicBool::new(false),
             counters: Default::default(),
         })
     }

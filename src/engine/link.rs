@@ -5,6 +5,7 @@
 use super::control::{CtlWriter, RegionMap};
 use super::handle::lock;
 use super::metrics::PeerCounters;
+use super::path::Conn;
 use crate::bootstrap::schema::{PeerHello, Registration};
 use crate::transport::Transport;
 use std::sync::atomic::AtomicBool;
@@ -15,16 +16,13 @@ pub(super) struct DecodeLink {
     pub(super) hello: PeerHello,
     pub(super) regions: RegionMap,
     pub(super) writer: CtlWriter,
-    /// The data connection; remade when it breaks while the control
-    /// connection lives (`Inner::redial_if_broken`).
-    pub(super) data: Mutex<Arc<dyn Transport>>,
+    /// The data connection and the path the rows take over it; remade
+    /// when it breaks while the control connection lives
+    /// (`Inner::redial_if_broken`).
+    pub(super) conn: Mutex<Conn>,
     /// Where the decode rank's agent accepts data connections.
     pub(super) data_addr: String,
     pub(super) alive: AtomicBool,
-    /// Device pools: slices are written straight from the device staging
-    /// buffer (rdma with GPUDirect RDMA), not copied to the host first;
-    /// cleared for good when the NIC refuses device memory.
-    pub(super) zero_copy: AtomicBool,
     /// Bytes, batches and wire time of the writes to this decode rank.
     pub(super) counters: Arc<PeerCounters>,
 }
@@ -32,7 +30,12 @@ pub(super) struct DecodeLink {
 impl DecodeLink {
     /// The current data connection.
     pub(super) fn data(&self) -> Arc<dyn Transport> {
-        lock(&self.data).clone()
+        lock(&self.conn).data.clone()
+    }
+
+    /// The current data connection with its write path.
+    pub(super) fn conn(&self) -> Conn {
+        lock(&self.conn).clone()
     }
 }
 

@@ -7,6 +7,7 @@ use super::handle::{catch, lock, Engine, Inner};
 use super::jobs::Job;
 use super::layers::{check_next, LayerChunk, LayerPlan, Ready, SendOptions};
 use super::link::DecodeLink;
+use super::path::Conn;
 use super::room::KvPoll;
 use super::room_grants::room_ranges;
 use crate::bootstrap::peer::check_pair;
@@ -303,10 +304,8 @@ impl Inner {
                     old.kind().name(),
                     data.kind().name()
                 );
-                let zero_copy =
-                    link.zero_copy.load(Ordering::Acquire) && self.zero_copy_for(&*data, id);
-                link.zero_copy.store(zero_copy, Ordering::Release);
-                *lock(&link.data) = Arc::from(data);
+                let gpu_direct = link.conn().path.gpu_direct();
+                *lock(&link.conn) = Conn::new(self, Arc::from(data), &link.regions, id, gpu_direct);
             }
             Err(e) => log::warn!(
                 "engine: the {} data link to decode {id} broke and reconnecting failed: {e}",
@@ -537,16 +536,15 @@ fn prefill_conn(w: std::sync::Weak<Inner>, s: TcpStream, first: &[u8], mut slot:
         )));
         return;
     }
-    let zero_copy = inner.zero_copy_for(&*data, hello.instance_id);
     let counters = inner.metrics.peer(data.kind().name(), peer_label(&hello));
+    let conn = Conn::new(&inner, Arc::from(data), &regions, hello.instance_id, true);
     let link = Arc::new(DecodeLink {
         hello,
         regions,
         writer,
-        data: Mutex::new(Arc::from(data)),
+        conn: Mutex::new(conn),
         data_addr,
         alive: AtomicBool::new(true),
-        zero_copy: AtomicBool::new(zero_copy),
         counters,
     });
     if link

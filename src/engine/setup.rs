@@ -270,7 +270,7 @@ unsafe fn register_regions(cfg: &EngineConfig, agent: &Agent, workers: usize) ->
         if cfg.staging_bytes == 0 || cfg.pool_device.is_some() {
             break;
         }
-        let mut buf = super::staging::faulted_in(cfg.staging_bytes as usize);
+        let mut buf = super::path::staged::faulted_in(cfg.staging_bytes as usize);
         // SAFETY: the buffer is owned by the engine and unregistered (registry dropped) before it is freed.
         let desc = unsafe { reg.register_host(buf.as_mut_ptr(), buf.len())? };
         staging.push((buf, desc));

@@ -3,14 +3,15 @@
 //! and reports the room's outcome.
 
 use super::control::CtlMsg;
-use super::device::{write_pair_device, DeviceStage};
+use super::device::DeviceStage;
 use super::flight::Flight;
 use super::handle::{catch, lock, Inner};
 use super::jobs::{Job, JobQueue};
-use super::layers::{wait_ready, write_group, write_group_device, LayerPlan, PairPlan};
+use super::layers::{wait_ready, LayerPlan};
+use super::path::chunk::{Chunk, Pair};
+use super::path::PairPlan;
 use super::prefill::{notify_decode, MetaInfo};
 use super::room::KvPoll;
-use super::staging::write_pair;
 use super::telemetry::RoomTimes;
 use crate::error::{Error, Result, Status};
 use crate::layout::{DcpLayout, PairRequest, Side};
@@ -115,12 +116,12 @@ fn run_job(
 /// Submits one chunk's batches to every decode rank of the room into
 /// `flight`; returns the KV bytes for each decode rank (in `infos` order),
 /// counted once the flight drained without error.
-fn send_chunk(
-    inner: &Inner,
+fn send_chunk<'a>(
+    inner: &'a Inner,
     idx: usize,
     job: &Job,
-    mut stage: Option<&mut DeviceStage>,
-    flight: &mut Flight<'_>,
+    stage: Option<&mut DeviceStage>,
+    flight: &mut Flight<'a>,
 ) -> Result<Vec<u64>> {
     stamp_queued(inner, job);
     let infos = lock(&inner.prefill_rooms)
@@ -136,7 +137,6 @@ fn send_chunk(
     let topo = &inner.cfg.topology;
     let src_l = topo.dcp_layout()?;
     let row_bytes: Vec<u64> = topo.entries.iter().map(|e| e.row_bytes).collect();
-    let opts = flight.opts;
     let mut sent = Vec::with_capacity(infos.len());
     // a layer-wise chunk's plan, made by its first job
     let cached: Option<Arc<LayerPlan>> = if job.layered {
@@ -148,8 +148,14 @@ fn send_chunk(
         None
     };
     let mut planned: Vec<PairPlan> = Vec::new();
-    // transport nccl: the chunk's pairs with their sends posted
-    let mut nccl = Vec::new();
+    let mut cx = Chunk {
+        inner,
+        job,
+        idx,
+        stage,
+        flight,
+        nccl: Vec::new(),
+    };
     for (i, m) in infos.iter().enumerate() {
         if !m.link.alive.load(Ordering::Acquire) {
             return Err(Error::new(
@@ -195,59 +201,26 @@ fn send_chunk(
                 })
             })
             .collect::<Result<_>>()?;
-        let bytes = if job.layered {
-            let plan = match &cached {
-                Some(c) => &c.pairs[i],
-                None => {
-                    req.validate()?;
-                    planned.push(PairPlan::new(&req)?);
-                    planned.last().expect("pushed")
-                }
-            };
-            let l = &job.layers;
-            if inner.cfg.transport == TransportKind::Nccl {
-                return Err(Error::new(
-                    Status::Unsupported,
-                    "layer-wise sends over transport nccl are not supported: send whole chunks",
-                ));
-            }
-            match stage.as_deref_mut() {
-                Some(st) => write_group_device(
-                    inner,
-                    st,
-                    plan,
-                    l,
-                    &row_bytes,
-                    &dst_regions,
-                    &m.link,
-                    &opts,
-                )?,
-                None => write_group(
-                    inner,
-                    idx,
-                    plan,
-                    l,
-                    &row_bytes,
-                    &dst_regions,
-                    &m.link,
-                    flight,
-                )?,
-            }
-        } else {
-            req.validate()?;
-            match stage.as_deref_mut() {
-                Some(_) if inner.cfg.transport == TransportKind::Nccl => {
-                    let p = super::nccl_link::start_pair(inner, job, &req, &row_bytes, &m.link)?;
-                    nccl.extend(p);
-                    req.token_count() * row_bytes.iter().sum::<u64>()
-                }
-                Some(st) => {
-                    write_pair_device(inner, st, &req, &row_bytes, &dst_regions, &m.link, &opts)?
-                }
-                None => write_pair(inner, idx, &req, &row_bytes, &dst_regions, &m.link, flight)?,
+        // plan, write through the link's path
+        let plan = match &cached {
+            Some(c) => &c.pairs[i],
+            None => {
+                req.validate()?;
+                planned.push(PairPlan::new(&req));
+                planned.last().expect("pushed")
             }
         };
-        sent.push(bytes);
+        let pair = Pair {
+            req: &req,
+            plan,
+            row_bytes: &row_bytes,
+            dst_regions: &dst_regions,
+        };
+        let conn = m.link.conn();
+        sent.push(
+            conn.path
+                .write(&mut cx, &m.link, &conn, &pair, &job.layers)?,
+        );
         if job.last && !inner.cfg.aux.is_empty() {
             let mut ops = Vec::new();
             for (i, (a, r)) in inner.cfg.aux.iter().zip(&inner.aux_regions).enumerate() {
@@ -278,16 +251,16 @@ fn send_chunk(
                     len: a.item_bytes,
                 });
             }
-            flight.submit(&m.link, &ops, None)?;
+            cx.flight.submit(&m.link, &ops, None)?;
         }
         // a request without state rows on either side moves no state
         if job.last && !(job.state_indices.is_empty() && m.state_indices.is_empty()) {
             let ops = state_ops(inner, job, m)?;
-            flight.submit(&m.link, &ops, None)?;
+            cx.flight.submit(&m.link, &ops, None)?;
         }
     }
     // every nccl pair of the chunk is on the wire: each completes (or aborts) here
-    super::nccl_link::finish_all(nccl)?;
+    super::nccl_link::finish_all(cx.nccl)?;
     if job.layered {
         let done = job.layers.end == topo.entries.len();
         if let Some(r) = lock(&inner.prefill_rooms).get_mut(&job.room) {

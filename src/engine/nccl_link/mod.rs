@@ -334,18 +334,18 @@ mod send;
 #[cfg(feature = "nccl")]
 pub(super) use recv::on_prefill_message;
 #[cfg(feature = "nccl")]
-pub(super) use send::{finish_all, start_pair};
+pub(super) use send::{finish_all, start_pair, NcclSend};
 
 /// Without the `nccl` feature an nccl engine is refused at creation.
 #[cfg(not(feature = "nccl"))]
-pub(super) enum NcclSend {}
+pub(super) struct NcclSend<'a>(std::convert::Infallible, std::marker::PhantomData<&'a ()>);
 
 /// Without the `nccl` feature there is no pair to finish.
 #[cfg(not(feature = "nccl"))]
-pub(super) fn finish_all(pairs: Vec<NcclSend>) -> Result<()> {
+pub(super) fn finish_all(pairs: Vec<NcclSend<'_>>) -> Result<()> {
     match pairs.into_iter().next() {
         None => Ok(()),
-        Some(p) => match p {},
+        Some(p) => match p.0 {},
     }
 }
 
@@ -357,7 +357,7 @@ pub(super) fn start_pair(
     _req: &crate::layout::PairRequest<'_>,
     _row_bytes: &[u64],
     _link: &std::sync::Arc<super::link::DecodeLink>,
-) -> Result<Option<NcclSend>> {
+) -> Result<Option<NcclSend<'static>>> {
     Err(Error::new(
         Status::Unsupported,
         "built without the `nccl` feature",
