@@ -5,19 +5,22 @@
 use super::control::{
     authenticate_to_prefill, CtlMsg, CtlReader, CtlWriter, MetaGrant, CONTROL_VERSION,
 };
-use super::handle::{lock, Engine, Inner};
 use super::link::PrefillLink;
+use super::nccl_link::NcclLinks;
 use super::room::KvPoll;
 use super::room_grants::room_ranges;
+use super::state::{lock, peer_names, Shared};
 use super::telemetry::RoomTimes;
 use crate::auth::PeerInstance;
 use crate::bootstrap::peer::{prefill_targets, verify_peer};
-use crate::bootstrap::schema::{PeerHello, Registration, Role};
+use crate::bootstrap::schema::InstanceId;
+use crate::bootstrap::schema::{PeerHello, Registration};
 use crate::error::{Error, Result, Status};
-use std::collections::BTreeSet;
+use std::collections::{BTreeSet, HashMap};
 use std::net::TcpStream;
+use std::ops::Deref;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
 /// Decode-side room data beyond the state machine.
@@ -42,25 +45,106 @@ pub(super) struct NamedPages {
     pub(super) decode_prefix_len: u64,
 }
 
-impl Engine {
+/// A decode engine's state: the [`Shared`] state and the decode's own.
+///
+/// # Lock order
+///
+/// `decode_rooms` and `prefill_links` are never held while another engine
+/// lock is taken, nor taken under one (nor are the shared `rooms` and
+/// `registrar`); the `nccl` state's locks are leaves too. No control socket
+/// is written under any of them except a control writer's own lock.
+pub(super) struct Decode {
+    pub(super) shared: Shared,
+    pub(super) decode_rooms: Mutex<HashMap<u64, DecodeRoom>>,
+    pub(super) prefill_links: Mutex<HashMap<(InstanceId, u64), Arc<PrefillLink>>>,
+    /// Transport nccl: the decode's NCCL receivers and their threads.
+    pub(super) nccl: NcclLinks,
+}
+
+impl Deref for Decode {
+    type Target = Shared;
+    fn deref(&self) -> &Shared {
+        &self.shared
+    }
+}
+
+impl Decode {
+    /// A decode engine over `shared`, with no room and no prefill link yet.
+    pub(super) fn new(shared: Shared) -> Decode {
+        Decode {
+            shared,
+            decode_rooms: Mutex::new(HashMap::new()),
+            prefill_links: Mutex::new(HashMap::new()),
+            nccl: Default::default(),
+        }
+    }
+
+    /// Fails the room's `attempt` with `e` (its grants revoked) and logs it
+    /// with the room's prefill ranks (`rooms` is not held).
+    pub(super) fn fail_room(&self, room: u64, attempt: u64, e: Error) {
+        let peers = self.room_peers(room);
+        self.revoke_room_grants(room, None);
+        self.shared.fail_room_with(room, attempt, e, &peers);
+    }
+
+    /// Decode: revokes the grants of `room` (every attempt) issued to the
+    /// prefill instance `only`, or to all of them.
+    pub(super) fn revoke_room_grants(&self, room: u64, only: Option<u128>) {
+        let tokens: Vec<u64> = {
+            let mut d = lock(&self.decode_rooms);
+            let Some(r) = d.get_mut(&room) else { return };
+            let mut taken = Vec::new();
+            r.grants.retain(|&(inst, token)| {
+                let hit = only.is_none_or(|o| o == inst);
+                if hit {
+                    taken.push(token);
+                }
+                !hit
+            });
+            taken
+        };
+        for t in tokens {
+            self.agent.revoke_room(t);
+        }
+    }
+
+    /// The room's prefill ranks, for log lines (takes and releases `decode_rooms`).
+    pub(super) fn room_peers(&self, room: u64) -> String {
+        peer_names(
+            lock(&self.decode_rooms)
+                .get(&room)
+                .map(|r| {
+                    r.targets
+                        .iter()
+                        .map(|t| t.registration.instance_id.to_string())
+                        .collect()
+                })
+                .unwrap_or_default(),
+        )
+    }
+
     /// Decode: opens room `room` against the prefill instance's data-parallel
     /// group `prefill_dp`: resolves the prefill ranks from current bootstrap
     /// entries, connects (once per peer instance) and re-checks each peer.
-    pub fn receiver(&self, room: u64, prefill_dp: u32, timeout: Option<Duration>) -> Result<()> {
-        self.require(Role::Decode)?;
+    pub(super) fn receiver(
+        self: &Arc<Self>,
+        room: u64,
+        prefill_dp: u32,
+        timeout: Option<Duration>,
+    ) -> Result<()> {
         let attempt = self.create_room(room, timeout)?;
         let r = (|| -> Result<Vec<Arc<PrefillLink>>> {
             let local = self.registration()?;
-            let targets = prefill_targets(self.inner.store.as_ref(), &local, prefill_dp)?;
+            let targets = prefill_targets(self.store.as_ref(), &local, prefill_dp)?;
             let mut links = Vec::new();
             for t in targets.iter().filter(|t| !t.dummy) {
-                links.push(self.inner.prefill_link(&t.registration, &local)?);
+                links.push(self.prefill_link(&t.registration, &local)?);
             }
             Ok(links)
         })();
         match r {
             Ok(links) => {
-                lock(&self.inner.decode_rooms).insert(
+                lock(&self.decode_rooms).insert(
                     room,
                     DecodeRoom {
                         attempt,
@@ -76,22 +160,21 @@ impl Engine {
                 Ok(())
             }
             Err(e) => {
-                self.inner.fail_room(room, attempt, e.clone());
+                self.fail_room(room, attempt, e.clone());
                 Err(e)
             }
         }
     }
 
     /// Decode: tells every target prefill rank where the request's KV goes.
-    pub fn send_metadata(
+    pub(super) fn send_metadata(
         &self,
         room: u64,
         dst_pages: &[u64],
         decode_prefix_len: u64,
         aux_index: u64,
     ) -> Result<()> {
-        self.require(Role::Decode)?;
-        let lay = self.inner.cfg.topology.dcp_layout()?;
+        let lay = self.cfg.topology.dcp_layout()?;
         if !decode_prefix_len.is_multiple_of(lay.virtual_page()) {
             return Err(Error::new(
                 Status::PrefixMisaligned,
@@ -101,10 +184,8 @@ impl Engine {
                 ),
             ));
         }
-        self.inner
-            .cfg
-            .check_pages(dst_pages, "dst_pages", "decode")?;
-        if let Some(a) = self.inner.cfg.aux.first() {
+        self.cfg.check_pages(dst_pages, "dst_pages", "decode")?;
+        if let Some(a) = self.cfg.aux.first() {
             if aux_index >= a.count {
                 return Err(Error::new(
                     Status::OutOfBounds,
@@ -113,7 +194,7 @@ impl Engine {
             }
         }
         let (attempt, targets) = {
-            let d = lock(&self.inner.decode_rooms);
+            let d = lock(&self.decode_rooms);
             let r = d.get(&room).ok_or_else(|| {
                 Error::new(
                     Status::UnknownRoom,
@@ -122,7 +203,7 @@ impl Engine {
             })?;
             (r.attempt, r.targets.clone())
         };
-        let state_indices = lock(&self.inner.decode_rooms)
+        let state_indices = lock(&self.decode_rooms)
             .get(&room)
             .map(|r| r.state_indices.clone())
             .unwrap_or_default();
@@ -137,7 +218,7 @@ impl Engine {
                 None => 1,
             }
         };
-        let timeout_ms = lock(&self.inner.rooms)
+        let timeout_ms = lock(&self.rooms)
             .get(room)
             .ok()
             .and_then(|r| r.deadline)
@@ -145,13 +226,13 @@ impl Engine {
                 d.saturating_duration_since(Instant::now()).as_millis() as u64
             });
         // stamped before the first Meta leaves: the room may succeed before the loop ends
-        if let Some(t) = lock(&self.inner.rooms).times_mut(room, attempt) {
+        if let Some(t) = lock(&self.rooms).times_mut(room, attempt) {
             RoomTimes::stamp(&mut t.queued, Instant::now());
-            t.transport.get_or_insert(self.inner.cfg.transport.name());
+            t.transport.get_or_insert(self.cfg.transport.name());
         }
         let ranges = room_ranges(
-            &self.inner.region_map(),
-            &self.inner.cfg.topology,
+            &self.region_map(),
+            &self.cfg.topology,
             dst_pages,
             aux_index,
             &state_indices,
@@ -159,12 +240,12 @@ impl Engine {
         let grant_for = if timeout_ms > 0 {
             Duration::from_millis(timeout_ms)
         } else {
-            self.inner.cfg.room_timeout
+            self.cfg.room_timeout
         };
         // a new Meta for the room replaces its grants
-        self.inner.revoke_room_grants(room, None);
+        self.revoke_room_grants(room, None);
         // recorded before any prefill can act on it
-        if let Some(r) = lock(&self.inner.decode_rooms)
+        if let Some(r) = lock(&self.decode_rooms)
             .get_mut(&room)
             .filter(|r| r.attempt == attempt)
         {
@@ -175,10 +256,10 @@ impl Engine {
         }
         for t in &targets {
             let inst = t.registration.instance_id.0;
-            let grant = if !self.inner.cfg.room_grants {
+            let grant = if !self.cfg.room_grants {
                 None
             } else {
-                match self.inner.agent.grant_room(
+                match self.agent.grant_room(
                     PeerInstance(inst.to_be_bytes()),
                     room,
                     attempt,
@@ -187,13 +268,13 @@ impl Engine {
                 ) {
                     Ok(g) => Some(g),
                     Err(e) => {
-                        self.inner.revoke_room_grants(room, None);
-                        self.inner.fail_room(room, attempt, e.clone());
+                        self.revoke_room_grants(room, None);
+                        self.fail_room(room, attempt, e.clone());
                         return Err(e);
                     }
                 }
             };
-            if let (Some(g), Some(r)) = (&grant, lock(&self.inner.decode_rooms).get_mut(&room)) {
+            if let (Some(g), Some(r)) = (&grant, lock(&self.decode_rooms).get_mut(&room)) {
                 r.grants.push((inst, g.token));
             }
             let m = CtlMsg::Meta {
@@ -221,16 +302,14 @@ impl Engine {
                         e.detail()
                     ),
                 );
-                self.inner.fail_room(room, attempt, e.clone());
+                self.fail_room(room, attempt, e.clone());
                 return Err(e);
             }
         }
-        lock(&self.inner.rooms).update(room, attempt, KvPoll::WaitingForInput);
+        lock(&self.rooms).update(room, attempt, KvPoll::WaitingForInput);
         Ok(())
     }
-}
 
-impl Inner {
     /// Decode: the control link to a prefill rank, reused while its instance and epoch hold.
     fn prefill_link(
         self: &Arc<Self>,
@@ -356,7 +435,7 @@ impl Inner {
 }
 
 /// Decode: status messages from one prefill rank.
-fn decode_reader(w: std::sync::Weak<Inner>, link: Arc<PrefillLink>, mut reader: CtlReader) {
+fn decode_reader(w: Weak<Decode>, link: Arc<PrefillLink>, mut reader: CtlReader) {
     loop {
         let msg = reader.recv();
         let Some(inner) = w.upgrade() else { return };

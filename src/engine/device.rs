@@ -36,7 +36,7 @@ use crate::layout::Run;
 use crate::memory::Registry;
 use crate::transport::TransportKind;
 
-use super::handle::Inner;
+use super::state::Shared;
 use super::EngineConfig;
 use crate::transport::Transport;
 use std::sync::atomic::Ordering;
@@ -337,7 +337,7 @@ impl DeviceStage {
     }
 }
 
-impl Inner {
+impl Shared {
     /// Whether a new link to a decode rank sends device-pool slices straight
     /// from the device staging buffer: device pools, an rdma link, and a NIC
     /// that can register device memory (GPUDirect RDMA). Otherwise slices go

@@ -1,9 +1,9 @@
 //! [`Flight`]: the batches of one chunk in flight together, each one of its
 //! room's fenced writes, and the host staging slots they read.
 
-use super::handle::lock;
 use super::link::DecodeLink;
 use super::room::RoomTable;
+use super::state::lock;
 use crate::error::{Error, Result};
 use crate::transport::{BatchId, BatchOptions, PlacedRange, Transport, WriteOp};
 use std::sync::atomic::Ordering::Relaxed;

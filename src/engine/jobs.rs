@@ -7,8 +7,8 @@
 //! that stops answering holds one worker (until its batches time out) while
 //! the others go on with the rooms of every other decode rank.
 
-use super::handle::lock;
 use super::layers::Ready;
+use super::state::lock;
 use std::collections::{HashSet, VecDeque};
 use std::ops::Range;
 use std::sync::{Condvar, Mutex};

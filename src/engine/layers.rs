@@ -12,9 +12,9 @@
 //!   layer group is packed on its own (entry-major), so its writes stay long.
 
 use super::device::DeviceStage;
-use super::handle::{lock, Inner};
 use super::path::PairPlan;
 use super::room::KvPoll;
+use super::state::{lock, Shared};
 use crate::error::{Error, Result, Status};
 use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -189,7 +189,7 @@ pub(super) struct LayerPlan {
 /// CUDA event (enqueued, not waited), the worker thread on the ready flag
 /// (polled; ends when the room fails, is aborted or the engine closes).
 pub(super) fn wait_ready(
-    inner: &Inner,
+    inner: &Shared,
     room: u64,
     attempt: u64,
     ready: &Ready,

@@ -3,9 +3,9 @@
 //! counters), a [`PrefillLink`] a prefill rank as the decode engine sees it.
 
 use super::control::{CtlWriter, RegionMap};
-use super::handle::lock;
 use super::metrics::PeerCounters;
 use super::path::Conn;
+use super::state::lock;
 use crate::bootstrap::schema::{PeerHello, Registration};
 use crate::transport::Transport;
 use std::sync::atomic::AtomicBool;

@@ -15,10 +15,8 @@
 //! - received bytes (decode): the KV bytes each prefill rank reported for
 //!   its rooms; received batches: the receiving agent's completion records.
 
-use super::handle::{lock, Engine};
 use super::room::{KvPoll, Room};
 use crate::bootstrap::schema::Role;
-use crate::memory::RegionDesc;
 use std::collections::BTreeMap;
 use std::fmt::Write;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -600,55 +598,6 @@ impl MetricsSnapshot {
             let _ = writeln!(o, "pdxfer_engine_registered_bytes{{kind=\"{kind}\"}} {n}");
         }
         o
-    }
-}
-
-impl Engine {
-    /// Every metric of the engine now (cheap: the room table's lock is
-    /// held while its live rooms are counted, the link registry's while the
-    /// links' counters are read; neither while the other is taken).
-    pub fn metrics_snapshot(&self) -> MetricsSnapshot {
-        let inner = &self.inner;
-        let (rooms, totals) = lock(&inner.rooms).totals();
-        let len = |rs: &[RegionDesc]| rs.iter().map(|r| r.len).sum::<u64>();
-        let staging_bytes: u64 = inner.staging.iter().map(|(_, d)| d.len).sum();
-        let mut registered = BTreeMap::new();
-        registered.insert("kv", len(&inner.pool_regions));
-        registered.insert("aux", len(&inner.aux_regions));
-        registered.insert("state", len(&inner.state_regions));
-        registered.insert("staging", staging_bytes);
-        let known: u64 = registered.values().sum();
-        let all: u64 = inner
-            .agent
-            .registry()
-            .descriptors()
-            .iter()
-            .map(|r| r.len)
-            .sum();
-        // device staging, the tcp receiver's bounce buffers, ...
-        registered.insert("other", all.saturating_sub(known));
-        let mut s = MetricsSnapshot::new(
-            inner.cfg.role,
-            &inner.cfg.cluster,
-            rooms,
-            totals,
-            &inner.metrics,
-            staging_bytes,
-            registered,
-        );
-        s.room_grants_held = inner.agent.room_grants_held() as u64;
-        s
-    }
-
-    /// The engine's metrics as Prometheus text (format 0.0.4).
-    pub fn metrics(&self) -> String {
-        self.metrics_snapshot().to_prometheus()
-    }
-
-    /// Where the `/metrics` responder listens (`metrics_listen` set), with
-    /// the port it picked for `:0`.
-    pub fn metrics_addr(&self) -> Option<std::net::SocketAddr> {
-        self.inner.metrics_addr
     }
 }
 

@@ -47,6 +47,7 @@ mod prefill;
 pub mod room;
 mod room_grants;
 mod setup;
+mod state;
 pub mod synthetic;
 mod telemetry;
 mod worker;

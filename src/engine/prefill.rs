@@ -3,13 +3,14 @@
 //! decode rank (handshake, metadata, aborts), and the final status sent back.
 
 use super::control::{authenticate_decode, CtlMsg, CtlReader, CtlWriter, CONTROL_VERSION};
-use super::handle::{catch, lock, Engine, Inner};
-use super::jobs::Job;
+use super::jobs::{Job, JobQueue};
 use super::layers::{check_next, LayerChunk, LayerPlan, Ready, SendOptions};
 use super::link::DecodeLink;
+use super::nccl_link::NcclLinks;
 use super::path::Conn;
 use super::room::KvPoll;
 use super::room_grants::room_ranges;
+use super::state::{catch, lock, peer_names, Shared};
 use crate::bootstrap::peer::check_pair;
 use crate::bootstrap::schema::{PeerHello, Role};
 use crate::error::{Error, Result, Status};
@@ -17,9 +18,11 @@ use crate::layout::prefill_unique_rank;
 use crate::transport::listen::{self, Framing, ListenStats, Slot};
 use crate::transport::room::RoomGrant;
 use crate::transport::{ConnectOptions, TransportKind};
+use std::collections::HashMap;
 use std::net::{TcpListener, TcpStream};
+use std::ops::Deref;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::Instant;
 
 /// What one decode rank asked for in one room.
@@ -54,21 +57,90 @@ pub(super) struct PrefillRoom {
     pub(super) layer_plan: Option<Arc<LayerPlan>>,
 }
 
-impl Engine {
+/// A prefill engine's state: the [`Shared`] state and the prefill's own.
+///
+/// # Lock order
+///
+/// A thread that takes one of these mutexes while it holds another takes
+/// them in this order, never the reverse:
+///
+/// 1. `prefill_rooms`;
+/// 2. `pending_meta`: `sender` drains and `add_meta` parks a room's
+///    metadata under `prefill_rooms`, so none is parked after the drain.
+///
+/// `decode_links`, the job queue and the shared `rooms` and `registrar` are
+/// never held while another of these is taken, nor taken under one. The
+/// `nccl` state's locks are leaves too, except a link's NCCL sender (held
+/// by the one worker moving that link's chunk), under which `rooms`,
+/// `decode_links` and `nccl`'s answers are taken. No control socket is
+/// written under any of them except a control writer's own lock
+/// (`CtlWriter::send`, `shutdown`), which takes none: a stuck decode socket
+/// then stalls only the thread writing to it (`notify_decode` copies the
+/// room's links out of `prefill_rooms` before it writes).
+pub(super) struct Prefill {
+    pub(super) shared: Shared,
+    pub(super) prefill_rooms: Mutex<HashMap<u64, PrefillRoom>>,
+    pub(super) pending_meta: Mutex<HashMap<u64, Vec<MetaInfo>>>,
+    pub(super) decode_links: Mutex<Vec<Arc<DecodeLink>>>,
+    pub(super) jobs: Arc<JobQueue>,
+    /// Transport nccl: each decode link's sending end, the decode's answers.
+    pub(super) nccl: NcclLinks,
+}
+
+impl Deref for Prefill {
+    type Target = Shared;
+    fn deref(&self) -> &Shared {
+        &self.shared
+    }
+}
+
+impl Prefill {
+    /// A prefill engine over `shared`, with no room and no decode link yet.
+    pub(super) fn new(shared: Shared) -> Prefill {
+        Prefill {
+            shared,
+            prefill_rooms: Mutex::new(HashMap::new()),
+            pending_meta: Mutex::new(HashMap::new()),
+            decode_links: Mutex::new(Vec::new()),
+            jobs: Arc::new(JobQueue::default()),
+            nccl: Default::default(),
+        }
+    }
+
+    /// Fails the room's `attempt` with `e` and logs it with the decode ranks
+    /// that sent metadata for it (`rooms` is not held).
+    pub(super) fn fail_room(&self, room: u64, attempt: u64, e: Error) {
+        let peers = self.room_peers(room);
+        self.shared.fail_room_with(room, attempt, e, &peers);
+    }
+
+    /// The decode ranks that sent metadata for `room`, for log lines (takes
+    /// and releases `prefill_rooms`).
+    pub(super) fn room_peers(&self, room: u64) -> String {
+        peer_names(
+            lock(&self.prefill_rooms)
+                .get(&room)
+                .map(|r| {
+                    r.infos
+                        .iter()
+                        .map(|m| m.link.hello.instance_id.to_string())
+                        .collect()
+                })
+                .unwrap_or_default(),
+        )
+    }
+
     /// Prefill: opens room `room`; it becomes `WaitingForInput` once every
     /// decode rank that targets this rank sent its metadata.
-    pub fn sender(&self, room: u64) -> Result<()> {
-        self.require(Role::Prefill)?;
+    pub(super) fn sender(&self, room: u64) -> Result<()> {
         let attempt = self.create_room(room, None)?;
         // Take the parked metadata and publish the room under the prefill_rooms
         // lock (add_meta parks under it too): otherwise a Meta arriving between
         // the two steps is parked after the drain and the room never leaves
         // Bootstrapping (found by the soak run).
         let pending = {
-            let mut pr = lock(&self.inner.prefill_rooms);
-            let pending = lock(&self.inner.pending_meta)
-                .remove(&room)
-                .unwrap_or_default();
+            let mut pr = lock(&self.prefill_rooms);
+            let pending = lock(&self.pending_meta).remove(&room).unwrap_or_default();
             pr.insert(
                 room,
                 PrefillRoom {
@@ -79,34 +151,9 @@ impl Engine {
             pending
         };
         for m in pending {
-            self.inner.add_meta(room, m);
+            self.add_meta(room, m);
         }
         Ok(())
-    }
-
-    /// Prefill: queues a chunk of the request: this rank's `pages` holding
-    /// `num_tokens` tokens (only the last page may be partial), in order (with
-    /// prefill DCP: this rank's local pages, `num_tokens` counting sequence
-    /// positions, `page_size * dcp_size` per page);
-    /// `last` marks the final chunk, after which the aux row `aux_index` follows.
-    /// The rows must be complete when `send` is called: see
-    /// [`send_with`](Self::send_with) for sends ordered after the caller's compute.
-    pub fn send(
-        &self,
-        room: u64,
-        pages: &[u64],
-        num_tokens: u64,
-        last: bool,
-        aux_index: u64,
-    ) -> Result<()> {
-        self.send_with(
-            room,
-            pages,
-            num_tokens,
-            last,
-            aux_index,
-            &SendOptions::default(),
-        )
     }
 
     /// Prefill: [`send`](Self::send) with [`SendOptions`]: ordered after a
@@ -120,7 +167,7 @@ impl Engine {
     /// the aux and state rows landed, as with whole-chunk sends. A layer sent
     /// twice or skipped, another chunk or a whole-chunk send while layers of
     /// one are missing, are refused with `layer_order` and change nothing.
-    pub fn send_with(
+    pub(super) fn send_with(
         &self,
         room: u64,
         pages: &[u64],
@@ -129,17 +176,16 @@ impl Engine {
         aux_index: u64,
         opts: &SendOptions,
     ) -> Result<()> {
-        self.require(Role::Prefill)?;
-        let entries = self.inner.cfg.topology.entries.len();
+        let entries = self.cfg.topology.entries.len();
         let layers = opts.layer_range(entries)?;
-        if opts.cuda_event.is_some() && self.inner.cfg.pool_device.is_none() {
+        if opts.cuda_event.is_some() && self.cfg.pool_device.is_none() {
             return Err(Error::invalid(
                 "a CUDA event orders sends from device pools; host pools take a ready flag",
             ));
         }
         let attempt;
         {
-            let rooms = lock(&self.inner.rooms);
+            let rooms = lock(&self.rooms);
             let r = rooms.get(room)?;
             if r.poll == KvPoll::Failed {
                 return Err(Error::new(
@@ -162,7 +208,7 @@ impl Engine {
             attempt = r.attempt;
         }
         // a page of this rank covers a virtual page of positions (P x its DCP size)
-        let vs = self.inner.cfg.topology.dcp_layout()?.virtual_page();
+        let vs = self.cfg.topology.dcp_layout()?.virtual_page();
         let cap = pages.len() as u64 * vs;
         if num_tokens > cap {
             return Err(Error::new(
@@ -173,9 +219,9 @@ impl Engine {
                 ),
             ));
         }
-        self.inner.cfg.check_pages(pages, "pages", "prefill")?;
+        self.cfg.check_pages(pages, "pages", "prefill")?;
         let start = {
-            let mut pr = lock(&self.inner.prefill_rooms);
+            let mut pr = lock(&self.prefill_rooms);
             let r = pr
                 .get_mut(&room)
                 .ok_or_else(|| Error::new(Status::UnknownRoom, format!("room {room}")))?;
@@ -254,7 +300,7 @@ impl Engine {
             )
         };
         let (start, state_indices, peers, room_done, layered) = start;
-        self.inner.jobs.push(Job {
+        self.jobs.push(Job {
             room,
             attempt,
             pages: pages.to_vec(),
@@ -272,12 +318,10 @@ impl Engine {
                 flag: opts.ready_flag.clone(),
             },
         });
-        lock(&self.inner.rooms).update(room, attempt, KvPoll::Transferring);
+        lock(&self.rooms).update(room, attempt, KvPoll::Transferring);
         Ok(())
     }
-}
 
-impl Inner {
     /// Prefill: remakes `link`'s data connection when it can no longer carry
     /// batches (an RDMA rail's QP went to the error state, which it never
     /// leaves) while the control connection lives, so one QP error fails
@@ -318,7 +362,7 @@ impl Inner {
     fn add_meta(&self, room: u64, m: MetaInfo) {
         let mut pr = lock(&self.prefill_rooms);
         let Some(r) = pr.get_mut(&room) else {
-            // parked while prefill_rooms is held (the lock order on `Inner`)
+            // parked while prefill_rooms is held (the lock order on `Prefill`)
             lock(&self.pending_meta).entry(room).or_default().push(m);
             return;
         };
@@ -347,7 +391,7 @@ impl Inner {
     }
 }
 
-pub(super) fn accept_loop(w: std::sync::Weak<Inner>, l: TcpListener) {
+pub(super) fn accept_loop(w: Weak<Prefill>, l: TcpListener) {
     let Some(limits) = w.upgrade().map(|i| i.cfg.listen_limits) else {
         return;
     };
@@ -405,7 +449,7 @@ fn refusal(e: &Error) -> CtlMsg {
 
 /// Prefill: one decode rank's control connection, whose first line
 /// (`first`, read by the listener) arrived whole.
-fn prefill_conn(w: std::sync::Weak<Inner>, s: TcpStream, first: &[u8], mut slot: Slot) {
+fn prefill_conn(w: Weak<Prefill>, s: TcpStream, first: &[u8], mut slot: Slot) {
     let _ = s.set_nodelay(true);
     let (Ok(ws), Ok(rs)) = (s.try_clone(), s.try_clone()) else {
         return;
@@ -706,7 +750,7 @@ fn check_advertised(
 }
 
 /// Prefill: sends the room's final status to every decode rank of the room.
-pub(super) fn notify_decode(inner: &Inner, room: u64, ok: bool, err: Option<Error>) {
+pub(super) fn notify_decode(inner: &Prefill, room: u64, ok: bool, err: Option<Error>) {
     let infos = lock(&inner.prefill_rooms)
         .get(&room)
         .map(|r| r.infos.clone())

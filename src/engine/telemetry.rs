@@ -3,11 +3,8 @@
 //! batches and retries ([`Engine::telemetry`]). The times are stamped under
 //! the room table's lock by calls that take it anyway.
 
-use super::handle::{lock, Engine};
 use super::room::KvPoll;
-use crate::bootstrap::schema::Role;
-use crate::error::Result;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 /// A room's times and counts as the engine stamps them.
 #[derive(Debug, Clone, Copy, Default)]
@@ -70,48 +67,4 @@ pub struct RoomTelemetry {
     pub retries: Option<u64>,
     /// The transport label of the room's data, once known.
     pub transport: Option<String>,
-}
-
-impl Engine {
-    /// The telemetry of a live room (finished or not; gone once cleared):
-    /// `UnknownRoom` for a room this engine does not hold.
-    pub fn telemetry(&self, room: u64) -> Result<RoomTelemetry> {
-        let (attempt, state, created, t) = {
-            let rooms = lock(&self.inner.rooms);
-            let r = rooms.get(room)?;
-            (r.attempt, r.poll, r.created, r.times)
-        };
-        let prefill = self.inner.cfg.role == Role::Prefill;
-        let bytes = if prefill {
-            lock(&self.inner.prefill_rooms)
-                .get(&room)
-                .filter(|r| r.attempt == attempt)
-                .map_or(0, |r| r.infos.iter().map(|m| m.bytes).sum())
-        } else {
-            lock(&self.inner.decode_rooms)
-                .get(&room)
-                .filter(|r| r.attempt == attempt)
-                .map_or(0, |r| r.bytes)
-        };
-        let age = created.elapsed();
-        let created_unix_ns = SystemTime::now()
-            .checked_sub(age)
-            .and_then(|c| c.duration_since(UNIX_EPOCH).ok())
-            .map_or(0, |d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX));
-        let since = |i: Option<Instant>| i.map(|i| i.saturating_duration_since(created));
-        Ok(RoomTelemetry {
-            room,
-            attempt,
-            state,
-            created_unix_ns,
-            queued: since(t.queued),
-            planned: since(t.planned),
-            first_byte: since(t.first_byte),
-            last_ack: since(t.last_ack),
-            bytes,
-            batches: prefill.then_some(t.batches),
-            retries: prefill.then_some(t.retries),
-            transport: t.transport.map(str::to_string),
-        })
-    }
 }

@@ -5,13 +5,14 @@
 use super::control::CtlMsg;
 use super::device::DeviceStage;
 use super::flight::Flight;
-use super::handle::{catch, lock, Inner};
 use super::jobs::{Job, JobQueue};
 use super::layers::{wait_ready, LayerPlan};
 use super::path::chunk::{Chunk, Pair};
 use super::path::PairPlan;
+use super::prefill::Prefill;
 use super::prefill::{notify_decode, MetaInfo};
 use super::room::KvPoll;
+use super::state::{catch, lock};
 use super::telemetry::RoomTimes;
 use crate::error::{Error, Result, Status};
 use crate::layout::{DcpLayout, PairRequest, Side};
@@ -22,7 +23,7 @@ use std::time::Duration;
 use std::time::Instant;
 
 pub(super) fn worker_loop(
-    w: std::sync::Weak<Inner>,
+    w: std::sync::Weak<Prefill>,
     jobs: Arc<JobQueue>,
     idx: usize,
     mut stage: Option<DeviceStage>,
@@ -80,7 +81,7 @@ pub(super) fn worker_loop(
 /// the last chunk): the batches of all decode ranks are in flight together
 /// (a [`Flight`]), and the chunk is done once every one of them completed.
 fn run_job(
-    inner: &Inner,
+    inner: &Prefill,
     idx: usize,
     job: &Job,
     mut stage: Option<&mut DeviceStage>,
@@ -117,7 +118,7 @@ fn run_job(
 /// `flight`; returns the KV bytes for each decode rank (in `infos` order),
 /// counted once the flight drained without error.
 fn send_chunk<'a>(
-    inner: &'a Inner,
+    inner: &'a Prefill,
     idx: usize,
     job: &Job,
     stage: Option<&mut DeviceStage>,
@@ -300,7 +301,7 @@ fn open_grant(m: &MetaInfo, epoch: u64) -> Result<()> {
 /// Closes the room's grants once every batch completed: one RoomEnd /
 /// RoomAck per decode rank whose connection opened one (after every byte
 /// landed on it), before the room is reported done.
-fn close_grants(inner: &Inner, room: u64, attempt: u64) -> Result<()> {
+fn close_grants(inner: &Prefill, room: u64, attempt: u64) -> Result<()> {
     let infos = lock(&inner.prefill_rooms)
         .get(&room)
         .map(|r| r.infos.clone())
@@ -330,7 +331,7 @@ fn close_grants(inner: &Inner, room: u64, attempt: u64) -> Result<()> {
 }
 
 /// Forgets the room's open grants after a failure (the decode revokes them).
-fn forget_grants(inner: &Inner, room: u64, attempt: u64) {
+fn forget_grants(inner: &Prefill, room: u64, attempt: u64) {
     let infos = lock(&inner.prefill_rooms)
         .get(&room)
         .map(|r| r.infos.clone())
@@ -341,7 +342,7 @@ fn forget_grants(inner: &Inner, room: u64, attempt: u64) {
 }
 
 /// Stamps the room's queued time (the chunk's, once).
-fn stamp_queued(inner: &Inner, job: &Job) {
+fn stamp_queued(inner: &Prefill, job: &Job) {
     if let Some(t) = lock(&inner.rooms).times_mut(job.room, job.attempt) {
         RoomTimes::stamp(&mut t.queued, job.queued);
     }
@@ -349,7 +350,7 @@ fn stamp_queued(inner: &Inner, job: &Job) {
 
 /// Stamps the room's planned time (now, once) and the transport label of
 /// its decode links (`mixed` when they differ).
-fn stamp_planned(inner: &Inner, job: &Job, infos: &[MetaInfo]) {
+fn stamp_planned(inner: &Prefill, job: &Job, infos: &[MetaInfo]) {
     let mut kinds = infos.iter().map(|m| m.link.data().kind().name());
     let first = kinds.next().unwrap_or("unknown");
     // transport nccl: the KV goes over NCCL (the data link carries aux and state)
@@ -368,7 +369,7 @@ fn stamp_planned(inner: &Inner, job: &Job, infos: &[MetaInfo]) {
 }
 
 /// The state rows of the room's last chunk, whole, to one decode rank.
-fn state_ops(inner: &Inner, job: &Job, m: &MetaInfo) -> Result<Vec<WriteOp>> {
+fn state_ops(inner: &Prefill, job: &Job, m: &MetaInfo) -> Result<Vec<WriteOp>> {
     let n = inner.cfg.state.len();
     if job.state_indices.len() != n || m.state_indices.len() != n || m.link.regions.state.len() != n
     {

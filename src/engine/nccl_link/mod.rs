@@ -50,7 +50,7 @@
 
 use super::config::EngineConfig;
 use super::control::CtlMsg;
-use super::handle::{lock, Inner};
+use super::state::{lock, Shared};
 use crate::bootstrap::schema::InstanceId;
 use crate::error::{Error, Result, Status};
 use crate::transport::TransportKind;
@@ -282,7 +282,7 @@ impl NcclLinks {
 }
 
 /// The room's deadline, or the engine's default from now.
-fn room_deadline(inner: &Inner, room: u64) -> Instant {
+fn room_deadline(inner: &Shared, room: u64) -> Instant {
     lock(&inner.rooms)
         .get(room)
         .ok()
@@ -292,8 +292,8 @@ fn room_deadline(inner: &Inner, room: u64) -> Instant {
 
 /// Whether the room's `attempt` still takes bytes (not failed, aborted or
 /// ended) and the engine is open.
-fn room_live(inner: &Inner, room: u64, attempt: u64) -> Result<()> {
-    if inner.closed.load(Ordering::Acquire) || inner.nccl.is_closing() {
+fn room_live(inner: &Shared, nccl: &NcclLinks, room: u64, attempt: u64) -> Result<()> {
+    if inner.closed.load(Ordering::Acquire) || nccl.is_closing() {
         return Err(Error::new(Status::EngineClosed, "engine is closing"));
     }
     let rooms = lock(&inner.rooms);
@@ -352,7 +352,7 @@ pub(super) fn finish_all(pairs: Vec<NcclSend<'_>>) -> Result<()> {
 /// Without the `nccl` feature an nccl engine is refused at creation.
 #[cfg(not(feature = "nccl"))]
 pub(super) fn start_pair(
-    _inner: &Inner,
+    _inner: &Shared,
     _job: &super::jobs::Job,
     _req: &crate::layout::PairRequest<'_>,
     _row_bytes: &[u64],
@@ -366,8 +366,8 @@ pub(super) fn start_pair(
 
 /// Without the `nccl` feature no message is acted on.
 #[cfg(not(feature = "nccl"))]
-pub(super) fn on_prefill_message(
-    _inner: &std::sync::Arc<Inner>,
+pub(super) fn on_prefill_message<T>(
+    _inner: &T,
     _link: &std::sync::Arc<super::link::PrefillLink>,
     _m: CtlMsg,
 ) {

@@ -3,7 +3,7 @@
 //! chunk's recvs.
 
 use super::*;
-use crate::engine::decode::DecodeRoom;
+use crate::engine::decode::{Decode, DecodeRoom};
 use crate::engine::link::PrefillLink;
 use crate::layout::{PairRequest, Side};
 use crate::relayout::{
@@ -40,7 +40,7 @@ impl ReceiverThread {
 /// Decode: hands an `nccl_open` or `nccl_chunk` from prefill `link` to
 /// that link's NCCL thread (started on the first one).
 pub(in crate::engine) fn on_prefill_message(
-    inner: &Arc<Inner>,
+    inner: &Arc<Decode>,
     link: &Arc<PrefillLink>,
     m: CtlMsg,
 ) {
@@ -97,7 +97,7 @@ struct Receiver {
 }
 
 fn receiver_loop(
-    w: Weak<Inner>,
+    w: Weak<Decode>,
     link: Arc<PrefillLink>,
     rx: mpsc::Receiver<CtlMsg>,
     opened: Arc<AtomicU64>,
@@ -162,7 +162,7 @@ fn receiver_loop(
 
 /// Joins communicator `generation` (the previous one is dropped first).
 fn open(
-    inner: &Inner,
+    inner: &Decode,
     link: &PrefillLink,
     st: &mut Receiver,
     peer: &str,
@@ -224,7 +224,7 @@ struct Chunk<'a> {
 
 /// Checks, posts and completes one chunk's recvs, answering the prefill
 /// at each step; a failure also fails the local room, naming the prefill.
-fn receive(inner: &Inner, link: &PrefillLink, st: &mut Receiver, peer: &str, c: &Chunk<'_>) {
+fn receive(inner: &Decode, link: &PrefillLink, st: &mut Receiver, peer: &str, c: &Chunk<'_>) {
     let send = |landed: bool, r: &Result<()>| {
         let (ok, reason, code) = match r {
             Ok(()) => (true, None, None),
@@ -345,7 +345,7 @@ fn targets(r: &DecodeRoom, link: &PrefillLink) -> bool {
 /// (else `out_of_bounds`, naming the prefill and the room). The plan is
 /// built from what is returned, never from the message.
 fn named_pages(
-    inner: &Inner,
+    inner: &Decode,
     link: &PrefillLink,
     peer: &str,
     c: &Chunk<'_>,
@@ -414,13 +414,13 @@ fn named_pages(
 /// the room, inside its pools), the communicator, the plan (built from
 /// the decode's own pages) and its digest, and every op's range.
 fn accept(
-    inner: &Inner,
+    inner: &Decode,
     link: &PrefillLink,
     st: &mut Receiver,
     peer: &str,
     c: &Chunk<'_>,
 ) -> Result<(NcclPlan, ReqParts)> {
-    room_live(inner, c.room, c.attempt)?;
+    room_live(inner, &inner.nccl, c.room, c.attempt)?;
     let (dst_pages, dst_origin) = named_pages(inner, link, peer, c)?;
     if st.generation != c.generation || st.pair.is_none() {
         let why = st.open_error.as_ref().map_or_else(
@@ -471,7 +471,7 @@ fn accept(
 }
 
 fn post_and_wait(
-    inner: &Inner,
+    inner: &Decode,
     link: &PrefillLink,
     st: &mut Receiver,
     c: &Chunk<'_>,
@@ -498,7 +498,7 @@ fn post_and_wait(
     let bases: Vec<u64> = inner.pool_regions.iter().map(|r| r.addr).collect();
     let abort = pair.abort_handle();
     let mut watch = || {
-        if room_live(inner, c.room, c.attempt).is_err()
+        if room_live(inner, &inner.nccl, c.room, c.attempt).is_err()
             || opened.load(Ordering::Acquire) > c.generation
         {
             abort.abort();

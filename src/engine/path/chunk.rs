@@ -4,16 +4,16 @@
 use super::PairPlan;
 use crate::engine::device::DeviceStage;
 use crate::engine::flight::Flight;
-use crate::engine::handle::Inner;
 use crate::engine::jobs::Job;
 use crate::engine::nccl_link::NcclSend;
+use crate::engine::prefill::Prefill;
 use crate::layout::PairRequest;
 
 /// What a worker writes one chunk with: the engine, the job, the worker's
 /// staging (host staging by `idx`, its GPU stage), the chunk's flight and
 /// its NCCL sends (finished together once every pair started).
 pub(in crate::engine) struct Chunk<'a, 'b> {
-    pub(in crate::engine) inner: &'a Inner,
+    pub(in crate::engine) inner: &'a Prefill,
     pub(in crate::engine) job: &'b Job,
     pub(in crate::engine) idx: usize,
     pub(in crate::engine) stage: Option<&'b mut DeviceStage>,

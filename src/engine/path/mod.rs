@@ -26,7 +26,7 @@ pub(super) mod staged;
 mod write;
 
 use super::control::RegionMap;
-use super::handle::Inner;
+use super::state::Shared;
 use crate::bootstrap::schema::InstanceId;
 use crate::error::Result;
 use crate::layout::{PairRequest, Run};
@@ -67,7 +67,7 @@ impl Conn {
     /// with its path chosen; `gpu_direct` is false once an earlier
     /// connection of the link found that the NIC refuses device memory.
     pub(super) fn new(
-        inner: &Inner,
+        inner: &Shared,
         data: Arc<dyn Transport>,
         regions: &RegionMap,
         peer: InstanceId,
@@ -96,7 +96,7 @@ impl Conn {
 
 impl WritePath {
     fn choose(
-        inner: &Inner,
+        inner: &Shared,
         data: &dyn Transport,
         kv_regions: Option<&[u64]>,
         peer: InstanceId,

@@ -8,8 +8,8 @@
 use super::chunk::{Chunk, Pair};
 use super::{clip, packed_ops};
 use crate::engine::flight::Flight;
-use crate::engine::handle::Inner;
 use crate::engine::link::DecodeLink;
+use crate::engine::state::Shared;
 use crate::error::Result;
 use crate::layout::{PackLayout, Run};
 use crate::memory::RegionDesc;
@@ -51,7 +51,7 @@ pub(super) fn staging_slots(
 /// in order, so runs that follow each other in the decode's rows are
 /// consecutive writes).
 fn pool_ops(
-    inner: &Inner,
+    inner: &Shared,
     runs: &[Run],
     layers: &Range<usize>,
     row_bytes: &[u64],
@@ -79,7 +79,7 @@ fn pool_ops(
 }
 
 /// The KV pools of `entries` as byte slices, for the CPU gather.
-pub(super) fn pool_slices(inner: &Inner, entries: std::ops::Range<usize>) -> Vec<&[u8]> {
+pub(super) fn pool_slices(inner: &Shared, entries: std::ops::Range<usize>) -> Vec<&[u8]> {
     inner.pool_regions[entries]
         .iter()
         // SAFETY: pool memory is valid for the engine's life (Engine::new contract); read-only here.
@@ -92,7 +92,7 @@ pub(super) fn pool_slices(inner: &Inner, entries: std::ops::Range<usize>) -> Vec
 /// counts the gather time; returns the slot and its byte offset in `buf`.
 /// `buf` is cut into `slots` of `slot_bytes`; `pack` must fit one.
 pub(super) fn gather_into_slot(
-    inner: &Inner,
+    inner: &Shared,
     flight: &mut Flight<'_>,
     (buf, slots, slot_bytes): (&[u8], usize, u64),
     pools: &[&[u8]],
