@@ -8,9 +8,9 @@ use super::control::{
 use super::link::PrefillLink;
 use super::nccl_link::NcclLinks;
 use super::room::KvPoll;
+use super::room::RoomTimes;
 use super::room_grants::room_ranges;
 use super::state::{lock, peer_names, Shared};
-use super::telemetry::RoomTimes;
 use crate::auth::PeerInstance;
 use crate::bootstrap::peer::{prefill_targets, verify_peer};
 use crate::bootstrap::schema::InstanceId;

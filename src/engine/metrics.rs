@@ -15,7 +15,6 @@
 //! - received bytes (decode): the KV bytes each prefill rank reported for
 //!   its rooms; received batches: the receiving agent's completion records.
 
-use super::room::{KvPoll, Room};
 use crate::bootstrap::schema::Role;
 use std::collections::BTreeMap;
 use std::fmt::Write;
@@ -104,42 +103,6 @@ pub struct RoomTotals {
     /// Transfer latency of the rooms that succeeded, by transport: from the
     /// first chunk queued (prefill) or the metadata sent (decode) to Success.
     pub latency: BTreeMap<&'static str, Histogram>,
-}
-
-impl RoomTotals {
-    /// Counts one room's outcome if it finished (a room cleared before it
-    /// finished counts nowhere but in `created`).
-    pub(crate) fn count(&mut self, r: &Room) {
-        match r.poll {
-            KvPoll::Success => {
-                self.succeeded += 1;
-                let t = &r.times;
-                let from = t.queued.unwrap_or(r.created);
-                let to = t.last_ack.unwrap_or(from);
-                self.latency
-                    .entry(t.transport.unwrap_or("unknown"))
-                    .or_default()
-                    .observe(to.saturating_duration_since(from).as_secs_f64());
-            }
-            KvPoll::Failed => {
-                let kind = r
-                    .failure
-                    .as_ref()
-                    .map_or("room_failed", |e| e.status().kind());
-                *self.failed.entry(kind).or_default() += 1;
-            }
-            _ => {}
-        }
-    }
-
-    /// These totals with the finished rooms among `live` counted too.
-    pub(crate) fn with_live<'a>(&self, live: impl Iterator<Item = &'a Room>) -> RoomTotals {
-        let mut t = self.clone();
-        for r in live {
-            t.count(r);
-        }
-        t
-    }
 }
 
 /// The counters of one peer link: a decode rank as the prefill writes to it

@@ -58,5 +58,5 @@ pub use layers::{ReadyFlag, SendOptions};
 pub use metrics::{
     Histogram, MetricsSnapshot, PeerSnapshot, RoomTotals, LATENCY_BUCKETS, STATE_NAMES,
 };
-pub use room::{KvPoll, Room, RoomTable};
-pub use telemetry::{RoomTelemetry, RoomTimes};
+pub use room::{KvPoll, Room, RoomTable, RoomTimes};
+pub use telemetry::RoomTelemetry;
