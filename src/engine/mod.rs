@@ -36,7 +36,6 @@ mod flight;
 #[cfg(feature = "cuda")]
 pub mod gpu_layerwise_bench;
 mod handle;
-mod jobs;
 mod layers;
 mod link;
 mod metrics;
@@ -50,7 +49,6 @@ mod setup;
 mod state;
 pub mod synthetic;
 mod telemetry;
-mod worker;
 
 pub use config::{AuxBuffer, EngineConfig, KvPool};
 pub use handle::Engine;

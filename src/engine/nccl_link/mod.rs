@@ -353,7 +353,7 @@ pub(super) fn finish_all(pairs: Vec<NcclSend<'_>>) -> Result<()> {
 #[cfg(not(feature = "nccl"))]
 pub(super) fn start_pair(
     _inner: &Shared,
-    _job: &super::jobs::Job,
+    _job: &super::prefill::jobs::Job,
     _req: &crate::layout::PairRequest<'_>,
     _row_bytes: &[u64],
     _link: &std::sync::Arc<super::link::DecodeLink>,

@@ -3,8 +3,8 @@
 //! another and finished together.
 
 use super::*;
-use crate::engine::jobs::Job;
 use crate::engine::link::DecodeLink;
+use crate::engine::prefill::jobs::Job;
 use crate::engine::prefill::Prefill;
 use crate::layout::PairRequest;
 use crate::relayout::{

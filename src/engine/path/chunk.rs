@@ -4,8 +4,8 @@
 use super::PairPlan;
 use crate::engine::device::DeviceStage;
 use crate::engine::flight::Flight;
-use crate::engine::jobs::Job;
 use crate::engine::nccl_link::NcclSend;
+use crate::engine::prefill::jobs::Job;
 use crate::engine::prefill::Prefill;
 use crate::layout::PairRequest;
 

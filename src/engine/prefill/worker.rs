@@ -2,18 +2,18 @@
 //! every decode rank of the room (aux and state rows after the last chunk),
 //! and reports the room's outcome.
 
-use super::control::CtlMsg;
-use super::device::DeviceStage;
-use super::flight::Flight;
-use super::jobs::{Job, JobQueue};
-use super::layers::{wait_ready, LayerPlan};
-use super::path::chunk::{Chunk, Pair};
-use super::path::PairPlan;
-use super::prefill::Prefill;
-use super::prefill::{notify_decode, MetaInfo};
-use super::room::KvPoll;
-use super::room::RoomTimes;
-use super::state::{catch, lock};
+use crate::engine::control::CtlMsg;
+use crate::engine::device::DeviceStage;
+use crate::engine::flight::Flight;
+use crate::engine::layers::{wait_ready, LayerPlan};
+use crate::engine::path::chunk::{Chunk, Pair};
+use crate::engine::path::PairPlan;
+use crate::engine::prefill::jobs::{Job, JobQueue};
+use crate::engine::prefill::Prefill;
+use crate::engine::prefill::{notify_decode, MetaInfo};
+use crate::engine::room::KvPoll;
+use crate::engine::room::RoomTimes;
+use crate::engine::state::{catch, lock};
 use crate::error::{Error, Result, Status};
 use crate::layout::{DcpLayout, PairRequest, Side};
 use crate::transport::{BatchOptions, TransportKind, WriteOp};
@@ -22,7 +22,7 @@ use std::sync::Arc;
 use std::time::Duration;
 use std::time::Instant;
 
-pub(super) fn worker_loop(
+pub(in crate::engine) fn worker_loop(
     w: std::sync::Weak<Prefill>,
     jobs: Arc<JobQueue>,
     idx: usize,
@@ -261,7 +261,7 @@ fn send_chunk<'a>(
         }
     }
     // every nccl pair of the chunk is on the wire: each completes (or aborts) here
-    super::nccl_link::finish_all(cx.nccl)?;
+    crate::engine::nccl_link::finish_all(cx.nccl)?;
     if job.layered {
         let done = job.layers.end == topo.entries.len();
         if let Some(r) = lock(&inner.prefill_rooms).get_mut(&job.room) {
