@@ -478,8 +478,8 @@ typedef struct PdxEngineConfig {
   uint64_t num_state;
   // ABI 1.2: where the KV pools live: `PDXFER_POOL_HOST` (0) or
   // `PDXFER_POOL_CUDA` (device memory of device `pool_device`). The rules
-  // for device pools (transports, staging, what is refused) are in the
-  // README, "KV pools in device memory".
+  // for device pools (transports, staging, what is refused) are in
+  // docs/gpu.md, "KV pools in device memory".
   uint32_t pool_memory;
   // ABI 1.2: CUDA device ordinal of the pools with `PDXFER_POOL_CUDA`.
   uint32_t pool_device;
