@@ -7,6 +7,7 @@
 
 pub mod auth;
 pub mod bootstrap;
+pub mod cuda;
 pub mod engine;
 pub mod error;
 pub mod ffi;

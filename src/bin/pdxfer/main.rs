@@ -94,7 +94,7 @@ fn run() -> i32 {
 }
 
 fn info(json: bool, gpu: Option<u32>) -> pdxfer::Result<()> {
-    let cuda = pdxfer::relayout::gpu::probe();
+    let cuda = pdxfer::cuda::probe();
     let nvrtc = pdxfer::relayout::gpu::probe_nvrtc();
     // which kernel image device 0's driver loads (only where a device exists)
     let kernels = match &cuda {
