@@ -18,9 +18,10 @@ pub mod rng;
 #[cfg(test)]
 mod test_skip;
 pub mod transport;
+pub mod version;
 
 pub use error::{Error, Result, Status};
 
-pub use ffi::status::{
+pub use version::{
     PDXFER_ABI_VERSION_MAJOR as ABI_VERSION_MAJOR, PDXFER_ABI_VERSION_MINOR as ABI_VERSION_MINOR,
 };
