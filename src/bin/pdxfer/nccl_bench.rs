@@ -7,7 +7,7 @@
 //! a driver `no_cuda_driver`, and with fewer than two GPUs (NCCL needs one
 //! per rank) `unsupported` unless `--nccl-gpus` names the two.
 
-use crate::bench::BenchArgs;
+use crate::bench_args::{parse_size, BenchArgs};
 use pdxfer::bootstrap::schema::Role;
 use pdxfer::bootstrap::server::{BootstrapServer, ServerConfig};
 use pdxfer::cuda::DeviceBuffer;
@@ -87,7 +87,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
     let sizes: Vec<u64> = a
         .block_sizes
         .iter()
-        .map(|s| crate::bench::parse_size(s))
+        .map(|s| parse_size(s))
         .collect::<Result<_>>()?;
     let max_tokens = sizes.iter().map(|s| s.div_ceil(token)).max().unwrap_or(1);
     let pages = max_tokens.div_ceil(PAGE) + 1;

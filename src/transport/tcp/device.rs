@@ -2,7 +2,7 @@
 //! region is read into a host bounce buffer and copied to the device by the
 //! region's [`DeviceWriter`](crate::memory::DeviceWriter), double-buffered.
 
-use super::recv::drain;
+use super::inbuf::drain;
 use crate::error::{Error, Result, Status};
 use crate::transport::checksum;
 use crate::transport::wire::{self, DataHeader};
