@@ -747,7 +747,10 @@ mod tests {
             assert!(
                 matches!(
                     e.status(),
-                    Status::InvalidArgument | Status::InvalidTopology | Status::InvalidLayout
+                    Status::InvalidArgument
+                        | Status::InvalidTopology
+                        | Status::InvalidLayout
+                        | Status::GeometryMismatch
                 ),
                 "{field}: {e}"
             );

@@ -898,6 +898,7 @@ mod tests {
             Status::InvalidArgument,
             Status::InvalidTopology,
             Status::InvalidLayout,
+            Status::GeometryMismatch,
         ] {
             assert_eq!(http_code(s), 400, "{s:?}");
         }
