@@ -16,7 +16,7 @@
 //! major the driver has, when the device is sm_90, newest first; then PTX no
 //! newer than the driver), and finally NVRTC on the embedded source for the
 //! device's own architecture, with the newest NVRTC found
-//! ([`library::NVRTC`](crate::cuda::library::NVRTC): CUDA 13 or 12 sonames,
+//! ([`library::NVRTC`]: CUDA 13 or 12 sonames,
 //! pip site-packages) that is no newer than the driver.
 //! [`GpuRelayout::kernel_origin`] says which loaded.
 //!
