@@ -106,6 +106,9 @@
 // Plan only the packed layout: source rows are indices into a staging buffer.
 #define PDXFER_PLAN_PACKED 1
 
+// Every prefill CP rank transfers its shard.
+#define PDXFER_MAP_ALL_CP_RANKS 1
+
 // ABI major version of this header; a library with another major refuses to work with it.
 #define PDXFER_ABI_VERSION_MAJOR 1
 
@@ -121,9 +124,6 @@
 // pools, one copy on the same host), `PDXFER_ENGINE_NO_ONE_COPY`,
 // `PDXFER_ENGINE_NO_PREFAULT`.
 #define PDXFER_ABI_VERSION_MINOR 5
-
-// Every prefill CP rank transfers its shard.
-#define PDXFER_MAP_ALL_CP_RANKS 1
 
 // Stable status codes shared by Rust, C (`PdxStatus`) and Python (`.code`).
 enum PdxStatus
