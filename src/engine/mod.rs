@@ -49,6 +49,8 @@ mod setup;
 mod state;
 pub mod synthetic;
 mod telemetry;
+#[cfg(test)]
+mod test_rig;
 
 pub use config::{AuxBuffer, EngineConfig, KvPool};
 pub use handle::Engine;

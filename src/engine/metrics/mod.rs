@@ -144,7 +144,7 @@ fn nanos(d: Duration) -> u64 {
 pub(crate) struct EngineMetrics {
     /// Every link's counters: taken when a link is made and at a snapshot
     /// only, never per batch, and never while another lock is held (a leaf
-    /// in `Inner`'s lock order). Counters outlive their link (Prometheus
+    /// in each role's lock order). Counters outlive their link (Prometheus
     /// counters never go down); a link to the same peer over the same
     /// transport reuses them.
     peers: Mutex<Vec<Arc<PeerCounters>>>,
@@ -190,6 +190,18 @@ impl EngineMetrics {
     }
 
     /// Decode: counts `n` batches that landed.
+    /// Gathers into host staging so far.
+    #[cfg(test)]
+    pub(crate) fn gathers_total(&self) -> u64 {
+        self.gathers.load(Ordering::Relaxed)
+    }
+
+    /// KV bytes moved by one copy so far.
+    #[cfg(test)]
+    pub(crate) fn one_copy_bytes_total(&self) -> u64 {
+        self.one_copy_bytes.load(Ordering::Relaxed)
+    }
+
     pub(crate) fn received(&self, n: u64) {
         self.received_batches.fetch_add(n, Ordering::Relaxed);
     }

@@ -24,6 +24,8 @@ mod direct;
 mod nccl;
 pub(super) mod staged;
 mod write;
+#[cfg(test)]
+mod write_tests;
 
 use super::control::RegionMap;
 use super::state::Shared;

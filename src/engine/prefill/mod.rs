@@ -11,6 +11,8 @@
 
 mod accept;
 pub(super) mod jobs;
+#[cfg(test)]
+mod tests;
 pub(super) mod worker;
 
 pub(super) use accept::accept_loop;
@@ -367,7 +369,7 @@ impl Prefill {
     }
 
     /// Prefill: records one decode rank's metadata for a room.
-    fn add_meta(&self, room: u64, m: MetaInfo) {
+    pub(in crate::engine) fn add_meta(&self, room: u64, m: MetaInfo) {
         let mut pr = lock(&self.prefill_rooms);
         let Some(r) = pr.get_mut(&room) else {
             // parked while prefill_rooms is held (the lock order on `Prefill`)
