@@ -8,6 +8,7 @@
 use crate::bootstrap::schema::{InstanceId, PeerHello, Registration, Role};
 use crate::bootstrap::store::MemStore;
 use crate::engine::control::{CtlWriter, RegionMap};
+use crate::engine::decode::Decode;
 use crate::engine::link::DecodeLink;
 use crate::engine::path::{Conn, WritePath};
 use crate::engine::prefill::Prefill;
@@ -245,4 +246,44 @@ pub(super) fn side(pages: &[u64]) -> Side<'_> {
         pages,
         origin: 0,
     }
+}
+
+/// A decode engine's state over registered synthetic pools (returned with
+/// it; drop the state first), with no room and no prefill link.
+pub(super) fn decode_state() -> (Decode, SyntheticPools) {
+    let pools = SyntheticPools::new(LAYERS, ROW, P, 16, 2, 8).unwrap();
+    let cfg = EngineConfig::new(
+        Role::Decode,
+        "decode-tests",
+        "http://127.0.0.1:1",
+        pools.topology(1, 0),
+        pools.kv_pools(),
+    );
+    let agent = Agent::new(&AgentOptions::default()).unwrap();
+    let pool_regions: Vec<RegionDesc> = cfg
+        .pools
+        .iter()
+        .map(|p| {
+            let len = (p.page_bytes * p.num_pages) as usize;
+            // SAFETY: the pools are returned with the state, which the caller drops first.
+            unsafe { agent.register_host(p.base as *mut u8, len) }.unwrap()
+        })
+        .collect();
+    let shared = Shared {
+        cfg,
+        agent,
+        store: Arc::new(MemStore::new()),
+        registrar: Mutex::new(None),
+        rooms: Mutex::new(RoomTable::new()),
+        cv: Condvar::new(),
+        pool_regions,
+        aux_regions: Vec::new(),
+        state_regions: Vec::new(),
+        staging: Vec::new(),
+        closed: AtomicBool::new(false),
+        metrics: Default::default(),
+        metrics_addr: None,
+        gpu_direct_logged: AtomicBool::new(false),
+    };
+    (Decode::new(shared), pools)
 }

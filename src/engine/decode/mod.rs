@@ -6,6 +6,8 @@
 //!   messages, disconnects).
 
 mod reader;
+#[cfg(test)]
+mod tests;
 
 use super::control::{CtlMsg, MetaGrant};
 use super::link::PrefillLink;

@@ -145,7 +145,7 @@ impl Decode {
 }
 
 /// Decode: status messages from one prefill rank.
-fn decode_reader(w: Weak<Decode>, link: Arc<PrefillLink>, mut reader: CtlReader) {
+pub(super) fn decode_reader(w: Weak<Decode>, link: Arc<PrefillLink>, mut reader: CtlReader) {
     loop {
         let msg = reader.recv();
         let Some(inner) = w.upgrade() else { return };
