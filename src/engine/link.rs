@@ -1,6 +1,7 @@
 //! The links between the ranks of a pair: a [`DecodeLink`] is a decode
-//! rank as the prefill engine sees it (control writer, data connection,
-//! counters), a [`PrefillLink`] a prefill rank as the decode engine sees it.
+//! rank as the prefill engine sees it (control writer, data connection with
+//! its write path, counters), a [`PrefillLink`] a prefill rank as the decode
+//! engine sees it.
 
 use super::control::{CtlWriter, RegionMap};
 use super::metrics::PeerCounters;
@@ -18,7 +19,7 @@ pub(super) struct DecodeLink {
     pub(super) writer: CtlWriter,
     /// The data connection and the path the rows take over it; remade
     /// when it breaks while the control connection lives
-    /// (`Inner::redial_if_broken`).
+    /// (`Prefill::redial_if_broken`).
     pub(super) conn: Mutex<Conn>,
     /// Where the decode rank's agent accepts data connections.
     pub(super) data_addr: String,

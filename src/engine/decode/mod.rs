@@ -125,9 +125,7 @@ impl Decode {
         )
     }
 
-    /// Decode: opens room `room` against the prefill instance's data-parallel
-    /// group `prefill_dp`: resolves the prefill ranks from current bootstrap
-    /// entries, connects (once per peer instance) and re-checks each peer.
+    /// [`Engine::receiver`](crate::engine::Engine::receiver) (the role checked).
     pub(super) fn receiver(
         self: &Arc<Self>,
         room: u64,
@@ -168,7 +166,7 @@ impl Decode {
         }
     }
 
-    /// Decode: tells every target prefill rank where the request's KV goes.
+    /// [`Engine::send_metadata`](crate::engine::Engine::send_metadata) (the role checked).
     pub(super) fn send_metadata(
         &self,
         room: u64,

@@ -140,8 +140,8 @@ impl Prefill {
         )
     }
 
-    /// Prefill: opens room `room`; it becomes `WaitingForInput` once every
-    /// decode rank that targets this rank sent its metadata.
+    /// [`Engine::sender`](crate::engine::Engine::sender) (the role checked):
+    /// opens the room with the metadata parked for it.
     pub(super) fn sender(&self, room: u64) -> Result<()> {
         let attempt = self.create_room(room, None)?;
         // Take the parked metadata and publish the room under the prefill_rooms
@@ -166,17 +166,9 @@ impl Prefill {
         Ok(())
     }
 
-    /// Prefill: [`send`](Self::send) with [`SendOptions`]: ordered after a
-    /// CUDA event (device pools) or a ready flag (host pools) instead of
-    /// needing complete rows, and/or for a range of layers only.
-    ///
-    /// Layer-wise, a chunk is sent over many calls, each with the same
-    /// `pages`, `num_tokens`, `last` and `aux_index` and the next layers
-    /// (`0..a`, `a..b`, ..., `..n` for the `n` topology entries); the decode
-    /// sees one room and one completion after every layer of every chunk and
-    /// the aux and state rows landed, as with whole-chunk sends. A layer sent
-    /// twice or skipped, another chunk or a whole-chunk send while layers of
-    /// one are missing, are refused with `layer_order` and change nothing.
+    /// [`Engine::send_with`](crate::engine::Engine::send_with) (the role
+    /// checked): checks the chunk against the room and its pending layers,
+    /// and queues it.
     pub(super) fn send_with(
         &self,
         room: u64,

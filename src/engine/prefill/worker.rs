@@ -1,6 +1,8 @@
 //! The prefill's transfer workers: each moves its rooms' chunks in order to
 //! every decode rank of the room (aux and state rows after the last chunk),
-//! and reports the room's outcome.
+//! and reports the room's outcome. A chunk's pair is planned and written
+//! through its link's write path (`conn.path.write`), then completed with
+//! the chunk's flight.
 
 use crate::engine::control::CtlMsg;
 use crate::engine::device::DeviceStage;
