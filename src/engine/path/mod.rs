@@ -207,9 +207,15 @@ impl PairPlan {
 /// The part of `runs` (sorted by their packed side, `src` when `by_src`, else
 /// `dst`) inside packed indices `lo..hi`, rebased to start at `lo`.
 pub(super) fn clip(runs: &[Run], lo: u64, hi: u64, by_src: bool) -> Vec<Run> {
+    let mut out = Vec::new();
+    clip_each(runs, lo, hi, by_src, |r| out.push(r));
+    out
+}
+
+/// [`clip`] without allocating: calls `f` for each clipped run, in order.
+fn clip_each(runs: &[Run], lo: u64, hi: u64, by_src: bool, mut f: impl FnMut(Run)) {
     let key = |r: &Run| if by_src { r.src } else { r.dst };
     let first = runs.partition_point(|r| key(r) + r.len <= lo);
-    let mut out = Vec::new();
     for r in &runs[first..] {
         let k = key(r);
         if k >= hi {
@@ -223,13 +229,12 @@ pub(super) fn clip(runs: &[Run], lo: u64, hi: u64, by_src: bool) -> Vec<Run> {
         } else {
             (r.src + skip, a - lo)
         };
-        out.push(Run {
+        f(Run {
             src,
             dst,
             len: b - a,
         });
     }
-    out
 }
 
 /// The writes of packed rows `lo..hi` of a layer group (entry-major at
@@ -243,19 +248,20 @@ pub(super) fn packed_ops(
     (region, offset): (u64, u64),
     entry_offsets: &[u64],
 ) -> Vec<crate::transport::WriteOp> {
-    let runs = clip(scatter, lo, hi, true);
-    let mut ops = Vec::with_capacity(runs.len() * layers.len());
+    let mut runs = 0;
+    clip_each(scatter, lo, hi, true, |_| runs += 1);
+    let mut ops = Vec::with_capacity(runs * layers.len());
     for (i, e) in layers.clone().enumerate() {
         let rb = row_bytes[e];
-        for r in &runs {
+        clip_each(scatter, lo, hi, true, |r| {
             ops.push(crate::transport::WriteOp {
                 local_region: region,
                 local_offset: offset + entry_offsets[i] + r.src * rb,
                 remote_region: dst_regions[e],
                 remote_offset: r.dst * rb,
                 len: r.len * rb,
-            });
-        }
+            })
+        });
     }
     ops
 }
