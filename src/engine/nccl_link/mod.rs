@@ -42,9 +42,13 @@
 //! connection (host memory), as for any other transport.
 //!
 //! - this file: the checks at creation, the engine's NCCL state
-//!   ([`NcclLinks`]: the decode's answers, the decode's active rooms, close);
-//! - `send`: the prefill side (a link's sending end, a chunk's pairs);
+//!   ([`NcclLinks`]: the decode's answers, the decode's active rooms, each
+//!   link's sending end or NCCL thread, close), which each role's state holds;
+//! - `send`: the prefill side (a chunk's pairs started and finished, for the
+//!   nccl write path);
 //! - `recv`: the decode side (the NCCL thread of a prefill link).
+//!
+//! Without the `nccl` feature `send` and `recv` are stubs in this file.
 
 #![cfg_attr(not(feature = "nccl"), allow(dead_code))]
 
@@ -114,10 +118,10 @@ pub(super) struct NcclLinks {
     closing: AtomicBool,
     /// Prefill: the sending end of each decode link.
     #[cfg(feature = "nccl")]
-    senders: Mutex<HashMap<LinkKey, std::sync::Arc<Mutex<send::Sender>>>>,
+    senders: Mutex<HashMap<LinkKey, std::sync::Arc<Mutex<Sender>>>>,
     /// Decode: the NCCL thread of each prefill link.
     #[cfg(feature = "nccl")]
-    receivers: Mutex<HashMap<LinkKey, recv::ReceiverThread>>,
+    receivers: Mutex<HashMap<LinkKey, ReceiverThread>>,
 }
 
 impl NcclLinks {
@@ -260,7 +264,7 @@ impl NcclLinks {
         self.answered.notify_all();
         #[cfg(feature = "nccl")]
         {
-            let threads: Vec<recv::ReceiverThread> =
+            let threads: Vec<ReceiverThread> =
                 lock(&self.receivers).drain().map(|(_, t)| t).collect();
             for t in threads {
                 t.join();
@@ -327,50 +331,94 @@ fn plan_options(cfg: &EngineConfig) -> crate::transport::nccl::NcclPlanOptions {
     Default::default()
 }
 
+/// The prefill end of one decode link. Fields drop in order: the pair
+/// (aborted and its stream waited, when work is in flight) before the
+/// staging buffer and the stream it uses.
 #[cfg(feature = "nccl")]
-mod recv;
-#[cfg(feature = "nccl")]
-mod send;
-#[cfg(feature = "nccl")]
-pub(super) use recv::on_prefill_message;
-#[cfg(feature = "nccl")]
-pub(super) use send::{finish_all, start_pair, NcclSend};
+struct Sender {
+    pair: Option<crate::transport::nccl::NcclPair>,
+    generation: u64,
+    staging: Option<crate::cuda::DeviceBuffer>,
+    gpu: crate::relayout::gpu::GpuRelayout,
+}
 
-/// Without the `nccl` feature an nccl engine is refused at creation.
-#[cfg(not(feature = "nccl"))]
-pub(super) struct NcclSend<'a>(std::convert::Infallible, std::marker::PhantomData<&'a ()>);
+/// Decode: the NCCL thread of one prefill link.
+#[cfg(feature = "nccl")]
+struct ReceiverThread {
+    tx: std::sync::mpsc::Sender<CtlMsg>,
+    /// The newest generation the prefill opened (ahead of the thread
+    /// while an `nccl_open` waits in the queue).
+    opened: std::sync::Arc<std::sync::atomic::AtomicU64>,
+    handle: std::thread::JoinHandle<()>,
+}
 
-/// Without the `nccl` feature there is no pair to finish.
-#[cfg(not(feature = "nccl"))]
-pub(super) fn finish_all(pairs: Vec<NcclSend<'_>>) -> Result<()> {
-    match pairs.into_iter().next() {
-        None => Ok(()),
-        Some(p) => match p.0 {},
+#[cfg(feature = "nccl")]
+impl ReceiverThread {
+    /// Stops taking messages and waits for the thread (skipped when it
+    /// is the caller: an engine dropped from its own NCCL thread).
+    fn join(self) {
+        drop(self.tx);
+        if self.handle.thread().id() != std::thread::current().id() {
+            let _ = self.handle.join();
+        }
     }
 }
 
+#[cfg(feature = "nccl")]
+pub(super) mod recv;
+#[cfg(feature = "nccl")]
+pub(super) mod send;
+
 /// Without the `nccl` feature an nccl engine is refused at creation.
 #[cfg(not(feature = "nccl"))]
-pub(super) fn start_pair(
-    _inner: &Shared,
-    _job: &super::prefill::jobs::Job,
-    _req: &crate::layout::PairRequest<'_>,
-    _row_bytes: &[u64],
-    _link: &std::sync::Arc<super::link::DecodeLink>,
-) -> Result<Option<NcclSend<'static>>> {
-    Err(Error::new(
-        Status::Unsupported,
-        "built without the `nccl` feature",
-    ))
+pub(super) mod send {
+    use crate::engine::link::DecodeLink;
+    use crate::engine::prefill::jobs::Job;
+    use crate::engine::state::Shared;
+    use crate::error::{Error, Result, Status};
+
+    /// Never made: there is no pair to finish.
+    pub(in crate::engine) struct NcclSend<'a>(
+        std::convert::Infallible,
+        std::marker::PhantomData<&'a ()>,
+    );
+
+    /// Without the `nccl` feature there is no pair to finish.
+    pub(in crate::engine) fn finish_all(pairs: Vec<NcclSend<'_>>) -> Result<()> {
+        match pairs.into_iter().next() {
+            None => Ok(()),
+            Some(p) => match p.0 {},
+        }
+    }
+
+    /// Without the `nccl` feature an nccl engine is refused at creation.
+    pub(in crate::engine) fn start_pair(
+        _inner: &Shared,
+        _job: &Job,
+        _req: &crate::layout::PairRequest<'_>,
+        _row_bytes: &[u64],
+        _link: &std::sync::Arc<DecodeLink>,
+    ) -> Result<Option<NcclSend<'static>>> {
+        Err(Error::new(
+            Status::Unsupported,
+            "built without the `nccl` feature",
+        ))
+    }
 }
 
 /// Without the `nccl` feature no message is acted on.
 #[cfg(not(feature = "nccl"))]
-pub(super) fn on_prefill_message<T>(
-    _inner: &T,
-    _link: &std::sync::Arc<super::link::PrefillLink>,
-    _m: CtlMsg,
-) {
+pub(super) mod recv {
+    use crate::engine::control::CtlMsg;
+    use crate::engine::link::PrefillLink;
+
+    /// Without the `nccl` feature no message is acted on.
+    pub(in crate::engine) fn on_prefill_message<T>(
+        _inner: &T,
+        _link: &std::sync::Arc<PrefillLink>,
+        _m: CtlMsg,
+    ) {
+    }
 }
 
 /// A device buffer of at least `need` bytes in `slot` (grown, never shrunk).

@@ -15,26 +15,6 @@ use std::sync::atomic::AtomicU64;
 use std::sync::mpsc;
 use std::sync::{Arc, Weak};
 
-/// Decode: the NCCL thread of one prefill link.
-pub(in crate::engine) struct ReceiverThread {
-    tx: mpsc::Sender<CtlMsg>,
-    /// The newest generation the prefill opened (ahead of the thread
-    /// while an `nccl_open` waits in the queue).
-    opened: Arc<AtomicU64>,
-    handle: std::thread::JoinHandle<()>,
-}
-
-impl ReceiverThread {
-    /// Stops taking messages and waits for the thread (skipped when it
-    /// is the caller: an engine dropped from its own NCCL thread).
-    pub(super) fn join(self) {
-        drop(self.tx);
-        if self.handle.thread().id() != std::thread::current().id() {
-            let _ = self.handle.join();
-        }
-    }
-}
-
 /// Decode: hands an `nccl_open` or `nccl_chunk` from prefill `link` to
 /// that link's NCCL thread (started on the first one).
 pub(in crate::engine) fn on_prefill_message(

@@ -3,7 +3,6 @@
 //! another and finished together.
 
 use super::*;
-use crate::cuda::DeviceBuffer;
 use crate::engine::link::DecodeLink;
 use crate::engine::prefill::jobs::Job;
 use crate::engine::prefill::Prefill;
@@ -11,16 +10,6 @@ use crate::layout::PairRequest;
 use crate::relayout::{self, gpu::GpuRelayout};
 use crate::transport::nccl::{NcclAbort, NcclId, NcclPair, NcclPlan, NcclRole};
 use std::sync::Arc;
-
-/// The prefill end of one decode link. Fields drop in order: the pair
-/// (aborted and its stream waited, when work is in flight) before the
-/// staging buffer and the stream it uses.
-pub(in crate::engine) struct Sender {
-    pub(super) pair: Option<NcclPair>,
-    generation: u64,
-    staging: Option<DeviceBuffer>,
-    pub(super) gpu: GpuRelayout,
-}
 
 fn peer_of(link: &DecodeLink) -> String {
     format!(

@@ -4,7 +4,7 @@
 use super::PairPlan;
 use crate::engine::device::DeviceStage;
 use crate::engine::flight::Flight;
-use crate::engine::nccl_link::NcclSend;
+use crate::engine::nccl_link::send::NcclSend;
 use crate::engine::prefill::jobs::Job;
 use crate::engine::prefill::Prefill;
 use crate::layout::PairRequest;

@@ -21,7 +21,13 @@ pub(super) fn write<'a>(
             "layer-wise sends over transport nccl are not supported: send whole chunks",
         ));
     }
-    let p = crate::engine::nccl_link::start_pair(cx.inner, cx.job, pair.req, pair.row_bytes, link)?;
+    let p = crate::engine::nccl_link::send::start_pair(
+        cx.inner,
+        cx.job,
+        pair.req,
+        pair.row_bytes,
+        link,
+    )?;
     cx.nccl.extend(p);
     Ok(pair.req.token_count() * pair.row_bytes.iter().sum::<u64>())
 }
