@@ -36,8 +36,8 @@ use crate::layout::Run;
 use crate::memory::Registry;
 use crate::transport::TransportKind;
 
+use super::config::EngineConfig;
 use super::state::Shared;
-use super::EngineConfig;
 use crate::transport::Transport;
 use std::sync::atomic::Ordering;
 

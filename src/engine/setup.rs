@@ -2,6 +2,7 @@
 //! memory registered with the agent, the threads started and the rank
 //! registered with the bootstrap.
 
+use super::config::EngineConfig;
 use super::deadline::deadline_loop;
 use super::decode::Decode;
 use super::device::DeviceStage;
@@ -10,7 +11,6 @@ use super::prefill::worker::worker_loop;
 use super::prefill::{accept_loop, Prefill};
 use super::room::RoomTable;
 use super::state::{lock, Shared};
-use super::EngineConfig;
 use crate::bootstrap::client::Registrar;
 use crate::bootstrap::schema::{InstanceId, RegionDescriptor, Registration, Role};
 use crate::error::{Error, Result, Status};

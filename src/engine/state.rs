@@ -4,10 +4,10 @@
 //! `decode::Decode`), and the two helpers every engine thread uses ([`lock`],
 //! [`catch`]).
 
+use super::config::EngineConfig;
 use super::control::RegionMap;
 use super::metrics::EngineMetrics;
 use super::room::{KvPoll, RoomTable};
-use super::EngineConfig;
 use crate::bootstrap::client::Registrar;
 use crate::bootstrap::schema::{Registration, Role};
 use crate::bootstrap::store::Store;

@@ -7,6 +7,7 @@
 
 use crate::bootstrap::schema::{InstanceId, PeerHello, Registration, Role};
 use crate::bootstrap::store::MemStore;
+use crate::engine::config::EngineConfig;
 use crate::engine::control::{CtlWriter, RegionMap};
 use crate::engine::decode::Decode;
 use crate::engine::link::DecodeLink;
@@ -15,7 +16,6 @@ use crate::engine::prefill::Prefill;
 use crate::engine::room::RoomTable;
 use crate::engine::state::Shared;
 use crate::engine::synthetic::SyntheticPools;
-use crate::engine::EngineConfig;
 use crate::error::{Error, Result, Status};
 use crate::layout::{DcpLayout, Side};
 use crate::memory::RegionDesc;
@@ -153,7 +153,7 @@ pub(super) fn rig(staging: u64) -> Rig {
         src.kv_pools(),
     );
     let agent = Agent::new(&AgentOptions::default()).unwrap();
-    let len = |p: &crate::engine::KvPool| p.page_bytes * p.num_pages;
+    let len = |p: &crate::engine::config::KvPool| p.page_bytes * p.num_pages;
     let pool_regions: Vec<RegionDesc> = cfg
         .pools
         .iter()
