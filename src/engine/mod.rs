@@ -21,21 +21,21 @@
 //!   `PrefillLink`); `flight`: the batches of one chunk in flight (fenced
 //!   writes, staging slots).
 //! - `path/*`: each path's writes of a chunk's pair as a range of layers
-//!   (`staged`, `direct`, `device`, `nccl`), what a worker writes a chunk
+//!   (`staged`, `direct`, `device`, `nccl/`), what a worker writes a chunk
 //!   with (`chunk`) and the dispatch (`write`).
 //! - `layers`: sends ordered after the caller's compute (a CUDA event or a
 //!   ready flag) and the order of layer-wise sends (their checks, the plan
 //!   a chunk's layer groups share).
 //! - `nccl_link`: transport nccl (device pools on both sides, one NCCL
-//!   communicator per link, set up over the control channel): the checks,
-//!   the NCCL state of both roles, the prefill's sends and the decode's
-//!   NCCL thread.
+//!   communicator per link, set up over the control channel): the checks
+//!   and the NCCL state of both roles (the prefill's sends are the nccl
+//!   write path, `path/nccl/`; the decode's NCCL thread is `decode/nccl.rs`).
 //! - `prefill/`: the prefill's state (`Prefill`, its lock order), `sender`
 //!   and `send`; `accept`: the control listener and each decode rank's
 //!   connection; `jobs`: the job queue; `worker`: the transfer workers.
 //! - `decode/`: the decode's state (`Decode`, its lock order), `receiver`
 //!   and `send_metadata`; `reader`: the control link to each prefill rank
-//!   and its reader.
+//!   and its reader; `nccl`: the NCCL thread of each prefill link.
 //! - `handle`: the [`Engine`] handle (one role's state), its API: the
 //!   role-independent queries, metrics and telemetry, abort, close, and each
 //!   role's calls; `deadline`: the deadline thread; `metrics_http`: the

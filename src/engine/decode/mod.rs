@@ -1,10 +1,14 @@
 //! The decode role: its state ([`Decode`]), rooms opened by `receiver`
 //! against the prefill ranks, the metadata (and room grants) sent to them.
 //!
+//! - `nccl`: the decode side of transport nccl (the NCCL thread of each
+//!   prefill link; a stub without the `nccl` feature);
 //! - `reader`: the control link to each prefill rank (dialled, authenticated,
 //!   checked) and its reader (statuses, abort acknowledgements, NCCL
 //!   messages, disconnects).
 
+#[cfg(feature = "nccl")]
+mod nccl;
 mod reader;
 #[cfg(test)]
 mod tests;
@@ -308,5 +312,20 @@ impl Decode {
         }
         lock(&self.rooms).update(room, attempt, KvPoll::WaitingForInput);
         Ok(())
+    }
+}
+
+/// Without the `nccl` feature no message is acted on.
+#[cfg(not(feature = "nccl"))]
+mod nccl {
+    use crate::engine::control::CtlMsg;
+    use crate::engine::link::PrefillLink;
+
+    /// Without the `nccl` feature no message is acted on.
+    pub(in crate::engine) fn on_prefill_message<T>(
+        _inner: &T,
+        _link: &std::sync::Arc<PrefillLink>,
+        _m: CtlMsg,
+    ) {
     }
 }

@@ -209,7 +209,7 @@ pub(super) fn decode_reader(w: Weak<Decode>, link: Arc<PrefillLink>, mut reader:
                 inner.cv.notify_all();
             }
             Ok(Some(m @ (CtlMsg::NcclOpen { .. } | CtlMsg::NcclChunk { .. }))) => {
-                crate::engine::nccl_link::recv::on_prefill_message(&inner, &link, m);
+                super::nccl::on_prefill_message(&inner, &link, m);
             }
             Ok(Some(_)) => {}
             Ok(None) | Err(_) => {

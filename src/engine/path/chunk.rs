@@ -1,10 +1,10 @@
 //! What a worker writes one chunk with, handed to the link's
 //! [`WritePath`](super::WritePath).
 
+use super::nccl::send::NcclSend;
 use super::PairPlan;
 use crate::engine::device::DeviceStage;
 use crate::engine::flight::Flight;
-use crate::engine::nccl_link::send::NcclSend;
 use crate::engine::prefill::jobs::Job;
 use crate::engine::prefill::Prefill;
 use crate::layout::PairRequest;

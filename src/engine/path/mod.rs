@@ -21,7 +21,7 @@
 pub(super) mod chunk;
 mod device;
 mod direct;
-mod nccl;
+pub(super) mod nccl;
 pub(super) mod staged;
 mod write;
 #[cfg(test)]

@@ -263,7 +263,7 @@ fn send_chunk<'a>(
         }
     }
     // every nccl pair of the chunk is on the wire: each completes (or aborts) here
-    crate::engine::nccl_link::send::finish_all(cx.nccl)?;
+    crate::engine::path::nccl::send::finish_all(cx.nccl)?;
     if job.layered {
         let done = job.layers.end == topo.entries.len();
         if let Some(r) = lock(&inner.prefill_rooms).get_mut(&job.room) {

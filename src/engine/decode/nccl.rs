@@ -2,18 +2,25 @@
 //! joins the link's communicators and checks, posts and completes each
 //! chunk's recvs.
 
-use super::*;
 use crate::cuda::DeviceBuffer;
+use crate::engine::control::CtlMsg;
 use crate::engine::decode::{Decode, DecodeRoom};
 use crate::engine::link::PrefillLink;
+use crate::engine::nccl_link::{
+    plan_options, room_deadline, room_live, staging, LinkKey, ReceiverThread,
+};
+use crate::engine::state::lock;
+use crate::error::{Error, Result, Status};
 use crate::layout::{PairRequest, Side};
 use crate::relayout::{self, gpu::GpuRelayout};
 use crate::transport::nccl::{
     check_mirror, NcclAbort, NcclBuffer, NcclId, NcclPair, NcclPlan, NcclRole,
 };
 use std::sync::atomic::AtomicU64;
+use std::sync::atomic::Ordering;
 use std::sync::mpsc;
 use std::sync::{Arc, Weak};
+use std::time::{Duration, Instant};
 
 /// Decode: hands an `nccl_open` or `nccl_chunk` from prefill `link` to
 /// that link's NCCL thread (started on the first one).

@@ -2,14 +2,22 @@
 //! communicator, stream and staging), a chunk's pairs started one after
 //! another and finished together.
 
-use super::*;
+use crate::engine::control::CtlMsg;
 use crate::engine::link::DecodeLink;
+use crate::engine::nccl_link::{
+    plan_options, room_deadline, room_live, staging, Answer, AnswerKey, LinkKey, Sender,
+};
 use crate::engine::prefill::jobs::Job;
 use crate::engine::prefill::Prefill;
+use crate::engine::state::lock;
+use crate::error::{Error, Result, Status};
 use crate::layout::PairRequest;
 use crate::relayout::{self, gpu::GpuRelayout};
 use crate::transport::nccl::{NcclAbort, NcclId, NcclPair, NcclPlan, NcclRole};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
 
 fn peer_of(link: &DecodeLink) -> String {
     format!(
