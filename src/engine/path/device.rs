@@ -1,6 +1,6 @@
 //! The device path of a prefill worker (KV pools in CUDA device memory): a
 //! pair's rows gathered on the GPU slice by slice into the worker's device
-//! staging ([`DeviceStage`](crate::engine::device::DeviceStage)) and written
+//! staging ([`DeviceStage`]) and written
 //! from there (zero copy: rdma with GPUDirect RDMA) or copied to its pinned
 //! host half and written from there; slice `i+1` is gathered (and copied)
 //! while slice `i` is on the wire.
