@@ -19,9 +19,8 @@ use std::time::{Duration, Instant};
 const PAGE: u64 = 16;
 const ROW_TOTAL: u64 = 4 * 64;
 const AUX_ITEM: u64 = 32;
-mod common;
-#[path = "support/peer.rs"]
-mod support;
+use crate::support as common;
+use crate::support;
 use common::{skip, Etcd};
 use support::{DEADLINE, SLACK};
 
@@ -147,11 +146,11 @@ fn kill_decode_mid_transfer() {
         let room = 1 + i as u64;
         let dst: Vec<u64> = (0..pages).map(|k| (k * 5 + i as u64) % 32).collect();
         dp.cmd(recv_total(room, pages * PAGE, &dst));
-        dp.expect(|v| v["event"] == "meta" && v["room"] == room, SLACK);
+        dp.expect_match(|v| v["event"] == "meta" && v["room"] == room, SLACK);
         p.cmd(send(room, pages, i as u64 * 16, 25));
     }
     let vroom = 1 + victim as u64;
-    p.expect(
+    p.expect_match(
         |v| v["event"] == "chunk" && v["room"] == vroom && v["i"] == kill_after,
         DEADLINE,
     );
@@ -175,7 +174,7 @@ fn kill_decode_mid_transfer() {
         let room = 10 + i as u64;
         let dst: Vec<u64> = (0..4).map(|k| 20 + k).collect();
         dp.cmd(recv_total(room, 4 * PAGE, &dst));
-        dp.expect(|v| v["event"] == "meta" && v["room"] == room, SLACK);
+        dp.expect_match(|v| v["event"] == "meta" && v["room"] == room, SLACK);
         p.cmd(send(room, 4, 48 + 4 * i as u64, 0));
         assert_eq!(p.done(room, DEADLINE + SLACK)["poll"], "Success");
         assert_success(
@@ -232,12 +231,12 @@ fn kill_prefill_mid_transfer() {
     let dst: Vec<u64> = (0..8).map(|k| (k * 3 + 1) % 32).collect();
     for dp in d.iter_mut() {
         dp.cmd(recv_total(1, 16 * PAGE, &dst));
-        dp.expect(|v| v["event"] == "meta" && v["room"] == 1, SLACK);
+        dp.expect_match(|v| v["event"] == "meta" && v["room"] == 1, SLACK);
     }
     p.cmd(send(1, 16, 0, 25));
     let kill_after = rng.below(14);
     eprintln!("killing the prefill after chunk {kill_after}");
-    p.expect(
+    p.expect_match(
         |v| v["event"] == "chunk" && v["room"] == 1 && v["i"] == kill_after,
         DEADLINE,
     );
@@ -256,7 +255,7 @@ fn kill_prefill_mid_transfer() {
     std::thread::sleep(Duration::from_millis(50));
     for dp in d.iter_mut() {
         dp.cmd(recv_total(2, 16 * PAGE, &dst));
-        dp.expect(|v| v["event"] == "meta" && v["room"] == 2, SLACK);
+        dp.expect_match(|v| v["event"] == "meta" && v["room"] == 2, SLACK);
     }
     p.cmd(send(2, 16, 16, 0));
     assert_eq!(p.done(2, DEADLINE + SLACK)["poll"], "Success");
@@ -339,9 +338,9 @@ fn wait_prefill_then_outage<T>(
     registered();
     let dst: Vec<u64> = (0..12).collect();
     d.cmd(recv_total(1, 12 * PAGE, &dst));
-    d.expect(|v| v["event"] == "meta" && v["room"] == 1, SLACK);
+    d.expect_match(|v| v["event"] == "meta" && v["room"] == 1, SLACK);
     p.cmd(send(1, 12, 0, 40));
-    p.expect(
+    p.expect_match(
         |v| v["event"] == "chunk" && v["room"] == 1 && v["i"] == 2,
         DEADLINE,
     );
@@ -359,7 +358,7 @@ fn wait_prefill_then_outage<T>(
     );
     let _back = restart();
     d.cmd(recv_total(3, 4 * PAGE, &[24, 25, 26, 27]));
-    d.expect(|v| v["event"] == "meta" && v["room"] == 3, SLACK);
+    d.expect_match(|v| v["event"] == "meta" && v["room"] == 3, SLACK);
     p.cmd(send(3, 4, 20, 0));
     assert_eq!(p.done(3, DEADLINE + SLACK)["poll"], "Success");
     assert_success(
@@ -383,9 +382,12 @@ fn canaries_catch_a_stray_write() {
     );
     d.check_canaries();
     d.cmd(json!({"cmd": "poke"}));
-    d.expect(|v| v["event"] == "poked", SLACK);
+    d.expect_match(|v| v["event"] == "poked", SLACK);
     d.cmd(json!({"cmd": "check"}));
-    assert_eq!(d.expect(|v| v["event"] == "canaries", SLACK)["damaged"], 1);
+    assert_eq!(
+        d.expect_match(|v| v["event"] == "canaries", SLACK)["damaged"],
+        1
+    );
 }
 
 /// etcd (the bootstrap backend) is killed with SIGKILL mid-transfer and
@@ -538,7 +540,7 @@ fn netns_link_down_mid_transfer() {
     // a room over the veth first: the path works
     let dst: Vec<u64> = (0..12).collect();
     d.cmd(recv_total(1, 4 * PAGE, &dst[..4]));
-    d.expect(|v| v["event"] == "meta" && v["room"] == 1, SLACK);
+    d.expect_match(|v| v["event"] == "meta" && v["room"] == 1, SLACK);
     p.cmd(send(1, 4, 0, 0));
     assert_eq!(p.done(1, DEADLINE + SLACK)["poll"], "Success");
     assert_success(
@@ -548,9 +550,9 @@ fn netns_link_down_mid_transfer() {
     );
     // then the link goes down mid-transfer
     d.cmd(recv_total(2, 12 * PAGE, &dst));
-    d.expect(|v| v["event"] == "meta" && v["room"] == 2, SLACK);
+    d.expect_match(|v| v["event"] == "meta" && v["room"] == 2, SLACK);
     p.cmd(send(2, 12, 16, 40));
-    p.expect(
+    p.expect_match(
         |v| v["event"] == "chunk" && v["room"] == 2 && v["i"] == 2,
         DEADLINE,
     );

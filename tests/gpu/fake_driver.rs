@@ -11,8 +11,7 @@
 //! engine end to end with prefill KV pools in (fake) device memory.
 #![cfg(feature = "cuda")]
 
-#[path = "support/fakes.rs"]
-mod fakes;
+use crate::support::fakes;
 use std::process::Command;
 
 #[test]
@@ -28,7 +27,7 @@ fn device_path_runs_on_fake_driver() {
         c.args([
             "--ignored",
             "--exact",
-            name,
+            crate::support::test_name(module_path!(), name).as_str(),
             "--nocapture",
             "--test-threads=1",
         ])

@@ -18,8 +18,7 @@
 //! before posting, the other room's bytes unchanged).
 #![cfg(all(feature = "nccl", feature = "testing"))]
 
-#[path = "support/fakes.rs"]
-mod fakes;
+use crate::support::fakes;
 use pdxfer::bootstrap::schema::Role;
 use pdxfer::bootstrap::server::{BootstrapServer, ServerConfig};
 use pdxfer::engine::synthetic::SyntheticPools;
@@ -56,7 +55,7 @@ fn child(fakes: &std::path::Path, name: &str, case: &str) -> Command {
     c.args([
         "--ignored",
         "--exact",
-        name,
+        crate::support::test_name(module_path!(), name).as_str(),
         "--nocapture",
         "--test-threads=1",
     ])

@@ -1,0 +1,31 @@
+//! The engine: in one process (a bootstrap server, prefill and decode ranks
+//! over cma, tcp and rdma on the fake NIC; layer-wise sends; metrics and
+//! telemetry; room-setup races; room grants between agents) and with real
+//! processes (bounded resources, fault injection with `pdxfer-fault-peer`).
+//! `cargo test --features testing --test engine [filter]`.
+
+#[allow(dead_code, unused_imports)]
+#[path = "../support/mod.rs"]
+mod support;
+
+mod bounded;
+#[cfg(feature = "testing")]
+mod engine;
+mod engine_metrics;
+mod engine_races;
+#[cfg(feature = "testing")]
+mod faults;
+#[cfg(feature = "testing")]
+mod layerwise;
+#[cfg(feature = "testing")]
+mod room_grants;
+
+/// Without the `testing` feature the modules above marked so are not built;
+/// this test says so instead of leaving them out silently.
+#[cfg(not(feature = "testing"))]
+#[test]
+fn the_testing_feature_is_on() {
+    panic!(
+        "the engine, faults, layerwise and room_grants tests of this binary need the testing feature: cargo test --features testing --test engine"
+    );
+}
