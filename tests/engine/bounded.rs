@@ -533,15 +533,7 @@ fn emfile_backs_off_and_keeps_serving() {
 }
 
 /// The fault tests' engine ranks.
-fn rank(name: &str, url: &str, cluster: &str, args: &[(&str, String)]) -> support::Peer {
-    support::Peer::spawn_bin(
-        env!("CARGO_BIN_EXE_pdxfer-fault-peer"),
-        name,
-        url,
-        cluster,
-        args,
-    )
-}
+use support::fault_peer as rank;
 
 fn wait_in(server: &BootstrapServer, cluster: &str, role: Role, n: usize) -> Vec<Value> {
     let end = Instant::now() + DEADLINE;

@@ -24,21 +24,6 @@ use crate::support;
 use common::{skip, Etcd};
 use support::{DEADLINE, SLACK};
 
-/// The fault tests' peers: the binary cargo built for this test.
-struct Peer;
-
-impl Peer {
-    fn spawn(name: &str, url: &str, cluster: &str, args: &[(&str, String)]) -> support::Peer {
-        support::Peer::spawn_bin(
-            env!("CARGO_BIN_EXE_pdxfer-fault-peer"),
-            name,
-            url,
-            cluster,
-            args,
-        )
-    }
-}
-
 /// The seeded generator of the fault points, from `PDXFER_FAULT_SEED` or the clock.
 fn seeded_rng() -> SplitMix64 {
     let s = std::env::var("PDXFER_FAULT_SEED")
@@ -117,14 +102,14 @@ fn kill_decode_mid_transfer() {
     let transport = if rng.below(2) == 0 { "tcp" } else { "cma" };
     eprintln!("transport {transport}");
     let t = ("transport", transport.to_string());
-    let mut p = Peer::spawn(
+    let mut p = support::fault_peer(
         "prefill",
         &url,
         cl,
         &[("role", "prefill".into()), t.clone()],
     );
     let decode = |i: u32| {
-        Peer::spawn(
+        support::fault_peer(
             &format!("decode{i}"),
             &url,
             cl,
@@ -203,7 +188,7 @@ fn kill_prefill_mid_transfer() {
     eprintln!("transport {transport}");
     let t = ("transport", transport.to_string());
     let prefill = || {
-        Peer::spawn(
+        support::fault_peer(
             "prefill",
             &url,
             cl,
@@ -213,7 +198,7 @@ fn kill_prefill_mid_transfer() {
     let mut p = prefill();
     let mut d: Vec<support::Peer> = (0..2)
         .map(|r| {
-            Peer::spawn(
+            support::fault_peer(
                 &format!("decode{r}"),
                 &url,
                 cl,
@@ -328,13 +313,13 @@ fn wait_prefill_then_outage<T>(
     restart: impl FnOnce() -> T,
 ) {
     let lease = ("lease-ms", lease_ms.to_string());
-    let mut p = Peer::spawn(
+    let mut p = support::fault_peer(
         "prefill",
         url,
         cl,
         &[("role", "prefill".into()), lease.clone()],
     );
-    let mut d = Peer::spawn("decode", url, cl, &[("role", "decode".into()), lease]);
+    let mut d = support::fault_peer("decode", url, cl, &[("role", "decode".into()), lease]);
     registered();
     let dst: Vec<u64> = (0..12).collect();
     d.cmd(recv_total(1, 12 * PAGE, &dst));
@@ -374,7 +359,7 @@ fn wait_prefill_then_outage<T>(
 #[test]
 fn canaries_catch_a_stray_write() {
     let server = BootstrapServer::start(ServerConfig::default()).unwrap();
-    let mut d = Peer::spawn(
+    let mut d = support::fault_peer(
         "decode",
         &server.url(),
         "faults-canary",

@@ -1,7 +1,7 @@
 //! An in-process cluster of engines, the engine tests' fixture: an embedded
 //! bootstrap server, prefill ranks (DCP `src_dcp`, usually 1) and decode
 //! ranks (DCP `dcp`) over synthetic pools (heap or shared pool allocations)
-//! and a chosen transport (rdma on the software NIC fabric), with the steps
+//! and a chosen transport (rdma on the software NIC fabric with the `testing` feature), with the steps
 //! of one request as helpers: [`Cluster::open_room`] (fill, metadata,
 //! senders), [`Cluster::send_all`] / [`Cluster::send_layerwise`],
 //! [`Cluster::wait_success`], [`Cluster::verify`] and [`Cluster::finish`]
@@ -13,11 +13,11 @@ use pdxfer::bootstrap::server::{BootstrapServer, ServerConfig};
 use pdxfer::engine::synthetic::SyntheticPools;
 use pdxfer::engine::{Engine, EngineConfig, KvPoll, SendOptions};
 use pdxfer::layout::{DcpLayout, Side};
-use pdxfer::transport::rdma::fake::FakeNic;
-use pdxfer::transport::rdma::handshake::Mtu;
-use pdxfer::transport::rdma::nic::NicProvider;
+#[cfg(feature = "testing")]
+use pdxfer::transport::rdma::{fake::FakeNic, handshake::Mtu, nic::NicProvider};
 use pdxfer::transport::TransportKind;
 use std::ops::Range;
+#[cfg(feature = "testing")]
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -43,7 +43,9 @@ pub enum Pools {
     Shared,
 }
 
-/// rdma runs on the software NIC fabric (two rails per engine).
+/// rdma runs on the software NIC fabric (two rails per engine; the fabric
+/// exists with the `testing` feature).
+#[cfg(feature = "testing")]
 pub fn fake_nic(transport: TransportKind, name: &str) -> Option<Arc<dyn NicProvider>> {
     (transport == TransportKind::Rdma).then(|| FakeNic::new(name, 2, Mtu::Mtu4096) as _)
 }
@@ -67,7 +69,10 @@ pub fn config(
     let mut cfg = EngineConfig::new(role, name, url, pools.topology(dcp, r), pools.kv_pools());
     cfg.aux = pools.aux_buffers();
     cfg.transport = transport;
-    cfg.testing.nic = fake_nic(transport, role.as_str());
+    #[cfg(feature = "testing")]
+    {
+        cfg.testing.nic = fake_nic(transport, role.as_str());
+    }
     cfg
 }
 

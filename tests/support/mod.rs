@@ -1,17 +1,14 @@
 //! Test harness shared by the integration-test binaries (each `main.rs`
 //! includes it with `#[path = "../support/mod.rs"]`): the child-process harness
 //! ([`proc`]), a private etcd ([`etcd`]), the fake libcuda and libnccl
-//! ([`fakes`]), the in-process cluster of engines ([`cluster`], with the
-//! `testing` feature) and [`skip`], the one recorder of skipped tests (the
+//! ([`fakes`]), the in-process cluster of engines ([`cluster`]) and [`skip`], the one recorder of skipped tests (the
 //! library's own unit tests compile the same file).
 #![allow(dead_code)]
 
+pub mod cluster;
 pub mod etcd;
 pub mod fakes;
 pub mod proc;
-
-#[cfg(feature = "testing")]
-pub mod cluster;
 
 #[path = "../../src/test_skip.rs"]
 mod test_skip;
@@ -42,6 +39,18 @@ pub fn pdxfer(name: &str, args: &[&str]) -> Proc {
     let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_pdxfer"));
     cmd.args(args);
     Proc::start(name, cmd)
+}
+
+/// Starts a `pdxfer-fault-peer` engine rank (the binary cargo built for
+/// this test, with the `testing` feature) and waits for its `ready` line.
+pub fn fault_peer(name: &str, url: &str, cluster: &str, args: &[(&str, String)]) -> Proc {
+    Proc::spawn_bin(
+        env!("CARGO_BIN_EXE_pdxfer-fault-peer"),
+        name,
+        url,
+        cluster,
+        args,
+    )
 }
 
 /// A free loopback port (bound and released; good enough for tests).
