@@ -3,7 +3,7 @@
 //! server (`hostile`), the embedded server in-process (`http`).
 //! `cargo test --test bootstrap [filter]`.
 
-#[allow(dead_code, unused_imports)]
+#[allow(dead_code, unused_imports)] // each binary uses part of it
 #[path = "../support/mod.rs"]
 mod support;
 

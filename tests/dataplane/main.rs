@@ -2,7 +2,7 @@
 //! peer authentication against an unprivileged attacker, tcp between two
 //! network namespaces. `cargo test --features testing --test dataplane [filter]`.
 
-#[allow(dead_code, unused_imports)]
+#[allow(dead_code, unused_imports)] // each binary uses part of it
 #[path = "../support/mod.rs"]
 mod support;
 

@@ -4,7 +4,7 @@
 //! processes (bounded resources, fault injection with `pdxfer-fault-peer`).
 //! `cargo test --features testing --test engine [filter]`.
 
-#[allow(dead_code, unused_imports)]
+#[allow(dead_code, unused_imports)] // each binary uses part of it
 #[path = "../support/mod.rs"]
 mod support;
 

@@ -4,7 +4,7 @@
 //! NVRTC builds of the kernels (`nvcc_kernels`).
 //! `cargo test --features testing --test gpu [filter]`.
 
-#[allow(dead_code, unused_imports)]
+#[allow(dead_code, unused_imports)] // each binary uses part of it
 #[path = "../support/mod.rs"]
 mod support;
 

@@ -3,7 +3,6 @@
 //! ([`proc`]), a private etcd ([`etcd`]), the fake libcuda and libnccl
 //! ([`fakes`]), the in-process cluster of engines ([`cluster`]) and [`skip`], the one recorder of skipped tests (the
 //! library's own unit tests compile the same file).
-#![allow(dead_code)]
 
 pub mod cluster;
 pub mod etcd;
