@@ -11,13 +11,14 @@ export CARGO_TERM_COLOR=never
 STAGES=()
 stage="" stage_t0=$SECONDS stage_c0=0
 times_file=$(mktemp)
-cpu_seconds() { # user+sys of this shell's finished children so far (`times`, 2nd line)
-  times >"$times_file"
+cpu_mark() { times >"$times_file"; } # in this shell: a subshell's `times` counts only its own
+cpu_seconds() { # user+sys of this shell's finished children at the last cpu_mark (`times`, 2nd line)
   awk 'NR == 2 { split($1, u, /[ms]/); split($2, s, /[ms]/); printf "%.1f", u[1] * 60 + u[2] + s[1] * 60 + s[2] }' "$times_file"
 }
 end_stage() {
   [ -n "$stage" ] || return 0
   local cpu
+  cpu_mark
   cpu=$(awk -v a="$(cpu_seconds)" -v b="$stage_c0" 'BEGIN { printf "%.1f", a - b }')
   STAGES+=("$(printf '%6d s %8s CPU-s  %s' $((SECONDS - stage_t0)) "$cpu" "$stage")")
   echo "--- $stage: $((SECONDS - stage_t0)) s, $cpu CPU-s"
@@ -26,6 +27,7 @@ end_stage() {
 step() {
   end_stage
   echo; echo "=== $*"
+  cpu_mark
   stage="$*" stage_t0=$SECONDS stage_c0=$(cpu_seconds)
 }
 summary() {

@@ -682,17 +682,10 @@ fn grants_held(c: &Cluster) -> Vec<u64> {
 /// Opens `room` on every decode rank (metadata for pages `dst`) and on the
 /// prefill, and waits until the prefill saw every decode rank's metadata.
 fn open_room(c: &Cluster, room: u64, dst: &[u64], timeout: Duration) {
-    for (e, _) in &c.decode {
-        e.receiver(room, 0, Some(timeout)).unwrap();
-        e.send_metadata(room, dst, 0, 5).unwrap();
-    }
-    c.prefill().sender(room).unwrap();
-    let mut waited = 0;
-    while c.prefill().poll(room) == KvPoll::Bootstrapping {
-        std::thread::sleep(Duration::from_millis(5));
-        waited += 1;
-        assert!(waited < 2000, "prefill never saw the decode metadata");
-    }
+    let decode = c.decode.iter().map(|(e, _)| e);
+    cluster::open_decode(decode, room, dst, 0, Some(timeout));
+    c.senders(room);
+    c.wait_bootstrapped(room);
 }
 
 /// The decode's metadata grants the room once per prefill rank; the grant

@@ -91,6 +91,43 @@ pub fn rank(
     (unsafe { Engine::new(cfg) }.unwrap(), pools)
 }
 
+/// Side `rank` of DCP `dcp` in SGLang's layout ([`P`]-token pages): its
+/// `pages`, from position `origin`.
+pub fn side(dcp: u64, rank: u64, pages: &[u64], origin: u64) -> Side<'_> {
+    Side {
+        layout: DcpLayout::sglang(P, dcp).unwrap(),
+        rank,
+        pages,
+        origin,
+    }
+}
+
+/// Each engine of `decode` opens `room` (deadline `timeout`, none: the room
+/// timeout) and sends its metadata: pages `dst`, `prefix`, aux slot [`AUX_SLOT`].
+pub fn open_decode<'a>(
+    decode: impl IntoIterator<Item = &'a Engine>,
+    room: u64,
+    dst: &[u64],
+    prefix: u64,
+    timeout: Option<Duration>,
+) {
+    for e in decode {
+        e.receiver(room, 0, timeout).unwrap();
+        e.send_metadata(room, dst, prefix, AUX_SLOT).unwrap();
+    }
+}
+
+/// Asserts that `e` ends `room` with `Success` (20 s at most); `what` names
+/// it in the failure, with the room's failure.
+pub fn assert_success(e: &Engine, room: u64, what: &str) {
+    assert_eq!(
+        e.wait(room, Duration::from_secs(20)),
+        KvPoll::Success,
+        "{what}: {:?}",
+        e.failure(room)
+    );
+}
+
 /// What [`Cluster::build`] starts; each setter returns the spec.
 pub struct Spec {
     name: String,
@@ -323,12 +360,7 @@ impl Cluster {
     pub fn fill(&mut self, req: &Request) {
         let sd = self.prefill.len() as u64;
         for (r, (_, pools)) in self.prefill.iter_mut().enumerate() {
-            let side = Side {
-                layout: DcpLayout::sglang(P, sd).unwrap(),
-                rank: r as u64,
-                pages: &req.src[r],
-                origin: req.prefix,
-            };
+            let side = side(sd, r as u64, &req.src[r], req.prefix);
             pools.fill(req.room, &side, req.total);
             pools.fill_aux(req.room, AUX_ITEM);
         }
@@ -337,11 +369,13 @@ impl Cluster {
     /// Every decode rank opens the room and sends its metadata (pages
     /// `req.dst`, aux slot [`AUX_SLOT`]).
     pub fn post_metadata(&self, req: &Request) {
-        for (e, _) in &self.decode {
-            e.receiver(req.room, 0, self.receiver_timeout).unwrap();
-            e.send_metadata(req.room, &req.dst, req.prefix, AUX_SLOT)
-                .unwrap();
-        }
+        open_decode(
+            self.decode.iter().map(|(e, _)| e),
+            req.room,
+            &req.dst,
+            req.prefix,
+            self.receiver_timeout,
+        );
     }
 
     /// Every prefill rank opens the room.
@@ -430,24 +464,13 @@ impl Cluster {
     /// Asserts `Success` on every prefill rank (20 s at most each).
     pub fn wait_prefill_success(&self, room: u64) {
         for (r, (e, _)) in self.prefill.iter().enumerate() {
-            assert_eq!(
-                e.wait(room, Duration::from_secs(20)),
-                KvPoll::Success,
-                "prefill {r}: {:?}",
-                e.failure(room)
-            );
+            assert_success(e, room, &format!("prefill {r}"));
         }
     }
 
     /// Asserts `Success` on decode rank `r` (20 s at most).
     pub fn wait_decode_success(&self, room: u64, r: usize) {
-        let e = &self.decode[r].0;
-        assert_eq!(
-            e.wait(room, Duration::from_secs(20)),
-            KvPoll::Success,
-            "decode {r}: {:?}",
-            e.failure(room)
-        );
+        assert_success(&self.decode[r].0, room, &format!("decode {r}"));
     }
 
     /// Asserts `Success` everywhere: the prefill ranks, then every decode rank.
@@ -461,13 +484,7 @@ impl Cluster {
     /// Checks every byte of `req` on decode rank `r` (KV rows and the aux
     /// item); returns the bytes verified.
     pub fn verify_rank(&self, req: &Request, r: usize) -> u64 {
-        let dcp = self.decode.len() as u64;
-        let side = Side {
-            layout: DcpLayout::sglang(P, dcp).unwrap(),
-            rank: r as u64,
-            pages: &req.dst,
-            origin: req.prefix,
-        };
+        let side = side(self.decode.len() as u64, r as u64, &req.dst, req.prefix);
         self.decode[r]
             .1
             .verify(req.room, &side, req.total, Some(AUX_SLOT))
