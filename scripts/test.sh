@@ -41,7 +41,7 @@ summary() {
 }
 trap summary EXIT
 
-# Every skipped test is recorded here (tests/common::skip, pytest -rs); the run
+# Every skipped test is recorded here (src/test_skip.rs, which the integration tests include; pytest -rs); the run
 # fails at the end on any skip whose kind PDXFER_ALLOW_SKIP (comma-separated,
 # e.g. netns,etcd) does not name.
 mkdir -p target

@@ -6,7 +6,7 @@
 //! its deadline, every unaffected room must succeed byte-exact, no canary may
 //! change, and every process must exit when told (every wait is bounded).
 //!
-//! The seed is printed; `PDXFER_FAULT_SEED=N cargo test --test faults` replays it.
+//! The seed is printed; `PDXFER_FAULT_SEED=N cargo test --features testing --test engine faults` replays it.
 
 use pdxfer::bootstrap::schema::Role;
 use pdxfer::bootstrap::server::{BootstrapServer, ServerConfig};

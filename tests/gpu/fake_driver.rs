@@ -3,7 +3,7 @@
 //! benchmark loop) against `cuda/fake_driver.cpp`, a CPU stand-in for
 //! libcuda that executes the kernels with the host harness, and NCCL pair
 //! transfers (`transport::nccl`, Direct and Staged) against
-//! `cuda/fake_nccl.cpp`, two ranks in one process (tests/nccl_fake.rs runs
+//! `cuda/fake_nccl.cpp`, two ranks in one process (`nccl_fake` runs
 //! them in separate processes). cudarc loads
 //! libcuda once per process and glibc reads LD_LIBRARY_PATH at start-up, so
 //! the checks run in child processes (this test binary, `--ignored --exact
