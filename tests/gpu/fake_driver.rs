@@ -1089,9 +1089,9 @@ fn child_engine_decode_device_pools_on_fake_driver() {
     use pdxfer::bootstrap::schema::Role;
     use pdxfer::bootstrap::server::{BootstrapServer, ServerConfig};
     use pdxfer::engine::synthetic::SyntheticPools;
-    use pdxfer::engine::{Engine, EngineConfig, KvPoll, KvPool};
+    use pdxfer::engine::{Engine, EngineConfig, KvPoll};
     use pdxfer::memory::RegionKind;
-    use pdxfer::relayout::gpu::{DeviceBuffer, GpuRelayout};
+    use pdxfer::relayout::gpu::GpuRelayout;
     use pdxfer::transport::rdma::fake::FakeNic;
     use pdxfer::transport::rdma::handshake::Mtu;
     use pdxfer::transport::rdma::nic::NicProvider;
@@ -1113,18 +1113,7 @@ fn child_engine_decode_device_pools_on_fake_driver() {
     let server = BootstrapServer::start(ServerConfig::default()).unwrap();
     let url = server.url();
     let g = GpuRelayout::new(0).unwrap();
-    let on_device = |pools: &SyntheticPools| -> (Vec<DeviceBuffer>, Vec<KvPool>) {
-        let bufs: Vec<DeviceBuffer> = (0..LAYERS as usize)
-            .map(|l| g.alloc(pools.layer_bytes(l).len()).unwrap())
-            .collect();
-        let kv = pools
-            .kv_pools()
-            .into_iter()
-            .zip(&bufs)
-            .map(|(p, d)| KvPool { base: d.ptr(), ..p })
-            .collect();
-        (bufs, kv)
-    };
+    let on_device = |pools: &SyntheticPools| cluster::device_pools(&g, pools);
 
     // rdma runs on the fake NIC fabric; the prefill's NIC has GPUDirect RDMA,
     // has no GPU path, has one whose registrations fail (the probe finds it
@@ -1390,9 +1379,9 @@ fn child_engine_gpudirect_flush_on_fake_driver() {
     use pdxfer::bootstrap::schema::Role;
     use pdxfer::bootstrap::server::{BootstrapServer, ServerConfig};
     use pdxfer::engine::synthetic::SyntheticPools;
-    use pdxfer::engine::{Engine, EngineConfig, KvPoll, KvPool};
+    use pdxfer::engine::{Engine, EngineConfig, KvPoll};
     use pdxfer::layout::{DcpLayout, Side};
-    use pdxfer::relayout::gpu::{DeviceBuffer, GpuRelayout};
+    use pdxfer::relayout::gpu::GpuRelayout;
     use pdxfer::transport::rdma::fake::FakeNic;
     use pdxfer::transport::rdma::handshake::Mtu;
     use pdxfer::transport::rdma::nic::NicProvider;
@@ -1448,19 +1437,11 @@ fn child_engine_gpudirect_flush_on_fake_driver() {
         // SAFETY: the host pools and aux outlive the engine (closed below).
         let prefill = unsafe { Engine::new(cfg) }.unwrap();
         let mut mirror = SyntheticPools::new(LAYERS, ROW, P, PAGES, 8, 32).unwrap();
-        let bufs: Vec<DeviceBuffer> = (0..LAYERS as usize)
-            .map(|l| g.alloc(mirror.layer_bytes(l).len()).unwrap())
-            .collect();
+        let (bufs, kv) = cluster::device_pools(&g, &mirror);
         for b in &bufs {
             g.memset(b, 0).unwrap();
         }
         g.record(false).unwrap().wait().unwrap();
-        let kv: Vec<KvPool> = mirror
-            .kv_pools()
-            .into_iter()
-            .zip(&bufs)
-            .map(|(p, d)| KvPool { base: d.ptr(), ..p })
-            .collect();
         let decode_cfg = |transport| {
             let mut cfg =
                 EngineConfig::new(Role::Decode, &name, &url, mirror.topology(1, 0), kv.clone());

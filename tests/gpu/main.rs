@@ -11,6 +11,7 @@ mod support;
 #[cfg(feature = "testing")]
 mod fake_driver;
 mod kernel_harness;
+#[cfg(feature = "testing")]
 mod nccl_engine;
 mod nccl_fake;
 mod nvcc_kernels;
@@ -21,6 +22,6 @@ mod nvcc_kernels;
 #[test]
 fn the_testing_feature_is_on() {
     panic!(
-        "the fake_driver tests of this binary need the testing feature: cargo test --features testing --test gpu"
+        "the fake_driver and nccl_engine tests of this binary need the testing feature: cargo test --features testing --test gpu"
     );
 }

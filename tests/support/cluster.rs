@@ -56,6 +56,30 @@ pub fn pools(layers: u32, pages: u64) -> SyntheticPools {
     SyntheticPools::new(layers, ROW, P, pages, 8, 32).unwrap()
 }
 
+/// Device pools for the layers of `pools` (on the fake libcuda in the tests
+/// that have no GPU): one allocation per layer, and `pools`' KV pools moved
+/// onto them (same geometry; `pools` stays the host mirror to fill, upload
+/// and read back into).
+#[cfg(feature = "cuda")]
+pub fn device_pools(
+    g: &pdxfer::relayout::gpu::GpuRelayout,
+    pools: &SyntheticPools,
+) -> (
+    Vec<pdxfer::relayout::gpu::DeviceBuffer>,
+    Vec<pdxfer::engine::KvPool>,
+) {
+    let kv = pools.kv_pools();
+    let bufs: Vec<_> = (0..kv.len())
+        .map(|l| g.alloc(pools.layer_bytes(l).len()).unwrap())
+        .collect();
+    let kv = kv
+        .into_iter()
+        .zip(&bufs)
+        .map(|(p, d)| pdxfer::engine::KvPool { base: d.ptr(), ..p })
+        .collect();
+    (bufs, kv)
+}
+
 /// The config of one rank over `pools`, DCP `dcp` rank `r` (aux buffers,
 /// transport, rdma on the software NIC fabric), for the caller to adjust.
 pub fn config(
