@@ -10,7 +10,7 @@
 //!    `scripts/cuda-deps.sh` installs, whose images load on CUDA 12.x drivers).
 //!    Without any the build still succeeds; see `relayout::gpu::kernels`.
 //! 3. Gives the cdylib the soname `libpdxfer.so.<ABI major>` (the major of
-//!    `src/ffi/status.rs`), so programs linked against it keep working across
+//!    `src/version.rs`), so programs linked against it keep working across
 //!    minor versions and refuse another major at load time.
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -32,13 +32,13 @@ fn const_u32(src: &str, name: &str) -> u32 {
     let pat = format!("pub const {name}: u32 = ");
     src.lines()
         .find_map(|l| l.trim().strip_prefix(&pat)?.strip_suffix(';')?.parse().ok())
-        .unwrap_or_else(|| panic!("src/ffi/status.rs has no `{pat}N;`"))
+        .unwrap_or_else(|| panic!("src/version.rs has no `{pat}N;`"))
 }
 
 fn soname(crate_dir: &Path) {
-    let status = crate_dir.join("src/ffi/status.rs");
-    println!("cargo:rerun-if-changed=src/ffi/status.rs");
-    let src = std::fs::read_to_string(&status).expect("read src/ffi/status.rs");
+    let version = crate_dir.join("src/version.rs");
+    println!("cargo:rerun-if-changed=src/version.rs");
+    let src = std::fs::read_to_string(&version).expect("read src/version.rs");
     let major = const_u32(&src, "PDXFER_ABI_VERSION_MAJOR");
     if std::env::var("CARGO_CFG_TARGET_OS").as_deref() == Ok("linux") {
         println!("cargo:rustc-cdylib-link-arg=-Wl,-soname,libpdxfer.so.{major}");
@@ -48,6 +48,7 @@ fn soname(crate_dir: &Path) {
 fn header(crate_dir: &Path) {
     println!("cargo:rerun-if-changed=src/ffi");
     println!("cargo:rerun-if-changed=src/error.rs");
+    println!("cargo:rerun-if-changed=src/version.rs");
     println!("cargo:rerun-if-changed=cbindgen.toml");
     let mut config =
         cbindgen::Config::from_file(crate_dir.join("cbindgen.toml")).expect("read cbindgen.toml");

@@ -1,7 +1,7 @@
 // A stand-in libcuda.so for machines without a GPU: the CUDA driver calls that
 // pdxfer makes, implemented on the CPU, with kernel launches run by the host
 // harness (the very same cuda/relayout.cu source). "Device" memory is host
-// memory. tests/fake_driver.rs builds it with g++ as libcuda.so and runs the
+// memory. tests/gpu/fake_driver.rs builds it with g++ as libcuda.so and runs the
 // device code paths in child processes whose LD_LIBRARY_PATH finds it.
 //
 // What it models (the part a missing wait or a wrong assumption breaks):
@@ -40,6 +40,9 @@
 //   (PDXFER_FAKE_CUDA_DMA_BUF, default 1); cuFlushGPUDirectRDMAWrites counts
 //   its calls (pdx_fake_rdma_flushes) and fails with CUDA_ERROR_NOT_SUPPORTED
 //   where the flush options lack the host flush.
+// - One device (ordinal 0; any other is CUDA_ERROR_INVALID_DEVICE) of compute
+//   capability 9.0 and 80 GiB, whose free memory (cuMemGetInfo) is what its
+//   allocations leave; device attributes other than those above read 0.
 // It refuses what a real driver would where it is cheap to check: launches of
 // functions it did not hand out, unknown streams/events, copies touching
 // memory it did not allocate, tables outside device memory, a wrong kernel
@@ -54,8 +57,11 @@
 //   so races between streams that a real GPU shows as torn data cannot show
 //   here, only missing waits (work that has not run at all);
 // - more than one device, peer access, unified or managed memory, memory
-//   pools, graphs, cuMemGetHandleForAddressRange (dma-buf export) and
-//   nvidia-peermem; the exact error code a real driver gives a too-new cubin;
+//   pools, graphs, cuMemGetHandleForAddressRange (dma-buf export: only the
+//   attribute that says it is supported is answered) and nvidia-peermem;
+//   cuDeviceGetPCIBusId is not exported (the GPU's PCI address, which the
+//   RDMA NIC choice uses, cannot be read from this fake); the exact error
+//   code a real driver gives a too-new cubin;
 // - that a kernel image holds the functions asked for, or its architecture
 //   (any image of a supported version yields pdx_gather, pdx_scatter and
 //   pdx_spin, whose spin is a sleep of the thread that runs the work);

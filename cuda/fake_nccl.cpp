@@ -28,6 +28,11 @@
 // - ncclCommAbort makes the communicator's pending ops finish at once (their
 //   streams drain) without moving bytes; ncclCommFinalize is ncclInProgress
 //   while ops are pending, then ncclSuccess; ncclCommDestroy frees.
+// - Bounds a real NCCL also has: a rank's ops go to its one peer (any other
+//   peer is ncclInvalidArgument), data types are bytes (ncclInt8/ncclUint8),
+//   an op posted after ncclCommAbort is ncclInvalidUsage, and a recv whose
+//   read of the sender's memory fails is ncclSystemError. At most 4096 sends
+//   of a direction wait for their recvs at once; ncclGetVersion says 2.29.99.
 // - pdx_fake_nccl_counts reports aborts, destroys and live communicators;
 //   pdx_fake_nccl_rank_aborts the aborts of each rank's communicators.
 //

@@ -144,7 +144,7 @@ fn engine_run(a: &Args, g: &GpuRelayout, m: EngineMode) -> Result<(u64, f64), St
     let mut dev = Vec::new();
     if let Some(g) = device {
         for l in 0..a.engine_layers as usize {
-            dev.push(g.alloc(host.layer_bytes(l).len()).map_err(e)?);
+            dev.push(g.stream().alloc(host.layer_bytes(l).len()).map_err(e)?);
         }
     }
     let pools: Vec<KvPool> = if device.is_some() {
@@ -170,12 +170,12 @@ fn engine_run(a: &Args, g: &GpuRelayout, m: EngineMode) -> Result<(u64, f64), St
         let mut kv = pools.kv_pools();
         if m.decode_device {
             for (l, k) in kv.iter_mut().enumerate() {
-                let b = g.alloc(pools.layer_bytes(l).len()).map_err(e)?;
-                g.memset(&b, 0).map_err(e)?;
+                let b = g.stream().alloc(pools.layer_bytes(l).len()).map_err(e)?;
+                g.stream().memset(&b, 0).map_err(e)?;
                 k.base = b.ptr();
                 bufs.push(b);
             }
-            g.record(false).map_err(e)?.wait().map_err(e)?;
+            g.stream().record(false).map_err(e)?.wait().map_err(e)?;
         }
         let mut cfg = EngineConfig::new(Role::Decode, cluster, &url, pools.topology(dcp, r), kv);
         cfg.pool_device = m.decode_device.then_some(a.device as u32);
@@ -199,9 +199,9 @@ fn engine_run(a: &Args, g: &GpuRelayout, m: EngineMode) -> Result<(u64, f64), St
         host.fill_aux(room, 1);
         if let Some(g) = device {
             for (l, d) in dev.iter().enumerate() {
-                g.upload(d, 0, host.layer_bytes(l)).map_err(e)?;
+                g.stream().upload(d, 0, host.layer_bytes(l)).map_err(e)?;
             }
-            g.record(false).map_err(e)?.wait().map_err(e)?;
+            g.stream().record(false).map_err(e)?.wait().map_err(e)?;
         }
         for (d, _, _) in &decode {
             d.receiver(room, 0, Some(wait)).map_err(e)?;
@@ -379,8 +379,8 @@ fn layerwise_check(a: &Args, g: &GpuRelayout) -> i32 {
 /// loaded (or why none), and GPUDirect RDMA (a real registration where an
 /// RDMA device exists).
 fn summary(a: &Args) -> Option<GpuRelayout> {
-    use pdxfer::relayout::gpu::{self, kernels};
-    match gpu::probe() {
+    use pdxfer::relayout::gpu::kernels;
+    match pdxfer::cuda::probe() {
         Ok(i) => println!("gpu-check: driver: {}", i.describe()),
         Err(e) => println!("gpu-check: driver: none ({e})"),
     }
@@ -403,7 +403,10 @@ fn summary(a: &Args) -> Option<GpuRelayout> {
             None
         }
     };
-    println!("gpu-check: gpudirect: {}", gpu::gpudirect_summary(a.device));
+    println!(
+        "gpu-check: gpudirect: {}",
+        pdxfer::cuda::gpudirect_summary(a.device)
+    );
     g
 }
 
@@ -423,10 +426,10 @@ fn main() {
     println!(
         "device {}: {} (sm_{}{}), driver CUDA {}, kernels: {}",
         a.device,
-        g.device_name().unwrap_or_default(),
+        g.stream().device_name().unwrap_or_default(),
         g.compute_capability().0,
         g.compute_capability().1,
-        pdxfer::relayout::gpu::kernels::version_text(g.driver_version()),
+        pdxfer::cuda::version_text(g.driver_version()),
         g.kernel_origin(),
     );
     if a.engine_only {

@@ -24,8 +24,9 @@
 //! Exit codes: 0 passed, 1 a failure, 2 usage, 3 no NCCL or no device.
 
 use clap::Parser;
+use pdxfer::cuda::DeviceBuffer;
 use pdxfer::layout::{PackLayout, PairRequest, SglangChunk};
-use pdxfer::relayout::gpu::{DeviceBuffer, GpuRelayout};
+use pdxfer::relayout::gpu::GpuRelayout;
 use pdxfer::relayout::{self, cpu};
 use pdxfer::transport::nccl::{
     check_mirror, probe, NcclAbort, NcclId, NcclPair, NcclPlan, NcclPlanOptions, NcclRole,
@@ -112,7 +113,7 @@ fn solo(a: &Args) {
         &id,
         NcclRole::Sender,
         a.device,
-        g.stream_handle(),
+        g.stream().raw(),
         "a decode rank that never joins",
         t0 + deadline,
         &mut || true,
@@ -223,11 +224,14 @@ fn pools(g: &GpuRelayout, a: &Args, rows: u64, fill: bool) -> Vec<DeviceBuffer> 
     (0..a.layers)
         .map(|l| {
             let len = (rows * a.row_bytes) as usize;
-            let b = g.alloc(len).unwrap_or_else(|e| fail(3, e.to_string()));
+            let b = g
+                .stream()
+                .alloc(len)
+                .unwrap_or_else(|e| fail(3, e.to_string()));
             if fill {
-                g.upload(&b, 0, &pattern(l, len)).unwrap();
+                g.stream().upload(&b, 0, &pattern(l, len)).unwrap();
             } else {
-                g.memset(&b, 0).unwrap();
+                g.stream().memset(&b, 0).unwrap();
             }
             b
         })
@@ -248,7 +252,7 @@ fn send(a: &Args, dir: &Path) {
     let mut alive = alive_check(get(dir, "recv.pid").parse().unwrap());
     let mut g = GpuRelayout::new(a.device).unwrap_or_else(|e| fail(3, e.to_string()));
     let bufs = pools(&g, a, src.len() as u64 * a.page, true);
-    let staging = g.alloc(tx.pack.total_bytes as usize).unwrap();
+    let staging = g.stream().alloc(tx.pack.total_bytes as usize).unwrap();
     let bases: Vec<u64> = bufs.iter().map(|b| b.ptr()).collect();
     let ents = relayout::gather_entries(&bases, &rows, staging.ptr(), &tx.pack).unwrap();
     // SAFETY: the entries address the pools and staging above, sized by the plan.
@@ -261,7 +265,7 @@ fn send(a: &Args, dir: &Path) {
         &id,
         NcclRole::Sender,
         a.device,
-        g.stream_handle(),
+        g.stream().raw(),
         "the receiving rank",
         deadline,
         &mut alive,
@@ -316,15 +320,15 @@ fn recv(a: &Args, dir: &Path) {
     let mut g = GpuRelayout::new(a.device).unwrap_or_else(|e| fail(3, e.to_string()));
     let dst_rows = (dst.iter().max().unwrap() + 1) * a.page;
     let bufs = pools(&g, a, dst_rows, false);
-    let staging = g.alloc(rx.pack.total_bytes as usize).unwrap();
-    g.record(false).unwrap().wait().unwrap();
+    let staging = g.stream().alloc(rx.pack.total_bytes as usize).unwrap();
+    g.stream().record(false).unwrap().wait().unwrap();
     let bases: Vec<u64> = bufs.iter().map(|b| b.ptr()).collect();
     let deadline = Instant::now() + Duration::from_secs(120);
     let mut pair = NcclPair::connect(
         &id,
         NcclRole::Receiver,
         a.device,
-        g.stream_handle(),
+        g.stream().raw(),
         "the sending rank",
         deadline,
         &mut alive,

@@ -106,6 +106,9 @@
 // Plan only the packed layout: source rows are indices into a staging buffer.
 #define PDXFER_PLAN_PACKED 1
 
+// Every prefill CP rank transfers its shard.
+#define PDXFER_MAP_ALL_CP_RANKS 1
+
 // ABI major version of this header; a library with another major refuses to work with it.
 #define PDXFER_ABI_VERSION_MAJOR 1
 
@@ -121,9 +124,6 @@
 // pools, one copy on the same host), `PDXFER_ENGINE_NO_ONE_COPY`,
 // `PDXFER_ENGINE_NO_PREFAULT`.
 #define PDXFER_ABI_VERSION_MINOR 5
-
-// Every prefill CP rank transfers its shard.
-#define PDXFER_MAP_ALL_CP_RANKS 1
 
 // Stable status codes shared by Rust, C (`PdxStatus`) and Python (`.code`).
 enum PdxStatus
@@ -478,8 +478,8 @@ typedef struct PdxEngineConfig {
   uint64_t num_state;
   // ABI 1.2: where the KV pools live: `PDXFER_POOL_HOST` (0) or
   // `PDXFER_POOL_CUDA` (device memory of device `pool_device`). The rules
-  // for device pools (transports, staging, what is refused) are in the
-  // README, "KV pools in device memory".
+  // for device pools (transports, staging, what is refused) are in
+  // docs/gpu.md, "KV pools in device memory".
   uint32_t pool_memory;
   // ABI 1.2: CUDA device ordinal of the pools with `PDXFER_POOL_CUDA`.
   uint32_t pool_device;

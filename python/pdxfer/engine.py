@@ -7,7 +7,7 @@ Pools are host memory given as integer addresses or as writable buffers
 to every buffer object it was given until :meth:`Engine.close`. With
 ``pool_device=n`` the pools are CUDA device memory of device ``n``: integer
 device addresses or objects with ``data_ptr()`` and ``nbytes`` (e.g. torch
-CUDA tensors); the rules for device pools are in the README, "KV pools in
+CUDA tensors); the rules for device pools are in docs/gpu.md, "KV pools in
 device memory". Errors are :class:`pdxfer.PdxError` subclasses (``.kind`` e.g.
 ``out_of_bounds``, ``prefix_misaligned``, ``unknown_room``, ``dcp_rank_mismatch``).
 """

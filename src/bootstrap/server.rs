@@ -887,3 +887,21 @@ fn metrics_text(shared: &Shared) -> String {
     );
     out
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn refused_registrations_answer_400() {
+        for s in [
+            Status::InvalidArgument,
+            Status::InvalidTopology,
+            Status::InvalidLayout,
+            Status::GeometryMismatch,
+        ] {
+            assert_eq!(http_code(s), 400, "{s:?}");
+        }
+        assert_eq!(http_code(Status::NotRegistered), 404);
+    }
+}

@@ -56,7 +56,7 @@ pub struct EngineConfig {
     pub pools: Vec<KvPool>,
     /// Where the KV pools live: `None` host memory; `Some(n)` device memory
     /// of CUDA device `n`. The rules for device pools (transports, staging,
-    /// what is refused) are in the README, "KV pools in device memory".
+    /// what is refused) are in docs/gpu.md, "KV pools in device memory".
     pub pool_device: Option<u32>,
     /// Aux buffers (same count and item sizes on both sides).
     pub aux: Vec<AuxBuffer>,

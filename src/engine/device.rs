@@ -23,7 +23,7 @@
 //!
 //! Decode: the pools are registered as device regions. Over tcp the
 //! receiver reads each piece into a bounded host bounce buffer and copies it
-//! into the pools with a [`HostToDevice`](crate::relayout::gpu) writer (an
+//! into the pools with a [`HostToDevice`](crate::cuda::HostToDevice) writer (an
 //! asynchronous host-to-device copy waited on before the piece counts), so a
 //! completion is delivered only once every byte is in device memory. Over
 //! rdma the NIC writes the pools itself (GPUDirect RDMA, where the NIC can).
@@ -76,7 +76,7 @@ pub(super) fn preflight(cfg: &EngineConfig, ordinal: u32) -> Result<()> {
             "device-memory pools need pdxfer built with the `cuda` feature",
         ));
     }
-    crate::relayout::gpu::probe().map(|_| ())
+    crate::cuda::probe().map(|_| ())
 }
 
 /// Decode: checks every pool `(base, len)` against the driver (device memory
@@ -87,7 +87,7 @@ pub(super) fn decode_writer(
     ordinal: u32,
     pools: &[(u64, u64)],
 ) -> Result<std::sync::Arc<dyn crate::memory::DeviceWriter>> {
-    let w = crate::relayout::gpu::HostToDevice::new(ordinal as usize)?;
+    let w = crate::cuda::HostToDevice::new(ordinal as usize)?;
     for (i, &(base, len)) in pools.iter().enumerate() {
         w.check_device_range(base, len)
             .map_err(|e| Error::new(e.status(), format!("KV pool {i}: {}", e.detail())))?;
@@ -109,7 +109,7 @@ pub(super) fn decode_writer(
 
 /// Decode device pools: whether peers may write them by GPUDirect RDMA,
 /// decided from the device's writes-ordering attribute
-/// ([`RdmaWriteFlush`](crate::relayout::gpu::RdmaWriteFlush)) wherever rdma
+/// ([`RdmaWriteFlush`](crate::cuda::RdmaWriteFlush)) wherever rdma
 /// could reach them (transport rdma, or a NIC with GPUDirect RDMA): the
 /// agent flushes before it delivers each GPUDirect batch where the device
 /// does not order the NIC's writes. Where the device can neither order nor
@@ -125,7 +125,7 @@ pub(super) fn decide_gpu_direct_writes(
         return Ok(()); // no NIC can write device memory: rdma never reaches the pools
     }
     #[cfg(feature = "cuda")]
-    match crate::relayout::gpu::RdmaWriteFlush::new(ordinal as usize) {
+    match crate::cuda::RdmaWriteFlush::new(ordinal as usize) {
         Ok(f) => {
             log::info!(
                 "engine: device {ordinal} GPUDirect RDMA writes ordering {:?}: {}",
@@ -184,8 +184,8 @@ pub(super) struct StagedSlice {
 #[cfg(feature = "cuda")]
 pub(super) struct DeviceStage {
     gpu: crate::relayout::gpu::GpuRelayout,
-    device: crate::relayout::gpu::DeviceBuffer,
-    host: crate::relayout::gpu::PinnedBuffer,
+    device: crate::cuda::DeviceBuffer,
+    host: crate::cuda::PinnedBuffer,
     host_region: u64,
     device_region: u64,
 }
@@ -214,13 +214,13 @@ impl DeviceStage {
             let gpu = GpuRelayout::new(ordinal as usize)?;
             if w == 0 {
                 for (i, &(base, plen)) in pools.iter().enumerate() {
-                    gpu.check_device_range(base, plen).map_err(|e| {
+                    gpu.stream().check_device_range(base, plen).map_err(|e| {
                         Error::new(e.status(), format!("KV pool {i}: {}", e.detail()))
                     })?;
                 }
             }
-            let device = gpu.alloc(len)?;
-            let host = gpu.alloc_pinned(len)?;
+            let device = gpu.stream().alloc(len)?;
+            let host = gpu.stream().alloc_pinned(len)?;
             // SAFETY: the pinned buffer is owned by this stage, which the worker
             // keeps until the engine's registry is gone (jobs stop first).
             let host_region = unsafe { reg.register_host(host.as_ptr(), len)? }.id;
@@ -257,7 +257,7 @@ impl DeviceStage {
     /// `event` must be a live `CUevent` of the pools' device context.
     pub(super) unsafe fn wait_event(&self, event: u64) -> Result<()> {
         // SAFETY: the caller guarantees the event.
-        unsafe { self.gpu.wait_raw_event(event) }
+        unsafe { self.gpu.stream().wait_raw_event(event) }
     }
 
     /// Tokens of one slice (half a staging buffer) for entries of `row_bytes`.

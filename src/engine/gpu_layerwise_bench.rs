@@ -19,11 +19,12 @@
 
 use crate::bootstrap::schema::Role;
 use crate::bootstrap::server::{BootstrapServer, ServerConfig};
+use crate::cuda::{DeviceBuffer, GpuEvent};
 use crate::engine::synthetic::SyntheticPools;
 use crate::engine::{Engine, EngineConfig, KvPoll, KvPool, SendOptions};
 use crate::error::{Error, Result};
 use crate::layout::{DcpLayout, Run, Side};
-use crate::relayout::gpu::{DeviceBuffer, GpuEvent, GpuRelayout, PreparedCopy};
+use crate::relayout::gpu::{GpuRelayout, PreparedCopy};
 use crate::relayout::CopyEntry;
 use crate::transport::TransportKind;
 use serde::Serialize;
@@ -111,9 +112,9 @@ fn setup<'a>(model: &'a GpuRelayout, p: &GpuLayerwiseParams, tokens: u64) -> Res
     let (mut pools, mut pattern, mut writes) = (Vec::new(), Vec::new(), Vec::new());
     for l in 0..p.layers as usize {
         let bytes = host.layer_bytes(l);
-        let pool = model.alloc(bytes.len())?;
-        let pat = model.alloc(bytes.len())?;
-        model.upload(&pat, 0, bytes)?;
+        let pool = model.stream().alloc(bytes.len())?;
+        let pat = model.stream().alloc(bytes.len())?;
+        model.stream().upload(&pat, 0, bytes)?;
         let rows = bytes.len() as u64 / p.row_bytes;
         let entry = CopyEntry {
             src: pat.ptr(),
@@ -130,7 +131,7 @@ fn setup<'a>(model: &'a GpuRelayout, p: &GpuLayerwiseParams, tokens: u64) -> Res
         pools.push(pool);
         pattern.push(pat);
     }
-    model.record(false)?.wait()?;
+    model.stream().record(false)?.wait()?;
     let kv: Vec<KvPool> = host
         .kv_pools()
         .into_iter()
@@ -187,9 +188,9 @@ impl Setup<'_> {
     /// decode pools, opens `room` and waits until the prefill may send.
     fn open(&mut self, room: u64) -> Result<()> {
         for b in &self.pools {
-            self.model.memset(b, 0)?;
+            self.model.stream().memset(b, 0)?;
         }
-        self.model.record(false)?.wait()?;
+        self.model.stream().record(false)?.wait()?;
         for (_, pools) in &mut self.decode {
             for l in 0..self.pools.len() {
                 pools.layer_bytes_mut(l).fill(0);
@@ -219,7 +220,7 @@ impl Setup<'_> {
         if spin_ns > 0 {
             self.model.spin(spin_ns)?;
         }
-        self.model.record(timing)
+        self.model.stream().record(timing)
     }
 
     /// Waits for every decode rank; returns when the last one completed.
@@ -264,7 +265,7 @@ impl Setup<'_> {
     fn request(&mut self, room: u64, tokens: u64, spin_ns: u64, layerwise: bool) -> Result<f64> {
         self.open(room)?;
         // the host clock of the model stream: a reference event waited for
-        let reference = self.model.record(true)?;
+        let reference = self.model.stream().record(true)?;
         reference.wait()?;
         let host0 = Instant::now();
         let n = self.pools.len();

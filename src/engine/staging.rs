@@ -9,7 +9,7 @@ use super::flight::Flight;
 use super::handle::Inner;
 use super::prefill::DecodeLink;
 use crate::error::Result;
-use crate::layout::plan::RunMerger;
+use crate::layout::runs::RunMerger;
 use crate::layout::{slice_requests, PackLayout, PairRequest, Run};
 use crate::memory::RegionDesc;
 use crate::transport::{TransportKind, WriteOp};

@@ -137,8 +137,8 @@ pub struct PdxEngineConfig {
     pub num_state: u64,
     /// ABI 1.2: where the KV pools live: `PDXFER_POOL_HOST` (0) or
     /// `PDXFER_POOL_CUDA` (device memory of device `pool_device`). The rules
-    /// for device pools (transports, staging, what is refused) are in the
-    /// README, "KV pools in device memory".
+    /// for device pools (transports, staging, what is refused) are in
+    /// docs/gpu.md, "KV pools in device memory".
     pub pool_memory: u32,
     /// ABI 1.2: CUDA device ordinal of the pools with `PDXFER_POOL_CUDA`.
     pub pool_device: u32,

@@ -1,7 +1,7 @@
 //! The C ABI (`include/pdxfer.h`): thin, converting and validating, then
 //! calling the Rust API.
 //!
-//! Conventions (also in the README, "API conventions"):
+//! Conventions (also in docs/c-api.md, "Conventions"):
 //! - every export returns [`PdxStatus`] and writes results through out-pointers;
 //! - every export runs inside [`boundary`]: a panic becomes `PDX_STATUS_PANIC`,
 //!   never an unwind across the boundary;

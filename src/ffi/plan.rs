@@ -5,7 +5,7 @@
 use super::ptr::{self, Versioned};
 use super::{boundary, non_negative, PdxStatus};
 use crate::error::{Error, Result, Status};
-use crate::layout::plan::RunMerger;
+use crate::layout::runs::RunMerger;
 use crate::layout::{self, DcpLayout, PairRequest, Run, SglangChunk, Side};
 
 /// Inputs of SGLang's per-chunk DCP plan (`pdxfer_dcp_token_plan`).

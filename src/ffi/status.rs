@@ -1,22 +1,8 @@
 //! Status text, the calling thread's last error and the ABI version.
 
 use super::{last_error_ptr, PdxStatus};
+pub use crate::version::{PDXFER_ABI_VERSION_MAJOR, PDXFER_ABI_VERSION_MINOR};
 use std::ffi::c_char;
-
-/// ABI major version of this header; a library with another major refuses to work with it.
-pub const PDXFER_ABI_VERSION_MAJOR: u32 = 1;
-/// ABI minor version of this header (functions or struct fields added).
-/// 1.1: `PdxEngineConfig.state`, `pdxfer_engine_set_state_indices`.
-/// 1.2: `PdxEngineConfig.pool_memory` / `pool_device` (KV pools in CUDA memory).
-/// 1.3: `pdxfer_set_log_callback`, `pdxfer_engine_decode_prefix_len`,
-/// `PdxEngineConfig.metrics_listen`, `pdxfer_engine_metrics`,
-/// `pdxfer_engine_metrics_address`, `pdxfer_engine_room_telemetry`.
-/// 1.4: `PdxAgentOptions.secret` (peer authentication), `pdxfer_engine_send_ex` /
-/// `PdxSendOptions` (event-ordered and layer-wise sends).
-/// 1.5: `pdxfer_alloc_shared_pool` / `pdxfer_free_shared_pool` (shared KV
-/// pools, one copy on the same host), `PDXFER_ENGINE_NO_ONE_COPY`,
-/// `PDXFER_ENGINE_NO_PREFAULT`.
-pub const PDXFER_ABI_VERSION_MINOR: u32 = 5;
 
 /// The library's ABI version: `(major << 16) | minor`.
 #[no_mangle]

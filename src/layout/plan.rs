@@ -11,7 +11,7 @@
 //! side's virtual page (`P*W`) so that every rank's table starts on a page
 //! boundary; on the decode side the origin is `decode_prefix_len`.
 
-use super::runs::Run;
+use super::runs::{Run, RunMerger};
 use super::topology::DcpLayout;
 use crate::error::{Error, Result, Status};
 
@@ -293,36 +293,6 @@ pub(crate) fn push_run(runs: &mut Vec<Run>, src: u64, dst: u64, len: u64) {
         }
     }
     runs.push(Run { src, dst, len });
-}
-
-/// Merges consecutive runs whose both sides continue, emitting finished ones
-/// (SGLang's `group_concurrent_contiguous`, streaming).
-#[derive(Default)]
-pub struct RunMerger {
-    pending: Option<Run>,
-}
-
-impl RunMerger {
-    /// Adds a run, merging it into the pending one when both sides continue.
-    #[inline]
-    pub fn push(&mut self, src: u64, dst: u64, len: u64, f: &mut impl FnMut(Run)) {
-        if let Some(p) = &mut self.pending {
-            if p.src + p.len == src && p.dst + p.len == dst {
-                p.len += len;
-                return;
-            }
-        }
-        if let Some(done) = self.pending.replace(Run { src, dst, len }) {
-            f(done);
-        }
-    }
-
-    /// Emits the pending run.
-    pub fn finish(&mut self, f: &mut impl FnMut(Run)) {
-        if let Some(done) = self.pending.take() {
-            f(done);
-        }
-    }
 }
 
 /// Segments when one source rank holds every token (prefill DCP 1, SGLang's

@@ -15,6 +15,36 @@ pub struct Run {
     pub len: u64,
 }
 
+/// Merges consecutive runs whose both sides continue, emitting finished ones
+/// (SGLang's `group_concurrent_contiguous`, streaming).
+#[derive(Default)]
+pub struct RunMerger {
+    pending: Option<Run>,
+}
+
+impl RunMerger {
+    /// Adds a run, merging it into the pending one when both sides continue.
+    #[inline]
+    pub fn push(&mut self, src: u64, dst: u64, len: u64, f: &mut impl FnMut(Run)) {
+        if let Some(p) = &mut self.pending {
+            if p.src + p.len == src && p.dst + p.len == dst {
+                p.len += len;
+                return;
+            }
+        }
+        if let Some(done) = self.pending.replace(Run { src, dst, len }) {
+            f(done);
+        }
+    }
+
+    /// Emits the pending run.
+    pub fn finish(&mut self, f: &mut impl FnMut(Run)) {
+        if let Some(done) = self.pending.take() {
+            f(done);
+        }
+    }
+}
+
 /// Groups row pairs into runs; a run breaks wherever either sequence does not
 /// advance by exactly 1 (SGLang's `group_concurrent_contiguous`).
 pub fn coalesce_runs(src_rows: &[u64], dst_rows: &[u64]) -> Result<Vec<Run>> {
@@ -26,7 +56,7 @@ pub fn coalesce_runs(src_rows: &[u64], dst_rows: &[u64]) -> Result<Vec<Run>> {
         )));
     }
     let mut runs: Vec<Run> = Vec::new();
-    let mut m = super::plan::RunMerger::default();
+    let mut m = RunMerger::default();
     let mut f = |r| runs.push(r);
     for (&s, &d) in src_rows.iter().zip(dst_rows) {
         m.push(s, d, 1, &mut f);

@@ -8,7 +8,7 @@ use crate::error::Result;
 ///
 /// Registered with a region through
 /// [`Registry::register_device_with`](super::Registry::register_device_with)
-/// and implemented above this layer (the engine's CUDA host-to-device copier,
+/// and implemented above this layer (`cuda::HostToDevice`, which the engine opens,
 /// or a host-memory stand-in in tests).
 pub trait DeviceWriter: Send + Sync {
     /// Copies `src` to device address `dst` (already bounds-checked against a

@@ -1,32 +1,38 @@
-//! The relayout on CUDA devices, through cudarc loaded at run time.
+//! The relayout on CUDA devices: the kernels (`cuda/relayout.cu`), how
+//! their module is found and loaded, and [`GpuRelayout`], which launches them.
+//! The driver itself (contexts, streams, events, buffers, pointer checks,
+//! library loading) is the [`cuda`](crate::cuda) layer below.
 //!
-//! Every entry point first checks that the library is present (cudarc panics
-//! when it is not) and runs each cudarc call behind `catch_unwind`, so a
-//! machine without a GPU gets [`Status::NoCudaDriver`], a failing driver call
-//! [`Status::Cuda`], and NVRTC trouble [`Status::Nvrtc`]; nothing panics.
+//! As there, no call panics: a machine without a GPU gets
+//! [`Status::NoCudaDriver`], a failing driver call [`Status::Cuda`], and
+//! NVRTC trouble [`Status::Nvrtc`].
 //!
-//! [`GpuRelayout`] owns a context, one stream, the kernel module and the
-//! device tables of a launch. Kernels come from, in order: a module file named
-//! by `$PDXFER_KERNEL_MODULE` (cubin or PTX, e.g. built on the GPU host by
-//! `scripts/gpu-check.sh`), the images embedded at build time that the
-//! driver can load ([`kernels::plan`]: sm_90 cubins of a toolkit major the
-//! driver has, when the device is sm_90, newest first; then PTX no newer
-//! than the driver), and finally NVRTC on the embedded source for the
+//! [`GpuRelayout`] owns a [`GpuStream`](crate::cuda::GpuStream) (its
+//! [`stream`](GpuRelayout::stream): allocations, copies, events), the kernel
+//! module and the device tables of a launch. Kernels come from, in order: a
+//! module file named by `$PDXFER_KERNEL_MODULE` (cubin or PTX, e.g. built on
+//! the GPU host by `scripts/gpu-check.sh`), the images embedded at build time
+//! that the driver can load ([`kernels::plan`]: sm_90 cubins of a toolkit
+//! major the driver has, when the device is sm_90, newest first; then PTX no
+//! newer than the driver), and finally NVRTC on the embedded source for the
 //! device's own architecture, with the newest NVRTC found
-//! ([`library::NVRTC`]: CUDA 13 or 12 sonames, pip site-packages) that is no
-//! newer than the driver. [`GpuRelayout::kernel_origin`] says which loaded.
+//! ([`library::NVRTC`]: CUDA 13 or 12 sonames,
+//! pip site-packages) that is no newer than the driver.
+//! [`GpuRelayout::kernel_origin`] says which loaded.
 //!
 //! Launches never block the calling thread on the stream: each returns a
-//! [`GpuEvent`] recorded after the kernel, which a sender polls or waits on.
-//! [`GpuRelayout::gather_sliced`] overlaps the gather of slice `i+1` with the
-//! transfer of slice `i` through two halves of a staging buffer.
+//! [`GpuEvent`](crate::cuda::GpuEvent) recorded after the kernel, which a
+//! sender polls or waits on. [`GpuRelayout::gather_sliced`] overlaps the
+//! gather of slice `i+1` with the transfer of slice `i` through two halves of
+//! a staging buffer.
 
+use crate::cuda::{library, version_text};
 use crate::error::{Error, Result, Status};
-use serde::Serialize;
 
 /// Kernel images embedded at build time (see `build.rs`), and which of them
 /// a driver can load.
 pub mod kernels {
+    use crate::cuda::version_text;
     use serde::Serialize;
 
     /// What an embedded image is.
@@ -80,11 +86,6 @@ pub mod kernels {
         }
     }
 
-    /// "12.4" for a `cuDriverGetVersion` value of 12040.
-    pub fn version_text(v: i32) -> String {
-        format!("{}.{}", v / 1000, v % 1000 / 10)
-    }
-
     /// The images of `images` that driver `driver` can load on a device of
     /// compute capability `cc`, in the order to try them (sm_90 cubins only
     /// on cc 9.0, newest toolkit first; then PTX for cc >= 9.0, newest
@@ -134,56 +135,10 @@ pub mod kernels {
 #[cfg(feature = "cuda")]
 pub mod check;
 #[cfg(feature = "cuda")]
-mod device;
-#[cfg(feature = "cuda")]
-mod gpudirect;
-#[cfg(feature = "cuda")]
-mod gpudirect_probe;
-pub mod library;
+mod launch;
 pub mod nvrtc;
 #[cfg(feature = "cuda")]
-pub use device::{
-    DeviceBuffer, GatherSlice, GpuEvent, GpuRelayout, HostSlice, HostToDevice, KernelOrigin,
-    PinnedBuffer, PreparedCopy,
-};
-#[cfg(feature = "cuda")]
-pub use gpudirect::{GpuDirectInfo, RdmaWriteFlush, RdmaWritesOrdering};
-#[cfg(feature = "cuda")]
-pub use gpudirect_probe::{probe_gpudirect, GpuDirectProbe, GpuDirectRoute};
-
-/// One line on GPUDirect RDMA for device `ordinal`: the route (dma-buf,
-/// peermem or none), how it was decided, and the writes ordering.
-pub fn gpudirect_summary(ordinal: usize) -> String {
-    #[cfg(feature = "cuda")]
-    {
-        probe_gpudirect(ordinal).to_string()
-    }
-    #[cfg(not(feature = "cuda"))]
-    {
-        let _ = ordinal;
-        "none (built without the `cuda` feature)".to_string()
-    }
-}
-
-/// What this process can see of CUDA.
-#[derive(Debug, Clone, Serialize)]
-pub struct CudaInfo {
-    /// Number of CUDA devices.
-    pub device_count: i32,
-    /// `cuDriverGetVersion`, e.g. 12040 for CUDA 12.4.
-    pub driver_version: i32,
-}
-
-impl CudaInfo {
-    /// "1 device(s), driver CUDA 12.4".
-    pub fn describe(&self) -> String {
-        format!(
-            "{} device(s), driver CUDA {}",
-            self.device_count,
-            kernels::version_text(self.driver_version)
-        )
-    }
-}
+pub use launch::{GatherSlice, GpuRelayout, HostSlice, KernelOrigin, PreparedCopy};
 
 /// The NVRTC libraries this process can load, newest first, each once per
 /// version, and what was tried without success (opened once per process).
@@ -228,7 +183,7 @@ fn pick_nvrtc(driver: Option<i32>) -> Result<&'static nvrtc::Nvrtc> {
                 Status::Nvrtc,
                 format!(
                     "every NVRTC found is newer than the driver (CUDA {}), so its PTX would not load: {}",
-                    kernels::version_text(d),
+                    version_text(d),
                     have.join(", ")
                 ),
             )
@@ -253,57 +208,6 @@ fn compile_with(nv: &nvrtc::Nvrtc, arch: &str) -> Result<String> {
             ),
         )
     })
-}
-
-/// The error for a machine without a loadable CUDA driver.
-pub fn no_driver() -> Error {
-    Error::new(
-        Status::NoCudaDriver,
-        "no CUDA driver: libcuda.so / libcuda.so.1 could not be loaded (no NVIDIA driver on this machine, or it is not on the loader path)",
-    )
-}
-
-/// Probes the CUDA driver: device count, or a typed error saying why not.
-pub fn probe() -> Result<CudaInfo> {
-    #[cfg(feature = "cuda")]
-    {
-        device::driver_present()?;
-        let n = device::guard(
-            "cuDeviceGetCount",
-            cudarc::driver::CudaContext::device_count,
-        )?;
-        let driver_version = device::driver_version()?;
-        Ok(CudaInfo {
-            device_count: n,
-            driver_version,
-        })
-    }
-    #[cfg(not(feature = "cuda"))]
-    {
-        Err(Error::new(
-            Status::Unsupported,
-            "built without the `cuda` feature",
-        ))
-    }
-}
-
-/// The PCI bus id of CUDA device `ordinal` (`0000:3b:00.0`, lower case, as
-/// sysfs names it), from `cuDeviceGetPCIBusId`: what RDMA NIC selection
-/// measures PCIe distance from.
-pub fn pci_bus_id(ordinal: u32) -> Result<String> {
-    #[cfg(feature = "cuda")]
-    {
-        device::driver_present()?;
-        device::pci_bus_id(ordinal)
-    }
-    #[cfg(not(feature = "cuda"))]
-    {
-        let _ = ordinal;
-        Err(Error::new(
-            Status::Unsupported,
-            "built without the `cuda` feature",
-        ))
-    }
 }
 
 /// Probes NVRTC (run-time kernel compilation): every version found, newest
@@ -347,7 +251,7 @@ pub fn probe_kernels(ordinal: usize) -> Result<String> {
         Ok(format!(
             "{} on driver CUDA {}",
             g.kernel_origin(),
-            kernels::version_text(g.driver_version())
+            version_text(g.driver_version())
         ))
     }
     #[cfg(not(feature = "cuda"))]
@@ -363,40 +267,6 @@ pub fn probe_kernels(ordinal: usize) -> Result<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn probe_never_panics() {
-        // On machines without a GPU this is a typed error; with one, a count.
-        match probe() {
-            Ok(info) => assert!(info.device_count >= 0),
-            Err(e) => assert!(matches!(
-                e.status(),
-                Status::NoCudaDriver | Status::Cuda | Status::Unsupported
-            )),
-        }
-    }
-
-    #[test]
-    fn pci_bus_id_is_sysfs_spelled_or_a_typed_error() {
-        match pci_bus_id(0) {
-            Ok(id) => {
-                // dddd:bb:dd.f, lower case
-                let b = id.as_bytes();
-                assert!(
-                    id.len() >= 12 && b[4] == b':' && b[7] == b':' && b[10] == b'.',
-                    "{id}"
-                );
-                assert_eq!(id, id.to_ascii_lowercase());
-            }
-            Err(e) => assert!(
-                matches!(
-                    e.status(),
-                    Status::NoCudaDriver | Status::Cuda | Status::Unsupported
-                ),
-                "{e}"
-            ),
-        }
-    }
 
     #[test]
     fn embedded_source_is_the_kernel_file() {
@@ -485,8 +355,6 @@ mod tests {
                 && w.contains("the driver is CUDA 11.8")),
             "{why:?}"
         );
-        assert_eq!(kernels::version_text(12040), "12.4");
-        assert_eq!(kernels::version_text(13050), "13.5");
     }
 
     /// NVRTC compiles the embedded source when libnvrtc is loadable, and says
@@ -516,6 +384,49 @@ mod tests {
                 crate::test_skip::skip("cuda-tools", &e.to_string());
             }
         }
+    }
+
+    /// The CUDA 12 NVRTC wheel that `scripts/cuda-deps.sh` installs (its
+    /// path is `$PDXFER_KERNEL_NVRTC`) is found inside its site-packages
+    /// tree with no symlink and no loader path, loads, and compiles the
+    /// kernels to CUDA 12 images (PTX ISA 8.x, a 12.x cubin).
+    #[test]
+    fn the_cuda12_wheel_is_found_in_its_site_packages() {
+        let Some(lib) = std::env::var_os("PDXFER_KERNEL_NVRTC") else {
+            assert!(
+                std::env::var_os("PDXFER_REQUIRE_CUDA_TOOLS").is_none(),
+                "PDXFER_REQUIRE_CUDA_TOOLS is set but PDXFER_KERNEL_NVRTC is not"
+            );
+            crate::test_skip::skip(
+                "cuda-tools",
+                "no PDXFER_KERNEL_NVRTC (scripts/cuda-deps.sh)",
+            );
+            return;
+        };
+        let lib = std::path::PathBuf::from(lib);
+        // <site-packages>/nvidia/cuda_nvrtc/lib/libnvrtc.so.12
+        let site = lib.ancestors().nth(4).unwrap().to_path_buf();
+        let c = library::NVRTC.candidates_in(std::slice::from_ref(&site));
+        let want = lib.display().to_string();
+        assert!(c.contains(&want), "{c:?}");
+        let nv = nvrtc::Nvrtc::open(&want).unwrap();
+        assert_eq!(nv.version.0, 12, "{nv:?}");
+        let out = nv
+            .compile(
+                kernels::SOURCE,
+                "relayout.cu",
+                &["--gpu-architecture=sm_90"],
+            )
+            .unwrap();
+        assert!(out.ptx.contains(".version 8."), "not PTX ISA 8.x");
+        let cubin = out.cubin.expect("a cubin for sm_90");
+        assert_eq!((&cubin[..4], cubin[7]), (&b"\x7fELF"[..], 0x33));
+        // a bad option is a typed error carrying NVRTC's log
+        let e = nv
+            .compile(kernels::SOURCE, "relayout.cu", &["--no-such-option"])
+            .err()
+            .expect("refused");
+        assert!(e.contains("nvrtcCompileProgram"), "{e}");
     }
 
     /// `PDXFER_REQUIRE_CUDA_TOOLS=1` turns a missing NVRTC into a failure.
@@ -562,20 +473,17 @@ mod tests {
     fn engine_types_move_between_threads() {
         fn send<T: Send>() {}
         send::<GpuRelayout>();
-        send::<DeviceBuffer>();
-        send::<GpuEvent>();
     }
 
     #[cfg(feature = "cuda")]
     #[test]
     fn no_driver_is_typed_everywhere() {
-        if device::driver_present().is_ok() {
+        if !matches!(crate::cuda::probe(), Err(e) if e.status() == Status::NoCudaDriver) {
             crate::test_skip::skip("gpu-present", "a CUDA driver is present");
             return;
         }
         let e = GpuRelayout::new(0).unwrap_err();
         assert_eq!(e.status(), Status::NoCudaDriver, "{e}");
-        assert_eq!(probe().unwrap_err().status(), Status::NoCudaDriver);
         // a second call still answers (cudarc's loader state is not poisoned)
         assert_eq!(
             GpuRelayout::new(0).unwrap_err().status(),

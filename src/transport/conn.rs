@@ -4,6 +4,7 @@
 
 use super::batch::{BatchTable, Stage};
 use super::identity::ProcIdentity;
+use super::piece::Piece;
 use super::room::{self, OpenRooms, RoomEnd, RoomGrant, RoomSummary};
 use super::wire::{self, FrameType};
 use super::WriteOp;
@@ -14,17 +15,6 @@ use std::net::{Shutdown, TcpStream};
 use std::os::fd::AsRawFd;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
-
-/// One op after validation: absolute source address, destination region,
-/// offset and absolute destination address in the peer.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct Piece {
-    pub src: u64,
-    pub region: u64,
-    pub offset: u64,
-    pub dst: u64,
-    pub len: u64,
-}
 
 pub(crate) struct Conn {
     pub table: BatchTable,

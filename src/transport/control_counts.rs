@@ -5,7 +5,7 @@
 //! process adds to the same counters, so a request's cost in round trips can
 //! be read off before and after it.
 
-use super::wire::FrameType;
+use super::frame_type::FrameType;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 
 /// One slot per frame type number (they are below 64).

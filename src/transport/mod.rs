@@ -32,12 +32,14 @@ pub mod checksum;
 pub mod cma;
 mod conn;
 pub mod control_counts;
+mod frame_type;
 pub mod handshake;
 pub mod identity;
 pub mod listen;
 pub mod local;
 pub mod nccl;
 pub mod peer_auth;
+mod piece;
 pub mod room;
 // Nothing in the RDMA transport crosses the C ABI: keep its items out of pdxfer.h.
 /// cbindgen:ignore

@@ -13,7 +13,7 @@
 //! answered by RoomAck once the receiver accepted them; on tcp once every
 //! byte the totals name landed).
 
-use super::conn::Piece;
+use super::piece::Piece;
 use super::wire::Cursor;
 use super::BatchOptions;
 use crate::error::{Error, Result, Status};

@@ -1,7 +1,27 @@
 //! Test fakes shared by the transport's tests: device writers that are host
 //! memory ([`HostAsDevice`] copies at once, [`DeferredDevice`] only when a
 //! fence is waited, as a DMA does) and a socket ([`WatchedSocket`]) that
-//! notices reads into memory a pending copy still reads.
+//! notices reads into memory a pending copy still reads. Built for unit tests
+//! only (`cfg(test)`, not the `testing` feature).
+//!
+//! What they model:
+//! - "device" memory as one host range `[base, base + len)`: a write outside
+//!   it panics the test;
+//! - [`DeferredDevice`]: `write_async` returns a fence and copies nothing; the
+//!   bytes land when the fence is waited or dropped, read from the source at
+//!   that moment (a source overwritten in between is counted in
+//!   `overwritten`), so a receiver that reuses a buffer before its copy
+//!   completed is caught; the plain `write` panics (the receiver must use the
+//!   asynchronous one); a chosen fence can fail its wait (`fail_wait_of`);
+//! - [`HostAsDevice`]: synchronous copies, counted, the largest one recorded,
+//!   the n-th one failed on request (`fail_at`);
+//! - [`WatchedSocket`]: at most 7 bytes per `read`, and a count of reads into
+//!   memory a pending [`DeferredDevice`] copy still reads.
+//!
+//! What they do not model: CUDA itself (streams, events, pinned memory, the
+//! driver's errors: see `cuda/fake_driver.cpp`), copies that complete on
+//! their own without a wait, concurrency between the copies and the host,
+//! and a socket's errors, timeouts or end of stream mid-piece.
 
 use crate::error::{Error, Result, Status};
 use crate::transport::agent::lock;

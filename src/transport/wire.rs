@@ -7,6 +7,7 @@
 //! batch u64 | region u64 | offset u64 | len u64`, then `len` payload bytes
 //! that the receiver reads straight into the validated destination.
 
+pub use super::frame_type::FrameType;
 use crate::error::{Error, Result, Status};
 use std::io::{Read, Write};
 
@@ -22,91 +23,6 @@ pub const DATA_HEADER_LEN: usize = 48;
 /// are a few hundred bytes): an unauthenticated peer cannot make the
 /// receiver allocate more.
 pub const MAX_UNAUTHENTICATED_PAYLOAD: u32 = 4 << 10;
-
-/// Control and data frame types.
-#[repr(u16)]
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum FrameType {
-    /// Client hello (JSON [`super::handshake::Hello`]).
-    Hello = 1,
-    /// Server answer (JSON [`super::handshake::HelloAck`]).
-    HelloAck = 2,
-    /// Transport selection (JSON [`super::handshake::Select`]).
-    Select = 3,
-    /// Selection accepted (empty JSON object).
-    SelectOk = 4,
-    /// Attach a tcp data stream (JSON [`super::handshake::Attach`]).
-    Attach = 5,
-    /// Data stream attached.
-    AttachOk = 6,
-    /// A refusal of the handshake: JSON `{code, detail}`.
-    Error = 7,
-    /// Write intent (cma): batch id and the destination ranges.
-    Intent = 10,
-    /// The receiver validated and pinned an intent.
-    Grant = 11,
-    /// The receiver refused a batch: code and reason.
-    Refuse = 12,
-    /// Sender: all data of a batch was written.
-    Commit = 13,
-    /// Receiver: the batch landed and its completion was delivered.
-    Ack = 14,
-    /// Receiver: the batch did not land; code and reason.
-    Nack = 15,
-    /// Sender: the batch was abandoned; release its pins.
-    Abort = 16,
-    /// Read intent (cma): like `Intent`, the ranges are read, not written.
-    ReadIntent = 17,
-    /// Sender: the control connection is idle but alive (empty payload).
-    Keepalive = 18,
-    /// tcp data frame.
-    Data = 20,
-    /// Client -> server, first frame of every connection (JSON [`crate::auth::AuthHello`]).
-    AuthHello = 30,
-    /// Server -> client: its half and proof (JSON [`crate::auth::AuthChallenge`]).
-    AuthChallenge = 31,
-    /// Client -> server: its proof (JSON [`crate::auth::AuthProof`]).
-    AuthProof = 32,
-    /// Sender: every batch of a granted room was written (token, room,
-    /// epoch, batches, bytes).
-    RoomEnd = 40,
-    /// Receiver: the room's totals were accepted and its grant released.
-    RoomAck = 41,
-    /// Receiver: the room end was refused (token, code, reason).
-    RoomRefuse = 42,
-}
-
-impl FrameType {
-    fn from_u16(v: u16) -> Option<FrameType> {
-        use FrameType::*;
-        Some(match v {
-            1 => Hello,
-            2 => HelloAck,
-            3 => Select,
-            4 => SelectOk,
-            5 => Attach,
-            6 => AttachOk,
-            7 => Error,
-            10 => Intent,
-            11 => Grant,
-            12 => Refuse,
-            13 => Commit,
-            14 => Ack,
-            15 => Nack,
-            16 => Abort,
-            17 => ReadIntent,
-            18 => Keepalive,
-            20 => Data,
-            30 => AuthHello,
-            31 => AuthChallenge,
-            32 => AuthProof,
-            40 => RoomEnd,
-            41 => RoomAck,
-            42 => RoomRefuse,
-            _ => return None,
-        })
-    }
-}
 
 fn proto(detail: String) -> Error {
     Error::new(Status::Protocol, detail)

@@ -461,7 +461,7 @@ fn device_pools_without_a_driver_are_typed() {
     };
     // SAFETY: every creation below fails before the pools are used.
     let create = |c: EngineConfig| unsafe { Engine::new(c) }.unwrap_err();
-    let driver = pdxfer::relayout::gpu::probe();
+    let driver = pdxfer::cuda::probe();
     let e = create(cfg(Role::Prefill, 1 << 20));
     match &driver {
         Err(d) => assert_eq!(e.status(), d.status(), "{e}"),

@@ -1,4 +1,4 @@
-//! Runs the device code path (`relayout::gpu`: context, stream, module load,
+//! Runs the device code path (`cuda` and `relayout::gpu`: context, stream, module load,
 //! table uploads, launches, events, sliced gather, the self-check and the
 //! benchmark loop) against `cuda/fake_driver.cpp`, a CPU stand-in for
 //! libcuda that executes the kernels with the host harness, and NCCL pair
@@ -184,11 +184,9 @@ fn fake_set<T>(name: &std::ffi::CStr, v: T) {
 #[test]
 #[ignore = "run by device_path_runs_on_fake_driver in a child process with the fake libcuda"]
 fn child_kernel_images_on_fake_driver() {
+    use pdxfer::cuda::{probe_gpudirect, GpuDirectRoute, RdmaWriteFlush, RdmaWritesOrdering};
     use pdxfer::relayout::gpu::kernels::{ImageKind, IMAGES};
-    use pdxfer::relayout::gpu::{
-        check::self_check, probe_gpudirect, GpuDirectRoute, GpuRelayout, KernelOrigin,
-        RdmaWriteFlush, RdmaWritesOrdering,
-    };
+    use pdxfer::relayout::gpu::{check::self_check, GpuRelayout, KernelOrigin};
     use pdxfer::Status;
 
     assert!(
@@ -196,7 +194,7 @@ fn child_kernel_images_on_fake_driver() {
         "this test only runs as the child of device_path_runs_on_fake_driver"
     );
     assert!(std::env::var_os("PDXFER_KERNEL_MODULE").is_none());
-    pdxfer::relayout::gpu::probe().expect("load the fake libcuda");
+    pdxfer::cuda::probe().expect("load the fake libcuda");
     let both = has_images_for_both_lines();
     let set_driver = |v: i32| fake_set(c"pdx_fake_set_driver_version", v);
     let origin = |driver: i32| {
@@ -296,17 +294,17 @@ fn child_kernel_images_on_fake_driver() {
     // Stream work runs only when waited: an upload is not visible to a
     // plain read until an event after it is waited; a query before that
     // answers not-ready (once: the device then makes progress).
-    let b = g.alloc(4096).unwrap();
-    g.memset(&b, 0).unwrap();
-    g.record(false).unwrap().wait().unwrap();
-    g.upload(&b, 0, &[9u8; 64]).unwrap();
+    let b = g.stream().alloc(4096).unwrap();
+    g.stream().memset(&b, 0).unwrap();
+    g.stream().record(false).unwrap().wait().unwrap();
+    g.stream().upload(&b, 0, &[9u8; 64]).unwrap();
     let mut out = [1u8; 64];
     b.read(0, &mut out).unwrap();
     assert_eq!(
         out, [0u8; 64],
         "the upload ran before anything waited for it"
     );
-    let ev = g.record(false).unwrap();
+    let ev = g.stream().record(false).unwrap();
     let not_ready = fake_counter(c"pdx_fake_not_ready_queries");
     assert!(!ev.is_complete().unwrap(), "complete before the work ran");
     assert_eq!(fake_counter(c"pdx_fake_not_ready_queries"), not_ready + 1);
@@ -314,10 +312,10 @@ fn child_kernel_images_on_fake_driver() {
     b.read(0, &mut out).unwrap();
     assert_eq!(out, [9u8; 64]);
     // a device-to-host copy into pinned memory lands at its event, not before
-    let pinned = g.alloc_pinned(64).unwrap();
+    let pinned = g.stream().alloc_pinned(64).unwrap();
     // SAFETY: both ranges are 64 bytes of this context's memory; the pinned
     // buffer is read only after the event, and outlives it.
-    let ev = unsafe { g.copy_to_host(pinned.as_ptr(), b.ptr(), 64) }.unwrap();
+    let ev = unsafe { g.stream().copy_to_host(pinned.as_ptr(), b.ptr(), 64) }.unwrap();
     // SAFETY: 64 bytes of the pinned buffer; the fake runs the copy only at its
     // event, so this write comes before it (on a GPU it would race the copy).
     unsafe { std::ptr::write_bytes(pinned.as_ptr(), 5, 64) };
@@ -334,9 +332,9 @@ fn child_kernel_images_on_fake_driver() {
         use pdxfer::relayout::CopyEntry;
         let rows = 16u64;
         let src_bytes: Vec<u8> = (0..rows * 32).map(|i| (i * 7 + 1) as u8).collect();
-        let src = g.alloc(src_bytes.len()).unwrap();
-        g.upload(&src, 0, &src_bytes).unwrap();
-        let dsts: Vec<_> = (0..3).map(|_| g.alloc(4 * 32).unwrap()).collect();
+        let src = g.stream().alloc(src_bytes.len()).unwrap();
+        g.stream().upload(&src, 0, &src_bytes).unwrap();
+        let dsts: Vec<_> = (0..3).map(|_| g.stream().alloc(4 * 32).unwrap()).collect();
         let mut last = None;
         for (k, d) in dsts.iter().enumerate() {
             let e = [CopyEntry {
@@ -370,7 +368,7 @@ fn child_kernel_images_on_fake_driver() {
     // VMM: one VA range of 4 KiB chunks; RANGE_SIZE covers one chunk, the
     // pool check walks them all.
     fake_set(c"pdx_fake_set_vmm_chunk", 4096u64);
-    let v = g.alloc(64 << 10).unwrap();
+    let v = g.stream().alloc(64 << 10).unwrap();
     fake_set(c"pdx_fake_set_vmm_chunk", 0u64);
     let mut size: usize = 0;
     // SAFETY: out-pointer to a local usize, the attribute's type.
@@ -383,11 +381,15 @@ fn child_kernel_images_on_fake_driver() {
     };
     assert_eq!(rc, cudarc::driver::sys::CUresult::CUDA_SUCCESS);
     assert_eq!(size, 4096, "the fake maps 4 KiB chunks");
-    g.check_device_range(v.ptr(), 64 << 10).unwrap();
-    g.check_device_range(v.ptr() + 100, (64 << 10) - 100)
+    g.stream().check_device_range(v.ptr(), 64 << 10).unwrap();
+    g.stream()
+        .check_device_range(v.ptr() + 100, (64 << 10) - 100)
         .unwrap();
-    g.check_device_range(v.ptr() + 8192, 4096).unwrap();
-    let e = g.check_device_range(v.ptr(), (64 << 10) + 1).unwrap_err();
+    g.stream().check_device_range(v.ptr() + 8192, 4096).unwrap();
+    let e = g
+        .stream()
+        .check_device_range(v.ptr(), (64 << 10) + 1)
+        .unwrap_err();
     assert_eq!(e.status(), Status::OutOfBounds, "{e}");
     assert!(e.detail().contains("16 mapping(s)"), "{e}");
     println!("fake-driver images child: a pool over 16 VMM chunks passes the check");
@@ -426,14 +428,14 @@ fn child_kernel_images_on_fake_driver() {
 #[ignore = "run by device_path_runs_on_fake_driver in a child process with the fake libcuda"]
 fn child_device_path_on_fake_driver() {
     use pdxfer::relayout::gpu::check::{bench, self_check, BenchParams};
-    use pdxfer::relayout::gpu::{self, GpuRelayout, KernelOrigin};
+    use pdxfer::relayout::gpu::{GpuRelayout, KernelOrigin};
     use pdxfer::Status;
 
     assert!(
         std::env::var_os("PDXFER_FAKE_CUDA_CHILD").is_some(),
         "this test only runs as the child of device_path_runs_on_fake_driver"
     );
-    assert_eq!(gpu::probe().unwrap().device_count, 1);
+    assert_eq!(pdxfer::cuda::probe().unwrap().device_count, 1);
     let mut g = GpuRelayout::new(0).expect("open the fake device");
     assert!(
         matches!(g.kernel_origin(), KernelOrigin::File(_)),
@@ -441,7 +443,7 @@ fn child_device_path_on_fake_driver() {
         g.kernel_origin()
     );
     assert_eq!(g.compute_capability(), (9, 0));
-    assert!(g.device_name().unwrap().contains("fake"));
+    assert!(g.stream().device_name().unwrap().contains("fake"));
 
     // Gather, scatter and sliced gather on random plans, byte for byte vs the CPU.
     let failures = self_check(&mut g, 16, 0xfa4e, false);
@@ -476,9 +478,9 @@ fn child_device_path_on_fake_driver() {
 
     // Driver errors are typed, and bounds are checked before the driver.
     assert_eq!(GpuRelayout::new(1).unwrap_err().status(), Status::Cuda);
-    let b = g.alloc(64).unwrap();
+    let b = g.stream().alloc(64).unwrap();
     assert_eq!(
-        g.upload(&b, 60, &[0u8; 8]).unwrap_err().status(),
+        g.stream().upload(&b, 60, &[0u8; 8]).unwrap_err().status(),
         Status::OutOfBounds
     );
     let mut out = [0u8; 8];
@@ -486,13 +488,13 @@ fn child_device_path_on_fake_driver() {
         b.read(57, &mut out).unwrap_err().status(),
         Status::OutOfBounds
     );
-    g.upload(&b, 8, &[7u8; 8]).unwrap();
+    g.stream().upload(&b, 8, &[7u8; 8]).unwrap();
     // the upload is ordered on the relayout stream; read() is not: wait first
-    g.record(false).unwrap().wait().unwrap();
+    g.stream().record(false).unwrap().wait().unwrap();
     b.read(8, &mut out).unwrap();
     assert_eq!(out, [7u8; 8]);
     // SAFETY: the fake driver checks the ranges and refuses this one (not its memory).
-    let e = unsafe { g.memcpy_dtod(b.ptr(), 16, 8) }.unwrap_err();
+    let e = unsafe { g.stream().memcpy_dtod(b.ptr(), 16, 8) }.unwrap_err();
     assert_eq!(e.status(), Status::Cuda, "{e}");
     #[cfg(feature = "nccl")]
     nccl_transfers();
@@ -595,11 +597,11 @@ fn nccl_transfers() {
                 let mut g = GpuRelayout::new(0)?;
                 let mut bufs = Vec::new();
                 for v in pools {
-                    let b = g.alloc(v.len())?;
-                    g.upload(&b, 0, v)?;
+                    let b = g.stream().alloc(v.len())?;
+                    g.stream().upload(&b, 0, v)?;
                     bufs.push(b);
                 }
-                let staging = g.alloc(pack.total_bytes as usize)?;
+                let staging = g.stream().alloc(pack.total_bytes as usize)?;
                 let bases: Vec<u64> = bufs.iter().map(|b| b.ptr()).collect();
                 let ents = relayout::gather_entries(&bases, rows, staging.ptr(), pack)?;
                 // SAFETY: spans checked by the CPU gather above on the same shapes.
@@ -613,7 +615,7 @@ fn nccl_transfers() {
                     id,
                     NcclRole::Sender,
                     0,
-                    g.stream_handle(),
+                    g.stream().raw(),
                     "decode",
                     deadline,
                     &mut || true,
@@ -631,18 +633,18 @@ fn nccl_transfers() {
                 check_mirror(&rx, from_tx.recv().unwrap())?;
                 let mut bufs = Vec::new();
                 for &rb in rx_rows {
-                    let b = g.alloc((dst_rows * rb) as usize)?;
-                    g.memset(&b, 0)?;
+                    let b = g.stream().alloc((dst_rows * rb) as usize)?;
+                    g.stream().memset(&b, 0)?;
                     bufs.push(b);
                 }
-                let staging = g.alloc(rx.pack.total_bytes as usize)?;
+                let staging = g.stream().alloc(rx.pack.total_bytes as usize)?;
                 let bases: Vec<u64> = bufs.iter().map(|b| b.ptr()).collect();
                 let deadline = Instant::now() + Duration::from_secs(20);
                 let mut pair = NcclPair::connect(
                     id,
                     NcclRole::Receiver,
                     0,
-                    g.stream_handle(),
+                    g.stream().raw(),
                     "prefill",
                     deadline,
                     &mut || true,
@@ -661,7 +663,7 @@ fn nccl_transfers() {
                 let mut out = Vec::new();
                 for b in &bufs {
                     let mut v = vec![0u8; b.len()];
-                    g.download(b, 0, &mut v)?;
+                    g.stream().download(b, 0, &mut v)?;
                     out.push(v);
                 }
                 Ok(out)
@@ -776,8 +778,8 @@ fn gather_to_host_pipeline() {
     let dev: Vec<_> = host_pools
         .iter()
         .map(|v| {
-            let b = g.alloc(v.len()).unwrap();
-            g.upload(&b, 0, v).unwrap();
+            let b = g.stream().alloc(v.len()).unwrap();
+            g.stream().upload(&b, 0, v).unwrap();
             b
         })
         .collect();
@@ -797,8 +799,8 @@ fn gather_to_host_pipeline() {
     })
     .collect();
     let half = 5 * (48 + 80);
-    let device = g.alloc(2 * half).unwrap();
-    let host = g.alloc_pinned(2 * half + 3).unwrap();
+    let device = g.stream().alloc(2 * half).unwrap();
+    let host = g.stream().alloc_pinned(2 * half + 3).unwrap();
     let refs: Vec<&[u8]> = host_pools.iter().map(|v| v.as_slice()).collect();
     let launches = || fake_counter(c"pdx_fake_launches");
     let mut seen = Vec::new();
@@ -843,7 +845,7 @@ fn gather_to_host_pipeline() {
     .unwrap_err();
     assert_eq!((e.status(), calls), (pdxfer::Status::PeerUnreachable, 2));
     // a slice larger than a half is refused before anything is enqueued
-    let small = g.alloc(half).unwrap();
+    let small = g.stream().alloc(half).unwrap();
     // SAFETY: as above.
     let e =
         unsafe { g.gather_to_host(&bases, &rows, &slices, &small, None, |_| Ok(())) }.unwrap_err();
@@ -882,7 +884,7 @@ fn child_engine_device_pools_on_fake_driver() {
     let g = GpuRelayout::new(0).unwrap();
     let mut host = SyntheticPools::new(LAYERS, ROW, P, PAGES, 8, 32).unwrap();
     let dev: Vec<_> = (0..LAYERS as usize)
-        .map(|l| g.alloc(host.layer_bytes(l).len()).unwrap())
+        .map(|l| g.stream().alloc(host.layer_bytes(l).len()).unwrap())
         .collect();
     let dev_pools = |host: &SyntheticPools| -> Vec<KvPool> {
         host.kv_pools()
@@ -935,9 +937,9 @@ fn child_engine_device_pools_on_fake_driver() {
             host.fill(room, &src, total);
             host.fill_aux(room, 3);
             for (l, d) in dev.iter().enumerate() {
-                g.upload(d, 0, host.layer_bytes(l)).unwrap();
+                g.stream().upload(d, 0, host.layer_bytes(l)).unwrap();
             }
-            g.record(false).unwrap().wait().unwrap();
+            g.stream().record(false).unwrap().wait().unwrap();
             cluster::open_decode(
                 decode.iter().map(|(e, _)| e),
                 room,
@@ -985,8 +987,8 @@ fn child_engine_device_pools_on_fake_driver() {
             }
             let mut events = Vec::new();
             for (l, d) in dev.iter().enumerate() {
-                model.upload(d, 0, host.layer_bytes(l)).unwrap();
-                let ev = model.record(false).unwrap();
+                model.stream().upload(d, 0, host.layer_bytes(l)).unwrap();
+                let ev = model.stream().record(false).unwrap();
                 let o = pdxfer::engine::SendOptions {
                     cuda_event: Some(ev.raw()),
                     layers: Some(l as u32..l as u32 + 1),
@@ -1168,9 +1170,9 @@ fn child_engine_decode_device_pools_on_fake_driver() {
             let mirror = SyntheticPools::new(LAYERS, ROW, P, DPAGES, 8, 32).unwrap();
             let (bufs, kv) = on_device(&mirror);
             for b in &bufs {
-                g.memset(b, 0).unwrap();
+                g.stream().memset(b, 0).unwrap();
             }
-            g.record(false).unwrap().wait().unwrap();
+            g.stream().record(false).unwrap().wait().unwrap();
             let mut cfg = EngineConfig::new(Role::Decode, &name, &url, mirror.topology(dcp, r), kv);
             cfg.pool_device = Some(0);
             cfg.aux = mirror.aux_buffers();
@@ -1196,9 +1198,9 @@ fn child_engine_decode_device_pools_on_fake_driver() {
             host.fill_aux(room, 3);
             if prefill_device {
                 for (l, d) in src_dev.iter().enumerate() {
-                    g.upload(d, 0, host.layer_bytes(l)).unwrap();
+                    g.stream().upload(d, 0, host.layer_bytes(l)).unwrap();
                 }
-                g.record(false).unwrap().wait().unwrap();
+                g.stream().record(false).unwrap().wait().unwrap();
             }
             // the transfer's copies only (not the uploads above)
             let (htod_before, pinned_before) = (fake_htod_copies(), fake_pinned_htod_copies());
@@ -1439,9 +1441,9 @@ fn child_engine_gpudirect_flush_on_fake_driver() {
         let mut mirror = SyntheticPools::new(LAYERS, ROW, P, PAGES, 8, 32).unwrap();
         let (bufs, kv) = cluster::device_pools(&g, &mirror);
         for b in &bufs {
-            g.memset(b, 0).unwrap();
+            g.stream().memset(b, 0).unwrap();
         }
-        g.record(false).unwrap().wait().unwrap();
+        g.stream().record(false).unwrap().wait().unwrap();
         let decode_cfg = |transport| {
             let mut cfg =
                 EngineConfig::new(Role::Decode, &name, &url, mirror.topology(1, 0), kv.clone());

@@ -21,10 +21,11 @@
 use crate::support::fakes;
 use pdxfer::bootstrap::schema::Role;
 use pdxfer::bootstrap::server::{BootstrapServer, ServerConfig};
+use pdxfer::cuda::DeviceBuffer;
 use pdxfer::engine::synthetic::SyntheticPools;
 use pdxfer::engine::{Engine, EngineConfig, KvPoll};
 use pdxfer::layout::{DcpLayout, Side};
-use pdxfer::relayout::gpu::{DeviceBuffer, GpuRelayout};
+use pdxfer::relayout::gpu::GpuRelayout;
 use pdxfer::transport::nccl::NcclPlanOptions;
 use pdxfer::transport::TransportKind;
 use pdxfer::Status;
@@ -219,9 +220,9 @@ fn decode_engine(
     let mirror = SyntheticPools::new(LAYERS, ROW, PAGE, DPAGES, 8, 32).unwrap();
     let (bufs, kv) = on_device(g, &mirror);
     for b in &bufs {
-        g.memset(b, 0).unwrap();
+        g.stream().memset(b, 0).unwrap();
     }
-    g.record(false).unwrap().wait().unwrap();
+    g.stream().record(false).unwrap().wait().unwrap();
     let mut cfg = EngineConfig::new(Role::Decode, cluster, url, mirror.topology(dcp, r), kv);
     cfg.pool_device = Some(0);
     cfg.aux = mirror.aux_buffers();
@@ -304,9 +305,9 @@ fn fill(g: &GpuRelayout, p: &mut Prefill, room: u64, src: &[u64], prefix: u64, t
     p.host.fill(room, &side, total);
     p.host.fill_aux(room, 3);
     for (l, d) in p.bufs.iter().enumerate() {
-        g.upload(d, 0, p.host.layer_bytes(l)).unwrap();
+        g.stream().upload(d, 0, p.host.layer_bytes(l)).unwrap();
     }
-    g.record(false).unwrap().wait().unwrap();
+    g.stream().record(false).unwrap().wait().unwrap();
 }
 
 /// Opens the room on every decode and sends its metadata.

@@ -380,8 +380,8 @@ fn child_prefill_rank() {
     struct Live {
         pair: NcclPair,
         tx: NcclPlan,
-        staging: pdxfer::relayout::gpu::DeviceBuffer,
-        _pools: Vec<pdxfer::relayout::gpu::DeviceBuffer>,
+        staging: pdxfer::cuda::DeviceBuffer,
+        _pools: Vec<pdxfer::cuda::DeviceBuffer>,
         g: GpuRelayout,
     }
     let mut live = Vec::new();
@@ -409,12 +409,12 @@ fn child_prefill_rank() {
         let bufs: Vec<_> = pools
             .iter()
             .map(|v| {
-                let b = g.alloc(v.len()).unwrap();
-                g.upload(&b, 0, v).unwrap();
+                let b = g.stream().alloc(v.len()).unwrap();
+                g.stream().upload(&b, 0, v).unwrap();
                 b
             })
             .collect();
-        let staging = g.alloc(tx.pack.total_bytes as usize).unwrap();
+        let staging = g.stream().alloc(tx.pack.total_bytes as usize).unwrap();
         let bases: Vec<u64> = bufs.iter().map(|b| b.ptr()).collect();
         let ents = relayout::gather_entries(&bases, &ROWS, staging.ptr(), &tx.pack).unwrap();
         // SAFETY: the entries address the pools and staging allocated above, sized by the plan.
@@ -426,7 +426,7 @@ fn child_prefill_rank() {
             &ids[r as usize],
             NcclRole::Sender,
             0,
-            g.stream_handle(),
+            g.stream().raw(),
             &peer,
             deadline,
             &mut || true,
@@ -503,7 +503,7 @@ fn child_prefill_rank() {
                 &id2,
                 NcclRole::Sender,
                 0,
-                l.g.stream_handle(),
+                l.g.stream().raw(),
                 "decode rank 0",
                 deadline_in(20),
                 &mut || true,
@@ -636,19 +636,19 @@ fn child_decode_rank() {
     let bufs: Vec<_> = rows
         .iter()
         .map(|&rb| {
-            let b = g.alloc((dst_rows * PAGE * rb) as usize).unwrap();
-            g.memset(&b, 0).unwrap();
+            let b = g.stream().alloc((dst_rows * PAGE * rb) as usize).unwrap();
+            g.stream().memset(&b, 0).unwrap();
             b
         })
         .collect();
-    g.record(false).unwrap().wait().unwrap();
-    let staging = g.alloc(rx.pack.total_bytes as usize).unwrap();
+    g.stream().record(false).unwrap().wait().unwrap();
+    let staging = g.stream().alloc(rx.pack.total_bytes as usize).unwrap();
     let deadline = Instant::now() + Duration::from_secs(20);
     let joined = NcclPair::connect(
         &id,
         NcclRole::Receiver,
         0,
-        g.stream_handle(),
+        g.stream().raw(),
         "prefill rank 0",
         deadline,
         &mut || true,
@@ -678,7 +678,7 @@ fn child_decode_rank() {
             &id2,
             NcclRole::Receiver,
             0,
-            g.stream_handle(),
+            g.stream().raw(),
             "prefill rank 0",
             Instant::now() + Duration::from_secs(20),
             &mut || true,

@@ -64,13 +64,10 @@ pub fn pools(layers: u32, pages: u64) -> SyntheticPools {
 pub fn device_pools(
     g: &pdxfer::relayout::gpu::GpuRelayout,
     pools: &SyntheticPools,
-) -> (
-    Vec<pdxfer::relayout::gpu::DeviceBuffer>,
-    Vec<pdxfer::engine::KvPool>,
-) {
+) -> (Vec<pdxfer::cuda::DeviceBuffer>, Vec<pdxfer::engine::KvPool>) {
     let kv = pools.kv_pools();
     let bufs: Vec<_> = (0..kv.len())
-        .map(|l| g.alloc(pools.layer_bytes(l).len()).unwrap())
+        .map(|l| g.stream().alloc(pools.layer_bytes(l).len()).unwrap())
         .collect();
     let kv = kv
         .into_iter()

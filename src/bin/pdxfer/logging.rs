@@ -48,6 +48,7 @@ pub fn qualify(spec: &str) -> String {
 const MODULES: &[&str] = &[
     "auth",
     "bootstrap",
+    "cuda",
     "engine",
     "error",
     "ffi",
@@ -56,6 +57,7 @@ const MODULES: &[&str] = &[
     "relayout",
     "rng",
     "transport",
+    "version",
 ];
 
 /// Whether `path`'s first segment is a top-level module of this crate.

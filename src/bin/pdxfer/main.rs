@@ -3,6 +3,7 @@
 //! library, so `libpdxfer.so` does not link clap, plotters or indicatif.
 
 mod bench;
+mod bench_args;
 mod bootstrap;
 mod demo;
 mod layerwise_bench;
@@ -49,7 +50,7 @@ enum Cmd {
     /// Run a receiving peer (registers zeroed regions, prints completions).
     Target(target::TargetArgs),
     /// Measure a transport between two processes (initiator and target).
-    Bench(bench::BenchArgs),
+    Bench(bench_args::BenchArgs),
     /// Run the standalone bootstrap server (HTTP/JSON; /health, /metrics).
     Bootstrap(bootstrap::BootstrapArgs),
     /// A stand-in engine rank for bootstrap tests and demos (register, hello, pair).
@@ -94,7 +95,7 @@ fn run() -> i32 {
 }
 
 fn info(json: bool, gpu: Option<u32>) -> pdxfer::Result<()> {
-    let cuda = pdxfer::relayout::gpu::probe();
+    let cuda = pdxfer::cuda::probe();
     let nvrtc = pdxfer::relayout::gpu::probe_nvrtc();
     // which kernel image device 0's driver loads (only where a device exists)
     let kernels = match &cuda {

@@ -7,14 +7,15 @@
 //! a driver `no_cuda_driver`, and with fewer than two GPUs (NCCL needs one
 //! per rank) `unsupported` unless `--nccl-gpus` names the two.
 
-use crate::bench::BenchArgs;
+use crate::bench_args::{parse_size, BenchArgs};
 use pdxfer::bootstrap::schema::Role;
 use pdxfer::bootstrap::server::{BootstrapServer, ServerConfig};
+use pdxfer::cuda::DeviceBuffer;
 use pdxfer::engine::synthetic::SyntheticPools;
 use pdxfer::engine::{Engine, EngineConfig, KvPoll, KvPool};
 use pdxfer::error::{Error, Result, Status};
 use pdxfer::layout::{DcpLayout, Side};
-use pdxfer::relayout::gpu::{DeviceBuffer, GpuRelayout};
+use pdxfer::relayout::gpu::GpuRelayout;
 use pdxfer::transport::TransportKind;
 use std::time::{Duration, Instant};
 
@@ -56,7 +57,7 @@ fn gpus(a: &BenchArgs, count: i32) -> Result<(u32, u32)> {
 /// Device copies of a synthetic pool set on `g`'s GPU, and the pools naming them.
 fn on_device(g: &GpuRelayout, pools: &SyntheticPools) -> Result<(Vec<DeviceBuffer>, Vec<KvPool>)> {
     let bufs = (0..LAYERS as usize)
-        .map(|l| g.alloc(pools.layer_bytes(l).len()))
+        .map(|l| g.stream().alloc(pools.layer_bytes(l).len()))
         .collect::<Result<Vec<_>>>()?;
     let kv = pools
         .kv_pools()
@@ -80,13 +81,13 @@ fn side(pages: &[u64]) -> Result<Side<'_>> {
 /// Runs the nccl benchmark.
 pub fn run(a: &BenchArgs) -> Result<()> {
     let (version, path) = pdxfer::transport::nccl::probe()?;
-    let info = pdxfer::relayout::gpu::probe()?;
+    let info = pdxfer::cuda::probe()?;
     let (pg, dg) = gpus(a, info.device_count)?;
     let token = LAYERS as u64 * ROW;
     let sizes: Vec<u64> = a
         .block_sizes
         .iter()
-        .map(|s| crate::bench::parse_size(s))
+        .map(|s| parse_size(s))
         .collect::<Result<_>>()?;
     let max_tokens = sizes.iter().map(|s| s.div_ceil(token)).max().unwrap_or(1);
     let pages = max_tokens.div_ceil(PAGE) + 1;
@@ -128,9 +129,9 @@ pub fn run(a: &BenchArgs) -> Result<()> {
             host.fill(seed, &side(&src_pages)?, tokens);
             host.fill_aux(seed, 1);
             for (l, b) in src_bufs.iter().enumerate() {
-                gp.upload(b, 0, host.layer_bytes(l))?;
+                gp.stream().upload(b, 0, host.layer_bytes(l))?;
             }
-            gp.record(false)?.wait()?;
+            gp.stream().record(false)?.wait()?;
             let t_end = Instant::now() + Duration::from_millis(a.max_ms);
             let mut times = Vec::new();
             while times.len() < a.iters.max(2) && (times.len() < 2 || Instant::now() < t_end) {
@@ -139,9 +140,9 @@ pub fn run(a: &BenchArgs) -> Result<()> {
                 if last {
                     // the checked room lands in zeroed pools
                     for b in &dst_bufs {
-                        gd.memset(b, 0)?;
+                        gd.stream().memset(b, 0)?;
                     }
-                    gd.record(false)?.wait()?;
+                    gd.stream().record(false)?.wait()?;
                 }
                 decode.receiver(room, 0, Some(Duration::from_secs(60)))?;
                 decode.send_metadata(room, &dst_pages, 0, 2)?;

@@ -273,7 +273,7 @@ impl NcclLinks {
             for slot in senders {
                 let mut s = lock(&slot);
                 s.pair = None;
-                if let Ok(ev) = s.gpu.record(false) {
+                if let Ok(ev) = s.gpu.stream().record(false) {
                     let _ = ev.wait();
                 }
             }
@@ -377,17 +377,17 @@ pub(super) fn on_prefill_message(
 #[cfg(feature = "nccl")]
 fn staging<'a>(
     gpu: &crate::relayout::gpu::GpuRelayout,
-    slot: &'a mut Option<crate::relayout::gpu::DeviceBuffer>,
+    slot: &'a mut Option<crate::cuda::DeviceBuffer>,
     need: usize,
-) -> Result<&'a crate::relayout::gpu::DeviceBuffer> {
+) -> Result<&'a crate::cuda::DeviceBuffer> {
     if slot.as_ref().is_none_or(|b| b.len() < need) {
         if slot.is_some() {
             // work enqueued on this stream (a gather whose chunk was
             // refused) may still use the old buffer: wait before freeing
-            gpu.record(false)?.wait()?;
+            gpu.stream().record(false)?.wait()?;
         }
         *slot = None;
-        *slot = Some(gpu.alloc(need.max(1))?);
+        *slot = Some(gpu.stream().alloc(need.max(1))?);
     }
     Ok(slot.as_ref().expect("allocated above"))
 }

@@ -3,12 +3,10 @@
 //! chunk's recvs.
 
 use super::*;
+use crate::cuda::DeviceBuffer;
 use crate::engine::decode::{DecodeRoom, PrefillLink};
 use crate::layout::{PairRequest, Side};
-use crate::relayout::{
-    self,
-    gpu::{DeviceBuffer, GpuRelayout},
-};
+use crate::relayout::{self, gpu::GpuRelayout};
 use crate::transport::nccl::{
     check_mirror, NcclAbort, NcclBuffer, NcclId, NcclPair, NcclPlan, NcclRole,
 };
@@ -187,7 +185,7 @@ fn open(
             &id,
             NcclRole::Receiver,
             ordinal as usize,
-            gpu.stream_handle(),
+            gpu.stream().raw(),
             peer,
             Instant::now() + inner.cfg.handshake_timeout,
             &mut alive,

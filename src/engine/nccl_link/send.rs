@@ -3,13 +3,11 @@
 //! another and finished together.
 
 use super::*;
+use crate::cuda::DeviceBuffer;
 use crate::engine::prefill::DecodeLink;
 use crate::engine::worker::Job;
 use crate::layout::PairRequest;
-use crate::relayout::{
-    self,
-    gpu::{DeviceBuffer, GpuRelayout},
-};
+use crate::relayout::{self, gpu::GpuRelayout};
 use crate::transport::nccl::{NcclAbort, NcclId, NcclPair, NcclPlan, NcclRole};
 use std::sync::Arc;
 
@@ -339,7 +337,7 @@ fn post_locked(
             &id,
             NcclRole::Sender,
             ordinal as usize,
-            s.gpu.stream_handle(),
+            s.gpu.stream().raw(),
             peer,
             init_deadline,
             &mut watch(&abort),
@@ -364,7 +362,7 @@ fn post_locked(
     if let Some(ev) = job.ready.cuda_event {
         // SAFETY: the caller keeps the event alive until the room is
         // terminal (`SendOptions::cuda_event`), in the pools' context.
-        unsafe { gpu.wait_raw_event(ev) }?;
+        unsafe { gpu.stream().wait_raw_event(ev) }?;
     }
     let bases: Vec<u64> = inner.pool_regions.iter().map(|r| r.addr).collect();
     let ents = relayout::gather_entries(&bases, row_bytes, buf.ptr(), &plan.pack)?;

@@ -1,7 +1,8 @@
 //! Device self-check and gather benchmark, shared by `examples/gpu_check`
 //! (run on GPU hosts by `scripts/gpu-check.sh`) and the fake-driver test.
 
-use super::{DeviceBuffer, GpuRelayout};
+use super::GpuRelayout;
+use crate::cuda::DeviceBuffer;
 use crate::error::{Error, Result, Status};
 use crate::layout::{PackLayout, SglangChunk};
 use crate::relayout::{self, cpu, CopyEntry};
@@ -77,13 +78,13 @@ fn check_case(g: &mut GpuRelayout, rng: &mut SplitMix64, case: u32, big: bool) -
     let mut dev_pools: Vec<(DeviceBuffer, u64)> = Vec::new();
     for v in &pools {
         let off = mis(rng);
-        let b = g.alloc(v.len() + 16)?;
-        g.upload(&b, off as usize, v)?;
+        let b = g.stream().alloc(v.len() + 16)?;
+        g.stream().upload(&b, off as usize, v)?;
         dev_pools.push((b, off));
     }
     let pack_off = mis(rng);
-    let dpack = g.alloc(pack.total_bytes as usize + 16)?;
-    g.upload(&dpack, pack_off as usize, &junk)?;
+    let dpack = g.stream().alloc(pack.total_bytes as usize + 16)?;
+    g.stream().upload(&dpack, pack_off as usize, &junk)?;
     let bases: Vec<u64> = dev_pools.iter().map(|(b, o)| b.ptr() + o).collect();
     let ents: Vec<CopyEntry> =
         relayout::gather_entries(&bases, &row_bytes, dpack.ptr() + pack_off, &pack)?;
@@ -92,7 +93,7 @@ fn check_case(g: &mut GpuRelayout, rng: &mut SplitMix64, case: u32, big: bool) -
     let ev = unsafe { g.gather(&ents, &gspans)? };
     ev.wait()?;
     let mut got = vec![0u8; junk.len()];
-    g.download(&dpack, pack_off as usize, &mut got)?;
+    g.stream().download(&dpack, pack_off as usize, &mut got)?;
     if got != want {
         let first = got.iter().zip(&want).position(|(a, b)| a != b).unwrap_or(0);
         return Err(fail(format!(
@@ -113,8 +114,8 @@ fn check_case(g: &mut GpuRelayout, rng: &mut SplitMix64, case: u32, big: bool) -
     let mut dev_dst = Vec::new();
     for v in &dst_init {
         let off = mis(rng);
-        let b = g.alloc(v.len() + 16)?;
-        g.upload(&b, off as usize, v)?;
+        let b = g.stream().alloc(v.len() + 16)?;
+        g.stream().upload(&b, off as usize, v)?;
         dev_dst.push((b, off));
     }
     let dbases: Vec<u64> = dev_dst.iter().map(|(b, o)| b.ptr() + o).collect();
@@ -124,7 +125,7 @@ fn check_case(g: &mut GpuRelayout, rng: &mut SplitMix64, case: u32, big: bool) -
     ev.wait()?;
     for (e, ((b, off), w)) in dev_dst.iter().zip(&cpu_dst).enumerate() {
         let mut got = vec![0u8; w.len()];
-        g.download(b, *off as usize, &mut got)?;
+        g.stream().download(b, *off as usize, &mut got)?;
         if &got != w {
             return Err(fail(format!(
                 "case {case}: GPU scatter differs from the CPU at entry {e} (P={p} D={d} r={r} n={n})"
@@ -136,7 +137,7 @@ fn check_case(g: &mut GpuRelayout, rng: &mut SplitMix64, case: u32, big: bool) -
     // CPU gather of the same tokens.
     let per_token: u64 = row_bytes.iter().sum();
     let slice_tokens = 1 + rng.below(tokens.max(1));
-    let staging = g.alloc((2 * slice_tokens * per_token) as usize)?;
+    let staging = g.stream().alloc((2 * slice_tokens * per_token) as usize)?;
     let mut seen = 0u64;
     // SAFETY: pool bases as above; spans checked by cpu::gather.
     unsafe {
@@ -243,8 +244,8 @@ pub fn bench(g: &mut GpuRelayout, a: &BenchParams) -> Result<Vec<BenchRow>> {
         p,
         total_pool as f64 / (1u64 << 30) as f64
     );
-    let pool = g.alloc(total_pool as usize)?;
-    g.memset(&pool, 0x5a)?;
+    let pool = g.stream().alloc(total_pool as usize)?;
+    g.stream().memset(&pool, 0x5a)?;
     let mut rng = SplitMix64::new(7);
     let src_pages = rng.pages(pages as usize, pages);
     let row_bytes = vec![a.row_bytes; a.layers as usize];
@@ -265,7 +266,7 @@ pub fn bench(g: &mut GpuRelayout, a: &BenchParams) -> Result<Vec<BenchRow>> {
         let req = chunk.to_pair()?;
         let spans = relayout::gather_spans(&req)?;
         let pack = PackLayout::new(req.token_count(), &row_bytes)?;
-        let dpack = g.alloc(pack.total_bytes as usize)?;
+        let dpack = g.stream().alloc(pack.total_bytes as usize)?;
         let ents = relayout::gather_entries(&bases, &row_bytes, dpack.ptr(), &pack)?;
         let n = pack.total_bytes as usize;
         let prepared = g.prepare(&ents, &spans)?;
@@ -277,18 +278,18 @@ pub fn bench(g: &mut GpuRelayout, a: &BenchParams) -> Result<Vec<BenchRow>> {
                     // SAFETY: as above.
                     Op::GatherUpload => unsafe { g.gather(&ents, &spans).map(|_| ())? },
                     // SAFETY: both ranges are inside their allocations (n <= pool size).
-                    Op::Memcpy => unsafe { g.memcpy_dtod(dpack.ptr(), pool.ptr(), n)? },
+                    Op::Memcpy => unsafe { g.stream().memcpy_dtod(dpack.ptr(), pool.ptr(), n)? },
                 }
                 Ok(())
             };
             for _ in 0..3 {
                 run(g)?;
             }
-            let start = g.record(true)?;
+            let start = g.stream().record(true)?;
             for _ in 0..a.iters {
                 run(g)?;
             }
-            let end = g.record(true)?;
+            let end = g.stream().record(true)?;
             end.wait()?;
             Ok(start.elapsed_ms(&end)? as f64 / a.iters as f64)
         };

@@ -30,9 +30,9 @@ pub(crate) trait RdmaWriteBarrier: Send + Sync {
 }
 
 #[cfg(feature = "cuda")]
-impl RdmaWriteBarrier for crate::relayout::gpu::RdmaWriteFlush {
+impl RdmaWriteBarrier for crate::cuda::RdmaWriteFlush {
     fn before_delivery(&self) -> Result<bool> {
-        crate::relayout::gpu::RdmaWriteFlush::before_delivery(self)
+        crate::cuda::RdmaWriteFlush::before_delivery(self)
     }
 }
 

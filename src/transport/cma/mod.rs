@@ -23,8 +23,9 @@
 
 use super::agent::Dialed;
 use super::batch::Stage;
-use super::conn::{Conn, Piece, Reach};
+use super::conn::{Conn, Reach};
 use super::handshake::Select;
+use super::piece::Piece;
 use super::wire::{self, Commit, FrameType};
 use super::{
     BatchId, BatchOptions, BatchStatus, MappedRegion, PlacedRange, ReadOp, Transport,

@@ -5,8 +5,8 @@
 
 use crate::error::{Error, Result, Status};
 use crate::memory::RegionDesc;
-use crate::transport::conn::Piece;
 use crate::transport::identity::ProcIdentity;
+use crate::transport::piece::Piece;
 use std::collections::HashMap;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 

@@ -5,8 +5,8 @@
 //! loader-path setup is needed. The library is opened once per process; a
 //! missing one is [`Status::NoNccl`] listing every path tried.
 
+use crate::cuda::library;
 use crate::error::{Error, Result, Status};
-use crate::relayout::gpu::library;
 use std::ffi::{c_char, c_int, c_void, CStr, CString};
 use std::sync::OnceLock;
 

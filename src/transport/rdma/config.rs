@@ -185,7 +185,7 @@ impl RdmaConfig {
     pub fn for_gpu(mut self, ordinal: u32) -> RdmaConfig {
         self.gpu_ordinal = Some(ordinal);
         if self.gpu_pci.is_none() {
-            match crate::relayout::gpu::pci_bus_id(ordinal) {
+            match crate::cuda::pci_bus_id(ordinal) {
                 Ok(bus) => {
                     log::info!("rdma: GPU {ordinal} is at PCI {bus}: NICs are chosen nearest to it");
                     self.gpu_pci = Some(bus);
@@ -276,7 +276,7 @@ mod tests {
         let c = RdmaConfig::default().for_gpu(0);
         assert_eq!(c.gpu_ordinal, Some(0));
         if let Some(bus) = &c.gpu_pci {
-            assert_eq!(bus, &crate::relayout::gpu::pci_bus_id(0).unwrap());
+            assert_eq!(bus, &crate::cuda::pci_bus_id(0).unwrap());
         }
     }
 

@@ -36,7 +36,9 @@
 //! Tests can kill a QP ([`kill_qp`]), make it fail after some WRs
 //! ([`fail_qp_after`]) or make its next posts accepted only part-way
 //! ([`refuse_posts`]). The fabric only connects QPs of one process; it is
-//! selected explicitly (`AgentOptions::nic`), never in production.
+//! selected explicitly (`TestKnobs::nic`: `AgentOptions::testing.nic`,
+//! `EngineConfig::testing.nic`), never in production, and built only for unit
+//! tests and with the `testing` feature.
 //!
 //! What this fake does not model:
 //! - the negotiated attributes: GID, LID, MTU, PSN and the QP state

@@ -201,3 +201,18 @@ impl<S: Source> Read for PieceReader<'_, S> {
         self.b.read_through(dst, &mut self.deadline, true)
     }
 }
+
+/// Reads and discards `left` payload bytes through `scratch` (a piece that
+/// is refused or failed is drained, so the stream stays in sync).
+pub(super) fn drain(
+    s: &mut impl Read,
+    mut left: u64,
+    scratch: &mut [u8],
+) -> crate::error::Result<()> {
+    while left > 0 {
+        let n = left.min(scratch.len() as u64) as usize;
+        s.read_exact(&mut scratch[..n])?;
+        left -= n as u64;
+    }
+    Ok(())
+}

@@ -35,6 +35,8 @@
 //! - `device`: the receiver's landing of a piece in device memory.
 
 mod device;
+#[cfg(test)]
+mod device_tests;
 mod inbuf;
 mod recv;
 mod send;

@@ -14,7 +14,7 @@
 //! room's RoomEnd is answered once every byte it names landed.
 
 use super::device::{receive_into_device, DEVICE_BOUNCE_BYTES};
-use super::inbuf::{InBuf, Source, STREAM_BUFFER_BYTES};
+use super::inbuf::{drain, InBuf, Source, STREAM_BUFFER_BYTES};
 use crate::auth::PeerInstance;
 use crate::error::{Error, Result, Status};
 use crate::memory::{AccessGuard, DeviceWriter, RegionDesc, RegionKind, Registry};
@@ -625,15 +625,6 @@ pub(super) fn receive_piece(
     let mut d = Destinations::new(reg);
     let dest = d.validate(h);
     land(dest, s, h, scratch, bounce)
-}
-
-pub(super) fn drain(s: &mut impl Read, mut left: u64, scratch: &mut [u8]) -> Result<()> {
-    while left > 0 {
-        let n = left.min(scratch.len() as u64) as usize;
-        s.read_exact(&mut scratch[..n])?;
-        left -= n as u64;
-    }
-    Ok(())
 }
 
 #[cfg(test)]

@@ -13,7 +13,7 @@
 //! `CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED` and `/sys/module/nvidia_peermem`,
 //! and says it was not tested by a registration.
 
-use super::device::{driver_present, guard};
+use super::driver::{driver_present, guard};
 use super::gpudirect::GpuDirectInfo;
 use cudarc::driver::{result, sys, CudaContext};
 use serde::Serialize;

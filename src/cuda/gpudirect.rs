@@ -11,7 +11,7 @@
 //! before it reports the bytes as delivered; it is a no-op where the device
 //! orders the writes itself.
 
-use super::device::{driver_present, guard};
+use super::driver::{driver_present, guard};
 use crate::error::{Error, Result, Status};
 use cudarc::driver::{sys, CudaContext};
 use serde::Serialize;

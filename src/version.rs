@@ -1,0 +1,20 @@
+//! The C ABI version of this library, which the header states
+//! (`PDXFER_ABI_VERSION_*`) and `pdxfer_abi_version` returns. Below every
+//! layer: `ffi` re-exports it, and the crate root offers it as
+//! [`ABI_VERSION_MAJOR`](crate::ABI_VERSION_MAJOR) /
+//! [`ABI_VERSION_MINOR`](crate::ABI_VERSION_MINOR).
+
+/// ABI major version of this header; a library with another major refuses to work with it.
+pub const PDXFER_ABI_VERSION_MAJOR: u32 = 1;
+/// ABI minor version of this header (functions or struct fields added).
+/// 1.1: `PdxEngineConfig.state`, `pdxfer_engine_set_state_indices`.
+/// 1.2: `PdxEngineConfig.pool_memory` / `pool_device` (KV pools in CUDA memory).
+/// 1.3: `pdxfer_set_log_callback`, `pdxfer_engine_decode_prefix_len`,
+/// `PdxEngineConfig.metrics_listen`, `pdxfer_engine_metrics`,
+/// `pdxfer_engine_metrics_address`, `pdxfer_engine_room_telemetry`.
+/// 1.4: `PdxAgentOptions.secret` (peer authentication), `pdxfer_engine_send_ex` /
+/// `PdxSendOptions` (event-ordered and layer-wise sends).
+/// 1.5: `pdxfer_alloc_shared_pool` / `pdxfer_free_shared_pool` (shared KV
+/// pools, one copy on the same host), `PDXFER_ENGINE_NO_ONE_COPY`,
+/// `PDXFER_ENGINE_NO_PREFAULT`.
+pub const PDXFER_ABI_VERSION_MINOR: u32 = 5;
