@@ -1,7 +1,8 @@
 //! The engine: in one process (a bootstrap server, prefill and decode ranks
 //! over cma, tcp and rdma on the fake NIC; layer-wise sends; metrics and
-//! telemetry; room-setup races; room grants between agents) and with real
-//! processes (bounded resources, fault injection with `pdxfer-fault-peer`).
+//! telemetry; room-setup races) and with real processes (bounded resources,
+//! fault injection with `pdxfer-fault-peer`). Room grants between agents are
+//! the `room_grants` binary: they count process-wide frames.
 //! `cargo test --features testing --test engine [filter]`.
 
 #[allow(dead_code, unused_imports)] // each binary uses part of it
@@ -17,8 +18,6 @@ mod engine_races;
 mod faults;
 #[cfg(feature = "testing")]
 mod layerwise;
-#[cfg(feature = "testing")]
-mod room_grants;
 
 /// Without the `testing` feature the modules above marked so are not built;
 /// this test says so instead of leaving them out silently.
@@ -26,6 +25,6 @@ mod room_grants;
 #[test]
 fn the_testing_feature_is_on() {
     panic!(
-        "the engine, faults, layerwise and room_grants tests of this binary need the testing feature: cargo test --features testing --test engine"
+        "the engine, faults and layerwise tests of this binary need the testing feature: cargo test --features testing --test engine"
     );
 }
