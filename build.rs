@@ -62,7 +62,7 @@ fn header(crate_dir: &Path) {
     // cbindgen exports every `pub const` of the crate as a macro. Internal
     // constants (wire versions, limits) must not reach C users, where names
     // like `VERSION` collide with autoconf's: a first pass finds the unprefixed
-    // macros, the second pass excludes them. `tests/header.rs` checks the result.
+    // macros, the second pass excludes them. `tests/abi/header.rs` checks the result.
     let bindings = generate(&config).and_then(|first| {
         let mut text = Vec::new();
         first.write(&mut text);

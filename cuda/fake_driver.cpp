@@ -1,7 +1,7 @@
 // A stand-in libcuda.so for machines without a GPU: the CUDA driver calls that
 // pdxfer makes, implemented on the CPU, with kernel launches run by the host
 // harness (the very same cuda/relayout.cu source). "Device" memory is host
-// memory. tests/fake_driver.rs builds it with g++ as libcuda.so and runs the
+// memory. tests/gpu/fake_driver.rs builds it with g++ as libcuda.so and runs the
 // device code paths in child processes whose LD_LIBRARY_PATH finds it.
 //
 // What it models (the part a missing wait or a wrong assumption breaks):

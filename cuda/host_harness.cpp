@@ -1,5 +1,5 @@
 // C entry points of the CPU-emulated kernels, for the Rust tests
-// (tests/kernel_harness.rs builds this file into a shared library with g++).
+// (tests/gpu/kernel_harness.rs builds this file into a shared library with g++).
 // Device addresses are host addresses here.
 #include "host_harness.h"
 

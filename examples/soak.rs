@@ -8,7 +8,7 @@
 //!
 //! `soak --peer PATH [--secs 120] [--seed N] [--transport auto|cma|tcp]`
 
-#[path = "../tests/support/peer.rs"]
+#[path = "../tests/support/proc.rs"]
 mod support;
 
 use pdxfer::bootstrap::schema::Role;
@@ -17,7 +17,7 @@ use std::collections::BTreeMap;
 use std::io::BufRead;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
-use support::{Peer, DEADLINE, SLACK};
+use support::{Proc as Peer, DEADLINE, SLACK};
 
 const PAGE: u64 = 16;
 const ROW_TOTAL: u64 = 4 * 64;
@@ -138,7 +138,7 @@ impl Soak {
         }
         for (i, dp) in d.iter_mut().enumerate() {
             let room = rooms[i];
-            dp.expect(|v| v["event"] == "meta" && v["room"] == room, SLACK);
+            dp.expect_match(|v| v["event"] == "meta" && v["room"] == room, SLACK);
             p.cmd(json!({"cmd": "send", "room": room, "total": pages * PAGE,
                 "src_pages": (0..pages).map(|k| i as u64 * 16 + k).collect::<Vec<_>>(),
                 "chunk_pages": 1, "aux": i as u64, "delay_ms": delay_ms,
@@ -298,7 +298,7 @@ fn main() {
                 "kill decode" => {
                     let v = DECODES - 1;
                     let vroom = rooms[v];
-                    p.expect(
+                    p.expect_match(
                         |e| e["event"] == "chunk" && e["room"] == vroom && e["i"] == 3,
                         DEADLINE,
                     );
@@ -321,7 +321,7 @@ fn main() {
                 }
                 "kill prefill" => {
                     let r0 = rooms[0];
-                    p.expect(
+                    p.expect_match(
                         |e| e["event"] == "chunk" && e["room"] == r0 && e["i"] == 3,
                         DEADLINE,
                     );
@@ -334,7 +334,7 @@ fn main() {
                 }
                 _ => {
                     let r0 = rooms[0];
-                    p.expect(
+                    p.expect_match(
                         |e| e["event"] == "chunk" && e["room"] == r0 && e["i"] == 3,
                         DEADLINE,
                     );
@@ -422,7 +422,7 @@ fn main() {
     // final canary check on every live process, then a clean exit
     for mut x in d.into_iter().chain(std::iter::once(p)) {
         x.cmd(json!({"cmd": "check"}));
-        let c = x.expect(|v| v["event"] == "canaries", SLACK);
+        let c = x.expect_match(|v| v["event"] == "canaries", SLACK);
         s.tally.canary_damage += c["damaged"].as_u64().unwrap_or(u64::MAX);
         x.exit();
     }

@@ -10,7 +10,7 @@
 # the corpus grows in fuzz/corpus/<target>/ (seeded from the test seeds).
 #
 # Without cargo-fuzz (or with PDXFER_FUZZ_MODE=stable), runs the same targets
-# as the seeded stable property test (tests/fuzz_smoke.rs) with many more
+# as the seeded stable property test (tests/abi/fuzz_smoke.rs) with many more
 # iterations instead: PDXFER_FUZZ_ITERS (default 200000) per target.
 #
 # At the end prints one line per target: inputs run, seconds, result.
@@ -49,7 +49,7 @@ else
   echo "stable mode: seed $PDXFER_FUZZ_SEED, $PDXFER_FUZZ_ITERS iterations per target"
   log=target/fuzz-stable.log
   rc=0
-  cargo test --release --test fuzz_smoke -- --nocapture --test-threads=1 >"$log" 2>&1 || rc=$?
+  cargo test --release --test abi fuzz_smoke -- --nocapture --test-threads=1 >"$log" 2>&1 || rc=$?
   while read -r line; do summary+=("$line"); done < <(grep -E '^fuzz ' "$log")
   [ "$rc" = 0 ] || summary+=("FAILED: see $log")
 fi

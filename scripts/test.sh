@@ -5,9 +5,43 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 export CARGO_TERM_COLOR=never
 
-step() { echo; echo "=== $*"; }
+# Every stage prints its wall-clock and CPU seconds (user+sys of the commands
+# it ran) when it ends, and a table of all of them closes the run, pass or
+# fail: where the time of the test command goes.
+STAGES=()
+stage="" stage_t0=$SECONDS stage_c0=0
+times_file=$(mktemp)
+cpu_mark() { times >"$times_file"; } # in this shell: a subshell's `times` counts only its own
+cpu_seconds() { # user+sys of this shell's finished children at the last cpu_mark (`times`, 2nd line)
+  awk 'NR == 2 { split($1, u, /[ms]/); split($2, s, /[ms]/); printf "%.1f", u[1] * 60 + u[2] + s[1] * 60 + s[2] }' "$times_file"
+}
+end_stage() {
+  [ -n "$stage" ] || return 0
+  local cpu
+  cpu_mark
+  cpu=$(awk -v a="$(cpu_seconds)" -v b="$stage_c0" 'BEGIN { printf "%.1f", a - b }')
+  STAGES+=("$(printf '%6d s %8s CPU-s  %s' $((SECONDS - stage_t0)) "$cpu" "$stage")")
+  echo "--- $stage: $((SECONDS - stage_t0)) s, $cpu CPU-s"
+  stage=""
+}
+step() {
+  end_stage
+  echo; echo "=== $*"
+  cpu_mark
+  stage="$*" stage_t0=$SECONDS stage_c0=$(cpu_seconds)
+}
+summary() {
+  local rc=$?
+  end_stage
+  echo; echo "=== time by stage (wall, user+sys CPU)"
+  printf '%s\n' "${STAGES[@]}"
+  echo "$SECONDS s in all"
+  rm -f "$times_file"
+  exit "$rc"
+}
+trap summary EXIT
 
-# Every skipped test is recorded here (tests/common::skip, pytest -rs); the run
+# Every skipped test is recorded here (src/test_skip.rs, which the integration tests include; pytest -rs); the run
 # fails at the end on any skip whose kind PDXFER_ALLOW_SKIP (comma-separated,
 # e.g. netns,etcd) does not name.
 mkdir -p target
@@ -31,30 +65,46 @@ export PDXFER_REQUIRE_CUDA_TOOLS=1
 step "cargo fmt --check"
 cargo fmt --all -- --check
 
-step "cargo clippy --all-targets -- -D warnings"
+# Three feature sets, each checked once (clippy is cargo check plus lints);
+# the builds below compile each set once more at most.
+step "clippy, all targets (testing)"
 cargo clippy "${FEATURES[@]}" --all-targets -- -D warnings
 
-step "product build, clippy (default features, no testing)"
+step "clippy, all targets (product: default features, no testing)"
 # The test knobs and fakes are cfg-gated: the product build must be clean without them.
 cargo clippy --all-targets -- -D warnings
 
-step "host-only build, clippy (--no-default-features)"
+step "clippy, all targets (host-only: --no-default-features)"
 cargo clippy --no-default-features "${FEATURES[@]}" --all-targets -- -D warnings
 
-step "cargo build (regenerates include/pdxfer.h)"
-cargo build "${FEATURES[@]}" --all-targets
+# The library target is a cdylib: its outputs carry no feature hash, so every
+# change of feature set rebuilds it. The order is: the product build (default
+# features) and everything that uses only it (C and Python tests, the install,
+# the wheel), then the testing build once, for cargo test.
+step "product build: libpdxfer.so and pdxfer (regenerates include/pdxfer.h)"
+cargo build --lib --bin pdxfer
 if git rev-parse --is-inside-work-tree >/dev/null 2>&1; then
   if ! git diff --exit-code -- include/pdxfer.h; then
     echo "include/pdxfer.h is stale: commit the regenerated header" >&2
     exit 1
   fi
 fi
-
-step "libpdxfer.so holds the library only"
 # The CLI's crates live in the pdxfer binary; their names (symbols, debug info,
 # panic locations) must not appear in the shared library C++ engines load.
-if strings target/debug/libpdxfer.so | grep -E -m 5 'clap|plotters|indicatif'; then
+# Codegen-unit names (25 random letters and digits, alone or after `/@/`) are
+# left out: one may hold "clap" by chance; a crate name is never inside a word.
+lib_strings() {
+  strings target/debug/libpdxfer.so | grep -vE '^[a-z0-9]{25}$|/@/[a-z0-9]{25}$'
+}
+if lib_strings | grep -E -m 5 '(^|[^a-zA-Z])(clap|plotters|indicatif)([^a-zA-Z]|$)'; then
   echo "libpdxfer.so links CLI crates (lines above)" >&2
+  exit 1
+fi
+# Built without the testing feature, the library has no software NIC fabric
+# (transport::rdma::fake) and no TestKnobs; the names of both would show in its
+# symbols and debug info.
+if lib_strings | grep -E -m 5 'FakeNic|TestKnobs|4rdma4fake|rdma/fake\.rs'; then
+  echo "the product libpdxfer.so holds test-only code (lines above)" >&2
   exit 1
 fi
 # The fault-injection fixture is not a product binary: plain builds skip it.
@@ -63,20 +113,6 @@ import json, sys
 t = {t["name"]: t for p in json.load(sys.stdin)["packages"] for t in p["targets"]}
 need = t["pdxfer-fault-peer"].get("required-features") or []
 sys.exit(0 if "testing" in need else "pdxfer-fault-peer must require the testing feature")'
-
-step "product libpdxfer.so holds no test fakes or knobs"
-# Built without the testing feature, the library has no software NIC fabric
-# (transport::rdma::fake) and no TestKnobs; the names of both would show in its
-# symbols and debug info. (cargo test below rebuilds it with the feature.)
-cargo build --lib
-if strings target/debug/libpdxfer.so | grep -E -m 5 'FakeNic|TestKnobs|4rdma4fake|rdma/fake\.rs'; then
-  echo "the product libpdxfer.so holds test-only code (lines above)" >&2
-  exit 1
-fi
-
-step "cargo test"
-cargo test "${FEATURES[@]}" --all-targets 2>&1 | tee target/cargo-test.log
-grep -q "test result:" target/cargo-test.log
 
 step "C tests (-Wall -Werror, valgrind)"
 make -s -C c_tests valgrind LIBDIR="$PWD/target/debug"
@@ -96,8 +132,14 @@ echo "pytest: $(grep -oE '[0-9]+ skipped' target/pytest.log | tail -n 1 || echo 
 step "C/C++ install: scripts/install.sh, examples/cpp with CMake and pkg-config"
 bash scripts/check-install.sh
 
-step "Python wheel: pip wheel ., installed into a fresh venv, python/tests against it"
+step "Python wheel: pip wheel ., installed into a fresh venv, its tests against it"
+# The full suite ran against the source tree above: the installed package
+# runs the tests of what installing changes (PDXFER_WHEEL_TESTS, see the script).
 bash scripts/check-wheel.sh
+
+step "cargo test (testing: unit and integration tests, examples, benches)"
+cargo test "${FEATURES[@]}" --all-targets 2>&1 | tee target/cargo-test.log
+grep -q "test result:" target/cargo-test.log
 
 step "skipped tests"
 skips=$(wc -l <"$PDXFER_SKIP_LOG")

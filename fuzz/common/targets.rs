@@ -1,6 +1,6 @@
 //! Fuzz targets shared by the cargo-fuzz binaries (`fuzz/fuzz_targets/*.rs`,
 //! long runs through `scripts/fuzz.sh`) and the bounded, seeded property test
-//! `tests/fuzz_smoke.rs` that `cargo test` runs on the stable toolchain.
+//! `tests/abi/fuzz_smoke.rs` that `cargo test` runs on the stable toolchain.
 //!
 //! Each target takes arbitrary bytes and must return without panicking,
 //! hanging or touching memory it was not given; decoders that accept an input

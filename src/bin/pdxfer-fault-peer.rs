@@ -1,5 +1,5 @@
 //! One engine rank (prefill or decode) for the fault-injection tests
-//! (`tests/faults.rs`) and the soak run (`scripts/soak.sh`).
+//! (`tests/engine/faults.rs`) and the soak run (`scripts/soak.sh`).
 //!
 //! Every KV pool and the aux buffer live in their own anonymous mapping laid
 //! out as `[guard page][canary page][pool ...][canary tail][guard page]`: the

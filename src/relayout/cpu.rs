@@ -1,5 +1,5 @@
 //! The relayout on the CPU, for host pools and as the reference the CUDA
-//! kernels are checked against (byte for byte, `tests/kernel_harness.rs`).
+//! kernels are checked against (byte for byte, `tests/gpu/kernel_harness.rs`).
 //!
 //! [`gather`] packs one pair's rows from pool entries into an entry-major pack
 //! buffer ([`PackLayout`]); [`scatter`] unpacks them into destination rows.

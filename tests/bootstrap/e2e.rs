@@ -1,7 +1,7 @@
 //! The seed's scenarios end to end, with real `pdxfer bootstrap` / `pdxfer
 //! rank` processes, on the embedded server and on a private etcd.
 
-mod common;
+use crate::support as common;
 
 use common::{bootstrap_server, poll, rank, Etcd};
 use pdxfer::bootstrap::{open_store, RankKey, Role, Store};

@@ -2,7 +2,7 @@
 //! replacement with a larger epoch, replacement detection by the old owner,
 //! deregistration that leaves a newer owner alone, isolation by namespace.
 
-mod common;
+use crate::support as common;
 
 use common::{poll, Etcd};
 use pdxfer::bootstrap::{EtcdStore, InstanceId, LeaseState, Registrar, Registration, Role, Store};

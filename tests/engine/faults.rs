@@ -6,7 +6,7 @@
 //! its deadline, every unaffected room must succeed byte-exact, no canary may
 //! change, and every process must exit when told (every wait is bounded).
 //!
-//! The seed is printed; `PDXFER_FAULT_SEED=N cargo test --test faults` replays it.
+//! The seed is printed; `PDXFER_FAULT_SEED=N cargo test --features testing --test engine faults` replays it.
 
 use pdxfer::bootstrap::schema::Role;
 use pdxfer::bootstrap::server::{BootstrapServer, ServerConfig};
@@ -19,26 +19,10 @@ use std::time::{Duration, Instant};
 const PAGE: u64 = 16;
 const ROW_TOTAL: u64 = 4 * 64;
 const AUX_ITEM: u64 = 32;
-mod common;
-#[path = "support/peer.rs"]
-mod support;
+use crate::support as common;
+use crate::support;
 use common::{skip, Etcd};
 use support::{DEADLINE, SLACK};
-
-/// The fault tests' peers: the binary cargo built for this test.
-struct Peer;
-
-impl Peer {
-    fn spawn(name: &str, url: &str, cluster: &str, args: &[(&str, String)]) -> support::Peer {
-        support::Peer::spawn_bin(
-            env!("CARGO_BIN_EXE_pdxfer-fault-peer"),
-            name,
-            url,
-            cluster,
-            args,
-        )
-    }
-}
 
 /// The seeded generator of the fault points, from `PDXFER_FAULT_SEED` or the clock.
 fn seeded_rng() -> SplitMix64 {
@@ -118,14 +102,14 @@ fn kill_decode_mid_transfer() {
     let transport = if rng.below(2) == 0 { "tcp" } else { "cma" };
     eprintln!("transport {transport}");
     let t = ("transport", transport.to_string());
-    let mut p = Peer::spawn(
+    let mut p = support::fault_peer(
         "prefill",
         &url,
         cl,
         &[("role", "prefill".into()), t.clone()],
     );
     let decode = |i: u32| {
-        Peer::spawn(
+        support::fault_peer(
             &format!("decode{i}"),
             &url,
             cl,
@@ -147,11 +131,11 @@ fn kill_decode_mid_transfer() {
         let room = 1 + i as u64;
         let dst: Vec<u64> = (0..pages).map(|k| (k * 5 + i as u64) % 32).collect();
         dp.cmd(recv_total(room, pages * PAGE, &dst));
-        dp.expect(|v| v["event"] == "meta" && v["room"] == room, SLACK);
+        dp.expect_match(|v| v["event"] == "meta" && v["room"] == room, SLACK);
         p.cmd(send(room, pages, i as u64 * 16, 25));
     }
     let vroom = 1 + victim as u64;
-    p.expect(
+    p.expect_match(
         |v| v["event"] == "chunk" && v["room"] == vroom && v["i"] == kill_after,
         DEADLINE,
     );
@@ -175,7 +159,7 @@ fn kill_decode_mid_transfer() {
         let room = 10 + i as u64;
         let dst: Vec<u64> = (0..4).map(|k| 20 + k).collect();
         dp.cmd(recv_total(room, 4 * PAGE, &dst));
-        dp.expect(|v| v["event"] == "meta" && v["room"] == room, SLACK);
+        dp.expect_match(|v| v["event"] == "meta" && v["room"] == room, SLACK);
         p.cmd(send(room, 4, 48 + 4 * i as u64, 0));
         assert_eq!(p.done(room, DEADLINE + SLACK)["poll"], "Success");
         assert_success(
@@ -204,7 +188,7 @@ fn kill_prefill_mid_transfer() {
     eprintln!("transport {transport}");
     let t = ("transport", transport.to_string());
     let prefill = || {
-        Peer::spawn(
+        support::fault_peer(
             "prefill",
             &url,
             cl,
@@ -214,7 +198,7 @@ fn kill_prefill_mid_transfer() {
     let mut p = prefill();
     let mut d: Vec<support::Peer> = (0..2)
         .map(|r| {
-            Peer::spawn(
+            support::fault_peer(
                 &format!("decode{r}"),
                 &url,
                 cl,
@@ -232,12 +216,12 @@ fn kill_prefill_mid_transfer() {
     let dst: Vec<u64> = (0..8).map(|k| (k * 3 + 1) % 32).collect();
     for dp in d.iter_mut() {
         dp.cmd(recv_total(1, 16 * PAGE, &dst));
-        dp.expect(|v| v["event"] == "meta" && v["room"] == 1, SLACK);
+        dp.expect_match(|v| v["event"] == "meta" && v["room"] == 1, SLACK);
     }
     p.cmd(send(1, 16, 0, 25));
     let kill_after = rng.below(14);
     eprintln!("killing the prefill after chunk {kill_after}");
-    p.expect(
+    p.expect_match(
         |v| v["event"] == "chunk" && v["room"] == 1 && v["i"] == kill_after,
         DEADLINE,
     );
@@ -256,7 +240,7 @@ fn kill_prefill_mid_transfer() {
     std::thread::sleep(Duration::from_millis(50));
     for dp in d.iter_mut() {
         dp.cmd(recv_total(2, 16 * PAGE, &dst));
-        dp.expect(|v| v["event"] == "meta" && v["room"] == 2, SLACK);
+        dp.expect_match(|v| v["event"] == "meta" && v["room"] == 2, SLACK);
     }
     p.cmd(send(2, 16, 16, 0));
     assert_eq!(p.done(2, DEADLINE + SLACK)["poll"], "Success");
@@ -329,19 +313,19 @@ fn wait_prefill_then_outage<T>(
     restart: impl FnOnce() -> T,
 ) {
     let lease = ("lease-ms", lease_ms.to_string());
-    let mut p = Peer::spawn(
+    let mut p = support::fault_peer(
         "prefill",
         url,
         cl,
         &[("role", "prefill".into()), lease.clone()],
     );
-    let mut d = Peer::spawn("decode", url, cl, &[("role", "decode".into()), lease]);
+    let mut d = support::fault_peer("decode", url, cl, &[("role", "decode".into()), lease]);
     registered();
     let dst: Vec<u64> = (0..12).collect();
     d.cmd(recv_total(1, 12 * PAGE, &dst));
-    d.expect(|v| v["event"] == "meta" && v["room"] == 1, SLACK);
+    d.expect_match(|v| v["event"] == "meta" && v["room"] == 1, SLACK);
     p.cmd(send(1, 12, 0, 40));
-    p.expect(
+    p.expect_match(
         |v| v["event"] == "chunk" && v["room"] == 1 && v["i"] == 2,
         DEADLINE,
     );
@@ -359,7 +343,7 @@ fn wait_prefill_then_outage<T>(
     );
     let _back = restart();
     d.cmd(recv_total(3, 4 * PAGE, &[24, 25, 26, 27]));
-    d.expect(|v| v["event"] == "meta" && v["room"] == 3, SLACK);
+    d.expect_match(|v| v["event"] == "meta" && v["room"] == 3, SLACK);
     p.cmd(send(3, 4, 20, 0));
     assert_eq!(p.done(3, DEADLINE + SLACK)["poll"], "Success");
     assert_success(
@@ -375,7 +359,7 @@ fn wait_prefill_then_outage<T>(
 #[test]
 fn canaries_catch_a_stray_write() {
     let server = BootstrapServer::start(ServerConfig::default()).unwrap();
-    let mut d = Peer::spawn(
+    let mut d = support::fault_peer(
         "decode",
         &server.url(),
         "faults-canary",
@@ -383,9 +367,12 @@ fn canaries_catch_a_stray_write() {
     );
     d.check_canaries();
     d.cmd(json!({"cmd": "poke"}));
-    d.expect(|v| v["event"] == "poked", SLACK);
+    d.expect_match(|v| v["event"] == "poked", SLACK);
     d.cmd(json!({"cmd": "check"}));
-    assert_eq!(d.expect(|v| v["event"] == "canaries", SLACK)["damaged"], 1);
+    assert_eq!(
+        d.expect_match(|v| v["event"] == "canaries", SLACK)["damaged"],
+        1
+    );
 }
 
 /// etcd (the bootstrap backend) is killed with SIGKILL mid-transfer and
@@ -538,7 +525,7 @@ fn netns_link_down_mid_transfer() {
     // a room over the veth first: the path works
     let dst: Vec<u64> = (0..12).collect();
     d.cmd(recv_total(1, 4 * PAGE, &dst[..4]));
-    d.expect(|v| v["event"] == "meta" && v["room"] == 1, SLACK);
+    d.expect_match(|v| v["event"] == "meta" && v["room"] == 1, SLACK);
     p.cmd(send(1, 4, 0, 0));
     assert_eq!(p.done(1, DEADLINE + SLACK)["poll"], "Success");
     assert_success(
@@ -548,9 +535,9 @@ fn netns_link_down_mid_transfer() {
     );
     // then the link goes down mid-transfer
     d.cmd(recv_total(2, 12 * PAGE, &dst));
-    d.expect(|v| v["event"] == "meta" && v["room"] == 2, SLACK);
+    d.expect_match(|v| v["event"] == "meta" && v["room"] == 2, SLACK);
     p.cmd(send(2, 12, 16, 40));
-    p.expect(
+    p.expect_match(
         |v| v["event"] == "chunk" && v["room"] == 2 && v["i"] == 2,
         DEADLINE,
     );

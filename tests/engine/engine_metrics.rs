@@ -4,67 +4,27 @@
 //! succeeded, failures are counted by kind, the telemetry's times are
 //! ordered and its bytes are the room's, and `/metrics` answers over HTTP.
 
+use crate::support::cluster::{self, Cluster, P, ROW};
 use pdxfer::bootstrap::schema::Role;
 use pdxfer::bootstrap::server::{BootstrapServer, ServerConfig};
 use pdxfer::engine::synthetic::SyntheticPools;
 use pdxfer::engine::{Engine, EngineConfig, KvPoll};
-use pdxfer::layout::{DcpLayout, Side};
 use pdxfer::transport::TransportKind;
 use pdxfer::Status;
 use std::io::{Read, Write};
 use std::time::Duration;
 
 const LAYERS: u32 = 4;
-const ROW: u64 = 64;
-const P: u64 = 16;
 const DCP: u64 = 2;
 
-struct Cluster {
-    _server: BootstrapServer,
-    prefill: Engine,
-    p_pools: SyntheticPools,
-    decode: Vec<(Engine, SyntheticPools)>,
-}
-
 fn cluster(name: &str, transport: TransportKind, metrics_listen: Option<&str>) -> Cluster {
-    let server = BootstrapServer::start(ServerConfig::default()).unwrap();
-    let url = server.url();
-    let p_pools = SyntheticPools::new(LAYERS, ROW, P, 64, 8, 32).unwrap();
-    let mut cfg = EngineConfig::new(
-        Role::Prefill,
-        name,
-        &url,
-        p_pools.topology(1, 0),
-        p_pools.kv_pools(),
-    );
-    cfg.aux = p_pools.aux_buffers();
-    cfg.transport = transport;
-    cfg.staging_bytes = 1 << 20;
-    cfg.room_timeout = Duration::from_secs(20);
-    cfg.metrics_listen = metrics_listen.map(str::to_string);
-    // SAFETY: the pools live in the returned Cluster, alongside the engine.
-    let prefill = unsafe { Engine::new(cfg) }.unwrap();
-    let mut decode = Vec::new();
-    for r in 0..DCP as u32 {
-        let pools = SyntheticPools::new(LAYERS, ROW, P, 32, 8, 32).unwrap();
-        let mut cfg = EngineConfig::new(
-            Role::Decode,
-            name,
-            &url,
-            pools.topology(DCP as u32, r),
-            pools.kv_pools(),
-        );
-        cfg.aux = pools.aux_buffers();
-        cfg.transport = transport;
-        // SAFETY: the pools are kept beside the engine in the Cluster.
-        decode.push((unsafe { Engine::new(cfg) }.unwrap(), pools));
-    }
-    Cluster {
-        _server: server,
-        prefill,
-        p_pools,
-        decode,
-    }
+    Cluster::build(name, (1, DCP as u32), transport)
+        .layers(LAYERS)
+        .staging(1 << 20)
+        .room_timeout(Duration::from_secs(20))
+        .receiver_timeout(Duration::from_secs(20))
+        .metrics_listen(metrics_listen)
+        .start()
 }
 
 /// The value of the sample `series` (name and labels exactly as printed).
@@ -98,10 +58,7 @@ fn wait_until(what: &str, mut f: impl FnMut() -> bool) {
 }
 
 struct Request {
-    room: u64,
-    total: u64,
-    prefix: u64,
-    dst: Vec<u64>,
+    req: cluster::Request,
     /// Batches the prefill had completed before the room started.
     batches_before: f64,
 }
@@ -109,51 +66,25 @@ struct Request {
 /// Opens `room` on every rank and queues its chunks; checks the state
 /// gauges on the way.
 fn start(c: &mut Cluster, room: u64, total: u64, prefix: u64, chunk_pages: usize) -> Request {
-    let v = P * DCP;
-    let n = total - prefix;
-    let src: Vec<u64> = (0..n.div_ceil(P)).map(|i| (i * 7 + room) % 64).collect();
-    let dst: Vec<u64> = (0..n.div_ceil(v)).map(|i| (i * 3 + room) % 32).collect();
-    let side = Side {
-        layout: DcpLayout::sglang(P, 1).unwrap(),
-        rank: 0,
-        pages: &src,
-        origin: prefix,
-    };
-    c.p_pools.fill(room, &side, total);
-    c.p_pools.fill_aux(room, 3);
-    let batches_before = sum(&c.prefill.metrics(), "pdxfer_engine_sent_batches_total");
-    c.prefill.sender(room).unwrap();
-    let m = c.prefill.metrics();
+    let req = c.plan(room, total, prefix);
+    c.fill(&req);
+    let batches_before = sum(&c.prefill().metrics(), "pdxfer_engine_sent_batches_total");
+    c.senders(room);
+    let m = c.prefill().metrics();
     assert_eq!(val(&m, "pdxfer_engine_rooms{state=\"bootstrapping\"}"), 1.0);
-    for (e, _) in &c.decode {
-        e.receiver(room, 0, Some(Duration::from_secs(20))).unwrap();
-        e.send_metadata(room, &dst, prefix, 5).unwrap();
-    }
+    c.post_metadata(&req);
     wait_until("the prefill saw the metadata", || {
-        c.prefill.poll(room) != KvPoll::Bootstrapping
+        c.prefill().poll(room) != KvPoll::Bootstrapping
     });
-    let m = c.prefill.metrics();
+    let m = c.prefill().metrics();
     assert_eq!(val(&m, "pdxfer_engine_rooms{state=\"bootstrapping\"}"), 0.0);
     assert_eq!(
         val(&m, "pdxfer_engine_rooms{state=\"waiting_for_input\"}"),
         1.0
     );
-    let mut sent = 0u64;
-    for (i, chunk) in src.chunks(chunk_pages).enumerate() {
-        let last = (i + 1) * chunk_pages >= src.len();
-        let tokens = if last {
-            n - sent
-        } else {
-            chunk.len() as u64 * P
-        };
-        c.prefill.send(room, chunk, tokens, last, 3).unwrap();
-        sent += tokens;
-    }
+    c.send_all(&req, chunk_pages);
     Request {
-        room,
-        total,
-        prefix,
-        dst,
+        req,
         batches_before,
     }
 }
@@ -161,24 +92,14 @@ fn start(c: &mut Cluster, room: u64, total: u64, prefix: u64, chunk_pages: usize
 /// Waits for the request on every rank, verifies it, checks its telemetry
 /// and clears it; returns the (KV + aux) bytes verified.
 fn finish(c: &mut Cluster, r: &Request) -> u64 {
+    let (batches_before, r) = (r.batches_before, &r.req);
     let room = r.room;
-    assert_eq!(
-        c.prefill.wait(room, Duration::from_secs(20)),
-        KvPoll::Success,
-        "{:?}",
-        c.prefill.failure(room)
-    );
+    c.wait_prefill_success(room);
     let mut verified = 0;
     let mut kv = 0;
-    for (i, (e, pools)) in c.decode.iter().enumerate() {
-        assert_eq!(e.wait(room, Duration::from_secs(20)), KvPoll::Success);
-        let side = Side {
-            layout: DcpLayout::sglang(P, DCP).unwrap(),
-            rank: i as u64,
-            pages: &r.dst,
-            origin: r.prefix,
-        };
-        verified += pools.verify(room, &side, r.total, Some(5)).unwrap();
+    for (i, (e, _)) in c.decode.iter().enumerate() {
+        c.wait_decode_success(room, i);
+        verified += c.verify_rank(r, i);
         let t = e.telemetry(room).unwrap();
         assert_eq!((t.room, t.attempt, t.state), (room, 1, KvPoll::Success));
         assert_eq!(t.bytes, e.room_bytes(room));
@@ -192,7 +113,7 @@ fn finish(c: &mut Cluster, r: &Request) -> u64 {
         );
         assert_eq!(t.transport.as_deref(), Some("cma"));
     }
-    let t = c.prefill.telemetry(room).unwrap();
+    let t = c.prefill().telemetry(room).unwrap();
     assert_eq!((t.room, t.state), (room, KvPoll::Success));
     let (q, p, f, a) = (
         t.queued.unwrap(),
@@ -210,7 +131,7 @@ fn finish(c: &mut Cluster, r: &Request) -> u64 {
     );
     assert_eq!(t.bytes, (r.total - r.prefix) * ROW * u64::from(LAYERS));
     // every batch the room posted completed, and is counted on one peer
-    let batches = sum(&c.prefill.metrics(), "pdxfer_engine_sent_batches_total") - r.batches_before;
+    let batches = sum(&c.prefill().metrics(), "pdxfer_engine_sent_batches_total") - batches_before;
     assert_eq!(t.batches.unwrap() as f64, batches);
     assert!(batches >= 2.0, "at least KV and aux");
     assert_eq!(t.retries, Some(0));
@@ -220,14 +141,14 @@ fn finish(c: &mut Cluster, r: &Request) -> u64 {
         e.clear(room).unwrap();
         assert_eq!(e.telemetry(room).unwrap_err().status(), Status::UnknownRoom);
     }
-    c.prefill.clear(room).unwrap();
+    c.prefill().clear(room).unwrap();
     verified
 }
 
 #[test]
 fn metrics_follow_the_rooms_and_telemetry_is_ordered() {
     let mut c = cluster("metrics-rooms", TransportKind::Cma, None);
-    let m = c.prefill.metrics();
+    let m = c.prefill().metrics();
     assert_eq!(val(&m, "pdxfer_engine_rooms_created_total"), 0.0);
     assert_eq!(sum(&m, "pdxfer_engine_transfer_seconds_count"), 0.0);
     assert_eq!(
@@ -253,7 +174,7 @@ fn metrics_follow_the_rooms_and_telemetry_is_ordered() {
         let r = start(&mut c, room, total, prefix, chunk);
         verified += finish(&mut c, &r);
         let done = (i + 1) as f64;
-        let m = c.prefill.metrics();
+        let m = c.prefill().metrics();
         assert_eq!(val(&m, "pdxfer_engine_rooms_created_total"), done);
         assert_eq!(
             val(&m, "pdxfer_engine_rooms_finished_total{state=\"success\"}"),
@@ -275,8 +196,8 @@ fn metrics_follow_the_rooms_and_telemetry_is_ordered() {
         );
         assert_eq!(sum(&m, "pdxfer_engine_rooms"), 0.0, "every room cleared");
     }
-    let m = c.prefill.metrics();
-    let s = c.prefill.metrics_snapshot();
+    let m = c.prefill().metrics();
+    let s = c.prefill().metrics_snapshot();
     assert_eq!(
         val(&m, "pdxfer_engine_rooms_finished_total{state=\"failed\"}"),
         0.0
@@ -336,19 +257,19 @@ fn failures_are_counted_by_kind() {
     let c = cluster("metrics-fail", TransportKind::Cma, None);
     // an abort from the decode side: every rank counts an aborted room
     let room = 9;
-    c.prefill.sender(room).unwrap();
+    c.prefill().sender(room).unwrap();
     for (e, _) in &c.decode {
         e.receiver(room, 0, None).unwrap();
         e.send_metadata(room, &[1, 2], 0, 0).unwrap();
     }
     wait_until("waiting for input", || {
-        c.prefill.poll(room) == KvPoll::WaitingForInput
+        c.prefill().poll(room) == KvPoll::WaitingForInput
     });
     c.decode[0].0.abort(room).unwrap();
     wait_until("the prefill heard the abort", || {
-        c.prefill.poll(room) == KvPoll::Failed
+        c.prefill().poll(room) == KvPoll::Failed
     });
-    let m = c.prefill.metrics();
+    let m = c.prefill().metrics();
     assert_eq!(
         val(&m, "pdxfer_engine_room_failures_total{kind=\"aborted\"}"),
         1.0
@@ -365,8 +286,8 @@ fn failures_are_counted_by_kind() {
         1.0
     );
     // cleared, the failure still counts, once
-    c.prefill.clear(room).unwrap();
-    let m = c.prefill.metrics();
+    c.prefill().clear(room).unwrap();
+    let m = c.prefill().metrics();
     assert_eq!(
         val(&m, "pdxfer_engine_room_failures_total{kind=\"aborted\"}"),
         1.0
@@ -374,20 +295,20 @@ fn failures_are_counted_by_kind() {
     assert_eq!(val(&m, "pdxfer_engine_rooms{state=\"failed\"}"), 0.0);
     // a chunk the decode pages cannot hold fails on the worker, typed
     let room = 10;
-    c.prefill.sender(room).unwrap();
+    c.prefill().sender(room).unwrap();
     for (e, _) in &c.decode {
         e.receiver(room, 0, None).unwrap();
         e.send_metadata(room, &[4], 0, 0).unwrap();
     }
     wait_until("waiting for input", || {
-        c.prefill.poll(room) == KvPoll::WaitingForInput
+        c.prefill().poll(room) == KvPoll::WaitingForInput
     });
-    c.prefill.send(room, &[5, 6, 7], 40, true, 0).unwrap();
+    c.prefill().send(room, &[5, 6, 7], 40, true, 0).unwrap();
     assert_eq!(
-        c.prefill.wait(room, Duration::from_secs(10)),
+        c.prefill().wait(room, Duration::from_secs(10)),
         KvPoll::Failed
     );
-    let m = c.prefill.metrics();
+    let m = c.prefill().metrics();
     assert_eq!(
         val(
             &m,
@@ -399,7 +320,7 @@ fn failures_are_counted_by_kind() {
         val(&m, "pdxfer_engine_rooms_finished_total{state=\"failed\"}"),
         2.0
     );
-    let t = c.prefill.telemetry(room).unwrap();
+    let t = c.prefill().telemetry(room).unwrap();
     assert_eq!(t.state, KvPoll::Failed);
     assert_eq!((t.last_ack, t.first_byte, t.bytes), (None, None, 0));
     assert!(t.queued.is_some());
@@ -453,10 +374,10 @@ fn http_get(addr: std::net::SocketAddr, path: &str) -> String {
 fn metrics_are_served_over_http_on_metrics_listen() {
     let mut c = cluster("metrics-http", TransportKind::Cma, Some("127.0.0.1:0"));
     assert!(c.decode[0].0.metrics_addr().is_none());
-    let addr = c.prefill.metrics_addr().unwrap();
+    let addr = c.prefill().metrics_addr().unwrap();
     assert!(addr.ip().is_loopback() && addr.port() != 0);
     assert_eq!(
-        c.prefill.registration().unwrap().endpoints["metrics"],
+        c.prefill().registration().unwrap().endpoints["metrics"],
         addr.to_string()
     );
     let r = start(&mut c, 4, 40, 0, 100);
@@ -491,7 +412,7 @@ fn metrics_are_served_over_http_on_metrics_listen() {
     );
     assert!(http_get(addr, "/other").starts_with("HTTP/1.1 404"));
     // a closed engine stops answering
-    c.prefill.close();
+    c.prefill().close();
     std::thread::sleep(Duration::from_millis(300));
     let refused = std::net::TcpStream::connect(addr).map(|mut s| {
         let _ = write!(s, "GET /metrics HTTP/1.1\r\n\r\n");

@@ -16,15 +16,14 @@
 //! closed mid-transfer (prompt, the peers' rooms fail); and a prefill whose
 //! chunks name another live room's decode pages (refused `out_of_bounds`
 //! before posting, the other room's bytes unchanged).
-#![cfg(all(feature = "nccl", feature = "testing"))]
+#![cfg(feature = "nccl")]
 
-#[path = "support/fakes.rs"]
-mod fakes;
+use crate::support::fakes;
 use pdxfer::bootstrap::schema::Role;
 use pdxfer::bootstrap::server::{BootstrapServer, ServerConfig};
 use pdxfer::cuda::DeviceBuffer;
 use pdxfer::engine::synthetic::SyntheticPools;
-use pdxfer::engine::{Engine, EngineConfig, KvPoll, KvPool};
+use pdxfer::engine::{Engine, EngineConfig, KvPoll};
 use pdxfer::layout::{DcpLayout, Side};
 use pdxfer::relayout::gpu::GpuRelayout;
 use pdxfer::transport::nccl::NcclPlanOptions;
@@ -57,7 +56,7 @@ fn child(fakes: &std::path::Path, name: &str, case: &str) -> Command {
     c.args([
         "--ignored",
         "--exact",
-        name,
+        crate::support::test_name(module_path!(), name).as_str(),
         "--nocapture",
         "--test-threads=1",
     ])
@@ -191,18 +190,7 @@ fn require_child() {
 }
 
 /// Device copies of a synthetic pool set, and the pools pointing at them.
-fn on_device(g: &GpuRelayout, pools: &SyntheticPools) -> (Vec<DeviceBuffer>, Vec<KvPool>) {
-    let bufs: Vec<DeviceBuffer> = (0..LAYERS as usize)
-        .map(|l| g.stream().alloc(pools.layer_bytes(l).len()).unwrap())
-        .collect();
-    let kv = pools
-        .kv_pools()
-        .into_iter()
-        .zip(&bufs)
-        .map(|(p, d)| KvPool { base: d.ptr(), ..p })
-        .collect();
-    (bufs, kv)
-}
+use crate::support::cluster::device_pools as on_device;
 
 /// One decode engine with its mirror (aux and expected bytes) and device pools.
 struct Decode {

@@ -19,8 +19,7 @@
 //! the process if NCCL still used them).
 #![cfg(feature = "nccl")]
 
-#[path = "support/fakes.rs"]
-mod fakes;
+use crate::support::fakes;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -53,7 +52,7 @@ fn child(fakes: &Path, dir: &Path, name: &str, envs: &[(&str, String)]) -> Child
     c.args([
         "--ignored",
         "--exact",
-        name,
+        crate::support::test_name(module_path!(), name).as_str(),
         "--nocapture",
         "--test-threads=1",
     ])

@@ -19,8 +19,7 @@ use std::process::{Child, ChildStdin, Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-#[path = "support/peer.rs"]
-mod support;
+use crate::support;
 use support::{DEADLINE, SLACK};
 
 const FLOOD: usize = 2000;
@@ -534,15 +533,7 @@ fn emfile_backs_off_and_keeps_serving() {
 }
 
 /// The fault tests' engine ranks.
-fn rank(name: &str, url: &str, cluster: &str, args: &[(&str, String)]) -> support::Peer {
-    support::Peer::spawn_bin(
-        env!("CARGO_BIN_EXE_pdxfer-fault-peer"),
-        name,
-        url,
-        cluster,
-        args,
-    )
-}
+use support::fault_peer as rank;
 
 fn wait_in(server: &BootstrapServer, cluster: &str, role: Role, n: usize) -> Vec<Value> {
     let end = Instant::now() + DEADLINE;
@@ -575,7 +566,7 @@ fn recv(room: u64, total: u64, dst_pages: &[u64]) -> Value {
 fn room_ok(p: &mut support::Peer, d: &mut support::Peer, room: u64, src0: u64) {
     let dst: Vec<u64> = (0..4).map(|k| 20 + k).collect();
     d.cmd(recv(room, 4 * PAGE, &dst));
-    d.expect(|v| v["event"] == "meta" && v["room"] == room, SLACK);
+    d.expect_match(|v| v["event"] == "meta" && v["room"] == room, SLACK);
     p.cmd(send(room, 4, src0));
     let pd = p.done(room, DEADLINE + SLACK);
     assert_eq!(pd["poll"], "Success", "prefill room {room}: {pd}");
@@ -670,7 +661,7 @@ fn a_stopped_decode_delays_only_its_own_rooms() {
     for k in 0..per {
         let room = room_of(stopped, k);
         d[stopped].cmd(recv(room, 4 * PAGE, &dst));
-        d[stopped].expect(|v| v["event"] == "meta" && v["room"] == room, SLACK);
+        d[stopped].expect_match(|v| v["event"] == "meta" && v["room"] == room, SLACK);
     }
     // SAFETY: kill(2) on our own child's pid.
     assert_eq!(unsafe { libc::kill(spid, libc::SIGSTOP) }, 0);
@@ -682,7 +673,7 @@ fn a_stopped_decode_delays_only_its_own_rooms() {
             let room = room_of(i, k);
             let dst: Vec<u64> = (0..4).map(|x| 4 * k + x).collect();
             dp.cmd(recv(room, 4 * PAGE, &dst));
-            dp.expect(|v| v["event"] == "meta" && v["room"] == room, SLACK);
+            dp.expect_match(|v| v["event"] == "meta" && v["room"] == room, SLACK);
         }
     }
     // interleave the rooms so that every worker sees the stopped decode's
@@ -740,7 +731,7 @@ fn a_stopped_decode_delays_only_its_own_rooms() {
     loop {
         let dst: Vec<u64> = (0..4).map(|x| 20 + x).collect();
         d[stopped].cmd(recv(room, 4 * PAGE, &dst));
-        d[stopped].expect(|v| v["event"] == "meta" && v["room"] == room, SLACK);
+        d[stopped].expect_match(|v| v["event"] == "meta" && v["room"] == room, SLACK);
         p.cmd(send(room, 4, 56));
         let pd = p.done(room, DEADLINE + SLACK);
         let dd = d[stopped].done(room, DEADLINE + SLACK);

@@ -3,7 +3,8 @@
 //! transports, and rdma over the in-process fake NIC fabric; every received
 //! byte is checked.
 
-mod common;
+use crate::support as common;
+use crate::support::cluster::{self, Cluster, Pools, P, ROW};
 
 use pdxfer::bootstrap::schema::Role;
 use pdxfer::bootstrap::server::{BootstrapServer, ServerConfig};
@@ -17,23 +18,6 @@ use pdxfer::Status;
 use std::time::Duration;
 
 const LAYERS: u32 = 4;
-const ROW: u64 = 64;
-const P: u64 = 16;
-
-struct Cluster {
-    _server: BootstrapServer,
-    prefill: Engine,
-    p_pools: SyntheticPools,
-    decode: Vec<(Engine, SyntheticPools)>,
-}
-
-/// rdma runs on the software NIC fabric (two rails per engine).
-fn fake_nic(
-    transport: TransportKind,
-    name: &str,
-) -> Option<std::sync::Arc<dyn pdxfer::transport::rdma::nic::NicProvider>> {
-    (transport == TransportKind::Rdma).then(|| FakeNic::new(name, 2, Mtu::Mtu4096) as _)
-}
 
 /// One engine rank over fresh synthetic pools of `pages` pages, DCP `dcp`
 /// rank `r` (rdma on the software NIC fabric); the pools live beside it.
@@ -42,28 +26,11 @@ fn rank(
     name: &str,
     url: &str,
     pages: u64,
-    (dcp, r): (u32, u32),
+    dcp_rank: (u32, u32),
     transport: TransportKind,
 ) -> (Engine, SyntheticPools) {
-    let pools = SyntheticPools::new(LAYERS, ROW, P, pages, 8, 32).unwrap();
-    rank_over(role, name, url, pools, (dcp, r), transport)
-}
-
-/// One engine rank over `pools` (see [`rank`]).
-fn rank_over(
-    role: Role,
-    name: &str,
-    url: &str,
-    pools: SyntheticPools,
-    (dcp, r): (u32, u32),
-    transport: TransportKind,
-) -> (Engine, SyntheticPools) {
-    let mut cfg = EngineConfig::new(role, name, url, pools.topology(dcp, r), pools.kv_pools());
-    cfg.aux = pools.aux_buffers();
-    cfg.transport = transport;
-    cfg.testing.nic = fake_nic(transport, role.as_str());
-    // SAFETY: the pools are returned with the engine and kept alive next to it.
-    (unsafe { Engine::new(cfg) }.unwrap(), pools)
+    let pools = cluster::pools(LAYERS, pages);
+    cluster::rank(role, name, url, pools, dcp_rank, transport)
 }
 
 fn cluster(name: &str, src_dcp: u32, dcp: u32, transport: TransportKind, staging: u64) -> Cluster {
@@ -80,122 +47,28 @@ fn cluster_with(
     staging: u64,
     shared_decode: bool,
 ) -> Cluster {
-    let server = BootstrapServer::start(ServerConfig::default()).unwrap();
-    let url = server.url();
-    let p_pools = SyntheticPools::new(LAYERS, ROW, P, 64, 8, 32).unwrap();
     assert_eq!(src_dcp, 1, "the prefill side of these tests is DCP 1");
-    let mut cfg = EngineConfig::new(
-        Role::Prefill,
-        name,
-        &url,
-        p_pools.topology(1, 0),
-        p_pools.kv_pools(),
-    );
-    cfg.aux = p_pools.aux_buffers();
-    cfg.transport = transport;
-    cfg.testing.nic = fake_nic(transport, "prefill");
-    cfg.staging_bytes = staging;
-    cfg.room_timeout = Duration::from_secs(20);
-    // SAFETY: the pools live in the returned Cluster, alongside the engine.
-    let prefill = unsafe { Engine::new(cfg) }.unwrap();
-    let mut decode = Vec::new();
-    for r in 0..dcp {
-        let pools = if shared_decode {
-            SyntheticPools::new_shared(LAYERS, ROW, P, 32, 8, 32).unwrap()
+    Cluster::build(name, (1, dcp), transport)
+        .layers(LAYERS)
+        .staging(staging)
+        .room_timeout(Duration::from_secs(20))
+        .receiver_timeout(Duration::from_secs(20))
+        .decode_pools(if shared_decode {
+            Pools::Shared
         } else {
-            SyntheticPools::new(LAYERS, ROW, P, 32, 8, 32).unwrap()
-        };
-        decode.push(rank_over(
-            Role::Decode,
-            name,
-            &url,
-            pools,
-            (dcp, r),
-            transport,
-        ));
-    }
-    Cluster {
-        _server: server,
-        prefill,
-        p_pools,
-        decode,
-    }
-}
-
-/// Runs one request: `total` tokens, decode prefix `prefix`, sent in chunks of
-/// `chunk_pages` prefill pages; returns the bytes verified on the decode ranks.
-fn request(c: &mut Cluster, room: u64, total: u64, prefix: u64, chunk_pages: usize) -> u64 {
-    let dcp = c.decode.len() as u64;
-    let v = P * dcp;
-    let n = total - prefix;
-    // scattered, distinct page ids (7 and 3 are coprime with the pool sizes)
-    let src_pages: Vec<u64> = (0..n.div_ceil(P)).map(|i| (i * 7 + room) % 64).collect();
-    let dst_pages: Vec<u64> = (0..n.div_ceil(v)).map(|i| (i * 3 + room) % 32).collect();
-    let src_side = Side {
-        layout: DcpLayout::sglang(P, 1).unwrap(),
-        rank: 0,
-        pages: &src_pages,
-        origin: prefix,
-    };
-    c.p_pools.fill(room, &src_side, total);
-    c.p_pools.fill_aux(room, 3);
-    for (e, _) in &c.decode {
-        e.receiver(room, 0, Some(Duration::from_secs(20))).unwrap();
-        e.send_metadata(room, &dst_pages, prefix, 5).unwrap();
-    }
-    c.prefill.sender(room).unwrap();
-    let mut waited = 0;
-    while c.prefill.poll(room) == KvPoll::Bootstrapping {
-        std::thread::sleep(Duration::from_millis(5));
-        waited += 1;
-        assert!(waited < 2000, "prefill never saw the decode metadata");
-    }
-    let mut sent = 0u64;
-    for (i, chunk) in src_pages.chunks(chunk_pages).enumerate() {
-        let last = (i + 1) * chunk_pages >= src_pages.len();
-        let tokens = if last {
-            n - sent
-        } else {
-            chunk.len() as u64 * P
-        };
-        c.prefill.send(room, chunk, tokens, last, 3).unwrap();
-        sent += tokens;
-    }
-    assert_eq!(
-        c.prefill.wait(room, Duration::from_secs(20)),
-        KvPoll::Success,
-        "{:?}",
-        c.prefill.failure(room)
-    );
-    let mut verified = 0;
-    for (r, (e, pools)) in c.decode.iter().enumerate() {
-        assert_eq!(
-            e.wait(room, Duration::from_secs(20)),
-            KvPoll::Success,
-            "decode {r}: {:?}",
-            e.failure(room)
-        );
-        let side = Side {
-            layout: DcpLayout::sglang(P, dcp).unwrap(),
-            rank: r as u64,
-            pages: &dst_pages,
-            origin: prefix,
-        };
-        verified += pools.verify(room, &side, total, Some(5)).unwrap();
-        e.clear(room).unwrap();
-    }
-    c.prefill.clear(room).unwrap();
-    verified
+            Pools::Heap
+        })
+        .start()
 }
 
 #[test]
 fn dcp_1_to_4_over_cma_packed_chunked_and_with_prefix() {
     let mut c = cluster("e2e-cma", 1, 4, TransportKind::Cma, 1 << 20);
     let row_total = LAYERS as u64 * ROW;
-    assert_eq!(request(&mut c, 1, 300, 0, 100), 300 * row_total + 4 * 32);
-    assert_eq!(request(&mut c, 2, 700, 128, 3), 572 * row_total + 4 * 32);
+    assert_eq!(c.request(1, 300, 0, 100), 300 * row_total + 4 * 32);
+    assert_eq!(c.request(2, 700, 128, 3), 572 * row_total + 4 * 32);
     // staging of 1 MiB holds 4096 tokens of 256 B: this one needs slices
-    assert_eq!(request(&mut c, 3, 1000, 0, 100), 1000 * row_total + 4 * 32);
+    assert_eq!(c.request(3, 1000, 0, 100), 1000 * row_total + 4 * 32);
 }
 
 /// Decode pools in shared memory: the prefill gathers every KV row straight
@@ -206,30 +79,30 @@ fn dcp_1_to_4_over_cma_one_copy_into_shared_decode_pools() {
     let row_total = LAYERS as u64 * ROW;
     let mut c = cluster_with("e2e-one-copy", 1, 4, TransportKind::Cma, 1 << 20, true);
     let kv = 300 * row_total + 572 * row_total + 1000 * row_total;
-    assert_eq!(request(&mut c, 1, 300, 0, 100), 300 * row_total + 4 * 32);
-    assert_eq!(request(&mut c, 2, 700, 128, 3), 572 * row_total + 4 * 32);
-    assert_eq!(request(&mut c, 3, 1000, 0, 100), 1000 * row_total + 4 * 32);
-    let s = c.prefill.metrics_snapshot();
+    assert_eq!(c.request(1, 300, 0, 100), 300 * row_total + 4 * 32);
+    assert_eq!(c.request(2, 700, 128, 3), 572 * row_total + 4 * 32);
+    assert_eq!(c.request(3, 1000, 0, 100), 1000 * row_total + 4 * 32);
+    let s = c.prefill().metrics_snapshot();
     assert_eq!(s.one_copy_bytes, kv, "every KV byte took the one-copy path");
     assert!(
         s.gathers > 0 && s.gather_seconds > 0.0,
         "counted as gathers"
     );
     assert!(c
-        .prefill
+        .prefill()
         .metrics()
         .contains(&format!("pdxfer_engine_one_copy_bytes_total {kv}")));
     // heap decode pools on the same host: staged, nothing on the one-copy path
     let mut h = cluster_with("e2e-staged", 1, 4, TransportKind::Cma, 1 << 20, false);
-    assert_eq!(request(&mut h, 4, 1000, 0, 100), 1000 * row_total + 4 * 32);
-    let s = h.prefill.metrics_snapshot();
+    assert_eq!(h.request(4, 1000, 0, 100), 1000 * row_total + 4 * 32);
+    let s = h.prefill().metrics_snapshot();
     assert_eq!(s.one_copy_bytes, 0);
     assert!(s.gathers > 0, "the staged path gathered into staging");
     // tcp never maps the decode's memory: shared decode pools are written
     // from the prefill's pools, its sender gathering the rows
     let mut t = cluster_with("e2e-shared-tcp", 1, 2, TransportKind::Tcp, 1 << 20, true);
-    assert_eq!(request(&mut t, 5, 333, 64, 2), 269 * row_total + 2 * 32);
-    assert_eq!(t.prefill.metrics_snapshot().one_copy_bytes, 0);
+    assert_eq!(t.request(5, 333, 64, 2), 269 * row_total + 2 * 32);
+    assert_eq!(t.prefill().metrics_snapshot().one_copy_bytes, 0);
 }
 
 /// Over tcp the rows go straight from the prefill's pools, staging or not:
@@ -246,9 +119,9 @@ fn dcp_1_to_4_over_tcp_from_the_pools_with_or_without_staging() {
             TransportKind::Tcp,
             staging,
         );
-        assert_eq!(request(&mut c, 9, 333, 64, 2), 269 * row_total + 4 * 32);
-        assert_eq!(request(&mut c, 10, 1000, 0, 100), 1000 * row_total + 4 * 32);
-        let s = c.prefill.metrics_snapshot();
+        assert_eq!(c.request(9, 333, 64, 2), 269 * row_total + 4 * 32);
+        assert_eq!(c.request(10, 1000, 0, 100), 1000 * row_total + 4 * 32);
+        let s = c.prefill().metrics_snapshot();
         assert_eq!(
             s.gathers, 0,
             "staging {staging}: rows gathered into staging"
@@ -260,10 +133,10 @@ fn dcp_1_to_4_over_tcp_from_the_pools_with_or_without_staging() {
 fn dcp_1_to_2_over_rdma_on_the_fake_fabric_packed_and_unpacked() {
     let row_total = LAYERS as u64 * ROW;
     let mut c = cluster("e2e-rdma", 1, 2, TransportKind::Rdma, 1 << 20);
-    assert_eq!(request(&mut c, 1, 300, 0, 100), 300 * row_total + 2 * 32);
-    assert_eq!(request(&mut c, 2, 700, 128, 3), 572 * row_total + 2 * 32);
+    assert_eq!(c.request(1, 300, 0, 100), 300 * row_total + 2 * 32);
+    assert_eq!(c.request(2, 700, 128, 3), 572 * row_total + 2 * 32);
     let mut c = cluster("e2e-rdma-unpacked", 1, 2, TransportKind::Rdma, 0);
-    assert_eq!(request(&mut c, 3, 333, 64, 2), 269 * row_total + 2 * 32);
+    assert_eq!(c.request(3, 333, 64, 2), 269 * row_total + 2 * 32);
 }
 
 /// A staging buffer of 6 tokens (256 B each) is two halves of 3 tokens: a
@@ -275,21 +148,18 @@ fn dcp_1_to_4_tiny_staging_reuses_both_halves_byte_exact() {
     let row_total = LAYERS as u64 * ROW;
     for t in [TransportKind::Cma, TransportKind::Tcp, TransportKind::Rdma] {
         let mut c = cluster(&format!("e2e-halves-{}", t.name()), 1, 4, t, 6 * row_total);
-        assert_eq!(request(&mut c, 1, 1000, 0, 100), 1000 * row_total + 4 * 32);
-        assert_eq!(request(&mut c, 2, 700, 128, 3), 572 * row_total + 4 * 32);
+        assert_eq!(c.request(1, 1000, 0, 100), 1000 * row_total + 4 * 32);
+        assert_eq!(c.request(2, 700, 128, 3), 572 * row_total + 4 * 32);
     }
     // under two tokens the staging is one slot: gathered, sent and waited in turn
     let mut c = cluster("e2e-one-slot", 1, 4, TransportKind::Cma, row_total + 100);
-    assert_eq!(request(&mut c, 3, 300, 0, 100), 300 * row_total + 4 * 32);
+    assert_eq!(c.request(3, 300, 0, 100), 300 * row_total + 4 * 32);
 }
 
 #[test]
 fn dcp_1_to_1_pages() {
     let mut c = cluster("e2e-1to1", 1, 1, TransportKind::Cma, 1 << 20);
-    assert_eq!(
-        request(&mut c, 4, 200, 16, 4),
-        184 * LAYERS as u64 * ROW + 32
-    );
+    assert_eq!(c.request(4, 200, 16, 4), 184 * LAYERS as u64 * ROW + 32);
 }
 
 #[test]
@@ -297,7 +167,10 @@ fn bad_inputs_are_typed_and_write_nothing() {
     let c = cluster("e2e-bad", 1, 2, TransportKind::Cma, 1 << 20);
     let (d0, _) = &c.decode[0];
     assert_eq!(
-        c.prefill.send(77, &[1], 16, true, 0).unwrap_err().status(),
+        c.prefill()
+            .send(77, &[1], 16, true, 0)
+            .unwrap_err()
+            .status(),
         Status::UnknownRoom
     );
     d0.receiver(5, 0, None).unwrap();
@@ -314,15 +187,15 @@ fn bad_inputs_are_typed_and_write_nothing() {
         Status::OutOfBounds
     );
     assert_eq!(d0.sender(6).unwrap_err().status(), Status::Unsupported);
-    c.prefill.sender(8).unwrap();
+    c.prefill().sender(8).unwrap();
     assert_eq!(
-        c.prefill.send(8, &[1], 16, true, 0).unwrap_err().status(),
+        c.prefill().send(8, &[1], 16, true, 0).unwrap_err().status(),
         Status::InvalidArgument,
         "not WaitingForInput yet"
     );
-    assert_eq!(c.prefill.poll(12345), KvPoll::Failed);
+    assert_eq!(c.prefill().poll(12345), KvPoll::Failed);
     assert_eq!(
-        c.prefill.failure(12345).unwrap().status(),
+        c.prefill().failure(12345).unwrap().status(),
         Status::UnknownRoom
     );
 }
@@ -631,14 +504,14 @@ fn a_prefill_abort_fails_the_decode_room_at_once() {
         e.receiver(room, 0, Some(Duration::from_secs(20))).unwrap();
         e.send_metadata(room, &dst, 0, 5).unwrap();
     }
-    c.prefill.sender(room).unwrap();
+    c.prefill().sender(room).unwrap();
     let mut waited = 0;
-    while c.prefill.poll(room) == KvPoll::Bootstrapping {
+    while c.prefill().poll(room) == KvPoll::Bootstrapping {
         std::thread::sleep(Duration::from_millis(5));
         waited += 1;
         assert!(waited < 2000, "prefill never saw the decode metadata");
     }
-    c.prefill.abort(room).unwrap();
+    c.prefill().abort(room).unwrap();
     for (r, (e, pools)) in c.decode.iter().enumerate() {
         // well before the 20 s room deadline
         assert_eq!(
@@ -759,14 +632,10 @@ fn a_qp_error_fails_its_room_and_later_rooms_reconnect_over_rdma() {
         (1, 0),
         TransportKind::Rdma,
     )];
-    let mut c = Cluster {
-        _server: server,
-        prefill,
-        p_pools,
-        decode,
-    };
+    let mut c = Cluster::from_parts(server, vec![(prefill, p_pools)], decode);
+    c.receiver_timeout = Some(Duration::from_secs(20));
     let row_total = LAYERS as u64 * ROW;
-    assert_eq!(request(&mut c, 1, 300, 0, 100), 300 * row_total + 32);
+    assert_eq!(c.request(1, 300, 0, 100), 300 * row_total + 32);
     let first = nic.qpns();
     assert_eq!(first.len(), 2, "one data link of two rails");
     // Both rails of the data link fail on their next work request.
@@ -777,26 +646,26 @@ fn a_qp_error_fails_its_room_and_later_rooms_reconnect_over_rdma() {
     let (d, _) = &c.decode[0];
     d.receiver(room, 0, Some(Duration::from_secs(20))).unwrap();
     d.send_metadata(room, &[1, 2], 0, 5).unwrap();
-    c.prefill.sender(room).unwrap();
-    while c.prefill.poll(room) == KvPoll::Bootstrapping {
+    c.prefill().sender(room).unwrap();
+    while c.prefill().poll(room) == KvPoll::Bootstrapping {
         std::thread::sleep(Duration::from_millis(5));
     }
-    c.prefill.send(room, &[3, 4], 2 * P, true, 3).unwrap();
+    c.prefill().send(room, &[3, 4], 2 * P, true, 3).unwrap();
     assert_eq!(
-        c.prefill.wait(room, Duration::from_secs(20)),
+        c.prefill().wait(room, Duration::from_secs(20)),
         KvPoll::Failed
     );
-    let e = c.prefill.failure(room).unwrap();
+    let e = c.prefill().failure(room).unwrap();
     assert_eq!(e.status(), Status::RdmaCompletion, "{e}");
     assert!(e.detail().contains("IBV_WC_RETRY_EXC_ERR"), "{e}");
     assert_eq!(d.wait(room, Duration::from_secs(20)), KvPoll::Failed);
     d.clear(room).unwrap();
-    c.prefill.clear(room).unwrap();
+    c.prefill().clear(room).unwrap();
     assert!(first.iter().all(|q| !fake::qp_alive(*q)));
     // The next rooms of the same pair reconnect and move every byte (at
     // most 32 distinct decode pages a room).
-    assert_eq!(request(&mut c, 3, 400, 128, 3), 272 * row_total + 32);
-    assert_eq!(request(&mut c, 4, 300, 0, 100), 300 * row_total + 32);
+    assert_eq!(c.request(3, 400, 128, 3), 272 * row_total + 32);
+    assert_eq!(c.request(4, 300, 0, 100), 300 * row_total + 32);
     let qpns = nic.qpns();
     assert_eq!(qpns.len(), 4, "one new data link: {qpns:?}");
     assert!(qpns[2..].iter().all(|q| fake::qp_alive(*q)));
@@ -813,17 +682,10 @@ fn grants_held(c: &Cluster) -> Vec<u64> {
 /// Opens `room` on every decode rank (metadata for pages `dst`) and on the
 /// prefill, and waits until the prefill saw every decode rank's metadata.
 fn open_room(c: &Cluster, room: u64, dst: &[u64], timeout: Duration) {
-    for (e, _) in &c.decode {
-        e.receiver(room, 0, Some(timeout)).unwrap();
-        e.send_metadata(room, dst, 0, 5).unwrap();
-    }
-    c.prefill.sender(room).unwrap();
-    let mut waited = 0;
-    while c.prefill.poll(room) == KvPoll::Bootstrapping {
-        std::thread::sleep(Duration::from_millis(5));
-        waited += 1;
-        assert!(waited < 2000, "prefill never saw the decode metadata");
-    }
+    let decode = c.decode.iter().map(|(e, _)| e);
+    cluster::open_decode(decode, room, dst, 0, Some(timeout));
+    c.senders(room);
+    c.wait_bootstrapped(room);
 }
 
 /// The decode's metadata grants the room once per prefill rank; the grant
@@ -834,12 +696,12 @@ fn cma_rooms_are_granted_with_the_metadata_and_released_on_success() {
     let row_total = LAYERS as u64 * ROW;
     assert_eq!(grants_held(&c), [0, 0]);
     // a request whose metadata grants and whose success releases
-    assert_eq!(request(&mut c, 1, 300, 0, 3), 300 * row_total + 2 * 32);
+    assert_eq!(c.request(1, 300, 0, 3), 300 * row_total + 2 * 32);
     assert_eq!(grants_held(&c), [0, 0], "released once the room succeeded");
     // held while the room is open
     open_room(&c, 2, &[4, 5], Duration::from_secs(20));
     assert_eq!(grants_held(&c), [1, 1], "one grant per decode rank");
-    c.prefill.send(2, &[1, 2, 3, 4], 64, true, 3).unwrap();
+    c.prefill().send(2, &[1, 2, 3, 4], 64, true, 3).unwrap();
     for (e, _) in &c.decode {
         assert_eq!(e.wait(2, Duration::from_secs(20)), KvPoll::Success);
     }
@@ -872,7 +734,7 @@ fn abort_failure_and_deadline_revoke_the_room_grants() {
     // a prefill abort fails the decode rooms: their grants go with them
     open_room(&c, 11, &[3, 4], Duration::from_secs(20));
     assert_eq!(grants_held(&c), [1, 1]);
-    c.prefill.abort(11).unwrap();
+    c.prefill().abort(11).unwrap();
     for (e, _) in &c.decode {
         assert_eq!(e.wait(11, Duration::from_secs(5)), KvPoll::Failed);
     }
@@ -899,7 +761,7 @@ fn a_granted_room_is_one_completion_per_decode_rank_on_cma_tcp_and_rdma() {
         let mut c = cluster(&name, 1, 2, transport, 1 << 20);
         let row_total = LAYERS as u64 * ROW;
         // chunked: several KV batches and the aux batch per decode rank
-        assert_eq!(request(&mut c, 1, 300, 0, 3), 300 * row_total + 2 * 32);
+        assert_eq!(c.request(1, 300, 0, 3), 300 * row_total + 2 * 32);
         for (r, (e, _)) in c.decode.iter().enumerate() {
             let one = common::poll(Duration::from_secs(5), || {
                 (e.metrics_snapshot().received_batches >= 1).then_some(())

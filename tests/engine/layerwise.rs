@@ -3,13 +3,8 @@
 //! cma, tcp and rdma on the in-process fake NIC fabric; every received byte is
 //! checked, and the typed errors, abort and deadline mid-layer.
 
-use pdxfer::bootstrap::schema::Role;
-use pdxfer::bootstrap::server::{BootstrapServer, ServerConfig};
-use pdxfer::engine::synthetic::SyntheticPools;
-use pdxfer::engine::{Engine, EngineConfig, KvPoll, ReadyFlag, SendOptions};
-use pdxfer::layout::{DcpLayout, Side};
-use pdxfer::transport::rdma::fake::FakeNic;
-use pdxfer::transport::rdma::handshake::Mtu;
+use crate::support::cluster::{Cluster, Pools, P, ROW};
+use pdxfer::engine::{KvPoll, ReadyFlag, SendOptions};
 use pdxfer::transport::TransportKind;
 use pdxfer::Status;
 use std::ops::Range;
@@ -18,181 +13,25 @@ use std::sync::Arc;
 use std::time::Duration;
 
 const LAYERS: u32 = 6;
-const ROW: u64 = 64;
-const P: u64 = 16;
 /// How a chunk's layers are sent: uneven groups, in order.
 const GROUPS: [Range<u32>; 3] = [0..1, 1..4, 4..6];
 
-fn fake_nic(
-    transport: TransportKind,
-    name: &str,
-) -> Option<Arc<dyn pdxfer::transport::rdma::nic::NicProvider>> {
-    (transport == TransportKind::Rdma).then(|| FakeNic::new(name, 2, Mtu::Mtu4096) as _)
-}
-
-/// One engine over fresh synthetic pools of `pages` pages, DCP `dcp` rank `r`.
-fn rank(
-    role: Role,
-    name: &str,
-    url: &str,
-    pages: u64,
-    (dcp, r): (u32, u32),
-    transport: TransportKind,
-    (staging, timeout): (u64, Duration),
-) -> (Engine, SyntheticPools) {
-    let pools = SyntheticPools::new(LAYERS, ROW, P, pages, 8, 32).unwrap();
-    let mut cfg = EngineConfig::new(role, name, url, pools.topology(dcp, r), pools.kv_pools());
-    cfg.aux = pools.aux_buffers();
-    cfg.transport = transport;
-    cfg.testing.nic = fake_nic(transport, role.as_str());
-    cfg.staging_bytes = staging;
-    cfg.room_timeout = timeout;
-    // SAFETY: the pools are returned with the engine and kept alive next to it.
-    (unsafe { Engine::new(cfg) }.unwrap(), pools)
-}
-
-struct Cluster {
-    _server: BootstrapServer,
-    /// Prefill ranks (DCP `src_dcp`) and decode ranks (DCP `dcp`).
-    prefill: Vec<(Engine, SyntheticPools)>,
-    decode: Vec<(Engine, SyntheticPools)>,
-}
-
+/// Prefill ranks (DCP `src_dcp`, staging `staging`) and decode ranks (DCP
+/// `dcp`, no staging), both with room timeout `timeout`.
 fn cluster(
     name: &str,
-    (src_dcp, dcp): (u32, u32),
+    dcp: (u32, u32),
     transport: TransportKind,
     staging: u64,
     timeout: Duration,
 ) -> Cluster {
-    let server = BootstrapServer::start(ServerConfig::default()).unwrap();
-    let url = server.url();
-    let prefill = (0..src_dcp)
-        .map(|r| {
-            rank(
-                Role::Prefill,
-                name,
-                &url,
-                64,
-                (src_dcp, r),
-                transport,
-                (staging, timeout),
-            )
-        })
-        .collect();
-    let decode = (0..dcp)
-        .map(|r| {
-            rank(
-                Role::Decode,
-                name,
-                &url,
-                32,
-                (dcp, r),
-                transport,
-                (0, timeout),
-            )
-        })
-        .collect();
-    Cluster {
-        _server: server,
-        prefill,
-        decode,
-    }
-}
-
-/// A request of one room: `total` positions, decode prefix `prefix`.
-struct Request {
-    room: u64,
-    total: u64,
-    prefix: u64,
-    /// Each prefill rank's local pages.
-    src: Vec<Vec<u64>>,
-    dst: Vec<u64>,
-}
-
-impl Request {
-    fn n(&self) -> u64 {
-        self.total - self.prefix
-    }
-}
-
-/// Opens the room on every rank (decode metadata first) and fills the
-/// prefill pools unless `fill` is false; waits until every prefill rank left
-/// `Bootstrapping`.
-fn open(c: &mut Cluster, room: u64, total: u64, prefix: u64, fill: bool) -> Request {
-    let sd = c.prefill.len() as u64;
-    let dcp = c.decode.len() as u64;
-    let n = total - prefix;
-    // one local page of a prefill rank covers P * its DCP size positions
-    let src: Vec<Vec<u64>> = (0..sd)
-        .map(|r| {
-            (0..n.div_ceil(P * sd))
-                .map(|i| (i * 7 + room + r) % 64)
-                .collect()
-        })
-        .collect();
-    let dst: Vec<u64> = (0..n.div_ceil(P * dcp))
-        .map(|i| (i * 3 + room) % 32)
-        .collect();
-    let req = Request {
-        room,
-        total,
-        prefix,
-        src,
-        dst,
-    };
-    if fill {
-        fill_prefill(c, &req);
-    }
-    for (e, _) in &c.decode {
-        e.receiver(room, 0, None).unwrap();
-        e.send_metadata(room, &req.dst, prefix, 5).unwrap();
-    }
-    for (e, _) in &c.prefill {
-        e.sender(room).unwrap();
-    }
-    for (e, _) in &c.prefill {
-        let mut waited = 0;
-        while e.poll(room) == KvPoll::Bootstrapping {
-            std::thread::sleep(Duration::from_millis(5));
-            waited += 1;
-            assert!(waited < 2000, "prefill never saw the decode metadata");
-        }
-    }
-    req
-}
-
-fn fill_prefill(c: &mut Cluster, req: &Request) {
-    let sd = c.prefill.len() as u64;
-    for (r, (_, pools)) in c.prefill.iter_mut().enumerate() {
-        let side = Side {
-            layout: DcpLayout::sglang(P, sd).unwrap(),
-            rank: r as u64,
-            pages: &req.src[r],
-            origin: req.prefix,
-        };
-        pools.fill(req.room, &side, req.total);
-        pools.fill_aux(req.room, 3);
-    }
-}
-
-/// The chunks of prefill rank `r`: (pages, tokens, last), `chunk_pages` local pages each.
-fn chunks(c: &Cluster, req: &Request, r: usize, chunk_pages: usize) -> Vec<(Vec<u64>, u64, bool)> {
-    let v = P * c.prefill.len() as u64;
-    let src = &req.src[r];
-    let mut out = Vec::new();
-    let mut sent = 0;
-    for (i, ch) in src.chunks(chunk_pages).enumerate() {
-        let last = (i + 1) * chunk_pages >= src.len();
-        let t = if last {
-            req.n() - sent
-        } else {
-            ch.len() as u64 * v
-        };
-        out.push((ch.to_vec(), t, last));
-        sent += t;
-    }
-    out
+    Cluster::build(name, dcp, transport)
+        .layers(LAYERS)
+        .staging(staging)
+        .decode_staging(0)
+        .room_timeout(timeout)
+        .decode_room_timeout(timeout)
+        .start()
 }
 
 fn layers(g: &Range<u32>) -> SendOptions {
@@ -200,53 +39,6 @@ fn layers(g: &Range<u32>) -> SendOptions {
         layers: Some(g.clone()),
         ..Default::default()
     }
-}
-
-/// Sends every chunk of every prefill rank layer group by layer group.
-fn send_layerwise(c: &Cluster, req: &Request, chunk_pages: usize) {
-    for (r, (e, _)) in c.prefill.iter().enumerate() {
-        for (pages, t, last) in chunks(c, req, r, chunk_pages) {
-            for g in &GROUPS {
-                e.send_with(req.room, &pages, t, last, 3, &layers(g))
-                    .unwrap();
-            }
-        }
-    }
-}
-
-/// Waits for `Success` everywhere and checks every byte on the decode ranks;
-/// returns the bytes verified. Clears the room.
-fn finish(c: &Cluster, req: &Request) -> u64 {
-    for (r, (e, _)) in c.prefill.iter().enumerate() {
-        assert_eq!(
-            e.wait(req.room, Duration::from_secs(20)),
-            KvPoll::Success,
-            "prefill {r}: {:?}",
-            e.failure(req.room)
-        );
-    }
-    let dcp = c.decode.len() as u64;
-    let mut verified = 0;
-    for (r, (e, pools)) in c.decode.iter().enumerate() {
-        assert_eq!(
-            e.wait(req.room, Duration::from_secs(20)),
-            KvPoll::Success,
-            "decode {r}: {:?}",
-            e.failure(req.room)
-        );
-        let side = Side {
-            layout: DcpLayout::sglang(P, dcp).unwrap(),
-            rank: r as u64,
-            pages: &req.dst,
-            origin: req.prefix,
-        };
-        verified += pools.verify(req.room, &side, req.total, Some(5)).unwrap();
-        e.clear(req.room).unwrap();
-    }
-    for (e, _) in &c.prefill {
-        e.clear(req.room).unwrap();
-    }
-    verified
 }
 
 const TOKEN: u64 = LAYERS as u64 * ROW;
@@ -264,10 +56,10 @@ fn layerwise_dcp_1_to_4_byte_exact_over_cma_tcp_and_the_fake_nic() {
                 (2, 700, 128, 3),
                 (3, 1000, 0, 7),
             ] {
-                let req = open(&mut c, room, total, prefix, true);
-                send_layerwise(&c, &req, chunk_pages);
+                let req = c.open_room(room, total, prefix, true);
+                c.send_layerwise(&req, chunk_pages, &GROUPS);
                 assert_eq!(
-                    finish(&c, &req),
+                    c.finish(&req),
                     req.n() * TOKEN + 4 * 32,
                     "{name} room {room}"
                 );
@@ -281,9 +73,9 @@ fn layerwise_dcp_4_to_4_chunked_with_prefix() {
     for transport in [TransportKind::Cma, TransportKind::Tcp, TransportKind::Rdma] {
         let name = format!("lw44-{}", transport.name());
         let mut c = cluster(&name, (4, 4), transport, 1 << 20, Duration::from_secs(20));
-        let req = open(&mut c, 21, 900, P * 4, true);
-        send_layerwise(&c, &req, 3);
-        assert_eq!(finish(&c, &req), req.n() * TOKEN + 4 * 32, "{name}");
+        let req = c.open_room(21, 900, P * 4, true);
+        c.send_layerwise(&req, 3, &GROUPS);
+        assert_eq!(c.finish(&req), req.n() * TOKEN + 4 * 32, "{name}");
     }
 }
 
@@ -298,9 +90,9 @@ fn decode_completes_after_the_last_layers_only() {
         1 << 20,
         Duration::from_secs(20),
     );
-    let req = open(&mut c, 4, 200, 0, true);
+    let req = c.open_room(4, 200, 0, true);
     let (e, _) = &c.prefill[0];
-    let ch = chunks(&c, &req, 0, 100);
+    let ch = c.chunks(&req, 0, 100);
     let (pages, t, last) = &ch[0];
     for g in &GROUPS[..2] {
         e.send_with(req.room, pages, *t, *last, 3, &layers(g))
@@ -313,7 +105,7 @@ fn decode_completes_after_the_last_layers_only() {
     assert_eq!(e.poll(req.room), KvPoll::Transferring);
     e.send_with(req.room, pages, *t, *last, 3, &layers(&GROUPS[2]))
         .unwrap();
-    assert_eq!(finish(&c, &req), req.n() * TOKEN + 2 * 32);
+    assert_eq!(c.finish(&req), req.n() * TOKEN + 2 * 32);
 }
 
 /// A send ordered after a ready flag: the rows are written after the send
@@ -329,11 +121,11 @@ fn ready_flag_orders_the_gather_after_the_caller_writes() {
             staging,
             Duration::from_secs(20),
         );
-        let req = open(&mut c, 6, 500, 64, false);
+        let req = c.open_room(6, 500, 64, false);
         let flags: Vec<Arc<AtomicU64>> = (0..GROUPS.len()).map(|_| Arc::default()).collect();
         {
             let (e, _) = &c.prefill[0];
-            let ch = chunks(&c, &req, 0, 200);
+            let ch = c.chunks(&req, 0, 200);
             assert_eq!(ch.len(), 1);
             let (pages, t, last) = &ch[0];
             for (g, f) in GROUPS.iter().zip(&flags) {
@@ -347,12 +139,12 @@ fn ready_flag_orders_the_gather_after_the_caller_writes() {
         }
         std::thread::sleep(Duration::from_millis(200));
         assert_eq!(c.decode[0].0.poll(req.room), KvPoll::WaitingForInput);
-        fill_prefill(&mut c, &req);
+        c.fill(&req);
         for f in &flags {
             f.store(1, Ordering::Release);
         }
         assert_eq!(
-            finish(&c, &req),
+            c.finish(&req),
             req.n() * TOKEN + 4 * 32,
             "staging {staging}"
         );
@@ -368,9 +160,9 @@ fn layer_order_errors_are_typed_and_change_nothing() {
         1 << 20,
         Duration::from_secs(20),
     );
-    let req = open(&mut c, 8, 400, 0, true);
+    let req = c.open_room(8, 400, 0, true);
     let (e, _) = &c.prefill[0];
-    let ch = chunks(&c, &req, 0, 10);
+    let ch = c.chunks(&req, 0, 10);
     assert_eq!(ch.len(), 3);
     let kind = |r: pdxfer::Result<()>| r.unwrap_err().status();
     let send = |i: usize, g: Range<u32>| {
@@ -409,7 +201,7 @@ fn layer_order_errors_are_typed_and_change_nothing() {
         e.send(req.room, p, *t, *l, 3).unwrap_err().status(),
         Status::InvalidArgument
     );
-    assert_eq!(finish(&c, &req), req.n() * TOKEN + 2 * 32);
+    assert_eq!(c.finish(&req), req.n() * TOKEN + 2 * 32);
 }
 
 /// An abort from the decode while the prefill's worker waits on a later
@@ -420,9 +212,9 @@ fn abort_mid_layer_ends_the_wait_and_fences() {
     for transport in [TransportKind::Cma, TransportKind::Tcp, TransportKind::Rdma] {
         let name = format!("lw-abort-{}", transport.name());
         let mut c = cluster(&name, (1, 2), transport, 1 << 20, Duration::from_secs(20));
-        let req = open(&mut c, 9, 300, 0, true);
+        let req = c.open_room(9, 300, 0, true);
         let (e, _) = &c.prefill[0];
-        let ch = chunks(&c, &req, 0, 100);
+        let ch = c.chunks(&req, 0, 100);
         let (pages, t, last) = &ch[0];
         e.send_with(req.room, pages, *t, *last, 3, &layers(&GROUPS[0]))
             .unwrap();
@@ -463,9 +255,9 @@ fn deadline_mid_layer_fails_the_room() {
         1 << 20,
         Duration::from_millis(800),
     );
-    let req = open(&mut c, 10, 300, 0, true);
+    let req = c.open_room(10, 300, 0, true);
     let (e, _) = &c.prefill[0];
-    let ch = chunks(&c, &req, 0, 100);
+    let ch = c.chunks(&req, 0, 100);
     let (pages, t, last) = &ch[0];
     e.send_with(req.room, pages, *t, *last, 3, &layers(&GROUPS[0]))
         .unwrap();
@@ -486,7 +278,7 @@ fn cuda_event_on_host_pools_is_refused() {
         1 << 20,
         Duration::from_secs(20),
     );
-    let req = open(&mut c, 11, 64, 0, true);
+    let req = c.open_room(11, 64, 0, true);
     let (e, _) = &c.prefill[0];
     let o = SendOptions {
         cuda_event: Some(0x1234),
@@ -498,7 +290,7 @@ fn cuda_event_on_host_pools_is_refused() {
     assert_eq!(err.status(), Status::InvalidArgument);
     assert!(err.detail().contains("ready flag"), "{err}");
     e.send(req.room, &req.src[0], 64, true, 3).unwrap();
-    assert_eq!(finish(&c, &req), 64 * TOKEN + 32);
+    assert_eq!(c.finish(&req), 64 * TOKEN + 32);
 }
 
 /// Layer-wise sends over cma into decode pools in shared memory take the
@@ -508,49 +300,22 @@ fn cuda_event_on_host_pools_is_refused() {
 #[test]
 fn layerwise_over_cma_into_shared_decode_pools_takes_the_one_copy_path() {
     let t = Duration::from_secs(20);
-    let server = BootstrapServer::start(ServerConfig::default()).unwrap();
-    let url = server.url();
-    let name = "lw-one-copy";
-    let cma = TransportKind::Cma;
-    let prefill = vec![rank(
-        Role::Prefill,
-        name,
-        &url,
-        64,
-        (1, 0),
-        cma,
-        (1 << 20, t),
-    )];
-    let decode = (0..4)
-        .map(|r| {
-            let pools = SyntheticPools::new_shared(LAYERS, ROW, P, 32, 8, 32).unwrap();
-            let mut cfg = EngineConfig::new(
-                Role::Decode,
-                name,
-                &url,
-                pools.topology(4, r),
-                pools.kv_pools(),
-            );
-            cfg.aux = pools.aux_buffers();
-            cfg.transport = cma;
-            cfg.room_timeout = t;
-            // SAFETY: the pools are kept next to the engine in the cluster.
-            (unsafe { Engine::new(cfg) }.unwrap(), pools)
-        })
-        .collect();
-    let mut c = Cluster {
-        _server: server,
-        prefill,
-        decode,
-    };
+    let mut c = Cluster::build("lw-one-copy", (1, 4), TransportKind::Cma)
+        .layers(LAYERS)
+        .decode_pools(Pools::Shared)
+        .staging(1 << 20)
+        .decode_staging(0)
+        .room_timeout(t)
+        .decode_room_timeout(t)
+        .start();
     let mut kv = 0;
     for (room, total, prefix, chunk_pages) in [(1u64, 300u64, 0u64, 100usize), (2, 700, 128, 3)] {
-        let req = open(&mut c, room, total, prefix, true);
-        send_layerwise(&c, &req, chunk_pages);
-        assert_eq!(finish(&c, &req), req.n() * TOKEN + 4 * 32, "room {room}");
+        let req = c.open_room(room, total, prefix, true);
+        c.send_layerwise(&req, chunk_pages, &GROUPS);
+        assert_eq!(c.finish(&req), req.n() * TOKEN + 4 * 32, "room {room}");
         kv += req.n() * TOKEN;
     }
-    let p = &c.prefill[0].0;
+    let p = c.prefill();
     assert_eq!(
         p.metrics_snapshot().one_copy_bytes,
         kv,

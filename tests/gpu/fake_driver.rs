@@ -3,7 +3,7 @@
 //! benchmark loop) against `cuda/fake_driver.cpp`, a CPU stand-in for
 //! libcuda that executes the kernels with the host harness, and NCCL pair
 //! transfers (`transport::nccl`, Direct and Staged) against
-//! `cuda/fake_nccl.cpp`, two ranks in one process (tests/nccl_fake.rs runs
+//! `cuda/fake_nccl.cpp`, two ranks in one process (`nccl_fake` runs
 //! them in separate processes). cudarc loads
 //! libcuda once per process and glibc reads LD_LIBRARY_PATH at start-up, so
 //! the checks run in child processes (this test binary, `--ignored --exact
@@ -11,8 +11,7 @@
 //! engine end to end with prefill KV pools in (fake) device memory.
 #![cfg(feature = "cuda")]
 
-#[path = "support/fakes.rs"]
-mod fakes;
+use crate::support::{cluster, fakes};
 use std::process::Command;
 
 #[test]
@@ -28,7 +27,7 @@ fn device_path_runs_on_fake_driver() {
         c.args([
             "--ignored",
             "--exact",
-            name,
+            crate::support::test_name(module_path!(), name).as_str(),
             "--nocapture",
             "--test-threads=1",
         ])
@@ -865,7 +864,6 @@ fn child_engine_device_pools_on_fake_driver() {
     use pdxfer::bootstrap::server::{BootstrapServer, ServerConfig};
     use pdxfer::engine::synthetic::SyntheticPools;
     use pdxfer::engine::{Engine, EngineConfig, KvPoll, KvPool};
-    use pdxfer::layout::{DcpLayout, Side};
     use pdxfer::relayout::gpu::GpuRelayout;
     use pdxfer::transport::TransportKind;
     use pdxfer::Status;
@@ -918,17 +916,14 @@ fn child_engine_device_pools_on_fake_driver() {
         let mut decode = Vec::new();
         for r in 0..dcp {
             let pools = SyntheticPools::new(LAYERS, ROW, P, 24, 8, 32).unwrap();
-            let mut cfg = EngineConfig::new(
+            decode.push(cluster::rank(
                 Role::Decode,
                 &name,
                 &url,
-                pools.topology(dcp, r),
-                pools.kv_pools(),
-            );
-            cfg.aux = pools.aux_buffers();
-            cfg.transport = TransportKind::Cma;
-            // SAFETY: the pools live in `decode` beside the engine.
-            decode.push((unsafe { Engine::new(cfg) }.unwrap(), pools));
+                pools,
+                (dcp, r),
+                TransportKind::Cma,
+            ));
         }
         let copies_before = fake_pinned_copies();
         let v = P * dcp as u64;
@@ -938,37 +933,25 @@ fn child_engine_device_pools_on_fake_driver() {
             let n = total - prefix;
             let src_pages: Vec<u64> = (0..n.div_ceil(P)).map(|i| (i * 7 + room) % PAGES).collect();
             let dst_pages: Vec<u64> = (0..n.div_ceil(v)).map(|i| (i * 5 + room) % 24).collect();
-            let src = Side {
-                layout: DcpLayout::sglang(P, 1).unwrap(),
-                rank: 0,
-                pages: &src_pages,
-                origin: prefix,
-            };
+            let src = cluster::side(1, 0, &src_pages, prefix);
             host.fill(room, &src, total);
             host.fill_aux(room, 3);
             for (l, d) in dev.iter().enumerate() {
                 g.stream().upload(d, 0, host.layer_bytes(l)).unwrap();
             }
             g.stream().record(false).unwrap().wait().unwrap();
-            for (e, _) in &decode {
-                e.receiver(room, 0, Some(Duration::from_secs(20))).unwrap();
-                e.send_metadata(room, &dst_pages, prefix, 5).unwrap();
-            }
+            cluster::open_decode(
+                decode.iter().map(|(e, _)| e),
+                room,
+                &dst_pages,
+                prefix,
+                Some(Duration::from_secs(20)),
+            );
             send_room(&prefill, room, &src_pages, chunk_pages, n, "prefill");
             let mut verified = 0;
             for (r, (e, pools)) in decode.iter().enumerate() {
-                assert_eq!(
-                    e.wait(room, Duration::from_secs(20)),
-                    KvPoll::Success,
-                    "decode {r}: {:?}",
-                    e.failure(room)
-                );
-                let side = Side {
-                    layout: DcpLayout::sglang(P, dcp as u64).unwrap(),
-                    rank: r as u64,
-                    pages: &dst_pages,
-                    origin: prefix,
-                };
+                cluster::assert_success(e, room, &format!("decode {r}"));
+                let side = cluster::side(dcp as u64, r as u64, &dst_pages, prefix);
                 verified += pools.verify(room, &side, total, Some(5)).unwrap();
                 e.clear(room).unwrap();
             }
@@ -988,18 +971,16 @@ fn child_engine_device_pools_on_fake_driver() {
                 .map(|i| (i * 5 + 2) % PAGES)
                 .collect();
             let dst_pages: Vec<u64> = (0..total.div_ceil(v)).map(|i| (i * 7 + 1) % 24).collect();
-            let src = Side {
-                layout: DcpLayout::sglang(P, 1).unwrap(),
-                rank: 0,
-                pages: &src_pages,
-                origin: prefix,
-            };
+            let src = cluster::side(1, 0, &src_pages, prefix);
             host.fill(room, &src, total);
             host.fill_aux(room, 3);
-            for (e, _) in &decode {
-                e.receiver(room, 0, Some(Duration::from_secs(20))).unwrap();
-                e.send_metadata(room, &dst_pages, prefix, 5).unwrap();
-            }
+            cluster::open_decode(
+                decode.iter().map(|(e, _)| e),
+                room,
+                &dst_pages,
+                prefix,
+                Some(Duration::from_secs(20)),
+            );
             prefill.sender(room).unwrap();
             while prefill.poll(room) == KvPoll::Bootstrapping {
                 std::thread::sleep(Duration::from_millis(5));
@@ -1027,12 +1008,7 @@ fn child_engine_device_pools_on_fake_driver() {
             let mut verified = 0;
             for (r, (e, pools)) in decode.iter().enumerate() {
                 assert_eq!(e.wait(room, Duration::from_secs(20)), KvPoll::Success);
-                let side = Side {
-                    layout: DcpLayout::sglang(P, dcp as u64).unwrap(),
-                    rank: r as u64,
-                    pages: &dst_pages,
-                    origin: prefix,
-                };
+                let side = cluster::side(dcp as u64, r as u64, &dst_pages, prefix);
                 verified += pools
                     .verify(room, &side, total, Some(5))
                     .unwrap_or_else(|e| panic!("event-ordered layer-wise room, decode {r}: {e}"));
@@ -1114,10 +1090,8 @@ fn child_engine_device_pools_on_fake_driver() {
 fn child_engine_decode_device_pools_on_fake_driver() {
     use pdxfer::bootstrap::schema::Role;
     use pdxfer::bootstrap::server::{BootstrapServer, ServerConfig};
-    use pdxfer::cuda::DeviceBuffer;
     use pdxfer::engine::synthetic::SyntheticPools;
-    use pdxfer::engine::{Engine, EngineConfig, KvPoll, KvPool};
-    use pdxfer::layout::{DcpLayout, Side};
+    use pdxfer::engine::{Engine, EngineConfig, KvPoll};
     use pdxfer::memory::RegionKind;
     use pdxfer::relayout::gpu::GpuRelayout;
     use pdxfer::transport::rdma::fake::FakeNic;
@@ -1141,18 +1115,7 @@ fn child_engine_decode_device_pools_on_fake_driver() {
     let server = BootstrapServer::start(ServerConfig::default()).unwrap();
     let url = server.url();
     let g = GpuRelayout::new(0).unwrap();
-    let on_device = |pools: &SyntheticPools| -> (Vec<DeviceBuffer>, Vec<KvPool>) {
-        let bufs: Vec<DeviceBuffer> = (0..LAYERS as usize)
-            .map(|l| g.stream().alloc(pools.layer_bytes(l).len()).unwrap())
-            .collect();
-        let kv = pools
-            .kv_pools()
-            .into_iter()
-            .zip(&bufs)
-            .map(|(p, d)| KvPool { base: d.ptr(), ..p })
-            .collect();
-        (bufs, kv)
-    };
+    let on_device = |pools: &SyntheticPools| cluster::device_pools(&g, pools);
 
     // rdma runs on the fake NIC fabric; the prefill's NIC has GPUDirect RDMA,
     // has no GPU path, has one whose registrations fail (the probe finds it
@@ -1230,12 +1193,7 @@ fn child_engine_decode_device_pools_on_fake_driver() {
             let dst_pages: Vec<u64> = (0..n.div_ceil(v))
                 .map(|i| (i * 5 + room) % DPAGES)
                 .collect();
-            let src = Side {
-                layout: DcpLayout::sglang(P, 1).unwrap(),
-                rank: 0,
-                pages: &src_pages,
-                origin: prefix,
-            };
+            let src = cluster::side(1, 0, &src_pages, prefix);
             host.fill(room, &src, total);
             host.fill_aux(room, 3);
             if prefill_device {
@@ -1247,32 +1205,25 @@ fn child_engine_decode_device_pools_on_fake_driver() {
             // the transfer's copies only (not the uploads above)
             let (htod_before, pinned_before) = (fake_htod_copies(), fake_pinned_htod_copies());
             let dtoh_before = fake_pinned_copies();
-            for (e, _, _) in &decode {
-                e.receiver(room, 0, Some(Duration::from_secs(20))).unwrap();
-                e.send_metadata(room, &dst_pages, prefix, 5).unwrap();
-            }
+            cluster::open_decode(
+                decode.iter().map(|(e, _, _)| e),
+                room,
+                &dst_pages,
+                prefix,
+                Some(Duration::from_secs(20)),
+            );
             send_room(&prefill, room, &src_pages, chunk_pages, n, case);
             // the prefill's device-to-host staging copies (before the read-back below)
             dtoh += fake_pinned_copies() - dtoh_before;
             let mut verified = 0;
             for (r, (e, mirror, bufs)) in decode.iter_mut().enumerate() {
-                assert_eq!(
-                    e.wait(room, Duration::from_secs(20)),
-                    KvPoll::Success,
-                    "{case} decode {r}: {:?}",
-                    e.failure(room)
-                );
+                cluster::assert_success(e, room, &format!("{case} decode {r}"));
                 // read the decode's device memory back (a plain synchronous
                 // copy: it does not wait for any stream)
                 for (l, b) in bufs.iter().enumerate() {
                     b.read(0, mirror.layer_bytes_mut(l)).unwrap();
                 }
-                let side = Side {
-                    layout: DcpLayout::sglang(P, dcp as u64).unwrap(),
-                    rank: r as u64,
-                    pages: &dst_pages,
-                    origin: prefix,
-                };
+                let side = cluster::side(dcp as u64, r as u64, &dst_pages, prefix);
                 verified += mirror
                     .verify(room, &side, total, Some(5))
                     .unwrap_or_else(|e| panic!("{case} decode {r} room {room}: {e}"));
@@ -1429,9 +1380,8 @@ fn child_engine_decode_device_pools_on_fake_driver() {
 fn child_engine_gpudirect_flush_on_fake_driver() {
     use pdxfer::bootstrap::schema::Role;
     use pdxfer::bootstrap::server::{BootstrapServer, ServerConfig};
-    use pdxfer::cuda::DeviceBuffer;
     use pdxfer::engine::synthetic::SyntheticPools;
-    use pdxfer::engine::{Engine, EngineConfig, KvPoll, KvPool};
+    use pdxfer::engine::{Engine, EngineConfig, KvPoll};
     use pdxfer::layout::{DcpLayout, Side};
     use pdxfer::relayout::gpu::GpuRelayout;
     use pdxfer::transport::rdma::fake::FakeNic;
@@ -1489,19 +1439,11 @@ fn child_engine_gpudirect_flush_on_fake_driver() {
         // SAFETY: the host pools and aux outlive the engine (closed below).
         let prefill = unsafe { Engine::new(cfg) }.unwrap();
         let mut mirror = SyntheticPools::new(LAYERS, ROW, P, PAGES, 8, 32).unwrap();
-        let bufs: Vec<DeviceBuffer> = (0..LAYERS as usize)
-            .map(|l| g.stream().alloc(mirror.layer_bytes(l).len()).unwrap())
-            .collect();
+        let (bufs, kv) = cluster::device_pools(&g, &mirror);
         for b in &bufs {
             g.stream().memset(b, 0).unwrap();
         }
         g.stream().record(false).unwrap().wait().unwrap();
-        let kv: Vec<KvPool> = mirror
-            .kv_pools()
-            .into_iter()
-            .zip(&bufs)
-            .map(|(p, d)| KvPool { base: d.ptr(), ..p })
-            .collect();
         let decode_cfg = |transport| {
             let mut cfg =
                 EngineConfig::new(Role::Decode, &name, &url, mirror.topology(1, 0), kv.clone());

@@ -4,7 +4,7 @@
 //! PyPI). Without nvcc the test records a skip (kind `cuda-tools`), or fails
 //! when `PDXFER_REQUIRE_CUDA_TOOLS` is set (the CI test command sets it).
 
-mod common;
+use crate::support as common;
 
 use std::path::PathBuf;
 use std::process::Command;

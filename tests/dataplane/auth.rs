@@ -6,7 +6,7 @@
 //! with another secret is refused by name; `auto` uses tcp for a peer of
 //! another uid.
 
-mod common;
+use crate::support as common;
 
 use pdxfer::bootstrap::schema::{PeerHello, Role};
 use pdxfer::bootstrap::server::{BootstrapServer, ServerConfig};
@@ -42,7 +42,7 @@ const CHILD_ENV: &str = "PDXFER_AUTH_CHILD";
 fn child(name: &str, envs: &[(&str, String)], nobody: bool) -> Child {
     let mut c = Command::new(std::env::current_exe().unwrap());
     c.args([
-        name,
+        crate::support::test_name(module_path!(), name).as_str(),
         "--exact",
         "--ignored",
         "--nocapture",

@@ -8,7 +8,7 @@
 //! A failing input is printed in hex and saved under `target/fuzz-failures/`;
 //! inputs under `fuzz/regressions/<target>/` (crashes found before) always run.
 
-#[path = "../fuzz/common/targets.rs"]
+#[path = "../../fuzz/common/targets.rs"]
 mod targets;
 
 use pdxfer::rng::SplitMix64;

@@ -2,7 +2,7 @@
 //! test on one machine). Where `ip netns add` is not allowed the skip is
 //! recorded ([`common::skip`]). The namespaces are removed even on failure.
 
-mod common;
+use crate::support as common;
 
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Command, Stdio};

@@ -1,0 +1,22 @@
+//! The data plane between processes: `pdxfer target` peers over cma and tcp,
+//! peer authentication against an unprivileged attacker, tcp between two
+//! network namespaces. `cargo test --features testing --test dataplane [filter]`.
+
+#[allow(dead_code, unused_imports)] // each binary uses part of it
+#[path = "../support/mod.rs"]
+mod support;
+
+mod auth;
+#[cfg(feature = "testing")]
+mod dataplane;
+mod netns;
+
+/// Without the `testing` feature the modules above marked so are not built;
+/// this test says so instead of leaving them out silently.
+#[cfg(not(feature = "testing"))]
+#[test]
+fn the_testing_feature_is_on() {
+    panic!(
+        "the dataplane tests of this binary need the testing feature: cargo test --features testing --test dataplane"
+    );
+}

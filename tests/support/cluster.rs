@@ -1,0 +1,557 @@
+//! An in-process cluster of engines, the engine tests' fixture: an embedded
+//! bootstrap server, prefill ranks (DCP `src_dcp`, usually 1) and decode
+//! ranks (DCP `dcp`) over synthetic pools (heap or shared pool allocations)
+//! and a chosen transport (rdma on the software NIC fabric with the `testing` feature), with the steps
+//! of one request as helpers: [`Cluster::open_room`] (fill, metadata,
+//! senders), [`Cluster::send_all`] / [`Cluster::send_layerwise`],
+//! [`Cluster::wait_success`], [`Cluster::verify`] and [`Cluster::finish`]
+//! (wait, every received byte checked, cleared). Built with
+//! [`Cluster::build`]; a test keeps to itself only what is specific to it.
+
+use pdxfer::bootstrap::schema::Role;
+use pdxfer::bootstrap::server::{BootstrapServer, ServerConfig};
+use pdxfer::engine::synthetic::SyntheticPools;
+use pdxfer::engine::{Engine, EngineConfig, KvPoll, SendOptions};
+use pdxfer::layout::{DcpLayout, Side};
+#[cfg(feature = "testing")]
+use pdxfer::transport::rdma::{fake::FakeNic, handshake::Mtu, nic::NicProvider};
+use pdxfer::transport::TransportKind;
+use std::ops::Range;
+#[cfg(feature = "testing")]
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Bytes of one layer of one token row.
+pub const ROW: u64 = 64;
+/// Tokens per page.
+pub const P: u64 = 16;
+/// Pages of a prefill rank's pools and of a decode rank's.
+pub const PREFILL_PAGES: u64 = 64;
+/// See [`PREFILL_PAGES`].
+pub const DECODE_PAGES: u64 = 32;
+/// The aux item every request fills (prefill) and checks (decode).
+pub const AUX_ITEM: u64 = 3;
+/// The aux slot the decode ranks receive the aux item into.
+pub const AUX_SLOT: u64 = 5;
+
+/// Where a decode rank's KV pools live.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum Pools {
+    /// Private heap memory: the prefill writes through staging or the wire.
+    Heap,
+    /// Shared pool allocations a same-host prefill maps (the one-copy path).
+    Shared,
+}
+
+/// rdma runs on the software NIC fabric (two rails per engine; the fabric
+/// exists with the `testing` feature).
+#[cfg(feature = "testing")]
+pub fn fake_nic(transport: TransportKind, name: &str) -> Option<Arc<dyn NicProvider>> {
+    (transport == TransportKind::Rdma).then(|| FakeNic::new(name, 2, Mtu::Mtu4096) as _)
+}
+
+/// Fresh synthetic heap pools: `layers` layers of [`ROW`]-byte rows, [`P`]
+/// tokens a page, `pages` pages, 8 aux slots of 32 bytes.
+pub fn pools(layers: u32, pages: u64) -> SyntheticPools {
+    SyntheticPools::new(layers, ROW, P, pages, 8, 32).unwrap()
+}
+
+/// Device pools for the layers of `pools` (on the fake libcuda in the tests
+/// that have no GPU): one allocation per layer, and `pools`' KV pools moved
+/// onto them (same geometry; `pools` stays the host mirror to fill, upload
+/// and read back into).
+#[cfg(feature = "cuda")]
+pub fn device_pools(
+    g: &pdxfer::relayout::gpu::GpuRelayout,
+    pools: &SyntheticPools,
+) -> (Vec<pdxfer::cuda::DeviceBuffer>, Vec<pdxfer::engine::KvPool>) {
+    let kv = pools.kv_pools();
+    let bufs: Vec<_> = (0..kv.len())
+        .map(|l| g.stream().alloc(pools.layer_bytes(l).len()).unwrap())
+        .collect();
+    let kv = kv
+        .into_iter()
+        .zip(&bufs)
+        .map(|(p, d)| pdxfer::engine::KvPool { base: d.ptr(), ..p })
+        .collect();
+    (bufs, kv)
+}
+
+/// The config of one rank over `pools`, DCP `dcp` rank `r` (aux buffers,
+/// transport, rdma on the software NIC fabric), for the caller to adjust.
+pub fn config(
+    role: Role,
+    name: &str,
+    url: &str,
+    pools: &SyntheticPools,
+    (dcp, r): (u32, u32),
+    transport: TransportKind,
+) -> EngineConfig {
+    let mut cfg = EngineConfig::new(role, name, url, pools.topology(dcp, r), pools.kv_pools());
+    cfg.aux = pools.aux_buffers();
+    cfg.transport = transport;
+    #[cfg(feature = "testing")]
+    {
+        cfg.testing.nic = fake_nic(transport, role.as_str());
+    }
+    cfg
+}
+
+/// One engine rank over `pools` with [`config`]; the pools are returned
+/// beside it.
+pub fn rank(
+    role: Role,
+    name: &str,
+    url: &str,
+    pools: SyntheticPools,
+    dcp_rank: (u32, u32),
+    transport: TransportKind,
+) -> (Engine, SyntheticPools) {
+    let cfg = config(role, name, url, &pools, dcp_rank, transport);
+    // SAFETY: the pools are returned with the engine and kept alive next to it.
+    (unsafe { Engine::new(cfg) }.unwrap(), pools)
+}
+
+/// Side `rank` of DCP `dcp` in SGLang's layout ([`P`]-token pages): its
+/// `pages`, from position `origin`.
+pub fn side(dcp: u64, rank: u64, pages: &[u64], origin: u64) -> Side<'_> {
+    Side {
+        layout: DcpLayout::sglang(P, dcp).unwrap(),
+        rank,
+        pages,
+        origin,
+    }
+}
+
+/// Each engine of `decode` opens `room` (deadline `timeout`, none: the room
+/// timeout) and sends its metadata: pages `dst`, `prefix`, aux slot [`AUX_SLOT`].
+pub fn open_decode<'a>(
+    decode: impl IntoIterator<Item = &'a Engine>,
+    room: u64,
+    dst: &[u64],
+    prefix: u64,
+    timeout: Option<Duration>,
+) {
+    for e in decode {
+        e.receiver(room, 0, timeout).unwrap();
+        e.send_metadata(room, dst, prefix, AUX_SLOT).unwrap();
+    }
+}
+
+/// Asserts that `e` ends `room` with `Success` (20 s at most); `what` names
+/// it in the failure, with the room's failure.
+pub fn assert_success(e: &Engine, room: u64, what: &str) {
+    assert_eq!(
+        e.wait(room, Duration::from_secs(20)),
+        KvPoll::Success,
+        "{what}: {:?}",
+        e.failure(room)
+    );
+}
+
+/// What [`Cluster::build`] starts; each setter returns the spec.
+pub struct Spec {
+    name: String,
+    layers: u32,
+    src_dcp: u32,
+    dcp: u32,
+    transport: TransportKind,
+    decode_pools: Pools,
+    prefill_staging: Option<u64>,
+    decode_staging: Option<u64>,
+    prefill_timeout: Option<Duration>,
+    decode_timeout: Option<Duration>,
+    receiver_timeout: Option<Duration>,
+    metrics_listen: Option<String>,
+}
+
+impl Spec {
+    /// KV layers of every pool (default 4).
+    pub fn layers(mut self, n: u32) -> Self {
+        self.layers = n;
+        self
+    }
+    /// The decode ranks' KV pools (default [`Pools::Heap`]).
+    pub fn decode_pools(mut self, p: Pools) -> Self {
+        self.decode_pools = p;
+        self
+    }
+    /// The prefill ranks' staging bytes (default: the engine's).
+    pub fn staging(mut self, bytes: u64) -> Self {
+        self.prefill_staging = Some(bytes);
+        self
+    }
+    /// The decode ranks' staging bytes (default: the engine's).
+    pub fn decode_staging(mut self, bytes: u64) -> Self {
+        self.decode_staging = Some(bytes);
+        self
+    }
+    /// The prefill ranks' room timeout (default: the engine's).
+    pub fn room_timeout(mut self, t: Duration) -> Self {
+        self.prefill_timeout = Some(t);
+        self
+    }
+    /// The decode ranks' room timeout (default: the engine's).
+    pub fn decode_room_timeout(mut self, t: Duration) -> Self {
+        self.decode_timeout = Some(t);
+        self
+    }
+    /// The deadline each decode rank's `receiver()` of [`Cluster::open_room`]
+    /// is given (default none: the room timeout).
+    pub fn receiver_timeout(mut self, t: Duration) -> Self {
+        self.receiver_timeout = Some(t);
+        self
+    }
+    /// The prefill (rank 0) serves `/metrics` on `addr`.
+    pub fn metrics_listen(mut self, addr: Option<&str>) -> Self {
+        self.metrics_listen = addr.map(str::to_string);
+        self
+    }
+
+    /// Starts the server and every rank.
+    pub fn start(self) -> Cluster {
+        let server = BootstrapServer::start(ServerConfig::default()).unwrap();
+        let url = server.url();
+        let prefill = (0..self.src_dcp)
+            .map(|r| {
+                let pools = pools(self.layers, PREFILL_PAGES);
+                let mut cfg = config(
+                    Role::Prefill,
+                    &self.name,
+                    &url,
+                    &pools,
+                    (self.src_dcp, r),
+                    self.transport,
+                );
+                if let Some(s) = self.prefill_staging {
+                    cfg.staging_bytes = s;
+                }
+                if let Some(t) = self.prefill_timeout {
+                    cfg.room_timeout = t;
+                }
+                if r == 0 {
+                    cfg.metrics_listen = self.metrics_listen.clone();
+                }
+                // SAFETY: the pools live in the returned Cluster, beside the engine.
+                (unsafe { Engine::new(cfg) }.unwrap(), pools)
+            })
+            .collect();
+        let decode = (0..self.dcp)
+            .map(|r| {
+                let pools = match self.decode_pools {
+                    Pools::Heap => pools(self.layers, DECODE_PAGES),
+                    Pools::Shared => {
+                        SyntheticPools::new_shared(self.layers, ROW, P, DECODE_PAGES, 8, 32)
+                            .unwrap()
+                    }
+                };
+                let mut cfg = config(
+                    Role::Decode,
+                    &self.name,
+                    &url,
+                    &pools,
+                    (self.dcp, r),
+                    self.transport,
+                );
+                if let Some(s) = self.decode_staging {
+                    cfg.staging_bytes = s;
+                }
+                if let Some(t) = self.decode_timeout {
+                    cfg.room_timeout = t;
+                }
+                // SAFETY: the pools live in the returned Cluster, beside the engine.
+                (unsafe { Engine::new(cfg) }.unwrap(), pools)
+            })
+            .collect();
+        Cluster {
+            server,
+            prefill,
+            decode,
+            receiver_timeout: self.receiver_timeout,
+        }
+    }
+}
+
+/// The ranks of one cluster and the server they met through.
+pub struct Cluster {
+    /// The embedded bootstrap server.
+    pub server: BootstrapServer,
+    /// Prefill ranks with their pools, by DCP rank.
+    pub prefill: Vec<(Engine, SyntheticPools)>,
+    /// Decode ranks with their pools, by DCP rank.
+    pub decode: Vec<(Engine, SyntheticPools)>,
+    /// See [`Spec::receiver_timeout`].
+    pub receiver_timeout: Option<Duration>,
+}
+
+/// One room's request: `total` positions, decode prefix `prefix`, the pages
+/// it uses on every rank.
+pub struct Request {
+    /// The room id.
+    pub room: u64,
+    /// Positions of the request.
+    pub total: u64,
+    /// Positions the decode already holds.
+    pub prefix: u64,
+    /// Each prefill rank's local pages.
+    pub src: Vec<Vec<u64>>,
+    /// The decode ranks' pages.
+    pub dst: Vec<u64>,
+}
+
+impl Request {
+    /// Positions sent: `total - prefix`.
+    pub fn n(&self) -> u64 {
+        self.total - self.prefix
+    }
+}
+
+impl Cluster {
+    /// A cluster `name` of `src_dcp` prefill and `dcp` decode ranks over
+    /// `transport`, to adjust and [`Spec::start`].
+    pub fn build(name: &str, (src_dcp, dcp): (u32, u32), transport: TransportKind) -> Spec {
+        Spec {
+            name: name.to_string(),
+            layers: 4,
+            src_dcp,
+            dcp,
+            transport,
+            decode_pools: Pools::Heap,
+            prefill_staging: None,
+            decode_staging: None,
+            prefill_timeout: None,
+            decode_timeout: None,
+            receiver_timeout: None,
+            metrics_listen: None,
+        }
+    }
+
+    /// A cluster of ranks the caller built (with [`rank`] or its own config).
+    pub fn from_parts(
+        server: BootstrapServer,
+        prefill: Vec<(Engine, SyntheticPools)>,
+        decode: Vec<(Engine, SyntheticPools)>,
+    ) -> Cluster {
+        Cluster {
+            server,
+            prefill,
+            decode,
+            receiver_timeout: None,
+        }
+    }
+
+    /// Prefill rank 0 (the prefill of a DCP-1 prefill side).
+    pub fn prefill(&self) -> &Engine {
+        &self.prefill[0].0
+    }
+
+    /// Prefill rank 0's pools.
+    pub fn p_pools(&mut self) -> &mut SyntheticPools {
+        &mut self.prefill[0].1
+    }
+
+    /// Picks the pages of a request: scattered, distinct page ids (7 and 3
+    /// are coprime with the pool sizes); one local page of a prefill rank
+    /// covers `P * src_dcp` positions, one decode page `P * dcp`.
+    pub fn plan(&self, room: u64, total: u64, prefix: u64) -> Request {
+        let sd = self.prefill.len() as u64;
+        let dcp = self.decode.len() as u64;
+        let n = total - prefix;
+        let src = (0..sd)
+            .map(|r| {
+                (0..n.div_ceil(P * sd))
+                    .map(|i| (i * 7 + room + r) % PREFILL_PAGES)
+                    .collect()
+            })
+            .collect();
+        let dst = (0..n.div_ceil(P * dcp))
+            .map(|i| (i * 3 + room) % DECODE_PAGES)
+            .collect();
+        Request {
+            room,
+            total,
+            prefix,
+            src,
+            dst,
+        }
+    }
+
+    /// Fills every prefill rank's pages of `req` (and aux item
+    /// [`AUX_ITEM`]) with the room's pattern.
+    pub fn fill(&mut self, req: &Request) {
+        let sd = self.prefill.len() as u64;
+        for (r, (_, pools)) in self.prefill.iter_mut().enumerate() {
+            let side = side(sd, r as u64, &req.src[r], req.prefix);
+            pools.fill(req.room, &side, req.total);
+            pools.fill_aux(req.room, AUX_ITEM);
+        }
+    }
+
+    /// Every decode rank opens the room and sends its metadata (pages
+    /// `req.dst`, aux slot [`AUX_SLOT`]).
+    pub fn post_metadata(&self, req: &Request) {
+        open_decode(
+            self.decode.iter().map(|(e, _)| e),
+            req.room,
+            &req.dst,
+            req.prefix,
+            self.receiver_timeout,
+        );
+    }
+
+    /// Every prefill rank opens the room.
+    pub fn senders(&self, room: u64) {
+        for (e, _) in &self.prefill {
+            e.sender(room).unwrap();
+        }
+    }
+
+    /// Waits (10 s at most) until every prefill rank left `Bootstrapping`.
+    pub fn wait_bootstrapped(&self, room: u64) {
+        for (e, _) in &self.prefill {
+            let mut waited = 0;
+            while e.poll(room) == KvPoll::Bootstrapping {
+                std::thread::sleep(Duration::from_millis(5));
+                waited += 1;
+                assert!(waited < 2000, "prefill never saw the decode metadata");
+            }
+        }
+    }
+
+    /// Opens `room` on every rank: fills the prefill pools unless `fill` is
+    /// false, decode metadata, then the senders; returns once every prefill
+    /// rank left `Bootstrapping`.
+    pub fn open_room(&mut self, room: u64, total: u64, prefix: u64, fill: bool) -> Request {
+        let req = self.plan(room, total, prefix);
+        if fill {
+            self.fill(&req);
+        }
+        self.post_metadata(&req);
+        self.senders(room);
+        self.wait_bootstrapped(room);
+        req
+    }
+
+    /// The chunks of prefill rank `r`: (pages, tokens, last), `chunk_pages`
+    /// local pages each.
+    pub fn chunks(
+        &self,
+        req: &Request,
+        r: usize,
+        chunk_pages: usize,
+    ) -> Vec<(Vec<u64>, u64, bool)> {
+        let v = P * self.prefill.len() as u64;
+        let src = &req.src[r];
+        let mut out = Vec::new();
+        let mut sent = 0;
+        for (i, ch) in src.chunks(chunk_pages).enumerate() {
+            let last = (i + 1) * chunk_pages >= src.len();
+            let t = if last {
+                req.n() - sent
+            } else {
+                ch.len() as u64 * v
+            };
+            out.push((ch.to_vec(), t, last));
+            sent += t;
+        }
+        out
+    }
+
+    /// Sends every chunk of every prefill rank whole.
+    pub fn send_all(&self, req: &Request, chunk_pages: usize) {
+        for (r, (e, _)) in self.prefill.iter().enumerate() {
+            for (pages, t, last) in self.chunks(req, r, chunk_pages) {
+                e.send(req.room, &pages, t, last, AUX_ITEM).unwrap();
+            }
+        }
+    }
+
+    /// Sends every chunk of every prefill rank layer group by layer group.
+    pub fn send_layerwise(&self, req: &Request, chunk_pages: usize, groups: &[Range<u32>]) {
+        for (r, (e, _)) in self.prefill.iter().enumerate() {
+            for (pages, t, last) in self.chunks(req, r, chunk_pages) {
+                for g in groups {
+                    let o = SendOptions {
+                        layers: Some(g.clone()),
+                        ..Default::default()
+                    };
+                    e.send_with(req.room, &pages, t, last, AUX_ITEM, &o)
+                        .unwrap();
+                }
+            }
+        }
+    }
+
+    /// Asserts `Success` on every prefill rank (20 s at most each).
+    pub fn wait_prefill_success(&self, room: u64) {
+        for (r, (e, _)) in self.prefill.iter().enumerate() {
+            assert_success(e, room, &format!("prefill {r}"));
+        }
+    }
+
+    /// Asserts `Success` on decode rank `r` (20 s at most).
+    pub fn wait_decode_success(&self, room: u64, r: usize) {
+        assert_success(&self.decode[r].0, room, &format!("decode {r}"));
+    }
+
+    /// Asserts `Success` everywhere: the prefill ranks, then every decode rank.
+    pub fn wait_success(&self, req: &Request) {
+        self.wait_prefill_success(req.room);
+        for r in 0..self.decode.len() {
+            self.wait_decode_success(req.room, r);
+        }
+    }
+
+    /// Checks every byte of `req` on decode rank `r` (KV rows and the aux
+    /// item); returns the bytes verified.
+    pub fn verify_rank(&self, req: &Request, r: usize) -> u64 {
+        let side = side(self.decode.len() as u64, r as u64, &req.dst, req.prefix);
+        self.decode[r]
+            .1
+            .verify(req.room, &side, req.total, Some(AUX_SLOT))
+            .unwrap()
+    }
+
+    /// [`Cluster::verify_rank`] on every decode rank.
+    pub fn verify(&self, req: &Request) -> u64 {
+        (0..self.decode.len())
+            .map(|r| self.verify_rank(req, r))
+            .sum()
+    }
+
+    /// Clears the room on every rank.
+    pub fn clear(&self, room: u64) {
+        for (e, _) in &self.decode {
+            e.clear(room).unwrap();
+        }
+        for (e, _) in &self.prefill {
+            e.clear(room).unwrap();
+        }
+    }
+
+    /// Waits for `Success` on the prefill ranks, then on each decode rank
+    /// checks every byte and clears the room; clears the prefill ranks.
+    /// Returns the bytes verified.
+    pub fn finish(&self, req: &Request) -> u64 {
+        self.wait_prefill_success(req.room);
+        let mut verified = 0;
+        for r in 0..self.decode.len() {
+            self.wait_decode_success(req.room, r);
+            verified += self.verify_rank(req, r);
+            self.decode[r].0.clear(req.room).unwrap();
+        }
+        for (e, _) in &self.prefill {
+            e.clear(req.room).unwrap();
+        }
+        verified
+    }
+
+    /// One whole request: [`open_room`](Self::open_room) (filled),
+    /// [`send_all`](Self::send_all) in chunks of `chunk_pages` pages,
+    /// [`finish`](Self::finish); returns the bytes verified on the decode ranks.
+    pub fn request(&mut self, room: u64, total: u64, prefix: u64, chunk_pages: usize) -> u64 {
+        let req = self.open_room(room, total, prefix, true);
+        self.send_all(&req, chunk_pages);
+        self.finish(&req)
+    }
+}
