@@ -1,7 +1,7 @@
 //! The receiver's listener and handshake: the accept loop, the first frame of
 //! each connection (a Hello opens a session's control connection, an Attach
 //! adds a tcp data stream to one), the answer to the sender's transport
-//! choice (the cma proof, the RDMA handshake), and registering the registry's
+//! choice (the cma binding socket, the RDMA handshake), and registering the registry's
 //! regions with the RDMA NICs.
 
 use super::grant::control_loop;
@@ -9,7 +9,8 @@ use super::{lock, AgentInner, ReceiverSession};
 use crate::auth::PeerInstance;
 use crate::error::{Error, Result, Status};
 use crate::memory::RegionKind;
-use crate::transport::handshake::{random_token, random_u64, Hello, HelloAck, Select, SelectOk};
+use crate::transport::cma::bind::BindListener;
+use crate::transport::handshake::{random_token, Hello, HelloAck, Select, SelectOk};
 use crate::transport::listen::{self, Framing, ListenLimits, Slot};
 use crate::transport::peer_auth::{authenticate_server, Prefixed};
 use crate::transport::rdma::nic::{DataPath, NicProvider};
@@ -138,7 +139,6 @@ fn serve_control(
             Err(e) => return refuse(&mut s, e),
         },
         instance: peer,
-        nonce: Box::new(random_u64()),
         peer: Mutex::new(Some(hello.identity.clone())),
         writer: Mutex::new(s.try_clone().ok()),
         granted: Mutex::new(HashMap::new()),
@@ -150,13 +150,22 @@ fn serve_control(
         closed: AtomicBool::new(false),
     });
     let nic = a.nic();
+    // A same-host sender may choose cma: it binds its writes to the process
+    // listening here (the kernel names it), not to anything claimed.
+    let binding = if a.identity.same_host(&hello.identity) {
+        BindListener::new()
+            .map_err(|e| log::debug!("no cma binding socket for session {id}: {e}"))
+            .ok()
+    } else {
+        None
+    };
     let ack = HelloAck {
         version: wire::VERSION,
         identity: a.identity.clone(),
         regions: a.registry.descriptors(),
         session: id,
         token: session.token.clone(),
-        nonce_addr: &*session.nonce as *const u64 as u64,
+        cma_socket: binding.as_ref().map(|b| b.name().to_string()),
         rdma: nic.as_ref().ok().map(|n| n.describe()),
         rdma_unavailable: nic.as_ref().err().map(|e| e.detail().to_string()),
         rdma_gpu_direct: nic.as_ref().is_ok_and(|n| a.gpu_direct(&**n).is_ok()),
@@ -168,12 +177,14 @@ fn serve_control(
         let mut ok = SelectOk::default();
         match sel.transport {
             TransportKind::Cma => {
-                if sel.proof != *session.nonce {
-                    return Err(Error::new(
+                let b = binding.as_ref().ok_or_else(|| {
+                    Error::new(
                         Status::PeerIdentity,
-                        "cma proof mismatch: the client read another process's memory (pid namespace or pid mix-up); use tcp",
-                    ));
-                }
+                        "cma selected, but this receiver offered no binding socket (the sender \
+                         is not on this host); use tcp",
+                    )
+                })?;
+                b.accept(a.handshake_timeout)?;
             }
             TransportKind::Tcp => session.lands_tcp.store(true, Ordering::SeqCst),
             TransportKind::Rdma => {

@@ -38,6 +38,9 @@ pub(crate) struct Dialed<'a> {
     pub(crate) instance: [u8; 16],
     /// The instance the receiver authenticated as.
     pub(crate) peer: PeerInstance,
+    /// The receiver process as the kernel names it (its cma binding
+    /// socket), when `Auto` already connected to it.
+    pub(crate) vouched: Option<cma::bind::Vouched>,
 }
 
 impl Dialed<'_> {
@@ -117,15 +120,38 @@ impl Agent {
             Error::new(e.status(), format!("handshake with {addr}: {}", e.detail()))
         })?;
         let me = &self.inner.identity;
+        let mut vouched = None;
         let kind = match opts.transport {
             TransportKind::Auto => {
-                // cma only into a live process of this host and of this uid (the
-                // identity comes from the authenticated peer; another uid could
-                // not be written without privileges anyway: tcp then)
+                // cma only into a live process of this host that the kernel
+                // names as the listener of the receiver's binding socket, and
+                // that runs as this uid (SO_PEERCRED, not the claimed process:
+                // a claim names any pid)
                 let same_host = !self.inner.deny_same_host()
                     && me.same_host(&ack.identity)
                     && me.verify_local_peer(&ack.identity).is_ok()
-                    && same_uid(ack.identity.pid);
+                    && ack.cma_socket.as_deref().is_some_and(|name| {
+                        match cma::bind::Vouched::connect(name, addr, opts.timeout) {
+                            Ok(v) if v.pid == ack.identity.pid && same_uid(v.uid) => {
+                                vouched = Some(v);
+                                true
+                            }
+                            Ok(v) => {
+                                log::warn!(
+                                    "the peer at {addr} names pid {} but its cma binding socket \
+                                     is held by pid {} (uid {}): not using cma",
+                                    ack.identity.pid,
+                                    v.pid,
+                                    v.uid
+                                );
+                                false
+                            }
+                            Err(e) => {
+                                log::debug!("no cma to {addr}: {e}");
+                                false
+                            }
+                        }
+                    });
                 // cma cannot write device memory: a peer with device regions never gets it,
                 // and gets rdma only when its NICs can take GPU memory (GPUDirect).
                 let peer_device = ack
@@ -150,6 +176,7 @@ impl Agent {
             auth: &self.inner.auth,
             instance: self.inner.instance,
             peer,
+            vouched,
         };
         match kind {
             TransportKind::Cma => cma::connect(d),
@@ -192,12 +219,11 @@ fn is_rdma_error(e: &Error) -> bool {
     )
 }
 
-/// Whether process `pid` has this process's effective uid as its real and
-/// effective uid (`/proc/<pid>/status`); false when it cannot be read.
-fn same_uid(pid: u32) -> bool {
+/// Whether `uid` (the binding socket listener's, from `SO_PEERCRED`) is this
+/// process's effective uid.
+fn same_uid(uid: u32) -> bool {
     // SAFETY: geteuid has no preconditions and cannot fail.
-    let me = unsafe { libc::geteuid() };
-    crate::transport::identity::uids_of(pid).is_ok_and(|(real, eff)| real == me && eff == me)
+    uid == unsafe { libc::geteuid() }
 }
 
 fn resolve(addr: &str) -> Result<SocketAddr> {

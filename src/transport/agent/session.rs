@@ -24,7 +24,6 @@ pub(crate) struct ReceiverSession {
     /// The instance the control connection authenticated: data streams of
     /// this session must authenticate as the same one.
     pub(crate) instance: PeerInstance,
-    pub(crate) nonce: Box<u64>,
     pub(crate) peer: Mutex<Option<ProcIdentity>>,
     pub(crate) writer: Mutex<Option<TcpStream>>,
     pub(crate) granted: Mutex<HashMap<u64, Granted>>,

@@ -379,7 +379,6 @@ pub(crate) fn connect(mut d: Dialed<'_>, nic: Arc<dyn NicProvider>) -> Result<Bo
         &Select {
             transport: TransportKind::Rdma,
             streams: 0,
-            proof: 0,
             rdma: Some(ep.local().encode()?),
         },
     )?;

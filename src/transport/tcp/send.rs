@@ -177,7 +177,6 @@ pub(crate) fn connect(mut d: Dialed<'_>) -> Result<Box<dyn Transport>> {
         &Select {
             transport: TransportKind::Tcp,
             streams: n,
-            proof: 0,
             rdma: None,
         },
     )?;
