@@ -5,7 +5,7 @@
 //! (`cma::connect`, `tcp::connect`, `rdma::transport::connect`).
 
 use super::{Agent, ConnectOptions};
-use crate::auth::{Mode, PeerInstance};
+use crate::auth::{Mode, PeerInstance, SessionKeys};
 use crate::error::{Error, Result, Status};
 use crate::memory::{RegionKind, Registry};
 use crate::transport::conn::Conn;
@@ -41,9 +41,24 @@ pub(crate) struct Dialed<'a> {
     /// The receiver process as the kernel names it (its cma binding
     /// socket), when `Auto` already connected to it.
     pub(crate) vouched: Option<cma::bind::Vouched>,
+    /// The session MACs of the control connection (every frame is sealed).
+    pub(crate) keys: SessionKeys,
 }
 
 impl Dialed<'_> {
+    /// Sends a sealed JSON frame on the control connection.
+    pub(crate) fn send_json<T: serde::Serialize>(&mut self, ty: FrameType, v: &T) -> Result<()> {
+        wire::write_json_sealed(&mut self.stream, ty, v, &mut self.keys.send)
+    }
+
+    /// Reads a sealed JSON frame of type `want` from the control connection.
+    pub(crate) fn recv_json<T: serde::de::DeserializeOwned>(
+        &mut self,
+        want: FrameType,
+    ) -> Result<T> {
+        wire::read_json_sealed(&mut self.stream, want, &mut self.keys.recv)
+    }
+
     /// Hands the control connection to the session's [`Conn`] once the
     /// transport is agreed (no read timeout from here on).
     pub(crate) fn start(self) -> Result<Arc<Conn>> {
@@ -57,6 +72,7 @@ impl Dialed<'_> {
             self.addr.to_string(),
             self.opts.keepalive,
             self.instance,
+            self.keys,
         )
     }
 }
@@ -101,24 +117,26 @@ impl Agent {
         s.set_read_timeout(Some(opts.timeout))?;
         s.set_write_timeout(Some(opts.timeout))?;
         // Authentication first: the receiver says nothing about itself before it.
-        let peer = authenticate_client(
+        let (peer, mut keys) = authenticate_client(
             &mut s,
             &self.inner.auth,
             self.inner.instance,
             opts.expect_instance,
             addr,
         )?;
-        wire::write_json(
+        wire::write_json_sealed(
             &mut s,
             FrameType::Hello,
             &Hello {
                 version: wire::VERSION,
                 identity: self.inner.identity.clone(),
             },
+            &mut keys.send,
         )?;
-        let ack: HelloAck = wire::read_json(&mut s, FrameType::HelloAck).map_err(|e| {
-            Error::new(e.status(), format!("handshake with {addr}: {}", e.detail()))
-        })?;
+        let ack: HelloAck = wire::read_json_sealed(&mut s, FrameType::HelloAck, &mut keys.recv)
+            .map_err(|e| {
+                Error::new(e.status(), format!("handshake with {addr}: {}", e.detail()))
+            })?;
         let me = &self.inner.identity;
         let mut vouched = None;
         let kind = match opts.transport {
@@ -177,6 +195,7 @@ impl Agent {
             instance: self.inner.instance,
             peer,
             vouched,
+            keys,
         };
         match kind {
             TransportKind::Cma => cma::connect(d),

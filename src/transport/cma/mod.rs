@@ -121,8 +121,7 @@ pub(crate) fn connect(mut d: Dialed<'_>) -> Result<Box<dyn Transport>> {
     };
     let addr = d.addr;
     let pidfd = PeerProcess::bound(d.identity, &d.ack.identity, &mut vouched, addr)?;
-    wire::write_json(
-        &mut d.stream,
+    d.send_json(
         FrameType::Select,
         &Select {
             transport: TransportKind::Cma,
@@ -130,7 +129,7 @@ pub(crate) fn connect(mut d: Dialed<'_>) -> Result<Box<dyn Transport>> {
             rdma: None,
         },
     )?;
-    let _: serde_json::Value = wire::read_json(&mut d.stream, FrameType::SelectOk)?;
+    let _: serde_json::Value = d.recv_json(FrameType::SelectOk)?;
     vouched.confirm(addr)?;
     let threads = d.opts.threads.max(1) as usize;
     let conn = d.start()?;

@@ -373,8 +373,7 @@ fn read_checksum(pieces: &[Piece]) -> u64 {
 pub(crate) fn connect(mut d: Dialed<'_>, nic: Arc<dyn NicProvider>) -> Result<Box<dyn Transport>> {
     let addr = d.addr;
     let ep = nic.endpoint()?;
-    wire::write_json(
-        &mut d.stream,
+    d.send_json(
         FrameType::Select,
         &Select {
             transport: TransportKind::Rdma,
@@ -382,7 +381,7 @@ pub(crate) fn connect(mut d: Dialed<'_>, nic: Arc<dyn NicProvider>) -> Result<Bo
             rdma: Some(ep.local().encode()?),
         },
     )?;
-    let ok: SelectOk = wire::read_json(&mut d.stream, FrameType::SelectOk).map_err(|e| {
+    let ok: SelectOk = d.recv_json(FrameType::SelectOk).map_err(|e| {
         Error::new(
             e.status(),
             format!("rdma handshake with {addr}: {}", e.detail()),
