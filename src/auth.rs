@@ -503,6 +503,29 @@ impl SessionMac {
     pub fn seq(&self) -> u64 {
         self.seq
     }
+
+    /// [`seal`](Self::seal) for a text channel: the tag in hex (32 digits),
+    /// to travel with the line it covers (e.g. as a field or a suffix).
+    pub fn seal_hex(&mut self, line: &[u8]) -> String {
+        hex(&self.seal(line))
+    }
+
+    /// [`open`](Self::open) of a line whose tag came as hex; a tag that is
+    /// not 32 hex digits is `ChannelIntegrity` like a wrong one.
+    pub fn open_hex(&mut self, line: &[u8], tag: &str) -> Result<()> {
+        let t: [u8; TAG_LEN] = unhex(tag, "tag").map_err(|_| {
+            Error::new(
+                Status::ChannelIntegrity,
+                format!(
+                    "{} line {} carries no valid session MAC (expected {} hex digits): dropped",
+                    self.direction,
+                    self.seq,
+                    2 * TAG_LEN
+                ),
+            )
+        })?;
+        self.open(line, &t)
+    }
 }
 
 /// The two MAC directions of one authenticated connection, as this side sees them.
@@ -693,6 +716,27 @@ mod tests {
             s.recv.open(b"commit", &t3).unwrap();
             assert_eq!(s.recv.seq(), 4);
         }
+    }
+
+    #[test]
+    fn line_tags_travel_as_hex() {
+        let m = secret("0123456789abcdef-cluster");
+        let (mut c, mut s) = keyed(&m, &m);
+        let line = br#"{"type":"meta","room":7}"#;
+        let tag = c.send.seal_hex(line);
+        assert_eq!(tag.len(), 2 * TAG_LEN);
+        let mut r = s.recv.clone();
+        assert_eq!(
+            r.open_hex(line, "zz").unwrap_err().status(),
+            Status::ChannelIntegrity
+        );
+        assert_eq!(
+            r.open_hex(br#"{"type":"meta","room":8}"#, &tag)
+                .unwrap_err()
+                .status(),
+            Status::ChannelIntegrity
+        );
+        s.recv.open_hex(line, &tag).unwrap();
     }
 
     #[test]
