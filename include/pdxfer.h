@@ -201,6 +201,9 @@ enum PdxStatus
   PDX_STATUS_AUTH_FAILED = -405,
   // A listener on a non-loopback address needs a cluster secret.
   PDX_STATUS_AUTH_REQUIRED = -406,
+  // A control frame after the authentication exchange carried a missing or
+  // wrong MAC (tampered, replayed, reordered or injected): the connection is dropped.
+  PDX_STATUS_CHANNEL_INTEGRITY = -407,
   // The bootstrap server answered with an error or could not be reached.
   PDX_STATUS_BOOTSTRAP = -500,
   // Bootstrap metadata is stale (older epoch or other instance id).

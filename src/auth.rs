@@ -20,8 +20,17 @@
 //!
 //! Without a secret on both sides the same messages flow with empty proofs
 //! ([`Mode::Open`]); callers allow that only on loopback-bound listeners.
+//!
+//! The exchange also yields [`SessionKeys`]: HKDF-SHA256 under the secret over
+//! the same transcript, one key per direction. Every control frame (or
+//! control line) after the three messages carries a [`SessionMac`] tag over a
+//! per-direction sequence number and the frame, so a relay that passed the
+//! exchange through cannot rewrite, inject, replay or reorder what follows. In
+//! open mode the keys come from the public nonces alone: they catch framing
+//! bugs, but authenticate nothing (anyone who saw the nonces can compute them).
 
 use crate::error::{Error, Result, Status};
+use hkdf::Hkdf;
 use hmac::{Hmac, Mac};
 use serde::{Deserialize, Serialize};
 use sha2::Sha256;
@@ -190,6 +199,15 @@ impl ClientAuth {
 
     /// Checks the server's proof; returns the client's proof and the server's id.
     pub fn answer(self, ch: &AuthChallenge) -> Result<(AuthProof, PeerInstance)> {
+        self.answer_keyed(ch).map(|(p, peer, _)| (p, peer))
+    }
+
+    /// [`answer`](Self::answer), with the connection's [`SessionKeys`] (this
+    /// side's `send` key is the client-to-server one).
+    pub fn answer_keyed(
+        self,
+        ch: &AuthChallenge,
+    ) -> Result<(AuthProof, PeerInstance, SessionKeys)> {
         check_version(ch.version)?;
         let server: [u8; 16] = unhex(&ch.instance, "instance")?;
         let server_nonce: [u8; 32] = unhex(&ch.nonce, "nonce")?;
@@ -230,7 +248,12 @@ impl ClientAuth {
                 hex(&t.mac(s, b"client"))
             }
         };
-        Ok((AuthProof { proof }, PeerInstance(server)))
+        let (c2s, s2c) = t.session_keys(&self.mode);
+        let keys = SessionKeys {
+            send: SessionMac::new(&c2s, "client-to-server"),
+            recv: SessionMac::new(&s2c, "server-to-client"),
+        };
+        Ok((AuthProof { proof }, PeerInstance(server), keys))
     }
 }
 
@@ -269,6 +292,12 @@ impl ServerAuth {
 
     /// Checks the client's proof; returns the client's instance id.
     pub fn verify(self, p: &AuthProof) -> Result<PeerInstance> {
+        self.verify_keyed(p).map(|(peer, _)| peer)
+    }
+
+    /// [`verify`](Self::verify), with the connection's [`SessionKeys`] (this
+    /// side's `send` key is the server-to-client one).
+    pub fn verify_keyed(self, p: &AuthProof) -> Result<(PeerInstance, SessionKeys)> {
         match &self.mode {
             Mode::Open => {
                 if !p.proof.is_empty() {
@@ -295,7 +324,12 @@ impl ServerAuth {
                 }
             }
         }
-        Ok(PeerInstance(self.client))
+        let (c2s, s2c) = self.transcript().session_keys(&self.mode);
+        let keys = SessionKeys {
+            send: SessionMac::new(&s2c, "server-to-client"),
+            recv: SessionMac::new(&c2s, "client-to-server"),
+        };
+        Ok((PeerInstance(self.client), keys))
     }
 
     fn transcript(&self) -> Transcript<'_> {
@@ -338,6 +372,169 @@ impl Transcript<'_> {
         }
         m.finalize().into_bytes().into()
     }
+}
+
+impl Transcript<'_> {
+    /// The two directions' MAC keys (client-to-server, server-to-client):
+    /// HKDF-SHA256 with the secret as input key material (none in open mode)
+    /// and the transcript (channel, both ids, both nonces) as info.
+    fn session_keys(&self, mode: &Mode) -> ([u8; 32], [u8; 32]) {
+        let ikm: &[u8] = match mode {
+            Mode::Secret(s) => &s.0,
+            Mode::Open => b"",
+        };
+        let hk = Hkdf::<Sha256>::new(Some(b"pdxfer-session-v1"), ikm);
+        let mut info = Vec::with_capacity(160);
+        for part in [
+            self.channel.label(),
+            self.client.as_slice(),
+            self.server,
+            self.client_nonce,
+            self.server_nonce,
+        ] {
+            info.extend_from_slice(&(part.len() as u32).to_le_bytes());
+            info.extend_from_slice(part);
+        }
+        let mut okm = [0u8; 64];
+        // 64 bytes is far below HKDF-SHA256's 8160-byte limit: the error arm cannot happen.
+        if hk.expand(&info, &mut okm).is_err() {
+            okm = [0; 64];
+        }
+        let mut c2s = [0u8; 32];
+        let mut s2c = [0u8; 32];
+        c2s.copy_from_slice(&okm[..32]);
+        s2c.copy_from_slice(&okm[32..]);
+        (c2s, s2c)
+    }
+}
+
+/// Bytes of a frame's MAC tag (HMAC-SHA256 truncated to 128 bits).
+pub const TAG_LEN: usize = 16;
+
+/// One direction of an authenticated connection's frame MAC: HMAC-SHA256
+/// under the direction's session key over the frame's sequence number in
+/// that direction (from 0, as a little-endian u64) and the frame's bytes,
+/// truncated to [`TAG_LEN`] bytes. The sender seals frames in the order it
+/// writes them; the receiver opens them in the order it reads them, so a
+/// frame that was altered, injected, dropped, replayed or moved fails.
+/// Usable by any framing: a binary frame, or a text line whose tag travels
+/// with it.
+#[derive(Clone)]
+pub struct SessionMac {
+    key: Hmac<Sha256>,
+    seq: u64,
+    direction: &'static str,
+}
+
+impl fmt::Debug for SessionMac {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "SessionMac({}, seq {})", self.direction, self.seq)
+    }
+}
+
+impl SessionMac {
+    fn new(key: &[u8; 32], direction: &'static str) -> SessionMac {
+        // Any key length is accepted by HMAC; the fallback cannot happen.
+        let key = Hmac::<Sha256>::new_from_slice(key)
+            .unwrap_or_else(|_| <Hmac<Sha256> as Mac>::new(&Default::default()));
+        SessionMac {
+            key,
+            seq: 0,
+            direction,
+        }
+    }
+
+    fn tag(&self, parts: &[&[u8]]) -> [u8; TAG_LEN] {
+        let mut m = self.key.clone();
+        m.update(&self.seq.to_le_bytes());
+        for p in parts {
+            m.update(p);
+        }
+        let full = m.finalize().into_bytes();
+        let mut t = [0u8; TAG_LEN];
+        t.copy_from_slice(&full[..TAG_LEN]);
+        t
+    }
+
+    /// The tag of the next frame sent, whose bytes are `frame`.
+    pub fn seal(&mut self, frame: &[u8]) -> [u8; TAG_LEN] {
+        self.seal_parts(&[frame])
+    }
+
+    /// [`seal`](Self::seal) of a frame given as consecutive parts.
+    pub fn seal_parts(&mut self, parts: &[&[u8]]) -> [u8; TAG_LEN] {
+        let t = self.tag(parts);
+        self.seq += 1;
+        t
+    }
+
+    /// Checks the tag of the next frame received; a missing, short or wrong
+    /// tag is `ChannelIntegrity`, and the connection must then be dropped
+    /// (the sequence does not advance past a bad frame).
+    pub fn open(&mut self, frame: &[u8], tag: &[u8]) -> Result<()> {
+        self.open_parts(&[frame], tag)
+    }
+
+    /// [`open`](Self::open) of a frame given as consecutive parts.
+    pub fn open_parts(&mut self, parts: &[&[u8]], tag: &[u8]) -> Result<()> {
+        let want = self.tag(parts);
+        if tag.len() != TAG_LEN || !bool::from(want.ct_eq(tag)) {
+            return Err(Error::new(
+                Status::ChannelIntegrity,
+                format!(
+                    "{} frame {} failed its session MAC{}: it was altered, injected, replayed \
+                     or reordered on the way (or the peer is not the one that authenticated); \
+                     the connection is dropped",
+                    self.direction,
+                    self.seq,
+                    if tag.len() == TAG_LEN {
+                        String::new()
+                    } else {
+                        format!(" (its tag is {} bytes, not {TAG_LEN})", tag.len())
+                    }
+                ),
+            ));
+        }
+        self.seq += 1;
+        Ok(())
+    }
+
+    /// Sequence number of the next frame in this direction.
+    pub fn seq(&self) -> u64 {
+        self.seq
+    }
+
+    /// [`seal`](Self::seal) for a text channel: the tag in hex (32 digits),
+    /// to travel with the line it covers (e.g. as a field or a suffix).
+    pub fn seal_hex(&mut self, line: &[u8]) -> String {
+        hex(&self.seal(line))
+    }
+
+    /// [`open`](Self::open) of a line whose tag came as hex; a tag that is
+    /// not 32 hex digits is `ChannelIntegrity` like a wrong one.
+    pub fn open_hex(&mut self, line: &[u8], tag: &str) -> Result<()> {
+        let t: [u8; TAG_LEN] = unhex(tag, "tag").map_err(|_| {
+            Error::new(
+                Status::ChannelIntegrity,
+                format!(
+                    "{} line {} carries no valid session MAC (expected {} hex digits): dropped",
+                    self.direction,
+                    self.seq,
+                    2 * TAG_LEN
+                ),
+            )
+        })?;
+        self.open(line, &t)
+    }
+}
+
+/// The two MAC directions of one authenticated connection, as this side sees them.
+#[derive(Debug, Clone)]
+pub struct SessionKeys {
+    /// Seals what this side sends.
+    pub send: SessionMac,
+    /// Opens what this side receives.
+    pub recv: SessionMac,
 }
 
 fn auth_failed(detail: String) -> Error {
@@ -469,6 +666,92 @@ mod tests {
         let (c, hello) = ClientAuth::start(&m, Channel::Control, A).unwrap();
         let (_, ch) = ServerAuth::challenge(&m, Channel::Data, B, &hello).unwrap();
         assert_eq!(c.answer(&ch).unwrap_err().status(), Status::AuthFailed);
+    }
+
+    fn keyed(client: &Mode, server: &Mode) -> (SessionKeys, SessionKeys) {
+        let (c, hello) = ClientAuth::start(client, Channel::Data, A).unwrap();
+        let (s, ch) = ServerAuth::challenge(server, Channel::Data, B, &hello).unwrap();
+        let (proof, _, ck) = c.answer_keyed(&ch).unwrap();
+        let (_, sk) = s.verify_keyed(&proof).unwrap();
+        (ck, sk)
+    }
+
+    #[test]
+    fn session_macs_refuse_tampered_replayed_reordered_and_missing_tags() {
+        for m in [secret("0123456789abcdef-cluster"), Mode::Open] {
+            let (mut c, mut s) = keyed(&m, &m);
+            // In order, both directions.
+            let t0 = c.send.seal(b"hello");
+            let t1 = c.send.seal(b"select");
+            s.recv.open(b"hello", &t0).unwrap();
+            s.recv.open(b"select", &t1).unwrap();
+            let back = s.send.seal(b"ack");
+            c.recv.open(b"ack", &back).unwrap();
+            // A frame's tag does not open it in the other direction (no reflection).
+            let t2 = c.send.seal(b"grant");
+            let mut c2 = c.recv.clone();
+            assert_eq!(
+                c2.open(b"grant", &t2).unwrap_err().status(),
+                Status::ChannelIntegrity
+            );
+            // Tampered bytes.
+            let mut r = s.recv.clone();
+            let e = r.open(b"grand", &t2).unwrap_err();
+            assert_eq!(e.status(), Status::ChannelIntegrity, "{e}");
+            assert!(e.detail().contains("client-to-server frame 2"), "{e}");
+            // Replay of an earlier frame at this position.
+            let mut r = s.recv.clone();
+            assert!(r.open(b"select", &t1).is_err());
+            // Missing / truncated tag.
+            let mut r = s.recv.clone();
+            let e = r.open(b"grant", &t2[..8]).unwrap_err();
+            assert!(e.detail().contains("8 bytes"), "{e}");
+            assert!(r.open(b"grant", &[]).is_err());
+            // Reordered: the next frame's tag arrives first.
+            let t3 = c.send.seal(b"commit");
+            let mut r = s.recv.clone();
+            assert!(r.open(b"commit", &t3).is_err());
+            // The untouched stream still opens in order.
+            s.recv.open(b"grant", &t2).unwrap();
+            s.recv.open(b"commit", &t3).unwrap();
+            assert_eq!(s.recv.seq(), 4);
+        }
+    }
+
+    #[test]
+    fn line_tags_travel_as_hex() {
+        let m = secret("0123456789abcdef-cluster");
+        let (mut c, mut s) = keyed(&m, &m);
+        let line = br#"{"type":"meta","room":7}"#;
+        let tag = c.send.seal_hex(line);
+        assert_eq!(tag.len(), 2 * TAG_LEN);
+        let mut r = s.recv.clone();
+        assert_eq!(
+            r.open_hex(line, "zz").unwrap_err().status(),
+            Status::ChannelIntegrity
+        );
+        assert_eq!(
+            r.open_hex(br#"{"type":"meta","room":8}"#, &tag)
+                .unwrap_err()
+                .status(),
+            Status::ChannelIntegrity
+        );
+        s.recv.open_hex(line, &tag).unwrap();
+    }
+
+    #[test]
+    fn session_keys_differ_per_connection_and_per_secret() {
+        let a = secret("0123456789abcdef-cluster");
+        let (mut c1, _) = keyed(&a, &a);
+        let (_, mut s2) = keyed(&a, &a);
+        // Another connection's keys (other nonces) open nothing of this one.
+        let t = c1.send.seal(b"hello");
+        assert!(s2.recv.open(b"hello", &t).is_err());
+        // Open mode: per-connection too.
+        let (mut c3, _) = keyed(&Mode::Open, &Mode::Open);
+        let (_, mut s4) = keyed(&Mode::Open, &Mode::Open);
+        let t = c3.send.seal(b"hello");
+        assert!(s4.recv.open(b"hello", &t).is_err());
     }
 
     #[test]

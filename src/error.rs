@@ -100,6 +100,9 @@ pub enum PdxStatus {
     AuthFailed = -405,
     /// A listener on a non-loopback address needs a cluster secret.
     AuthRequired = -406,
+    /// A control frame after the authentication exchange carried a missing or
+    /// wrong MAC (tampered, replayed, reordered or injected): the connection is dropped.
+    ChannelIntegrity = -407,
 
     /// The bootstrap server answered with an error or could not be reached.
     Bootstrap = -500,
@@ -236,6 +239,7 @@ status_table! {
     TransportUnavailable => "transport_unavailable", "transport not available here";
     AuthFailed => "auth_failed", "peer failed authentication with the cluster secret";
     AuthRequired => "auth_required", "a non-loopback listener needs a cluster secret";
+    ChannelIntegrity => "channel_integrity", "a control frame failed its session MAC (tampered, replayed or reordered)";
     Bootstrap => "bootstrap", "bootstrap server error";
     StaleMetadata => "stale_metadata", "bootstrap metadata is stale";
     Unauthorized => "unauthorized", "missing or wrong bootstrap token";
@@ -415,6 +419,7 @@ mod tests {
                     "transport_unavailable",
                     "auth_failed",
                     "auth_required",
+                    "channel_integrity",
                 ],
             ),
             (

@@ -8,6 +8,7 @@ use super::piece::Piece;
 use super::room::{self, OpenRooms, RoomEnd, RoomGrant, RoomSummary};
 use super::wire::{self, FrameType};
 use super::WriteOp;
+use crate::auth::{SessionKeys, SessionMac};
 use crate::error::{Error, Result, Status};
 use crate::memory::{AccessGuard, RegionDesc, RegionKind, Registry};
 use std::collections::HashMap;
@@ -18,8 +19,9 @@ use std::time::{Duration, Instant};
 
 pub(crate) struct Conn {
     pub table: BatchTable,
-    /// The control connection's write half, and when a frame was last sent on it.
-    writer: Mutex<(TcpStream, Instant)>,
+    /// The control connection's write half, when a frame was last sent on
+    /// it, and the session MAC that seals what this side sends.
+    writer: Mutex<(TcpStream, Instant, SessionMac)>,
     shut: TcpStream,
     pub peer: ProcIdentity,
     pub regions: HashMap<u64, RegionDesc>,
@@ -43,12 +45,14 @@ impl Conn {
         addr: String,
         keepalive: Duration,
         instance: [u8; 16],
+        keys: SessionKeys,
     ) -> Result<Arc<Conn>> {
         let reader = stream.try_clone()?;
         let shut = stream.try_clone()?;
+        let SessionKeys { send, recv } = keys;
         let conn = Arc::new(Conn {
             table: BatchTable::default(),
-            writer: Mutex::new((stream, Instant::now())),
+            writer: Mutex::new((stream, Instant::now(), send)),
             shut,
             peer,
             regions: regions.into_iter().map(|d| (d.id, d)).collect(),
@@ -61,14 +65,14 @@ impl Conn {
         let c = conn.clone();
         std::thread::Builder::new()
             .name("pdxfer-ctrl-rx".into())
-            .spawn(move || c.reader(reader, keepalive))?;
+            .spawn(move || c.reader(reader, keepalive, recv))?;
         Ok(conn)
     }
 
     /// Reads the receiver's frames; between them, sends a keepalive whenever
     /// nothing was sent for `keepalive` (the receiver closes sessions whose
     /// sender is silent past its idle timeout).
-    fn reader(self: Arc<Self>, mut r: TcpStream, keepalive: Duration) {
+    fn reader(self: Arc<Self>, mut r: TcpStream, keepalive: Duration, mut mac: SessionMac) {
         let keepalive = keepalive.max(Duration::from_millis(10));
         let err = loop {
             let idle = self.idle();
@@ -83,7 +87,8 @@ impl Conn {
                 Ok(false) => continue,
                 Err(e) => break e,
             }
-            let (ty, p) = match wire::read_frame(&mut r) {
+            let (ty, p) = match wire::read_frame_sealed(&mut r, wire::MAX_CONTROL_PAYLOAD, &mut mac)
+            {
                 Ok(f) => f,
                 Err(e) => break e,
             };
@@ -117,8 +122,8 @@ impl Conn {
             self.addr,
             err.detail()
         );
-        let status = if err.status() == Status::Protocol {
-            Status::Protocol
+        let status = if matches!(err.status(), Status::Protocol | Status::ChannelIntegrity) {
+            err.status()
         } else {
             Status::PeerUnreachable
         };
@@ -132,8 +137,9 @@ impl Conn {
     pub fn send(&self, ty: FrameType, payload: &[u8]) -> Result<()> {
         let r = {
             let mut w = self.writer.lock().unwrap_or_else(|p| p.into_inner());
+            let w = &mut *w;
             w.1 = Instant::now();
-            wire::write_frame(&mut w.0, ty, payload)
+            wire::write_frame_sealed(&mut w.0, ty, payload, &mut w.2)
         };
         if let Err(e) = &r {
             let e = Error::new(

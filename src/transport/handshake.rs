@@ -28,10 +28,11 @@ pub struct HelloAck {
     /// Secret (128 random bits, hex) that data streams present to attach to
     /// this session; a stream must also authenticate as the same instance.
     pub token: String,
-    /// Address (in the server) of an 8-byte nonce; a cma client reads it
-    /// with `process_vm_readv` and sends it back, proving the pid it will
-    /// write to is the process at the other end of this connection.
-    pub nonce_addr: u64,
+    /// Abstract Unix-socket name this session's receiver listens on (same
+    /// host only): a cma sender connects to it and writes only into the
+    /// process the kernel names as its listener (`SO_PEERCRED`).
+    #[serde(default)]
+    pub cma_socket: Option<String>,
     /// The server's usable RDMA NICs, in words; `None` when it has none (or
     /// predates RDMA support).
     #[serde(default)]
@@ -52,8 +53,6 @@ pub struct Select {
     pub transport: TransportKind,
     /// tcp: data streams that will attach.
     pub streams: u32,
-    /// cma: the nonce read from `nonce_addr`.
-    pub proof: u64,
     /// rdma: the client's encoded [`rdma::Handshake`](super::rdma::Handshake).
     #[serde(default)]
     pub rdma: Option<Vec<u8>>,
@@ -120,10 +119,10 @@ mod tests {
             "regions": [],
             "session": 3,
             "token": "04",
-            "nonce_addr": 5,
         });
         let ack: HelloAck = serde_json::from_value(old).unwrap();
         assert_eq!((ack.rdma, ack.rdma_unavailable), (None, None));
+        assert_eq!(ack.cma_socket, None);
         let sel: Select = serde_json::from_value(
             serde_json::json!({"transport": "tcp", "streams": 2, "proof": 0}),
         )
@@ -135,7 +134,6 @@ mod tests {
         let sel = Select {
             transport: TransportKind::Rdma,
             streams: 0,
-            proof: 0,
             rdma: Some(vec![1, 2, 3]),
         };
         let back: Select = serde_json::from_str(&serde_json::to_string(&sel).unwrap()).unwrap();

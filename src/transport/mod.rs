@@ -212,8 +212,9 @@ pub enum BatchStatus {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum TransportKind {
-    /// Choose ([`choose_auto`]): cma when the peer is on this host and proves
-    /// it (pidfd, start time, a nonce read from its memory), else rdma when
+    /// Choose ([`choose_auto`]): cma when the kernel names the peer as a
+    /// process of this host and this uid (the listener of its cma binding
+    /// socket, by `SO_PEERCRED`; pidfd, start time), else rdma when
     /// both sides have a usable RDMA NIC, else tcp; never cma when the peer
     /// registered device memory ([`choose_auto_for`]). When rdma is chosen but
     /// its handshake fails (NICs that cannot negotiate), tcp is used and the

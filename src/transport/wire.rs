@@ -6,15 +6,22 @@
 //! `magic u32 | version u16 | type u16 | flags u32 | reserved u32 |
 //! batch u64 | region u64 | offset u64 | len u64`, then `len` payload bytes
 //! that the receiver reads straight into the validated destination.
+//!
+//! After the authentication exchange every control frame is sealed
+//! ([`write_frame_sealed`]): its `len` counts a [`TAG_LEN`]-byte
+//! [`SessionMac`] tag after the payload, over the sequence number, the
+//! 12-byte header and the payload. Data frames (tcp payload bytes and their
+//! headers) are not sealed: the receiver checks each against its own grants.
 
 pub use super::frame_type::FrameType;
+use crate::auth::{SessionMac, TAG_LEN};
 use crate::error::{Error, Result, Status};
 use std::io::{Read, Write};
 
 /// `"PDXF"` as a little-endian u32.
 pub const MAGIC: u32 = u32::from_le_bytes(*b"PDXF");
 /// Wire protocol version; peers with another version are refused at the handshake.
-pub const VERSION: u16 = 1;
+pub const VERSION: u16 = 2;
 /// Largest control payload accepted (descriptor lists, write intents).
 pub const MAX_CONTROL_PAYLOAD: u32 = 64 << 20;
 /// Size of a data frame header.
@@ -90,6 +97,102 @@ pub fn read_frame_max(r: &mut impl Read, max: u32) -> Result<(FrameType, Vec<u8>
     r.read_exact(&mut payload)?;
     super::control_counts::frame_received(ty);
     Ok((ty, payload))
+}
+
+/// Writes one control frame sealed with `mac` (its tag after the payload).
+pub fn write_frame_sealed(
+    w: &mut impl Write,
+    ty: FrameType,
+    payload: &[u8],
+    mac: &mut SessionMac,
+) -> Result<()> {
+    let len = u32::try_from(payload.len() + TAG_LEN)
+        .ok()
+        .filter(|&l| l <= MAX_CONTROL_PAYLOAD)
+        .ok_or_else(|| {
+            Error::invalid(format!(
+                "control payload of {} bytes is too large",
+                payload.len()
+            ))
+        })?;
+    let mut buf = Vec::with_capacity(12 + payload.len() + TAG_LEN);
+    buf.extend_from_slice(&MAGIC.to_le_bytes());
+    buf.extend_from_slice(&VERSION.to_le_bytes());
+    buf.extend_from_slice(&(ty as u16).to_le_bytes());
+    buf.extend_from_slice(&len.to_le_bytes());
+    buf.extend_from_slice(payload);
+    let tag = mac.seal(&buf);
+    buf.extend_from_slice(&tag);
+    w.write_all(&buf)?;
+    w.flush()?;
+    super::control_counts::frame_sent(ty);
+    Ok(())
+}
+
+/// Reads one sealed control frame (payload at most `max` bytes) and checks
+/// its tag with `mac`: a frame without one, or with a wrong one, is
+/// `ChannelIntegrity` (the caller drops the connection).
+pub fn read_frame_sealed(
+    r: &mut impl Read,
+    max: u32,
+    mac: &mut SessionMac,
+) -> Result<(FrameType, Vec<u8>)> {
+    let mut h = [0u8; 12];
+    r.read_exact(&mut h)?;
+    let magic = u32::from_le_bytes([h[0], h[1], h[2], h[3]]);
+    let version = u16::from_le_bytes([h[4], h[5]]);
+    check_magic_version(magic, version)?;
+    let ty = u16::from_le_bytes([h[6], h[7]]);
+    let len = u32::from_le_bytes([h[8], h[9], h[10], h[11]]);
+    let ty = FrameType::from_u16(ty).ok_or_else(|| proto(format!("unknown frame type {ty}")))?;
+    if (len as usize) < TAG_LEN {
+        return Err(Error::new(
+            Status::ChannelIntegrity,
+            format!(
+                "{ty:?} frame of {len} bytes carries no session MAC (every frame after the \
+                 authentication exchange ends with a {TAG_LEN}-byte tag): dropped"
+            ),
+        ));
+    }
+    if len > max.saturating_add(TAG_LEN as u32) {
+        return Err(proto(format!(
+            "{ty:?} frame of {len} bytes exceeds the {max}-byte limit"
+        )));
+    }
+    let mut body = vec![0u8; len as usize];
+    r.read_exact(&mut body)?;
+    let tag = body.split_off(len as usize - TAG_LEN);
+    mac.open_parts(&[&h, &body], &tag)
+        .map_err(|e| Error::new(e.status(), format!("{ty:?} frame: {}", e.detail())))?;
+    super::control_counts::frame_received(ty);
+    Ok((ty, body))
+}
+
+/// [`write_json`] sealed with `mac`.
+pub fn write_json_sealed<T: serde::Serialize>(
+    w: &mut impl Write,
+    ty: FrameType,
+    v: &T,
+    mac: &mut SessionMac,
+) -> Result<()> {
+    let b = serde_json::to_vec(v).map_err(|e| Error::invalid(format!("encode {ty:?}: {e}")))?;
+    write_frame_sealed(w, ty, &b, mac)
+}
+
+/// [`read_json`] of a sealed frame, opened with `mac`.
+pub fn read_json_sealed<T: serde::de::DeserializeOwned>(
+    r: &mut impl Read,
+    want: FrameType,
+    mac: &mut SessionMac,
+) -> Result<T> {
+    let (ty, p) = read_frame_sealed(r, MAX_CONTROL_PAYLOAD, mac)?;
+    if ty == FrameType::Error {
+        return Err(decode_error(&p));
+    }
+    if ty != want {
+        return Err(proto(format!("expected a {want:?} frame, got {ty:?}")));
+    }
+    serde_json::from_slice(&p).map_err(|e| proto(format!("malformed {want:?} payload: {e}")))
 }
 
 /// Serializes `v` as JSON into a control frame.
@@ -418,6 +521,69 @@ mod tests {
         // Truncated stream: the peer went away.
         let e = read_frame(&mut &buf[..5]).unwrap_err();
         assert_eq!(e.status(), Status::PeerUnreachable);
+    }
+
+    fn keys() -> (crate::auth::SessionKeys, crate::auth::SessionKeys) {
+        use crate::auth::{Channel, ClientAuth, Mode, ServerAuth};
+        let m = Mode::from_option(Some("0123456789abcdef-cluster")).unwrap();
+        let (c, hello) = ClientAuth::start(&m, Channel::Data, [1; 16]).unwrap();
+        let (s, ch) = ServerAuth::challenge(&m, Channel::Data, [2; 16], &hello).unwrap();
+        let (p, _, ck) = c.answer_keyed(&ch).unwrap();
+        let (_, sk) = s.verify_keyed(&p).unwrap();
+        (ck, sk)
+    }
+
+    #[test]
+    fn sealed_frames_refuse_tampering_replay_reordering_and_plain_frames() {
+        let (mut c, s) = keys();
+        let mut buf = Vec::new();
+        write_frame_sealed(&mut buf, FrameType::Grant, &7u64.to_le_bytes(), &mut c.send).unwrap();
+        let first = buf.clone();
+        write_frame_sealed(&mut buf, FrameType::Ack, &8u64.to_le_bytes(), &mut c.send).unwrap();
+        let second = buf[first.len()..].to_vec();
+        // In order: both open.
+        let mut r = buf.as_slice();
+        let mut rx = s.recv.clone();
+        assert_eq!(
+            read_frame_sealed(&mut r, MAX_CONTROL_PAYLOAD, &mut rx).unwrap(),
+            (FrameType::Grant, 7u64.to_le_bytes().to_vec())
+        );
+        assert_eq!(
+            read_frame_sealed(&mut r, MAX_CONTROL_PAYLOAD, &mut rx)
+                .unwrap()
+                .0,
+            FrameType::Ack
+        );
+        let integrity = |bytes: &[u8], mac: &mut SessionMac| {
+            let e = read_frame_sealed(&mut &bytes[..], MAX_CONTROL_PAYLOAD, mac).unwrap_err();
+            assert_eq!(e.status(), Status::ChannelIntegrity, "{e}");
+            e
+        };
+        // A payload byte, the type, or the tag altered.
+        for at in [12, 6, first.len() - 1] {
+            let mut bad = first.clone();
+            bad[at] ^= 1;
+            if at == 6 {
+                bad[at] = FrameType::Ack as u8;
+            }
+            integrity(&bad, &mut s.recv.clone());
+        }
+        // Reordered: the second frame first.
+        integrity(&second, &mut s.recv.clone());
+        // Replayed: the first frame twice.
+        let mut rx = s.recv.clone();
+        read_frame_sealed(&mut first.as_slice(), MAX_CONTROL_PAYLOAD, &mut rx).unwrap();
+        integrity(&first, &mut rx);
+        // A plain (unsealed) frame: no tag, or a payload read as one.
+        let mut plain = Vec::new();
+        write_frame(&mut plain, FrameType::Keepalive, &[]).unwrap();
+        let e = integrity(&plain, &mut s.recv.clone());
+        assert!(e.detail().contains("no session MAC"), "{e}");
+        let mut plain = Vec::new();
+        write_frame(&mut plain, FrameType::Grant, &[0; 24]).unwrap();
+        integrity(&plain, &mut s.recv.clone());
+        // The other direction's key does not open it.
+        integrity(&first, &mut c.recv);
     }
 
     #[test]

@@ -244,7 +244,7 @@ fn tcp_random_batches_every_byte_verified() {
 
 /// Opens a raw tcp session to `addr` (hello, select) whose control connection announces a batch writing
 /// the first 4 KiB of `region`, and returns once the receiver granted (pinned) it.
-fn pin_first_page(addr: std::net::SocketAddr, region: u64) -> TcpStream {
+fn pin_first_page(addr: std::net::SocketAddr, region: u64) -> Raw {
     let mut s = dial(addr);
     let me = pdxfer::transport::ProcIdentity::current().unwrap();
     wire::write_json(
@@ -278,15 +278,17 @@ fn pin_first_page(addr: std::net::SocketAddr, region: u64) -> TcpStream {
 
 /// A raw-wire client: dials `addr` and performs the authentication
 /// exchange (the target runs without a secret, on loopback), as instance
-/// `RAW_CLIENT`.
-fn dial(addr: impl std::net::ToSocketAddrs) -> TcpStream {
+/// `RAW_CLIENT`; its frames after the exchange are sealed with the session keys.
+fn dial(addr: impl std::net::ToSocketAddrs) -> Raw {
     dial_as(addr, RAW_CLIENT)
 }
 
-fn dial_as(addr: impl std::net::ToSocketAddrs, instance: [u8; 16]) -> TcpStream {
+type Raw = pdxfer::transport::peer_auth::Sealed<TcpStream>;
+
+fn dial_as(addr: impl std::net::ToSocketAddrs, instance: [u8; 16]) -> Raw {
     let mut s = TcpStream::connect(addr).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-    pdxfer::transport::peer_auth::authenticate_client(
+    let (_, keys) = pdxfer::transport::peer_auth::authenticate_client(
         &mut s,
         &pdxfer::auth::Mode::Open,
         instance,
@@ -294,12 +296,12 @@ fn dial_as(addr: impl std::net::ToSocketAddrs, instance: [u8; 16]) -> TcpStream 
         "target",
     )
     .unwrap();
-    s
+    Raw::new(s, keys)
 }
 
 const RAW_CLIENT: [u8; 16] = [0x5a; 16];
 
-fn read_frame_timeout(s: &mut TcpStream) -> (wire::FrameType, Vec<u8>) {
+fn read_frame_timeout(s: &mut Raw) -> (wire::FrameType, Vec<u8>) {
     s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
     wire::read_frame(s).unwrap()
 }

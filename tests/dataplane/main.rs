@@ -1,6 +1,8 @@
 //! The data plane between processes: `pdxfer target` peers over cma and tcp,
 //! peer authentication against an unprivileged attacker, tcp between two
-//! network namespaces. `cargo test --features testing --test dataplane [filter]`.
+//! network namespaces; the channel's integrity and cma's target after the
+//! handshake against another uid and an on-path relay (`security_channel`).
+//! `cargo test --features testing --test dataplane [filter]`.
 
 #[allow(dead_code, unused_imports)] // each binary uses part of it
 #[path = "../support/mod.rs"]
@@ -10,6 +12,7 @@ mod auth;
 #[cfg(feature = "testing")]
 mod dataplane;
 mod netns;
+mod security_channel;
 
 /// Without the `testing` feature the modules above marked so are not built;
 /// this test says so instead of leaving them out silently.

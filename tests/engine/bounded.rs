@@ -270,11 +270,12 @@ fn agent_idle_flood_is_bounded_and_real_peers_are_served() {
 
 /// A raw-wire client: dials `addr` and performs the authentication exchange
 /// (the target runs without a secret, on loopback), as one fixed instance, so
-/// its data streams attach to its sessions.
-fn dial(addr: &str) -> TcpStream {
+/// its data streams attach to its sessions; its frames after the exchange are
+/// sealed with the session keys.
+fn dial(addr: &str) -> Raw {
     let mut s = TcpStream::connect(addr).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-    pdxfer::transport::peer_auth::authenticate_client(
+    let (_, keys) = pdxfer::transport::peer_auth::authenticate_client(
         &mut s,
         &pdxfer::auth::Mode::Open,
         [0x5b; 16],
@@ -282,12 +283,14 @@ fn dial(addr: &str) -> TcpStream {
         "target",
     )
     .unwrap();
-    s
+    Raw::new(s, keys)
 }
+
+type Raw = pdxfer::transport::peer_auth::Sealed<TcpStream>;
 
 /// Opens a raw tcp session (hello, select tcp) to `addr`; returns the
 /// control connection and the HelloAck.
-fn raw_session(addr: &str) -> (TcpStream, Value) {
+fn raw_session(addr: &str) -> (Raw, Value) {
     let mut s = dial(addr);
     let me = pdxfer::transport::ProcIdentity::current().unwrap();
     wire::write_json(

@@ -1,15 +1,16 @@
 //! The receiver's listener and handshake: the accept loop, the first frame of
 //! each connection (a Hello opens a session's control connection, an Attach
 //! adds a tcp data stream to one), the answer to the sender's transport
-//! choice (the cma proof, the RDMA handshake), and registering the registry's
+//! choice (the cma binding socket, the RDMA handshake), and registering the registry's
 //! regions with the RDMA NICs.
 
 use super::grant::control_loop;
 use super::{lock, AgentInner, ReceiverSession};
-use crate::auth::PeerInstance;
+use crate::auth::{PeerInstance, SessionKeys, SessionMac};
 use crate::error::{Error, Result, Status};
 use crate::memory::RegionKind;
-use crate::transport::handshake::{random_token, random_u64, Hello, HelloAck, Select, SelectOk};
+use crate::transport::cma::bind::BindListener;
+use crate::transport::handshake::{random_token, Hello, HelloAck, Select, SelectOk};
 use crate::transport::listen::{self, Framing, ListenLimits, Slot};
 use crate::transport::peer_auth::{authenticate_server, Prefixed};
 use crate::transport::rdma::nic::{DataPath, NicProvider};
@@ -70,7 +71,7 @@ fn serve_connection(a: Arc<AgentInner>, mut s: TcpStream, first: &[u8], slot: Sl
     // Authentication first: the listener read the AuthHello (`first`);
     // nothing else is read, allocated or said before the exchange succeeds.
     let mut pre = Prefixed::new(first, &mut s);
-    let Ok(peer) = authenticate_server(&mut pre, &a.auth, a.instance) else {
+    let Ok((peer, mut keys)) = authenticate_server(&mut pre, &a.auth, a.instance) else {
         return;
     };
     if !pre.drained() {
@@ -78,27 +79,29 @@ fn serve_connection(a: Arc<AgentInner>, mut s: TcpStream, first: &[u8], slot: Sl
             Status::Protocol,
             "data after the AuthHello before it was answered",
         );
-        return refuse(&mut s, e);
+        return refuse(&mut s, &mut keys.send, e);
     }
-    let (ty, p) = match wire::read_frame(&mut s) {
+    // From here every frame is sealed: a bad or missing MAC ends the connection.
+    let (ty, p) = match wire::read_frame_sealed(&mut s, wire::MAX_CONTROL_PAYLOAD, &mut keys.recv) {
         Ok(f) => f,
-        Err(e) => return refuse(&mut s, e),
+        Err(e) => return refuse(&mut s, &mut keys.send, e),
     };
     match ty {
-        FrameType::Hello => serve_control(a, s, &p, slot, peer),
-        FrameType::Attach => serve_stream(a, s, &p, slot, peer),
+        FrameType::Hello => serve_control(a, s, &p, slot, peer, keys),
+        FrameType::Attach => serve_stream(a, s, &p, slot, peer, keys),
         _ => {
             let e = Error::new(
                 Status::Protocol,
                 format!("first frame must be Hello or Attach, got {ty:?}"),
             );
-            let _ = wire::write_frame(&mut s, FrameType::Error, &wire::encode_error(&e));
+            refuse(&mut s, &mut keys.send, e);
         }
     }
 }
 
-pub(crate) fn refuse(s: &mut TcpStream, e: Error) {
-    let _ = wire::write_frame(s, FrameType::Error, &wire::encode_error(&e));
+/// Sends `e` as a sealed Error frame (the peer authenticated: it checks the MAC).
+pub(crate) fn refuse(s: &mut TcpStream, mac: &mut SessionMac, e: Error) {
+    let _ = wire::write_frame_sealed(s, FrameType::Error, &wire::encode_error(&e), mac);
 }
 
 fn serve_control(
@@ -107,12 +110,18 @@ fn serve_control(
     hello: &[u8],
     mut slot: Slot,
     peer: PeerInstance,
+    keys: SessionKeys,
 ) {
+    let SessionKeys {
+        send: mut send_mac,
+        recv: mut recv_mac,
+    } = keys;
     let hello: Hello = match serde_json::from_slice(hello) {
         Ok(h) => h,
         Err(e) => {
             return refuse(
                 &mut s,
+                &mut send_mac,
                 Error::new(Status::Protocol, format!("malformed Hello: {e}")),
             );
         }
@@ -120,6 +129,7 @@ fn serve_control(
     if hello.version != wire::VERSION {
         return refuse(
             &mut s,
+            &mut send_mac,
             Error::new(
                 Status::Protocol,
                 format!(
@@ -131,16 +141,16 @@ fn serve_control(
         );
     }
     let id = a.next_session.fetch_add(1, Ordering::SeqCst);
+    let token = match random_token() {
+        Ok(t) => t,
+        Err(e) => return refuse(&mut s, &mut send_mac, e),
+    };
     let session = Arc::new(ReceiverSession {
         id,
-        token: match random_token() {
-            Ok(t) => t,
-            Err(e) => return refuse(&mut s, e),
-        },
+        token,
         instance: peer,
-        nonce: Box::new(random_u64()),
         peer: Mutex::new(Some(hello.identity.clone())),
-        writer: Mutex::new(s.try_clone().ok()),
+        writer: Mutex::new(s.try_clone().ok().map(|w| (w, send_mac))),
         granted: Mutex::new(HashMap::new()),
         expired: Mutex::new(Default::default()),
         tcp: Mutex::new(TcpRecv::default()),
@@ -150,30 +160,41 @@ fn serve_control(
         closed: AtomicBool::new(false),
     });
     let nic = a.nic();
+    // A same-host sender may choose cma: it binds its writes to the process
+    // listening here (the kernel names it), not to anything claimed.
+    let binding = if a.identity.same_host(&hello.identity) {
+        BindListener::new()
+            .map_err(|e| log::debug!("no cma binding socket for session {id}: {e}"))
+            .ok()
+    } else {
+        None
+    };
     let ack = HelloAck {
         version: wire::VERSION,
         identity: a.identity.clone(),
         regions: a.registry.descriptors(),
         session: id,
         token: session.token.clone(),
-        nonce_addr: &*session.nonce as *const u64 as u64,
+        cma_socket: binding.as_ref().map(|b| b.name().to_string()),
         rdma: nic.as_ref().ok().map(|n| n.describe()),
         rdma_unavailable: nic.as_ref().err().map(|e| e.detail().to_string()),
         rdma_gpu_direct: nic.as_ref().is_ok_and(|n| a.gpu_direct(&**n).is_ok()),
     };
     lock(&a.sessions).insert(id, session.clone());
     let mut run = || -> Result<()> {
-        wire::write_json(&mut s, FrameType::HelloAck, &ack)?;
-        let sel: Select = wire::read_json(&mut s, FrameType::Select)?;
+        session.write(FrameType::HelloAck, &json(&ack)?)?;
+        let sel: Select = wire::read_json_sealed(&mut s, FrameType::Select, &mut recv_mac)?;
         let mut ok = SelectOk::default();
         match sel.transport {
             TransportKind::Cma => {
-                if sel.proof != *session.nonce {
-                    return Err(Error::new(
+                let b = binding.as_ref().ok_or_else(|| {
+                    Error::new(
                         Status::PeerIdentity,
-                        "cma proof mismatch: the client read another process's memory (pid namespace or pid mix-up); use tcp",
-                    ));
-                }
+                        "cma selected, but this receiver offered no binding socket (the sender \
+                         is not on this host); use tcp",
+                    )
+                })?;
+                b.accept(a.handshake_timeout)?;
             }
             TransportKind::Tcp => session.lands_tcp.store(true, Ordering::SeqCst),
             TransportKind::Rdma => {
@@ -196,19 +217,23 @@ fn serve_control(
                 ))
             }
         }
-        wire::write_json(&mut s, FrameType::SelectOk, &ok)?;
+        session.write(FrameType::SelectOk, &json(&ok)?)?;
         slot.established();
         // a sender that stops reading cannot pin this thread in a write
         s.set_write_timeout(Some(a.idle_timeout))?;
-        control_loop(&a, &session, &mut s, hello.identity.clone())
+        control_loop(&a, &session, &mut s, &mut recv_mac, hello.identity.clone())
     };
     if let Err(e) = run() {
         if e.status() != Status::PeerUnreachable {
-            refuse(&mut s, e);
+            let _ = session.write(FrameType::Error, &wire::encode_error(&e));
         }
     }
     session.close();
     lock(&a.sessions).remove(&id);
+}
+
+fn json<T: serde::Serialize>(v: &T) -> Result<Vec<u8>> {
+    serde_json::to_vec(v).map_err(|e| Error::invalid(format!("encode a handshake answer: {e}")))
 }
 
 /// The receiver's half of the RDMA handshake: registers every region with

@@ -5,7 +5,7 @@
 //! (`cma::connect`, `tcp::connect`, `rdma::transport::connect`).
 
 use super::{Agent, ConnectOptions};
-use crate::auth::{Mode, PeerInstance};
+use crate::auth::{Mode, PeerInstance, SessionKeys};
 use crate::error::{Error, Result, Status};
 use crate::memory::{RegionKind, Registry};
 use crate::transport::conn::Conn;
@@ -38,9 +38,27 @@ pub(crate) struct Dialed<'a> {
     pub(crate) instance: [u8; 16],
     /// The instance the receiver authenticated as.
     pub(crate) peer: PeerInstance,
+    /// The receiver process as the kernel names it (its cma binding
+    /// socket), when `Auto` already connected to it.
+    pub(crate) vouched: Option<cma::bind::Vouched>,
+    /// The session MACs of the control connection (every frame is sealed).
+    pub(crate) keys: SessionKeys,
 }
 
 impl Dialed<'_> {
+    /// Sends a sealed JSON frame on the control connection.
+    pub(crate) fn send_json<T: serde::Serialize>(&mut self, ty: FrameType, v: &T) -> Result<()> {
+        wire::write_json_sealed(&mut self.stream, ty, v, &mut self.keys.send)
+    }
+
+    /// Reads a sealed JSON frame of type `want` from the control connection.
+    pub(crate) fn recv_json<T: serde::de::DeserializeOwned>(
+        &mut self,
+        want: FrameType,
+    ) -> Result<T> {
+        wire::read_json_sealed(&mut self.stream, want, &mut self.keys.recv)
+    }
+
     /// Hands the control connection to the session's [`Conn`] once the
     /// transport is agreed (no read timeout from here on).
     pub(crate) fn start(self) -> Result<Arc<Conn>> {
@@ -54,6 +72,7 @@ impl Dialed<'_> {
             self.addr.to_string(),
             self.opts.keepalive,
             self.instance,
+            self.keys,
         )
     }
 }
@@ -98,34 +117,59 @@ impl Agent {
         s.set_read_timeout(Some(opts.timeout))?;
         s.set_write_timeout(Some(opts.timeout))?;
         // Authentication first: the receiver says nothing about itself before it.
-        let peer = authenticate_client(
+        let (peer, mut keys) = authenticate_client(
             &mut s,
             &self.inner.auth,
             self.inner.instance,
             opts.expect_instance,
             addr,
         )?;
-        wire::write_json(
+        wire::write_json_sealed(
             &mut s,
             FrameType::Hello,
             &Hello {
                 version: wire::VERSION,
                 identity: self.inner.identity.clone(),
             },
+            &mut keys.send,
         )?;
-        let ack: HelloAck = wire::read_json(&mut s, FrameType::HelloAck).map_err(|e| {
-            Error::new(e.status(), format!("handshake with {addr}: {}", e.detail()))
-        })?;
+        let ack: HelloAck = wire::read_json_sealed(&mut s, FrameType::HelloAck, &mut keys.recv)
+            .map_err(|e| {
+                Error::new(e.status(), format!("handshake with {addr}: {}", e.detail()))
+            })?;
         let me = &self.inner.identity;
+        let mut vouched = None;
         let kind = match opts.transport {
             TransportKind::Auto => {
-                // cma only into a live process of this host and of this uid (the
-                // identity comes from the authenticated peer; another uid could
-                // not be written without privileges anyway: tcp then)
+                // cma only into a live process of this host that the kernel
+                // names as the listener of the receiver's binding socket, and
+                // that runs as this uid (SO_PEERCRED, not the claimed process:
+                // a claim names any pid)
                 let same_host = !self.inner.deny_same_host()
                     && me.same_host(&ack.identity)
                     && me.verify_local_peer(&ack.identity).is_ok()
-                    && same_uid(ack.identity.pid);
+                    && ack.cma_socket.as_deref().is_some_and(|name| {
+                        match cma::bind::Vouched::connect(name, addr, opts.timeout) {
+                            Ok(v) if v.pid == ack.identity.pid && same_uid(v.uid) => {
+                                vouched = Some(v);
+                                true
+                            }
+                            Ok(v) => {
+                                log::warn!(
+                                    "the peer at {addr} names pid {} but its cma binding socket \
+                                     is held by pid {} (uid {}): not using cma",
+                                    ack.identity.pid,
+                                    v.pid,
+                                    v.uid
+                                );
+                                false
+                            }
+                            Err(e) => {
+                                log::debug!("no cma to {addr}: {e}");
+                                false
+                            }
+                        }
+                    });
                 // cma cannot write device memory: a peer with device regions never gets it,
                 // and gets rdma only when its NICs can take GPU memory (GPUDirect).
                 let peer_device = ack
@@ -150,6 +194,8 @@ impl Agent {
             auth: &self.inner.auth,
             instance: self.inner.instance,
             peer,
+            vouched,
+            keys,
         };
         match kind {
             TransportKind::Cma => cma::connect(d),
@@ -192,12 +238,11 @@ fn is_rdma_error(e: &Error) -> bool {
     )
 }
 
-/// Whether process `pid` has this process's effective uid as its real and
-/// effective uid (`/proc/<pid>/status`); false when it cannot be read.
-fn same_uid(pid: u32) -> bool {
+/// Whether `uid` (the binding socket listener's, from `SO_PEERCRED`) is this
+/// process's effective uid.
+fn same_uid(uid: u32) -> bool {
     // SAFETY: geteuid has no preconditions and cannot fail.
-    let me = unsafe { libc::geteuid() };
-    crate::transport::identity::uids_of(pid).is_ok_and(|(real, eff)| real == me && eff == me)
+    uid == unsafe { libc::geteuid() }
 }
 
 fn resolve(addr: &str) -> Result<SocketAddr> {

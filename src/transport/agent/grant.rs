@@ -8,6 +8,7 @@
 //! batch without a grant is a tcp batch's: it goes to the tcp receiver.
 
 use super::{lock, AgentInner, ReceiverSession};
+use crate::auth::SessionMac;
 use crate::error::{Error, Result, Status};
 use crate::memory::{AccessGuard, RegionDesc, RegionKind, Registry};
 use crate::transport::conn::readable;
@@ -35,6 +36,7 @@ pub(super) fn control_loop(
     a: &AgentInner,
     sess: &ReceiverSession,
     s: &mut TcpStream,
+    mac: &mut SessionMac,
     peer: ProcIdentity,
 ) -> Result<()> {
     let mut last = Instant::now();
@@ -60,7 +62,7 @@ pub(super) fn control_loop(
         }
         // a frame that started arrives whole within the handshake timeout
         s.set_read_timeout(Some(a.handshake_timeout))?;
-        let (ty, p) = wire::read_frame(s)?;
+        let (ty, p) = wire::read_frame_sealed(s, wire::MAX_CONTROL_PAYLOAD, mac)?;
         last = Instant::now();
         expire_grants(a, sess);
         match ty {

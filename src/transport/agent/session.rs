@@ -5,7 +5,8 @@
 
 use super::grant::Granted;
 use super::lock;
-use crate::auth::PeerInstance;
+use crate::auth::{PeerInstance, SessionMac};
+use crate::error::{Error, Result, Status};
 use crate::transport::identity::ProcIdentity;
 use crate::transport::rdma::nic::DataPath;
 use crate::transport::tcp::TcpRecv;
@@ -24,9 +25,9 @@ pub(crate) struct ReceiverSession {
     /// The instance the control connection authenticated: data streams of
     /// this session must authenticate as the same one.
     pub(crate) instance: PeerInstance,
-    pub(crate) nonce: Box<u64>,
     pub(crate) peer: Mutex<Option<ProcIdentity>>,
-    pub(crate) writer: Mutex<Option<TcpStream>>,
+    /// The control connection's write half and the MAC sealing its frames.
+    pub(crate) writer: Mutex<Option<(TcpStream, SessionMac)>>,
     pub(crate) granted: Mutex<HashMap<u64, Granted>>,
     /// Batches whose grant expired, newest last (their commits are refused).
     pub(crate) expired: Mutex<VecDeque<u64>>,
@@ -51,11 +52,23 @@ impl ReceiverSession {
         drop(path);
     }
 
+    /// Sends a sealed control frame; a failure shuts the connection.
     pub(crate) fn send(&self, ty: FrameType, p: &[u8]) {
-        if let Some(w) = lock(&self.writer).as_mut() {
-            if wire::write_frame(w, ty, p).is_err() {
+        if let Some((w, mac)) = lock(&self.writer).as_mut() {
+            if wire::write_frame_sealed(w, ty, p, mac).is_err() {
                 let _ = w.shutdown(Shutdown::Both);
             }
+        }
+    }
+
+    /// Sends a sealed control frame, returning the failure.
+    pub(crate) fn write(&self, ty: FrameType, p: &[u8]) -> Result<()> {
+        match lock(&self.writer).as_mut() {
+            Some((w, mac)) => wire::write_frame_sealed(w, ty, p, mac),
+            None => Err(Error::new(
+                Status::PeerUnreachable,
+                format!("session {}: its control connection is gone", self.id),
+            )),
         }
     }
 }

@@ -15,11 +15,13 @@
 //! room's granted ranges here, written, and done once its bytes landed, with
 //! no frame at all; the room's one RoomEnd/RoomAck follows its last batch.
 //!
-//! The peer is checked to be the process it claims: same boot id, the
-//! claimed start time in `/proc/<pid>/stat`, a pidfd opened before the
-//! proof, and a nonce read from the peer's memory and echoed back over the
-//! control connection. The pidfd is polled before each batch: a peer that
-//! exited (and whose pid might be reused) is never written to.
+//! The process written into is the one the kernel names ([`bind`]): the
+//! listener of the receiver's per-session Unix socket, by `SO_PEERCRED` and
+//! its pidfd (`SO_PEERPIDFD`); a HelloAck naming any other pid is refused,
+//! and nothing of a claimed process is read. The identity is checked too
+//! (same boot id, the start time in `/proc/<pid>/stat`). The pidfd is
+//! polled before each batch: a peer that exited (and whose pid might be
+//! reused) is never written to.
 
 use super::agent::Dialed;
 use super::batch::Stage;
@@ -36,6 +38,7 @@ use crate::memory::{AccessGuard, RegionDesc};
 use crossbeam::channel::{unbounded, Sender};
 use std::sync::Arc;
 
+pub(crate) mod bind;
 mod peer;
 pub(crate) use peer::{split_even, PeerProcess};
 
@@ -94,23 +97,40 @@ impl CmaTransport {
     }
 }
 
-/// The sender's cma setup on a dialed control connection: opens the peer
-/// process (pidfd and identity checks), proves it by reading the nonce the
-/// receiver named in its HelloAck, selects cma and starts the transport.
+/// The sender's cma setup on a dialed control connection: binds the target
+/// to the process listening on the receiver's binding socket (`SO_PEERCRED`,
+/// its pidfd) and checks that it is the process the HelloAck names, selects
+/// cma, waits for the receiver's answer on the binding socket and starts the
+/// transport.
 pub(crate) fn connect(mut d: Dialed<'_>) -> Result<Box<dyn Transport>> {
-    let pidfd = PeerProcess::open(d.identity, &d.ack.identity)?;
-    let proof = pidfd.read_u64(d.ack.nonce_addr)?;
-    wire::write_json(
-        &mut d.stream,
+    let mut vouched = match d.vouched.take() {
+        Some(v) => v,
+        None => {
+            let name = d.ack.cma_socket.as_deref().ok_or_else(|| {
+                Error::new(
+                    Status::PeerIdentity,
+                    format!(
+                        "the peer at {} (claiming pid {} on {}) offers no cma binding socket: \
+                         not on this host, or it predates kernel-vouched cma; use tcp",
+                        d.addr, d.ack.identity.pid, d.ack.identity.hostname
+                    ),
+                )
+            })?;
+            bind::Vouched::connect(name, d.addr, d.opts.timeout)?
+        }
+    };
+    let addr = d.addr;
+    let pidfd = PeerProcess::bound(d.identity, &d.ack.identity, &mut vouched, addr)?;
+    d.send_json(
         FrameType::Select,
         &Select {
             transport: TransportKind::Cma,
             streams: 0,
-            proof,
             rdma: None,
         },
     )?;
-    let _: serde_json::Value = wire::read_json(&mut d.stream, FrameType::SelectOk)?;
+    let _: serde_json::Value = d.recv_json(FrameType::SelectOk)?;
+    vouched.confirm(addr)?;
     let threads = d.opts.threads.max(1) as usize;
     let conn = d.start()?;
     Ok(Box::new(CmaTransport::new(conn, pidfd, threads)?))

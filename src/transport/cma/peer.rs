@@ -1,5 +1,5 @@
-//! The verified same-host peer process of a cma connection: its pidfd and
-//! identity proof, its memfd-backed regions mapped here (populated at
+//! The verified same-host peer process of a cma connection: its pidfd (from
+//! the kernel-vouched binding socket) and identity checks, its memfd-backed regions mapped here (populated at
 //! connect), and the byte mover (`memcpy` into mapped regions,
 //! `process_vm_writev`/`_readv` for the rest, in IOV_MAX batches).
 
@@ -147,22 +147,30 @@ fn cma_error(op: &str, pid: libc::pid_t, e: std::io::Error) -> Error {
 }
 
 impl PeerProcess {
-    /// Opens a pidfd for the claimed peer and verifies the claim.
-    pub fn open(me: &ProcIdentity, claimed: &ProcIdentity) -> Result<PeerProcess> {
-        let pid = claimed.pid as libc::pid_t;
-        // SAFETY: pidfd_open takes a pid and flags and returns a new fd or -1.
-        let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
-        let pidfd = if fd >= 0 {
-            // SAFETY: fd is a fresh descriptor we own.
-            Some(unsafe { OwnedFd::from_raw_fd(fd as i32) })
-        } else {
-            None
-        };
-        // Verify after opening the pidfd: the fd then refers to the verified process.
+    /// The peer process the kernel vouched for (`vouched`, the listener of
+    /// the receiver's binding socket), which must be the one the HelloAck
+    /// names (`claimed`: same pid, boot id and start time); takes its pidfd.
+    pub(crate) fn bound(
+        me: &ProcIdentity,
+        claimed: &ProcIdentity,
+        vouched: &mut super::bind::Vouched,
+        addr: &str,
+    ) -> Result<PeerProcess> {
+        if vouched.pid != claimed.pid {
+            return Err(Error::new(
+                Status::PeerIdentity,
+                format!(
+                    "the peer at {addr} names pid {} as the process to write into, but the \
+                     kernel says its binding socket is held by pid {} (uid {}): refused, \
+                     nothing of either process is read or written",
+                    claimed.pid, vouched.pid, vouched.uid
+                ),
+            ));
+        }
         me.verify_local_peer(claimed)?;
         Ok(PeerProcess {
-            pid,
-            pidfd,
+            pid: claimed.pid as libc::pid_t,
+            pidfd: vouched.pidfd.take(),
             claimed: claimed.clone(),
             mapped: HashMap::new(),
         })
@@ -226,29 +234,6 @@ impl PeerProcess {
         self.mapped
             .get(&region)
             .map(|m| (m.region_addr(), m.region_len))
-    }
-
-    /// Reads 8 bytes at `addr` in the peer (the handshake proof).
-    pub fn read_u64(&self, addr: u64) -> Result<u64> {
-        let mut v = 0u64;
-        let local = libc::iovec {
-            iov_base: &mut v as *mut u64 as *mut libc::c_void,
-            iov_len: 8,
-        };
-        let remote = libc::iovec {
-            iov_base: addr as *mut libc::c_void,
-            iov_len: 8,
-        };
-        // SAFETY: local points at a live u64; the remote address is only interpreted by the kernel in the peer.
-        let n = unsafe { libc::process_vm_readv(self.pid, &local, 1, &remote, 1, 0) };
-        if n != 8 {
-            return Err(cma_error(
-                "process_vm_readv (handshake proof)",
-                self.pid,
-                std::io::Error::last_os_error(),
-            ));
-        }
-        Ok(v)
     }
 
     /// Fails when the peer exited since the handshake.

@@ -373,17 +373,15 @@ fn read_checksum(pieces: &[Piece]) -> u64 {
 pub(crate) fn connect(mut d: Dialed<'_>, nic: Arc<dyn NicProvider>) -> Result<Box<dyn Transport>> {
     let addr = d.addr;
     let ep = nic.endpoint()?;
-    wire::write_json(
-        &mut d.stream,
+    d.send_json(
         FrameType::Select,
         &Select {
             transport: TransportKind::Rdma,
             streams: 0,
-            proof: 0,
             rdma: Some(ep.local().encode()?),
         },
     )?;
-    let ok: SelectOk = wire::read_json(&mut d.stream, FrameType::SelectOk).map_err(|e| {
+    let ok: SelectOk = d.recv_json(FrameType::SelectOk).map_err(|e| {
         Error::new(
             e.status(),
             format!("rdma handshake with {addr}: {}", e.detail()),

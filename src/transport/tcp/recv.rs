@@ -15,7 +15,7 @@
 
 use super::device::{receive_into_device, DEVICE_BOUNCE_BYTES};
 use super::inbuf::{drain, InBuf, Source, STREAM_BUFFER_BYTES};
-use crate::auth::PeerInstance;
+use crate::auth::{PeerInstance, SessionKeys};
 use crate::error::{Error, Result, Status};
 use crate::memory::{AccessGuard, DeviceWriter, RegionDesc, RegionKind, Registry};
 use crate::transport::agent::{
@@ -166,12 +166,14 @@ pub(crate) fn serve_stream(
     p: &[u8],
     mut slot: Slot,
     peer: PeerInstance,
+    mut keys: SessionKeys,
 ) {
     let att: Attach = match serde_json::from_slice(p) {
         Ok(x) => x,
         Err(e) => {
             return refuse(
                 &mut s,
+                &mut keys.send,
                 Error::new(Status::Protocol, format!("malformed Attach: {e}")),
             )
         }
@@ -182,13 +184,23 @@ pub(crate) fn serve_stream(
     }) else {
         return refuse(
             &mut s,
+            &mut keys.send,
             Error::new(
                 Status::Unauthorized,
                 format!("no session {} with that token", att.session),
             ),
         );
     };
-    if wire::write_json(&mut s, FrameType::AttachOk, &serde_json::json!({})).is_err() {
+    // the stream's last sealed frame: data frames follow unsealed (each is
+    // checked against this side's grants)
+    if wire::write_json_sealed(
+        &mut s,
+        FrameType::AttachOk,
+        &serde_json::json!({}),
+        &mut keys.send,
+    )
+    .is_err()
+    {
         return;
     }
     slot.established();

@@ -171,17 +171,15 @@ impl TcpTransport {
 pub(crate) fn connect(mut d: Dialed<'_>) -> Result<Box<dyn Transport>> {
     let (addr, opts) = (d.addr, d.opts);
     let n = opts.streams.clamp(1, 64);
-    wire::write_json(
-        &mut d.stream,
+    d.send_json(
         FrameType::Select,
         &Select {
             transport: TransportKind::Tcp,
             streams: n,
-            proof: 0,
             rdma: None,
         },
     )?;
-    let _: serde_json::Value = wire::read_json(&mut d.stream, FrameType::SelectOk)?;
+    let _: serde_json::Value = d.recv_json(FrameType::SelectOk)?;
     let mut streams = Vec::new();
     for index in 0..n {
         let mut s = TcpStream::connect_timeout(&d.sockaddr, opts.timeout).map_err(|e| {
@@ -194,8 +192,9 @@ pub(crate) fn connect(mut d: Dialed<'_>) -> Result<Box<dyn Transport>> {
         s.set_read_timeout(Some(opts.timeout))?;
         s.set_write_timeout(Some(opts.timeout))?;
         // each stream authenticates, as the same instance as the control connection
-        authenticate_client(&mut s, d.auth, d.instance, Some(d.peer), addr)?;
-        wire::write_json(
+        // (its Attach and AttachOk sealed with its own keys; data frames are not)
+        let (_, mut keys) = authenticate_client(&mut s, d.auth, d.instance, Some(d.peer), addr)?;
+        wire::write_json_sealed(
             &mut s,
             FrameType::Attach,
             &Attach {
@@ -203,8 +202,10 @@ pub(crate) fn connect(mut d: Dialed<'_>) -> Result<Box<dyn Transport>> {
                 token: d.ack.token.clone(),
                 index,
             },
+            &mut keys.send,
         )?;
-        let _: serde_json::Value = wire::read_json(&mut s, FrameType::AttachOk)?;
+        let _: serde_json::Value =
+            wire::read_json_sealed(&mut s, FrameType::AttachOk, &mut keys.recv)?;
         streams.push(s);
     }
     let conn = d.start()?;
