@@ -36,15 +36,10 @@ use crate::layout::Run;
 use crate::memory::Registry;
 use crate::transport::TransportKind;
 
-use super::flight::Flight;
-use super::handle::{lock, Inner};
-use super::prefill::DecodeLink;
-use super::staging::staged_ops;
-use super::EngineConfig;
-use crate::layout::{slice_requests, PairRequest};
-use crate::transport::{BatchOptions, Transport};
+use super::config::EngineConfig;
+use super::state::Shared;
+use crate::transport::Transport;
 use std::sync::atomic::Ordering;
-use std::sync::Arc;
 
 /// Checks a device-pool configuration before anything is opened: role,
 /// staging size, build, and the driver (typed `no_cuda_driver` without one).
@@ -136,7 +131,7 @@ pub(super) fn decide_gpu_direct_writes(
                     "no flush needed"
                 }
             );
-            agent.flush_gpu_direct_writes(Arc::new(f))
+            agent.flush_gpu_direct_writes(std::sync::Arc::new(f))
         }
         Err(e) if e.status() == Status::Unsupported && cfg.transport == TransportKind::Rdma => {
             Err(Error::new(
@@ -342,7 +337,7 @@ impl DeviceStage {
     }
 }
 
-impl Inner {
+impl Shared {
     /// Whether a new link to a decode rank sends device-pool slices straight
     /// from the device staging buffer: device pools, an rdma link, and a NIC
     /// that can register device memory (GPUDirect RDMA). Otherwise slices go
@@ -371,75 +366,4 @@ impl Inner {
             );
         }
     }
-}
-
-/// Writes one pair's tokens of a chunk from device pools: gathered on the
-/// GPU slice by slice into the worker's device staging and written from there
-/// (zero copy, the link's `zero_copy`: rdma with GPUDirect RDMA), or copied
-/// to its pinned host half and written from there; slice `i+1` is gathered
-/// (and copied) while slice `i` is on the wire. A NIC that refuses the device
-/// staging (`NoGpuDirect`) moves the link to the host path for good and the
-/// pair is written again through it (rewriting the same bytes is harmless).
-pub(super) fn write_pair_device(
-    inner: &Inner,
-    stage: &mut DeviceStage,
-    req: &PairRequest<'_>,
-    row_bytes: &[u64],
-    dst_regions: &[u64],
-    link: &Arc<DecodeLink>,
-    opts: &BatchOptions,
-) -> Result<u64> {
-    let tokens = req.token_count();
-    if tokens == 0 {
-        return Ok(0);
-    }
-    // the CPU cannot read device memory: never a checksum over these batches
-    let opts = BatchOptions {
-        checksum: false,
-        ..*opts
-    };
-    let subs = slice_requests(req, stage.slice_tokens(row_bytes))?;
-    let spans = subs
-        .iter()
-        .map(crate::relayout::gather_spans)
-        .collect::<Result<Vec<_>>>()?;
-    let bases: Vec<u64> = inner.pool_regions.iter().map(|r| r.addr).collect();
-    let run = |stage: &mut DeviceStage, zero_copy: bool| {
-        // SAFETY: the pools were checked as device memory of the stage's device
-        // at creation and stay valid for the engine's life (Engine::new contract);
-        // the plan's rows lie inside them (page ids checked by `send`).
-        unsafe {
-            stage.run(&bases, row_bytes, &spans, zero_copy, |s| {
-                let ops = staged_ops(
-                    &subs[s.index],
-                    row_bytes,
-                    dst_regions,
-                    s.region,
-                    s.offset,
-                    &s.entry_offsets,
-                )?;
-                // each slice completes before its staging half is gathered into again
-                let mut f = Flight::new(&inner.rooms, opts);
-                f.submit(link, &ops, None)?;
-                f.drain()
-            })
-        }
-    };
-    let zero_copy = link.zero_copy.load(Ordering::Acquire);
-    match run(stage, zero_copy) {
-        Err(e) if zero_copy && e.status() == Status::NoGpuDirect => {
-            // The NIC refused to register the device staging (nothing was
-            // posted from it). Only a host-path success
-            // proves the device staging was the problem (not the peer's pools).
-            if let Some(t) = lock(&inner.rooms).times_mut(opts.room, opts.epoch) {
-                t.retries += 1;
-            }
-            run(stage, false)?;
-            if link.zero_copy.swap(false, Ordering::AcqRel) {
-                inner.log_no_gpu_direct(&e);
-            }
-        }
-        r => r?,
-    }
-    Ok(tokens * row_bytes.iter().sum::<u64>())
 }

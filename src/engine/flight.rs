@@ -1,9 +1,9 @@
 //! [`Flight`]: the batches of one chunk in flight together, each one of its
 //! room's fenced writes, and the host staging slots they read.
 
-use super::handle::lock;
-use super::prefill::DecodeLink;
+use super::link::DecodeLink;
 use super::room::RoomTable;
+use super::state::lock;
 use crate::error::{Error, Result};
 use crate::transport::{BatchId, BatchOptions, PlacedRange, Transport, WriteOp};
 use std::sync::atomic::Ordering::Relaxed;
@@ -201,6 +201,7 @@ mod tests {
     use super::*;
     use crate::bootstrap::schema::{InstanceId, PeerHello, Registration, Role};
     use crate::engine::control::{CtlWriter, RegionMap};
+    use crate::engine::path::{Conn, WritePath};
     use crate::engine::room::KvPoll;
     use crate::error::Status;
     use crate::layout::Topology;
@@ -334,10 +335,14 @@ mod tests {
             hello: PeerHello::from(&reg),
             regions: RegionMap::default(),
             writer: CtlWriter::new(ctl),
-            data: Mutex::new(Arc::new(FakeTransport(fabric.clone()))),
+            conn: Mutex::new(Conn {
+                data: Arc::new(FakeTransport(fabric.clone())),
+                path: Arc::new(WritePath::Staged {
+                    sender_gathers: false,
+                }),
+            }),
             data_addr: String::new(),
             alive: AtomicBool::new(true),
-            zero_copy: AtomicBool::new(false),
             counters: Default::default(),
         })
     }

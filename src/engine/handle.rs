@@ -3,130 +3,112 @@
 //! transports) and the bootstrap (registration, peer lookup, handshake re-check)
 //! into prefill and decode engines with SGLang's room lifecycle.
 //!
+//! The handle holds one role's state ([`Inner`]: a `Prefill` or a `Decode`,
+//! each over the `Shared` state); this file is the engine's API: the
+//! role-independent queries, abort and close, and each role's calls handed
+//! to its state.
+//!
 //! Threads: a control listener (prefill) and one reader per control
 //! connection; `workers` transfer threads on the prefill (a room always uses
 //! the same worker, so its chunks stay in order); a deadline thread. Every
 //! failure is kept on its room (reason + code), and one failing peer or room
 //! never stops the others: workers and readers catch errors and panics per job.
 
-use super::control::{CtlMsg, RegionMap};
-use super::decode::{DecodeRoom, PrefillLink};
-use super::jobs::JobQueue;
-use super::metrics::EngineMetrics;
-use super::prefill::{DecodeLink, MetaInfo, PrefillRoom};
-use super::room::{KvPoll, RoomTable};
-use super::EngineConfig;
-use crate::bootstrap::client::Registrar;
-use crate::bootstrap::schema::{InstanceId, Registration, Role};
-use crate::bootstrap::store::Store;
+use super::control::CtlMsg;
+use super::decode::Decode;
+use super::layers::SendOptions;
+use super::metrics::MetricsSnapshot;
+use super::prefill::{notify_decode, Prefill};
+use super::room::KvPoll;
+use super::state::{lock, Shared};
+use super::telemetry::RoomTelemetry;
+use crate::bootstrap::schema::{Registration, Role};
 use crate::error::{Error, Result, Status};
 use crate::memory::RegionDesc;
-use crate::transport::{Agent, TransportKind};
-use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
-use std::time::{Duration, Instant};
+use crate::transport::TransportKind;
+use std::collections::BTreeMap;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Weak};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-/// The state an [`Engine`] handle shares with its threads. One struct for
-/// both roles: the prefill fields stay empty on a decode engine and the
-/// decode fields on a prefill engine.
-///
-/// # Lock order
-///
-/// A thread that takes one of these mutexes while it holds another takes
-/// them in this order, never the reverse:
-///
-/// 1. `prefill_rooms`;
-/// 2. `pending_meta`: `sender` drains and `add_meta` parks a room's
-///    metadata under `prefill_rooms`, so none is parked after the drain.
-///
-/// `rooms` (`cv` waits on it), `registrar`, `decode_links`, `decode_rooms`,
-/// `prefill_links` and the job queue are never held while another of these
-/// is taken, nor taken under one. The `nccl` state's locks are leaves too,
-/// except a link's NCCL sender (held by the one worker moving that link's
-/// chunk), under which `rooms`, `decode_links` and `nccl`'s answers are taken. No control socket is written under any of
-/// them except a control writer's own lock (`CtlWriter::send`, `shutdown`),
-/// which takes none: a stuck decode socket then stalls only the thread
-/// writing to it (`notify_decode` copies the room's links out of
-/// `prefill_rooms` before it writes).
-pub(super) struct Inner {
-    pub(super) cfg: EngineConfig,
-    pub(super) agent: Agent,
-    pub(super) store: Arc<dyn Store>,
-    pub(super) registrar: Mutex<Option<Registrar>>,
-    pub(super) rooms: Mutex<RoomTable>,
-    pub(super) cv: Condvar,
-    pub(super) pool_regions: Vec<RegionDesc>,
-    pub(super) aux_regions: Vec<RegionDesc>,
-    pub(super) state_regions: Vec<RegionDesc>,
-    pub(super) staging: Vec<(Vec<u8>, RegionDesc)>,
-    pub(super) closed: AtomicBool,
-    /// The engine's counters (atomics; see `metrics`).
-    pub(super) metrics: EngineMetrics,
-    /// Where the `/metrics` responder listens, when `metrics_listen` is set.
-    pub(super) metrics_addr: Option<std::net::SocketAddr>,
-    /// Device pools over rdma: why the zero-copy path is not used was logged.
-    pub(super) gpu_direct_logged: AtomicBool,
-    // prefill
-    pub(super) prefill_rooms: Mutex<HashMap<u64, PrefillRoom>>,
-    pub(super) pending_meta: Mutex<HashMap<u64, Vec<MetaInfo>>>,
-    pub(super) decode_links: Mutex<Vec<Arc<DecodeLink>>>,
-    pub(super) jobs: Arc<JobQueue>,
-    // decode
-    pub(super) decode_rooms: Mutex<HashMap<u64, DecodeRoom>>,
-    pub(super) prefill_links: Mutex<HashMap<(InstanceId, u64), Arc<PrefillLink>>>,
-    /// Transport nccl: communicators, the decode's NCCL threads, answers.
-    pub(super) nccl: super::nccl_link::NcclLinks,
+/// The state an [`Engine`] handle shares with its threads: one role's.
+#[derive(Clone)]
+pub(super) enum Inner {
+    Prefill(Arc<Prefill>),
+    Decode(Arc<Decode>),
+}
+
+/// What a thread that must not keep the engine alive holds of it.
+#[derive(Clone)]
+pub(super) enum WeakInner {
+    Prefill(Weak<Prefill>),
+    Decode(Weak<Decode>),
+}
+
+impl Inner {
+    /// The role-independent state.
+    pub(super) fn shared(&self) -> &Shared {
+        match self {
+            Inner::Prefill(p) => &p.shared,
+            Inner::Decode(d) => &d.shared,
+        }
+    }
+
+    pub(super) fn downgrade(&self) -> WeakInner {
+        match self {
+            Inner::Prefill(p) => WeakInner::Prefill(Arc::downgrade(p)),
+            Inner::Decode(d) => WeakInner::Decode(Arc::downgrade(d)),
+        }
+    }
+}
+
+impl WeakInner {
+    /// The engine's state while a handle to it lives.
+    pub(super) fn upgrade(&self) -> Option<Inner> {
+        match self {
+            WeakInner::Prefill(p) => p.upgrade().map(Inner::Prefill),
+            WeakInner::Decode(d) => d.upgrade().map(Inner::Decode),
+        }
+    }
 }
 
 /// One rank's transfer engine.
 #[derive(Clone)]
 pub struct Engine {
-    pub(super) inner: Arc<Inner>,
+    pub(super) inner: Inner,
 }
 
 impl std::fmt::Debug for Engine {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Engine")
-            .field("role", &self.inner.cfg.role)
-            .field("cluster", &self.inner.cfg.cluster)
+            .field("role", &self.shared().cfg.role)
+            .field("cluster", &self.shared().cfg.cluster)
             .finish()
     }
 }
 
-pub(super) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
-}
-
-pub(super) fn catch<T>(what: &str, f: impl FnOnce() -> Result<T>) -> Result<T> {
-    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)) {
-        Ok(r) => r,
-        Err(_) => Err(Error::new(
-            Status::Panic,
-            format!("internal panic in {what}"),
-        )),
+impl Engine {
+    pub(super) fn shared(&self) -> &Shared {
+        self.inner.shared()
     }
 }
 
 impl Engine {
     /// This rank's current bootstrap entry (with its epoch).
     pub fn registration(&self) -> Result<Registration> {
-        lock(&self.inner.registrar)
-            .as_ref()
-            .map(|r| r.registration())
-            .ok_or_else(|| Error::new(Status::EngineClosed, "engine is closed"))
+        self.shared().registration()
     }
 
     /// The room's state (`Failed` for an unknown room, like SGLang).
     pub fn poll(&self, room: u64) -> KvPoll {
-        lock(&self.inner.rooms)
+        lock(&self.shared().rooms)
             .get(room)
             .map_or(KvPoll::Failed, |r| r.poll)
     }
 
     /// Why the room failed (or why it is unknown).
     pub fn failure(&self, room: u64) -> Option<Error> {
-        match lock(&self.inner.rooms).get(room) {
+        match lock(&self.shared().rooms).get(room) {
             Ok(r) => r.failure.clone(),
             Err(e) => Some(e),
         }
@@ -135,7 +117,7 @@ impl Engine {
     /// Waits until the room is terminal or `timeout` passes; returns its state.
     pub fn wait(&self, room: u64, timeout: Duration) -> KvPoll {
         let end = Instant::now() + timeout;
-        let mut rooms = lock(&self.inner.rooms);
+        let mut rooms = lock(&self.shared().rooms);
         loop {
             let p = rooms.get(room).map_or(KvPoll::Failed, |r| r.poll);
             let now = Instant::now();
@@ -143,7 +125,7 @@ impl Engine {
                 return p;
             }
             rooms = self
-                .inner
+                .shared()
                 .cv
                 .wait_timeout(rooms, end - now)
                 .unwrap_or_else(|p| p.into_inner())
@@ -153,31 +135,15 @@ impl Engine {
 
     /// Forgets a terminal room (refused while writes for it are in flight).
     pub fn clear(&self, room: u64) -> Result<()> {
-        lock(&self.inner.rooms).clear(room)?;
-        self.inner.revoke_room_grants(room, None);
-        lock(&self.inner.prefill_rooms).remove(&room);
-        lock(&self.inner.decode_rooms).remove(&room);
-        Ok(())
-    }
-
-    pub(super) fn create_room(&self, room: u64, timeout: Option<Duration>) -> Result<u64> {
-        let t = timeout.unwrap_or(self.inner.cfg.room_timeout);
-        lock(&self.inner.rooms).create(room, KvPoll::Bootstrapping, Some(t), Instant::now())
-    }
-
-    pub(super) fn require(&self, role: Role) -> Result<()> {
-        if self.inner.closed.load(Ordering::Acquire) {
-            return Err(Error::new(Status::EngineClosed, "engine is closed"));
-        }
-        if self.inner.cfg.role != role {
-            return Err(Error::new(
-                Status::Unsupported,
-                format!(
-                    "this is a {} engine; that call belongs to a {} engine",
-                    self.inner.cfg.role.as_str(),
-                    role.as_str()
-                ),
-            ));
+        lock(&self.shared().rooms).clear(room)?;
+        match &self.inner {
+            Inner::Prefill(p) => {
+                lock(&p.prefill_rooms).remove(&room);
+            }
+            Inner::Decode(d) => {
+                d.revoke_room_grants(room, None);
+                lock(&d.decode_rooms).remove(&room);
+            }
         }
         Ok(())
     }
@@ -187,14 +153,14 @@ impl Engine {
     /// land in (call before `send_metadata`). Both sides must give one row per
     /// state buffer; the rows follow the KV and aux, to every decode rank.
     pub fn set_state_indices(&self, room: u64, rows: &[u64]) -> Result<()> {
-        if rows.len() != self.inner.cfg.state.len() {
+        if rows.len() != self.shared().cfg.state.len() {
             return Err(Error::invalid(format!(
                 "room {room}: {} state rows given for {} state buffers",
                 rows.len(),
-                self.inner.cfg.state.len()
+                self.shared().cfg.state.len()
             )));
         }
-        for (i, (&row, b)) in rows.iter().zip(&self.inner.cfg.state).enumerate() {
+        for (i, (&row, b)) in rows.iter().zip(&self.shared().cfg.state).enumerate() {
             if row >= b.count {
                 return Err(Error::new(
                     Status::OutOfBounds,
@@ -205,9 +171,9 @@ impl Engine {
                 ));
             }
         }
-        match self.inner.cfg.role {
-            Role::Prefill => {
-                let mut pr = lock(&self.inner.prefill_rooms);
+        match &self.inner {
+            Inner::Prefill(p) => {
+                let mut pr = lock(&p.prefill_rooms);
                 let r = pr.get_mut(&room).ok_or_else(|| {
                     Error::new(
                         Status::UnknownRoom,
@@ -221,8 +187,8 @@ impl Engine {
                 }
                 r.state_indices = rows.to_vec();
             }
-            Role::Decode => {
-                let mut d = lock(&self.inner.decode_rooms);
+            Inner::Decode(d) => {
+                let mut d = lock(&d.decode_rooms);
                 let r = d.get_mut(&room).ok_or_else(|| {
                     Error::new(
                         Status::UnknownRoom,
@@ -240,25 +206,29 @@ impl Engine {
     /// when the pages may be reused. On prefill the decode ranks that sent
     /// metadata are told the room failed. Returns whether it is fenced already.
     pub fn abort(&self, room: u64) -> Result<bool> {
-        let attempt = lock(&self.inner.rooms).get(room)?.attempt;
-        let fenced = lock(&self.inner.rooms).abort(room, attempt)?;
-        self.inner.cv.notify_all();
-        if self.inner.cfg.role == Role::Decode {
-            let targets = lock(&self.inner.decode_rooms)
-                .get(&room)
-                .map(|r| r.targets.clone())
-                .unwrap_or_default();
-            for t in &targets {
-                let _ = t.writer.send(&CtlMsg::Abort { room, attempt });
+        let shared = self.shared();
+        let attempt = lock(&shared.rooms).get(room)?.attempt;
+        let fenced = lock(&shared.rooms).abort(room, attempt)?;
+        shared.cv.notify_all();
+        let p = match &self.inner {
+            Inner::Prefill(p) => p,
+            Inner::Decode(d) => {
+                let targets = lock(&d.decode_rooms)
+                    .get(&room)
+                    .map(|r| r.targets.clone())
+                    .unwrap_or_default();
+                for t in &targets {
+                    let _ = t.writer.send(&CtlMsg::Abort { room, attempt });
+                }
+                return Ok(self.is_fenced(room));
             }
-            return Ok(self.is_fenced(room));
-        }
+        };
         // the decode ranks of the room learn it now rather than at their timeout
-        let failure = lock(&self.inner.rooms)
+        let failure = lock(&shared.rooms)
             .get(room)
             .ok()
             .and_then(|r| r.failure.clone());
-        super::prefill::notify_decode(&self.inner, room, false, failure);
+        notify_decode(p, room, false, failure);
         Ok(fenced)
     }
 
@@ -267,7 +237,10 @@ impl Engine {
     /// The prefill's chunks start right after it: SGLang's
     /// `pop_decode_prefix_len` reads it to skip the prefix the decode holds.
     pub fn decode_prefix_len(&self, room: u64) -> Option<u64> {
-        lock(&self.inner.prefill_rooms)
+        let Inner::Prefill(p) = &self.inner else {
+            return None;
+        };
+        lock(&p.prefill_rooms)
             .get(&room)
             .and_then(|r| r.infos.first().map(|m| m.prefix))
     }
@@ -275,8 +248,8 @@ impl Engine {
     /// True when no write for an aborted room can still land in local memory
     /// (decode: every live prefill rank acknowledged the abort; a dead one cannot write).
     pub fn is_fenced(&self, room: u64) -> bool {
-        if self.inner.cfg.role == Role::Decode {
-            let d = lock(&self.inner.decode_rooms);
+        if let Inner::Decode(dec) = &self.inner {
+            let d = lock(&dec.decode_rooms);
             let acked = d.get(&room).is_none_or(|r| {
                 r.abort_acks
                     >= r.targets
@@ -286,117 +259,233 @@ impl Engine {
             });
             drop(d);
             // transport nccl: this side's own recvs for the room stopped too
-            return acked && self.inner.nccl.idle(room);
+            return acked && dec.nccl.idle(room);
         }
-        lock(&self.inner.rooms).is_fenced(room)
+        lock(&self.shared().rooms).is_fenced(room)
     }
 
     /// Bytes received for a decode room (from the prefill ranks' completion records).
     pub fn room_bytes(&self, room: u64) -> u64 {
-        lock(&self.inner.decode_rooms)
-            .get(&room)
-            .map_or(0, |r| r.bytes)
+        let Inner::Decode(d) = &self.inner else {
+            return 0;
+        };
+        lock(&d.decode_rooms).get(&room).map_or(0, |r| r.bytes)
     }
 
     /// The transport the data of this engine moves over (decode: as chosen by the prefill).
     pub fn transport(&self) -> TransportKind {
-        self.inner.cfg.transport
+        self.shared().cfg.transport
     }
 
     /// Deregisters from the bootstrap and stops the threads.
     pub fn close(&self) {
-        self.inner.closed.store(true, Ordering::Release);
-        if let Some(r) = lock(&self.inner.registrar).take() {
+        let shared = self.shared();
+        shared.closed.store(true, Ordering::Release);
+        if let Some(r) = lock(&shared.registrar).take() {
             let _ = r.deregister();
         }
-        for l in lock(&self.inner.decode_links).drain(..) {
-            l.writer.shutdown();
-            l.data().close();
+        match &self.inner {
+            Inner::Prefill(p) => {
+                for l in lock(&p.decode_links).drain(..) {
+                    l.writer.shutdown();
+                    l.data().close();
+                }
+                // NCCL waits abort
+                p.nccl.close();
+            }
+            Inner::Decode(d) => {
+                for (_, l) in lock(&d.prefill_links).drain() {
+                    l.writer.shutdown();
+                }
+                // NCCL waits abort, the decode's NCCL threads are joined
+                d.nccl.close();
+            }
         }
-        for (_, l) in lock(&self.inner.prefill_links).drain() {
-            l.writer.shutdown();
+        shared.agent.shutdown();
+    }
+
+    /// The prefill's state, or the error of a call that belongs to a prefill
+    /// engine (closed engines refuse every role call).
+    fn prefill(&self) -> Result<&Arc<Prefill>> {
+        self.shared().require(Role::Prefill)?;
+        match &self.inner {
+            Inner::Prefill(p) => Ok(p),
+            Inner::Decode(_) => unreachable!("a decode engine's role is decode"),
         }
-        // NCCL waits abort, the decode's NCCL threads are joined
-        self.inner.nccl.close();
-        self.inner.agent.shutdown();
+    }
+
+    /// The decode's state, or the error of a call that belongs to a decode engine.
+    fn decode(&self) -> Result<&Arc<Decode>> {
+        self.shared().require(Role::Decode)?;
+        match &self.inner {
+            Inner::Decode(d) => Ok(d),
+            Inner::Prefill(_) => unreachable!("a prefill engine's role is prefill"),
+        }
+    }
+
+    /// Prefill: opens room `room`; it becomes `WaitingForInput` once every
+    /// decode rank that targets this rank sent its metadata.
+    pub fn sender(&self, room: u64) -> Result<()> {
+        self.prefill()?.sender(room)
+    }
+
+    /// Prefill: queues a chunk of the request: this rank's `pages` holding
+    /// `num_tokens` tokens (only the last page may be partial), in order (with
+    /// prefill DCP: this rank's local pages, `num_tokens` counting sequence
+    /// positions, `page_size * dcp_size` per page);
+    /// `last` marks the final chunk, after which the aux row `aux_index` follows.
+    /// The rows must be complete when `send` is called: see
+    /// [`send_with`](Self::send_with) for sends ordered after the caller's compute.
+    pub fn send(
+        &self,
+        room: u64,
+        pages: &[u64],
+        num_tokens: u64,
+        last: bool,
+        aux_index: u64,
+    ) -> Result<()> {
+        self.send_with(
+            room,
+            pages,
+            num_tokens,
+            last,
+            aux_index,
+            &SendOptions::default(),
+        )
+    }
+
+    /// Prefill: [`send`](Self::send) with [`SendOptions`]: ordered after a
+    /// CUDA event (device pools) or a ready flag (host pools) instead of
+    /// needing complete rows, and/or for a range of layers only.
+    ///
+    /// Layer-wise, a chunk is sent over many calls, each with the same
+    /// `pages`, `num_tokens`, `last` and `aux_index` and the next layers
+    /// (`0..a`, `a..b`, ..., `..n` for the `n` topology entries); the decode
+    /// sees one room and one completion after every layer of every chunk and
+    /// the aux and state rows landed, as with whole-chunk sends. A layer sent
+    /// twice or skipped, another chunk or a whole-chunk send while layers of
+    /// one are missing, are refused with `layer_order` and change nothing.
+    pub fn send_with(
+        &self,
+        room: u64,
+        pages: &[u64],
+        num_tokens: u64,
+        last: bool,
+        aux_index: u64,
+        opts: &SendOptions,
+    ) -> Result<()> {
+        self.prefill()?
+            .send_with(room, pages, num_tokens, last, aux_index, opts)
+    }
+
+    /// Decode: opens room `room` against the prefill instance's data-parallel
+    /// group `prefill_dp`: resolves the prefill ranks from current bootstrap
+    /// entries, connects (once per peer instance) and re-checks each peer.
+    pub fn receiver(&self, room: u64, prefill_dp: u32, timeout: Option<Duration>) -> Result<()> {
+        self.decode()?.receiver(room, prefill_dp, timeout)
+    }
+
+    /// Decode: tells every target prefill rank where the request's KV goes.
+    pub fn send_metadata(
+        &self,
+        room: u64,
+        dst_pages: &[u64],
+        decode_prefix_len: u64,
+        aux_index: u64,
+    ) -> Result<()> {
+        self.decode()?
+            .send_metadata(room, dst_pages, decode_prefix_len, aux_index)
     }
 }
 
-impl Inner {
-    pub(super) fn region_map(&self) -> RegionMap {
-        RegionMap {
-            kv: self
-                .cfg
-                .pools
-                .iter()
-                .zip(&self.pool_regions)
-                .map(|(p, r)| (p.layer_id, r.id))
-                .collect(),
-            aux: self
-                .cfg
-                .aux
-                .iter()
-                .zip(&self.aux_regions)
-                .map(|(a, r)| (r.id, a.item_bytes))
-                .collect(),
-            state: self
-                .cfg
-                .state
-                .iter()
-                .zip(&self.state_regions)
-                .map(|(a, r)| (r.id, a.item_bytes))
-                .collect(),
-        }
-    }
-
-    /// Fails the room's `attempt` with `e` and logs it, naming the room, the
-    /// peer instances it was moving bytes with and the status kind (the log
-    /// reaches a C or Python host through the log callback).
-    pub(super) fn fail_room(&self, room: u64, attempt: u64, e: Error) {
-        let peers = self.room_peers(room);
-        if self.cfg.role == Role::Decode {
-            self.revoke_room_grants(room, None);
-        }
-        if lock(&self.rooms).fail(room, attempt, e.clone()) {
-            log::warn!(
-                "{} room {room} failed, peers [{peers}]: {} ({}): {}",
-                self.cfg.role.as_str(),
-                e.kind(),
-                e.status() as i32,
-                e.detail()
-            );
-        }
-        self.cv.notify_all();
-    }
-
-    /// The peer instances of a room, for log lines: a prefill's decode ranks
-    /// that sent metadata, a decode's prefill ranks (takes and releases the
-    /// role's room lock; `rooms` is not held).
-    pub(super) fn room_peers(&self, room: u64) -> String {
-        let ids: Vec<String> = match self.cfg.role {
-            Role::Prefill => lock(&self.prefill_rooms)
-                .get(&room)
-                .map(|r| {
-                    r.infos
-                        .iter()
-                        .map(|m| m.link.hello.instance_id.to_string())
-                        .collect()
-                })
-                .unwrap_or_default(),
-            Role::Decode => lock(&self.decode_rooms)
-                .get(&room)
-                .map(|r| {
-                    r.targets
-                        .iter()
-                        .map(|t| t.registration.instance_id.to_string())
-                        .collect()
-                })
-                .unwrap_or_default(),
+impl Engine {
+    /// The telemetry of a live room (finished or not; gone once cleared):
+    /// `UnknownRoom` for a room this engine does not hold.
+    pub fn telemetry(&self, room: u64) -> Result<RoomTelemetry> {
+        let (attempt, state, created, t) = {
+            let rooms = lock(&self.shared().rooms);
+            let r = rooms.get(room)?;
+            (r.attempt, r.poll, r.created, r.times)
         };
-        if ids.is_empty() {
-            "none yet".into()
-        } else {
-            ids.join(", ")
-        }
+        let prefill = matches!(self.inner, Inner::Prefill(_));
+        let bytes = match &self.inner {
+            Inner::Prefill(p) => lock(&p.prefill_rooms)
+                .get(&room)
+                .filter(|r| r.attempt == attempt)
+                .map_or(0, |r| r.infos.iter().map(|m| m.bytes).sum()),
+            Inner::Decode(d) => lock(&d.decode_rooms)
+                .get(&room)
+                .filter(|r| r.attempt == attempt)
+                .map_or(0, |r| r.bytes),
+        };
+        let age = created.elapsed();
+        let created_unix_ns = SystemTime::now()
+            .checked_sub(age)
+            .and_then(|c| c.duration_since(UNIX_EPOCH).ok())
+            .map_or(0, |d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX));
+        let since = |i: Option<Instant>| i.map(|i| i.saturating_duration_since(created));
+        Ok(RoomTelemetry {
+            room,
+            attempt,
+            state,
+            created_unix_ns,
+            queued: since(t.queued),
+            planned: since(t.planned),
+            first_byte: since(t.first_byte),
+            last_ack: since(t.last_ack),
+            bytes,
+            batches: prefill.then_some(t.batches),
+            retries: prefill.then_some(t.retries),
+            transport: t.transport.map(str::to_string),
+        })
+    }
+}
+
+impl Engine {
+    /// Every metric of the engine now (cheap: the room table's lock is
+    /// held while its live rooms are counted, the link registry's while the
+    /// links' counters are read; neither while the other is taken).
+    pub fn metrics_snapshot(&self) -> MetricsSnapshot {
+        let inner = self.shared();
+        let (rooms, totals) = lock(&inner.rooms).totals();
+        let len = |rs: &[RegionDesc]| rs.iter().map(|r| r.len).sum::<u64>();
+        let staging_bytes: u64 = inner.staging.iter().map(|(_, d)| d.len).sum();
+        let mut registered = BTreeMap::new();
+        registered.insert("kv", len(&inner.pool_regions));
+        registered.insert("aux", len(&inner.aux_regions));
+        registered.insert("state", len(&inner.state_regions));
+        registered.insert("staging", staging_bytes);
+        let known: u64 = registered.values().sum();
+        let all: u64 = inner
+            .agent
+            .registry()
+            .descriptors()
+            .iter()
+            .map(|r| r.len)
+            .sum();
+        // device staging, the tcp receiver's bounce buffers, ...
+        registered.insert("other", all.saturating_sub(known));
+        let mut s = MetricsSnapshot::new(
+            inner.cfg.role,
+            &inner.cfg.cluster,
+            rooms,
+            totals,
+            &inner.metrics,
+            staging_bytes,
+            registered,
+        );
+        s.room_grants_held = inner.agent.room_grants_held() as u64;
+        s
+    }
+
+    /// The engine's metrics as Prometheus text (format 0.0.4).
+    pub fn metrics(&self) -> String {
+        self.metrics_snapshot().to_prometheus()
+    }
+
+    /// Where the `/metrics` responder listens (`metrics_listen` set), with
+    /// the port it picked for `:0`.
+    pub fn metrics_addr(&self) -> Option<std::net::SocketAddr> {
+        self.shared().metrics_addr
     }
 }

@@ -12,14 +12,10 @@
 //!   layer group is packed on its own (entry-major), so its writes stay long.
 
 use super::device::DeviceStage;
-use super::flight::Flight;
-use super::handle::{lock, Inner};
-use super::prefill::DecodeLink;
+use super::path::PairPlan;
 use super::room::KvPoll;
-use super::staging::{gather_into_slot, pool_slices, sender_gathers, staging_slots};
+use super::state::{lock, Shared};
 use crate::error::{Error, Result, Status};
-use crate::layout::{PackLayout, PairRequest, Run};
-use crate::transport::{BatchOptions, WriteOp};
 use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -181,29 +177,6 @@ pub(super) fn check_next(
     Ok(())
 }
 
-/// The token plan of one chunk toward one decode rank, in three forms, none
-/// of which depends on the layers: pool row to pool row (writes straight from
-/// the pool), pool row to packed index (the gather into staging) and packed
-/// index to pool row (the writes of the packed rows).
-#[derive(Debug, Clone)]
-pub(super) struct PairPlan {
-    pub(super) tokens: u64,
-    direct: Vec<Run>,
-    gather: Vec<Run>,
-    scatter: Vec<Run>,
-}
-
-impl PairPlan {
-    pub(super) fn new(req: &PairRequest<'_>) -> Result<PairPlan> {
-        Ok(PairPlan {
-            tokens: req.token_count(),
-            direct: req.runs(false)?,
-            gather: crate::relayout::gather_spans(req)?,
-            scatter: req.runs(true)?,
-        })
-    }
-}
-
 /// A chunk's plans toward every decode rank of its room (in `infos` order).
 #[derive(Debug)]
 pub(super) struct LayerPlan {
@@ -212,39 +185,11 @@ pub(super) struct LayerPlan {
     pub(super) pairs: Vec<PairPlan>,
 }
 
-/// The part of `runs` (sorted by their packed side, `src` when `by_src`, else
-/// `dst`) inside packed indices `lo..hi`, rebased to start at `lo`.
-pub(super) fn clip(runs: &[Run], lo: u64, hi: u64, by_src: bool) -> Vec<Run> {
-    let key = |r: &Run| if by_src { r.src } else { r.dst };
-    let first = runs.partition_point(|r| key(r) + r.len <= lo);
-    let mut out = Vec::new();
-    for r in &runs[first..] {
-        let k = key(r);
-        if k >= hi {
-            break;
-        }
-        let a = k.max(lo);
-        let b = (k + r.len).min(hi);
-        let skip = a - k;
-        let (src, dst) = if by_src {
-            (a - lo, r.dst + skip)
-        } else {
-            (r.src + skip, a - lo)
-        };
-        out.push(Run {
-            src,
-            dst,
-            len: b - a,
-        });
-    }
-    out
-}
-
 /// Waits for what a send's rows depend on: the device stream on the caller's
 /// CUDA event (enqueued, not waited), the worker thread on the ready flag
 /// (polled; ends when the room fails, is aborted or the engine closes).
 pub(super) fn wait_ready(
-    inner: &Inner,
+    inner: &Shared,
     room: u64,
     attempt: u64,
     ready: &Ready,
@@ -290,239 +235,9 @@ pub(super) fn wait_ready(
     Ok(())
 }
 
-/// The writes of one layer group's rows straight from the pools.
-fn direct_ops(
-    inner: &Inner,
-    plan: &PairPlan,
-    layers: &Range<usize>,
-    row_bytes: &[u64],
-    dst_regions: &[u64],
-) -> Vec<WriteOp> {
-    let mut ops = Vec::with_capacity(plan.direct.len() * layers.len());
-    for e in layers.clone() {
-        let rb = row_bytes[e];
-        for r in &plan.direct {
-            ops.push(WriteOp {
-                local_region: inner.pool_regions[e].id,
-                local_offset: r.src * rb,
-                remote_region: dst_regions[e],
-                remote_offset: r.dst * rb,
-                len: r.len * rb,
-            });
-        }
-    }
-    ops
-}
-
-/// The writes of packed rows `lo..hi` of a layer group (entry-major at
-/// `entry_offsets`, relative to the group, from `offset` in `region`).
-fn packed_ops(
-    plan: &PairPlan,
-    (lo, hi): (u64, u64),
-    layers: &Range<usize>,
-    row_bytes: &[u64],
-    dst_regions: &[u64],
-    (region, offset): (u64, u64),
-    entry_offsets: &[u64],
-) -> Vec<WriteOp> {
-    let runs = clip(&plan.scatter, lo, hi, true);
-    let mut ops = Vec::with_capacity(runs.len() * layers.len());
-    for (i, e) in layers.clone().enumerate() {
-        let rb = row_bytes[e];
-        for r in &runs {
-            ops.push(WriteOp {
-                local_region: region,
-                local_offset: offset + entry_offsets[i] + r.src * rb,
-                remote_region: dst_regions[e],
-                remote_offset: r.dst * rb,
-                len: r.len * rb,
-            });
-        }
-    }
-    ops
-}
-
-/// Submits one layer group of one pair into `flight` from host pools: packed
-/// through the worker's host staging (the group's rows entry-major, slice by
-/// slice) when that makes fewer writes, else straight from the pools.
-/// Returns the bytes of the group.
-#[allow(clippy::too_many_arguments)]
-pub(super) fn write_group(
-    inner: &Inner,
-    idx: usize,
-    plan: &PairPlan,
-    layers: &Range<usize>,
-    row_bytes: &[u64],
-    dst_regions: &[u64],
-    link: &Arc<DecodeLink>,
-    flight: &mut Flight<'_>,
-) -> Result<u64> {
-    let rb = &row_bytes[layers.clone()];
-    let token_bytes: u64 = rb.iter().sum();
-    if plan.tokens == 0 {
-        return Ok(0);
-    }
-    let staging = inner.staging.get(idx);
-    let (slots, slot_bytes) = staging_slots(staging, token_bytes);
-    let cap = slot_bytes / token_bytes.max(1);
-    // over tcp the sender gathers each destination run itself (sender_gathers)
-    let (Some((buf, desc)), true) = (
-        staging,
-        cap > 0 && plan.scatter.len() * 2 <= plan.direct.len() && !sender_gathers(link),
-    ) else {
-        let ops = direct_ops(inner, plan, layers, row_bytes, dst_regions);
-        flight.submit(link, &ops, None)?;
-        return Ok(plan.tokens * token_bytes);
-    };
-    let pools = pool_slices(inner, layers.clone());
-    let mut lo = 0;
-    while lo < plan.tokens {
-        let hi = (lo + cap).min(plan.tokens);
-        let pack = PackLayout::new(hi - lo, rb)?;
-        let spans = clip(&plan.gather, lo, hi, false);
-        // the pack holds `cap` tokens of the group at most: one slot
-        let (slot, offset) = gather_into_slot(
-            inner,
-            flight,
-            (buf, slots, slot_bytes),
-            &pools,
-            rb,
-            &spans,
-            &pack,
-        )?;
-        let ops = packed_ops(
-            plan,
-            (lo, hi),
-            layers,
-            row_bytes,
-            dst_regions,
-            (desc.id, offset),
-            &pack.entry_offsets,
-        );
-        flight.submit(link, &ops, Some(slot))?;
-        lo = hi;
-    }
-    Ok(plan.tokens * token_bytes)
-}
-
-/// [`write_group`] from device pools: the group's rows gathered on the GPU
-/// slice by slice into the worker's device staging and written from there
-/// (zero copy) or from its pinned host copy, as `write_pair_device` does for
-/// whole chunks (with its fallback when the NIC refuses device memory).
-#[allow(clippy::too_many_arguments)]
-pub(super) fn write_group_device(
-    inner: &Inner,
-    stage: &mut DeviceStage,
-    plan: &PairPlan,
-    layers: &Range<usize>,
-    row_bytes: &[u64],
-    dst_regions: &[u64],
-    link: &Arc<DecodeLink>,
-    opts: &BatchOptions,
-) -> Result<u64> {
-    let rb = &row_bytes[layers.clone()];
-    let token_bytes: u64 = rb.iter().sum();
-    if plan.tokens == 0 {
-        return Ok(0);
-    }
-    let opts = BatchOptions {
-        checksum: false,
-        ..*opts
-    };
-    let cap = stage.slice_tokens(rb).max(1);
-    let bounds: Vec<(u64, u64)> = (0..plan.tokens)
-        .step_by(cap as usize)
-        .map(|lo| (lo, (lo + cap).min(plan.tokens)))
-        .collect();
-    let spans: Vec<Vec<Run>> = bounds
-        .iter()
-        .map(|&(lo, hi)| clip(&plan.gather, lo, hi, false))
-        .collect();
-    let bases: Vec<u64> = inner.pool_regions[layers.clone()]
-        .iter()
-        .map(|r| r.addr)
-        .collect();
-    let run = |stage: &mut DeviceStage, zero_copy: bool| {
-        // SAFETY: the pools were checked as device memory of the stage's device
-        // at creation and stay valid for the engine's life (Engine::new
-        // contract); the plan's rows lie inside them (page ids checked by `send`).
-        unsafe {
-            stage.run(&bases, rb, &spans, zero_copy, |s| {
-                let ops = packed_ops(
-                    plan,
-                    bounds[s.index],
-                    layers,
-                    row_bytes,
-                    dst_regions,
-                    (s.region, s.offset),
-                    &s.entry_offsets,
-                );
-                // each slice completes before its staging half is gathered into again
-                let mut f = Flight::new(&inner.rooms, opts);
-                f.submit(link, &ops, None)?;
-                f.drain()
-            })
-        }
-    };
-    let zero_copy = link.zero_copy.load(Ordering::Acquire);
-    match run(stage, zero_copy) {
-        Err(e) if zero_copy && e.status() == Status::NoGpuDirect => {
-            run(stage, false)?;
-            if link.zero_copy.swap(false, Ordering::AcqRel) {
-                inner.log_no_gpu_direct(&e);
-            }
-        }
-        r => r?,
-    }
-    Ok(plan.tokens * token_bytes)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn run(src: u64, dst: u64, len: u64) -> Run {
-        Run { src, dst, len }
-    }
-
-    #[test]
-    fn clip_cuts_runs_at_packed_bounds() {
-        // packed index on dst (a gather): pool rows 100.., 40.., 7..
-        let g = [run(100, 0, 4), run(40, 4, 3), run(7, 7, 5)];
-        assert_eq!(clip(&g, 0, 12, false), g.to_vec());
-        assert_eq!(
-            clip(&g, 2, 9, false),
-            vec![run(102, 0, 2), run(40, 2, 3), run(7, 5, 2)]
-        );
-        assert_eq!(clip(&g, 5, 6, false), vec![run(41, 0, 1)]);
-        assert!(clip(&g, 12, 20, false).is_empty());
-        // packed index on src (the writes of packed rows)
-        let s = [run(0, 30, 6), run(6, 90, 2)];
-        assert_eq!(clip(&s, 4, 8, true), vec![run(0, 34, 2), run(2, 90, 2)]);
-        assert_eq!(clip(&s, 6, 7, true), vec![run(0, 90, 1)]);
-    }
-
-    #[test]
-    fn clipped_slices_cover_every_row_once() {
-        let g = [run(100, 0, 4), run(40, 4, 3), run(7, 7, 5)];
-        for cap in 1..13 {
-            let mut rows = Vec::new();
-            let mut lo = 0;
-            while lo < 12 {
-                let hi = (lo + cap).min(12);
-                for r in clip(&g, lo, hi, false) {
-                    assert!(r.dst + r.len <= hi - lo);
-                    rows.extend((0..r.len).map(|i| (r.src + i, lo + r.dst + i)));
-                }
-                lo = hi;
-            }
-            let want: Vec<_> = g
-                .iter()
-                .flat_map(|r| (0..r.len).map(move |i| (r.src + i, r.dst + i)))
-                .collect();
-            assert_eq!(rows, want, "cap {cap}");
-        }
-    }
 
     fn chunk() -> LayerChunk {
         LayerChunk {

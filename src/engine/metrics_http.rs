@@ -4,12 +4,11 @@
 //! [`IO_TIMEOUT`] to send its request head and take the answer; the thread
 //! ends once the engine is closed or dropped.
 
-use super::handle::{Engine, Inner};
+use super::handle::{Engine, WeakInner};
 use crate::error::{Error, Result, Status};
 use std::io::{ErrorKind, Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::sync::atomic::Ordering;
-use std::sync::Weak;
 use std::time::Duration;
 
 /// Time a scraper has to send its request head, and to take the answer.
@@ -32,10 +31,10 @@ pub(super) fn bind(addr: &str) -> Result<TcpListener> {
 }
 
 /// Serves `/metrics` on `l` until the engine is closed or dropped.
-pub(super) fn serve(w: Weak<Inner>, l: TcpListener) {
+pub(super) fn serve(w: WeakInner, l: TcpListener) {
     loop {
         let Some(inner) = w.upgrade() else { return };
-        if inner.closed.load(Ordering::Acquire) {
+        if inner.shared().closed.load(Ordering::Acquire) {
             return;
         }
         drop(inner);
@@ -51,7 +50,7 @@ pub(super) fn serve(w: Weak<Inner>, l: TcpListener) {
 }
 
 /// Reads one request head and answers it.
-fn answer(w: &Weak<Inner>, mut s: TcpStream) -> std::io::Result<()> {
+fn answer(w: &WeakInner, mut s: TcpStream) -> std::io::Result<()> {
     s.set_nonblocking(false)?;
     s.set_read_timeout(Some(IO_TIMEOUT))?;
     s.set_write_timeout(Some(IO_TIMEOUT))?;

@@ -11,7 +11,6 @@
 //!   acknowledged only when no write for the room can still land.
 
 use super::metrics::RoomTotals;
-use super::telemetry::RoomTimes;
 use crate::error::{Error, Result, Status};
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
@@ -347,6 +346,73 @@ impl RoomTable {
     /// True when no room is live.
     pub fn is_empty(&self) -> bool {
         self.rooms.is_empty()
+    }
+}
+
+/// A room's times and counts as the engine stamps them.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct RoomTimes {
+    /// Prefill: the first chunk was queued (`send`). Decode: the metadata
+    /// was sent to every prefill rank (`send_metadata`).
+    pub queued: Option<Instant>,
+    /// Prefill: a transfer worker planned the first chunk (its pair
+    /// requests checked). Not stamped on a decode.
+    pub planned: Option<Instant>,
+    /// Prefill: the first batch was posted. Not stamped on a decode.
+    pub first_byte: Option<Instant>,
+    /// The room succeeded: prefill, every batch completed and the decode
+    /// ranks were told; decode, every prefill rank reported success.
+    pub last_ack: Option<Instant>,
+    /// Prefill: batches posted for the room.
+    pub batches: u64,
+    /// Prefill: writes done again (a NIC that refused the device staging
+    /// has the slices written through the host).
+    pub retries: u64,
+    /// The transport label of the room's data: prefill, its decode links'
+    /// (`mixed` when they differ); decode, its configured transport.
+    pub transport: Option<&'static str>,
+}
+
+impl RoomTimes {
+    /// Stamps a time once; later stamps keep the first.
+    pub(crate) fn stamp(slot: &mut Option<Instant>, now: Instant) {
+        slot.get_or_insert(now);
+    }
+}
+
+impl RoomTotals {
+    /// Counts one room's outcome if it finished (a room cleared before it
+    /// finished counts nowhere but in `created`).
+    pub(crate) fn count(&mut self, r: &Room) {
+        match r.poll {
+            KvPoll::Success => {
+                self.succeeded += 1;
+                let t = &r.times;
+                let from = t.queued.unwrap_or(r.created);
+                let to = t.last_ack.unwrap_or(from);
+                self.latency
+                    .entry(t.transport.unwrap_or("unknown"))
+                    .or_default()
+                    .observe(to.saturating_duration_since(from).as_secs_f64());
+            }
+            KvPoll::Failed => {
+                let kind = r
+                    .failure
+                    .as_ref()
+                    .map_or("room_failed", |e| e.status().kind());
+                *self.failed.entry(kind).or_default() += 1;
+            }
+            _ => {}
+        }
+    }
+
+    /// These totals with the finished rooms among `live` counted too.
+    pub(crate) fn with_live<'a>(&self, live: impl Iterator<Item = &'a Room>) -> RoomTotals {
+        let mut t = self.clone();
+        for r in live {
+            t.count(r);
+        }
+        t
     }
 }
 

@@ -10,7 +10,6 @@
 //! revokes the grants on every terminal state of the room.
 
 use super::control::RegionMap;
-use super::handle::{lock, Inner};
 use crate::error::{Error, Result, Status};
 use crate::layout::Topology;
 use crate::transport::room::GrantRange;
@@ -71,29 +70,6 @@ pub(super) fn room_ranges(
         });
     }
     Ok(out)
-}
-
-impl Inner {
-    /// Decode: revokes the grants of `room` (every attempt) issued to the
-    /// prefill instance `only`, or to all of them.
-    pub(super) fn revoke_room_grants(&self, room: u64, only: Option<u128>) {
-        let tokens: Vec<u64> = {
-            let mut d = lock(&self.decode_rooms);
-            let Some(r) = d.get_mut(&room) else { return };
-            let mut taken = Vec::new();
-            r.grants.retain(|&(inst, token)| {
-                let hit = only.is_none_or(|o| o == inst);
-                if hit {
-                    taken.push(token);
-                }
-                !hit
-            });
-            taken
-        };
-        for t in tokens {
-            self.agent.revoke_room(t);
-        }
-    }
 }
 
 #[cfg(test)]

@@ -2,20 +2,21 @@
 //! memory registered with the agent, the threads started and the rank
 //! registered with the bootstrap.
 
+use super::config::EngineConfig;
 use super::deadline::deadline_loop;
+use super::decode::Decode;
 use super::device::DeviceStage;
-use super::handle::{lock, Engine, Inner};
-use super::jobs::JobQueue;
-use super::prefill::accept_loop;
+use super::handle::{Engine, Inner};
+use super::prefill::worker::worker_loop;
+use super::prefill::{accept_loop, Prefill};
 use super::room::RoomTable;
-use super::worker::worker_loop;
-use super::EngineConfig;
+use super::state::{lock, Shared};
 use crate::bootstrap::client::Registrar;
 use crate::bootstrap::schema::{InstanceId, RegionDescriptor, Registration, Role};
 use crate::error::{Error, Result, Status};
 use crate::memory::RegionDesc;
 use crate::transport::{Agent, AgentOptions, TransportKind};
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::net::TcpListener;
 use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Condvar, Mutex};
@@ -53,7 +54,7 @@ impl Engine {
             .as_ref()
             .map(|l| l.local_addr())
             .transpose()?;
-        let inner = Arc::new(Inner {
+        let shared = Shared {
             cfg,
             agent,
             store,
@@ -68,26 +69,23 @@ impl Engine {
             gpu_direct_logged: AtomicBool::new(false),
             metrics: Default::default(),
             metrics_addr,
-            prefill_rooms: Mutex::new(HashMap::new()),
-            pending_meta: Mutex::new(HashMap::new()),
-            decode_links: Mutex::new(Vec::new()),
-            jobs: Arc::new(JobQueue::default()),
-            decode_rooms: Mutex::new(HashMap::new()),
-            prefill_links: Mutex::new(HashMap::new()),
-            nccl: Default::default(),
-        });
+        };
+        let inner = match shared.cfg.role {
+            Role::Prefill => Inner::Prefill(Arc::new(Prefill::new(shared))),
+            Role::Decode => Inner::Decode(Arc::new(Decode::new(shared))),
+        };
         let (mut endpoints, listener) = start_threads(&inner, workers, regions.stages)?;
         if let (Some(l), Some(addr)) = (metrics_listener, metrics_addr) {
             endpoints.insert("metrics".to_string(), addr.to_string());
-            let w = Arc::downgrade(&inner);
+            let w = inner.downgrade();
             std::thread::Builder::new()
                 .name("pdxfer-metrics".into())
                 .spawn(move || super::metrics_http::serve(w, l))?;
         }
-        register_with_bootstrap(&inner, endpoints)?;
+        register_with_bootstrap(inner.shared(), endpoints)?;
         // the prefill accepts decode ranks only once its registration is stored
-        if let Some(l) = listener {
-            let w = Arc::downgrade(&inner);
+        if let (Some(l), Inner::Prefill(p)) = (listener, &inner) {
+            let w = Arc::downgrade(p);
             std::thread::Builder::new()
                 .name("pdxfer-ctl".into())
                 .spawn(move || accept_loop(w, l))?;
@@ -270,7 +268,7 @@ unsafe fn register_regions(cfg: &EngineConfig, agent: &Agent, workers: usize) ->
         if cfg.staging_bytes == 0 || cfg.pool_device.is_some() {
             break;
         }
-        let mut buf = super::staging::faulted_in(cfg.staging_bytes as usize);
+        let mut buf = super::path::staged::faulted_in(cfg.staging_bytes as usize);
         // SAFETY: the buffer is owned by the engine and unregistered (registry dropped) before it is freed.
         let desc = unsafe { reg.register_host(buf.as_mut_ptr(), buf.len())? };
         staging.push((buf, desc));
@@ -329,13 +327,13 @@ unsafe fn prefault<'a>(spans: impl Iterator<Item = &'a (u64, u64)>) {
 /// (each owning its GPU stage, with device pools) and the deadline thread.
 /// Returns the endpoints to advertise and the listener.
 fn start_threads(
-    inner: &Arc<Inner>,
+    inner: &Inner,
     workers: usize,
     mut stages: Vec<DeviceStage>,
 ) -> Result<(BTreeMap<String, String>, Option<TcpListener>)> {
     let mut endpoints = BTreeMap::new();
     let mut listener = None;
-    if inner.cfg.role == Role::Prefill {
+    if let Inner::Prefill(inner) = inner {
         let l = TcpListener::bind(format!("{}:0", inner.cfg.host))?;
         crate::transport::check_listener(
             inner.agent.auth(),
@@ -353,10 +351,10 @@ fn start_threads(
                 .name(format!("pdxfer-worker-{i}"))
                 .spawn(move || worker_loop(w, jobs, i, stage))?;
         }
-    } else if let Some(a) = inner.agent.local_addr() {
+    } else if let Some(a) = inner.shared().agent.local_addr() {
         endpoints.insert("data".to_string(), a.to_string());
     }
-    let w = Arc::downgrade(inner);
+    let w = inner.downgrade();
     std::thread::Builder::new()
         .name("pdxfer-deadlines".into())
         .spawn(move || deadline_loop(w))?;
@@ -365,7 +363,7 @@ fn start_threads(
 
 /// Registers the rank with the bootstrap (its endpoints, KV and aux regions)
 /// and keeps the lease alive.
-fn register_with_bootstrap(inner: &Inner, endpoints: BTreeMap<String, String>) -> Result<()> {
+fn register_with_bootstrap(inner: &Shared, endpoints: BTreeMap<String, String>) -> Result<()> {
     let mut registration = Registration::new(
         &inner.cfg.cluster,
         inner.cfg.role,

@@ -3,7 +3,7 @@
 //! pattern derived from (room, layer, sequence position), so a decode rank can
 //! verify every byte it received without seeing the prefill's memory.
 
-use super::{AuxBuffer, KvPool};
+use super::config::{AuxBuffer, KvPool};
 use crate::error::{Error, Result, Status};
 use crate::layout::{KvDtype, KvEntry, PoolKind, Side, Topology};
 

@@ -1,46 +1,13 @@
 //! Per-room telemetry: when a room's chunks were queued and planned, when
 //! its first batch was posted and when it succeeded, with its bytes,
-//! batches and retries ([`Engine::telemetry`]). The times are stamped under
-//! the room table's lock by calls that take it anyway.
+//! batches and retries ([`Engine::telemetry`](super::Engine::telemetry)), from
+//! the room's [`RoomTimes`](super::RoomTimes), which are stamped under the
+//! room table's lock by calls that take it anyway.
 
-use super::handle::{lock, Engine};
 use super::room::KvPoll;
-use crate::bootstrap::schema::Role;
-use crate::error::Result;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
-/// A room's times and counts as the engine stamps them.
-#[derive(Debug, Clone, Copy, Default)]
-pub struct RoomTimes {
-    /// Prefill: the first chunk was queued (`send`). Decode: the metadata
-    /// was sent to every prefill rank (`send_metadata`).
-    pub queued: Option<Instant>,
-    /// Prefill: a transfer worker planned the first chunk (its pair
-    /// requests checked). Not stamped on a decode.
-    pub planned: Option<Instant>,
-    /// Prefill: the first batch was posted. Not stamped on a decode.
-    pub first_byte: Option<Instant>,
-    /// The room succeeded: prefill, every batch completed and the decode
-    /// ranks were told; decode, every prefill rank reported success.
-    pub last_ack: Option<Instant>,
-    /// Prefill: batches posted for the room.
-    pub batches: u64,
-    /// Prefill: writes done again (a NIC that refused the device staging
-    /// has the slices written through the host).
-    pub retries: u64,
-    /// The transport label of the room's data: prefill, its decode links'
-    /// (`mixed` when they differ); decode, its configured transport.
-    pub transport: Option<&'static str>,
-}
-
-impl RoomTimes {
-    /// Stamps a time once; later stamps keep the first.
-    pub(crate) fn stamp(slot: &mut Option<Instant>, now: Instant) {
-        slot.get_or_insert(now);
-    }
-}
-
-/// One room's telemetry ([`Engine::telemetry`]). Offsets are from the room's
+/// One room's telemetry ([`Engine::telemetry`](super::Engine::telemetry)). Offsets are from the room's
 /// creation (`sender` / `receiver`); `None` where this side does not see
 /// that step or the room has not reached it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -70,48 +37,4 @@ pub struct RoomTelemetry {
     pub retries: Option<u64>,
     /// The transport label of the room's data, once known.
     pub transport: Option<String>,
-}
-
-impl Engine {
-    /// The telemetry of a live room (finished or not; gone once cleared):
-    /// `UnknownRoom` for a room this engine does not hold.
-    pub fn telemetry(&self, room: u64) -> Result<RoomTelemetry> {
-        let (attempt, state, created, t) = {
-            let rooms = lock(&self.inner.rooms);
-            let r = rooms.get(room)?;
-            (r.attempt, r.poll, r.created, r.times)
-        };
-        let prefill = self.inner.cfg.role == Role::Prefill;
-        let bytes = if prefill {
-            lock(&self.inner.prefill_rooms)
-                .get(&room)
-                .filter(|r| r.attempt == attempt)
-                .map_or(0, |r| r.infos.iter().map(|m| m.bytes).sum())
-        } else {
-            lock(&self.inner.decode_rooms)
-                .get(&room)
-                .filter(|r| r.attempt == attempt)
-                .map_or(0, |r| r.bytes)
-        };
-        let age = created.elapsed();
-        let created_unix_ns = SystemTime::now()
-            .checked_sub(age)
-            .and_then(|c| c.duration_since(UNIX_EPOCH).ok())
-            .map_or(0, |d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX));
-        let since = |i: Option<Instant>| i.map(|i| i.saturating_duration_since(created));
-        Ok(RoomTelemetry {
-            room,
-            attempt,
-            state,
-            created_unix_ns,
-            queued: since(t.queued),
-            planned: since(t.planned),
-            first_byte: since(t.first_byte),
-            last_ack: since(t.last_ack),
-            bytes,
-            batches: prefill.then_some(t.batches),
-            retries: prefill.then_some(t.retries),
-            transport: t.transport.map(str::to_string),
-        })
-    }
 }

@@ -3,7 +3,7 @@
 //! cma, tcp and rdma on the in-process fake NIC fabric; every received byte is
 //! checked, and the typed errors, abort and deadline mid-layer.
 
-use crate::support::cluster::{Cluster, P, ROW};
+use crate::support::cluster::{Cluster, Pools, P, ROW};
 use pdxfer::engine::{KvPoll, ReadyFlag, SendOptions};
 use pdxfer::transport::TransportKind;
 use pdxfer::Status;
@@ -291,4 +291,37 @@ fn cuda_event_on_host_pools_is_refused() {
     assert!(err.detail().contains("ready flag"), "{err}");
     e.send(req.room, &req.src[0], 64, true, 3).unwrap();
     assert_eq!(c.finish(&req), 64 * TOKEN + 32);
+}
+
+/// Layer-wise sends over cma into decode pools in shared memory take the
+/// one-copy path, as whole-chunk sends do: every KV byte is copied straight
+/// into the decode ranks' pools (the one-copy counter equals the KV bytes),
+/// and every byte is verified.
+#[test]
+fn layerwise_over_cma_into_shared_decode_pools_takes_the_one_copy_path() {
+    let t = Duration::from_secs(20);
+    let mut c = Cluster::build("lw-one-copy", (1, 4), TransportKind::Cma)
+        .layers(LAYERS)
+        .decode_pools(Pools::Shared)
+        .staging(1 << 20)
+        .decode_staging(0)
+        .room_timeout(t)
+        .decode_room_timeout(t)
+        .start();
+    let mut kv = 0;
+    for (room, total, prefix, chunk_pages) in [(1u64, 300u64, 0u64, 100usize), (2, 700, 128, 3)] {
+        let req = c.open_room(room, total, prefix, true);
+        c.send_layerwise(&req, chunk_pages, &GROUPS);
+        assert_eq!(c.finish(&req), req.n() * TOKEN + 4 * 32, "room {room}");
+        kv += req.n() * TOKEN;
+    }
+    let p = c.prefill();
+    assert_eq!(
+        p.metrics_snapshot().one_copy_bytes,
+        kv,
+        "every KV byte of the layer-wise sends took the one-copy path"
+    );
+    assert!(p
+        .metrics()
+        .contains(&format!("pdxfer_engine_one_copy_bytes_total {kv}")));
 }

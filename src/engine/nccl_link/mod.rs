@@ -42,15 +42,17 @@
 //! connection (host memory), as for any other transport.
 //!
 //! - this file: the checks at creation, the engine's NCCL state
-//!   ([`NcclLinks`]: the decode's answers, the decode's active rooms, close);
-//! - `send`: the prefill side (a link's sending end, a chunk's pairs);
-//! - `recv`: the decode side (the NCCL thread of a prefill link).
+//!   ([`NcclLinks`]: the decode's answers, the decode's active rooms, each
+//!   link's sending end or NCCL thread, close), which each role's state holds;
+//! - the prefill side (a chunk's pairs started and finished) is the nccl
+//!   write path, `engine/path/nccl/`;
+//! - the decode side (the NCCL thread of a prefill link) is `engine/decode/nccl.rs`.
 
 #![cfg_attr(not(feature = "nccl"), allow(dead_code))]
 
 use super::config::EngineConfig;
 use super::control::CtlMsg;
-use super::handle::{lock, Inner};
+use super::state::{lock, Shared};
 use crate::bootstrap::schema::InstanceId;
 use crate::error::{Error, Result, Status};
 use crate::transport::TransportKind;
@@ -77,26 +79,26 @@ pub(super) fn preflight(cfg: &EngineConfig) -> Result<()> {
 }
 
 /// A peer link's key: the peer's instance and epoch.
-pub(super) type LinkKey = (InstanceId, u64);
+pub(in crate::engine) type LinkKey = (InstanceId, u64);
 
 /// Which answer of the decode a prefill waits for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-struct AnswerKey {
-    link: LinkKey,
-    room: u64,
-    attempt: u64,
-    generation: u64,
-    start: u64,
+pub(in crate::engine) struct AnswerKey {
+    pub(in crate::engine) link: LinkKey,
+    pub(in crate::engine) room: u64,
+    pub(in crate::engine) attempt: u64,
+    pub(in crate::engine) generation: u64,
+    pub(in crate::engine) start: u64,
     /// false: `nccl_accepted`; true: `nccl_ready`.
-    landed: bool,
+    pub(in crate::engine) landed: bool,
 }
 
 /// One answer of the decode.
 #[derive(Debug, Clone)]
-struct Answer {
-    ok: bool,
-    reason: Option<String>,
-    code: Option<i32>,
+pub(in crate::engine) struct Answer {
+    pub(in crate::engine) ok: bool,
+    pub(in crate::engine) reason: Option<String>,
+    pub(in crate::engine) code: Option<i32>,
 }
 
 /// Answers kept at most (late ones for chunks nobody waits for any more).
@@ -106,18 +108,18 @@ const MAX_ANSWERS: usize = 4096;
 #[derive(Default)]
 pub(super) struct NcclLinks {
     /// Prefill: the decode's answers, by chunk.
-    answers: Mutex<HashMap<AnswerKey, Answer>>,
-    answered: Condvar,
+    pub(in crate::engine) answers: Mutex<HashMap<AnswerKey, Answer>>,
+    pub(in crate::engine) answered: Condvar,
     /// Decode: rooms whose recvs are being posted or run, with a count.
-    active: Mutex<HashMap<u64, usize>>,
+    pub(in crate::engine) active: Mutex<HashMap<u64, usize>>,
     /// Set by `close`: every wait aborts.
-    closing: AtomicBool,
+    pub(in crate::engine) closing: AtomicBool,
     /// Prefill: the sending end of each decode link.
     #[cfg(feature = "nccl")]
-    senders: Mutex<HashMap<LinkKey, std::sync::Arc<Mutex<send::Sender>>>>,
+    pub(in crate::engine) senders: Mutex<HashMap<LinkKey, std::sync::Arc<Mutex<Sender>>>>,
     /// Decode: the NCCL thread of each prefill link.
     #[cfg(feature = "nccl")]
-    receivers: Mutex<HashMap<LinkKey, recv::ReceiverThread>>,
+    pub(in crate::engine) receivers: Mutex<HashMap<LinkKey, ReceiverThread>>,
 }
 
 impl NcclLinks {
@@ -175,7 +177,7 @@ impl NcclLinks {
 
     /// Prefill: waits for one answer until `deadline`, while `live` holds
     /// (checked every few milliseconds; its error ends the wait).
-    fn wait_answer(
+    pub(in crate::engine) fn wait_answer(
         &self,
         key: AnswerKey,
         deadline: Instant,
@@ -218,12 +220,12 @@ impl NcclLinks {
     }
 
     /// Prefill: takes one answer if it arrived.
-    fn take_answer(&self, key: &AnswerKey) -> Option<Answer> {
+    pub(in crate::engine) fn take_answer(&self, key: &AnswerKey) -> Option<Answer> {
         lock(&self.answers).remove(key)
     }
 
     /// Forgets every answer of a room's attempt (its chunk ended).
-    fn forget(&self, link: LinkKey, room: u64, attempt: u64) {
+    pub(in crate::engine) fn forget(&self, link: LinkKey, room: u64, attempt: u64) {
         lock(&self.answers)
             .retain(|k, _| !(k.link == link && k.room == room && k.attempt == attempt));
     }
@@ -233,11 +235,11 @@ impl NcclLinks {
         !lock(&self.active).contains_key(&room)
     }
 
-    fn enter(&self, room: u64) {
+    pub(in crate::engine) fn enter(&self, room: u64) {
         *lock(&self.active).entry(room).or_default() += 1;
     }
 
-    fn leave(&self, room: u64) {
+    pub(in crate::engine) fn leave(&self, room: u64) {
         let mut a = lock(&self.active);
         if let Some(n) = a.get_mut(&room) {
             *n -= 1;
@@ -248,7 +250,7 @@ impl NcclLinks {
     }
 
     /// True once the engine is closing.
-    fn is_closing(&self) -> bool {
+    pub(in crate::engine) fn is_closing(&self) -> bool {
         self.closing.load(Ordering::Acquire)
     }
 
@@ -260,7 +262,7 @@ impl NcclLinks {
         self.answered.notify_all();
         #[cfg(feature = "nccl")]
         {
-            let threads: Vec<recv::ReceiverThread> =
+            let threads: Vec<ReceiverThread> =
                 lock(&self.receivers).drain().map(|(_, t)| t).collect();
             for t in threads {
                 t.join();
@@ -282,7 +284,7 @@ impl NcclLinks {
 }
 
 /// The room's deadline, or the engine's default from now.
-fn room_deadline(inner: &Inner, room: u64) -> Instant {
+pub(in crate::engine) fn room_deadline(inner: &Shared, room: u64) -> Instant {
     lock(&inner.rooms)
         .get(room)
         .ok()
@@ -292,8 +294,13 @@ fn room_deadline(inner: &Inner, room: u64) -> Instant {
 
 /// Whether the room's `attempt` still takes bytes (not failed, aborted or
 /// ended) and the engine is open.
-fn room_live(inner: &Inner, room: u64, attempt: u64) -> Result<()> {
-    if inner.closed.load(Ordering::Acquire) || inner.nccl.is_closing() {
+pub(in crate::engine) fn room_live(
+    inner: &Shared,
+    nccl: &NcclLinks,
+    room: u64,
+    attempt: u64,
+) -> Result<()> {
+    if inner.closed.load(Ordering::Acquire) || nccl.is_closing() {
         return Err(Error::new(Status::EngineClosed, "engine is closing"));
     }
     let rooms = lock(&inner.rooms);
@@ -318,7 +325,9 @@ fn room_live(inner: &Inner, room: u64, attempt: u64) -> Result<()> {
 
 /// The plan options of this engine (the defaults; test builds may set others).
 #[cfg(feature = "nccl")]
-fn plan_options(cfg: &EngineConfig) -> crate::transport::nccl::NcclPlanOptions {
+pub(in crate::engine) fn plan_options(
+    cfg: &EngineConfig,
+) -> crate::transport::nccl::NcclPlanOptions {
     #[cfg(any(test, feature = "testing"))]
     if let Some(o) = cfg.testing.nccl_plan {
         return o;
@@ -327,55 +336,42 @@ fn plan_options(cfg: &EngineConfig) -> crate::transport::nccl::NcclPlanOptions {
     Default::default()
 }
 
+/// The prefill end of one decode link. Fields drop in order: the pair
+/// (aborted and its stream waited, when work is in flight) before the
+/// staging buffer and the stream it uses.
 #[cfg(feature = "nccl")]
-mod recv;
-#[cfg(feature = "nccl")]
-mod send;
-#[cfg(feature = "nccl")]
-pub(super) use recv::on_prefill_message;
-#[cfg(feature = "nccl")]
-pub(super) use send::{finish_all, start_pair};
+pub(in crate::engine) struct Sender {
+    pub(in crate::engine) pair: Option<crate::transport::nccl::NcclPair>,
+    pub(in crate::engine) generation: u64,
+    pub(in crate::engine) staging: Option<crate::cuda::DeviceBuffer>,
+    pub(in crate::engine) gpu: crate::relayout::gpu::GpuRelayout,
+}
 
-/// Without the `nccl` feature an nccl engine is refused at creation.
-#[cfg(not(feature = "nccl"))]
-pub(super) enum NcclSend {}
+/// Decode: the NCCL thread of one prefill link.
+#[cfg(feature = "nccl")]
+pub(in crate::engine) struct ReceiverThread {
+    pub(in crate::engine) tx: std::sync::mpsc::Sender<CtlMsg>,
+    /// The newest generation the prefill opened (ahead of the thread
+    /// while an `nccl_open` waits in the queue).
+    pub(in crate::engine) opened: std::sync::Arc<std::sync::atomic::AtomicU64>,
+    pub(in crate::engine) handle: std::thread::JoinHandle<()>,
+}
 
-/// Without the `nccl` feature there is no pair to finish.
-#[cfg(not(feature = "nccl"))]
-pub(super) fn finish_all(pairs: Vec<NcclSend>) -> Result<()> {
-    match pairs.into_iter().next() {
-        None => Ok(()),
-        Some(p) => match p {},
+#[cfg(feature = "nccl")]
+impl ReceiverThread {
+    /// Stops taking messages and waits for the thread (skipped when it
+    /// is the caller: an engine dropped from its own NCCL thread).
+    fn join(self) {
+        drop(self.tx);
+        if self.handle.thread().id() != std::thread::current().id() {
+            let _ = self.handle.join();
+        }
     }
-}
-
-/// Without the `nccl` feature an nccl engine is refused at creation.
-#[cfg(not(feature = "nccl"))]
-pub(super) fn start_pair(
-    _inner: &Inner,
-    _job: &super::worker::Job,
-    _req: &crate::layout::PairRequest<'_>,
-    _row_bytes: &[u64],
-    _link: &std::sync::Arc<super::prefill::DecodeLink>,
-) -> Result<Option<NcclSend>> {
-    Err(Error::new(
-        Status::Unsupported,
-        "built without the `nccl` feature",
-    ))
-}
-
-/// Without the `nccl` feature no message is acted on.
-#[cfg(not(feature = "nccl"))]
-pub(super) fn on_prefill_message(
-    _inner: &std::sync::Arc<Inner>,
-    _link: &std::sync::Arc<super::decode::PrefillLink>,
-    _m: CtlMsg,
-) {
 }
 
 /// A device buffer of at least `need` bytes in `slot` (grown, never shrunk).
 #[cfg(feature = "nccl")]
-fn staging<'a>(
+pub(in crate::engine) fn staging<'a>(
     gpu: &crate::relayout::gpu::GpuRelayout,
     slot: &'a mut Option<crate::cuda::DeviceBuffer>,
     need: usize,

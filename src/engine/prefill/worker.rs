@@ -1,50 +1,31 @@
 //! The prefill's transfer workers: each moves its rooms' chunks in order to
 //! every decode rank of the room (aux and state rows after the last chunk),
-//! and reports the room's outcome.
+//! and reports the room's outcome. A chunk's pair is planned and written
+//! through its link's write path (`conn.path.write`), then completed with
+//! the chunk's flight.
 
-use super::control::CtlMsg;
-use super::device::{write_pair_device, DeviceStage};
-use super::flight::Flight;
-use super::handle::{catch, lock, Inner};
-use super::jobs::{JobQueue, PeerKey};
-use super::layers::{wait_ready, write_group, write_group_device, LayerPlan, PairPlan, Ready};
-use super::prefill::{notify_decode, MetaInfo};
-use super::room::KvPoll;
-use super::staging::write_pair;
-use super::telemetry::RoomTimes;
+use crate::engine::control::CtlMsg;
+use crate::engine::device::DeviceStage;
+use crate::engine::flight::Flight;
+use crate::engine::layers::{wait_ready, LayerPlan};
+use crate::engine::path::chunk::{Chunk, Pair};
+use crate::engine::path::PairPlan;
+use crate::engine::prefill::jobs::{Job, JobQueue};
+use crate::engine::prefill::Prefill;
+use crate::engine::prefill::{notify_decode, MetaInfo};
+use crate::engine::room::KvPoll;
+use crate::engine::room::RoomTimes;
+use crate::engine::state::{catch, lock};
 use crate::error::{Error, Result, Status};
 use crate::layout::{DcpLayout, PairRequest, Side};
 use crate::transport::{BatchOptions, TransportKind, WriteOp};
-use std::ops::Range;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 use std::time::Instant;
 
-pub(super) struct Job {
-    pub(super) room: u64,
-    pub(super) attempt: u64,
-    pub(super) pages: Vec<u64>,
-    pub(super) start: u64,
-    pub(super) num_tokens: u64,
-    pub(super) last: bool,
-    pub(super) aux_index: u64,
-    pub(super) state_indices: Vec<u64>,
-    /// When `send` queued the chunk.
-    pub(super) queued: Instant,
-    /// The room's decode ranks (see [`JobQueue`](super::jobs::JobQueue)).
-    pub(super) peers: Vec<PeerKey>,
-    /// The layers (topology entries) whose rows this job moves.
-    pub(super) layers: Range<usize>,
-    /// Part of a chunk sent layer by layer: the chunk's plan is made by its
-    /// first job and reused by the others.
-    pub(super) layered: bool,
-    /// What the rows depend on (the caller's CUDA event or ready flag).
-    pub(super) ready: Ready,
-}
-
-pub(super) fn worker_loop(
-    w: std::sync::Weak<Inner>,
+pub(in crate::engine) fn worker_loop(
+    w: std::sync::Weak<Prefill>,
     jobs: Arc<JobQueue>,
     idx: usize,
     mut stage: Option<DeviceStage>,
@@ -102,7 +83,7 @@ pub(super) fn worker_loop(
 /// the last chunk): the batches of all decode ranks are in flight together
 /// (a [`Flight`]), and the chunk is done once every one of them completed.
 fn run_job(
-    inner: &Inner,
+    inner: &Prefill,
     idx: usize,
     job: &Job,
     mut stage: Option<&mut DeviceStage>,
@@ -138,12 +119,12 @@ fn run_job(
 /// Submits one chunk's batches to every decode rank of the room into
 /// `flight`; returns the KV bytes for each decode rank (in `infos` order),
 /// counted once the flight drained without error.
-fn send_chunk(
-    inner: &Inner,
+fn send_chunk<'a>(
+    inner: &'a Prefill,
     idx: usize,
     job: &Job,
-    mut stage: Option<&mut DeviceStage>,
-    flight: &mut Flight<'_>,
+    stage: Option<&mut DeviceStage>,
+    flight: &mut Flight<'a>,
 ) -> Result<Vec<u64>> {
     stamp_queued(inner, job);
     let infos = lock(&inner.prefill_rooms)
@@ -159,7 +140,6 @@ fn send_chunk(
     let topo = &inner.cfg.topology;
     let src_l = topo.dcp_layout()?;
     let row_bytes: Vec<u64> = topo.entries.iter().map(|e| e.row_bytes).collect();
-    let opts = flight.opts;
     let mut sent = Vec::with_capacity(infos.len());
     // a layer-wise chunk's plan, made by its first job
     let cached: Option<Arc<LayerPlan>> = if job.layered {
@@ -171,8 +151,14 @@ fn send_chunk(
         None
     };
     let mut planned: Vec<PairPlan> = Vec::new();
-    // transport nccl: the chunk's pairs with their sends posted
-    let mut nccl = Vec::new();
+    let mut cx = Chunk {
+        inner,
+        job,
+        idx,
+        stage,
+        flight,
+        nccl: Vec::new(),
+    };
     for (i, m) in infos.iter().enumerate() {
         if !m.link.alive.load(Ordering::Acquire) {
             return Err(Error::new(
@@ -218,59 +204,26 @@ fn send_chunk(
                 })
             })
             .collect::<Result<_>>()?;
-        let bytes = if job.layered {
-            let plan = match &cached {
-                Some(c) => &c.pairs[i],
-                None => {
-                    req.validate()?;
-                    planned.push(PairPlan::new(&req)?);
-                    planned.last().expect("pushed")
-                }
-            };
-            let l = &job.layers;
-            if inner.cfg.transport == TransportKind::Nccl {
-                return Err(Error::new(
-                    Status::Unsupported,
-                    "layer-wise sends over transport nccl are not supported: send whole chunks",
-                ));
-            }
-            match stage.as_deref_mut() {
-                Some(st) => write_group_device(
-                    inner,
-                    st,
-                    plan,
-                    l,
-                    &row_bytes,
-                    &dst_regions,
-                    &m.link,
-                    &opts,
-                )?,
-                None => write_group(
-                    inner,
-                    idx,
-                    plan,
-                    l,
-                    &row_bytes,
-                    &dst_regions,
-                    &m.link,
-                    flight,
-                )?,
-            }
-        } else {
-            req.validate()?;
-            match stage.as_deref_mut() {
-                Some(_) if inner.cfg.transport == TransportKind::Nccl => {
-                    let p = super::nccl_link::start_pair(inner, job, &req, &row_bytes, &m.link)?;
-                    nccl.extend(p);
-                    req.token_count() * row_bytes.iter().sum::<u64>()
-                }
-                Some(st) => {
-                    write_pair_device(inner, st, &req, &row_bytes, &dst_regions, &m.link, &opts)?
-                }
-                None => write_pair(inner, idx, &req, &row_bytes, &dst_regions, &m.link, flight)?,
+        // plan, write through the link's path
+        let plan = match &cached {
+            Some(c) => &c.pairs[i],
+            None => {
+                req.validate()?;
+                planned.push(PairPlan::new(&req));
+                planned.last().expect("pushed")
             }
         };
-        sent.push(bytes);
+        let pair = Pair {
+            req: &req,
+            plan,
+            row_bytes: &row_bytes,
+            dst_regions: &dst_regions,
+        };
+        let conn = m.link.conn();
+        sent.push(
+            conn.path
+                .write(&mut cx, &m.link, &conn, &pair, &job.layers)?,
+        );
         if job.last && !inner.cfg.aux.is_empty() {
             let mut ops = Vec::new();
             for (i, (a, r)) in inner.cfg.aux.iter().zip(&inner.aux_regions).enumerate() {
@@ -301,16 +254,16 @@ fn send_chunk(
                     len: a.item_bytes,
                 });
             }
-            flight.submit(&m.link, &ops, None)?;
+            cx.flight.submit(&m.link, &ops, None)?;
         }
         // a request without state rows on either side moves no state
         if job.last && !(job.state_indices.is_empty() && m.state_indices.is_empty()) {
             let ops = state_ops(inner, job, m)?;
-            flight.submit(&m.link, &ops, None)?;
+            cx.flight.submit(&m.link, &ops, None)?;
         }
     }
     // every nccl pair of the chunk is on the wire: each completes (or aborts) here
-    super::nccl_link::finish_all(nccl)?;
+    crate::engine::path::nccl::send::finish_all(cx.nccl)?;
     if job.layered {
         let done = job.layers.end == topo.entries.len();
         if let Some(r) = lock(&inner.prefill_rooms).get_mut(&job.room) {
@@ -350,7 +303,7 @@ fn open_grant(m: &MetaInfo, epoch: u64) -> Result<()> {
 /// Closes the room's grants once every batch completed: one RoomEnd /
 /// RoomAck per decode rank whose connection opened one (after every byte
 /// landed on it), before the room is reported done.
-fn close_grants(inner: &Inner, room: u64, attempt: u64) -> Result<()> {
+fn close_grants(inner: &Prefill, room: u64, attempt: u64) -> Result<()> {
     let infos = lock(&inner.prefill_rooms)
         .get(&room)
         .map(|r| r.infos.clone())
@@ -380,7 +333,7 @@ fn close_grants(inner: &Inner, room: u64, attempt: u64) -> Result<()> {
 }
 
 /// Forgets the room's open grants after a failure (the decode revokes them).
-fn forget_grants(inner: &Inner, room: u64, attempt: u64) {
+fn forget_grants(inner: &Prefill, room: u64, attempt: u64) {
     let infos = lock(&inner.prefill_rooms)
         .get(&room)
         .map(|r| r.infos.clone())
@@ -391,7 +344,7 @@ fn forget_grants(inner: &Inner, room: u64, attempt: u64) {
 }
 
 /// Stamps the room's queued time (the chunk's, once).
-fn stamp_queued(inner: &Inner, job: &Job) {
+fn stamp_queued(inner: &Prefill, job: &Job) {
     if let Some(t) = lock(&inner.rooms).times_mut(job.room, job.attempt) {
         RoomTimes::stamp(&mut t.queued, job.queued);
     }
@@ -399,7 +352,7 @@ fn stamp_queued(inner: &Inner, job: &Job) {
 
 /// Stamps the room's planned time (now, once) and the transport label of
 /// its decode links (`mixed` when they differ).
-fn stamp_planned(inner: &Inner, job: &Job, infos: &[MetaInfo]) {
+fn stamp_planned(inner: &Prefill, job: &Job, infos: &[MetaInfo]) {
     let mut kinds = infos.iter().map(|m| m.link.data().kind().name());
     let first = kinds.next().unwrap_or("unknown");
     // transport nccl: the KV goes over NCCL (the data link carries aux and state)
@@ -418,7 +371,7 @@ fn stamp_planned(inner: &Inner, job: &Job, infos: &[MetaInfo]) {
 }
 
 /// The state rows of the room's last chunk, whole, to one decode rank.
-fn state_ops(inner: &Inner, job: &Job, m: &MetaInfo) -> Result<Vec<WriteOp>> {
+fn state_ops(inner: &Prefill, job: &Job, m: &MetaInfo) -> Result<Vec<WriteOp>> {
     let n = inner.cfg.state.len();
     if job.state_indices.len() != n || m.state_indices.len() != n || m.link.regions.state.len() != n
     {

@@ -2,42 +2,30 @@
 //! joins the link's communicators and checks, posts and completes each
 //! chunk's recvs.
 
-use super::*;
 use crate::cuda::DeviceBuffer;
-use crate::engine::decode::{DecodeRoom, PrefillLink};
+use crate::engine::control::CtlMsg;
+use crate::engine::decode::{Decode, DecodeRoom};
+use crate::engine::link::PrefillLink;
+use crate::engine::nccl_link::{
+    plan_options, room_deadline, room_live, staging, LinkKey, ReceiverThread,
+};
+use crate::engine::state::lock;
+use crate::error::{Error, Result, Status};
 use crate::layout::{PairRequest, Side};
 use crate::relayout::{self, gpu::GpuRelayout};
 use crate::transport::nccl::{
     check_mirror, NcclAbort, NcclBuffer, NcclId, NcclPair, NcclPlan, NcclRole,
 };
 use std::sync::atomic::AtomicU64;
+use std::sync::atomic::Ordering;
 use std::sync::mpsc;
 use std::sync::{Arc, Weak};
-
-/// Decode: the NCCL thread of one prefill link.
-pub(in crate::engine) struct ReceiverThread {
-    tx: mpsc::Sender<CtlMsg>,
-    /// The newest generation the prefill opened (ahead of the thread
-    /// while an `nccl_open` waits in the queue).
-    opened: Arc<AtomicU64>,
-    handle: std::thread::JoinHandle<()>,
-}
-
-impl ReceiverThread {
-    /// Stops taking messages and waits for the thread (skipped when it
-    /// is the caller: an engine dropped from its own NCCL thread).
-    pub(super) fn join(self) {
-        drop(self.tx);
-        if self.handle.thread().id() != std::thread::current().id() {
-            let _ = self.handle.join();
-        }
-    }
-}
+use std::time::{Duration, Instant};
 
 /// Decode: hands an `nccl_open` or `nccl_chunk` from prefill `link` to
 /// that link's NCCL thread (started on the first one).
 pub(in crate::engine) fn on_prefill_message(
-    inner: &Arc<Inner>,
+    inner: &Arc<Decode>,
     link: &Arc<PrefillLink>,
     m: CtlMsg,
 ) {
@@ -94,7 +82,7 @@ struct Receiver {
 }
 
 fn receiver_loop(
-    w: Weak<Inner>,
+    w: Weak<Decode>,
     link: Arc<PrefillLink>,
     rx: mpsc::Receiver<CtlMsg>,
     opened: Arc<AtomicU64>,
@@ -159,7 +147,7 @@ fn receiver_loop(
 
 /// Joins communicator `generation` (the previous one is dropped first).
 fn open(
-    inner: &Inner,
+    inner: &Decode,
     link: &PrefillLink,
     st: &mut Receiver,
     peer: &str,
@@ -221,7 +209,7 @@ struct Chunk<'a> {
 
 /// Checks, posts and completes one chunk's recvs, answering the prefill
 /// at each step; a failure also fails the local room, naming the prefill.
-fn receive(inner: &Inner, link: &PrefillLink, st: &mut Receiver, peer: &str, c: &Chunk<'_>) {
+fn receive(inner: &Decode, link: &PrefillLink, st: &mut Receiver, peer: &str, c: &Chunk<'_>) {
     let send = |landed: bool, r: &Result<()>| {
         let (ok, reason, code) = match r {
             Ok(()) => (true, None, None),
@@ -342,7 +330,7 @@ fn targets(r: &DecodeRoom, link: &PrefillLink) -> bool {
 /// (else `out_of_bounds`, naming the prefill and the room). The plan is
 /// built from what is returned, never from the message.
 fn named_pages(
-    inner: &Inner,
+    inner: &Decode,
     link: &PrefillLink,
     peer: &str,
     c: &Chunk<'_>,
@@ -411,13 +399,13 @@ fn named_pages(
 /// the room, inside its pools), the communicator, the plan (built from
 /// the decode's own pages) and its digest, and every op's range.
 fn accept(
-    inner: &Inner,
+    inner: &Decode,
     link: &PrefillLink,
     st: &mut Receiver,
     peer: &str,
     c: &Chunk<'_>,
 ) -> Result<(NcclPlan, ReqParts)> {
-    room_live(inner, c.room, c.attempt)?;
+    room_live(inner, &inner.nccl, c.room, c.attempt)?;
     let (dst_pages, dst_origin) = named_pages(inner, link, peer, c)?;
     if st.generation != c.generation || st.pair.is_none() {
         let why = st.open_error.as_ref().map_or_else(
@@ -468,7 +456,7 @@ fn accept(
 }
 
 fn post_and_wait(
-    inner: &Inner,
+    inner: &Decode,
     link: &PrefillLink,
     st: &mut Receiver,
     c: &Chunk<'_>,
@@ -495,7 +483,7 @@ fn post_and_wait(
     let bases: Vec<u64> = inner.pool_regions.iter().map(|r| r.addr).collect();
     let abort = pair.abort_handle();
     let mut watch = || {
-        if room_live(inner, c.room, c.attempt).is_err()
+        if room_live(inner, &inner.nccl, c.room, c.attempt).is_err()
             || opened.load(Ordering::Acquire) > c.generation
         {
             abort.abort();

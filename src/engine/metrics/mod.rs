@@ -1,7 +1,7 @@
 //! Engine metrics: the counters the data path bumps (atomics; none takes a
 //! lock of its own on the hot path), the room totals the room table keeps
-//! under its own lock, one [`MetricsSnapshot`] of them all, and its
-//! Prometheus text.
+//! under its own lock, and one [`MetricsSnapshot`] of them all (its
+//! Prometheus text: `prometheus`).
 //!
 //! Where each number comes from:
 //! - rooms by state, rooms finished and failures by status kind, and the
@@ -15,12 +15,10 @@
 //! - received bytes (decode): the KV bytes each prefill rank reported for
 //!   its rooms; received batches: the receiving agent's completion records.
 
-use super::handle::{lock, Engine};
-use super::room::{KvPoll, Room};
+mod prometheus;
+
 use crate::bootstrap::schema::Role;
-use crate::memory::RegionDesc;
 use std::collections::BTreeMap;
-use std::fmt::Write;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -108,42 +106,6 @@ pub struct RoomTotals {
     pub latency: BTreeMap<&'static str, Histogram>,
 }
 
-impl RoomTotals {
-    /// Counts one room's outcome if it finished (a room cleared before it
-    /// finished counts nowhere but in `created`).
-    pub(crate) fn count(&mut self, r: &Room) {
-        match r.poll {
-            KvPoll::Success => {
-                self.succeeded += 1;
-                let t = &r.times;
-                let from = t.queued.unwrap_or(r.created);
-                let to = t.last_ack.unwrap_or(from);
-                self.latency
-                    .entry(t.transport.unwrap_or("unknown"))
-                    .or_default()
-                    .observe(to.saturating_duration_since(from).as_secs_f64());
-            }
-            KvPoll::Failed => {
-                let kind = r
-                    .failure
-                    .as_ref()
-                    .map_or("room_failed", |e| e.status().kind());
-                *self.failed.entry(kind).or_default() += 1;
-            }
-            _ => {}
-        }
-    }
-
-    /// These totals with the finished rooms among `live` counted too.
-    pub(crate) fn with_live<'a>(&self, live: impl Iterator<Item = &'a Room>) -> RoomTotals {
-        let mut t = self.clone();
-        for r in live {
-            t.count(r);
-        }
-        t
-    }
-}
-
 /// The counters of one peer link: a decode rank as the prefill writes to it
 /// (or a prefill rank as the decode hears from it). Created once per link
 /// and shared with the engine's registry; bumped with relaxed atomics.
@@ -182,7 +144,7 @@ fn nanos(d: Duration) -> u64 {
 pub(crate) struct EngineMetrics {
     /// Every link's counters: taken when a link is made and at a snapshot
     /// only, never per batch, and never while another lock is held (a leaf
-    /// in `Inner`'s lock order). Counters outlive their link (Prometheus
+    /// in each role's lock order). Counters outlive their link (Prometheus
     /// counters never go down); a link to the same peer over the same
     /// transport reuses them.
     peers: Mutex<Vec<Arc<PeerCounters>>>,
@@ -228,6 +190,18 @@ impl EngineMetrics {
     }
 
     /// Decode: counts `n` batches that landed.
+    /// Gathers into host staging so far.
+    #[cfg(test)]
+    pub(crate) fn gathers_total(&self) -> u64 {
+        self.gathers.load(Ordering::Relaxed)
+    }
+
+    /// KV bytes moved by one copy so far.
+    #[cfg(test)]
+    pub(crate) fn one_copy_bytes_total(&self) -> u64 {
+        self.one_copy_bytes.load(Ordering::Relaxed)
+    }
+
     pub(crate) fn received(&self, n: u64) {
         self.received_batches.fetch_add(n, Ordering::Relaxed);
     }
@@ -357,306 +331,6 @@ impl MetricsSnapshot {
         }
         out
     }
-
-    /// The Prometheus text exposition (format 0.0.4) of the snapshot.
-    pub fn to_prometheus(&self) -> String {
-        let mut o = String::new();
-        let head = |o: &mut String, name: &str, kind: &str, help: &str| {
-            let _ = writeln!(o, "# HELP {name} {help}");
-            let _ = writeln!(o, "# TYPE {name} {kind}");
-        };
-        head(
-            &mut o,
-            "pdxfer_engine_info",
-            "gauge",
-            "The engine's role and cluster (always 1).",
-        );
-        let _ = writeln!(
-            o,
-            "pdxfer_engine_info{{role=\"{}\",cluster=\"{}\"}} 1",
-            self.role.as_str(),
-            escape(&self.cluster)
-        );
-        head(
-            &mut o,
-            "pdxfer_engine_rooms",
-            "gauge",
-            "Live rooms by KVPoll state.",
-        );
-        for (name, n) in STATE_NAMES.iter().zip(self.rooms) {
-            let _ = writeln!(o, "pdxfer_engine_rooms{{state=\"{name}\"}} {n}");
-        }
-        head(
-            &mut o,
-            "pdxfer_engine_rooms_created_total",
-            "counter",
-            "Rooms created (each attempt of a reused room id counts).",
-        );
-        let _ = writeln!(
-            o,
-            "pdxfer_engine_rooms_created_total {}",
-            self.totals.created
-        );
-        head(
-            &mut o,
-            "pdxfer_engine_rooms_finished_total",
-            "counter",
-            "Rooms that reached a terminal state, by that state.",
-        );
-        let failed: u64 = self.totals.failed.values().sum();
-        let _ = writeln!(
-            o,
-            "pdxfer_engine_rooms_finished_total{{state=\"success\"}} {}",
-            self.totals.succeeded
-        );
-        let _ = writeln!(
-            o,
-            "pdxfer_engine_rooms_finished_total{{state=\"failed\"}} {failed}"
-        );
-        head(
-            &mut o,
-            "pdxfer_engine_room_failures_total",
-            "counter",
-            "Failed rooms by the status kind of their failure.",
-        );
-        for (kind, n) in &self.totals.failed {
-            let _ = writeln!(
-                o,
-                "pdxfer_engine_room_failures_total{{kind=\"{kind}\"}} {n}"
-            );
-        }
-        head(
-            &mut o,
-            "pdxfer_engine_transfer_seconds",
-            "histogram",
-            "Transfer latency of successful rooms by transport: first chunk queued (prefill) or metadata sent (decode) to Success.",
-        );
-        for (t, h) in &self.totals.latency {
-            let mut cum = 0u64;
-            for (i, n) in h.buckets.iter().enumerate() {
-                cum += n;
-                let le = LATENCY_BUCKETS
-                    .get(i)
-                    .map_or("+Inf".to_string(), |b| b.to_string());
-                let _ = writeln!(
-                    o,
-                    "pdxfer_engine_transfer_seconds_bucket{{transport=\"{t}\",le=\"{le}\"}} {cum}"
-                );
-            }
-            let _ = writeln!(
-                o,
-                "pdxfer_engine_transfer_seconds_sum{{transport=\"{t}\"}} {}",
-                h.sum
-            );
-            let _ = writeln!(
-                o,
-                "pdxfer_engine_transfer_seconds_count{{transport=\"{t}\"}} {}",
-                h.count
-            );
-        }
-        let per_peer =
-            |o: &mut String, name: &str, help: &str, value: &dyn Fn(&PeerSnapshot) -> String| {
-                head(o, name, "counter", help);
-                for p in &self.peers {
-                    let _ = writeln!(
-                        o,
-                        "{name}{{transport=\"{}\",peer=\"{}\"}} {}",
-                        p.transport,
-                        escape(&p.peer),
-                        value(p)
-                    );
-                }
-            };
-        if self.role == Role::Decode {
-            per_peer(
-                &mut o,
-                "pdxfer_engine_received_bytes_total",
-                "KV bytes each prefill rank reported for its finished rooms.",
-                &|p| p.bytes.to_string(),
-            );
-        } else {
-            per_peer(
-                &mut o,
-                "pdxfer_engine_sent_bytes_total",
-                "Bytes of completed batches (KV, aux, state) by transport and peer.",
-                &|p| p.bytes.to_string(),
-            );
-            per_peer(
-                &mut o,
-                "pdxfer_engine_sent_batches_total",
-                "Completed batches by transport and peer.",
-                &|p| p.batches.to_string(),
-            );
-            per_peer(
-                &mut o,
-                "pdxfer_engine_failed_batches_total",
-                "Batches refused at submit or failed at completion, by transport and peer.",
-                &|p| p.failed_batches.to_string(),
-            );
-            per_peer(
-                &mut o,
-                "pdxfer_engine_wire_seconds_total",
-                "Seconds workers spent submitting batches and waiting for their completion, by transport and peer.",
-                &|p| p.wire_seconds.to_string(),
-            );
-        }
-        if self.role == Role::Decode {
-            head(
-                &mut o,
-                "pdxfer_engine_received_batches_total",
-                "counter",
-                "Batches that landed in this engine's memory (the receiving agent's completion records).",
-            );
-            let _ = writeln!(
-                o,
-                "pdxfer_engine_received_batches_total {}",
-                self.received_batches
-            );
-        }
-        if self.role == Role::Decode {
-            head(
-                &mut o,
-                "pdxfer_engine_room_grants_held",
-                "gauge",
-                "Room grants this decode engine holds for its prefill ranks (pinned until the room ends, is revoked or expires).",
-            );
-            let _ = writeln!(
-                o,
-                "pdxfer_engine_room_grants_held {}",
-                self.room_grants_held
-            );
-        }
-        head(
-            &mut o,
-            "pdxfer_engine_control_messages_total",
-            "counter",
-            "Control messages this process sent and received, by channel (engine: the rank-to-rank control channel; data_plane: handshake, intent, grant, commit, ack and room frames) and direction.",
-        );
-        for (channel, dir, v) in [
-            ("engine", "sent", self.control.engine_sent),
-            ("engine", "received", self.control.engine_received),
-            ("data_plane", "sent", self.control.data_plane_sent),
-            ("data_plane", "received", self.control.data_plane_received),
-        ] {
-            let _ = writeln!(
-                o,
-                "pdxfer_engine_control_messages_total{{channel=\"{channel}\",direction=\"{dir}\"}} {v}"
-            );
-        }
-        head(
-            &mut o,
-            "pdxfer_engine_gather_seconds_total",
-            "counter",
-            "Seconds prefill workers spent gathering rows into host staging or straight into mapped decode pools (compare with pdxfer_engine_wire_seconds_total).",
-        );
-        let _ = writeln!(
-            o,
-            "pdxfer_engine_gather_seconds_total {}",
-            self.gather_seconds
-        );
-        head(
-            &mut o,
-            "pdxfer_engine_gathers_total",
-            "counter",
-            "Gathers into host staging.",
-        );
-        let _ = writeln!(o, "pdxfer_engine_gathers_total {}", self.gathers);
-        head(
-            &mut o,
-            "pdxfer_engine_one_copy_bytes_total",
-            "counter",
-            "KV bytes gathered straight into same-host decode ranks' mapped pools (one copy, no staging).",
-        );
-        let _ = writeln!(
-            o,
-            "pdxfer_engine_one_copy_bytes_total {}",
-            self.one_copy_bytes
-        );
-        head(
-            &mut o,
-            "pdxfer_engine_staging_bytes",
-            "gauge",
-            "Bytes of the prefill workers' host staging buffers.",
-        );
-        let _ = writeln!(o, "pdxfer_engine_staging_bytes {}", self.staging_bytes);
-        head(
-            &mut o,
-            "pdxfer_engine_staging_in_flight_bytes",
-            "gauge",
-            "Bytes of host staging read by batches not yet completed.",
-        );
-        let _ = writeln!(
-            o,
-            "pdxfer_engine_staging_in_flight_bytes {}",
-            self.staging_in_flight_bytes()
-        );
-        head(
-            &mut o,
-            "pdxfer_engine_registered_bytes",
-            "gauge",
-            "Memory registered with the engine's agent, by kind.",
-        );
-        for (kind, n) in &self.registered_bytes {
-            let _ = writeln!(o, "pdxfer_engine_registered_bytes{{kind=\"{kind}\"}} {n}");
-        }
-        o
-    }
-}
-
-impl Engine {
-    /// Every metric of the engine now (cheap: the room table's lock is
-    /// held while its live rooms are counted, the link registry's while the
-    /// links' counters are read; neither while the other is taken).
-    pub fn metrics_snapshot(&self) -> MetricsSnapshot {
-        let inner = &self.inner;
-        let (rooms, totals) = lock(&inner.rooms).totals();
-        let len = |rs: &[RegionDesc]| rs.iter().map(|r| r.len).sum::<u64>();
-        let staging_bytes: u64 = inner.staging.iter().map(|(_, d)| d.len).sum();
-        let mut registered = BTreeMap::new();
-        registered.insert("kv", len(&inner.pool_regions));
-        registered.insert("aux", len(&inner.aux_regions));
-        registered.insert("state", len(&inner.state_regions));
-        registered.insert("staging", staging_bytes);
-        let known: u64 = registered.values().sum();
-        let all: u64 = inner
-            .agent
-            .registry()
-            .descriptors()
-            .iter()
-            .map(|r| r.len)
-            .sum();
-        // device staging, the tcp receiver's bounce buffers, ...
-        registered.insert("other", all.saturating_sub(known));
-        let mut s = MetricsSnapshot::new(
-            inner.cfg.role,
-            &inner.cfg.cluster,
-            rooms,
-            totals,
-            &inner.metrics,
-            staging_bytes,
-            registered,
-        );
-        s.room_grants_held = inner.agent.room_grants_held() as u64;
-        s
-    }
-
-    /// The engine's metrics as Prometheus text (format 0.0.4).
-    pub fn metrics(&self) -> String {
-        self.metrics_snapshot().to_prometheus()
-    }
-
-    /// Where the `/metrics` responder listens (`metrics_listen` set), with
-    /// the port it picked for `:0`.
-    pub fn metrics_addr(&self) -> Option<std::net::SocketAddr> {
-        self.inner.metrics_addr
-    }
-}
-
-/// A label value with `\`, `"` and newlines escaped (the text format's rules).
-fn escape(s: &str) -> String {
-    s.replace('\\', "\\\\")
-        .replace('"', "\\\"")
-        .replace('\n', "\\n")
 }
 
 #[cfg(test)]
@@ -717,10 +391,5 @@ mod tests {
         let p = m.peers();
         assert_eq!(p.len(), 2);
         assert_eq!((p[1].transport.as_str(), p[1].bytes), ("tcp", 15));
-    }
-
-    #[test]
-    fn label_values_are_escaped() {
-        assert_eq!(escape("a\"b\\c\nd"), "a\\\"b\\\\c\\nd");
     }
 }

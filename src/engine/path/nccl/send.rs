@@ -2,24 +2,22 @@
 //! communicator, stream and staging), a chunk's pairs started one after
 //! another and finished together.
 
-use super::*;
-use crate::cuda::DeviceBuffer;
-use crate::engine::prefill::DecodeLink;
-use crate::engine::worker::Job;
+use crate::engine::control::CtlMsg;
+use crate::engine::link::DecodeLink;
+use crate::engine::nccl_link::{
+    plan_options, room_deadline, room_live, staging, Answer, AnswerKey, LinkKey, Sender,
+};
+use crate::engine::prefill::jobs::Job;
+use crate::engine::prefill::Prefill;
+use crate::engine::state::lock;
+use crate::error::{Error, Result, Status};
 use crate::layout::PairRequest;
 use crate::relayout::{self, gpu::GpuRelayout};
 use crate::transport::nccl::{NcclAbort, NcclId, NcclPair, NcclPlan, NcclRole};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
-
-/// The prefill end of one decode link. Fields drop in order: the pair
-/// (aborted and its stream waited, when work is in flight) before the
-/// staging buffer and the stream it uses.
-pub(in crate::engine) struct Sender {
-    pub(super) pair: Option<NcclPair>,
-    generation: u64,
-    staging: Option<DeviceBuffer>,
-    pub(super) gpu: GpuRelayout,
-}
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
 
 fn peer_of(link: &DecodeLink) -> String {
     format!(
@@ -39,7 +37,7 @@ fn refused(peer: &str, a: Answer) -> Error {
 /// One pair's chunk with its sends posted ([`start_pair`]); finished
 /// by [`finish_all`], or aborted when dropped unfinished.
 pub(in crate::engine) struct NcclSend<'a> {
-    inner: &'a Inner,
+    inner: &'a Prefill,
     slot: Arc<Mutex<Sender>>,
     link: Arc<DecodeLink>,
     peer: String,
@@ -53,7 +51,7 @@ pub(in crate::engine) struct NcclSend<'a> {
 
 /// The prefill end of `link`, made on first use; the ends of links that
 /// are gone are dropped (their communicators with them).
-fn sender_of(inner: &Inner, link: &DecodeLink, ordinal: u32) -> Result<Arc<Mutex<Sender>>> {
+fn sender_of(inner: &Prefill, link: &DecodeLink, ordinal: u32) -> Result<Arc<Mutex<Sender>>> {
     let key: LinkKey = (link.hello.instance_id, link.hello.epoch);
     let live: Vec<LinkKey> = lock(&inner.decode_links)
         .iter()
@@ -88,7 +86,7 @@ fn pair_error(room: u64, peer: &str, e: Error) -> Error {
 /// pairs of a chunk are started one after another and then finished
 /// together, so they are on the wire at the same time.
 pub(in crate::engine) fn start_pair<'a>(
-    inner: &'a Inner,
+    inner: &'a Prefill,
     job: &Job,
     req: &PairRequest<'_>,
     row_bytes: &[u64],
@@ -97,7 +95,7 @@ pub(in crate::engine) fn start_pair<'a>(
     if req.token_count() == 0 {
         return Ok(None);
     }
-    room_live(inner, job.room, job.attempt)?;
+    room_live(inner, &inner.nccl, job.room, job.attempt)?;
     let ordinal = inner
         .cfg
         .pool_device
@@ -270,19 +268,19 @@ impl Drop for NcclSend<'_> {
 }
 
 /// While the prefill waits for a decode's answer: the link and the room live.
-fn answer_live(inner: &Inner, link: &DecodeLink, room: u64, attempt: u64) -> Result<()> {
+fn answer_live(inner: &Prefill, link: &DecodeLink, room: u64, attempt: u64) -> Result<()> {
     if !link.alive.load(Ordering::Acquire) {
         return Err(Error::new(
             Status::PeerUnreachable,
             "the control connection closed; the peer is gone",
         ));
     }
-    room_live(inner, room, attempt)
+    room_live(inner, &inner.nccl, room, attempt)
 }
 
 #[allow(clippy::too_many_arguments)]
 fn post_locked(
-    inner: &Inner,
+    inner: &Prefill,
     s: &mut Sender,
     job: &Job,
     req: &PairRequest<'_>,
@@ -318,7 +316,7 @@ fn post_locked(
     let watch = |abort: &NcclAbort| {
         let abort = abort.clone();
         move || {
-            if room_live(inner, room, attempt).is_err() {
+            if room_live(inner, &inner.nccl, room, attempt).is_err() {
                 abort.abort();
             }
             link.alive.load(Ordering::Acquire)

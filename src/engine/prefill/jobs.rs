@@ -7,14 +7,38 @@
 //! that stops answering holds one worker (until its batches time out) while
 //! the others go on with the rooms of every other decode rank.
 
-use super::handle::lock;
-use super::worker::Job;
+use crate::engine::layers::Ready;
+use crate::engine::state::lock;
 use std::collections::{HashSet, VecDeque};
+use std::ops::Range;
 use std::sync::{Condvar, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
+
+/// One chunk (or layer group of one) that `send` queued for the workers.
+pub(in crate::engine) struct Job {
+    pub(in crate::engine) room: u64,
+    pub(in crate::engine) attempt: u64,
+    pub(in crate::engine) pages: Vec<u64>,
+    pub(in crate::engine) start: u64,
+    pub(in crate::engine) num_tokens: u64,
+    pub(in crate::engine) last: bool,
+    pub(in crate::engine) aux_index: u64,
+    pub(in crate::engine) state_indices: Vec<u64>,
+    /// When `send` queued the chunk.
+    pub(in crate::engine) queued: Instant,
+    /// The room's decode ranks (see [`JobQueue`]).
+    pub(in crate::engine) peers: Vec<PeerKey>,
+    /// The layers (topology entries) whose rows this job moves.
+    pub(in crate::engine) layers: Range<usize>,
+    /// Part of a chunk sent layer by layer: the chunk's plan is made by its
+    /// first job and reused by the others.
+    pub(in crate::engine) layered: bool,
+    /// What the rows depend on (the caller's CUDA event or ready flag).
+    pub(in crate::engine) ready: Ready,
+}
 
 /// A decode rank as the scheduler tells them apart (its link's address).
-pub(super) type PeerKey = usize;
+pub(in crate::engine) type PeerKey = usize;
 
 #[derive(Default)]
 struct State {
@@ -31,21 +55,21 @@ impl State {
 
 /// See the module documentation.
 #[derive(Default)]
-pub(super) struct JobQueue {
+pub(in crate::engine) struct JobQueue {
     state: Mutex<State>,
     cv: Condvar,
 }
 
 impl JobQueue {
     /// Queues a job.
-    pub(super) fn push(&self, job: Job) {
+    pub(in crate::engine) fn push(&self, job: Job) {
         lock(&self.state).queue.push_back(job);
         self.cv.notify_all();
     }
 
     /// The oldest job no other worker's room or decode rank blocks, marked
     /// busy until [`done`](Self::done); `None` after `wait` without one.
-    pub(super) fn take(&self, wait: Duration) -> Option<Job> {
+    pub(in crate::engine) fn take(&self, wait: Duration) -> Option<Job> {
         let mut st = lock(&self.state);
         let end = std::time::Instant::now() + wait;
         loop {
@@ -68,7 +92,7 @@ impl JobQueue {
     }
 
     /// The job taken is finished: its room and decode ranks are free again.
-    pub(super) fn done(&self, job: &Job) {
+    pub(in crate::engine) fn done(&self, job: &Job) {
         let mut st = lock(&self.state);
         st.busy_rooms.remove(&job.room);
         for p in &job.peers {

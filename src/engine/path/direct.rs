@@ -5,39 +5,29 @@
 //! decode's rows, after the decode granted the destination ranges; no
 //! staging, no second copy.
 
-use super::flight::Flight;
-use super::handle::Inner;
-use super::prefill::DecodeLink;
+use super::chunk::{Chunk, Pair};
+use crate::engine::link::DecodeLink;
 use crate::error::{Error, Result, Status};
-use crate::layout::{PairRequest, Run};
+use crate::layout::Run;
 use crate::relayout::CopyEntry;
-use crate::transport::{MappedRegion, PlacedRange};
+use crate::transport::{MappedRegion, PlacedRange, Transport};
+use std::ops::Range;
 use std::sync::Arc;
 use std::time::Instant;
 
-/// Submits one pair's tokens of a chunk on the one-copy path when every
-/// destination pool of the pair is mapped here (and the engine's
-/// `one_copy` is on); returns the bytes, or `None` (nothing done) when the
-/// staged path must be taken.
-pub(super) fn write_pair_direct(
-    inner: &Inner,
-    req: &PairRequest<'_>,
-    row_bytes: &[u64],
-    dst_regions: &[u64],
+/// Submits `layers` of one pair's rows of a chunk on the one-copy path:
+/// `maps` are the decode's pools mapped here (one per topology entry, from
+/// `data`, the connection the path was chosen on); returns the bytes.
+pub(super) fn write(
+    cx: &mut Chunk<'_, '_>,
     link: &Arc<DecodeLink>,
-    flight: &mut Flight<'_>,
-) -> Result<Option<u64>> {
-    if !inner.cfg.one_copy || inner.cfg.pool_device.is_some() {
-        return Ok(None);
-    }
-    let data = link.data();
-    let Some(maps) = dst_regions
-        .iter()
-        .map(|&r| data.mapped_dst(r))
-        .collect::<Option<Vec<MappedRegion>>>()
-    else {
-        return Ok(None);
-    };
+    data: &Arc<dyn Transport>,
+    maps: &[MappedRegion],
+    pair: &Pair<'_>,
+    layers: &Range<usize>,
+) -> Result<u64> {
+    let inner = cx.inner;
+    let (row_bytes, dst_regions) = (pair.row_bytes, pair.dst_regions);
     if maps.len() != row_bytes.len() || inner.pool_regions.len() != row_bytes.len() {
         return Err(Error::new(
             Status::GeometryMismatch,
@@ -49,11 +39,12 @@ pub(super) fn write_pair_direct(
             ),
         ));
     }
-    let runs = req.runs(false)?;
-    let mut entries = Vec::with_capacity(row_bytes.len());
-    for (e, &rb) in row_bytes.iter().enumerate() {
+    let runs = pair.plan.direct(pair.req)?;
+    let mut entries = Vec::with_capacity(layers.len());
+    for e in layers.clone() {
+        let rb = row_bytes[e];
         let src = &inner.pool_regions[e];
-        for r in &runs {
+        for r in runs {
             check_rows(r.src, r.len, rb, src.len, "prefill pool", e)?;
             check_rows(r.dst, r.len, rb, maps[e].len, "decode pool", e)?;
         }
@@ -64,7 +55,11 @@ pub(super) fn write_pair_direct(
             reserved: 0,
         });
     }
-    let ranges = placed_ranges(&runs, row_bytes, dst_regions);
+    let ranges = placed_ranges(
+        runs,
+        &row_bytes[layers.clone()],
+        &dst_regions[layers.clone()],
+    );
     let bytes: u64 = ranges.iter().map(|r| r.len).sum();
     let metrics = &inner.metrics;
     let mut place = || {
@@ -75,13 +70,14 @@ pub(super) fn write_pair_direct(
         // decode has granted and pinned exactly these destination ranges (this
         // runs only after its grant); source and destination are different
         // memory (our pool, the peer's memfd).
-        unsafe { copy_spread(&entries, &runs, bytes) };
+        unsafe { copy_spread(&entries, runs, bytes) };
         metrics.gathered(t0);
         metrics.placed(bytes);
         Ok(())
     };
-    flight.submit_placed(link, data, &ranges, &mut place)?;
-    Ok(Some(bytes))
+    cx.flight
+        .submit_placed(link, data.clone(), &ranges, &mut place)?;
+    Ok(bytes)
 }
 
 /// Bytes of a pair below which one thread copies it.

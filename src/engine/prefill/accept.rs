@@ -1,0 +1,378 @@
+//! The prefill's control listener and one connection per decode rank: the
+//! handshake (authentication, hello, pair checks, the data connection and
+//! its write path), then the decode's metadata, aborts and NCCL answers
+//! until it disconnects.
+
+use super::{MetaInfo, Prefill};
+use crate::bootstrap::peer::check_pair;
+use crate::bootstrap::schema::{PeerHello, Role};
+use crate::engine::control::{authenticate_decode, CtlMsg, CtlReader, CtlWriter, CONTROL_VERSION};
+use crate::engine::link::DecodeLink;
+use crate::engine::path::Conn;
+use crate::engine::room_grants::room_ranges;
+use crate::engine::state::{catch, lock};
+use crate::error::{Error, Result, Status};
+use crate::transport::listen::{self, Framing, ListenStats, Slot};
+use crate::transport::{ConnectOptions, TransportKind};
+use std::net::{TcpListener, TcpStream};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, Weak};
+use std::time::Instant;
+
+pub(in crate::engine) fn accept_loop(w: Weak<Prefill>, l: TcpListener) {
+    let Some(limits) = w.upgrade().map(|i| i.cfg.listen_limits) else {
+        return;
+    };
+    let stop = {
+        let w = w.clone();
+        move || w.upgrade().is_none_or(|i| i.closed.load(Ordering::Acquire))
+    };
+    let stats = ListenStats::default();
+    let refuse = |why: &str| {
+        let mut line =
+            serde_json::to_vec(&refusal(&Error::new(Status::Protocol, why))).unwrap_or_default();
+        line.push(b'\n');
+        line
+    };
+    listen::serve(
+        l,
+        limits,
+        Framing::Line,
+        stats,
+        stop,
+        refuse,
+        |s, first, slot| {
+            let w2 = w.clone();
+            let _ = std::thread::Builder::new()
+                .name("pdxfer-ctl-p".into())
+                .spawn(move || prefill_conn(w2, s, &first, slot));
+        },
+    );
+}
+
+/// A peer's label in the metrics: its rank key (`dp0-tp1-cp0-pp0`), which
+/// names one rank of a cluster and role.
+pub(super) fn peer_label(h: &PeerHello) -> String {
+    crate::bootstrap::schema::RankKey {
+        dp: h.dp_rank,
+        tp: h.topology.attn_tp_rank,
+        cp: h.topology.attn_cp_rank,
+        pp: h.topology.pp_rank,
+    }
+    .to_string()
+}
+
+/// The answer to a Hello that cannot be accepted.
+fn refusal(e: &Error) -> CtlMsg {
+    CtlMsg::Status {
+        room: 0,
+        attempt: 0,
+        ok: false,
+        prefill_rank: 0,
+        bytes: 0,
+        reason: Some(e.detail().to_string()),
+        code: Some(e.status() as i32),
+    }
+}
+
+/// Prefill: one decode rank's control connection, whose first line
+/// (`first`, read by the listener) arrived whole.
+fn prefill_conn(w: Weak<Prefill>, s: TcpStream, first: &[u8], mut slot: Slot) {
+    let _ = s.set_nodelay(true);
+    let (Ok(ws), Ok(rs)) = (s.try_clone(), s.try_clone()) else {
+        return;
+    };
+    let handshake = w.upgrade().map(|i| i.cfg.handshake_timeout);
+    let _ = s.set_write_timeout(handshake);
+    let writer = CtlWriter::new(ws);
+    let mut reader = CtlReader::new(rs);
+    // the first line (read by the listener) is one control message received
+    crate::transport::control_counts::engine_received();
+    // The listener read the first line whole: it must be the auth_hello, and
+    // nothing may follow it before it is answered.
+    let first = match first.iter().position(|&b| b == b'\n') {
+        Some(n) if n + 1 == first.len() => Ok(&first[..n]),
+        _ => Err(Error::new(
+            Status::Protocol,
+            "data after the first message before it was answered",
+        )),
+    };
+    // Authentication first: no other message is read, nothing is allocated
+    // or said before it (the refusal names no process or address).
+    let Some((mode, instance)) = w
+        .upgrade()
+        .map(|i| (i.agent.auth().clone(), i.agent.instance().0))
+    else {
+        return;
+    };
+    let _ = s.set_read_timeout(handshake);
+    let authed = first.and_then(|m| authenticate_decode(&writer, &mut reader, &mode, instance, m));
+    let peer = match authed {
+        Ok(p) => p,
+        Err(e) => {
+            if e.status() != Status::PeerUnreachable {
+                log::warn!("prefill control channel: refused a peer: {e}");
+                let _ = writer.send(&refusal(&e));
+            }
+            return;
+        }
+    };
+    let hello_msg = reader.recv();
+    let _ = s.set_read_timeout(None);
+    let (version, hello, data_addr, regions) = match hello_msg {
+        Ok(Some(CtlMsg::Hello {
+            version,
+            hello,
+            data_addr,
+            regions,
+        })) => (version, hello, data_addr, regions),
+        Ok(other) => {
+            let _ = writer.send(&refusal(&Error::new(
+                Status::Protocol,
+                format!("expected hello first, got {other:?}"),
+            )));
+            return;
+        }
+        Err(e) => {
+            let _ = writer.send(&refusal(&e));
+            return;
+        }
+    };
+    let Some(inner) = w.upgrade() else { return };
+    let setup = catch("control handshake", || {
+        if u128::from_be_bytes(peer.0) != hello.instance_id.0 {
+            return Err(Error::new(
+                Status::PeerIdentity,
+                format!(
+                    "the decode authenticated as instance {peer} but its hello names instance {}",
+                    hello.instance_id
+                ),
+            ));
+        }
+        if version != CONTROL_VERSION {
+            return Err(Error::new(
+                Status::Protocol,
+                format!("control protocol {version}, this build {CONTROL_VERSION}"),
+            ));
+        }
+        let local = lock(&inner.registrar)
+            .as_ref()
+            .map(|r| r.registration())
+            .ok_or_else(|| Error::new(Status::EngineClosed, "closing"))?;
+        let mut peer = local.clone();
+        peer.role = Role::Decode;
+        peer.topology = hello.topology.clone();
+        peer.instance_id = hello.instance_id;
+        peer.epoch = hello.epoch;
+        peer.registered_at_ms = hello.registered_at_ms;
+        check_pair(&local, &peer)?;
+        check_advertised(&*inner.store, &local.cluster, &hello, &data_addr)?;
+        Ok(local)
+    });
+    let local = match setup {
+        Ok(l) => l,
+        Err(e) => {
+            let _ = writer.send(&refusal(&e));
+            return;
+        }
+    };
+    let data = match inner.agent.connect(
+        &data_addr,
+        &ConnectOptions {
+            transport: inner.cfg.data_transport(),
+            keepalive: inner.cfg.keepalive,
+            // the decode's data plane must be the instance this channel authenticated
+            expect_instance: Some(peer),
+            ..Default::default()
+        },
+    ) {
+        Ok(d) => d,
+        Err(e) => {
+            let _ = writer.send(&refusal(&e));
+            return;
+        }
+    };
+    if data.kind() == TransportKind::Cma
+        && data
+            .remote_regions()
+            .iter()
+            .any(|r| matches!(r.kind, crate::memory::RegionKind::Device { .. }))
+    {
+        data.close();
+        let _ = writer.send(&refusal(&Error::new(
+            Status::Unsupported,
+            format!(
+                "decode {} has KV pools in CUDA device memory, which cma (process_vm_writev) cannot write; use tcp, rdma or auto on the prefill",
+                hello.instance_id
+            ),
+        )));
+        return;
+    }
+    let counters = inner.metrics.peer(data.kind().name(), peer_label(&hello));
+    let conn = Conn::new(&inner, Arc::from(data), &regions, hello.instance_id, true);
+    let link = Arc::new(DecodeLink {
+        hello,
+        regions,
+        writer,
+        conn: Mutex::new(conn),
+        data_addr,
+        alive: AtomicBool::new(true),
+        counters,
+    });
+    if link
+        .writer
+        .send(&CtlMsg::HelloAck {
+            version: CONTROL_VERSION,
+            hello: PeerHello::from(&local),
+        })
+        .is_err()
+    {
+        return;
+    }
+    slot.established();
+    let _ = s.set_write_timeout(None);
+    lock(&inner.decode_links).push(link.clone());
+    drop(inner);
+    loop {
+        let msg = reader.recv();
+        let Some(inner) = w.upgrade() else { return };
+        match msg {
+            Ok(Some(CtlMsg::Meta {
+                room,
+                attempt,
+                dst_pages,
+                decode_prefix_len,
+                aux_index,
+                state_indices,
+                required_dst_info_num,
+                grant,
+                ..
+            })) => {
+                // a data link broken by the last room is made again for this one
+                inner.redial_if_broken(&link);
+                // the grant covers the rows this Meta names, computed as the decode did
+                let grant = grant.and_then(|g| {
+                    match room_ranges(
+                        &link.regions,
+                        &link.hello.topology,
+                        &dst_pages,
+                        aux_index,
+                        &state_indices,
+                    ) {
+                        Ok(r) => Some(g.with_ranges(room, r)),
+                        Err(e) => {
+                            log::warn!("room {room}: cannot open the decode's grant ({e}); writing with per-batch grants");
+                            None
+                        }
+                    }
+                });
+                inner.add_meta(
+                    room,
+                    MetaInfo {
+                        link: link.clone(),
+                        attempt,
+                        dst_pages,
+                        prefix: decode_prefix_len,
+                        aux_index,
+                        state_indices,
+                        required: required_dst_info_num,
+                        bytes: 0,
+                        arrived: Instant::now(),
+                        grant,
+                    },
+                );
+            }
+            Ok(Some(CtlMsg::Abort { room, attempt })) if lock(&inner.rooms).get(room).is_ok() => {
+                let local_attempt = lock(&inner.rooms).get(room).map(|r| r.attempt).unwrap_or(0);
+                let fenced = lock(&inner.rooms)
+                    .abort(room, local_attempt)
+                    .unwrap_or(true);
+                inner.cv.notify_all();
+                if fenced {
+                    let _ = link.writer.send(&CtlMsg::AbortAck { room, attempt });
+                } else if let Some(r) = lock(&inner.prefill_rooms).get_mut(&room) {
+                    r.abort_pending.push((link.clone(), attempt));
+                }
+            }
+            Ok(Some(CtlMsg::Abort { room, attempt })) => {
+                let _ = link.writer.send(&CtlMsg::AbortAck { room, attempt });
+            }
+            Ok(Some(m @ (CtlMsg::NcclAccepted { .. } | CtlMsg::NcclReady { .. }))) => {
+                let key = (link.hello.instance_id, link.hello.epoch);
+                inner.nccl.answer(key, m);
+            }
+            Ok(Some(_)) => {}
+            Ok(None) | Err(_) => {
+                link.alive.store(false, Ordering::Release);
+                link.data().close();
+                // rooms waiting on this decode rank fail; others go on
+                let pr = lock(&inner.prefill_rooms);
+                let hit: Vec<(u64, u64)> = pr
+                    .iter()
+                    .filter(|(_, r)| r.infos.iter().any(|m| Arc::ptr_eq(&m.link, &link)))
+                    .map(|(id, r)| (*id, r.attempt))
+                    .collect();
+                drop(pr);
+                for (room, a) in hit {
+                    inner.fail_room(
+                        room,
+                        a,
+                        Error::new(
+                            Status::PeerUnreachable,
+                            format!(
+                                "decode rank instance {} (dcp_rank {}) disconnected",
+                                link.hello.instance_id, link.hello.topology.dcp_rank
+                            ),
+                        ),
+                    );
+                }
+                lock(&inner.decode_links).retain(|l| !Arc::ptr_eq(l, &link));
+                return;
+            }
+        }
+    }
+}
+
+/// The decode's bootstrap entry for the instance the control channel
+/// authenticated (current or stale) must advertise the data address it gave:
+/// the prefill dials only the data plane the bootstrap names for that
+/// instance. Where the bootstrap holds no entry for it (its rank key was
+/// taken over by a newer process) or cannot be read, the binding is the
+/// authenticated instance id alone, which the data plane must prove too.
+fn check_advertised(
+    store: &dyn crate::bootstrap::Store,
+    cluster: &str,
+    hello: &PeerHello,
+    data_addr: &str,
+) -> Result<()> {
+    let view = match store.view(cluster, Role::Decode) {
+        Ok(v) => v,
+        Err(e) => {
+            log::warn!(
+                "prefill: cannot read the decode entries of cluster {cluster:?} to check decode instance {}'s data address ({e}); relying on its authenticated instance id",
+                hello.instance_id
+            );
+            return Ok(());
+        }
+    };
+    let Some(entry) = view
+        .current
+        .values()
+        .chain(view.stale.iter())
+        .find(|r| r.instance_id == hello.instance_id)
+    else {
+        return Ok(());
+    };
+    match entry.endpoints.get("data") {
+        Some(a) if a == data_addr => Ok(()),
+        other => Err(Error::new(
+            Status::PeerIdentity,
+            format!(
+                "decode instance {} gave data address {data_addr:?}, but its bootstrap entry [{}] advertises {:?}",
+                hello.instance_id,
+                entry.describe(),
+                other
+            ),
+        )),
+    }
+}
