@@ -860,10 +860,9 @@ fn gather_to_host_pipeline() {
 #[test]
 #[ignore = "run by device_path_runs_on_fake_driver in a child process with the fake libcuda"]
 fn child_engine_device_pools_on_fake_driver() {
+    use cluster::{Cluster, Pools, AUX_ITEM};
     use pdxfer::bootstrap::schema::Role;
-    use pdxfer::bootstrap::server::{BootstrapServer, ServerConfig};
-    use pdxfer::engine::synthetic::SyntheticPools;
-    use pdxfer::engine::{Engine, EngineConfig, KvPoll, KvPool};
+    use pdxfer::engine::{Engine, EngineConfig, KvPool};
     use pdxfer::relayout::gpu::GpuRelayout;
     use pdxfer::transport::TransportKind;
     use pdxfer::Status;
@@ -876,87 +875,26 @@ fn child_engine_device_pools_on_fake_driver() {
     gather_to_host_pipeline();
     const LAYERS: u32 = 3;
     const ROW: u64 = 96;
-    const P: u64 = PAGE;
-    const PAGES: u64 = 48;
     let token = LAYERS as u64 * ROW;
-    let server = BootstrapServer::start(ServerConfig::default()).unwrap();
-    let url = server.url();
-    let g = GpuRelayout::new(0).unwrap();
-    let mut host = SyntheticPools::new(LAYERS, ROW, P, PAGES, 8, 32).unwrap();
-    let dev: Vec<_> = (0..LAYERS as usize)
-        .map(|l| g.stream().alloc(host.layer_bytes(l).len()).unwrap())
-        .collect();
-    let dev_pools = |host: &SyntheticPools| -> Vec<KvPool> {
-        host.kv_pools()
-            .into_iter()
-            .zip(&dev)
-            .map(|(p, d)| KvPool { base: d.ptr(), ..p })
-            .collect()
-    };
-    let prefill_cfg = |name: &str, host: &SyntheticPools, staging: u64| {
-        let mut cfg = EngineConfig::new(
-            Role::Prefill,
-            name,
-            &url,
-            host.topology(1, 0),
-            dev_pools(host),
-        );
-        cfg.pool_device = Some(0);
-        cfg.aux = host.aux_buffers();
-        cfg.transport = TransportKind::Cma;
-        cfg.staging_bytes = staging;
-        cfg.room_timeout = Duration::from_secs(20);
-        cfg
-    };
-
+    let mut last = None;
     for (dcp, staging) in [(2u32, 2 * 5 * token), (4, 2 * 3 * token + 17)] {
-        let name = format!("fake-dev-{dcp}");
-        // SAFETY: the device pools and the aux buffer outlive the engine (closed below).
-        let prefill = unsafe { Engine::new(prefill_cfg(&name, &host, staging)) }.unwrap();
-        let mut decode = Vec::new();
-        for r in 0..dcp {
-            let pools = SyntheticPools::new(LAYERS, ROW, P, 24, 8, 32).unwrap();
-            decode.push(cluster::rank(
-                Role::Decode,
-                &name,
-                &url,
-                pools,
-                (dcp, r),
-                TransportKind::Cma,
-            ));
-        }
+        let mut c = Cluster::build(&format!("fake-dev-{dcp}"), (1, dcp), TransportKind::Cma)
+            .layers(LAYERS)
+            .row_bytes(ROW)
+            .prefill_pools(Pools::Device)
+            .staging(staging)
+            .room_timeout(Duration::from_secs(20))
+            .receiver_timeout(Duration::from_secs(20))
+            .start();
         let copies_before = fake_pinned_copies();
-        let v = P * dcp as u64;
+        let v = cluster::P * dcp as u64;
         for (room, total, prefix, chunk_pages) in
             [(1u64, 300u64, 0u64, 4usize), (2, 517, v * 2, 100)]
         {
-            let n = total - prefix;
-            let src_pages: Vec<u64> = (0..n.div_ceil(P)).map(|i| (i * 7 + room) % PAGES).collect();
-            let dst_pages: Vec<u64> = (0..n.div_ceil(v)).map(|i| (i * 5 + room) % 24).collect();
-            let src = cluster::side(1, 0, &src_pages, prefix);
-            host.fill(room, &src, total);
-            host.fill_aux(room, 3);
-            for (l, d) in dev.iter().enumerate() {
-                g.stream().upload(d, 0, host.layer_bytes(l)).unwrap();
-            }
-            g.stream().record(false).unwrap().wait().unwrap();
-            cluster::open_decode(
-                decode.iter().map(|(e, _)| e),
-                room,
-                &dst_pages,
-                prefix,
-                Some(Duration::from_secs(20)),
-            );
-            send_room(&prefill, room, &src_pages, chunk_pages, n, "prefill");
-            let mut verified = 0;
-            for (r, (e, pools)) in decode.iter().enumerate() {
-                cluster::assert_success(e, room, &format!("decode {r}"));
-                let side = cluster::side(dcp as u64, r as u64, &dst_pages, prefix);
-                verified += pools.verify(room, &side, total, Some(5)).unwrap();
-                e.clear(room).unwrap();
-            }
-            assert_eq!(verified, n * token + dcp as u64 * 32, "room {room}");
-            prefill.clear(room).unwrap();
+            let req = c.open_room(room, total, prefix, true);
+            c.send_all(&req, chunk_pages);
+            let verified = c.finish(&req);
+            assert_eq!(verified, req.n() * token + dcp as u64 * 32, "room {room}");
         }
         // Layer-wise sends ordered after CUDA events: a "model" stream of its
         // own writes each layer's rows into the device pools and records an
@@ -967,55 +905,32 @@ fn child_engine_device_pools_on_fake_driver() {
         {
             let model = GpuRelayout::new(0).unwrap();
             let (room, total, prefix) = (3u64, 400u64, 0u64);
-            let src_pages: Vec<u64> = (0..total.div_ceil(P))
-                .map(|i| (i * 5 + 2) % PAGES)
-                .collect();
-            let dst_pages: Vec<u64> = (0..total.div_ceil(v)).map(|i| (i * 7 + 1) % 24).collect();
-            let src = cluster::side(1, 0, &src_pages, prefix);
-            host.fill(room, &src, total);
-            host.fill_aux(room, 3);
-            cluster::open_decode(
-                decode.iter().map(|(e, _)| e),
-                room,
-                &dst_pages,
-                prefix,
-                Some(Duration::from_secs(20)),
-            );
-            prefill.sender(room).unwrap();
-            while prefill.poll(room) == KvPoll::Bootstrapping {
-                std::thread::sleep(Duration::from_millis(5));
-            }
+            let req = c.plan(room, total, prefix);
+            // the host mirror only: the model's stream uploads it below
+            c.fill_host(&req);
+            c.post_metadata(&req);
+            c.senders(room);
+            c.wait_bootstrapped(room);
             let mut events = Vec::new();
-            for (l, d) in dev.iter().enumerate() {
-                model.stream().upload(d, 0, host.layer_bytes(l)).unwrap();
+            for (l, d) in c.prefill_dev[0].iter().enumerate() {
+                model
+                    .stream()
+                    .upload(d, 0, c.prefill[0].1.layer_bytes(l))
+                    .unwrap();
                 let ev = model.stream().record(false).unwrap();
                 let o = pdxfer::engine::SendOptions {
                     cuda_event: Some(ev.raw()),
                     layers: Some(l as u32..l as u32 + 1),
                     ..Default::default()
                 };
-                prefill
-                    .send_with(room, &src_pages, total, true, 3, &o)
+                c.prefill()
+                    .send_with(room, &req.src[0], total, true, AUX_ITEM, &o)
                     .unwrap();
                 events.push(ev);
             }
-            assert_eq!(
-                prefill.wait(room, Duration::from_secs(20)),
-                KvPoll::Success,
-                "event-ordered layer-wise room: {:?}",
-                prefill.failure(room)
-            );
-            let mut verified = 0;
-            for (r, (e, pools)) in decode.iter().enumerate() {
-                assert_eq!(e.wait(room, Duration::from_secs(20)), KvPoll::Success);
-                let side = cluster::side(dcp as u64, r as u64, &dst_pages, prefix);
-                verified += pools
-                    .verify(room, &side, total, Some(5))
-                    .unwrap_or_else(|e| panic!("event-ordered layer-wise room, decode {r}: {e}"));
-                e.clear(room).unwrap();
-            }
+            // every rank's Success (with the room's failure if not) and every byte
+            let verified = c.finish(&req);
             assert_eq!(verified, total * token + dcp as u64 * 32);
-            prefill.clear(room).unwrap();
             drop(events);
             println!("fake-driver engine child: DCP 1->{dcp} layer-wise sends ordered after per-layer CUDA events, every byte checked");
         }
@@ -1024,23 +939,37 @@ fn child_engine_device_pools_on_fake_driver() {
         let min_slices = 2 * dcp as u64;
         assert!(copies > min_slices, "only {copies} pinned copies");
         println!("fake-driver engine child: DCP 1->{dcp} over {copies} staged slices, every byte checked");
-        prefill.close();
-        for (e, _) in &decode {
-            e.close();
-        }
+        c.close();
+        last = Some(c);
     }
 
-    // Refused configurations.
+    // Refused configurations, over the last cluster's prefill pools.
+    let c = last.unwrap();
+    let url = c.server.url();
+    let (host, dev) = (&c.prefill[0].1, &c.prefill_dev[0]);
+    let prefill_cfg = |staging: u64| {
+        let mut cfg = cluster::config(Role::Prefill, "bad", &url, host, (1, 0), TransportKind::Cma);
+        cfg.pools = host
+            .kv_pools()
+            .into_iter()
+            .zip(dev)
+            .map(|(p, d)| KvPool { base: d.ptr(), ..p })
+            .collect();
+        cfg.pool_device = Some(0);
+        cfg.staging_bytes = staging;
+        cfg.room_timeout = Duration::from_secs(20);
+        cfg
+    };
     let create = |cfg: EngineConfig| {
         // SAFETY: creation fails before any pool memory is touched.
         unsafe { Engine::new(cfg) }.unwrap_err()
     };
-    let mut cfg = prefill_cfg("bad", &host, 1 << 16);
+    let mut cfg = prefill_cfg(1 << 16);
     cfg.pools[1].base = host.kv_pools()[1].base; // host memory, not a CUDA allocation
     let e = create(cfg);
     assert_eq!(e.status(), Status::InvalidArgument, "{e}");
     assert!(e.detail().contains("KV pool 1"), "{e}");
-    let mut cfg = prefill_cfg("bad", &host, 1 << 16);
+    let mut cfg = prefill_cfg(1 << 16);
     cfg.pools[2].num_pages += 1; // one page past the allocation
     let e = create(cfg);
     assert_eq!(e.status(), Status::OutOfBounds, "{e}");
@@ -1050,20 +979,20 @@ fn child_engine_device_pools_on_fake_driver() {
         assert!(dev.iter().all(|d| d.len() > 4 * 4096), "pools of one chunk");
         assert!(e.detail().contains("mapping(s)"), "{e}");
     }
-    let mut cfg = prefill_cfg("bad", &host, 1 << 16);
+    let mut cfg = prefill_cfg(1 << 16);
     cfg.pool_device = Some(1);
     assert_eq!(create(cfg).status(), Status::Cuda);
-    let e = create(prefill_cfg("bad", &host, token));
+    let e = create(prefill_cfg(token));
     assert_eq!(e.status(), Status::InvalidArgument, "{e}");
     assert!(e.detail().contains("staging_bytes"), "{e}");
     // A decode with device pools over cma: refused with the reason.
-    let mut cfg = prefill_cfg("bad", &host, 1 << 16);
+    let mut cfg = prefill_cfg(1 << 16);
     cfg.role = Role::Decode;
     let e = create(cfg);
     assert_eq!(e.status(), Status::Unsupported, "{e}");
     assert!(e.detail().contains("process_vm_writev"), "{e}");
     // ... and with a pool that is not device memory.
-    let mut cfg = prefill_cfg("bad", &host, 1 << 16);
+    let mut cfg = prefill_cfg(1 << 16);
     cfg.role = Role::Decode;
     cfg.transport = TransportKind::Tcp;
     cfg.pools[0].base = host.kv_pools()[0].base;
