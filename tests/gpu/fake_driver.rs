@@ -1017,12 +1017,10 @@ fn child_engine_device_pools_on_fake_driver() {
 #[test]
 #[ignore = "run by device_path_runs_on_fake_driver in a child process with the fake libcuda"]
 fn child_engine_decode_device_pools_on_fake_driver() {
+    use cluster::{Cluster, Pools};
     use pdxfer::bootstrap::schema::Role;
-    use pdxfer::bootstrap::server::{BootstrapServer, ServerConfig};
-    use pdxfer::engine::synthetic::SyntheticPools;
-    use pdxfer::engine::{Engine, EngineConfig, KvPoll};
+    use pdxfer::engine::{Engine, KvPoll};
     use pdxfer::memory::RegionKind;
-    use pdxfer::relayout::gpu::GpuRelayout;
     use pdxfer::transport::rdma::fake::FakeNic;
     use pdxfer::transport::rdma::handshake::Mtu;
     use pdxfer::transport::rdma::nic::NicProvider;
@@ -1036,15 +1034,15 @@ fn child_engine_decode_device_pools_on_fake_driver() {
     );
     const LAYERS: u32 = 3;
     const ROW: u64 = 96;
-    const P: u64 = PAGE;
-    const PAGES: u64 = 48;
-    const DPAGES: u64 = 24;
     let dcp = 2u32;
     let token = LAYERS as u64 * ROW;
-    let server = BootstrapServer::start(ServerConfig::default()).unwrap();
-    let url = server.url();
-    let g = GpuRelayout::new(0).unwrap();
-    let on_device = |pools: &SyntheticPools| cluster::device_pools(&g, pools);
+    // decode ranks with device pools, of this geometry
+    let spec = |name: &str, dcp: u32, transport: TransportKind| {
+        Cluster::build(name, (1, dcp), transport)
+            .layers(LAYERS)
+            .row_bytes(ROW)
+            .decode_pools(Pools::Device)
+    };
 
     // rdma runs on the fake NIC fabric; the prefill's NIC has GPUDirect RDMA,
     // has no GPU path, has one whose registrations fail (the probe finds it
@@ -1063,103 +1061,47 @@ fn child_engine_decode_device_pools_on_fake_driver() {
             "refuses-late",
         ),
     ] {
-        let name = format!("fake-decode-dev-{case}");
         let rdma = transport == TransportKind::Rdma;
         let prefill_nic = rdma.then(|| FakeNic::new(&format!("{case}-p"), 2, Mtu::Mtu4096));
+        let mut spec = spec(&format!("fake-decode-dev-{case}"), dcp, transport)
+            .room_timeout(Duration::from_secs(20))
+            .receiver_timeout(Duration::from_secs(20));
         if let Some(n) = &prefill_nic {
             n.set_gpu_direct(nic != "none");
             n.refuse_device_registrations(nic == "refuses");
             n.refuse_device_registrations_after_probe(nic == "refuses-late");
+            spec = spec.prefill_nic(n.clone());
         }
-        let mut host = SyntheticPools::new(LAYERS, ROW, P, PAGES, 8, 32).unwrap();
-        let (src_dev, src_dev_pools) = on_device(&host);
-        let mut cfg = EngineConfig::new(
-            Role::Prefill,
-            &name,
-            &url,
-            host.topology(1, 0),
-            if prefill_device {
-                src_dev_pools
-            } else {
-                host.kv_pools()
-            },
-        );
         if prefill_device {
-            cfg.pool_device = Some(0);
-            cfg.staging_bytes = 2 * 7 * token;
+            spec = spec.prefill_pools(Pools::Device).staging(2 * 7 * token);
         }
-        cfg.aux = host.aux_buffers();
-        cfg.transport = transport;
-        cfg.testing.nic = prefill_nic.clone().map(|n| n as Arc<dyn NicProvider>);
-        cfg.room_timeout = Duration::from_secs(20);
-        // SAFETY: the pools (host or device) and aux outlive the engine (closed below).
-        let prefill = unsafe { Engine::new(cfg) }.unwrap();
-        let mut decode = Vec::new();
-        for r in 0..dcp {
-            let mirror = SyntheticPools::new(LAYERS, ROW, P, DPAGES, 8, 32).unwrap();
-            let (bufs, kv) = on_device(&mirror);
-            for b in &bufs {
-                g.stream().memset(b, 0).unwrap();
-            }
-            g.stream().record(false).unwrap().wait().unwrap();
-            let mut cfg = EngineConfig::new(Role::Decode, &name, &url, mirror.topology(dcp, r), kv);
-            cfg.pool_device = Some(0);
-            cfg.aux = mirror.aux_buffers();
-            cfg.transport = transport;
-            cfg.testing.nic =
-                rdma.then(|| FakeNic::new(&format!("{case}-d{r}"), 2, Mtu::Mtu4096) as _);
-            // SAFETY: the device pools and the mirror's aux live in `decode` beside the engine.
-            let e = unsafe { Engine::new(cfg) }.unwrap();
-            decode.push((e, mirror, bufs));
-        }
+        let mut c = spec.start();
         let (mut htod, mut pinned, mut dtoh) = (0u64, 0u64, 0u64);
-        let v = P * dcp as u64;
+        let v = cluster::P * dcp as u64;
         for (room, total, prefix, chunk_pages) in
             [(1u64, 300u64, 0u64, 4usize), (2, 517, v * 2, 100)]
         {
-            let n = total - prefix;
-            let src_pages: Vec<u64> = (0..n.div_ceil(P)).map(|i| (i * 7 + room) % PAGES).collect();
-            let dst_pages: Vec<u64> = (0..n.div_ceil(v))
-                .map(|i| (i * 5 + room) % DPAGES)
-                .collect();
-            let src = cluster::side(1, 0, &src_pages, prefix);
-            host.fill(room, &src, total);
-            host.fill_aux(room, 3);
-            if prefill_device {
-                for (l, d) in src_dev.iter().enumerate() {
-                    g.stream().upload(d, 0, host.layer_bytes(l)).unwrap();
-                }
-                g.stream().record(false).unwrap().wait().unwrap();
-            }
-            // the transfer's copies only (not the uploads above)
+            let req = c.plan(room, total, prefix);
+            c.fill(&req);
+            // the transfer's copies only (not the uploads of the fill)
             let (htod_before, pinned_before) = (fake_htod_copies(), fake_pinned_htod_copies());
             let dtoh_before = fake_pinned_copies();
-            cluster::open_decode(
-                decode.iter().map(|(e, _, _)| e),
-                room,
-                &dst_pages,
-                prefix,
-                Some(Duration::from_secs(20)),
-            );
-            send_room(&prefill, room, &src_pages, chunk_pages, n, case);
+            c.post_metadata(&req);
+            c.senders(room);
+            c.wait_bootstrapped(room);
+            c.send_all(&req, chunk_pages);
+            c.wait_prefill_success(room);
             // the prefill's device-to-host staging copies (before the read-back below)
             dtoh += fake_pinned_copies() - dtoh_before;
-            let mut verified = 0;
-            for (r, (e, mirror, bufs)) in decode.iter_mut().enumerate() {
-                cluster::assert_success(e, room, &format!("{case} decode {r}"));
-                // read the decode's device memory back (a plain synchronous
-                // copy: it does not wait for any stream)
-                for (l, b) in bufs.iter().enumerate() {
-                    b.read(0, mirror.layer_bytes_mut(l)).unwrap();
-                }
-                let side = cluster::side(dcp as u64, r as u64, &dst_pages, prefix);
-                verified += mirror
-                    .verify(room, &side, total, Some(5))
-                    .unwrap_or_else(|e| panic!("{case} decode {r} room {room}: {e}"));
-                e.clear(room).unwrap();
-            }
-            assert_eq!(verified, n * token + dcp as u64 * 32, "{case} room {room}");
-            prefill.clear(room).unwrap();
+            // every decode rank's Success, its device memory read back (a
+            // plain synchronous copy: it does not wait for any stream) and
+            // every byte checked
+            let verified = c.finish(&req);
+            assert_eq!(
+                verified,
+                req.n() * token + dcp as u64 * 32,
+                "{case} room {room}"
+            );
             htod += fake_htod_copies() - htod_before;
             pinned += fake_pinned_htod_copies() - pinned_before;
         }
@@ -1177,7 +1119,7 @@ fn child_engine_decode_device_pools_on_fake_driver() {
                 assert!(
                     n.regions()
                         .iter()
-                        .all(|r| src_dev.iter().all(|d| d.ptr() != r.addr)),
+                        .all(|r| c.prefill_dev[0].iter().all(|d| d.ptr() != r.addr)),
                     "{case}: a prefill pool was registered with the NIC"
                 );
             }
@@ -1196,10 +1138,7 @@ fn child_engine_decode_device_pools_on_fake_driver() {
             println!(
                 "fake-driver decode child: {case} DCP 1->{dcp} with {dtoh} device-to-host staging copies, every byte checked"
             );
-            prefill.close();
-            for (e, _, _) in &decode {
-                e.close();
-            }
+            c.close();
             continue;
         }
         if prefill_device {
@@ -1218,40 +1157,15 @@ fn child_engine_decode_device_pools_on_fake_driver() {
         println!(
             "fake-driver decode child: {case} DCP 1->{dcp} over {htod} host-to-device copies, every byte checked"
         );
-        prefill.close();
-        for (e, _, _) in &decode {
-            e.close();
-        }
+        c.close();
     }
 
     // A prefill told to use cma refuses a decode whose pools are device
     // memory at the handshake, naming why; nothing is written.
-    let host = SyntheticPools::new(LAYERS, ROW, P, PAGES, 8, 32).unwrap();
-    let mut cfg = EngineConfig::new(
-        Role::Prefill,
-        "fake-decode-dev-cma",
-        &url,
-        host.topology(1, 0),
-        host.kv_pools(),
-    );
-    cfg.aux = host.aux_buffers();
-    cfg.transport = TransportKind::Cma;
-    // SAFETY: the host pools outlive the engine (closed below).
-    let prefill = unsafe { Engine::new(cfg) }.unwrap();
-    let mirror = SyntheticPools::new(LAYERS, ROW, P, DPAGES, 8, 32).unwrap();
-    let (bufs, kv) = on_device(&mirror);
-    let mut cfg = EngineConfig::new(
-        Role::Decode,
-        "fake-decode-dev-cma",
-        &url,
-        mirror.topology(1, 0),
-        kv,
-    );
-    cfg.pool_device = Some(0);
-    cfg.aux = mirror.aux_buffers();
-    cfg.transport = TransportKind::Tcp;
-    // SAFETY: the device pools and the aux live until the engine is closed below.
-    let decode = unsafe { Engine::new(cfg) }.unwrap();
+    let c = spec("fake-decode-dev-cma", 1, TransportKind::Cma)
+        .decode_transport(TransportKind::Tcp)
+        .start();
+    let decode = &c.decode[0].0;
     let err = match decode.receiver(9, 0, Some(Duration::from_secs(10))) {
         Err(e) => e,
         Ok(()) => {
@@ -1265,7 +1179,8 @@ fn child_engine_decode_device_pools_on_fake_driver() {
     // A decode with device pools over rdma needs GPUDirect: refused at
     // creation without it, whether libcuda is missing or loads but the
     // registration fails (found by the NIC's probe registration).
-    let (bufs2, kv2) = on_device(&mirror);
+    let (url, mirror) = (c.server.url(), &c.decode[0].1);
+    let (bufs2, kv2) = cluster::device_pools(c.gpu.as_ref().unwrap(), mirror);
     for no_gdr in ["no-libcuda", "registration-fails"] {
         let nic = FakeNic::new(&format!("decode-{no_gdr}"), 1, Mtu::Mtu4096);
         if no_gdr == "no-libcuda" {
@@ -1273,24 +1188,24 @@ fn child_engine_decode_device_pools_on_fake_driver() {
         } else {
             nic.refuse_device_registrations(true);
         }
-        let mut cfg = EngineConfig::new(
+        let mut cfg = cluster::config(
             Role::Decode,
             "fake-decode-dev-nogdr",
             &url,
-            mirror.topology(1, 0),
-            kv2.clone(),
+            mirror,
+            (1, 0),
+            TransportKind::Rdma,
         );
+        cfg.pools = kv2.clone();
         cfg.pool_device = Some(0);
-        cfg.aux = mirror.aux_buffers();
-        cfg.transport = TransportKind::Rdma;
         cfg.testing.nic = Some(nic as Arc<dyn NicProvider>);
-        // SAFETY: as above (the engine is not created).
+        // SAFETY: creation fails (no engine is made); the device pools outlive it.
         let e = unsafe { Engine::new(cfg) }.unwrap_err();
         assert_eq!(e.status(), pdxfer::Status::NoGpuDirect, "{no_gdr}: {e}");
         assert!(e.detail().contains("use transport tcp"), "{no_gdr}: {e}");
     }
-    prefill.close();
-    drop((bufs, bufs2));
+    c.prefill().close();
+    drop(bufs2);
     println!("fake-driver decode child: all checks passed");
 }
 

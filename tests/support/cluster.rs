@@ -175,6 +175,7 @@ pub struct Spec {
     src_dcp: u32,
     dcp: u32,
     transport: TransportKind,
+    decode_transport: Option<TransportKind>,
     row: u64,
     prefill_pools: Pools,
     decode_pools: Pools,
@@ -200,6 +201,11 @@ impl Spec {
     /// Bytes of one layer of one token row (default [`ROW`]).
     pub fn row_bytes(mut self, row: u64) -> Self {
         self.row = row;
+        self
+    }
+    /// The decode ranks' transport (default: the cluster's).
+    pub fn decode_transport(mut self, t: TransportKind) -> Self {
+        self.decode_transport = Some(t);
         self
     }
     /// The prefill ranks' KV pools (default [`Pools::Heap`]).
@@ -332,7 +338,7 @@ impl Spec {
     }
 
     /// The config of `role`'s rank `r` of DCP `dcp` over `pools`, with the
-    /// spec's transport and NIC rails (not yet its per-role options).
+    /// spec's transport of the role and NIC rails (not yet its per-role options).
     fn config(
         &self,
         role: Role,
@@ -340,10 +346,14 @@ impl Spec {
         pools: &SyntheticPools,
         (dcp, r): (u32, u32),
     ) -> EngineConfig {
+        let transport = match role {
+            Role::Decode => self.decode_transport.unwrap_or(self.transport),
+            Role::Prefill => self.transport,
+        };
         #[allow(unused_mut)]
-        let mut cfg = config(role, &self.name, url, pools, (dcp, r), self.transport);
+        let mut cfg = config(role, &self.name, url, pools, (dcp, r), transport);
         #[cfg(feature = "testing")]
-        if self.transport == TransportKind::Rdma {
+        if transport == TransportKind::Rdma {
             cfg.testing.nic = Some(FakeNic::new(role.as_str(), self.rails, Mtu::Mtu4096) as _);
         }
         cfg
@@ -426,6 +436,7 @@ impl Cluster {
             src_dcp,
             dcp,
             transport,
+            decode_transport: None,
             row: ROW,
             prefill_pools: Pools::Heap,
             decode_pools: Pools::Heap,
