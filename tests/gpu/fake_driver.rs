@@ -687,46 +687,6 @@ fn nccl_transfers() {
     }
 }
 
-/// Tokens per page in the engine children.
-const PAGE: u64 = 16;
-
-/// Drives a prefill room: opens the sender, waits until every decode rank's
-/// metadata arrived, sends `src_pages` in chunks of `chunk_pages` pages
-/// (`n` tokens in all, pages of `PAGE` tokens, aux row 3) and waits for `Success`.
-fn send_room(
-    prefill: &pdxfer::engine::Engine,
-    room: u64,
-    src_pages: &[u64],
-    chunk_pages: usize,
-    n: u64,
-    what: &str,
-) {
-    prefill.sender(room).unwrap();
-    for _ in 0..2000 {
-        if prefill.poll(room) != pdxfer::engine::KvPoll::Bootstrapping {
-            break;
-        }
-        std::thread::sleep(std::time::Duration::from_millis(5));
-    }
-    let mut sent = 0;
-    for (i, chunk) in src_pages.chunks(chunk_pages).enumerate() {
-        let last = (i + 1) * chunk_pages >= src_pages.len();
-        let t = if last {
-            n - sent
-        } else {
-            chunk.len() as u64 * PAGE
-        };
-        prefill.send(room, chunk, t, last, 3).unwrap();
-        sent += t;
-    }
-    assert_eq!(
-        prefill.wait(room, std::time::Duration::from_secs(20)),
-        pdxfer::engine::KvPoll::Success,
-        "{what}: {:?}",
-        prefill.failure(room)
-    );
-}
-
 /// A counter of the fake libcuda this process loaded
 /// (`pdx_fake_pinned_dtoh_copies`, `pdx_fake_launches`).
 fn fake_counter(name: &std::ffi::CStr) -> u64 {
@@ -1222,31 +1182,21 @@ fn child_engine_decode_device_pools_on_fake_driver() {
 #[test]
 #[ignore = "run by device_path_runs_on_fake_driver in a child process with the fake libcuda"]
 fn child_engine_gpudirect_flush_on_fake_driver() {
+    use cluster::{Cluster, Pools, AUX_ITEM};
     use pdxfer::bootstrap::schema::Role;
-    use pdxfer::bootstrap::server::{BootstrapServer, ServerConfig};
-    use pdxfer::engine::synthetic::SyntheticPools;
-    use pdxfer::engine::{Engine, EngineConfig, KvPoll};
-    use pdxfer::layout::{DcpLayout, Side};
-    use pdxfer::relayout::gpu::GpuRelayout;
+    use pdxfer::engine::{Engine, KvPoll, KvPool};
     use pdxfer::transport::rdma::fake::FakeNic;
     use pdxfer::transport::rdma::handshake::Mtu;
-    use pdxfer::transport::rdma::nic::NicProvider;
     use pdxfer::transport::TransportKind;
-    use std::sync::Arc;
     use std::time::{Duration, Instant};
 
     assert!(
         std::env::var_os("PDXFER_FAKE_CUDA_CHILD").is_some(),
         "this test only runs as the child of device_path_runs_on_fake_driver"
     );
+    pdxfer::cuda::probe().expect("load the fake libcuda");
     const LAYERS: u32 = 2;
-    const ROW: u64 = 64;
-    const P: u64 = PAGE;
-    const PAGES: u64 = 32;
-    let token = LAYERS as u64 * ROW;
-    let server = BootstrapServer::start(ServerConfig::default()).unwrap();
-    let url = server.url();
-    let g = GpuRelayout::new(0).unwrap();
+    let token = LAYERS as u64 * cluster::ROW;
     let flushes = || fake_counter(c"pdx_fake_rdma_flushes");
     // the decode's completion records so far (drained by its deadline thread)
     let received = |e: &Engine| e.metrics_snapshot().received_batches;
@@ -1265,44 +1215,44 @@ fn child_engine_gpudirect_flush_on_fake_driver() {
         fake_set(c"pdx_fake_set_rdma_ordering", ordering);
         fake_set(c"pdx_fake_set_rdma_flush_options", flush_options);
         let name = format!("fake-gdr-flush-{case}-{room_grants}");
-        let mut host = SyntheticPools::new(LAYERS, ROW, P, PAGES, 8, 32).unwrap();
-        let mut cfg = EngineConfig::new(
-            Role::Prefill,
-            &name,
-            &url,
-            host.topology(1, 0),
-            host.kv_pools(),
-        );
-        cfg.aux = host.aux_buffers();
-        cfg.transport = transport;
-        cfg.testing.nic = Some(
-            FakeNic::new(&format!("{case}-{room_grants}-p"), 1, Mtu::Mtu4096)
-                as Arc<dyn NicProvider>,
-        );
-        cfg.room_timeout = Duration::from_secs(20);
-        // SAFETY: the host pools and aux outlive the engine (closed below).
-        let prefill = unsafe { Engine::new(cfg) }.unwrap();
-        let mut mirror = SyntheticPools::new(LAYERS, ROW, P, PAGES, 8, 32).unwrap();
-        let (bufs, kv) = cluster::device_pools(&g, &mirror);
-        for b in &bufs {
-            g.stream().memset(b, 0).unwrap();
-        }
-        g.stream().record(false).unwrap().wait().unwrap();
-        let decode_cfg = |transport| {
-            let mut cfg =
-                EngineConfig::new(Role::Decode, &name, &url, mirror.topology(1, 0), kv.clone());
+        // a prefill with host pools, a decode with device pools, one rail
+        // each (also over auto)
+        let mut c = Cluster::build(&name, (1, 1), transport)
+            .layers(LAYERS)
+            .decode_pools(Pools::Device)
+            .room_grants(room_grants)
+            .rails(1)
+            .prefill_nic(FakeNic::new(
+                &format!("{case}-{room_grants}-p"),
+                1,
+                Mtu::Mtu4096,
+            ))
+            .room_timeout(Duration::from_secs(20))
+            .receiver_timeout(Duration::from_secs(20))
+            .start();
+        if flush_options == 0 {
+            // explicit rdma: refused at creation, naming the attribute
+            let mirror = &c.decode[0].1;
+            let mut cfg = cluster::config(
+                Role::Decode,
+                &name,
+                &c.server.url(),
+                mirror,
+                (1, 0),
+                TransportKind::Rdma,
+            );
+            cfg.pools = mirror
+                .kv_pools()
+                .into_iter()
+                .zip(&c.decode_dev[0])
+                .map(|(p, d)| KvPool { base: d.ptr(), ..p })
+                .collect();
             cfg.pool_device = Some(0);
-            cfg.aux = mirror.aux_buffers();
-            cfg.transport = transport;
             cfg.testing.nic =
                 Some(FakeNic::new(&format!("{case}-{room_grants}-d"), 1, Mtu::Mtu4096) as _);
             cfg.room_grants = room_grants;
-            cfg
-        };
-        if flush_options == 0 {
-            // explicit rdma: refused at creation, naming the attribute
             // SAFETY: the device pools and the aux outlive the attempt.
-            let e = unsafe { Engine::new(decode_cfg(TransportKind::Rdma)) }.unwrap_err();
+            let e = unsafe { Engine::new(cfg) }.unwrap_err();
             assert_eq!(e.status(), pdxfer::Status::NoGpuDirect, "{case}: {e}");
             assert!(
                 e.detail()
@@ -1310,43 +1260,16 @@ fn child_engine_gpudirect_flush_on_fake_driver() {
                 "{case}: {e}"
             );
         }
-        // SAFETY: the device pools and the mirror's aux outlive the engine (closed below).
-        let decode = unsafe { Engine::new(decode_cfg(transport)) }.unwrap();
         let flushes_before = flushes();
         let htod_before = fake_htod_copies();
         let rooms = [(1u64, 300u64, 4usize), (2, 181, 100)];
         for &(room, n, chunk_pages) in &rooms {
-            let src_pages: Vec<u64> = (0..n.div_ceil(P)).map(|i| (i * 3 + room) % PAGES).collect();
-            let dst_pages: Vec<u64> = (0..n.div_ceil(P)).map(|i| (i * 5 + room) % PAGES).collect();
-            let side = |pages| Side {
-                layout: DcpLayout::sglang(P, 1).unwrap(),
-                rank: 0,
-                pages,
-                origin: 0,
-            };
-            host.fill(room, &side(&src_pages), n);
-            host.fill_aux(room, 3);
-            decode
-                .receiver(room, 0, Some(Duration::from_secs(20)))
-                .unwrap();
-            decode.send_metadata(room, &dst_pages, 0, 5).unwrap();
-            send_room(&prefill, room, &src_pages, chunk_pages, n, case);
-            assert_eq!(
-                decode.wait(room, Duration::from_secs(20)),
-                KvPoll::Success,
-                "{case}: {:?}",
-                decode.failure(room)
-            );
-            for (l, b) in bufs.iter().enumerate() {
-                b.read(0, mirror.layer_bytes_mut(l)).unwrap();
-            }
-            let verified = mirror
-                .verify(room, &side(&dst_pages), n, Some(5))
-                .unwrap_or_else(|e| panic!("{case} room {room}: {e}"));
+            // every rank's Success, the decode's device memory read back,
+            // every byte checked, the room cleared
+            let verified = c.request(room, n, 0, chunk_pages);
             assert_eq!(verified, n * token + 32, "{case} room {room}");
-            decode.clear(room).unwrap();
-            prefill.clear(room).unwrap();
         }
+        let (prefill, decode) = (c.prefill(), &c.decode[0].0);
         // per-batch grants: the KV batches of the rooms are every record but
         // one aux batch per room; room grants: one record per room
         let aux_batches = rooms.len() as u64;
@@ -1356,11 +1279,11 @@ fn child_engine_gpudirect_flush_on_fake_driver() {
             aux_batches + 2
         };
         let deadline = Instant::now() + Duration::from_secs(5);
-        while received(&decode) < want && Instant::now() < deadline {
+        while received(decode) < want && Instant::now() < deadline {
             std::thread::sleep(Duration::from_millis(20));
         }
         std::thread::sleep(Duration::from_millis(200)); // the last drain
-        let kv_batches = received(&decode).saturating_sub(aux_batches);
+        let kv_batches = received(decode).saturating_sub(aux_batches);
         let flushed = flushes() - flushes_before;
         let peers = prefill.metrics_snapshot().peers;
         let used: Vec<&str> = peers.iter().map(|p| p.transport.as_str()).collect();
@@ -1369,11 +1292,7 @@ fn child_engine_gpudirect_flush_on_fake_driver() {
         match (case.split(' ').next().unwrap_or_default(), room_grants) {
             ("none", true) => {
                 assert_eq!(used, ["rdma"], "{case}");
-                assert_eq!(
-                    received(&decode),
-                    aux_batches,
-                    "{case}: one record per room"
-                );
+                assert_eq!(received(decode), aux_batches, "{case}: one record per room");
                 assert_eq!(flushed, aux_batches, "{case}: one flush per GPUDirect room");
                 assert_eq!(fake_htod_copies(), htod_before, "{case}: not GPUDirect");
             }
@@ -1386,11 +1305,7 @@ fn child_engine_gpudirect_flush_on_fake_driver() {
             ("owner", _) => {
                 assert_eq!(used, ["rdma"], "{case}");
                 if room_grants {
-                    assert_eq!(
-                        received(&decode),
-                        aux_batches,
-                        "{case}: one record per room"
-                    );
+                    assert_eq!(received(decode), aux_batches, "{case}: one record per room");
                 } else {
                     assert!(kv_batches >= 2, "{case}: {kv_batches} KV batches");
                 }
@@ -1416,21 +1331,15 @@ fn child_engine_gpudirect_flush_on_fake_driver() {
             // a flush that fails delivers nothing: the room fails and no
             // record of its KV batches reaches the decode
             fake_set(c"pdx_fake_set_rdma_flush_options", 0i32);
-            let before = received(&decode);
+            let before = received(decode);
             let room = 9u64;
             let pages: Vec<u64> = (0..4).collect();
-            decode
-                .receiver(room, 0, Some(Duration::from_secs(20)))
+            cluster::open_decode([decode], room, &pages, 0, Some(Duration::from_secs(20)));
+            c.senders(room);
+            c.wait_bootstrapped(room);
+            prefill
+                .send(room, &pages, 4 * cluster::P, true, AUX_ITEM)
                 .unwrap();
-            decode.send_metadata(room, &pages, 0, 5).unwrap();
-            prefill.sender(room).unwrap();
-            for _ in 0..2000 {
-                if prefill.poll(room) != KvPoll::Bootstrapping {
-                    break;
-                }
-                std::thread::sleep(Duration::from_millis(5));
-            }
-            prefill.send(room, &pages, 4 * P, true, 3).unwrap();
             assert_eq!(prefill.wait(room, Duration::from_secs(20)), KvPoll::Failed);
             let e = prefill.failure(room).expect("a failed room has its reason");
             assert!(e.to_string().contains("cuFlushGPUDirectRDMAWrites"), "{e}");
@@ -1438,16 +1347,14 @@ fn child_engine_gpudirect_flush_on_fake_driver() {
             std::thread::sleep(Duration::from_millis(200));
             // at most the aux batch (host memory: never flushed), in flight
             // beside the KV batch, was delivered
-            let got = received(&decode) - before;
+            let got = received(decode) - before;
             assert!(
                 got <= 1,
                 "{got} records delivered, a KV batch's without its flush"
             );
             println!("fake-driver gpudirect-flush child: a failed flush delivers nothing");
         }
-        prefill.close();
-        decode.close();
-        drop(bufs);
+        c.close();
     }
     fake_set(c"pdx_fake_set_rdma_ordering", 100i32);
     fake_set(c"pdx_fake_set_rdma_flush_options", 1i32);

@@ -187,7 +187,7 @@ pub struct Spec {
     metrics_listen: Option<String>,
     room_grants: Option<bool>,
     #[cfg(feature = "testing")]
-    rails: usize,
+    rails: Option<usize>,
     #[cfg(feature = "testing")]
     prefill_nic: Option<Arc<FakeNic>>,
 }
@@ -223,10 +223,11 @@ impl Spec {
         self.room_grants = Some(on);
         self
     }
-    /// Rails of each rank's software NIC over rdma (default 2).
+    /// Rails of each rank's software NIC over rdma (default 2); set, the
+    /// ranks over `auto` get one too.
     #[cfg(feature = "testing")]
     pub fn rails(mut self, n: usize) -> Self {
-        self.rails = n;
+        self.rails = Some(n);
         self
     }
     /// Prefill rank 0's software NIC over rdma, made and set (GPUDirect,
@@ -353,8 +354,11 @@ impl Spec {
         #[allow(unused_mut)]
         let mut cfg = config(role, &self.name, url, pools, (dcp, r), transport);
         #[cfg(feature = "testing")]
-        if transport == TransportKind::Rdma {
-            cfg.testing.nic = Some(FakeNic::new(role.as_str(), self.rails, Mtu::Mtu4096) as _);
+        if transport == TransportKind::Rdma
+            || (transport == TransportKind::Auto && self.rails.is_some())
+        {
+            cfg.testing.nic =
+                Some(FakeNic::new(role.as_str(), self.rails.unwrap_or(2), Mtu::Mtu4096) as _);
         }
         cfg
     }
@@ -448,7 +452,7 @@ impl Cluster {
             metrics_listen: None,
             room_grants: None,
             #[cfg(feature = "testing")]
-            rails: 2,
+            rails: None,
             #[cfg(feature = "testing")]
             prefill_nic: None,
         }
