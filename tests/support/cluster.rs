@@ -168,6 +168,9 @@ pub fn assert_success(e: &Engine, room: u64, what: &str) {
     );
 }
 
+/// A test's own settings of one rank's config: its role, its DCP rank.
+type Knobs = Box<dyn Fn(Role, u32, &mut EngineConfig)>;
+
 /// What [`Cluster::build`] starts; each setter returns the spec.
 pub struct Spec {
     name: String,
@@ -186,6 +189,7 @@ pub struct Spec {
     receiver_timeout: Option<Duration>,
     metrics_listen: Option<String>,
     room_grants: Option<bool>,
+    knobs: Option<Knobs>,
     #[cfg(feature = "testing")]
     rails: Option<usize>,
     #[cfg(feature = "testing")]
@@ -221,6 +225,12 @@ impl Spec {
     /// The decode ranks' `room_grants` (default: the engine's).
     pub fn room_grants(mut self, on: bool) -> Self {
         self.room_grants = Some(on);
+        self
+    }
+    /// `f(role, dcp_rank, config)` adjusts every rank's config last (test
+    /// knobs of one role or rank).
+    pub fn knobs(mut self, f: impl Fn(Role, u32, &mut EngineConfig) + 'static) -> Self {
+        self.knobs = Some(Box::new(f));
         self
     }
     /// Rails of each rank's software NIC over rdma (default 2); set, the
@@ -303,6 +313,9 @@ impl Spec {
                     cfg.testing.nic = Some(n.clone() as _);
                 }
             }
+            if let Some(f) = &self.knobs {
+                f(Role::Prefill, r, &mut cfg);
+            }
             // SAFETY: the pools (and device pools) live in the returned Cluster, beside the engine.
             prefill.push((unsafe { Engine::new(cfg) }.unwrap(), pools));
         }
@@ -320,6 +333,9 @@ impl Spec {
             }
             if let Some(on) = self.room_grants {
                 cfg.room_grants = on;
+            }
+            if let Some(f) = &self.knobs {
+                f(Role::Decode, r, &mut cfg);
             }
             // SAFETY: the pools (and device pools) live in the returned Cluster, beside the engine.
             decode.push((unsafe { Engine::new(cfg) }.unwrap(), pools));
@@ -451,6 +467,7 @@ impl Cluster {
             receiver_timeout: None,
             metrics_listen: None,
             room_grants: None,
+            knobs: None,
             #[cfg(feature = "testing")]
             rails: None,
             #[cfg(feature = "testing")]
