@@ -20,7 +20,9 @@
 //! not received in time, 409 stale, 411 a body without `Content-Length`, 413
 //! body over the limit (decided from the header, before reading a byte of
 //! it, on every route), 431 headers over [`MAX_HEAD_BYTES`], 503 more
-//! connections than the bound (answered at once and closed, never queued).
+//! connections than the bound (answered at once and closed, never queued),
+//! 507 a registration past the store's byte bound
+//! ([`ServerConfig::max_store_bytes`]).
 //! A refused request changes nothing. Every connection carries one request
 //! (`Connection: close`).
 //!
@@ -91,6 +93,12 @@ pub struct ServerConfig {
     pub body_timeout: Duration,
     /// Most live entries the store holds (new keys beyond it: 503).
     pub max_entries: usize,
+    /// Largest serialized size of the live entries together, in bytes (a
+    /// registration past it: 507).
+    pub max_store_bytes: usize,
+    /// Serve a non-loopback address without a token (warned). Without it,
+    /// such a server refuses to start.
+    pub insecure: bool,
 }
 
 impl Default for ServerConfig {
@@ -103,6 +111,8 @@ impl Default for ServerConfig {
             header_timeout: DEFAULT_HEADER_TIMEOUT,
             body_timeout: DEFAULT_BODY_TIMEOUT,
             max_entries: super::store::DEFAULT_MAX_ENTRIES,
+            max_store_bytes: super::store::DEFAULT_MAX_STORE_BYTES,
+            insecure: false,
         }
     }
 }
@@ -187,8 +197,9 @@ impl BootstrapServer {
         // the loop past a stop request.
         listener.set_nonblocking(true).map_err(|e| cannot(&e))?;
         let addr = listener.local_addr().map_err(|e| cannot(&e))?;
+        check_open_listen(&addr, cfg.token.is_some(), cfg.insecure)?;
         let shared = Arc::new(Shared {
-            store: Arc::new(MemStore::with_max_entries(cfg.max_entries)),
+            store: Arc::new(MemStore::with_limits(cfg.max_entries, cfg.max_store_bytes)),
             token: cfg.token.map(String::into_bytes),
             max_body: cfg.max_body_bytes,
             max_connections: cfg.max_connections,
@@ -270,6 +281,27 @@ impl Drop for BootstrapServer {
     fn drop(&mut self) {
         self.shutdown();
     }
+}
+
+/// Refuses a server without a token on a non-loopback address unless
+/// `insecure` (`AuthRequired` naming the address and the fix); warns loudly
+/// when `insecure` lets it start.
+fn check_open_listen(addr: &SocketAddr, token: bool, insecure: bool) -> Result<()> {
+    if token || addr.ip().is_loopback() {
+        return Ok(());
+    }
+    if !insecure {
+        return Err(Error::new(
+            Status::AuthRequired,
+            format!(
+                "the bootstrap on {addr} is not loopback-bound and has no token: anyone who can reach it could register ranks and read every endpoint; set a token (--token or PDXFER_BOOTSTRAP_TOKEN), listen on 127.0.0.1, or pass --insecure to serve it open anyway"
+            ),
+        ));
+    }
+    log::warn!(
+        "bootstrap on {addr}: NO TOKEN and not loopback-bound (--insecure): anyone who can reach it can register ranks and read every endpoint (set --token or PDXFER_BOOTSTRAP_TOKEN)"
+    );
+    Ok(())
 }
 
 /// Accepts until the server stops. A failed accept (EMFILE, ENFILE,
@@ -615,6 +647,7 @@ fn reason_phrase(code: u16) -> &'static str {
         413 => "Payload Too Large",
         431 => "Request Header Fields Too Large",
         503 => "Service Unavailable",
+        507 => "Insufficient Storage",
         _ => "Internal Server Error",
     }
 }
@@ -640,6 +673,7 @@ pub fn http_code(s: Status) -> u16 {
         Status::StaleMetadata => 409,
         Status::PayloadTooLarge => 413,
         Status::NotReady | Status::Bootstrap => 503,
+        Status::StoreFull => 507,
         Status::InvalidArgument
         | Status::InvalidUtf8
         | Status::InvalidTopology
@@ -792,7 +826,7 @@ fn metrics_text(shared: &Shared) -> String {
             let _ = writeln!(out, "{name}{labels} {v}");
         }
     };
-    let counts: [(&str, &str, &str, u64); 7] = [
+    let counts: [(&str, &str, &str, u64); 8] = [
         (
             "pdxfer_bootstrap_registrations_total",
             "counter",
@@ -830,6 +864,12 @@ fn metrics_text(shared: &Shared) -> String {
             s.entries,
         ),
         ("pdxfer_bootstrap_leases", "gauge", "Live leases.", s.leases),
+        (
+            "pdxfer_bootstrap_store_bytes",
+            "gauge",
+            "Serialized size of the live entries (bounded by max_store_bytes).",
+            s.bytes,
+        ),
     ];
     for (name, kind, help, v) in counts {
         metric(name, kind, help, &[(String::new(), v)]);
@@ -903,5 +943,21 @@ mod tests {
             assert_eq!(http_code(s), 400, "{s:?}");
         }
         assert_eq!(http_code(Status::NotRegistered), 404);
+        assert_eq!(http_code(Status::StoreFull), 507);
+    }
+
+    #[test]
+    fn an_open_non_loopback_listener_needs_insecure() {
+        let any: SocketAddr = "0.0.0.0:8998".parse().unwrap();
+        let e = check_open_listen(&any, false, false).unwrap_err();
+        assert_eq!(e.status(), Status::AuthRequired);
+        assert!(
+            e.detail().contains("0.0.0.0:8998") && e.detail().contains("--insecure"),
+            "{e}"
+        );
+        check_open_listen(&any, false, true).unwrap();
+        check_open_listen(&any, true, false).unwrap();
+        check_open_listen(&"127.0.0.1:1".parse().unwrap(), false, false).unwrap();
+        check_open_listen(&"[::1]:1".parse().unwrap(), false, false).unwrap();
     }
 }

@@ -64,6 +64,10 @@ pub extern "C" fn pdxfer_bootstrap_server_start(
             header_timeout: d.header_timeout,
             body_timeout: d.body_timeout,
             max_entries: d.max_entries,
+            max_store_bytes: d.max_store_bytes,
+            // The C struct has no such field: its callers keep serving any
+            // address they name, with the server's warning when open.
+            insecure: true,
         };
         let inner = BootstrapServer::start(cfg)?;
         ptr::new_handle(PdxBootstrapServer { inner }, out, "out")?;

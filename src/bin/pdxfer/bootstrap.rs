@@ -28,6 +28,13 @@ pub struct BootstrapArgs {
     /// Most live entries held (bounds memory; new keys beyond it get 503).
     #[arg(long, default_value_t = pdxfer::bootstrap::store::DEFAULT_MAX_ENTRIES)]
     max_entries: usize,
+    /// Largest serialized size of all live entries together, in bytes
+    /// (bounds memory; a registration past it gets 507).
+    #[arg(long, default_value_t = pdxfer::bootstrap::store::DEFAULT_MAX_STORE_BYTES)]
+    max_store_bytes: usize,
+    /// Serve a non-loopback --listen address without a token (refused otherwise).
+    #[arg(long)]
+    insecure: bool,
 }
 
 /// Runs the server until the process is killed.
@@ -40,6 +47,8 @@ pub fn run(a: &BootstrapArgs) -> pdxfer::Result<()> {
         header_timeout: std::time::Duration::from_millis(a.header_timeout_ms),
         body_timeout: std::time::Duration::from_millis(a.body_timeout_ms),
         max_entries: a.max_entries,
+        max_store_bytes: a.max_store_bytes,
+        insecure: a.insecure,
     })?;
     let line = serde_json::json!({
         "event": "listening",
