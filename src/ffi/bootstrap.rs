@@ -61,6 +61,7 @@ pub extern "C" fn pdxfer_bootstrap_server_start(
             } else {
                 c.max_connections as usize
             },
+            max_per_source: d.max_per_source,
             header_timeout: d.header_timeout,
             body_timeout: d.body_timeout,
             max_entries: d.max_entries,
