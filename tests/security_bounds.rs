@@ -262,6 +262,15 @@ fn data_handshake(addr: &str) -> Duration {
     t.elapsed()
 }
 
+/// Threads of process `pid`.
+fn threads(pid: u32) -> usize {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    s.lines()
+        .find_map(|l| l.strip_prefix("Threads:"))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap()
+}
+
 fn agent_flood(sources: u8) {
     let t = Proc::start(&[
         "target",
@@ -274,7 +283,17 @@ fn agent_flood(sources: u8) {
     ]);
     assert_eq!(t.first["ready"], true, "{}", t.first);
     let addr = t.first["addr"].as_str().unwrap().to_string();
+    let pid = t.first["pid"].as_u64().unwrap() as u32;
+    let base = threads(pid);
     let _f = Flooder::start(addr.parse().unwrap(), 64, sources, &data_auth_hello());
+    std::thread::sleep(Duration::from_millis(300));
+    // each flooding connection got its challenge and stalls: in the poll
+    // loop, without a thread
+    let n = threads(pid);
+    assert!(
+        n <= base + 2,
+        "64 connections stalled in their authentication grew the agent from {base} to {n} threads"
+    );
     // the flood holds more connections than the 32 handshake slots, each past
     // its AuthHello; real peers still get through, again and again
     for _ in 0..5 {

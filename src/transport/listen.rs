@@ -2,11 +2,13 @@
 //! anything yet (the agent's data plane, the engine's control port).
 //!
 //! Accepted connections wait in one poll set, without a thread, until their
-//! first message arrived whole (a wire frame, or a control line); only then
-//! is a handler started. Two tables hold the connections that have not
+//! first message arrived whole (a wire frame, or a control line), or, with
+//! [`serve_exchange`], until a whole exchange of messages (the
+//! authentication: hello, challenge, proof) is done, each message answered
+//! from the poll loop; only then is a handler started. Two tables hold the connections that have not
 //! proved anything yet, both an [`Admission`] table: the poll set
-//! ([`ListenLimits::max_pending`]) and the handshakes, from the first
-//! message until the handler calls [`Slot::established`]
+//! ([`ListenLimits::max_pending`]) and the handshakes, from the hand-off
+//! until the handler calls [`Slot::established`]
 //! ([`ListenLimits::max_handshakes`], a thread each). Neither refuses a
 //! newcomer when full: the oldest connection of the source holding the most
 //! is closed instead (a handshake's socket is shut down, which ends its
@@ -211,13 +213,50 @@ impl ListenStats {
 /// How often a listener out of descriptors says so.
 const WARN_EVERY: Duration = Duration::from_secs(10);
 
-struct Pending {
+/// A connection's exchange before its handler starts, driven message by
+/// message by the poll loop (no thread): the authentication, so a peer
+/// that stalls in it holds no thread and only a place in the poll set.
+pub trait Exchange {
+    /// What the handler gets when the exchange succeeded.
+    type Done;
+    /// One whole message arrived (its framing included: a whole frame, or
+    /// a line with its newline).
+    fn on_message(&mut self, msg: &[u8]) -> Turn<Self::Done>;
+}
+
+/// What an [`Exchange`] does with a message.
+#[derive(Debug)]
+pub enum Turn<D> {
+    /// Send these bytes (at most a few KiB: they go to a fresh socket's
+    /// send buffer without waiting) and wait for the next message; the peer
+    /// must not send more before it got them.
+    Continue(Vec<u8>),
+    /// The exchange succeeded: the handler gets the connection, the bytes
+    /// after this message and `D`.
+    Done(D),
+    /// Refused: send these bytes (best effort) and close.
+    Refuse(Vec<u8>),
+}
+
+/// The exchange of [`serve`]: done at the first message.
+struct FirstMessage;
+
+impl Exchange for FirstMessage {
+    type Done = Vec<u8>;
+    fn on_message(&mut self, msg: &[u8]) -> Turn<Vec<u8>> {
+        Turn::Done(msg.to_vec())
+    }
+}
+
+struct Pending<X: Exchange> {
     stream: TcpStream,
     source: Source,
     buf: Vec<u8>,
     since: Instant,
-    /// What the last poll round found (`Wait` until the message is whole).
+    /// What the last poll round found (`Wait` until the exchange is done).
     step: Step,
+    exchange: X,
+    done: Option<X::Done>,
 }
 
 fn out_of_resources(e: &std::io::Error) -> bool {
@@ -243,13 +282,46 @@ pub fn serve(
     refuse: impl Fn(&str) -> Vec<u8>,
     mut handle: impl FnMut(TcpStream, Vec<u8>, Slot),
 ) {
+    serve_exchange(
+        l,
+        limits,
+        framing,
+        stats,
+        stop,
+        refuse,
+        || FirstMessage,
+        |s, rest, mut first: Vec<u8>, slot| {
+            first.extend_from_slice(&rest);
+            handle(s, first, slot)
+        },
+    )
+}
+
+/// [`serve`] with an [`Exchange`] (from `start`, one per connection) run in
+/// the poll loop before the handler: every message until the exchange is
+/// done is read without a thread, within
+/// [`ListenLimits::first_message_timeout`] of the connection's accept and
+/// [`ListenLimits::max_first_message`] each. `handle` then gets the
+/// connection, the bytes after the exchange's last message, its outcome
+/// and the [`Slot`].
+#[allow(clippy::too_many_arguments)]
+pub fn serve_exchange<X: Exchange>(
+    l: TcpListener,
+    limits: ListenLimits,
+    framing: Framing,
+    stats: ListenStats,
+    stop: impl Fn() -> bool,
+    refuse: impl Fn(&str) -> Vec<u8>,
+    mut start: impl FnMut() -> X,
+    mut handle: impl FnMut(TcpStream, Vec<u8>, X::Done, Slot),
+) {
     if let Err(e) = l.set_nonblocking(true) {
         log::error!("listener: cannot make it non-blocking ({e}); it is not served");
         return;
     }
     let counts = stats.0;
     counts.handshakes().set_limits(handshake_limits(&limits));
-    let mut pending: Admission<Pending> = Admission::new(AdmitLimits {
+    let mut pending: Admission<Pending<X>> = Admission::new(AdmitLimits {
         max: limits.max_pending,
         per_source: limits.max_per_source,
         grace: limits.source_grace,
@@ -343,6 +415,8 @@ pub fn serve(
                                 buf: Vec::new(),
                                 since: now,
                                 step: Step::Wait,
+                                exchange: start(),
+                                done: None,
                             },
                         );
                         next_id += 1;
@@ -380,18 +454,44 @@ enum Step {
     Refuse(String),
 }
 
-fn read_more(p: &mut Pending, framing: Framing, max: usize) -> Step {
+fn read_more<X: Exchange>(p: &mut Pending<X>, framing: Framing, max: usize) -> Step {
     let mut chunk = [0u8; 4096];
     loop {
         match p.stream.read(&mut chunk) {
             Ok(0) => return Step::Drop,
             Ok(n) => {
                 p.buf.extend_from_slice(&chunk[..n]);
-                match framing.complete(&p.buf, max) {
-                    Ok(Some(_)) => return Step::Ready,
-                    Ok(None) if p.buf.len() > max + 12 => return Step::Drop,
-                    Ok(None) => {}
-                    Err(why) => return Step::Refuse(why),
+                // every whole message goes to the exchange, in order
+                loop {
+                    match framing.complete(&p.buf, max) {
+                        Ok(Some(n)) => {
+                            let msg: Vec<u8> = p.buf.drain(..n).collect();
+                            match p.exchange.on_message(&msg) {
+                                Turn::Continue(reply) => {
+                                    if !p.buf.is_empty() {
+                                        return Step::Refuse(
+                                            "data after a message before it was answered".into(),
+                                        );
+                                    }
+                                    if !matches!(p.stream.write(&reply), Ok(k) if k == reply.len())
+                                    {
+                                        return Step::Drop;
+                                    }
+                                }
+                                Turn::Done(d) => {
+                                    p.done = Some(d);
+                                    return Step::Ready;
+                                }
+                                Turn::Refuse(bytes) => {
+                                    let _ = p.stream.write(&bytes);
+                                    return Step::Drop;
+                                }
+                            }
+                        }
+                        Ok(None) if p.buf.len() > max + 12 => return Step::Drop,
+                        Ok(None) => break,
+                        Err(why) => return Step::Refuse(why),
+                    }
                 }
             }
             Err(e) if e.kind() == ErrorKind::WouldBlock => return Step::Wait,
@@ -401,12 +501,15 @@ fn read_more(p: &mut Pending, framing: Framing, max: usize) -> Step {
     }
 }
 
-fn hand_off(
-    p: Pending,
+fn hand_off<X: Exchange>(
+    p: Pending<X>,
     limits: &ListenLimits,
     counts: &Arc<Counts>,
-    handle: &mut impl FnMut(TcpStream, Vec<u8>, Slot),
+    handle: &mut impl FnMut(TcpStream, Vec<u8>, X::Done, Slot),
 ) {
+    let Some(done) = p.done else {
+        return;
+    };
     if counts.connections.load(Ordering::SeqCst) >= limits.max_connections {
         return; // refused: closed
     }
@@ -431,7 +534,7 @@ fn hand_off(
         counts: counts.clone(),
         handshake: Some(id),
     };
-    handle(p.stream, p.buf, slot);
+    handle(p.stream, p.buf, done, slot);
 }
 
 #[cfg(test)]

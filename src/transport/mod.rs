@@ -27,6 +27,7 @@
 //! first message, bounded handshakes and connections, back-off on `EMFILE`.
 
 mod agent;
+pub mod auth_exchange;
 mod batch;
 pub mod checksum;
 pub mod cma;
