@@ -35,6 +35,7 @@ mod conn;
 pub mod control_counts;
 mod frame_type;
 pub mod handshake;
+pub mod http_serve;
 pub mod identity;
 pub mod listen;
 pub mod local;
