@@ -54,9 +54,11 @@ pub struct ListenLimits {
     /// Live connections handed to a handler (handshakes included); the
     /// excess is refused.
     pub max_connections: usize,
-    /// How long a connection may take to send its first message.
+    /// How long a connection may take to send its first message (with
+    /// [`serve_exchange`]: to finish the whole exchange), from its accept.
     pub first_message_timeout: Duration,
-    /// Largest first message accepted, in payload bytes (a frame without its
+    /// Largest first message (with [`serve_exchange`]: each message of the
+    /// exchange) accepted, in payload bytes (a frame without its
     /// 12-byte header, a line without its newline): the unauthenticated limit.
     pub max_first_message: usize,
 }
