@@ -216,6 +216,8 @@ enum PdxStatus
   PDX_STATUS_PAYLOAD_TOO_LARGE = -504,
   // The bootstrap does not yet list every rank of the peer's current epoch.
   PDX_STATUS_NOT_READY = -505,
+  // The bootstrap store is at its byte bound (`--max-store-bytes`).
+  PDX_STATUS_STORE_FULL = -506,
   // No CUDA driver library (libcuda) could be loaded.
   PDX_STATUS_NO_CUDA_DRIVER = -600,
   // A CUDA driver call failed.

@@ -29,6 +29,7 @@ const LAYERS: &[&str] = &[
 
 /// Modules beside the layers: usable from anywhere, using only each other.
 const BESIDE: &[&str] = &[
+    "admission",
     "auth",
     "error",
     "version",

@@ -116,6 +116,8 @@ pub enum PdxStatus {
     PayloadTooLarge = -504,
     /// The bootstrap does not yet list every rank of the peer's current epoch.
     NotReady = -505,
+    /// The bootstrap store is at its byte bound (`--max-store-bytes`).
+    StoreFull = -506,
 
     /// No CUDA driver library (libcuda) could be loaded.
     NoCudaDriver = -600,
@@ -246,6 +248,7 @@ status_table! {
     NotRegistered => "not_registered", "rank not registered with the bootstrap";
     PayloadTooLarge => "payload_too_large", "request body too large for the bootstrap server";
     NotReady => "not_ready", "bootstrap does not yet list every rank of the current epoch";
+    StoreFull => "store_full", "bootstrap store is at its byte bound";
     NoCudaDriver => "no_cuda_driver", "no CUDA driver library could be loaded";
     Cuda => "cuda", "CUDA driver call failed";
     Nvrtc => "nvrtc", "NVRTC missing or compilation failed";
@@ -431,6 +434,7 @@ mod tests {
                     "not_registered",
                     "payload_too_large",
                     "not_ready",
+                    "store_full",
                 ],
             ),
             (6, &["no_cuda_driver", "cuda", "nvrtc", "relayout"]),

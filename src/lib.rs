@@ -4,11 +4,12 @@
 //! [`ffi`] -> `engine` -> `transport` -> `relayout` -> `cuda` -> `bootstrap` ->
 //! `memory` -> `layout`. [`ffi`] is the C ABI, `cuda` the driver beneath the
 //! kernels of `relayout` and the GPU paths of `transport`, [`layout`] pure
-//! planning. Beside them, usable from every layer and using none: `auth`,
+//! planning. Beside them, usable from every layer and using none: `admission`, `auth`,
 //! `error`, `version`, `rng`. A layer uses only the ones below it; the
 //! architecture test in `src/architecture.rs` checks it.
 #![warn(missing_docs)]
 
+pub mod admission;
 #[cfg(test)]
 mod architecture;
 pub mod auth;

@@ -1,6 +1,6 @@
 //! The embedded HTTP/JSON bootstrap server: a bounded accept loop over
 //! `httparse` (one short-lived thread per admitted connection, at most
-//! [`ServerConfig::max_connections`] of them).
+//! [`ServerConfig::max_connections`] of them, served concurrently).
 //!
 //! Routes (all JSON; errors are `{"error": kind, "code": n, "detail": text}`):
 //!
@@ -20,19 +20,29 @@
 //! not received in time, 409 stale, 411 a body without `Content-Length`, 413
 //! body over the limit (decided from the header, before reading a byte of
 //! it, on every route), 431 headers over [`MAX_HEAD_BYTES`], 503 more
-//! connections than the bound (answered at once and closed, never queued).
+//! connections than the bound while every one of them is past its request
+//! (answered at once and closed, never queued),
+//! 507 a registration past the store's byte bound
+//! ([`ServerConfig::max_store_bytes`]).
 //! A refused request changes nothing. Every connection carries one request
 //! (`Connection: close`).
 //!
 //! The server stays up under hostile clients: a connection holds its thread
-//! for at most the header timeout plus the body timeout; the accept loop
+//! for at most the header timeout plus the body timeout; while it is still
+//! sending its request it can be evicted for a newcomer (an [`Admission`]
+//! table: when the bound is reached, the oldest such connection of the
+//! source holding the most is shut down; a source holding
+//! [`ServerConfig::max_per_source`] loses its oldest once that one has
+//! waited a second), so idle or slow connections cannot lock `/health` or a
+//! real registration out; the accept loop
 //! backs off (10 ms doubling to 500 ms) when accepting fails, e.g. on
 //! EMFILE, and never exits until the server stops.
 
 use super::schema::{from_json, validate_cluster, RankKey, RegisterRequest, Role};
 use super::store::{MemStore, Store};
+use crate::admission::{Admission, AdmitLimits, Source, DEFAULT_GRACE, DEFAULT_PER_SOURCE};
 use crate::error::{Error, Result, Status};
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::io::{ErrorKind, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::os::fd::{AsRawFd, RawFd};
@@ -83,14 +93,25 @@ pub struct ServerConfig {
     pub token: Option<String>,
     /// Largest accepted request body in bytes (larger: 413, from the header).
     pub max_body_bytes: usize,
-    /// Most connections served at once (more: 503 and close).
+    /// Most connections served at once; past it a newcomer evicts a
+    /// connection still sending its request (none: 503 and close).
     pub max_connections: usize,
+    /// Connections one source (an IP address; all of loopback is one) holds
+    /// while sending their requests before its oldest is evicted for its
+    /// newcomer (once that one has waited a second).
+    pub max_per_source: usize,
     /// Time from accepting a connection to the end of its headers (then 408).
     pub header_timeout: Duration,
     /// Time from the end of the headers to the end of the body (then 408).
     pub body_timeout: Duration,
     /// Most live entries the store holds (new keys beyond it: 503).
     pub max_entries: usize,
+    /// Largest serialized size of the live entries together, in bytes (a
+    /// registration past it: 507).
+    pub max_store_bytes: usize,
+    /// Serve a non-loopback address without a token (warned). Without it,
+    /// such a server refuses to start.
+    pub insecure: bool,
 }
 
 impl Default for ServerConfig {
@@ -100,9 +121,12 @@ impl Default for ServerConfig {
             token: None,
             max_body_bytes: DEFAULT_MAX_BODY,
             max_connections: DEFAULT_MAX_CONNECTIONS,
+            max_per_source: DEFAULT_PER_SOURCE,
             header_timeout: DEFAULT_HEADER_TIMEOUT,
             body_timeout: DEFAULT_BODY_TIMEOUT,
             max_entries: super::store::DEFAULT_MAX_ENTRIES,
+            max_store_bytes: super::store::DEFAULT_MAX_STORE_BYTES,
+            insecure: false,
         }
     }
 }
@@ -116,10 +140,31 @@ struct HttpStats {
 /// The connections being served: their fds, so that stopping can shut them
 /// down. A connection thread removes its entry and closes its socket under
 /// this lock, so every fd listed here is open while the lock is held.
-#[derive(Default)]
 struct Conns {
     next_id: u64,
     open: HashMap<u64, RawFd>,
+    /// The connections still sending their request (id, fd): evictable.
+    reading: Admission<(u64, RawFd)>,
+    /// Evicted connections whose threads have not ended yet (not counted
+    /// against the bound).
+    evicted: HashSet<u64>,
+}
+
+impl Conns {
+    /// Connections counted against the bound.
+    fn live(&self) -> usize {
+        self.open.len() - self.evicted.len()
+    }
+
+    /// Shuts an evicted connection down: its thread's read ends, it answers
+    /// nothing and forgets the connection.
+    fn evict(&mut self, (id, fd): (u64, RawFd)) {
+        self.evicted.insert(id);
+        // SAFETY: fd is in `open` (a reading connection's thread removes it
+        // from `reading` before it closes the socket, both under this lock),
+        // so it is an open socket; shutdown does not close it.
+        unsafe { libc::shutdown(fd, libc::SHUT_RDWR) };
+    }
 }
 
 struct Shared {
@@ -133,6 +178,7 @@ struct Shared {
     conns: Mutex<Conns>,
     conns_done: Condvar,
     refused_connections: AtomicU64,
+    evicted_connections: AtomicU64,
     accept_errors: AtomicU64,
     running: AtomicBool,
 }
@@ -187,17 +233,28 @@ impl BootstrapServer {
         // the loop past a stop request.
         listener.set_nonblocking(true).map_err(|e| cannot(&e))?;
         let addr = listener.local_addr().map_err(|e| cannot(&e))?;
+        check_open_listen(&addr, cfg.token.is_some(), cfg.insecure)?;
         let shared = Arc::new(Shared {
-            store: Arc::new(MemStore::with_max_entries(cfg.max_entries)),
+            store: Arc::new(MemStore::with_limits(cfg.max_entries, cfg.max_store_bytes)),
             token: cfg.token.map(String::into_bytes),
             max_body: cfg.max_body_bytes,
             max_connections: cfg.max_connections,
             header_timeout: cfg.header_timeout,
             body_timeout: cfg.body_timeout,
             stats: Mutex::new(HttpStats::default()),
-            conns: Mutex::new(Conns::default()),
+            conns: Mutex::new(Conns {
+                next_id: 0,
+                open: HashMap::new(),
+                reading: Admission::new(AdmitLimits {
+                    max: cfg.max_connections,
+                    per_source: cfg.max_per_source,
+                    grace: DEFAULT_GRACE,
+                }),
+                evicted: HashSet::new(),
+            }),
             conns_done: Condvar::new(),
             refused_connections: AtomicU64::new(0),
+            evicted_connections: AtomicU64::new(0),
             accept_errors: AtomicU64::new(0),
             running: AtomicBool::new(true),
         });
@@ -272,6 +329,27 @@ impl Drop for BootstrapServer {
     }
 }
 
+/// Refuses a server without a token on a non-loopback address unless
+/// `insecure` (`AuthRequired` naming the address and the fix); warns loudly
+/// when `insecure` lets it start.
+fn check_open_listen(addr: &SocketAddr, token: bool, insecure: bool) -> Result<()> {
+    if token || addr.ip().is_loopback() {
+        return Ok(());
+    }
+    if !insecure {
+        return Err(Error::new(
+            Status::AuthRequired,
+            format!(
+                "the bootstrap on {addr} is not loopback-bound and has no token: anyone who can reach it could register ranks and read every endpoint; set a token (--token or PDXFER_BOOTSTRAP_TOKEN), listen on 127.0.0.1, or pass --insecure to serve it open anyway"
+            ),
+        ));
+    }
+    log::warn!(
+        "bootstrap on {addr}: NO TOKEN and not loopback-bound (--insecure): anyone who can reach it can register ranks and read every endpoint (set --token or PDXFER_BOOTSTRAP_TOKEN)"
+    );
+    Ok(())
+}
+
 /// Accepts until the server stops. A failed accept (EMFILE, ENFILE,
 /// ENOBUFS, ENOMEM, ...) leaves the connection in the kernel's backlog and
 /// makes the listener readable again at once, so the loop sleeps with a
@@ -293,7 +371,8 @@ fn accept_loop(shared: &Arc<Shared>, listener: &TcpListener) {
         match listener.accept() {
             Ok((stream, _)) => {
                 backoff = Duration::ZERO;
-                admit(shared, stream);
+                let source = Source::of_stream(&stream);
+                admit(shared, stream, source);
             }
             Err(e)
                 if matches!(
@@ -309,12 +388,28 @@ fn accept_loop(shared: &Arc<Shared>, listener: &TcpListener) {
     }
 }
 
-/// Serves `stream` on its own thread, or refuses it at once (503 and close)
-/// when `max_connections` are being served already.
-fn admit(shared: &Arc<Shared>, stream: TcpStream) {
+/// Serves `stream` on its own thread, evicting a connection still sending
+/// its request to make room when `max_connections` are being served, or
+/// refuses it at once (503 and close) when every one of them is past its
+/// request.
+fn admit(shared: &Arc<Shared>, stream: TcpStream, source: Source) {
     let id = {
         let mut conns = shared.lock_conns();
-        if conns.open.len() >= shared.max_connections {
+        let now = Instant::now();
+        let mut out = conns.reading.make_room(source, now);
+        while conns.live() - out.len() >= shared.max_connections {
+            match conns.reading.evict_one() {
+                Some(x) => out.push(x),
+                None => break,
+            }
+        }
+        shared
+            .evicted_connections
+            .fetch_add(out.len() as u64, Ordering::Relaxed);
+        for x in out {
+            conns.evict(x);
+        }
+        if conns.live() >= shared.max_connections {
             drop(conns);
             refuse(
                 shared,
@@ -329,6 +424,9 @@ fn admit(shared: &Arc<Shared>, stream: TcpStream) {
         let id = conns.next_id;
         conns.next_id += 1;
         conns.open.insert(id, stream.as_raw_fd());
+        conns
+            .reading
+            .insert(id, source, now, (id, stream.as_raw_fd()));
         id
     };
     let sh = shared.clone();
@@ -348,7 +446,9 @@ fn admit(shared: &Arc<Shared>, stream: TcpStream) {
     if spawned.is_err() {
         let stream = slot.lock().unwrap_or_else(|p| p.into_inner()).take();
         let mut conns = shared.lock_conns();
+        conns.reading.remove(id);
         conns.open.remove(&id);
+        conns.evicted.remove(&id);
         drop(conns);
         if let Some(stream) = stream {
             refuse(
@@ -379,7 +479,14 @@ fn serve(shared: &Shared, id: u64, mut stream: TcpStream) {
     let _ = stream.set_nonblocking(false);
     let _ = stream.set_nodelay(true);
     let _ = stream.set_write_timeout(Some(WRITE_TIMEOUT));
-    let (reply, linger) = match read_request(shared, &mut stream) {
+    let read = read_request(shared, &mut stream);
+    let evicted = {
+        let mut conns = shared.lock_conns();
+        conns.reading.remove(id);
+        conns.evicted.contains(&id)
+    };
+    let read = if evicted { Ok(None) } else { read };
+    let (reply, linger) = match read {
         Ok(Some(req)) => (answer(shared, &req), false),
         // The client closed before sending a request: nothing to answer.
         Ok(None) => (None, false),
@@ -396,6 +503,7 @@ fn serve(shared: &Shared, id: u64, mut stream: TcpStream) {
     }
     let mut conns = shared.lock_conns();
     conns.open.remove(&id);
+    conns.evicted.remove(&id);
     // Closed under the lock: `shutdown` never sees a reused fd.
     drop(stream);
     drop(conns);
@@ -615,6 +723,7 @@ fn reason_phrase(code: u16) -> &'static str {
         413 => "Payload Too Large",
         431 => "Request Header Fields Too Large",
         503 => "Service Unavailable",
+        507 => "Insufficient Storage",
         _ => "Internal Server Error",
     }
 }
@@ -640,6 +749,7 @@ pub fn http_code(s: Status) -> u16 {
         Status::StaleMetadata => 409,
         Status::PayloadTooLarge => 413,
         Status::NotReady | Status::Bootstrap => 503,
+        Status::StoreFull => 507,
         Status::InvalidArgument
         | Status::InvalidUtf8
         | Status::InvalidTopology
@@ -792,7 +902,7 @@ fn metrics_text(shared: &Shared) -> String {
             let _ = writeln!(out, "{name}{labels} {v}");
         }
     };
-    let counts: [(&str, &str, &str, u64); 7] = [
+    let counts: [(&str, &str, &str, u64); 8] = [
         (
             "pdxfer_bootstrap_registrations_total",
             "counter",
@@ -830,12 +940,18 @@ fn metrics_text(shared: &Shared) -> String {
             s.entries,
         ),
         ("pdxfer_bootstrap_leases", "gauge", "Live leases.", s.leases),
+        (
+            "pdxfer_bootstrap_store_bytes",
+            "gauge",
+            "Serialized size of the live entries (bounded by max_store_bytes).",
+            s.bytes,
+        ),
     ];
     for (name, kind, help, v) in counts {
         metric(name, kind, help, &[(String::new(), v)]);
     }
-    let open = shared.lock_conns().open.len() as u64;
-    let conn_counts: [(&str, &str, &str, u64); 3] = [
+    let open = shared.lock_conns().live() as u64;
+    let conn_counts: [(&str, &str, &str, u64); 4] = [
         (
             "pdxfer_bootstrap_connections",
             "gauge",
@@ -845,8 +961,14 @@ fn metrics_text(shared: &Shared) -> String {
         (
             "pdxfer_bootstrap_refused_connections_total",
             "counter",
-            "Connections answered 503 and closed because max_connections were being served.",
+            "Connections answered 503 and closed because max_connections were being served, each past its request.",
             shared.refused_connections.load(Ordering::Relaxed),
+        ),
+        (
+            "pdxfer_bootstrap_evicted_connections_total",
+            "counter",
+            "Connections still sending their request, shut down to make room for a newer one.",
+            shared.evicted_connections.load(Ordering::Relaxed),
         ),
         (
             "pdxfer_bootstrap_accept_errors_total",
@@ -903,5 +1025,21 @@ mod tests {
             assert_eq!(http_code(s), 400, "{s:?}");
         }
         assert_eq!(http_code(Status::NotRegistered), 404);
+        assert_eq!(http_code(Status::StoreFull), 507);
+    }
+
+    #[test]
+    fn an_open_non_loopback_listener_needs_insecure() {
+        let any: SocketAddr = "0.0.0.0:8998".parse().unwrap();
+        let e = check_open_listen(&any, false, false).unwrap_err();
+        assert_eq!(e.status(), Status::AuthRequired);
+        assert!(
+            e.detail().contains("0.0.0.0:8998") && e.detail().contains("--insecure"),
+            "{e}"
+        );
+        check_open_listen(&any, false, true).unwrap();
+        check_open_listen(&any, true, false).unwrap();
+        check_open_listen(&"127.0.0.1:1".parse().unwrap(), false, false).unwrap();
+        check_open_listen(&"[::1]:1".parse().unwrap(), false, false).unwrap();
     }
 }

@@ -20,6 +20,10 @@ pub const MAX_TTL: Duration = Duration::from_secs(3600);
 /// Default cap on live entries of an in-memory store (bounds its memory).
 /// cbindgen:ignore
 pub const DEFAULT_MAX_ENTRIES: usize = 100_000;
+/// Default bound on the stored registrations' serialized size, in bytes
+/// (1 GiB: thousands of the largest registrations a rank sends).
+/// cbindgen:ignore
+pub const DEFAULT_MAX_STORE_BYTES: usize = 1 << 30;
 
 /// A bootstrap backend: the embedded server's memory, a remote server, or etcd.
 pub trait Store: Send + Sync {
@@ -74,6 +78,8 @@ pub struct MemStats {
     pub entries: u64,
     /// Live leases now.
     pub leases: u64,
+    /// Serialized size of the live entries now, in bytes.
+    pub bytes: u64,
 }
 
 type EntryKey = (String, Role, RankKey);
@@ -85,7 +91,10 @@ struct Lease {
 
 #[derive(Default)]
 struct Inner {
-    entries: HashMap<EntryKey, (Registration, u64)>,
+    /// Entry -> (registration, its lease, its serialized size in bytes).
+    entries: HashMap<EntryKey, (Registration, u64, usize)>,
+    /// Sum of the live entries' serialized sizes.
+    bytes: usize,
     leases: HashMap<u64, Lease>,
     /// Last epoch handed out; epochs are global to the store, so they also
     /// increase per (cluster, role).
@@ -104,18 +113,26 @@ impl Inner {
         }
         let leases = &self.leases;
         let n = self.entries.len();
-        self.entries
-            .retain(|_, (_, lease)| leases.contains_key(lease));
+        let mut freed = 0;
+        self.entries.retain(|_, (_, lease, size)| {
+            let keep = leases.contains_key(lease);
+            if !keep {
+                freed += *size;
+            }
+            keep
+        });
+        self.bytes -= freed;
         self.stats.expirations += (n - self.entries.len()) as u64;
         self.replaced_by.retain(|l, _| leases.contains_key(l));
     }
 }
 
-/// The in-memory store: leases with TTL expiry, atomic replacement, and a
-/// cap on live entries.
+/// The in-memory store: leases with TTL expiry, atomic replacement, and
+/// caps on live entries and on their serialized size.
 pub struct MemStore {
     inner: Mutex<Inner>,
     max_entries: usize,
+    max_bytes: usize,
 }
 
 impl Default for MemStore {
@@ -133,9 +150,19 @@ impl MemStore {
     /// An empty store holding at most `max_entries` live entries; a
     /// registration of a new key beyond that fails (replacements still work).
     pub fn with_max_entries(max_entries: usize) -> MemStore {
+        MemStore::with_limits(max_entries, DEFAULT_MAX_STORE_BYTES)
+    }
+
+    /// An empty store holding at most `max_entries` live entries whose
+    /// serialized registrations total at most `max_bytes`; a registration
+    /// past the byte bound fails with `StoreFull` (a replacement counts its
+    /// new size in place of the old one, an expired or deregistered entry
+    /// frees its bytes).
+    pub fn with_limits(max_entries: usize, max_bytes: usize) -> MemStore {
         MemStore {
             inner: Mutex::new(Inner::default()),
             max_entries,
+            max_bytes,
         }
     }
 
@@ -152,6 +179,7 @@ impl MemStore {
         let mut s = g.stats;
         s.entries = g.entries.len() as u64;
         s.leases = g.leases.len() as u64;
+        s.bytes = g.bytes as u64;
         s
     }
 }
@@ -196,10 +224,28 @@ impl Store for MemStore {
                 ),
             ));
         }
-        g.epoch += 1;
         let mut r = reg.clone();
-        r.epoch = g.epoch;
+        r.epoch = g.epoch + 1;
         r.registered_at_ms = now_ms();
+        let size = serde_json::to_vec(&r).map(|v| v.len()).map_err(|e| {
+            Error::new(
+                Status::Bootstrap,
+                format!("cannot encode the registration: {e}"),
+            )
+        })?;
+        let old_size = g.entries.get(&key).map_or(0, |(_, _, n)| *n);
+        let after = g.bytes - old_size + size;
+        if after > self.max_bytes {
+            return Err(Error::new(
+                Status::StoreFull,
+                format!(
+                    "bootstrap store is at its byte bound: this {size}-byte registration would make the live entries {after} bytes, over the server's --max-store-bytes {}; entries free their bytes when their leases expire, or raise --max-store-bytes",
+                    self.max_bytes
+                ),
+            ));
+        }
+        g.epoch += 1;
+        g.bytes = after;
         g.leases.insert(
             lease_id,
             Lease {
@@ -215,9 +261,9 @@ impl Store for MemStore {
             ttl_ms: ttl.as_millis() as u64,
             replaced: false,
         };
-        let old = g.entries.insert(key, (r, lease_id));
+        let old = g.entries.insert(key, (r, lease_id, size));
         g.stats.registrations += 1;
-        let replaced = if let Some((_, old_lease)) = old {
+        let replaced = if let Some((_, old_lease, _)) = old {
             g.stats.replacements += 1;
             g.replaced_by.insert(old_lease, desc);
             true
@@ -259,7 +305,15 @@ impl Store for MemStore {
         }
         g.replaced_by.remove(&lease_id);
         let n = g.entries.len();
-        g.entries.retain(|_, (_, l)| *l != lease_id);
+        let mut freed = 0;
+        g.entries.retain(|_, (_, l, size)| {
+            let keep = *l != lease_id;
+            if !keep {
+                freed += *size;
+            }
+            keep
+        });
+        g.bytes -= freed;
         g.stats.deregistrations += (n - g.entries.len()) as u64;
         Ok(())
     }
@@ -270,7 +324,7 @@ impl Store for MemStore {
         Ok(g.entries
             .iter()
             .filter(|((c, r, _), _)| c == cluster && *r == role)
-            .map(|(_, (reg, _))| reg.clone())
+            .map(|(_, (reg, _, _))| reg.clone())
             .collect())
     }
 
@@ -349,6 +403,41 @@ mod tests {
         assert!(e.detail().contains("full"), "{}", e.detail());
         assert!(s.register(&reg("c", 1, 4), ttl).unwrap().replaced);
         assert_eq!(s.stats().entries, 2);
+    }
+
+    #[test]
+    fn the_byte_bound_counts_replacements_once_and_expiry_frees() {
+        let one = serde_json::to_vec(&reg("c", 0, 4)).unwrap().len();
+        // room for two entries (the store adds an epoch and a timestamp: a few
+        // dozen bytes more than this)
+        let s = MemStore::with_limits(100, 2 * one + one / 2);
+        let ttl = Duration::from_secs(10);
+        s.register(&reg("c", 0, 4), ttl).unwrap();
+        let b = s
+            .register(&reg("c", 1, 4), Duration::from_millis(200))
+            .unwrap();
+        let e = s.register(&reg("c", 2, 4), ttl).unwrap_err();
+        assert_eq!(e.status(), Status::StoreFull);
+        assert!(e.detail().contains("--max-store-bytes"), "{}", e.detail());
+        // a replacement's bytes take the place of the old entry's
+        for _ in 0..5 {
+            assert!(s.register(&reg("c", 0, 4), ttl).unwrap().replaced);
+        }
+        let st = s.stats();
+        assert_eq!(st.entries, 2);
+        assert!(st.bytes as usize <= 2 * one + 64, "{st:?}");
+        // expiry frees the bytes
+        std::thread::sleep(Duration::from_millis(300));
+        assert!(s.stats().bytes as usize <= one + 32);
+        assert_eq!(
+            s.keepalive(b.lease_id).unwrap_err().status(),
+            Status::NotRegistered
+        );
+        let c = s.register(&reg("c", 2, 4), ttl).unwrap();
+        assert_eq!(s.entries("c", Role::Prefill).unwrap().len(), 2);
+        // and so does deregistration
+        s.deregister(c.lease_id).unwrap();
+        assert!(s.stats().bytes as usize <= one + 32);
     }
 
     #[test]

@@ -61,9 +61,14 @@ pub extern "C" fn pdxfer_bootstrap_server_start(
             } else {
                 c.max_connections as usize
             },
+            max_per_source: d.max_per_source,
             header_timeout: d.header_timeout,
             body_timeout: d.body_timeout,
             max_entries: d.max_entries,
+            max_store_bytes: d.max_store_bytes,
+            // The C struct has no such field: its callers keep serving any
+            // address they name, with the server's warning when open.
+            insecure: true,
         };
         let inner = BootstrapServer::start(cfg)?;
         ptr::new_handle(PdxBootstrapServer { inner }, out, "out")?;

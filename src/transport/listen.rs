@@ -2,44 +2,63 @@
 //! anything yet (the agent's data plane, the engine's control port).
 //!
 //! Accepted connections wait in one poll set, without a thread, until their
-//! first message arrived whole (a wire frame, or a control line); only then
-//! is a handler started, and only within two bounds: connections still in
-//! their handshake ([`ListenLimits::max_handshakes`]) and live connections
-//! ([`ListenLimits::max_connections`]). The excess is refused (closed), never
-//! queued. The poll set itself is bounded ([`ListenLimits::max_pending`]):
-//! when it is full the connection that waited longest is closed, so a flood
-//! of idle connections cannot lock a real peer out. A first message that
-//! does not arrive within [`ListenLimits::first_message_timeout`], or is
-//! larger than [`ListenLimits::max_first_message`], closes the connection.
-//! When `accept` fails for lack of descriptors or memory (`EMFILE`,
-//! `ENFILE`, `ENOBUFS`, `ENOMEM`) the listener closes the connection that
-//! waited longest (a descriptor for the next peer) and backs off (10 ms
-//! doubling to 1 s) instead of polling the still-readable listener in a
-//! tight loop.
+//! first message arrived whole (a wire frame, or a control line), or, with
+//! [`serve_exchange`], until a whole exchange of messages (the
+//! authentication: hello, challenge, proof) is done, each message answered
+//! from the poll loop; only then is a handler started. Two tables hold the connections that have not
+//! proved anything yet, both an [`Admission`] table: the poll set
+//! ([`ListenLimits::max_pending`]) and the handshakes, from the hand-off
+//! until the handler calls [`Slot::established`]
+//! ([`ListenLimits::max_handshakes`], a thread each). Neither refuses a
+//! newcomer when full: the oldest connection of the source holding the most
+//! is closed instead (a handshake's socket is shut down, which ends its
+//! handler), and a source holding [`ListenLimits::max_per_source`] loses its
+//! oldest once that one has waited [`ListenLimits::source_grace`]; so a
+//! flood of idle or stalled connections cannot lock a real peer out, and one
+//! source's flood closes mostly its own. Live connections
+//! ([`ListenLimits::max_connections`]) are bounded too; their excess is
+//! refused (closed), never queued. A first message that does not arrive
+//! within [`ListenLimits::first_message_timeout`], or is larger than
+//! [`ListenLimits::max_first_message`], closes the connection. When
+//! `accept` fails for lack of descriptors or memory (`EMFILE`, `ENFILE`,
+//! `ENOBUFS`, `ENOMEM`) the listener closes the connection that waited
+//! longest (a descriptor for the next peer) and backs off (10 ms doubling to
+//! 1 s) instead of polling the still-readable listener in a tight loop.
 
-use std::collections::VecDeque;
+use crate::admission::{Admission, AdmitLimits, Source, DEFAULT_GRACE, DEFAULT_PER_SOURCE};
 use std::io::{ErrorKind, Read, Write};
-use std::net::{TcpListener, TcpStream};
+use std::net::{Shutdown, TcpListener, TcpStream};
 use std::os::fd::AsRawFd;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 /// Bounds of a [`serve`]d listener.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ListenLimits {
     /// Connections waiting for their first message (no thread each); when
-    /// full, the one that waited longest is closed.
+    /// full, the oldest of the source holding the most is closed.
     pub max_pending: usize,
     /// Connections past their first message but not yet through their
-    /// handshake (a thread each); the excess is refused.
+    /// handshake (a thread each); when full, the oldest of the source
+    /// holding the most is shut down.
     pub max_handshakes: usize,
+    /// Connections one source (an IP address; all of loopback is one) holds
+    /// in either table before its oldest is closed for its newcomer, once
+    /// that one waited [`source_grace`](Self::source_grace).
+    pub max_per_source: usize,
+    /// How long a connection is safe from its own source's newcomers (a real
+    /// handshake takes milliseconds, a burst of real peers from one host is
+    /// not cut short).
+    pub source_grace: Duration,
     /// Live connections handed to a handler (handshakes included); the
     /// excess is refused.
     pub max_connections: usize,
-    /// How long a connection may take to send its first message.
+    /// How long a connection may take to send its first message (with
+    /// [`serve_exchange`]: to finish the whole exchange), from its accept.
     pub first_message_timeout: Duration,
-    /// Largest first message accepted, in payload bytes (a frame without its
+    /// Largest first message (with [`serve_exchange`]: each message of the
+    /// exchange) accepted, in payload bytes (a frame without its
     /// 12-byte header, a line without its newline): the unauthenticated limit.
     pub max_first_message: usize,
 }
@@ -49,6 +68,8 @@ impl Default for ListenLimits {
         ListenLimits {
             max_pending: 256,
             max_handshakes: 32,
+            max_per_source: DEFAULT_PER_SOURCE,
+            source_grace: DEFAULT_GRACE,
             max_connections: 1024,
             first_message_timeout: Duration::from_secs(10),
             max_first_message: super::wire::MAX_UNAUTHENTICATED_PAYLOAD as usize,
@@ -101,25 +122,60 @@ impl Framing {
 }
 
 /// A live connection's place under the listener's bounds: it counts as a
-/// handshake until [`established`](Self::established), and as a connection
-/// until dropped.
-#[derive(Debug)]
+/// handshake (and may be shut down to make room for a newer one) until
+/// [`established`](Self::established), and as a connection until dropped.
 pub struct Slot {
     counts: Arc<Counts>,
-    handshaking: bool,
+    handshake: Option<u64>,
 }
 
-#[derive(Debug, Default)]
+impl std::fmt::Debug for Slot {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Slot")
+            .field("handshake", &self.handshake)
+            .finish()
+    }
+}
+
 struct Counts {
-    handshakes: AtomicUsize,
+    /// The handshakes: a second handle to each socket, to shut it down.
+    handshakes: Mutex<Admission<TcpStream>>,
+    next_id: AtomicU64,
     connections: AtomicUsize,
 }
 
+impl Default for Counts {
+    fn default() -> Self {
+        let l = ListenLimits::default();
+        Counts {
+            handshakes: Mutex::new(Admission::new(handshake_limits(&l))),
+            next_id: AtomicU64::new(0),
+            connections: AtomicUsize::new(0),
+        }
+    }
+}
+
+impl Counts {
+    fn handshakes(&self) -> MutexGuard<'_, Admission<TcpStream>> {
+        // every update is one insert or remove: a poisoned table is consistent
+        self.handshakes.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+fn handshake_limits(l: &ListenLimits) -> AdmitLimits {
+    AdmitLimits {
+        max: l.max_handshakes,
+        per_source: l.max_per_source,
+        grace: l.source_grace,
+    }
+}
+
 impl Slot {
-    /// The handshake succeeded: the connection no longer counts as one.
+    /// The handshake succeeded: the connection no longer counts as one (and
+    /// is no longer shut down for a newer one).
     pub fn established(&mut self) {
-        if std::mem::take(&mut self.handshaking) {
-            self.counts.handshakes.fetch_sub(1, Ordering::SeqCst);
+        if let Some(id) = self.handshake.take() {
+            self.counts.handshakes().remove(id);
         }
     }
 }
@@ -132,23 +188,77 @@ impl Drop for Slot {
 }
 
 /// Live connections of a listener, for tests and diagnostics.
-#[derive(Debug, Clone, Default)]
+#[derive(Clone, Default)]
 pub struct ListenStats(Arc<Counts>);
+
+impl std::fmt::Debug for ListenStats {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ListenStats")
+            .field("connections", &self.connections())
+            .field("handshakes", &self.handshakes())
+            .finish()
+    }
+}
 
 impl ListenStats {
     /// Connections handed to a handler and not yet ended.
     pub fn connections(&self) -> usize {
         self.0.connections.load(Ordering::SeqCst)
     }
+
+    /// Connections handed to a handler and not yet established.
+    pub fn handshakes(&self) -> usize {
+        self.0.handshakes().len()
+    }
 }
 
 /// How often a listener out of descriptors says so.
 const WARN_EVERY: Duration = Duration::from_secs(10);
 
-struct Pending {
+/// A connection's exchange before its handler starts, driven message by
+/// message by the poll loop (no thread): the authentication, so a peer
+/// that stalls in it holds no thread and only a place in the poll set.
+pub trait Exchange {
+    /// What the handler gets when the exchange succeeded.
+    type Done;
+    /// One whole message arrived (its framing included: a whole frame, or
+    /// a line with its newline).
+    fn on_message(&mut self, msg: &[u8]) -> Turn<Self::Done>;
+}
+
+/// What an [`Exchange`] does with a message.
+#[derive(Debug)]
+pub enum Turn<D> {
+    /// Send these bytes (at most a few KiB: they go to a fresh socket's
+    /// send buffer without waiting) and wait for the next message; the peer
+    /// must not send more before it got them.
+    Continue(Vec<u8>),
+    /// The exchange succeeded: the handler gets the connection, the bytes
+    /// after this message and `D`.
+    Done(D),
+    /// Refused: send these bytes (best effort) and close.
+    Refuse(Vec<u8>),
+}
+
+/// The exchange of [`serve`]: done at the first message.
+struct FirstMessage;
+
+impl Exchange for FirstMessage {
+    type Done = Vec<u8>;
+    fn on_message(&mut self, msg: &[u8]) -> Turn<Vec<u8>> {
+        Turn::Done(msg.to_vec())
+    }
+}
+
+struct Pending<X: Exchange> {
     stream: TcpStream,
+    source: Source,
     buf: Vec<u8>,
     since: Instant,
+    /// What the last poll round found (`Wait` until the exchange is done).
+    step: Step,
+    exchange: X,
+    done: Option<X::Done>,
 }
 
 fn out_of_resources(e: &std::io::Error) -> bool {
@@ -174,12 +284,51 @@ pub fn serve(
     refuse: impl Fn(&str) -> Vec<u8>,
     mut handle: impl FnMut(TcpStream, Vec<u8>, Slot),
 ) {
+    serve_exchange(
+        l,
+        limits,
+        framing,
+        stats,
+        stop,
+        refuse,
+        || FirstMessage,
+        |s, rest, mut first: Vec<u8>, slot| {
+            first.extend_from_slice(&rest);
+            handle(s, first, slot)
+        },
+    )
+}
+
+/// [`serve`] with an [`Exchange`] (from `start`, one per connection) run in
+/// the poll loop before the handler: every message until the exchange is
+/// done is read without a thread, within
+/// [`ListenLimits::first_message_timeout`] of the connection's accept and
+/// [`ListenLimits::max_first_message`] each. `handle` then gets the
+/// connection, the bytes after the exchange's last message, its outcome
+/// and the [`Slot`].
+#[allow(clippy::too_many_arguments)]
+pub fn serve_exchange<X: Exchange>(
+    l: TcpListener,
+    limits: ListenLimits,
+    framing: Framing,
+    stats: ListenStats,
+    stop: impl Fn() -> bool,
+    refuse: impl Fn(&str) -> Vec<u8>,
+    mut start: impl FnMut() -> X,
+    mut handle: impl FnMut(TcpStream, Vec<u8>, X::Done, Slot),
+) {
     if let Err(e) = l.set_nonblocking(true) {
         log::error!("listener: cannot make it non-blocking ({e}); it is not served");
         return;
     }
     let counts = stats.0;
-    let mut pending: VecDeque<Pending> = VecDeque::new();
+    counts.handshakes().set_limits(handshake_limits(&limits));
+    let mut pending: Admission<Pending<X>> = Admission::new(AdmitLimits {
+        max: limits.max_pending,
+        per_source: limits.max_per_source,
+        grace: limits.source_grace,
+    });
+    let mut next_id = 0u64;
     let mut backoff = Duration::ZERO;
     let mut backoff_until: Option<Instant> = None;
     let (mut last_warn, mut failures): (Option<Instant>, u64) = (None, 0);
@@ -199,7 +348,7 @@ pub fn serve(
             events: if listening { libc::POLLIN } else { 0 },
             revents: 0,
         });
-        for p in &pending {
+        for p in pending.items_mut() {
             pfds.push(libc::pollfd {
                 fd: p.stream.as_raw_fd(),
                 events: libc::POLLIN,
@@ -210,8 +359,8 @@ pub fn serve(
         if let Some(t) = backoff_until {
             wait = wait.min(t.saturating_duration_since(now));
         }
-        if let Some(p) = pending.front() {
-            let expiry = p.since + limits.first_message_timeout;
+        if let Some(since) = pending.oldest_since() {
+            let expiry = since + limits.first_message_timeout;
             wait = wait.min(expiry.saturating_duration_since(now));
         }
         let ms = wait.as_millis().clamp(1, 100) as libc::c_int;
@@ -222,35 +371,27 @@ pub fn serve(
             std::thread::sleep(Duration::from_millis(10));
             continue;
         }
-        // Read the pending connections first (indices match pfds[1..]).
-        let mut ready = Vec::new();
-        let mut keep = VecDeque::with_capacity(pending.len());
-        for (p, pfd) in pending.drain(..).zip(pfds[1..].iter()) {
-            let mut p = p;
+        // Read the pending connections first (in the order of pfds[1..]).
+        for (p, pfd) in pending.items_mut().zip(pfds[1..].iter()) {
             if pfd.revents != 0 {
-                match read_more(&mut p, framing, limits.max_first_message) {
-                    Step::Wait => {}
-                    Step::Drop => continue,
-                    Step::Refuse(why) => {
-                        // best effort, on the non-blocking socket: a short
-                        // refusal fits the send buffer; then it is closed
-                        let _ = p.stream.write_all(&refuse(&why));
-                        continue;
-                    }
-                    Step::Ready => {
-                        ready.push(p);
-                        continue;
-                    }
-                }
+                p.step = read_more(p, framing, limits.max_first_message);
             }
-            if p.since.elapsed() >= limits.first_message_timeout {
-                continue; // closed: its first message did not arrive in time
-            }
-            keep.push_back(p);
         }
-        pending = keep;
-        for p in ready {
-            hand_off(p, &limits, &counts, &mut handle);
+        let timeout = limits.first_message_timeout;
+        // what is done waiting: whole, refused, closed, or out of time
+        let done = pending
+            .take_if(|_, p, since| !matches!(p.step, Step::Wait) || since.elapsed() >= timeout);
+        for mut p in done {
+            match std::mem::replace(&mut p.step, Step::Wait) {
+                Step::Ready => hand_off(p, &limits, &counts, &mut handle),
+                Step::Refuse(why) => {
+                    // best effort, on the non-blocking socket: a short
+                    // refusal fits the send buffer; then it is closed
+                    let _ = p.stream.write_all(&refuse(&why));
+                }
+                // closed: gone, or its first message did not arrive in time
+                Step::Wait | Step::Drop => {}
+            }
         }
         if listening && pfds[0].revents != 0 {
             // Accept what is waiting (a bounded number per round).
@@ -261,19 +402,31 @@ pub fn serve(
                         if s.set_nonblocking(true).is_err() {
                             continue;
                         }
-                        if pending.len() >= limits.max_pending.max(1) {
-                            pending.pop_front(); // the longest waiting is closed
-                        }
-                        pending.push_back(Pending {
-                            stream: s,
-                            buf: Vec::new(),
-                            since: Instant::now(),
-                        });
+                        let source = Source::of_stream(&s);
+                        let now = Instant::now();
+                        // closed to make room: the longest waiting of the
+                        // largest source, or this source's oldest
+                        drop(pending.make_room(source, now));
+                        pending.insert(
+                            next_id,
+                            source,
+                            now,
+                            Pending {
+                                stream: s,
+                                source,
+                                buf: Vec::new(),
+                                since: now,
+                                step: Step::Wait,
+                                exchange: start(),
+                                done: None,
+                            },
+                        );
+                        next_id += 1;
                     }
                     Err(e) if e.kind() == ErrorKind::WouldBlock => break,
                     Err(e) if out_of_resources(&e) => {
                         // free a descriptor for the next peer: the longest waiting is closed
-                        pending.pop_front();
+                        drop(pending.take_oldest());
                         backoff =
                             (backoff * 2).clamp(Duration::from_millis(10), Duration::from_secs(1));
                         // said once per interval, however often it happens
@@ -303,18 +456,44 @@ enum Step {
     Refuse(String),
 }
 
-fn read_more(p: &mut Pending, framing: Framing, max: usize) -> Step {
+fn read_more<X: Exchange>(p: &mut Pending<X>, framing: Framing, max: usize) -> Step {
     let mut chunk = [0u8; 4096];
     loop {
         match p.stream.read(&mut chunk) {
             Ok(0) => return Step::Drop,
             Ok(n) => {
                 p.buf.extend_from_slice(&chunk[..n]);
-                match framing.complete(&p.buf, max) {
-                    Ok(Some(_)) => return Step::Ready,
-                    Ok(None) if p.buf.len() > max + 12 => return Step::Drop,
-                    Ok(None) => {}
-                    Err(why) => return Step::Refuse(why),
+                // every whole message goes to the exchange, in order
+                loop {
+                    match framing.complete(&p.buf, max) {
+                        Ok(Some(n)) => {
+                            let msg: Vec<u8> = p.buf.drain(..n).collect();
+                            match p.exchange.on_message(&msg) {
+                                Turn::Continue(reply) => {
+                                    if !p.buf.is_empty() {
+                                        return Step::Refuse(
+                                            "data after a message before it was answered".into(),
+                                        );
+                                    }
+                                    if !matches!(p.stream.write(&reply), Ok(k) if k == reply.len())
+                                    {
+                                        return Step::Drop;
+                                    }
+                                }
+                                Turn::Done(d) => {
+                                    p.done = Some(d);
+                                    return Step::Ready;
+                                }
+                                Turn::Refuse(bytes) => {
+                                    let _ = p.stream.write(&bytes);
+                                    return Step::Drop;
+                                }
+                            }
+                        }
+                        Ok(None) if p.buf.len() > max + 12 => return Step::Drop,
+                        Ok(None) => break,
+                        Err(why) => return Step::Refuse(why),
+                    }
                 }
             }
             Err(e) if e.kind() == ErrorKind::WouldBlock => return Step::Wait,
@@ -324,27 +503,40 @@ fn read_more(p: &mut Pending, framing: Framing, max: usize) -> Step {
     }
 }
 
-fn hand_off(
-    p: Pending,
+fn hand_off<X: Exchange>(
+    p: Pending<X>,
     limits: &ListenLimits,
     counts: &Arc<Counts>,
-    handle: &mut impl FnMut(TcpStream, Vec<u8>, Slot),
+    handle: &mut impl FnMut(TcpStream, Vec<u8>, X::Done, Slot),
 ) {
-    if counts.connections.load(Ordering::SeqCst) >= limits.max_connections
-        || counts.handshakes.load(Ordering::SeqCst) >= limits.max_handshakes
-    {
+    let Some(done) = p.done else {
+        return;
+    };
+    if counts.connections.load(Ordering::SeqCst) >= limits.max_connections {
         return; // refused: closed
     }
     if p.stream.set_nonblocking(false).is_err() {
         return;
     }
+    let Ok(second) = p.stream.try_clone() else {
+        return;
+    };
+    let id = counts.next_id.fetch_add(1, Ordering::SeqCst);
+    {
+        let mut hs = counts.handshakes();
+        for old in hs.make_room(p.source, Instant::now()) {
+            // wakes its handler's blocked read or write: it ends, and its
+            // slot with it; this second handle closes on drop
+            let _ = old.shutdown(Shutdown::Both);
+        }
+        hs.insert(id, p.source, p.since, second);
+    }
     counts.connections.fetch_add(1, Ordering::SeqCst);
-    counts.handshakes.fetch_add(1, Ordering::SeqCst);
     let slot = Slot {
         counts: counts.clone(),
-        handshaking: true,
+        handshake: Some(id),
     };
-    handle(p.stream, p.buf, slot);
+    handle(p.stream, p.buf, done, slot);
 }
 
 #[cfg(test)]
@@ -452,6 +644,7 @@ mod tests {
             max_connections: 2,
             first_message_timeout: Duration::from_secs(30),
             max_first_message: 1024,
+            ..ListenLimits::default()
         };
         let (st, g, s2) = (stop.clone(), got.clone(), stats.clone());
         let t = std::thread::spawn(move || {

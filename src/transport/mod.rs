@@ -27,6 +27,7 @@
 //! first message, bounded handshakes and connections, back-off on `EMFILE`.
 
 mod agent;
+pub mod auth_exchange;
 mod batch;
 pub mod checksum;
 pub mod cma;
@@ -34,6 +35,7 @@ mod conn;
 pub mod control_counts;
 mod frame_type;
 pub mod handshake;
+pub mod http_serve;
 pub mod identity;
 pub mod listen;
 pub mod local;

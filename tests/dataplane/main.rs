@@ -1,7 +1,9 @@
 //! The data plane between processes: `pdxfer target` peers over cma and tcp,
 //! peer authentication against an unprivileged attacker, tcp between two
 //! network namespaces; the channel's integrity and cma's target after the
-//! handshake against another uid and an on-path relay (`security_channel`).
+//! handshake against another uid and an on-path relay (`security_channel`);
+//! floods of pre-auth connections, the bootstrap store's bound and
+//! `--insecure` (`security_bounds`).
 //! `cargo test --features testing --test dataplane [filter]`.
 
 #[allow(dead_code, unused_imports)] // each binary uses part of it
@@ -12,6 +14,8 @@ mod auth;
 #[cfg(feature = "testing")]
 mod dataplane;
 mod netns;
+#[cfg(feature = "testing")]
+mod security_bounds;
 mod security_channel;
 
 /// Without the `testing` feature the modules above marked so are not built;

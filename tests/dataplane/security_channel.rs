@@ -36,9 +36,7 @@ fn is_root() -> bool {
 /// Re-runs this test binary for the ignored child test `name` (as uid/gid
 /// 65534 when `nobody` and root), with `envs`.
 fn child(name: &str, envs: &[(&str, String)], nobody: bool) -> Child {
-    // the test's name in this binary: its module path without the crate
-    let module = module_path!().split_once("::").map_or("", |(_, m)| m);
-    let full = format!("{module}::{name}");
+    let full = crate::support::test_name(module_path!(), name);
     let mut c = Command::new(std::env::current_exe().unwrap());
     c.args([
         full.as_str(),

@@ -428,6 +428,44 @@ fn metrics_are_served_over_http_on_metrics_listen() {
 }
 
 #[test]
+fn a_trickling_client_and_idle_connections_do_not_delay_a_scrape() {
+    let c = cluster("metrics-slow", TransportKind::Cma, Some("127.0.0.1:0"));
+    let addr = c.prefill().metrics_addr().unwrap();
+    // ten idle connections, and one that sends a header byte every 300 ms
+    let idle: Vec<std::net::TcpStream> = (0..10)
+        .map(|_| std::net::TcpStream::connect(addr).unwrap())
+        .collect();
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let trickle = {
+        let stop = stop.clone();
+        std::thread::spawn(move || {
+            let mut s = std::net::TcpStream::connect(addr).unwrap();
+            for b in b"GET /metrics HTTP/1.1\r\nX-Slow: 1".iter().cycle() {
+                if stop.load(std::sync::atomic::Ordering::Relaxed) || s.write_all(&[*b]).is_err() {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(300));
+            }
+        })
+    };
+    std::thread::sleep(Duration::from_millis(200));
+    // six scrapes, each answered promptly while both hold their connections
+    for _ in 0..6 {
+        let t = std::time::Instant::now();
+        let got = http_get(addr, "/metrics");
+        assert!(got.starts_with("HTTP/1.1 200 OK"), "{got}");
+        assert!(
+            t.elapsed() < Duration::from_secs(1),
+            "a scrape took {:?} behind a trickling client and 10 idle connections",
+            t.elapsed()
+        );
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    trickle.join().unwrap();
+    drop(idle);
+}
+
+#[test]
 fn a_metrics_listen_that_cannot_bind_is_refused_at_creation() {
     let server = BootstrapServer::start(ServerConfig::default()).unwrap();
     let pools = SyntheticPools::new(LAYERS, ROW, P, 8, 8, 32).unwrap();

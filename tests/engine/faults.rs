@@ -470,6 +470,8 @@ fn netns_link_down_mid_transfer() {
             "bootstrap",
             "--listen",
             "10.231.0.1:0",
+            // the test's own veth pair: no token on a non-loopback address
+            "--insecure",
         ])
         .stdout(Stdio::piped())
         .stderr(Stdio::null())

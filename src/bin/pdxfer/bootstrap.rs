@@ -16,9 +16,14 @@ pub struct BootstrapArgs {
     /// Largest accepted request body in bytes.
     #[arg(long, default_value_t = pdxfer::bootstrap::server::DEFAULT_MAX_BODY)]
     max_body: usize,
-    /// Most connections served at once; more are answered 503 and closed.
+    /// Most connections served at once; past it a newcomer evicts the oldest
+    /// connection still sending its request (none such: 503 and close).
     #[arg(long, default_value_t = pdxfer::bootstrap::server::DEFAULT_MAX_CONNECTIONS)]
     max_connections: usize,
+    /// Connections one source address (all of loopback is one) holds while
+    /// sending requests before its oldest is evicted for its newcomer.
+    #[arg(long, default_value_t = pdxfer::admission::DEFAULT_PER_SOURCE)]
+    max_per_source: usize,
     /// Milliseconds a client has to send its request line and headers (then 408).
     #[arg(long, default_value_t = pdxfer::bootstrap::server::DEFAULT_HEADER_TIMEOUT.as_millis() as u64)]
     header_timeout_ms: u64,
@@ -28,6 +33,13 @@ pub struct BootstrapArgs {
     /// Most live entries held (bounds memory; new keys beyond it get 503).
     #[arg(long, default_value_t = pdxfer::bootstrap::store::DEFAULT_MAX_ENTRIES)]
     max_entries: usize,
+    /// Largest serialized size of all live entries together, in bytes
+    /// (bounds memory; a registration past it gets 507).
+    #[arg(long, default_value_t = pdxfer::bootstrap::store::DEFAULT_MAX_STORE_BYTES)]
+    max_store_bytes: usize,
+    /// Serve a non-loopback --listen address without a token (refused otherwise).
+    #[arg(long)]
+    insecure: bool,
 }
 
 /// Runs the server until the process is killed.
@@ -37,9 +49,12 @@ pub fn run(a: &BootstrapArgs) -> pdxfer::Result<()> {
         token: a.token.clone(),
         max_body_bytes: a.max_body,
         max_connections: a.max_connections,
+        max_per_source: a.max_per_source,
         header_timeout: std::time::Duration::from_millis(a.header_timeout_ms),
         body_timeout: std::time::Duration::from_millis(a.body_timeout_ms),
         max_entries: a.max_entries,
+        max_store_bytes: a.max_store_bytes,
+        insecure: a.insecure,
     })?;
     let line = serde_json::json!({
         "event": "listening",

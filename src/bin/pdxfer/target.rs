@@ -35,12 +35,18 @@ pub struct TargetArgs {
     /// Do not print a line per completion (benchmarks).
     #[arg(long)]
     pub quiet: bool,
-    /// Connections waiting for their first frame (the oldest is closed when full).
+    /// Connections waiting for their first frame (when full, the oldest of
+    /// the source holding the most is closed).
     #[arg(long, default_value_t = ListenLimits::default().max_pending)]
     pub max_pending: usize,
-    /// Connections in their handshake at once (the excess is refused).
+    /// Connections in their handshake at once (when full, the oldest of the
+    /// source holding the most is shut down for the newcomer).
     #[arg(long, default_value_t = ListenLimits::default().max_handshakes)]
     pub max_handshakes: usize,
+    /// Connections one source (all of loopback per uid) holds in the poll set
+    /// or in handshakes before its oldest (past 1 s) is closed for its newcomer.
+    #[arg(long, default_value_t = ListenLimits::default().max_per_source)]
+    pub max_per_source: usize,
     /// Live connections (the excess is refused).
     #[arg(long, default_value_t = ListenLimits::default().max_connections)]
     pub max_connections: usize,
@@ -82,6 +88,7 @@ pub fn run(a: &TargetArgs) -> pdxfer::Result<()> {
         limits: ListenLimits {
             max_pending: a.max_pending,
             max_handshakes: a.max_handshakes,
+            max_per_source: a.max_per_source,
             max_connections: a.max_connections,
             first_message_timeout: Duration::from_millis(a.first_frame_timeout_ms),
             ..ListenLimits::default()

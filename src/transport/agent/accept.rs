@@ -6,13 +6,14 @@
 
 use super::grant::control_loop;
 use super::{lock, AgentInner, ReceiverSession};
-use crate::auth::{PeerInstance, SessionKeys, SessionMac};
+use crate::auth::{Channel, PeerInstance, SessionKeys, SessionMac};
 use crate::error::{Error, Result, Status};
 use crate::memory::RegionKind;
+use crate::transport::auth_exchange::{AuthExchange, WireAuth};
 use crate::transport::cma::bind::BindListener;
 use crate::transport::handshake::{random_token, Hello, HelloAck, Select, SelectOk};
 use crate::transport::listen::{self, Framing, ListenLimits, Slot};
-use crate::transport::peer_auth::{authenticate_server, Prefixed};
+use crate::transport::peer_auth::Prefixed;
 use crate::transport::rdma::nic::{DataPath, NicProvider};
 use crate::transport::rdma::Handshake;
 use crate::transport::tcp::{serve_stream, TcpRecv};
@@ -28,7 +29,10 @@ pub(super) fn accept_loop(
     limits: ListenLimits,
     agent: std::sync::Weak<AgentInner>,
 ) {
-    let Some(stats) = agent.upgrade().map(|a| a.listen_stats.clone()) else {
+    let Some((stats, mode, instance)) = agent
+        .upgrade()
+        .map(|a| (a.listen_stats.clone(), a.auth.clone(), a.instance))
+    else {
         return;
     };
     let stop = {
@@ -45,47 +49,54 @@ pub(super) fn accept_loop(
         let _ = wire::write_frame(&mut b, FrameType::Error, &wire::encode_error(&e));
         b
     };
-    listen::serve(
+    // Authentication first, in the listener's poll loop (no thread): nothing
+    // else is read, allocated or said before the exchange succeeds.
+    listen::serve_exchange(
         l,
         limits,
         Framing::Wire,
         stats,
         stop,
         refuse,
-        |s, first, slot| {
+        || AuthExchange::new(mode.clone(), Channel::Data, instance, WireAuth),
+        |s, rest, peer, slot| {
             let Some(a) = agent.upgrade() else { return };
             let _ = std::thread::Builder::new()
                 .name("pdxfer-rx".into())
-                .spawn(move || serve_connection(a, s, &first, slot));
+                .spawn(move || serve_connection(a, s, &rest, peer, slot));
         },
     );
 }
 
-/// Serves one connection whose first frame (`first`, read by the listener)
-/// arrived whole: the AuthHello; once authenticated, a Hello opens a session
-/// and an Attach adds a data stream.
-fn serve_connection(a: Arc<AgentInner>, mut s: TcpStream, first: &[u8], slot: Slot) {
+/// Serves one authenticated connection (`rest`: what the listener read after
+/// the AuthProof): a Hello opens a session and an Attach adds a data stream.
+fn serve_connection(
+    a: Arc<AgentInner>,
+    mut s: TcpStream,
+    rest: &[u8],
+    peer: (PeerInstance, SessionKeys),
+    slot: Slot,
+) {
     let _ = s.set_nodelay(true);
     let _ = s.set_read_timeout(Some(a.handshake_timeout));
     let _ = s.set_write_timeout(Some(a.handshake_timeout));
-    // Authentication first: the listener read the AuthHello (`first`);
-    // nothing else is read, allocated or said before the exchange succeeds.
-    let mut pre = Prefixed::new(first, &mut s);
-    let Ok((peer, mut keys)) = authenticate_server(&mut pre, &a.auth, a.instance) else {
-        return;
-    };
-    if !pre.drained() {
-        let e = Error::new(
-            Status::Protocol,
-            "data after the AuthHello before it was answered",
-        );
-        return refuse(&mut s, &mut keys.send, e);
-    }
-    // From here every frame is sealed: a bad or missing MAC ends the connection.
-    let (ty, p) = match wire::read_frame_sealed(&mut s, wire::MAX_CONTROL_PAYLOAD, &mut keys.recv) {
+    let (peer, mut keys) = peer;
+    // The listener ran the authentication exchange; from here every frame is
+    // sealed: a bad or missing MAC ends the connection.
+    let mut pre = Prefixed::new(rest, &mut s);
+    let read = wire::read_frame_sealed(&mut pre, wire::MAX_CONTROL_PAYLOAD, &mut keys.recv);
+    let drained = pre.drained();
+    let (ty, p) = match read {
         Ok(f) => f,
         Err(e) => return refuse(&mut s, &mut keys.send, e),
     };
+    if !drained {
+        let e = Error::new(
+            Status::Protocol,
+            format!("data after the {ty:?} frame before it was answered"),
+        );
+        return refuse(&mut s, &mut keys.send, e);
+    }
     match ty {
         FrameType::Hello => serve_control(a, s, &p, slot, peer, keys),
         FrameType::Attach => serve_stream(a, s, &p, slot, peer, keys),
