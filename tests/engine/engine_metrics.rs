@@ -97,9 +97,10 @@ fn finish(c: &mut Cluster, r: &Request) -> u64 {
     c.wait_prefill_success(room);
     let mut verified = 0;
     let mut kv = 0;
-    for (i, (e, _)) in c.decode.iter().enumerate() {
+    for i in 0..c.decode.len() {
         c.wait_decode_success(room, i);
         verified += c.verify_rank(r, i);
+        let e = &c.decode[i].0;
         let t = e.telemetry(room).unwrap();
         assert_eq!((t.room, t.attempt, t.state), (room, 1, KvPoll::Success));
         assert_eq!(t.bytes, e.room_bytes(room));

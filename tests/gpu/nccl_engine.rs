@@ -18,6 +18,7 @@
 //! before posting, the other room's bytes unchanged).
 #![cfg(feature = "nccl")]
 
+use crate::support::cluster::{Cluster, Pools, Spec};
 use crate::support::fakes;
 use pdxfer::bootstrap::schema::Role;
 use pdxfer::bootstrap::server::{BootstrapServer, ServerConfig};
@@ -191,6 +192,20 @@ fn require_child() {
 
 /// Device copies of a synthetic pool set, and the pools pointing at them.
 use crate::support::cluster::device_pools as on_device;
+
+/// A shared test cluster of this file's geometry over nccl: one prefill and
+/// `dcp` decode ranks, device pools on both sides, the prefill's staging
+/// as [`prefill_engine_with`] sets it, 20 s room and receiver deadlines.
+fn device_cluster(name: &str, dcp: u32) -> Spec {
+    Cluster::build(name, (1, dcp), TransportKind::Nccl)
+        .layers(LAYERS)
+        .row_bytes(ROW)
+        .prefill_pools(Pools::Device)
+        .decode_pools(Pools::Device)
+        .staging(2 * 7 * LAYERS as u64 * ROW)
+        .room_timeout(Duration::from_secs(20))
+        .receiver_timeout(Duration::from_secs(20))
+}
 
 /// One decode engine with its mirror (aux and expected bytes) and device pools.
 struct Decode {
@@ -433,37 +448,24 @@ fn child_nccl_engine() {
             } else {
                 (4, Some(staged_options()))
             };
-            let mut p = prefill_engine(&g, &cluster, &url, plan, Duration::from_secs(20), vec![]);
-            let mut decodes: Vec<Decode> = (0..dcp)
-                .map(|r| decode_engine(&g, &cluster, &url, dcp, r, plan, vec![]))
-                .collect();
+            let mut c = device_cluster(&cluster, dcp)
+                .knobs(move |_, _, cfg| cfg.testing.nccl_plan = plan)
+                .start();
             let v = PAGE * dcp as u64;
             let mut kv_sent = 0;
             for (room, total, prefix, chunk_pages) in
                 [(1u64, 300u64, 0u64, 4usize), (2, 517, v * 2, 100)]
             {
-                let (src, dst, n) = room_pages(room, dcp, prefix, total);
-                fill(&g, &mut p, room, &src, prefix, total);
-                let refs: Vec<&Decode> = decodes.iter().collect();
-                open_decodes(&refs, room, &dst, prefix, Duration::from_secs(20));
-                send_room(&p.engine, room, &src, chunk_pages, n);
-                assert_eq!(
-                    p.engine.wait(room, Duration::from_secs(20)),
-                    KvPoll::Success,
-                    "{case} room {room}: {:?}",
-                    p.engine.failure(room)
-                );
+                let req = c.open_room(room, total, prefix, true);
+                c.send_all(&req, chunk_pages);
+                c.wait_prefill_success(room);
                 let mut verified = 0;
-                for (r, d) in decodes.iter_mut().enumerate() {
-                    assert_eq!(
-                        d.engine.wait(room, Duration::from_secs(20)),
-                        KvPoll::Success,
-                        "{case} decode {r}: {:?}",
-                        d.engine.failure(room)
-                    );
-                    verified += verify(d, room, dcp, r as u32, &dst, prefix, total);
-                    d.engine.clear(room).unwrap();
+                for r in 0..dcp as usize {
+                    c.wait_decode_success(room, r);
+                    verified += c.verify_rank(&req, r);
+                    c.decode[r].0.clear(room).unwrap();
                 }
+                let n = req.n();
                 assert_eq!(verified, n * token + dcp as u64 * 32, "{case} room {room}");
                 kv_sent += n * token;
                 // the bytes went over NCCL: one live communicator per link on
@@ -473,51 +475,56 @@ fn child_nccl_engine() {
                     (0, 0, 2 * dcp as u64),
                     "{case} room {room}"
                 );
-                p.engine.clear(room).unwrap();
+                c.prefill().clear(room).unwrap();
                 println!(
                     "{case}: room {room} DCP 1->{dcp} over nccl, every byte checked ({verified} B)"
                 );
             }
             // the prefill counted the NCCL pairs' KV bytes per decode rank
-            let kv: u64 = p
-                .engine
+            let kv: u64 = c
+                .prefill()
                 .metrics_snapshot()
                 .peers
                 .iter()
                 .map(|x| x.bytes)
                 .sum();
             assert!(kv >= kv_sent, "{case}: prefill counted {kv} B of {kv_sent}");
-            p.engine.close();
-            for d in &decodes {
-                d.engine.close();
-            }
+            c.close();
             // closing finalized and destroyed every communicator
             assert_eq!(fake_nccl_counts(), (0, 2 * dcp as u64, 0), "{case} closed");
         }
         "faults" => faults(&g, &cluster, &url),
         "mismatch" => {
-            let mut p = prefill_engine(&g, &cluster, &url, None, Duration::from_secs(20), vec![]);
-            let d = decode_engine(&g, &cluster, &url, 1, 0, Some(staged_options()), vec![]);
-            let (src, dst, n) = room_pages(1, 1, 0, 200);
-            fill(&g, &mut p, 1, &src, 0, 200);
-            open_decodes(&[&d], 1, &dst, 0, Duration::from_secs(20));
-            send_room(&p.engine, 1, &src, 100, n);
-            let e = failed(&p.engine, 1, Duration::from_secs(10), "mismatch prefill");
+            let mut c = device_cluster(&cluster, 1)
+                .knobs(|role, _, cfg| {
+                    if role == Role::Decode {
+                        cfg.testing.nccl_plan = Some(staged_options());
+                    }
+                })
+                .start();
+            let req = c.open_room(1, 200, 0, true);
+            c.send_all(&req, 100);
+            let e = failed(c.prefill(), 1, Duration::from_secs(10), "mismatch prefill");
             assert_eq!(e.status(), Status::NcclPlanMismatch, "{e}");
             assert!(e.detail().contains("decode rank instance"), "{e}");
-            let e = failed(&d.engine, 1, Duration::from_secs(10), "mismatch decode");
+            let e = failed(
+                &c.decode[0].0,
+                1,
+                Duration::from_secs(10),
+                "mismatch decode",
+            );
             assert_eq!(e.status(), Status::NcclPlanMismatch, "{e}");
             assert!(e.detail().contains("nothing was posted"), "{e}");
             // nothing landed
-            let mut got = vec![1u8; d.bufs[0].len()];
-            d.bufs[0].read(0, &mut got).unwrap();
+            let pool = &c.decode_dev[0][0];
+            let mut got = vec![1u8; pool.len()];
+            pool.read(0, &mut got).unwrap();
             assert!(
                 got.iter().all(|&b| b == 0),
                 "bytes landed despite the mismatch"
             );
             println!("mismatch: nccl_plan_mismatch on both sides before posting: {e}");
-            p.engine.close();
-            d.engine.close();
+            c.close();
         }
         "killed" => killed(&g, &cluster, &url),
         "decode_close" => decode_close(&g, &cluster, &url),

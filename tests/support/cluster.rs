@@ -1,7 +1,9 @@
 //! An in-process cluster of engines, the engine tests' fixture: an embedded
 //! bootstrap server, prefill ranks (DCP `src_dcp`, usually 1) and decode
-//! ranks (DCP `dcp`) over synthetic pools (heap or shared pool allocations)
-//! and a chosen transport (rdma on the software NIC fabric with the `testing` feature), with the steps
+//! ranks (DCP `dcp`) over synthetic pools (heap, shared pool allocations, or
+//! device memory: the fake libcuda where there is no GPU, the synthetic pools
+//! then the host mirror that is uploaded and read back) and a chosen
+//! transport (rdma on the software NIC fabric with the `testing` feature), with the steps
 //! of one request as helpers: [`Cluster::open_room`] (fill, metadata,
 //! senders), [`Cluster::send_all`] / [`Cluster::send_layerwise`],
 //! [`Cluster::wait_success`], [`Cluster::verify`] and [`Cluster::finish`]
@@ -16,6 +18,8 @@ use pdxfer::layout::{DcpLayout, Side};
 #[cfg(feature = "testing")]
 use pdxfer::transport::rdma::{fake::FakeNic, handshake::Mtu, nic::NicProvider};
 use pdxfer::transport::TransportKind;
+#[cfg(feature = "cuda")]
+use pdxfer::{cuda::DeviceBuffer, relayout::gpu::GpuRelayout};
 use std::ops::Range;
 #[cfg(feature = "testing")]
 use std::sync::Arc;
@@ -41,6 +45,11 @@ pub enum Pools {
     Heap,
     /// Shared pool allocations a same-host prefill maps (the one-copy path).
     Shared,
+    /// Device memory of device 0 (`pool_device` 0), one allocation per
+    /// layer, zeroed; the rank's [`SyntheticPools`] are its host mirror:
+    /// [`Cluster::fill`] uploads it, [`Cluster::verify_rank`] reads back into it.
+    #[cfg(feature = "cuda")]
+    Device,
 }
 
 /// rdma runs on the software NIC fabric (two rails per engine; the fabric
@@ -48,6 +57,16 @@ pub enum Pools {
 #[cfg(feature = "testing")]
 pub fn fake_nic(transport: TransportKind, name: &str) -> Option<Arc<dyn NicProvider>> {
     (transport == TransportKind::Rdma).then(|| FakeNic::new(name, 2, Mtu::Mtu4096) as _)
+}
+
+/// Fresh synthetic pools of `kind` (heap, or the host mirror of device
+/// pools; shared pool allocations for [`Pools::Shared`]): `layers` layers of
+/// `row`-byte rows, [`P`] tokens a page, `pages` pages, 8 aux slots of 32 bytes.
+fn pools_of(kind: Pools, layers: u32, row: u64, pages: u64) -> SyntheticPools {
+    match kind {
+        Pools::Shared => SyntheticPools::new_shared(layers, row, P, pages, 8, 32).unwrap(),
+        _ => SyntheticPools::new(layers, row, P, pages, 8, 32).unwrap(),
+    }
 }
 
 /// Fresh synthetic heap pools: `layers` layers of [`ROW`]-byte rows, [`P`]
@@ -149,6 +168,9 @@ pub fn assert_success(e: &Engine, room: u64, what: &str) {
     );
 }
 
+/// A test's own settings of one rank's config: its role, its DCP rank.
+type Knobs = Box<dyn Fn(Role, u32, &mut EngineConfig)>;
+
 /// What [`Cluster::build`] starts; each setter returns the spec.
 pub struct Spec {
     name: String,
@@ -156,6 +178,9 @@ pub struct Spec {
     src_dcp: u32,
     dcp: u32,
     transport: TransportKind,
+    decode_transport: Option<TransportKind>,
+    row: u64,
+    prefill_pools: Pools,
     decode_pools: Pools,
     prefill_staging: Option<u64>,
     decode_staging: Option<u64>,
@@ -163,6 +188,12 @@ pub struct Spec {
     decode_timeout: Option<Duration>,
     receiver_timeout: Option<Duration>,
     metrics_listen: Option<String>,
+    room_grants: Option<bool>,
+    knobs: Option<Knobs>,
+    #[cfg(feature = "testing")]
+    rails: Option<usize>,
+    #[cfg(feature = "testing")]
+    prefill_nic: Option<Arc<FakeNic>>,
 }
 
 impl Spec {
@@ -171,9 +202,49 @@ impl Spec {
         self.layers = n;
         self
     }
+    /// Bytes of one layer of one token row (default [`ROW`]).
+    pub fn row_bytes(mut self, row: u64) -> Self {
+        self.row = row;
+        self
+    }
+    /// The decode ranks' transport (default: the cluster's).
+    pub fn decode_transport(mut self, t: TransportKind) -> Self {
+        self.decode_transport = Some(t);
+        self
+    }
+    /// The prefill ranks' KV pools (default [`Pools::Heap`]).
+    pub fn prefill_pools(mut self, p: Pools) -> Self {
+        self.prefill_pools = p;
+        self
+    }
     /// The decode ranks' KV pools (default [`Pools::Heap`]).
     pub fn decode_pools(mut self, p: Pools) -> Self {
         self.decode_pools = p;
+        self
+    }
+    /// The decode ranks' `room_grants` (default: the engine's).
+    pub fn room_grants(mut self, on: bool) -> Self {
+        self.room_grants = Some(on);
+        self
+    }
+    /// `f(role, dcp_rank, config)` adjusts every rank's config last (test
+    /// knobs of one role or rank).
+    pub fn knobs(mut self, f: impl Fn(Role, u32, &mut EngineConfig) + 'static) -> Self {
+        self.knobs = Some(Box::new(f));
+        self
+    }
+    /// Rails of each rank's software NIC over rdma (default 2); set, the
+    /// ranks over `auto` get one too.
+    #[cfg(feature = "testing")]
+    pub fn rails(mut self, n: usize) -> Self {
+        self.rails = Some(n);
+        self
+    }
+    /// Prefill rank 0's software NIC over rdma, made and set (GPUDirect,
+    /// refused registrations) by the caller, who keeps it to look at.
+    #[cfg(feature = "testing")]
+    pub fn prefill_nic(mut self, nic: Arc<FakeNic>) -> Self {
+        self.prefill_nic = Some(nic);
         self
     }
     /// The prefill ranks' staging bytes (default: the engine's).
@@ -212,64 +283,124 @@ impl Spec {
     pub fn start(self) -> Cluster {
         let server = BootstrapServer::start(ServerConfig::default()).unwrap();
         let url = server.url();
-        let prefill = (0..self.src_dcp)
-            .map(|r| {
-                let pools = pools(self.layers, PREFILL_PAGES);
-                let mut cfg = config(
-                    Role::Prefill,
-                    &self.name,
-                    &url,
-                    &pools,
-                    (self.src_dcp, r),
-                    self.transport,
-                );
-                if let Some(s) = self.prefill_staging {
-                    cfg.staging_bytes = s;
+        #[cfg(feature = "cuda")]
+        let gpu = [self.prefill_pools, self.decode_pools]
+            .contains(&Pools::Device)
+            .then(|| GpuRelayout::new(0).expect("device 0 (the fake libcuda without a GPU)"));
+        #[cfg(feature = "cuda")]
+        let (mut prefill_dev, mut decode_dev) = (Vec::new(), Vec::new());
+        let mut prefill = Vec::new();
+        for r in 0..self.src_dcp {
+            let pools = pools_of(self.prefill_pools, self.layers, self.row, PREFILL_PAGES);
+            let mut cfg = self.config(Role::Prefill, &url, &pools, (self.src_dcp, r));
+            #[cfg(feature = "cuda")]
+            prefill_dev.push(on_device(
+                gpu.as_ref(),
+                self.prefill_pools,
+                &pools,
+                &mut cfg,
+            ));
+            if let Some(s) = self.prefill_staging {
+                cfg.staging_bytes = s;
+            }
+            if let Some(t) = self.prefill_timeout {
+                cfg.room_timeout = t;
+            }
+            if r == 0 {
+                cfg.metrics_listen = self.metrics_listen.clone();
+                #[cfg(feature = "testing")]
+                if let Some(n) = &self.prefill_nic {
+                    cfg.testing.nic = Some(n.clone() as _);
                 }
-                if let Some(t) = self.prefill_timeout {
-                    cfg.room_timeout = t;
-                }
-                if r == 0 {
-                    cfg.metrics_listen = self.metrics_listen.clone();
-                }
-                // SAFETY: the pools live in the returned Cluster, beside the engine.
-                (unsafe { Engine::new(cfg) }.unwrap(), pools)
-            })
-            .collect();
-        let decode = (0..self.dcp)
-            .map(|r| {
-                let pools = match self.decode_pools {
-                    Pools::Heap => pools(self.layers, DECODE_PAGES),
-                    Pools::Shared => {
-                        SyntheticPools::new_shared(self.layers, ROW, P, DECODE_PAGES, 8, 32)
-                            .unwrap()
-                    }
-                };
-                let mut cfg = config(
-                    Role::Decode,
-                    &self.name,
-                    &url,
-                    &pools,
-                    (self.dcp, r),
-                    self.transport,
-                );
-                if let Some(s) = self.decode_staging {
-                    cfg.staging_bytes = s;
-                }
-                if let Some(t) = self.decode_timeout {
-                    cfg.room_timeout = t;
-                }
-                // SAFETY: the pools live in the returned Cluster, beside the engine.
-                (unsafe { Engine::new(cfg) }.unwrap(), pools)
-            })
-            .collect();
+            }
+            if let Some(f) = &self.knobs {
+                f(Role::Prefill, r, &mut cfg);
+            }
+            // SAFETY: the pools (and device pools) live in the returned Cluster, beside the engine.
+            prefill.push((unsafe { Engine::new(cfg) }.unwrap(), pools));
+        }
+        let mut decode = Vec::new();
+        for r in 0..self.dcp {
+            let pools = pools_of(self.decode_pools, self.layers, self.row, DECODE_PAGES);
+            let mut cfg = self.config(Role::Decode, &url, &pools, (self.dcp, r));
+            #[cfg(feature = "cuda")]
+            decode_dev.push(on_device(gpu.as_ref(), self.decode_pools, &pools, &mut cfg));
+            if let Some(s) = self.decode_staging {
+                cfg.staging_bytes = s;
+            }
+            if let Some(t) = self.decode_timeout {
+                cfg.room_timeout = t;
+            }
+            if let Some(on) = self.room_grants {
+                cfg.room_grants = on;
+            }
+            if let Some(f) = &self.knobs {
+                f(Role::Decode, r, &mut cfg);
+            }
+            // SAFETY: the pools (and device pools) live in the returned Cluster, beside the engine.
+            decode.push((unsafe { Engine::new(cfg) }.unwrap(), pools));
+        }
         Cluster {
             server,
             prefill,
             decode,
             receiver_timeout: self.receiver_timeout,
+            #[cfg(feature = "cuda")]
+            prefill_dev,
+            #[cfg(feature = "cuda")]
+            decode_dev,
+            #[cfg(feature = "cuda")]
+            gpu,
         }
     }
+
+    /// The config of `role`'s rank `r` of DCP `dcp` over `pools`, with the
+    /// spec's transport of the role and NIC rails (not yet its per-role options).
+    fn config(
+        &self,
+        role: Role,
+        url: &str,
+        pools: &SyntheticPools,
+        (dcp, r): (u32, u32),
+    ) -> EngineConfig {
+        let transport = match role {
+            Role::Decode => self.decode_transport.unwrap_or(self.transport),
+            Role::Prefill => self.transport,
+        };
+        #[allow(unused_mut)]
+        let mut cfg = config(role, &self.name, url, pools, (dcp, r), transport);
+        #[cfg(feature = "testing")]
+        if transport == TransportKind::Rdma
+            || (transport == TransportKind::Auto && self.rails.is_some())
+        {
+            cfg.testing.nic =
+                Some(FakeNic::new(role.as_str(), self.rails.unwrap_or(2), Mtu::Mtu4096) as _);
+        }
+        cfg
+    }
+}
+
+/// For [`Pools::Device`]: `mirror`'s KV pools moved onto device memory of
+/// `gpu` (zeroed), set in `cfg` with `pool_device` 0; returns the buffers
+/// (none for host pools).
+#[cfg(feature = "cuda")]
+fn on_device(
+    gpu: Option<&GpuRelayout>,
+    kind: Pools,
+    mirror: &SyntheticPools,
+    cfg: &mut EngineConfig,
+) -> Vec<DeviceBuffer> {
+    let Some(g) = gpu.filter(|_| kind == Pools::Device) else {
+        return Vec::new();
+    };
+    let (bufs, kv) = device_pools(g, mirror);
+    for b in &bufs {
+        g.stream().memset(b, 0).unwrap();
+    }
+    g.stream().record(false).unwrap().wait().unwrap();
+    cfg.pools = kv;
+    cfg.pool_device = Some(0);
+    bufs
 }
 
 /// The ranks of one cluster and the server they met through.
@@ -282,6 +413,15 @@ pub struct Cluster {
     pub decode: Vec<(Engine, SyntheticPools)>,
     /// See [`Spec::receiver_timeout`].
     pub receiver_timeout: Option<Duration>,
+    /// Each prefill rank's device pools, by layer (none for host pools).
+    #[cfg(feature = "cuda")]
+    pub prefill_dev: Vec<Vec<DeviceBuffer>>,
+    /// Each decode rank's device pools, by layer (none for host pools).
+    #[cfg(feature = "cuda")]
+    pub decode_dev: Vec<Vec<DeviceBuffer>>,
+    /// The context the device pools were allocated in (with [`Pools::Device`]).
+    #[cfg(feature = "cuda")]
+    pub gpu: Option<GpuRelayout>,
 }
 
 /// One room's request: `total` positions, decode prefix `prefix`, the pages
@@ -316,6 +456,9 @@ impl Cluster {
             src_dcp,
             dcp,
             transport,
+            decode_transport: None,
+            row: ROW,
+            prefill_pools: Pools::Heap,
             decode_pools: Pools::Heap,
             prefill_staging: None,
             decode_staging: None,
@@ -323,6 +466,12 @@ impl Cluster {
             decode_timeout: None,
             receiver_timeout: None,
             metrics_listen: None,
+            room_grants: None,
+            knobs: None,
+            #[cfg(feature = "testing")]
+            rails: None,
+            #[cfg(feature = "testing")]
+            prefill_nic: None,
         }
     }
 
@@ -337,6 +486,12 @@ impl Cluster {
             prefill,
             decode,
             receiver_timeout: None,
+            #[cfg(feature = "cuda")]
+            prefill_dev: Vec::new(),
+            #[cfg(feature = "cuda")]
+            decode_dev: Vec::new(),
+            #[cfg(feature = "cuda")]
+            gpu: None,
         }
     }
 
@@ -377,8 +532,25 @@ impl Cluster {
     }
 
     /// Fills every prefill rank's pages of `req` (and aux item
-    /// [`AUX_ITEM`]) with the room's pattern.
+    /// [`AUX_ITEM`]) with the room's pattern; device pools are uploaded
+    /// from their mirror (and the upload waited for).
     pub fn fill(&mut self, req: &Request) {
+        self.fill_host(req);
+        #[cfg(feature = "cuda")]
+        for (r, bufs) in self.prefill_dev.iter().enumerate() {
+            if let Some(g) = self.gpu.as_ref().filter(|_| !bufs.is_empty()) {
+                for (l, d) in bufs.iter().enumerate() {
+                    g.stream()
+                        .upload(d, 0, self.prefill[r].1.layer_bytes(l))
+                        .unwrap();
+                }
+                g.stream().record(false).unwrap().wait().unwrap();
+            }
+        }
+    }
+
+    /// [`Cluster::fill`] of the host pools (the mirrors) only.
+    pub fn fill_host(&mut self, req: &Request) {
         let sd = self.prefill.len() as u64;
         for (r, (_, pools)) in self.prefill.iter_mut().enumerate() {
             let side = side(sd, r as u64, &req.src[r], req.prefix);
@@ -503,20 +675,34 @@ impl Cluster {
     }
 
     /// Checks every byte of `req` on decode rank `r` (KV rows and the aux
-    /// item); returns the bytes verified.
-    pub fn verify_rank(&self, req: &Request, r: usize) -> u64 {
+    /// item; device pools read back into their mirror first, a plain
+    /// synchronous copy that waits for no stream); returns the bytes verified.
+    pub fn verify_rank(&mut self, req: &Request, r: usize) -> u64 {
+        #[cfg(feature = "cuda")]
+        if let Some(bufs) = self.decode_dev.get(r) {
+            for (l, b) in bufs.iter().enumerate() {
+                b.read(0, self.decode[r].1.layer_bytes_mut(l)).unwrap();
+            }
+        }
         let side = side(self.decode.len() as u64, r as u64, &req.dst, req.prefix);
         self.decode[r]
             .1
             .verify(req.room, &side, req.total, Some(AUX_SLOT))
-            .unwrap()
+            .unwrap_or_else(|e| panic!("decode {r} room {}: {e}", req.room))
     }
 
     /// [`Cluster::verify_rank`] on every decode rank.
-    pub fn verify(&self, req: &Request) -> u64 {
+    pub fn verify(&mut self, req: &Request) -> u64 {
         (0..self.decode.len())
             .map(|r| self.verify_rank(req, r))
             .sum()
+    }
+
+    /// Closes every rank (the prefill ranks first).
+    pub fn close(&self) {
+        for (e, _) in self.prefill.iter().chain(&self.decode) {
+            e.close();
+        }
     }
 
     /// Clears the room on every rank.
@@ -532,7 +718,7 @@ impl Cluster {
     /// Waits for `Success` on the prefill ranks, then on each decode rank
     /// checks every byte and clears the room; clears the prefill ranks.
     /// Returns the bytes verified.
-    pub fn finish(&self, req: &Request) -> u64 {
+    pub fn finish(&mut self, req: &Request) -> u64 {
         self.wait_prefill_success(req.room);
         let mut verified = 0;
         for r in 0..self.decode.len() {
