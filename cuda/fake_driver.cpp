@@ -59,9 +59,10 @@
 // - more than one device, peer access, unified or managed memory, memory
 //   pools, graphs, cuMemGetHandleForAddressRange (dma-buf export: only the
 //   attribute that says it is supported is answered) and nvidia-peermem;
-//   cuDeviceGetPCIBusId is not exported (the GPU's PCI address, which the
-//   RDMA NIC choice uses, cannot be read from this fake); the exact error
-//   code a real driver gives a too-new cubin;
+//   a real PCI address (cuDeviceGetPCIBusId answers a fixed
+//   "0000:c1:00.0" that no sysfs tree of the tests names, so the RDMA NIC
+//   choice sees a GPU of unknown locality); the exact error code a real
+//   driver gives a too-new cubin;
 // - that a kernel image holds the functions asked for, or its architecture
 //   (any image of a supported version yields pdx_gather, pdx_scatter and
 //   pdx_spin, whose spin is a sleep of the thread that runs the work);
@@ -340,6 +341,13 @@ CUresult cuDeviceGet(CUdevice* d, int ordinal) {
 }
 CUresult cuDeviceGetName(char* name, int len, CUdevice) {
     snprintf(name, (size_t)len, "pdxfer fake CUDA device (CPU)");
+    return OK;
+}
+CUresult cuDeviceGetPCIBusId(char* id, int len, CUdevice d) {
+    if (!g_inited) return ERR_NOT_INIT;
+    if (d != 0) return ERR_INVALID_DEVICE;
+    if (len < 13) return ERR_INVALID_VALUE;
+    snprintf(id, (size_t)len, "0000:c1:00.0");
     return OK;
 }
 CUresult cuDeviceGetAttribute(int* v, int attr, CUdevice d) {

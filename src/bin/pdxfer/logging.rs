@@ -46,6 +46,7 @@ pub fn qualify(spec: &str) -> String {
 
 /// The crate's top-level modules (`src/lib.rs`).
 const MODULES: &[&str] = &[
+    "admission",
     "auth",
     "bootstrap",
     "cuda",

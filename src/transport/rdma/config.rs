@@ -180,8 +180,8 @@ impl RdmaConfig {
     /// Serves the memory of CUDA device `ordinal`: without an explicit
     /// `gpu_pci` (`PDXFER_RDMA_GPU_PCI`), its PCI bus id comes from the
     /// driver (`cuDeviceGetPCIBusId`), so the NICs chosen are the GPU's; where
-    /// the driver cannot say (no driver, the fake one), NIC choice falls back
-    /// to the NUMA node, logged.
+    /// the driver cannot say (no driver), or names an address sysfs does not
+    /// know, NIC choice falls back to the NUMA node, logged.
     pub fn for_gpu(mut self, ordinal: u32) -> RdmaConfig {
         self.gpu_ordinal = Some(ordinal);
         if self.gpu_pci.is_none() {
