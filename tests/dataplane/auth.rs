@@ -844,7 +844,9 @@ fn auto_uses_tcp_for_a_peer_of_another_uid() {
 #[test]
 fn a_cluster_member_cannot_redirect_the_prefill() {
     use pdxfer::auth::{Mode, PeerInstance};
-    use pdxfer::engine::control::{authenticate_to_prefill, CtlMsg, CtlReader, CtlWriter};
+    use pdxfer::engine::control::{
+        authenticate_to_prefill, CtlMsg, CtlReader, CtlWriter, CONTROL_VERSION,
+    };
     let mut p = pair();
     let reg = p.prefill.registration().unwrap();
     let d_reg = p.decode.registration().unwrap();
@@ -879,7 +881,7 @@ fn a_cluster_member_cannot_redirect_the_prefill() {
         )
         .unwrap();
         w.send(&CtlMsg::Hello {
-            version: 1,
+            version: CONTROL_VERSION,
             hello,
             data_addr,
             regions: Default::default(),
