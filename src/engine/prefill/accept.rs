@@ -362,32 +362,39 @@ fn prefill_conn(w: Weak<Prefill>, s: TcpStream, first: &[u8], mut slot: Slot) {
 /// The decode's bootstrap entry for the instance the control channel
 /// authenticated (current or stale) must advertise the data address it gave:
 /// the prefill dials only the data plane the bootstrap names for that
-/// instance. Where the bootstrap holds no entry for it (its rank key was
-/// taken over by a newer process) or cannot be read, the binding is the
-/// authenticated instance id alone, which the data plane must prove too.
+/// instance. It fails closed: an instance with no entry in the cluster
+/// (never registered, or its entry expired), or a bootstrap that cannot be
+/// read, is refused, since the data address then cannot be checked.
 fn check_advertised(
     store: &dyn crate::bootstrap::Store,
     cluster: &str,
     hello: &PeerHello,
     data_addr: &str,
 ) -> Result<()> {
-    let view = match store.view(cluster, Role::Decode) {
-        Ok(v) => v,
-        Err(e) => {
-            log::warn!(
-                "prefill: cannot read the decode entries of cluster {cluster:?} to check decode instance {}'s data address ({e}); relying on its authenticated instance id",
-                hello.instance_id
-            );
-            return Ok(());
-        }
-    };
+    let view = store.view(cluster, Role::Decode).map_err(|e| {
+        Error::new(
+            e.status(),
+            format!(
+                "cannot read the decode entries of cluster {cluster:?} ({}) to check decode instance {}'s data address: {}",
+                store.describe(),
+                hello.instance_id,
+                e.detail()
+            ),
+        )
+    })?;
     let Some(entry) = view
         .current
         .values()
         .chain(view.stale.iter())
         .find(|r| r.instance_id == hello.instance_id)
     else {
-        return Ok(());
+        return Err(Error::new(
+            Status::PeerIdentity,
+            format!(
+                "decode instance {} has no bootstrap entry in cluster {cluster:?}: its data address cannot be checked",
+                hello.instance_id
+            ),
+        ));
     };
     match entry.endpoints.get("data") {
         Some(a) if a == data_addr => Ok(()),
