@@ -748,15 +748,15 @@ mod tests {
         assert_eq!(read_lines(d.recv, &lines).len(), 2);
     }
 
+    /// One side of a control connection.
+    type Side = (CtlWriter, CtlReader);
+
     /// Both sides of a real exchange over a socket, then one sealed line
     /// each way (what the decode and the prefill do).
     fn handshake(
         decode_mode: Mode,
         prefill_mode: Mode,
-    ) -> (
-        Result<(CtlWriter, CtlReader)>,
-        std::thread::JoinHandle<Result<(CtlWriter, CtlReader)>>,
-    ) {
+    ) -> (Result<Side>, std::thread::JoinHandle<Result<Side>>) {
         let l = TcpListener::bind("127.0.0.1:0").unwrap();
         let addr = l.local_addr().unwrap();
         let t = std::thread::spawn(move || {
