@@ -1,7 +1,8 @@
 //! The data plane between processes: `pdxfer target` peers over cma and tcp,
 //! peer authentication against an unprivileged attacker, tcp between two
 //! network namespaces; the channel's integrity and cma's target after the
-//! handshake against another uid and an on-path relay (`security_channel`).
+//! handshake against another uid and an on-path relay (`security_channel`);
+//! the engine's control channel against an on-path relay (`engine_relay`).
 //! `cargo test --features testing --test dataplane [filter]`.
 
 #[allow(dead_code, unused_imports)] // each binary uses part of it
@@ -11,6 +12,8 @@ mod support;
 mod auth;
 #[cfg(feature = "testing")]
 mod dataplane;
+#[cfg(feature = "testing")]
+mod engine_relay;
 mod netns;
 mod security_channel;
 

@@ -38,6 +38,8 @@ impl Decode {
                 format!("prefill entry [{}] has no ctl endpoint", reg.describe()),
             )
         })?;
+        #[cfg(any(test, feature = "testing"))]
+        let addr = self.cfg.testing.ctl_via.as_ref().unwrap_or(addr);
         let s = TcpStream::connect_timeout(
             &addr
                 .parse()
