@@ -326,6 +326,8 @@ fn prefill_conn(w: Weak<Prefill>, s: TcpStream, first: &[u8], mut slot: Slot) {
                 let integrity = match msg {
                     Err(e) if e.status() == Status::ChannelIntegrity => {
                         log::warn!("prefill control channel: {e}");
+                        // bounded: a relay that stops reading cannot hold this thread
+                        let _ = s.set_write_timeout(handshake);
                         let _ = link.writer.send(&refusal(&e));
                         link.writer.shutdown();
                         Some(e)
