@@ -4,9 +4,17 @@
 //! Unlike SGLang's positional ZMQ frames, every message is named and typed,
 //! carries the sender's instance id and epoch, and the first exchange
 //! re-checks what the bootstrap advertised (`bootstrap::peer::verify_peer`).
+//!
+//! After the three authentication lines every line carries a session MAC
+//! ([`crate::auth::SessionMac`]): the message's JSON, a space, and the tag
+//! (32 hex digits) over the per-direction sequence number and exactly those
+//! JSON bytes. A line with a missing or wrong tag (altered, injected,
+//! replayed, reordered, or sent by a relay that only passed the exchange
+//! through) is `channel_integrity` and the connection is dropped.
 
 use crate::auth::{
     AuthChallenge, AuthHello, AuthProof, Channel, ClientAuth, Mode, PeerInstance, ServerAuth,
+    SessionKeys, SessionMac, TAG_LEN,
 };
 use crate::bootstrap::schema::PeerHello;
 use crate::error::{Error, Result, Status};
@@ -16,7 +24,8 @@ use std::net::TcpStream;
 use std::sync::Mutex;
 
 /// Version of the control protocol; a peer with another version is refused.
-pub const CONTROL_VERSION: u32 = 1;
+/// Version 2: every line after the authentication exchange carries a session MAC.
+pub const CONTROL_VERSION: u32 = 2;
 /// Largest accepted control line (a page list of a very long request fits).
 pub const MAX_LINE: usize = 64 << 20;
 /// Largest line accepted before the peer authenticated (the auth messages
@@ -246,41 +255,68 @@ pub enum CtlMsg {
 }
 
 /// A framed control connection (one writer lock; one reader thread owns the reader).
+///
+/// Before [`authenticate_to_prefill`] / [`authenticate_decode`] installed the
+/// connection's keys it writes bare lines (the three authentication lines);
+/// after, every line is sealed: one lock covers the sequence number and the
+/// write, so the order of sequence numbers is the order on the wire.
 #[derive(Debug)]
 pub struct CtlWriter {
-    stream: Mutex<TcpStream>,
+    inner: Mutex<WriterState>,
+}
+
+#[derive(Debug)]
+struct WriterState {
+    stream: TcpStream,
+    seal: Option<SessionMac>,
 }
 
 impl CtlWriter {
     /// Wraps the write half.
     pub fn new(stream: TcpStream) -> CtlWriter {
         CtlWriter {
-            stream: Mutex::new(stream),
+            inner: Mutex::new(WriterState { stream, seal: None }),
         }
+    }
+
+    /// From now on every line is sealed with `key` (this side's send key).
+    pub fn seal_with(&self, key: SessionMac) {
+        self.lock().seal = Some(key);
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, WriterState> {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// Sends one message.
     pub fn send(&self, m: &CtlMsg) -> Result<()> {
         let mut line =
             serde_json::to_vec(m).map_err(|e| Error::new(Status::Protocol, e.to_string()))?;
+        let mut st = self.lock();
+        if let Some(k) = st.seal.as_mut() {
+            let tag = k.seal_hex(&line);
+            line.push(b' ');
+            line.extend_from_slice(tag.as_bytes());
+        }
         line.push(b'\n');
-        let mut s = self.stream.lock().unwrap_or_else(|p| p.into_inner());
-        s.write_all(&line)?;
+        st.stream.write_all(&line)?;
+        drop(st);
         crate::transport::control_counts::engine_sent();
         Ok(())
     }
 
     /// Closes both directions (wakes the reader).
     pub fn shutdown(&self) {
-        let s = self.stream.lock().unwrap_or_else(|p| p.into_inner());
-        let _ = s.shutdown(std::net::Shutdown::Both);
+        let _ = self.lock().stream.shutdown(std::net::Shutdown::Both);
     }
 }
 
-/// Reads framed messages.
+/// Reads framed messages; once the connection's keys are installed, every
+/// line must carry a valid session MAC.
 pub struct CtlReader {
     r: BufReader<TcpStream>,
     buf: Vec<u8>,
+    open: Option<(SessionMac, String)>,
 }
 
 impl CtlReader {
@@ -289,7 +325,14 @@ impl CtlReader {
         CtlReader {
             r: BufReader::new(stream),
             buf: Vec::new(),
+            open: None,
         }
+    }
+
+    /// From now on every line must open under `key` (this side's receive
+    /// key); `peer` names the sender in a `channel_integrity` error.
+    pub fn open_with(&mut self, key: SessionMac, peer: &str) {
+        self.open = Some((key, peer.to_string()));
     }
 
     /// The next message; `Ok(None)` at a clean end of stream.
@@ -318,8 +361,93 @@ impl CtlReader {
             ));
         }
         crate::transport::control_counts::engine_received();
-        decode_line(&self.buf[..n - 1]).map(Some)
+        let line = &self.buf[..n - 1];
+        let Some((key, peer)) = self.open.as_mut() else {
+            return decode_line(line).map(Some);
+        };
+        let (body, tag) = split_tag(line);
+        key.open_hex(body, tag).map_err(|e| {
+            Error::new(
+                e.status(),
+                format!("control channel from {peer}: {}", e.detail()),
+            )
+        })?;
+        decode_line(body).map(Some)
     }
+
+    /// The last line read (without its newline), tag included: what a
+    /// handshake inspects when it failed its MAC (an older peer's bare line).
+    fn last_line(&self) -> &[u8] {
+        let b = &self.buf[..];
+        b.strip_suffix(b"\n").unwrap_or(b)
+    }
+
+    /// [`recv`](Self::recv) of the first line after the authentication
+    /// exchange: a bare line (no MAC) of an older control protocol is
+    /// refused as that version mismatch (`protocol`, naming both versions and,
+    /// as unauthenticated, what the peer said), not as `channel_integrity`.
+    pub fn recv_first(&mut self) -> Result<Option<CtlMsg>> {
+        match self.recv() {
+            Err(e) if e.status() == Status::ChannelIntegrity => {
+                let peer = self
+                    .open
+                    .as_ref()
+                    .map(|(_, p)| p.clone())
+                    .unwrap_or_default();
+                Err(match decode_line(self.last_line()) {
+                    Ok(m) => older_peer(&peer, &m).unwrap_or(e),
+                    Err(_) => e,
+                })
+            }
+            r => r,
+        }
+    }
+}
+
+/// What an older peer's refusal says (see [`is_older_peer`]).
+const OLDER_PEER: &str = "speaks an older control protocol";
+
+/// True for the refusal [`CtlReader::recv_first`] gives a peer of an older
+/// control protocol (it reads only bare lines: answer it bare).
+pub fn is_older_peer(e: &Error) -> bool {
+    e.status() == Status::Protocol && e.detail().contains(OLDER_PEER)
+}
+
+/// The refusal of a peer whose first line after authentication came bare:
+/// it speaks a control protocol before [`CONTROL_VERSION`].
+fn older_peer(peer: &str, m: &CtlMsg) -> Option<Error> {
+    let said = match m {
+        CtlMsg::Hello { version, .. } | CtlMsg::HelloAck { version, .. } => {
+            format!("control protocol {version}")
+        }
+        CtlMsg::Status {
+            ok: false, reason, ..
+        } => format!(
+            "an unsealed refusal (control protocol 1; unauthenticated: {:?})",
+            reason.as_deref().unwrap_or_default()
+        ),
+        _ => return None,
+    };
+    Some(Error::new(
+        Status::Protocol,
+        format!(
+            "{peer} {OLDER_PEER}: its first line after authentication carries no session MAC ({said}), this build speaks control protocol {CONTROL_VERSION}; run the same pdxfer version on every rank"
+        ),
+    ))
+}
+
+/// A sealed line's JSON and its tag: the line is `JSON SP TAG`, the tag
+/// [`TAG_LEN`] bytes in hex. A line without that shape gives an empty tag
+/// (refused by the MAC check).
+fn split_tag(line: &[u8]) -> (&[u8], &str) {
+    let n = line.len();
+    let t = 2 * TAG_LEN;
+    if n > t && line[n - t - 1] == b' ' {
+        if let Ok(tag) = std::str::from_utf8(&line[n - t..]) {
+            return (&line[..n - t - 1], tag);
+        }
+    }
+    (line, "")
 }
 
 /// One control message from its line (without the `\n`).
@@ -333,7 +461,10 @@ use std::io::Read as _;
 /// Decode side of the control channel's authentication: proves the secret
 /// and checks that the prefill is `expect` (the instance its bootstrap entry
 /// names; `PeerIdentity` naming both otherwise, before this side's proof).
-/// `peer` names the prefill in errors.
+/// `peer` names the prefill in errors. On success the connection's
+/// [`SessionKeys`] are installed in `writer` and `reader` (every later line
+/// is sealed and checked; no caller can forget to) and the prefill's
+/// instance is returned.
 pub fn authenticate_to_prefill(
     writer: &CtlWriter,
     reader: &mut CtlReader,
@@ -378,7 +509,7 @@ pub fn authenticate_to_prefill(
             )))
         }
     };
-    let (proof, got) = client.answer(&ch).map_err(ctx)?;
+    let (proof, got, keys) = client.answer_keyed(&ch).map_err(ctx)?;
     if got != expect {
         return Err(ctx(Error::new(
             Status::PeerIdentity,
@@ -390,20 +521,32 @@ pub fn authenticate_to_prefill(
     writer
         .send(&CtlMsg::AuthProof { auth: proof })
         .map_err(ctx)?;
+    install(writer, reader, keys, &format!("prefill {peer}"));
     Ok(got)
+}
+
+/// Every line after the authentication exchange is sealed (`writer`) and
+/// checked (`reader`) under the connection's keys.
+fn install(writer: &CtlWriter, reader: &mut CtlReader, keys: SessionKeys, peer: &str) {
+    let SessionKeys { send, recv } = keys;
+    writer.seal_with(send);
+    reader.open_with(recv, peer);
 }
 
 /// Prefill side: the first line (`first`, read whole by the listener, its
 /// newline stripped) must be an `auth_hello` of at most
 /// [`MAX_UNAUTHENTICATED_LINE`] bytes; answers with the challenge and checks
-/// the proof. Returns the decode's authenticated instance; the caller sends
-/// the refusal on error.
+/// the proof. Returns the decode's authenticated instance, the connection's
+/// [`SessionKeys`] installed in `writer` and `reader` (`peer` names the
+/// decode's address in a `channel_integrity` error); the caller sends the
+/// refusal on error (bare: no keys are installed then).
 pub fn authenticate_decode(
     writer: &CtlWriter,
     reader: &mut CtlReader,
     mode: &Mode,
     instance: [u8; 16],
     first: &[u8],
+    peer: &str,
 ) -> Result<PeerInstance> {
     if first.len() > MAX_UNAUTHENTICATED_LINE {
         return Err(Error::new(
@@ -426,7 +569,16 @@ pub fn authenticate_decode(
     let (server, ch) = ServerAuth::challenge(mode, Channel::Control, instance, &hello)?;
     writer.send(&CtlMsg::AuthChallenge { auth: ch })?;
     match reader.recv_max(MAX_UNAUTHENTICATED_LINE)? {
-        Some(CtlMsg::AuthProof { auth }) => server.verify(&auth),
+        Some(CtlMsg::AuthProof { auth }) => {
+            let (got, keys) = server.verify_keyed(&auth)?;
+            install(
+                writer,
+                reader,
+                keys,
+                &format!("decode instance {got} at {peer}"),
+            );
+            Ok(got)
+        }
         None => Err(Error::new(
             Status::PeerUnreachable,
             "closed during authentication",
@@ -466,5 +618,243 @@ mod tests {
         let (a, b) = t.join().unwrap();
         assert_eq!(a, m);
         assert_eq!(b.unwrap_err(), Status::Protocol);
+    }
+
+    const D: [u8; 16] = [0xD; 16];
+    const P: [u8; 16] = [0xE; 16];
+
+    /// The two sides' keys of one exchange: (decode's, prefill's).
+    fn keys(m: &Mode) -> (SessionKeys, SessionKeys) {
+        let (c, hello) = ClientAuth::start(m, Channel::Control, D).unwrap();
+        let (s, ch) = ServerAuth::challenge(m, Channel::Control, P, &hello).unwrap();
+        let (proof, _, ck) = c.answer_keyed(&ch).unwrap();
+        let (_, sk) = s.verify_keyed(&proof).unwrap();
+        (ck, sk)
+    }
+
+    fn socket_pair() -> (TcpStream, TcpStream) {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let a = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let (b, _) = l.accept().unwrap();
+        (a, b)
+    }
+
+    /// The exact lines a writer sealing with `key` puts on the wire for `msgs`.
+    fn wire_lines(key: SessionMac, msgs: &[CtlMsg]) -> Vec<Vec<u8>> {
+        let (a, b) = socket_pair();
+        let w = CtlWriter::new(a);
+        w.seal_with(key);
+        let mut r = BufReader::new(b);
+        msgs.iter()
+            .map(|m| {
+                w.send(m).unwrap();
+                let mut line = Vec::new();
+                r.read_until(b'\n', &mut line).unwrap();
+                line
+            })
+            .collect()
+    }
+
+    /// What a reader opening with `key` makes of `lines`, in order (it
+    /// stops at the first error, as the connection is then dropped).
+    fn read_lines(key: SessionMac, lines: &[Vec<u8>]) -> Vec<Result<CtlMsg>> {
+        let (mut a, b) = socket_pair();
+        for l in lines {
+            a.write_all(l).unwrap();
+        }
+        drop(a);
+        let mut r = CtlReader::new(b);
+        r.open_with(key, "prefill p0 at 127.0.0.1:1");
+        let mut out = Vec::new();
+        while let Some(m) = r.recv().transpose() {
+            let stop = m.is_err();
+            out.push(m);
+            if stop {
+                break;
+            }
+        }
+        out
+    }
+
+    fn abort(room: u64) -> CtlMsg {
+        CtlMsg::Abort { room, attempt: 1 }
+    }
+
+    fn integrity(r: &Result<CtlMsg>) -> String {
+        let e = r.as_ref().unwrap_err();
+        assert_eq!(e.status(), Status::ChannelIntegrity, "{e}");
+        assert!(e.detail().contains("prefill p0 at 127.0.0.1:1"), "{e}");
+        e.detail().to_string()
+    }
+
+    #[test]
+    fn sealed_lines_open_in_order_and_carry_their_tag_as_a_suffix() {
+        for m in [
+            Mode::from_option(Some("0123456789abcdef-ctl")).unwrap(),
+            Mode::Open,
+        ] {
+            let (d, p) = keys(&m);
+            let msgs = [abort(1), abort(2), abort(3)];
+            let lines = wire_lines(p.send.clone(), &msgs);
+            // JSON, a space, 32 hex digits, the newline
+            let l = &lines[0];
+            assert_eq!(l[l.len() - 2 * TAG_LEN - 2], b' ');
+            assert!(serde_json::from_slice::<CtlMsg>(&l[..l.len() - 2 * TAG_LEN - 2]).is_ok());
+            let got: Vec<CtlMsg> = read_lines(d.recv.clone(), &lines)
+                .into_iter()
+                .map(|r| r.unwrap())
+                .collect();
+            assert_eq!(got, msgs);
+        }
+    }
+
+    #[test]
+    fn tampered_replayed_reordered_untagged_and_reflected_lines_are_refused() {
+        let m = Mode::from_option(Some("0123456789abcdef-ctl")).unwrap();
+        let (d, p) = keys(&m);
+        let lines = wire_lines(p.send.clone(), &[abort(1), abort(2)]);
+        // a tampered byte (room 1 -> room 7): the first line already fails
+        let mut bad = lines[0].clone();
+        let at = bad.windows(2).position(|w| w == b":1").unwrap() + 1;
+        bad[at] = b'7';
+        let r = read_lines(d.recv.clone(), &[bad]);
+        assert!(integrity(&r[0]).contains("frame 0"), "{:?}", r[0]);
+        // a replayed line: the second copy fails
+        let r = read_lines(d.recv.clone(), &[lines[0].clone(), lines[0].clone()]);
+        assert_eq!(r[0].as_ref().unwrap(), &abort(1));
+        integrity(&r[1]);
+        // reordered lines
+        let r = read_lines(d.recv.clone(), &[lines[1].clone(), lines[0].clone()]);
+        assert_eq!(r.len(), 1);
+        integrity(&r[0]);
+        // a missing tag (a bare line, as before the keys)
+        let mut bare = serde_json::to_vec(&abort(1)).unwrap();
+        bare.push(b'\n');
+        let r = read_lines(d.recv.clone(), &[bare]);
+        assert!(
+            integrity(&r[0]).contains("no valid session MAC"),
+            "{:?}",
+            r[0]
+        );
+        // a line sealed with the other direction's key (the decode's own
+        // send key, reflected back at it)
+        let reflected = wire_lines(d.send.clone(), &[abort(1)]);
+        let r = read_lines(d.recv.clone(), &reflected);
+        integrity(&r[0]);
+        // another connection's keys open nothing of this one
+        let (d2, _) = keys(&m);
+        integrity(&read_lines(d2.recv.clone(), &lines)[0]);
+        // the untouched stream still opens
+        assert_eq!(read_lines(d.recv, &lines).len(), 2);
+    }
+
+    /// One side of a control connection.
+    type Side = (CtlWriter, CtlReader);
+
+    /// Both sides of a real exchange over a socket, then one sealed line
+    /// each way (what the decode and the prefill do).
+    fn handshake(
+        decode_mode: Mode,
+        prefill_mode: Mode,
+    ) -> (Result<Side>, std::thread::JoinHandle<Result<Side>>) {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap();
+        let t = std::thread::spawn(move || {
+            let (s, _) = l.accept().unwrap();
+            s.set_read_timeout(Some(std::time::Duration::from_secs(5)))
+                .unwrap();
+            let w = CtlWriter::new(s.try_clone().unwrap());
+            let mut r = CtlReader::new(s);
+            let first = r.recv_max(MAX_UNAUTHENTICATED_LINE)?.unwrap();
+            let line = serde_json::to_vec(&first).unwrap();
+            authenticate_decode(&w, &mut r, &prefill_mode, P, &line, "127.0.0.1:2")?;
+            Ok((w, r))
+        });
+        let s = TcpStream::connect(addr).unwrap();
+        s.set_read_timeout(Some(std::time::Duration::from_secs(5)))
+            .unwrap();
+        let w = CtlWriter::new(s.try_clone().unwrap());
+        let mut r = CtlReader::new(s);
+        let c = authenticate_to_prefill(&w, &mut r, &decode_mode, D, PeerInstance(P), "p0")
+            .map(|_| (w, r));
+        (c, t)
+    }
+
+    #[test]
+    fn the_exchange_installs_the_keys_on_both_sides_in_secret_and_open_mode() {
+        for m in [
+            Mode::from_option(Some("0123456789abcdef-ctl")).unwrap(),
+            Mode::Open,
+        ] {
+            let (c, t) = handshake(m.clone(), m);
+            let (dw, mut dr) = c.unwrap();
+            let (pw, mut pr) = t.join().unwrap().unwrap();
+            dw.send(&abort(4)).unwrap();
+            assert_eq!(pr.recv_first().unwrap().unwrap(), abort(4));
+            pw.send(&abort(5)).unwrap();
+            assert_eq!(dr.recv_first().unwrap().unwrap(), abort(5));
+            // a bare line after the exchange is refused
+            dw.lock()
+                .stream
+                .write_all(b"{\"type\":\"abort\",\"room\":1,\"attempt\":1}\n")
+                .unwrap();
+            let e = pr.recv().unwrap_err();
+            assert_eq!(e.status(), Status::ChannelIntegrity, "{e}");
+            assert!(
+                e.detail()
+                    .contains(&format!("decode instance {}", PeerInstance(D))),
+                "{e}"
+            );
+        }
+    }
+
+    #[test]
+    fn an_older_peer_is_refused_naming_both_versions() {
+        let m = Mode::from_option(Some("0123456789abcdef-ctl")).unwrap();
+        let (c, t) = handshake(m.clone(), m);
+        let (dw, mut dr) = c.unwrap();
+        let (pw, mut pr) = t.join().unwrap().unwrap();
+        // a version-1 decode's bare Hello
+        use crate::bootstrap::schema::{InstanceId, Registration, Role};
+        let reg = Registration::new(
+            "c",
+            Role::Decode,
+            InstanceId(7),
+            crate::layout::Topology::single_mla(64, 2, 1152),
+        );
+        let hello = CtlMsg::Hello {
+            version: 1,
+            hello: PeerHello::from(&reg),
+            data_addr: "127.0.0.1:9".into(),
+            regions: RegionMap::default(),
+        };
+        let mut line = serde_json::to_vec(&hello).unwrap();
+        line.push(b'\n');
+        dw.lock().stream.write_all(&line).unwrap();
+        let e = pr.recv_first().unwrap_err();
+        assert!(is_older_peer(&e), "{e}");
+        assert!(
+            e.detail().contains("control protocol 1") && e.detail().contains("control protocol 2"),
+            "{e}"
+        );
+        // a version-1 prefill's bare refusal of a sealed Hello
+        let refusal = CtlMsg::Status {
+            room: 0,
+            attempt: 0,
+            ok: false,
+            prefill_rank: 0,
+            bytes: 0,
+            reason: Some("malformed control message: trailing characters".into()),
+            code: Some(Status::Protocol as i32),
+        };
+        let mut line = serde_json::to_vec(&refusal).unwrap();
+        line.push(b'\n');
+        pw.lock().stream.write_all(&line).unwrap();
+        let e = dr.recv_first().unwrap_err();
+        assert!(is_older_peer(&e), "{e}");
+        assert!(
+            e.detail().contains("prefill p0") && e.detail().contains("trailing characters"),
+            "{e}"
+        );
     }
 }

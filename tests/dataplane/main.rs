@@ -3,7 +3,8 @@
 //! network namespaces; the channel's integrity and cma's target after the
 //! handshake against another uid and an on-path relay (`security_channel`);
 //! floods of pre-auth connections, the bootstrap store's bound and
-//! `--insecure` (`security_bounds`).
+//! `--insecure` (`security_bounds`); the engine's control channel against
+//! an on-path relay (`engine_relay`).
 //! `cargo test --features testing --test dataplane [filter]`.
 
 #[allow(dead_code, unused_imports)] // each binary uses part of it
@@ -13,6 +14,8 @@ mod support;
 mod auth;
 #[cfg(feature = "testing")]
 mod dataplane;
+#[cfg(feature = "testing")]
+mod engine_relay;
 mod netns;
 #[cfg(feature = "testing")]
 mod security_bounds;

@@ -38,6 +38,8 @@ impl Decode {
                 format!("prefill entry [{}] has no ctl endpoint", reg.describe()),
             )
         })?;
+        #[cfg(any(test, feature = "testing"))]
+        let addr = self.cfg.testing.ctl_via.as_ref().unwrap_or(addr);
         let s = TcpStream::connect_timeout(
             &addr
                 .parse()
@@ -75,7 +77,7 @@ impl Decode {
             regions: self.region_map(),
         })?;
         s.set_read_timeout(Some(Duration::from_secs(15)))?;
-        let ack = reader.recv()?.ok_or_else(|| {
+        let ack = reader.recv_first()?.ok_or_else(|| {
             Error::new(
                 Status::PeerUnreachable,
                 format!(
@@ -99,6 +101,15 @@ impl Decode {
                         "prefill {} refused this decode rank: {}",
                         reg.describe(),
                         reason.unwrap_or_default()
+                    ),
+                ))
+            }
+            CtlMsg::HelloAck { version, .. } => {
+                return Err(Error::new(
+                    Status::Protocol,
+                    format!(
+                        "prefill {} speaks control protocol {version}, this build speaks control protocol {CONTROL_VERSION}; run the same pdxfer version on every rank",
+                        reg.describe()
                     ),
                 ))
             }
@@ -147,7 +158,26 @@ impl Decode {
 /// Decode: status messages from one prefill rank.
 pub(super) fn decode_reader(w: Weak<Decode>, link: Arc<PrefillLink>, mut reader: CtlReader) {
     loop {
-        let msg = reader.recv();
+        let msg = match reader.recv() {
+            // attempts start at 1: attempt 0 refuses the whole connection
+            // (the prefill found a line of this link failing its MAC)
+            Ok(Some(CtlMsg::Status {
+                attempt: 0,
+                ok: false,
+                reason,
+                code,
+                ..
+            })) => Err(Error::new(
+                code.and_then(Status::from_code)
+                    .unwrap_or(Status::PeerUnreachable),
+                format!(
+                    "prefill {} dropped the control connection: {}",
+                    link.registration.describe(),
+                    reason.unwrap_or_default()
+                ),
+            )),
+            m => m,
+        };
         let Some(inner) = w.upgrade() else { return };
         match msg {
             Ok(Some(CtlMsg::Status {
@@ -214,6 +244,16 @@ pub(super) fn decode_reader(w: Weak<Decode>, link: Arc<PrefillLink>, mut reader:
             Ok(Some(_)) => {}
             Ok(None) | Err(_) => {
                 link.alive.store(false, Ordering::Release);
+                // a MAC failure (this side's or the prefill's) fails the rooms
+                // as that; any other end as a lost connection
+                let integrity = match msg {
+                    Err(e) if e.status() == Status::ChannelIntegrity => {
+                        log::warn!("decode control channel: {e}");
+                        link.writer.shutdown();
+                        Some(e)
+                    }
+                    _ => None,
+                };
                 let d = lock(&inner.decode_rooms);
                 let hit: Vec<(u64, u64)> = d
                     .iter()
@@ -226,17 +266,16 @@ pub(super) fn decode_reader(w: Weak<Decode>, link: Arc<PrefillLink>, mut reader:
                         .get(room)
                         .is_ok_and(|r| r.poll.is_terminal())
                     {
-                        inner.fail_room(
-                            room,
-                            a,
+                        let e = integrity.clone().unwrap_or_else(|| {
                             Error::new(
                                 Status::PeerUnreachable,
                                 format!(
                                     "lost the control connection to prefill {}; it may have died",
                                     link.registration.describe()
                                 ),
-                            ),
-                        );
+                            )
+                        });
+                        inner.fail_room(room, a, e);
                     }
                 }
                 return;

@@ -6,7 +6,9 @@
 use super::{MetaInfo, Prefill};
 use crate::bootstrap::peer::check_pair;
 use crate::bootstrap::schema::{PeerHello, Role};
-use crate::engine::control::{authenticate_decode, CtlMsg, CtlReader, CtlWriter, CONTROL_VERSION};
+use crate::engine::control::{
+    authenticate_decode, is_older_peer, CtlMsg, CtlReader, CtlWriter, CONTROL_VERSION,
+};
 use crate::engine::link::DecodeLink;
 use crate::engine::path::Conn;
 use crate::engine::room_grants::room_ranges;
@@ -106,7 +108,11 @@ fn prefill_conn(w: Weak<Prefill>, s: TcpStream, first: &[u8], mut slot: Slot) {
         return;
     };
     let _ = s.set_read_timeout(handshake);
-    let authed = first.and_then(|m| authenticate_decode(&writer, &mut reader, &mode, instance, m));
+    let addr = s
+        .peer_addr()
+        .map_or_else(|_| "an unknown address".to_string(), |a| a.to_string());
+    let authed =
+        first.and_then(|m| authenticate_decode(&writer, &mut reader, &mode, instance, m, &addr));
     let peer = match authed {
         Ok(p) => p,
         Err(e) => {
@@ -117,7 +123,7 @@ fn prefill_conn(w: Weak<Prefill>, s: TcpStream, first: &[u8], mut slot: Slot) {
             return;
         }
     };
-    let hello_msg = reader.recv();
+    let hello_msg = reader.recv_first();
     let _ = s.set_read_timeout(None);
     let (version, hello, data_addr, regions) = match hello_msg {
         Ok(Some(CtlMsg::Hello {
@@ -134,7 +140,15 @@ fn prefill_conn(w: Weak<Prefill>, s: TcpStream, first: &[u8], mut slot: Slot) {
             return;
         }
         Err(e) => {
-            let _ = writer.send(&refusal(&e));
+            log::warn!("prefill control channel: refused decode {peer} at {addr}: {e}");
+            if is_older_peer(&e) {
+                // an older decode reads only bare lines: the refusal goes bare
+                let mut line = serde_json::to_vec(&refusal(&e)).unwrap_or_default();
+                line.push(b'\n');
+                let _ = std::io::Write::write_all(&mut &s, &line);
+            } else {
+                let _ = writer.send(&refusal(&e));
+            }
             return;
         }
     };
@@ -152,7 +166,9 @@ fn prefill_conn(w: Weak<Prefill>, s: TcpStream, first: &[u8], mut slot: Slot) {
         if version != CONTROL_VERSION {
             return Err(Error::new(
                 Status::Protocol,
-                format!("control protocol {version}, this build {CONTROL_VERSION}"),
+                format!(
+                    "decode instance {peer} speaks control protocol {version}, this build speaks control protocol {CONTROL_VERSION}; run the same pdxfer version on every rank"
+                ),
             ));
         }
         let local = lock(&inner.registrar)
@@ -305,6 +321,19 @@ fn prefill_conn(w: Weak<Prefill>, s: TcpStream, first: &[u8], mut slot: Slot) {
             Ok(None) | Err(_) => {
                 link.alive.store(false, Ordering::Release);
                 link.data().close();
+                // a line that failed its MAC: the decode is told why (sealed,
+                // so it knows the reason is this prefill's), then dropped
+                let integrity = match msg {
+                    Err(e) if e.status() == Status::ChannelIntegrity => {
+                        log::warn!("prefill control channel: {e}");
+                        // bounded: a relay that stops reading cannot hold this thread
+                        let _ = s.set_write_timeout(handshake);
+                        let _ = link.writer.send(&refusal(&e));
+                        link.writer.shutdown();
+                        Some(e)
+                    }
+                    _ => None,
+                };
                 // rooms waiting on this decode rank fail; others go on
                 let pr = lock(&inner.prefill_rooms);
                 let hit: Vec<(u64, u64)> = pr
@@ -314,17 +343,16 @@ fn prefill_conn(w: Weak<Prefill>, s: TcpStream, first: &[u8], mut slot: Slot) {
                     .collect();
                 drop(pr);
                 for (room, a) in hit {
-                    inner.fail_room(
-                        room,
-                        a,
+                    let e = integrity.clone().unwrap_or_else(|| {
                         Error::new(
                             Status::PeerUnreachable,
                             format!(
                                 "decode rank instance {} (dcp_rank {}) disconnected",
                                 link.hello.instance_id, link.hello.topology.dcp_rank
                             ),
-                        ),
-                    );
+                        )
+                    });
+                    inner.fail_room(room, a, e);
                 }
                 lock(&inner.decode_links).retain(|l| !Arc::ptr_eq(l, &link));
                 return;
@@ -336,32 +364,39 @@ fn prefill_conn(w: Weak<Prefill>, s: TcpStream, first: &[u8], mut slot: Slot) {
 /// The decode's bootstrap entry for the instance the control channel
 /// authenticated (current or stale) must advertise the data address it gave:
 /// the prefill dials only the data plane the bootstrap names for that
-/// instance. Where the bootstrap holds no entry for it (its rank key was
-/// taken over by a newer process) or cannot be read, the binding is the
-/// authenticated instance id alone, which the data plane must prove too.
+/// instance. It fails closed: an instance with no entry in the cluster
+/// (never registered, or its entry expired), or a bootstrap that cannot be
+/// read, is refused, since the data address then cannot be checked.
 fn check_advertised(
     store: &dyn crate::bootstrap::Store,
     cluster: &str,
     hello: &PeerHello,
     data_addr: &str,
 ) -> Result<()> {
-    let view = match store.view(cluster, Role::Decode) {
-        Ok(v) => v,
-        Err(e) => {
-            log::warn!(
-                "prefill: cannot read the decode entries of cluster {cluster:?} to check decode instance {}'s data address ({e}); relying on its authenticated instance id",
-                hello.instance_id
-            );
-            return Ok(());
-        }
-    };
+    let view = store.view(cluster, Role::Decode).map_err(|e| {
+        Error::new(
+            e.status(),
+            format!(
+                "cannot read the decode entries of cluster {cluster:?} ({}) to check decode instance {}'s data address: {}",
+                store.describe(),
+                hello.instance_id,
+                e.detail()
+            ),
+        )
+    })?;
     let Some(entry) = view
         .current
         .values()
         .chain(view.stale.iter())
         .find(|r| r.instance_id == hello.instance_id)
     else {
-        return Ok(());
+        return Err(Error::new(
+            Status::PeerIdentity,
+            format!(
+                "decode instance {} has no bootstrap entry in cluster {cluster:?}: its data address cannot be checked",
+                hello.instance_id
+            ),
+        ));
     };
     match entry.endpoints.get("data") {
         Some(a) if a == data_addr => Ok(()),

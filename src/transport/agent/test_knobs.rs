@@ -38,4 +38,8 @@ pub struct TestKnobs {
     /// gather and name these decode pages instead of those the decode's
     /// metadata gave (a prefill that names another room's pages).
     pub nccl_forge_dst_pages: Vec<(u64, Vec<u64>)>,
+    /// Engine, decode: dial this address for every prefill's control
+    /// endpoint instead of the one its bootstrap entry advertises (an
+    /// on-path relay in front of the prefill).
+    pub ctl_via: Option<String>,
 }
