@@ -314,7 +314,7 @@ impl CtlWriter {
 /// Reads framed messages; once the connection's keys are installed, every
 /// line must carry a valid session MAC.
 pub struct CtlReader {
-    r: BufReader<TcpStream>,
+    r: BufReader<std::io::Chain<std::io::Cursor<Vec<u8>>, TcpStream>>,
     buf: Vec<u8>,
     open: Option<(SessionMac, String)>,
 }
@@ -322,8 +322,14 @@ pub struct CtlReader {
 impl CtlReader {
     /// Wraps the read half.
     pub fn new(stream: TcpStream) -> CtlReader {
+        CtlReader::with_prefix(stream, Vec::new())
+    }
+
+    /// Wraps the read half, whose first bytes (`prefix`) were already read
+    /// from it (by the listener, after the authentication exchange).
+    pub fn with_prefix(stream: TcpStream, prefix: Vec<u8>) -> CtlReader {
         CtlReader {
-            r: BufReader::new(stream),
+            r: BufReader::new(std::io::Cursor::new(prefix).chain(stream)),
             buf: Vec::new(),
             open: None,
         }
@@ -526,8 +532,9 @@ pub fn authenticate_to_prefill(
 }
 
 /// Every line after the authentication exchange is sealed (`writer`) and
-/// checked (`reader`) under the connection's keys.
-fn install(writer: &CtlWriter, reader: &mut CtlReader, keys: SessionKeys, peer: &str) {
+/// checked (`reader`) under the connection's keys; `peer` names the other
+/// side in a `channel_integrity` error.
+pub fn install(writer: &CtlWriter, reader: &mut CtlReader, keys: SessionKeys, peer: &str) {
     let SessionKeys { send, recv } = keys;
     writer.seal_with(send);
     reader.open_with(recv, peer);

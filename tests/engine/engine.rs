@@ -796,8 +796,11 @@ fn a_decode_faults_its_host_pools_in_at_creation_unless_told_not_to() {
     let server = BootstrapServer::start(ServerConfig::default()).unwrap();
     let url = server.url();
     for prefault in [true, false] {
-        // 1 MiB per layer: fresh pages from the allocator, none touched yet
-        let pools = SyntheticPools::new(LAYERS, ROW, P, 1024, 8, 32).unwrap();
+        // 40 MiB per layer: past glibc's largest mmap threshold (32 MiB), so
+        // each pool is a fresh mapping, none of its pages touched yet (a
+        // smaller one could be heap another test of this process freed,
+        // already resident)
+        let pools = SyntheticPools::new(LAYERS, ROW, P, 40 * 1024, 8, 32).unwrap();
         let before = resident(&pools, 1);
         assert!(
             before.0 * 2 < before.1,

@@ -4,16 +4,19 @@
 //! until it disconnects.
 
 use super::{MetaInfo, Prefill};
+use crate::auth::{AuthChallenge, AuthHello, AuthProof, Channel, PeerInstance, SessionKeys};
 use crate::bootstrap::peer::check_pair;
 use crate::bootstrap::schema::{PeerHello, Role};
 use crate::engine::control::{
-    authenticate_decode, is_older_peer, CtlMsg, CtlReader, CtlWriter, CONTROL_VERSION,
+    decode_line, install, is_older_peer, CtlMsg, CtlReader, CtlWriter, CONTROL_VERSION,
+    MAX_UNAUTHENTICATED_LINE,
 };
 use crate::engine::link::DecodeLink;
 use crate::engine::path::Conn;
 use crate::engine::room_grants::room_ranges;
 use crate::engine::state::{catch, lock};
 use crate::error::{Error, Result, Status};
+use crate::transport::auth_exchange::{AuthCodec, AuthExchange};
 use crate::transport::listen::{self, Framing, ListenStats, Slot};
 use crate::transport::{ConnectOptions, TransportKind};
 use std::net::{TcpListener, TcpStream};
@@ -22,7 +25,13 @@ use std::sync::{Arc, Mutex, Weak};
 use std::time::Instant;
 
 pub(in crate::engine) fn accept_loop(w: Weak<Prefill>, l: TcpListener) {
-    let Some(limits) = w.upgrade().map(|i| i.cfg.listen_limits) else {
+    let Some((limits, mode, instance)) = w.upgrade().map(|i| {
+        (
+            i.cfg.listen_limits,
+            i.agent.auth().clone(),
+            i.agent.instance().0,
+        )
+    }) else {
         return;
     };
     let stop = {
@@ -30,26 +39,89 @@ pub(in crate::engine) fn accept_loop(w: Weak<Prefill>, l: TcpListener) {
         move || w.upgrade().is_none_or(|i| i.closed.load(Ordering::Acquire))
     };
     let stats = ListenStats::default();
-    let refuse = |why: &str| {
-        let mut line =
-            serde_json::to_vec(&refusal(&Error::new(Status::Protocol, why))).unwrap_or_default();
-        line.push(b'\n');
-        line
-    };
-    listen::serve(
+    let refuse = |why: &str| CtlAuth.refusal(&Error::new(Status::Protocol, why));
+    // Authentication first, in the listener's poll loop (no thread): nothing
+    // else is read, allocated or said before the exchange succeeds, and a
+    // decode that stalls in the middle holds only an evictable place.
+    listen::serve_exchange(
         l,
         limits,
         Framing::Line,
         stats,
         stop,
         refuse,
-        |s, first, slot| {
+        || AuthExchange::new(mode.clone(), Channel::Control, instance, CtlAuth),
+        |s, rest, peer, slot| {
             let w2 = w.clone();
             let _ = std::thread::Builder::new()
                 .name("pdxfer-ctl-p".into())
-                .spawn(move || prefill_conn(w2, s, &first, slot));
+                .spawn(move || prefill_conn(w2, s, rest, peer, slot));
         },
     );
+}
+
+/// The control channel's authentication lines as the listener's poll loop
+/// reads them: `auth_hello`, then `auth_proof`, each one JSON line of at
+/// most [`MAX_UNAUTHENTICATED_LINE`] bytes; the challenge and a refusal are
+/// bare lines (no keys exist yet).
+struct CtlAuth;
+
+impl CtlAuth {
+    fn line(m: &[u8]) -> Result<CtlMsg> {
+        let line = m.strip_suffix(b"\n").unwrap_or(m);
+        if line.len() > MAX_UNAUTHENTICATED_LINE {
+            return Err(Error::new(
+                Status::Protocol,
+                format!(
+                    "a {}-byte line: before authenticating, lines are at most {MAX_UNAUTHENTICATED_LINE} bytes",
+                    line.len()
+                ),
+            ));
+        }
+        decode_line(line)
+    }
+
+    fn bare(m: &CtlMsg) -> Result<Vec<u8>> {
+        let mut b =
+            serde_json::to_vec(m).map_err(|e| Error::new(Status::Protocol, e.to_string()))?;
+        b.push(b'\n');
+        Ok(b)
+    }
+}
+
+impl AuthCodec for CtlAuth {
+    fn hello(&self, msg: &[u8]) -> Result<AuthHello> {
+        crate::transport::control_counts::engine_received();
+        match Self::line(msg)? {
+            CtlMsg::AuthHello { auth } => Ok(auth),
+            _ => Err(Error::new(
+                Status::AuthRequired,
+                "the first control message must be auth_hello: this prefill accepts only authenticated decode ranks (same pdxfer version and cluster secret)",
+            )),
+        }
+    }
+
+    fn challenge(&self, ch: &AuthChallenge) -> Result<Vec<u8>> {
+        let b = Self::bare(&CtlMsg::AuthChallenge { auth: ch.clone() })?;
+        crate::transport::control_counts::engine_sent();
+        Ok(b)
+    }
+
+    fn proof(&self, msg: &[u8]) -> Result<AuthProof> {
+        crate::transport::control_counts::engine_received();
+        match Self::line(msg)? {
+            CtlMsg::AuthProof { auth } => Ok(auth),
+            _ => Err(Error::new(
+                Status::AuthRequired,
+                "expected auth_proof after the challenge",
+            )),
+        }
+    }
+
+    fn refusal(&self, e: &Error) -> Vec<u8> {
+        log::warn!("prefill control channel: refused a peer: {e}");
+        Self::bare(&refusal(e)).unwrap_or_default()
+    }
 }
 
 /// A peer's label in the metrics: its rank key (`dp0-tp1-cp0-pp0`), which
@@ -77,9 +149,16 @@ fn refusal(e: &Error) -> CtlMsg {
     }
 }
 
-/// Prefill: one decode rank's control connection, whose first line
-/// (`first`, read by the listener) arrived whole.
-fn prefill_conn(w: Weak<Prefill>, s: TcpStream, first: &[u8], mut slot: Slot) {
+/// Prefill: one decode rank's control connection, authenticated by the
+/// listener as `peer` with the connection's keys; `rest` is what the
+/// listener read after the proof (the start of the Hello, perhaps).
+fn prefill_conn(
+    w: Weak<Prefill>,
+    s: TcpStream,
+    rest: Vec<u8>,
+    peer: (PeerInstance, SessionKeys),
+    mut slot: Slot,
+) {
     let _ = s.set_nodelay(true);
     let (Ok(ws), Ok(rs)) = (s.try_clone(), s.try_clone()) else {
         return;
@@ -87,42 +166,18 @@ fn prefill_conn(w: Weak<Prefill>, s: TcpStream, first: &[u8], mut slot: Slot) {
     let handshake = w.upgrade().map(|i| i.cfg.handshake_timeout);
     let _ = s.set_write_timeout(handshake);
     let writer = CtlWriter::new(ws);
-    let mut reader = CtlReader::new(rs);
-    // the first line (read by the listener) is one control message received
-    crate::transport::control_counts::engine_received();
-    // The listener read the first line whole: it must be the auth_hello, and
-    // nothing may follow it before it is answered.
-    let first = match first.iter().position(|&b| b == b'\n') {
-        Some(n) if n + 1 == first.len() => Ok(&first[..n]),
-        _ => Err(Error::new(
-            Status::Protocol,
-            "data after the first message before it was answered",
-        )),
-    };
-    // Authentication first: no other message is read, nothing is allocated
-    // or said before it (the refusal names no process or address).
-    let Some((mode, instance)) = w
-        .upgrade()
-        .map(|i| (i.agent.auth().clone(), i.agent.instance().0))
-    else {
-        return;
-    };
-    let _ = s.set_read_timeout(handshake);
+    let mut reader = CtlReader::with_prefix(rs, rest);
     let addr = s
         .peer_addr()
         .map_or_else(|_| "an unknown address".to_string(), |a| a.to_string());
-    let authed =
-        first.and_then(|m| authenticate_decode(&writer, &mut reader, &mode, instance, m, &addr));
-    let peer = match authed {
-        Ok(p) => p,
-        Err(e) => {
-            if e.status() != Status::PeerUnreachable {
-                log::warn!("prefill control channel: refused a peer: {e}");
-                let _ = writer.send(&refusal(&e));
-            }
-            return;
-        }
-    };
+    let (peer, keys) = peer;
+    install(
+        &writer,
+        &mut reader,
+        keys,
+        &format!("decode instance {peer} at {addr}"),
+    );
+    let _ = s.set_read_timeout(handshake);
     let hello_msg = reader.recv_first();
     let _ = s.set_read_timeout(None);
     let (version, hello, data_addr, regions) = match hello_msg {
