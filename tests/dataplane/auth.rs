@@ -7,6 +7,7 @@
 //! another uid.
 
 use crate::support as common;
+use crate::support::child::{self, is_root, next_report, report, NOBODY};
 
 use pdxfer::bootstrap::schema::{PeerHello, Role};
 use pdxfer::bootstrap::server::{BootstrapServer, ServerConfig};
@@ -30,77 +31,28 @@ const LAYERS: u32 = 4;
 const ROW: u64 = 64;
 const P: u64 = 16;
 const CANARY: u8 = 0xC3;
-const NOBODY: u32 = 65534;
 /// Marks the lines a child prints for the parent (the test harness prints others).
-const MARK: &str = "@@pdxfer-child ";
 const CHILD_ENV: &str = "PDXFER_AUTH_CHILD";
 
 // ---------------------------------------------------------------- children
 
 /// Re-runs this test binary for the ignored child test `name`, as uid/gid
-/// 65534 when `nobody`.
+/// 65534 when `nobody` (as root, how the test command runs, the attacker
+/// drops to nobody; an unprivileged test user is already an unprivileged
+/// attacker).
 fn child(name: &str, envs: &[(&str, String)], nobody: bool) -> Child {
-    let mut c = Command::new(std::env::current_exe().unwrap());
-    c.args([
-        crate::support::test_name(module_path!(), name).as_str(),
-        "--exact",
-        "--ignored",
-        "--nocapture",
-        "--test-threads",
-        "1",
-    ])
-    .env(CHILD_ENV, name)
-    .env_remove(pdxfer::transport::CLUSTER_SECRET_ENV)
-    .stdin(Stdio::piped())
-    .stdout(Stdio::piped())
-    .stderr(Stdio::inherit());
+    let mut c = child::command(module_path!(), name, CHILD_ENV, nobody);
+    c.stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit());
     for (k, v) in envs {
         c.env(k, v);
-    }
-    // as root (how the test command runs) the attacker drops to nobody; an
-    // unprivileged test user is already an unprivileged attacker
-    if nobody && is_root() {
-        // SAFETY: only async-signal-safe calls between fork and exec.
-        unsafe {
-            c.pre_exec(|| {
-                if libc::setgroups(0, std::ptr::null()) != 0
-                    || libc::setgid(NOBODY) != 0
-                    || libc::setuid(NOBODY) != 0
-                {
-                    return Err(std::io::Error::last_os_error());
-                }
-                Ok(())
-            });
-        }
     }
     c.spawn().expect("spawn child test")
 }
 
-fn is_root() -> bool {
-    // SAFETY: geteuid has no preconditions.
-    unsafe { libc::geteuid() == 0 }
-}
-
-/// The next marked line of a child, as JSON.
-fn child_line(c: &mut Child, r: &mut BufReader<std::process::ChildStdout>) -> Value {
-    let mut line = String::new();
-    loop {
-        line.clear();
-        let n = r.read_line(&mut line).unwrap();
-        assert!(n > 0, "child {} ended without a report", c.id());
-        // the harness may print "test NAME ... " on the same line first
-        if let Some(i) = line.find(MARK) {
-            return serde_json::from_str(line[i + MARK.len()..].trim_end()).unwrap();
-        }
-    }
-}
-
-fn report(v: Value) {
-    println!("{MARK}{v}");
-}
-
 fn is_child(name: &str) -> bool {
-    std::env::var(CHILD_ENV).as_deref() == Ok(name)
+    child::is_child(CHILD_ENV, name)
 }
 
 /// A process holding 64 KiB of canary bytes: prints its identity and the
@@ -136,7 +88,7 @@ impl Canary {
     fn spawn() -> Canary {
         let mut child = child("child_canary", &[], false);
         let mut out = BufReader::new(child.stdout.take().unwrap());
-        let info = child_line(&mut child, &mut out);
+        let info = next_report(&child, &mut out);
         Canary { child, out, info }
     }
 
@@ -144,7 +96,7 @@ impl Canary {
         let stdin = self.child.stdin.as_mut().unwrap();
         writeln!(stdin, "check").unwrap();
         stdin.flush().unwrap();
-        child_line(&mut self.child, &mut self.out)["changed"]
+        next_report(&self.child, &mut self.out)["changed"]
             .as_u64()
             .unwrap()
     }
@@ -416,7 +368,7 @@ fn child_data_attacker() {
 fn run_attacker(name: &str, envs: &[(&str, String)]) -> Value {
     let mut c = child(name, envs, true);
     let mut out = BufReader::new(c.stdout.take().unwrap());
-    let v = child_line(&mut c, &mut out);
+    let v = next_report(&c, &mut out);
     assert!(c.wait().unwrap().success());
     v
 }

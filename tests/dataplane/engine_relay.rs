@@ -16,8 +16,7 @@ use pdxfer::Status;
 use serde_json::{json, Value};
 use std::io::{BufRead, BufReader, Write};
 use std::net::{TcpListener, TcpStream};
-use std::os::unix::process::CommandExt;
-use std::process::{Command, Stdio};
+use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 const SECRET: &str = "engine-relay-cluster-secret-0123456789";
@@ -25,47 +24,15 @@ const LAYERS: u32 = 4;
 const ROW: u64 = 64;
 const P: u64 = 16;
 const TOTAL: u64 = 40;
-const NOBODY: u32 = 65534;
 const CHILD_ENV: &str = "PDXFER_ENGINE_RELAY_CHILD";
-
-fn is_root() -> bool {
-    // SAFETY: geteuid has no preconditions.
-    unsafe { libc::geteuid() == 0 }
-}
 
 /// The relay: re-runs this test binary for [`child_relay`], as uid/gid
 /// 65534 when root; its JSON lines come through the shared harness.
 fn spawn_relay(upstream: &str, plan: &str) -> crate::support::Proc {
-    let mut c = Command::new(std::env::current_exe().unwrap());
-    c.args([
-        crate::support::test_name(module_path!(), "child_relay").as_str(),
-        "--exact",
-        "--ignored",
-        "--nocapture",
-        "--test-threads",
-        "1",
-    ])
-    .env(CHILD_ENV, "child_relay")
-    .env("RELAY_UPSTREAM", upstream)
-    .env("RELAY_PLAN", plan)
-    .env_remove(pdxfer::transport::CLUSTER_SECRET_ENV)
-    .stderr(Stdio::inherit());
-    if is_root() {
-        // SAFETY: only async-signal-safe calls between fork and exec.
-        unsafe {
-            c.pre_exec(|| {
-                if libc::setgroups(0, std::ptr::null()) != 0
-                    || libc::setgid(NOBODY) != 0
-                    || libc::setuid(NOBODY) != 0
-                {
-                    return Err(std::io::Error::last_os_error());
-                }
-                Ok(())
-            });
-        }
-    } else {
-        println!("not root: the relay runs as this same uid");
-    }
+    let mut c = crate::support::child::command(module_path!(), "child_relay", CHILD_ENV, true);
+    c.env("RELAY_UPSTREAM", upstream)
+        .env("RELAY_PLAN", plan)
+        .stderr(Stdio::inherit());
     crate::support::Proc::start("relay", c)
 }
 

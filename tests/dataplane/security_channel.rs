@@ -9,6 +9,7 @@
 //! (`channel_integrity`), with the secret configured; nothing reaches the
 //! canary.
 
+use crate::support::child::{self, next_report, report};
 use pdxfer::auth::Mode;
 use pdxfer::transport::peer_auth::authenticate_server;
 use pdxfer::transport::wire::{self, FrameType};
@@ -18,80 +19,28 @@ use serde_json::{json, Value};
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::os::linux::net::SocketAddrExt;
-use std::os::unix::process::CommandExt;
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
 
 const SECRET: &str = "security-channel-secret-0123456789";
 const CANARY: u8 = 0x5C;
-const NOBODY: u32 = 65534;
-const MARK: &str = "@@pdxfer-child ";
 const CHILD_ENV: &str = "PDXFER_SECURITY_CHANNEL_CHILD";
-
-fn is_root() -> bool {
-    // SAFETY: geteuid has no preconditions.
-    unsafe { libc::geteuid() == 0 }
-}
 
 /// Re-runs this test binary for the ignored child test `name` (as uid/gid
 /// 65534 when `nobody` and root), with `envs`.
 fn child(name: &str, envs: &[(&str, String)], nobody: bool) -> Child {
-    let full = crate::support::test_name(module_path!(), name);
-    let mut c = Command::new(std::env::current_exe().unwrap());
-    c.args([
-        full.as_str(),
-        "--exact",
-        "--ignored",
-        "--nocapture",
-        "--test-threads",
-        "1",
-    ])
-    .env(CHILD_ENV, name)
-    .env_remove(pdxfer::transport::CLUSTER_SECRET_ENV)
-    .stdin(Stdio::piped())
-    .stdout(Stdio::piped())
-    .stderr(Stdio::inherit());
+    let mut c = child::command(module_path!(), name, CHILD_ENV, nobody);
+    c.stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit());
     for (k, v) in envs {
         c.env(k, v);
-    }
-    if nobody && is_root() {
-        // SAFETY: only async-signal-safe calls between fork and exec.
-        unsafe {
-            c.pre_exec(|| {
-                if libc::setgroups(0, std::ptr::null()) != 0
-                    || libc::setgid(NOBODY) != 0
-                    || libc::setuid(NOBODY) != 0
-                {
-                    return Err(std::io::Error::last_os_error());
-                }
-                Ok(())
-            });
-        }
-    } else if nobody {
-        println!("not root: the attacker runs as this same uid");
     }
     c.spawn().expect("spawn child test")
 }
 
-/// The next marked line of a child, as JSON (bounded by the child's own timeouts).
-fn child_line(c: &mut Child, r: &mut BufReader<std::process::ChildStdout>) -> Value {
-    let mut line = String::new();
-    loop {
-        line.clear();
-        let n = r.read_line(&mut line).unwrap();
-        assert!(n > 0, "child {} ended without a report", c.id());
-        if let Some(i) = line.find(MARK) {
-            return serde_json::from_str(line[i + MARK.len()..].trim_end()).unwrap();
-        }
-    }
-}
-
-fn report(v: Value) {
-    println!("{MARK}{v}");
-}
-
 fn is_child(name: &str) -> bool {
-    std::env::var(CHILD_ENV).as_deref() == Ok(name)
+    child::is_child(CHILD_ENV, name)
 }
 
 /// A child the parent talks to; killed on drop.
@@ -105,7 +54,7 @@ impl Proc {
     fn spawn(name: &str, envs: &[(&str, String)], nobody: bool) -> Proc {
         let mut child = child(name, envs, nobody);
         let mut out = BufReader::new(child.stdout.take().unwrap());
-        let info = child_line(&mut child, &mut out);
+        let info = next_report(&child, &mut out);
         Proc { child, out, info }
     }
 
@@ -114,7 +63,7 @@ impl Proc {
         let stdin = self.child.stdin.as_mut().unwrap();
         writeln!(stdin, "check").unwrap();
         stdin.flush().unwrap();
-        child_line(&mut self.child, &mut self.out)["changed"]
+        next_report(&self.child, &mut self.out)["changed"]
             .as_u64()
             .unwrap()
     }

@@ -4,6 +4,7 @@
 //! ([`fakes`]), the in-process cluster of engines ([`cluster`]) and [`skip`], the one recorder of skipped tests (the
 //! library's own unit tests compile the same file).
 
+pub mod child;
 pub mod cluster;
 pub mod etcd;
 pub mod fakes;
