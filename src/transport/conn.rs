@@ -49,7 +49,7 @@ impl Conn {
     ) -> Result<Arc<Conn>> {
         let reader = stream.try_clone()?;
         let shut = stream.try_clone()?;
-        let SessionKeys { send, recv } = keys;
+        let SessionKeys { send, recv, .. } = keys;
         let conn = Arc::new(Conn {
             table: BatchTable::default(),
             writer: Mutex::new((stream, Instant::now(), send)),
