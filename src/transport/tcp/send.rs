@@ -826,6 +826,56 @@ mod tests {
     }
 
     #[test]
+    fn encrypted_runs_are_cut_sealed_per_piece_and_open_byte_exact() {
+        use super::super::seal::{PieceOpener, SEAL_TAG_LEN};
+        // 300 scattered 4 KiB rows to consecutive destination rows: cut at SEALED_PIECE_BYTES
+        let row = 4096u64;
+        let rows = 300u64;
+        let src: Vec<u8> = (0..rows * row * 2).map(|i| (i * 17 % 253) as u8).collect();
+        let base = src.as_ptr() as u64;
+        let pieces: Vec<Piece> = (0..rows)
+            .map(|i| p(base + i * 2 * row, 3, i * row, row))
+            .collect();
+        let parts = assign(&pieces, 1, SEALED_PIECE_BYTES);
+        assert!(parts[0].spans.iter().all(|sp| sp.len <= SEALED_PIECE_BYTES));
+        assert_eq!(
+            parts[0].spans.len() as u64,
+            (rows * row).div_ceil(SEALED_PIECE_BYTES)
+        );
+        let key = [5u8; 32];
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let tx = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let (mut rx, _) = l.accept().unwrap();
+        let part = parts[0].clone();
+        let sender = std::thread::spawn(move || {
+            let mut g = Gather::default();
+            let mut sealer = PieceSealer::new(&key);
+            send_part_sealed(&tx, &part, 0, 11, &mut sealer, &mut g).unwrap();
+        });
+        let mut all = Vec::new();
+        rx.read_to_end(&mut all).unwrap();
+        sender.join().unwrap();
+        let mut opener = PieceOpener::new(&key);
+        let mut r = &all[..];
+        let mut landed = vec![0u8; (rows * row) as usize];
+        let mut n = 0;
+        while !r.is_empty() {
+            let mut hb = [0u8; DATA_HEADER_LEN];
+            r.read_exact(&mut hb).unwrap();
+            let h = DataHeader::decode(&hb).unwrap();
+            let mut body = vec![0u8; h.len as usize];
+            r.read_exact(&mut body).unwrap();
+            let mut tag = [0u8; SEAL_TAG_LEN];
+            r.read_exact(&mut tag).unwrap();
+            opener.open(&hb, &mut body, &tag).unwrap();
+            landed[h.offset as usize..][..body.len()].copy_from_slice(&body);
+            n += 1;
+        }
+        assert_eq!(n, parts[0].spans.len());
+        assert!(landed == every_nth(&src, rows as usize, row as usize, 2));
+    }
+
+    #[test]
     fn a_run_of_more_sources_in_place_than_iov_max_is_byte_exact() {
         // sources long enough to go in place, one iovec each, scattered
         let row = COPY_BELOW as usize;
