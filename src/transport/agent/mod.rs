@@ -336,6 +336,12 @@ impl Agent {
         if let Some(a) = &addr {
             check_listener(&auth, a, "the pdxfer agent's data-plane listener")?;
         }
+        let encrypt = tcp_encrypt(opts.tcp_encrypt);
+        if encrypt && !auth.is_secret() {
+            log::warn!(
+                "tcp payload encryption is on without a cluster secret: its keys come from public nonces, so the bytes are scrambled but NOT secret (configure the cluster secret on every rank)"
+            );
+        }
         let (tx, rx) = unbounded();
         let inner = Arc::new(AgentInner {
             registry: Registry::new(),
@@ -358,7 +364,7 @@ impl Agent {
             instance,
             gpu_writes: OnceLock::new(),
             room_grants: Default::default(),
-            tcp_encrypt: tcp_encrypt(opts.tcp_encrypt),
+            tcp_encrypt: encrypt,
         });
         // Unregistering a region drops its NIC registration before the memory
         // can be freed, so a peer holding its rkey cannot write into it.
