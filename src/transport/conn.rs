@@ -105,6 +105,15 @@ impl Conn {
                 FrameType::RoomRefuse => {
                     wire::decode_reason(&p).map(|(token, e)| self.rooms.answered(token, Err(e)))
                 }
+                // the receiver drops the session because a data stream
+                // failed its integrity check (an encrypted piece's tag)
+                FrameType::Error => Err(match wire::decode_error(&p) {
+                    e if e.status() == Status::ChannelIntegrity => e,
+                    e => Error::new(
+                        Status::Protocol,
+                        format!("unexpected Error frame from the receiver: {e}"),
+                    ),
+                }),
                 other => Err(Error::new(
                     Status::Protocol,
                     format!("unexpected {other:?} frame from the receiver"),

@@ -2,8 +2,10 @@
 //! over real loopback sockets, through a recording forwarder: a batch of
 //! scattered 4 KiB rows and a 1 MiB write lands byte-exact over several
 //! streams, and none of its plaintext crosses the wire (the same batch
-//! unencrypted does); a sender and a receiver that disagree are refused
-//! with `transport_unavailable` naming both settings, writing nothing.
+//! unencrypted does); a bit flipped on the wire inside an encrypted piece
+//! fails the batch and writes nothing; a sender and a receiver that disagree
+//! are refused with `transport_unavailable` naming both settings, writing
+//! nothing.
 
 use pdxfer::transport::{
     Agent, AgentOptions, BatchOptions, ConnectOptions, Transport, TransportKind, WriteOp,
@@ -22,12 +24,18 @@ const BIG: usize = 1 << 20;
 /// Forwards every connection made to its port to `upstream`, recording the
 /// bytes the client sends.
 fn recording_forwarder(upstream: String) -> (String, Arc<Mutex<Vec<u8>>>) {
+    forwarder(upstream, None)
+}
+
+/// [`recording_forwarder`] that flips one bit of what the client sends on
+/// its `flip.0`-th connection (from 0), at byte `flip.1` of it.
+fn forwarder(upstream: String, flip: Option<(usize, usize)>) -> (String, Arc<Mutex<Vec<u8>>>) {
     let l = TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = l.local_addr().unwrap().to_string();
     let seen = Arc::new(Mutex::new(Vec::new()));
     let rec = seen.clone();
     std::thread::spawn(move || {
-        for c in l.incoming() {
+        for (conn, c) in l.incoming().enumerate() {
             let Ok(down) = c else { return };
             let Ok(up) = TcpStream::connect(&upstream) else {
                 return;
@@ -39,8 +47,18 @@ fn recording_forwarder(upstream: String) -> (String, Arc<Mutex<Vec<u8>>>) {
                 let mut b = vec![0u8; 64 << 10];
                 let mut up = up;
                 let mut down = down;
+                let mut at = 0usize;
                 while let Ok(n) = down.read(&mut b) {
-                    if n == 0 || up.write_all(&b[..n]).is_err() {
+                    if n == 0 {
+                        break;
+                    }
+                    if let Some((c, x)) = flip {
+                        if c == conn && (at..at + n).contains(&x) {
+                            b[x - at] ^= 0x08;
+                        }
+                    }
+                    at += n;
+                    if up.write_all(&b[..n]).is_err() {
                         break;
                     }
                     rec.lock().unwrap().extend_from_slice(&b[..n]);
@@ -200,4 +218,56 @@ fn a_sender_and_receiver_that_disagree_on_encryption_are_refused_naming_both() {
         drop(rx);
         assert!(dst.iter().all(|&b| b == 0));
     }
+}
+
+#[test]
+fn a_bit_flipped_inside_an_encrypted_piece_fails_the_batch_and_writes_nothing() {
+    let rx = agent(true, true);
+    let tx = agent(false, true);
+    let mut dst = vec![0u8; BIG];
+    let mut src = pattern(BIG, 3);
+    // SAFETY: both buffers outlive the agents' use of them (the agents drop first below).
+    let d = unsafe { rx.register_host(dst.as_mut_ptr(), dst.len()) }.unwrap();
+    // SAFETY: as above.
+    let s = unsafe { tx.register_host(src.as_mut_ptr(), src.len()) }.unwrap();
+    // connection 0 is the control connection, 1 the data stream: byte 4000
+    // of it lies in the first piece's ciphertext (after the stream's auth
+    // and Attach, a few hundred bytes)
+    let (addr, _) = forwarder(rx.local_addr().unwrap().to_string(), Some((1, 4000)));
+    let t = tx
+        .connect(
+            &addr,
+            &ConnectOptions {
+                transport: TransportKind::Tcp,
+                streams: 1,
+                timeout: Duration::from_secs(10),
+                ..ConnectOptions::default()
+            },
+        )
+        .unwrap();
+    let op = WriteOp {
+        local_region: s.id,
+        local_offset: 0,
+        remote_region: d.id,
+        remote_offset: 0,
+        len: BIG as u64,
+    };
+    let id = t.submit(&[op], &BatchOptions::default()).unwrap();
+    let e = t.wait(id, Duration::from_secs(30)).unwrap_err();
+    assert_eq!(e.status(), Status::ChannelIntegrity, "{e}");
+    assert!(
+        e.to_string().contains("failed its authentication tag"),
+        "{e}"
+    );
+    assert!(
+        rx.next_completion(Duration::from_millis(200)).is_none(),
+        "the receiver delivered a tampered batch"
+    );
+    t.close();
+    drop(tx);
+    drop(rx);
+    assert!(
+        dst.iter().all(|&b| b == 0),
+        "bytes written from a stream whose piece failed its tag"
+    );
 }

@@ -232,8 +232,13 @@ pub(crate) fn serve_stream(
             Status::Protocol | Status::Timeout | Status::ChannelIntegrity
         ) {
             // A desynchronised stream (or one whose piece stopped arriving
-            // and released its pin) cannot be trusted: end the session.
+            // and released its pin, or failed its tag) cannot be trusted:
+            // end the session, telling the sender why when a piece failed
+            // its integrity check.
             log::warn!("session {}: data stream closed: {e}", sess.id);
+            if e.status() == Status::ChannelIntegrity {
+                sess.send(FrameType::Error, &wire::encode_error(&e));
+            }
             sess.close();
         }
     }
