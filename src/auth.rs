@@ -249,9 +249,14 @@ impl ClientAuth {
             }
         };
         let (c2s, s2c) = t.session_keys(&self.mode);
+        let (pc2s, ps2c) = t.payload_keys(&self.mode);
         let keys = SessionKeys {
             send: SessionMac::new(&c2s, "client-to-server"),
             recv: SessionMac::new(&s2c, "server-to-client"),
+            payload: PayloadKeys {
+                send: pc2s,
+                recv: ps2c,
+            },
         };
         Ok((AuthProof { proof }, PeerInstance(server), keys))
     }
@@ -325,9 +330,14 @@ impl ServerAuth {
             }
         }
         let (c2s, s2c) = self.transcript().session_keys(&self.mode);
+        let (pc2s, ps2c) = self.transcript().payload_keys(&self.mode);
         let keys = SessionKeys {
             send: SessionMac::new(&s2c, "server-to-client"),
             recv: SessionMac::new(&c2s, "client-to-server"),
+            payload: PayloadKeys {
+                send: ps2c,
+                recv: pc2s,
+            },
         };
         Ok((PeerInstance(self.client), keys))
     }
@@ -379,11 +389,23 @@ impl Transcript<'_> {
     /// HKDF-SHA256 with the secret as input key material (none in open mode)
     /// and the transcript (channel, both ids, both nonces) as info.
     fn session_keys(&self, mode: &Mode) -> ([u8; 32], [u8; 32]) {
+        self.derive(mode, b"pdxfer-session-v1")
+    }
+
+    /// The two directions' payload encryption keys (client-to-server,
+    /// server-to-client): the same derivation as [`Self::session_keys`]
+    /// under its own label, so they are independent of the MAC keys.
+    fn payload_keys(&self, mode: &Mode) -> ([u8; 32], [u8; 32]) {
+        self.derive(mode, b"pdxfer-tcp-payload-v1")
+    }
+
+    /// HKDF-SHA256 under `label` (the salt) of 64 bytes, cut into two keys.
+    fn derive(&self, mode: &Mode, label: &[u8]) -> ([u8; 32], [u8; 32]) {
         let ikm: &[u8] = match mode {
             Mode::Secret(s) => &s.0,
             Mode::Open => b"",
         };
-        let hk = Hkdf::<Sha256>::new(Some(b"pdxfer-session-v1"), ikm);
+        let hk = Hkdf::<Sha256>::new(Some(label), ikm);
         let mut info = Vec::with_capacity(160);
         for part in [
             self.channel.label(),
@@ -535,6 +557,27 @@ pub struct SessionKeys {
     pub send: SessionMac,
     /// Opens what this side receives.
     pub recv: SessionMac,
+    /// The connection's payload encryption keys (a tcp data stream that
+    /// encrypts its pieces).
+    pub payload: PayloadKeys,
+}
+
+/// One connection's two payload encryption keys (ChaCha20-Poly1305, 256
+/// bits each), derived from the exchange like the MAC keys but under their
+/// own label. In open mode they come from the public nonces alone: they
+/// encrypt, but keep nothing secret. `Debug` never prints them.
+#[derive(Clone)]
+pub struct PayloadKeys {
+    /// Encrypts what this side sends.
+    pub send: [u8; 32],
+    /// Decrypts what this side receives.
+    pub recv: [u8; 32],
+}
+
+impl fmt::Debug for PayloadKeys {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("PayloadKeys(<redacted>)")
+    }
 }
 
 fn auth_failed(detail: String) -> Error {
@@ -716,6 +759,18 @@ mod tests {
             s.recv.open(b"commit", &t3).unwrap();
             assert_eq!(s.recv.seq(), 4);
         }
+    }
+
+    #[test]
+    fn payload_keys_pair_up_and_differ_from_the_mac_keys() {
+        let m = secret("0123456789abcdef-cluster");
+        let (c, s) = keyed(&m, &m);
+        assert_eq!(c.payload.send, s.payload.recv);
+        assert_eq!(c.payload.recv, s.payload.send);
+        assert_ne!(c.payload.send, c.payload.recv);
+        let (c2, _) = keyed(&m, &m);
+        assert_ne!(c.payload.send, c2.payload.send, "one key per connection");
+        assert_eq!(format!("{:?}", c.payload), "PayloadKeys(<redacted>)");
     }
 
     #[test]

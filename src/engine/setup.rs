@@ -144,6 +144,8 @@ fn open_agent(cfg: &EngineConfig, instance: InstanceId) -> Result<Agent> {
         gpu: cfg.pool_device,
         secret: cfg.token.clone(),
         instance: Some(instance.0.to_be_bytes()),
+        // PDXFER_TCP_ENCRYPT, on every rank alike
+        tcp_encrypt: None,
         #[cfg(any(test, feature = "testing"))]
         testing: cfg.testing.clone(),
     })

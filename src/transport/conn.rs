@@ -49,7 +49,7 @@ impl Conn {
     ) -> Result<Arc<Conn>> {
         let reader = stream.try_clone()?;
         let shut = stream.try_clone()?;
-        let SessionKeys { send, recv } = keys;
+        let SessionKeys { send, recv, .. } = keys;
         let conn = Arc::new(Conn {
             table: BatchTable::default(),
             writer: Mutex::new((stream, Instant::now(), send)),
@@ -105,6 +105,15 @@ impl Conn {
                 FrameType::RoomRefuse => {
                     wire::decode_reason(&p).map(|(token, e)| self.rooms.answered(token, Err(e)))
                 }
+                // the receiver drops the session because a data stream
+                // failed its integrity check (an encrypted piece's tag)
+                FrameType::Error => Err(match wire::decode_error(&p) {
+                    e if e.status() == Status::ChannelIntegrity => e,
+                    e => Error::new(
+                        Status::Protocol,
+                        format!("unexpected Error frame from the receiver: {e}"),
+                    ),
+                }),
                 other => Err(Error::new(
                     Status::Protocol,
                     format!("unexpected {other:?} frame from the receiver"),

@@ -56,6 +56,11 @@ pub struct Select {
     /// rdma: the client's encoded [`rdma::Handshake`](super::rdma::Handshake).
     #[serde(default)]
     pub rdma: Option<Vec<u8>>,
+    /// tcp: the pieces are encrypted (the sender's
+    /// [`AgentOptions::tcp_encrypt`](super::agent::AgentOptions::tcp_encrypt));
+    /// the receiver refuses a setting other than its own.
+    #[serde(default)]
+    pub tcp_encrypt: bool,
 }
 
 /// Server -> client: the transport is accepted.
@@ -128,6 +133,10 @@ mod tests {
         )
         .unwrap();
         assert_eq!(sel.rdma, None);
+        assert!(
+            !sel.tcp_encrypt,
+            "an older sender's Select encrypts nothing"
+        );
         let ok: SelectOk = serde_json::from_value(serde_json::json!({})).unwrap();
         assert_eq!(ok.rdma, None);
         // And the new fields round-trip.
@@ -135,9 +144,11 @@ mod tests {
             transport: TransportKind::Rdma,
             streams: 0,
             rdma: Some(vec![1, 2, 3]),
+            tcp_encrypt: true,
         };
         let back: Select = serde_json::from_str(&serde_json::to_string(&sel).unwrap()).unwrap();
         assert_eq!(back.rdma, Some(vec![1, 2, 3]));
+        assert!(back.tcp_encrypt);
         assert_eq!(back.transport, TransportKind::Rdma);
     }
 }

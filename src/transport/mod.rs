@@ -54,7 +54,8 @@ pub mod wire;
 #[cfg(any(test, feature = "testing"))]
 pub use agent::TestKnobs;
 pub use agent::{
-    auth_mode, check_listener, Agent, AgentOptions, ConnectOptions, Incoming, CLUSTER_SECRET_ENV,
+    auth_mode, check_listener, tcp_encrypt, Agent, AgentOptions, ConnectOptions, Incoming,
+    CLUSTER_SECRET_ENV, TCP_ENCRYPT_ENV,
 };
 pub use identity::ProcIdentity;
 

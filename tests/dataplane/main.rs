@@ -4,7 +4,7 @@
 //! handshake against another uid and an on-path relay (`security_channel`);
 //! floods of pre-auth connections, the bootstrap store's bound and
 //! `--insecure` (`security_bounds`); the engine's control channel against
-//! an on-path relay (`engine_relay`).
+//! an on-path relay (`engine_relay`); encrypted tcp payloads (`tcp_encrypt`).
 //! `cargo test --features testing --test dataplane [filter]`.
 
 #[allow(dead_code, unused_imports)] // each binary uses part of it
@@ -20,6 +20,7 @@ mod netns;
 #[cfg(feature = "testing")]
 mod security_bounds;
 mod security_channel;
+mod tcp_encrypt;
 
 /// Without the `testing` feature the modules above marked so are not built;
 /// this test says so instead of leaving them out silently.

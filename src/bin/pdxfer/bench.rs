@@ -14,7 +14,8 @@ use pdxfer::error::{Error, Result};
 use pdxfer::transport::control_counts::control_counts;
 use pdxfer::transport::room::{GrantRange, RoomGrant};
 use pdxfer::transport::{
-    Agent, AgentOptions, BatchId, BatchOptions, ConnectOptions, Transport, TransportKind, WriteOp,
+    tcp_encrypt, Agent, AgentOptions, BatchId, BatchOptions, ConnectOptions, Transport,
+    TransportKind, WriteOp, TCP_ENCRYPT_ENV,
 };
 use serde::Serialize;
 use std::collections::VecDeque;
@@ -51,6 +52,8 @@ pub struct Point {
     pub p99_us: f64,
     /// The batches were written under a room grant.
     pub room_grant: bool,
+    /// tcp: the payload was encrypted (`--encrypt`).
+    pub encrypted: bool,
     /// Control messages this process sent and received per batch (the
     /// room's close included).
     pub control_messages_per_batch: f64,
@@ -82,9 +85,10 @@ impl Drop for Target {
     }
 }
 
-fn spawn_target(size: u64, heap: bool) -> Result<Target> {
+fn spawn_target(size: u64, heap: bool, encrypt: bool) -> Result<Target> {
     let exe = std::env::current_exe()?;
     let mut child = Command::new(exe)
+        .env(TCP_ENCRYPT_ENV, if encrypt { "1" } else { "0" })
         .args([
             "target",
             "--listen",
@@ -264,7 +268,11 @@ pub fn run(a: &BenchArgs) -> Result<()> {
             "block x batch = {max_bytes} bytes: need 1..=8 GiB"
         )));
     }
-    let me = Agent::new(&AgentOptions::default())?;
+    let encrypt = tcp_encrypt(a.encrypt.then_some(true));
+    let me = Agent::new(&AgentOptions {
+        tcp_encrypt: Some(encrypt),
+        ..AgentOptions::default()
+    })?;
     let mut src: Vec<u8> = (0..max_bytes).map(|i| (i * 31 + 7) as u8).collect();
     // SAFETY: src outlives every transport below (dropped at the end of this function, after them).
     let s_desc = unsafe { me.register_host(src.as_mut_ptr(), src.len()) }?;
@@ -290,7 +298,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
             _local_buf: Vec::new(),
         }
     } else {
-        spawn_target(max_bytes, a.heap_target)?
+        spawn_target(max_bytes, a.heap_target, encrypt)?
     };
     let mut memsrc = vec![1u8; max_bytes as usize];
     let mut memdst = vec![0u8; max_bytes as usize];
@@ -370,16 +378,18 @@ pub fn run(a: &BenchArgs) -> Result<()> {
                     p50_us: percentile(&lat, 0.50),
                     p99_us: percentile(&lat, 0.99),
                     room_grant: a.room_grant,
+                    encrypted: encrypt && kind == TransportKind::Tcp,
                     control_messages_per_batch: per_batch,
                 };
                 bar.suspend(|| {
                     if !a.json {
                         println!(
-                            "{:<5} block={:>9} batch={:>4} thr={:>2}  {:>7.3} GB/s  memcpy {:>7.3} GB/s  ratio {:>5.2}  {:>10.0} ops/s  p50 {:>9.1} us  p99 {:>9.1} us  ctl/batch {:>5.2}{}",
+                            "{:<5} block={:>9} batch={:>4} thr={:>2}  {:>7.3} GB/s  memcpy {:>7.3} GB/s  ratio {:>5.2}  {:>10.0} ops/s  p50 {:>9.1} us  p99 {:>9.1} us  ctl/batch {:>5.2}{}{}",
                             p.transport, p.block_size, p.batch_size, p.threads, p.gb_per_s,
                             p.memcpy_gb_per_s, p.ratio_vs_memcpy, p.ops_per_s, p.p50_us, p.p99_us,
                             p.control_messages_per_batch,
-                            if p.room_grant { "  (room grant)" } else { "" }
+                            if p.room_grant { "  (room grant)" } else { "" },
+                            if p.encrypted { "  (encrypted)" } else { "" }
                         );
                     }
                 });
@@ -530,6 +540,7 @@ mod tests {
             p50_us: 1.0,
             p99_us: 2.0,
             room_grant: false,
+            encrypted: false,
             control_messages_per_batch: 2.0,
         };
         let dir = std::env::temp_dir().join(format!("pdxfer-plot-{}", std::process::id()));

@@ -52,6 +52,11 @@ pub struct BenchArgs {
     /// the room closes with one round trip after the point.
     #[arg(long)]
     pub room_grant: bool,
+    /// tcp: encrypt the payload (both this sender and the spawned target
+    /// get `PDXFER_TCP_ENCRYPT=1`; an already running target must have it
+    /// too). Without the flag, `PDXFER_TCP_ENCRYPT` is honoured.
+    #[arg(long)]
+    pub encrypt: bool,
     #[command(flatten)]
     pub layerwise: crate::layerwise_bench::LayerwiseArgs,
     /// --transport nccl: the prefill's and the decode's GPU (default 0,1).

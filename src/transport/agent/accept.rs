@@ -126,6 +126,7 @@ fn serve_control(
     let SessionKeys {
         send: mut send_mac,
         recv: mut recv_mac,
+        ..
     } = keys;
     let hello: Hello = match serde_json::from_slice(hello) {
         Ok(h) => h,
@@ -207,7 +208,23 @@ fn serve_control(
                 })?;
                 b.accept(a.handshake_timeout)?;
             }
-            TransportKind::Tcp => session.lands_tcp.store(true, Ordering::SeqCst),
+            TransportKind::Tcp => {
+                if sel.tcp_encrypt != a.tcp_encrypt {
+                    let on = |x: bool| if x { "on" } else { "off" };
+                    return Err(Error::new(
+                        Status::TransportUnavailable,
+                        format!(
+                            "tcp payload encryption differs: the sender has it {}, this receiver \
+                             {}; both ends must agree (AgentOptions::tcp_encrypt or \
+                             {}=1 on both, or on neither)",
+                            on(sel.tcp_encrypt),
+                            on(a.tcp_encrypt),
+                            super::TCP_ENCRYPT_ENV
+                        ),
+                    ));
+                }
+                session.lands_tcp.store(true, Ordering::SeqCst)
+            }
             TransportKind::Rdma => {
                 let nic = nic.clone()?;
                 let remote = sel.rdma.as_deref().ok_or_else(|| {

@@ -43,6 +43,8 @@ pub(crate) struct Dialed<'a> {
     pub(crate) vouched: Option<cma::bind::Vouched>,
     /// The session MACs of the control connection (every frame is sealed).
     pub(crate) keys: SessionKeys,
+    /// tcp: this agent encrypts its pieces ([`AgentOptions::tcp_encrypt`](super::AgentOptions::tcp_encrypt)).
+    pub(crate) tcp_encrypt: bool,
 }
 
 impl Dialed<'_> {
@@ -196,6 +198,7 @@ impl Agent {
             peer,
             vouched,
             keys,
+            tcp_encrypt: self.inner.tcp_encrypt,
         };
         match kind {
             TransportKind::Cma => cma::connect(d),

@@ -80,6 +80,14 @@ pub struct AgentOptions {
     /// This agent's instance id in the authentication exchange (an engine
     /// gives its bootstrap instance id); `None` picks a random one.
     pub instance: Option<[u8; 16]>,
+    /// Encrypt the payload of tcp pieces (ChaCha20-Poly1305 under per-stream
+    /// keys from the authentication exchange), for links that cross hosts;
+    /// both ends must agree (a receiver refuses a sender with the other
+    /// setting, `TransportUnavailable` naming both). Other transports are
+    /// unaffected. `None` reads [`TCP_ENCRYPT_ENV`] (`1` or `true`: on),
+    /// else off. Without a cluster secret the keys come from public nonces:
+    /// the bytes are then scrambled, not kept secret.
+    pub tcp_encrypt: Option<bool>,
     /// Behaviour only tests change (a stalled receiver, a software NIC, no
     /// same-host shortcut); the default is production behaviour.
     #[cfg(any(test, feature = "testing"))]
@@ -97,6 +105,7 @@ impl Default for AgentOptions {
             gpu: None,
             secret: None,
             instance: None,
+            tcp_encrypt: None,
             #[cfg(any(test, feature = "testing"))]
             testing: TestKnobs::default(),
         }
@@ -114,6 +123,22 @@ impl AgentOptions {
         }
         OnceLock::new()
     }
+}
+
+/// The environment variable read when [`AgentOptions::tcp_encrypt`] is unset.
+pub const TCP_ENCRYPT_ENV: &str = "PDXFER_TCP_ENCRYPT";
+
+/// Whether tcp pieces are encrypted: the option given, else
+/// [`TCP_ENCRYPT_ENV`] (`1`, `true`, `yes` or `on`), else off.
+pub fn tcp_encrypt(option: Option<bool>) -> bool {
+    option.unwrap_or_else(|| {
+        std::env::var(TCP_ENCRYPT_ENV).is_ok_and(|v| {
+            matches!(
+                v.trim().to_ascii_lowercase().as_str(),
+                "1" | "true" | "yes" | "on"
+            )
+        })
+    })
 }
 
 /// The environment variable read when no secret is configured.
@@ -227,6 +252,8 @@ pub(crate) struct AgentInner {
     gpu_writes: OnceLock<gpu_direct::GpuDirectWrites>,
     /// Room-level grants issued to senders ([`Agent::grant_room`]).
     pub(crate) room_grants: room_grant::RoomGrants,
+    /// tcp pieces are encrypted, both ways ([`AgentOptions::tcp_encrypt`]).
+    pub(crate) tcp_encrypt: bool,
 }
 
 impl AgentInner {
@@ -309,6 +336,12 @@ impl Agent {
         if let Some(a) = &addr {
             check_listener(&auth, a, "the pdxfer agent's data-plane listener")?;
         }
+        let encrypt = tcp_encrypt(opts.tcp_encrypt);
+        if encrypt && !auth.is_secret() {
+            log::warn!(
+                "tcp payload encryption is on without a cluster secret: its keys come from public nonces, so the bytes are scrambled but NOT secret (configure the cluster secret on every rank)"
+            );
+        }
         let (tx, rx) = unbounded();
         let inner = Arc::new(AgentInner {
             registry: Registry::new(),
@@ -331,6 +364,7 @@ impl Agent {
             instance,
             gpu_writes: OnceLock::new(),
             room_grants: Default::default(),
+            tcp_encrypt: encrypt,
         });
         // Unregistering a region drops its NIC registration before the memory
         // can be freed, so a peer holding its rkey cannot write into it.

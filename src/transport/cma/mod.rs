@@ -127,6 +127,7 @@ pub(crate) fn connect(mut d: Dialed<'_>) -> Result<Box<dyn Transport>> {
             transport: TransportKind::Cma,
             streams: 0,
             rdma: None,
+            tcp_encrypt: false,
         },
     )?;
     let _: serde_json::Value = d.recv_json(FrameType::SelectOk)?;

@@ -379,6 +379,7 @@ pub(crate) fn connect(mut d: Dialed<'_>, nic: Arc<dyn NicProvider>) -> Result<Bo
             transport: TransportKind::Rdma,
             streams: 0,
             rdma: Some(ep.local().encode()?),
+            tcp_encrypt: false,
         },
     )?;
     let ok: SelectOk = d.recv_json(FrameType::SelectOk).map_err(|e| {

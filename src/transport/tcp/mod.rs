@@ -32,13 +32,15 @@
 //!   connection (the data streams attach to the receiver's session);
 //! - `recv`: the receiver: data streams, batch accounting, the verdict on commit;
 //! - `inbuf`: a data stream's receive buffer and the pin timeout of payload reads;
-//! - `device`: the receiver's landing of a piece in device memory.
+//! - `device`: the receiver's landing of a piece in device memory;
+//! - `seal`: encrypted pieces (the agent's `tcp_encrypt` option).
 
 mod device;
 #[cfg(test)]
 mod device_tests;
 mod inbuf;
 mod recv;
+mod seal;
 mod send;
 
 #[cfg(test)]

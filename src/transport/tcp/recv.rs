@@ -15,6 +15,7 @@
 
 use super::device::{receive_into_device, DEVICE_BOUNCE_BYTES};
 use super::inbuf::{drain, InBuf, Source, STREAM_BUFFER_BYTES};
+use super::seal::{PieceOpener, SEALED_PIECE_BYTES, SEAL_TAG_LEN};
 use crate::auth::{PeerInstance, SessionKeys};
 use crate::error::{Error, Result, Status};
 use crate::memory::{AccessGuard, DeviceWriter, RegionDesc, RegionKind, Registry};
@@ -222,11 +223,22 @@ pub(crate) fn serve_stream(
         peer: &peer,
     };
     let mut rx = StreamReceiver::new(&a.registry, s, STREAM_BUFFER_BYTES, a.pin_timeout);
+    if a.tcp_encrypt {
+        rx.decrypt(PieceOpener::new(&keys.payload.recv));
+    }
     if let Err(e) = rx.run(&mut ledger) {
-        if matches!(e.status(), Status::Protocol | Status::Timeout) {
+        if matches!(
+            e.status(),
+            Status::Protocol | Status::Timeout | Status::ChannelIntegrity
+        ) {
             // A desynchronised stream (or one whose piece stopped arriving
-            // and released its pin) cannot be trusted: end the session.
+            // and released its pin, or failed its tag) cannot be trusted:
+            // end the session, telling the sender why when a piece failed
+            // its integrity check.
             log::warn!("session {}: data stream closed: {e}", sess.id);
+            if e.status() == Status::ChannelIntegrity {
+                sess.send(FrameType::Error, &wire::encode_error(&e));
+            }
             sess.close();
         }
     }
@@ -479,6 +491,10 @@ pub(super) struct StreamReceiver<'r, S> {
     scratch: Vec<u8>,
     // from the first device writer met (page-locked where it can)
     bounce: Option<crate::memory::BounceBuffer>,
+    /// Pieces arrive encrypted: each is read whole into `sealed`, verified
+    /// and decrypted there, and only then landed.
+    opener: Option<PieceOpener>,
+    sealed: Vec<u8>,
 }
 
 impl<'r, S: Source> StreamReceiver<'r, S> {
@@ -494,7 +510,15 @@ impl<'r, S: Source> StreamReceiver<'r, S> {
             tally: Tally::default(),
             scratch: vec![0u8; 64 << 10],
             bounce: None,
+            opener: None,
+            sealed: Vec::new(),
         }
+    }
+
+    /// Pieces arrive encrypted, opened by `opener` (the stream's payload key).
+    pub(super) fn decrypt(&mut self, opener: PieceOpener) {
+        self.opener = Some(opener);
+        self.sealed = Vec::with_capacity(SEALED_PIECE_BYTES as usize + SEAL_TAG_LEN);
     }
 
     #[cfg(test)]
@@ -533,8 +557,71 @@ impl<'r, S: Source> StreamReceiver<'r, S> {
                 self.settle(ledger);
                 ledger.stall(h.batch);
             }
-            self.receive(&h, ledger)?;
+            match self.opener.is_some() {
+                true => self.receive_sealed(&h, &hb, ledger)?,
+                false => self.receive(&h, ledger)?,
+            }
         }
+    }
+
+    /// [`receive`](Self::receive) of an encrypted piece: its ciphertext and
+    /// tag are read into the stream's own buffer and opened there; only a
+    /// piece whose tag verified is landed, copied from that buffer (its
+    /// destination is validated as for any piece). A piece that fails fails
+    /// its batch (or room) and the stream (`ChannelIntegrity`), writing
+    /// nothing.
+    fn receive_sealed(
+        &mut self,
+        h: &DataHeader,
+        hb: &[u8],
+        ledger: &mut impl Ledger,
+    ) -> Result<()> {
+        if h.len > SEALED_PIECE_BYTES {
+            return Err(Error::new(
+                Status::Protocol,
+                format!(
+                    "an encrypted piece of {} bytes (at most {SEALED_PIECE_BYTES} are sent per piece)",
+                    h.len
+                ),
+            ));
+        }
+        let n = h.len as usize;
+        let buffered = self.inb.buffered().len() >= n + SEAL_TAG_LEN;
+        if !buffered {
+            // the reads below may wait: earlier batches are not held up
+            self.settle(ledger);
+        }
+        self.sealed.resize(n + SEAL_TAG_LEN, 0);
+        self.inb.piece().read_exact(&mut self.sealed)?;
+        let (body, tag) = self.sealed.split_at_mut(n);
+        let Some(opener) = self.opener.as_mut() else {
+            return Err(Error::new(
+                Status::Protocol,
+                "no key for an encrypted piece",
+            ));
+        };
+        if let Err(e) = opener.open(hb, body, tag) {
+            if h.flags & wire::DATA_FLAG_ROOM != 0 {
+                self.tally.room(h.batch, Err(e.clone()));
+            } else {
+                self.tally.failed(h.batch, e.clone());
+            }
+            return Err(e);
+        }
+        let mut r: &[u8] = &self.sealed[..n];
+        land_piece(
+            &mut self.dests,
+            &mut self.tally,
+            &mut self.scratch,
+            &mut self.bounce,
+            &mut r,
+            h,
+            ledger,
+        )?;
+        if !buffered {
+            self.dests.release();
+        }
+        Ok(())
     }
 
     /// Lands the payload of piece `h` (or drains it: a piece of a closed
@@ -546,34 +633,58 @@ impl<'r, S: Source> StreamReceiver<'r, S> {
             ledger.merge(&mut self.tally);
         }
         let mut r = self.inb.piece();
-        if h.flags & wire::DATA_FLAG_ROOM != 0 {
-            // a granted room's piece: checked against its grant first
-            let outcome = match ledger.admit_room(h) {
-                Ok(()) => {
-                    let dest = self.dests.validate(h);
-                    land(dest, &mut r, h, &mut self.scratch, &mut self.bounce)?.map(|_| h.len)
-                }
-                Err(e) => {
-                    drain(&mut r, h.len, &mut self.scratch)?;
-                    Err(e)
-                }
-            };
-            self.tally.room(h.batch, outcome);
-        } else if self.tally.is_closed(h.batch) {
-            drain(&mut r, h.len, &mut self.scratch)?;
-        } else {
-            let dest = self.dests.validate(h);
-            match land(dest, &mut r, h, &mut self.scratch, &mut self.bounce)? {
-                Ok(sum) => self.tally.landed(h.batch, h.len, sum),
-                Err(e) => self.tally.failed(h.batch, e),
-            }
-        }
+        land_piece(
+            &mut self.dests,
+            &mut self.tally,
+            &mut self.scratch,
+            &mut self.bounce,
+            &mut r,
+            h,
+            ledger,
+        )?;
         if !buffered {
             // the pin is not kept across a wait
             self.dests.release();
         }
         Ok(())
     }
+}
+
+/// Lands the payload of piece `h`, read from `r`, and counts it in `tally`:
+/// a granted room's piece checked against its grant first, a piece of a
+/// closed batch drained, any other validated against the registry.
+fn land_piece(
+    dests: &mut Destinations<'_>,
+    tally: &mut Tally,
+    scratch: &mut [u8],
+    bounce: &mut Option<crate::memory::BounceBuffer>,
+    r: &mut impl Read,
+    h: &DataHeader,
+    ledger: &mut impl Ledger,
+) -> Result<()> {
+    if h.flags & wire::DATA_FLAG_ROOM != 0 {
+        // a granted room's piece: checked against its grant first
+        let outcome = match ledger.admit_room(h) {
+            Ok(()) => {
+                let dest = dests.validate(h);
+                land(dest, r, h, scratch, bounce)?.map(|_| h.len)
+            }
+            Err(e) => {
+                drain(r, h.len, scratch)?;
+                Err(e)
+            }
+        };
+        tally.room(h.batch, outcome);
+    } else if tally.is_closed(h.batch) {
+        drain(r, h.len, scratch)?;
+    } else {
+        let dest = dests.validate(h);
+        match land(dest, r, h, scratch, bounce)? {
+            Ok(sum) => tally.landed(h.batch, h.len, sum),
+            Err(e) => tally.failed(h.batch, e),
+        }
+    }
+    Ok(())
 }
 
 /// Receives the payload of one data piece `h` from `s` into its validated
@@ -782,6 +893,126 @@ mod tests {
         unsafe { reg.register_host(mem.as_mut_ptr(), mem.len()) }
             .unwrap()
             .id
+    }
+
+    /// Alters the bytes of one sealed piece as sent.
+    type Tamper = dyn Fn(&mut Vec<u8>);
+
+    /// The pieces as an encrypting sender sends them, under `key`; `tamper`
+    /// alters the bytes of piece `at` (its header, ciphertext and tag).
+    fn sealed_frames(
+        pieces: &[Piece],
+        key: &[u8; 32],
+        tamper: Option<(usize, &Tamper)>,
+    ) -> Vec<u8> {
+        let mut sealer = super::super::seal::PieceSealer::new(key);
+        let mut v = Vec::new();
+        for (i, p) in pieces.iter().enumerate() {
+            let mut f = frames(std::slice::from_ref(p));
+            let (hb, body) = f.split_at_mut(DATA_HEADER_LEN);
+            let tag = sealer.seal(hb, body).unwrap();
+            f.extend_from_slice(&tag);
+            if let Some((at, t)) = tamper {
+                if at == i {
+                    t(&mut f);
+                }
+            }
+            v.extend_from_slice(&f);
+        }
+        v
+    }
+
+    fn run_sealed(reg: &Registry, data: Vec<u8>, key: &[u8; 32], book: &mut Book) -> Error {
+        let mut rx =
+            StreamReceiver::new(reg, Script::new(data, 1000), 4096, Duration::from_secs(5));
+        rx.decrypt(PieceOpener::new(key));
+        rx.run(book).unwrap_err()
+    }
+
+    #[test]
+    fn encrypted_pieces_land_byte_exact_after_their_tags_verify() {
+        let reg = Registry::new();
+        let mut mem = vec![0u8; 1 << 20];
+        let r = host(&reg, &mut mem);
+        let key = [9u8; 32];
+        let mut pieces: Vec<Piece> = (0..30).map(|i| piece(1, r, i * 100, 57, i as u8)).collect();
+        // one of the largest size a sender cuts, longer than the stream's buffer
+        pieces.push(piece(1, r, 500_000, SEALED_PIECE_BYTES as usize, 3));
+        let data = sealed_frames(&pieces, &key, None);
+        let mut book = Book::default();
+        let e = run_sealed(&reg, data, &key, &mut book);
+        assert_eq!(e.status(), Status::PeerUnreachable, "{e}");
+        for p in &pieces {
+            let at = p.offset as usize;
+            assert!(mem[at..at + p.data.len()] == p.data[..]);
+        }
+        let b = &book.t.batches[&1];
+        assert_eq!(b.sum, sum_of(&pieces));
+        assert!(b.failed.is_none());
+        assert_eq!(reg.inflight(r).unwrap(), 0);
+    }
+
+    #[test]
+    fn a_flipped_bit_in_an_encrypted_piece_fails_the_batch_and_writes_nothing() {
+        let flip_ct: &dyn Fn(&mut Vec<u8>) = &|f| f[DATA_HEADER_LEN + 10] ^= 1;
+        let flip_tag: &dyn Fn(&mut Vec<u8>) = &|f| {
+            let n = f.len();
+            f[n - 1] ^= 0x40
+        };
+        // the header's offset: still a valid destination, but not the sealed one
+        let flip_hdr: &dyn Fn(&mut Vec<u8>) = &|f| {
+            let h = DataHeader::decode(f[..DATA_HEADER_LEN].try_into().unwrap()).unwrap();
+            let moved = DataHeader {
+                offset: h.offset + 8,
+                ..h
+            };
+            f[..DATA_HEADER_LEN].copy_from_slice(&moved.encode());
+        };
+        for (what, t) in [
+            ("ciphertext", flip_ct),
+            ("tag", flip_tag),
+            ("header", flip_hdr),
+        ] {
+            let reg = Registry::new();
+            let mut mem = vec![0u8; 64 << 10];
+            let r = host(&reg, &mut mem);
+            let key = [1u8; 32];
+            let pieces: Vec<Piece> = (0..4)
+                .map(|i| piece(2, r, i * 4096, 4096, i as u8))
+                .collect();
+            let data = sealed_frames(&pieces, &key, Some((2, t)));
+            let mut book = Book::default();
+            let e = run_sealed(&reg, data, &key, &mut book);
+            assert_eq!(e.status(), Status::ChannelIntegrity, "{what}: {e}");
+            // the pieces before it landed; from it on nothing was written
+            assert!(mem[..2 * 4096] == [&pieces[0].data[..], &pieces[1].data[..]].concat()[..]);
+            assert!(
+                mem[2 * 4096..].iter().all(|&b| b == 0),
+                "{what}: bytes written"
+            );
+            let b = &book.t.batches[&2];
+            assert_eq!(
+                b.failed.as_ref().map(Error::status),
+                Some(Status::ChannelIntegrity)
+            );
+            assert_eq!(reg.inflight(r).unwrap(), 0);
+        }
+        // another key (a stream's pieces opened under another's): refused, nothing written
+        let reg = Registry::new();
+        let mut mem = vec![0u8; 8192];
+        let r = host(&reg, &mut mem);
+        let data = sealed_frames(&[piece(3, r, 0, 4096, 1)], &[1u8; 32], None);
+        let e = run_sealed(&reg, data, &[2u8; 32], &mut Book::default());
+        assert_eq!(e.status(), Status::ChannelIntegrity, "{e}");
+        assert!(mem.iter().all(|&b| b == 0));
+        // a piece longer than a sender cuts: refused before it is read
+        let data = sealed_frames(
+            &[piece(3, r, 0, SEALED_PIECE_BYTES as usize + 1, 1)],
+            &[1u8; 32],
+            None,
+        );
+        let e = run_sealed(&reg, data, &[1u8; 32], &mut Book::default());
+        assert_eq!(e.status(), Status::Protocol, "{e}");
     }
 
     #[test]

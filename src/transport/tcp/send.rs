@@ -15,6 +15,7 @@
 //! which stays in cache, and sent from there; measured on loopback, the
 //! kernel's copy from many short scattered iovecs ran at half the speed.
 
+use super::seal::{PieceSealer, SEALED_PIECE_BYTES};
 use crate::error::{Error, Result, Status};
 use crate::memory::AccessGuard;
 use crate::transport::agent::Dialed;
@@ -28,6 +29,7 @@ use crate::transport::piece::Piece;
 use crate::transport::wire::{self, Commit, DataHeader, FrameType};
 use crate::transport::{BatchId, BatchOptions, Completion, Transport, TransportKind, WriteOp};
 use crossbeam::channel::{unbounded, Sender};
+use std::io::Write;
 use std::net::{Shutdown, TcpStream};
 use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -121,13 +123,22 @@ pub struct TcpTransport {
     conn: Arc<Conn>,
     streams: Vec<Sender<Job>>,
     sockets: Vec<TcpStream>,
+    /// Pieces are encrypted (each stream has its sealer): runs are cut at
+    /// [`SEALED_PIECE_BYTES`].
+    encrypt: bool,
 }
 
 impl TcpTransport {
-    pub(crate) fn new(conn: Arc<Conn>, streams: Vec<TcpStream>) -> Result<TcpTransport> {
+    /// The sender over `streams`, each with its sealer when pieces are
+    /// encrypted (all or none).
+    pub(crate) fn new(
+        conn: Arc<Conn>,
+        streams: Vec<(TcpStream, Option<PieceSealer>)>,
+    ) -> Result<TcpTransport> {
         let mut txs = Vec::new();
         let mut sockets = Vec::new();
-        for (i, s) in streams.into_iter().enumerate() {
+        let encrypt = streams.iter().any(|(_, x)| x.is_some());
+        for (i, (s, mut sealer)) in streams.into_iter().enumerate() {
             s.set_write_timeout(Some(WRITE_TIMEOUT))?;
             sockets.push(s.try_clone()?);
             let (tx, rx) = unbounded::<Job>();
@@ -137,7 +148,7 @@ impl TcpTransport {
                 .spawn(move || {
                     let mut gather = Gather::default();
                     for job in rx {
-                        if let Err(e) = send_job(&c, &s, &job, &mut gather) {
+                        if let Err(e) = send_job(&c, &s, &job, &mut gather, sealer.as_mut()) {
                             let e = Error::new(
                                 Status::PeerUnreachable,
                                 format!(
@@ -161,6 +172,7 @@ impl TcpTransport {
             conn,
             streams: txs,
             sockets,
+            encrypt,
         })
     }
 }
@@ -168,6 +180,8 @@ impl TcpTransport {
 /// The sender's tcp setup on a dialed control connection: selects tcp with
 /// `opts.streams` (1 to 64) data streams, dials each and attaches it to the
 /// receiver's session with its token, and starts the transport.
+/// With `d.tcp_encrypt` each stream seals its pieces under its own payload
+/// key; the receiver refuses the Select unless it encrypts too.
 pub(crate) fn connect(mut d: Dialed<'_>) -> Result<Box<dyn Transport>> {
     let (addr, opts) = (d.addr, d.opts);
     let n = opts.streams.clamp(1, 64);
@@ -177,6 +191,7 @@ pub(crate) fn connect(mut d: Dialed<'_>) -> Result<Box<dyn Transport>> {
             transport: TransportKind::Tcp,
             streams: n,
             rdma: None,
+            tcp_encrypt: d.tcp_encrypt,
         },
     )?;
     let _: serde_json::Value = d.recv_json(FrameType::SelectOk)?;
@@ -206,7 +221,8 @@ pub(crate) fn connect(mut d: Dialed<'_>) -> Result<Box<dyn Transport>> {
         )?;
         let _: serde_json::Value =
             wire::read_json_sealed(&mut s, FrameType::AttachOk, &mut keys.recv)?;
-        streams.push(s);
+        let sealer = d.tcp_encrypt.then(|| PieceSealer::new(&keys.payload.send));
+        streams.push((s, sealer));
     }
     let conn = d.start()?;
     Ok(Box::new(TcpTransport::new(conn, streams)?))
@@ -246,6 +262,9 @@ struct Gather {
     buf: Box<[u8]>,
     used: usize,
     iov: Vec<libc::iovec>,
+    /// An encrypted piece as sent (header, ciphertext, tag); empty until
+    /// the stream encrypts.
+    sealed: Vec<u8>,
 }
 
 impl Default for Gather {
@@ -254,6 +273,7 @@ impl Default for Gather {
             buf: vec![0u8; GATHER_BYTES].into_boxed_slice(),
             used: 0,
             iov: Vec::with_capacity(IOV_MAX),
+            sealed: Vec::new(),
         }
     }
 }
@@ -310,12 +330,76 @@ impl Gather {
     }
 }
 
-fn send_job(c: &Conn, s: &TcpStream, job: &Job, g: &mut Gather) -> Result<()> {
+fn send_job(
+    c: &Conn,
+    s: &TcpStream,
+    job: &Job,
+    g: &mut Gather,
+    sealer: Option<&mut PieceSealer>,
+) -> Result<()> {
     if c.table.finished(job.batch.commit.batch) {
         return Ok(()); // failed or expired: skip its bytes
     }
     let batch = job.batch.room.map_or(job.batch.commit.batch, |(_, t)| t);
-    send_part(s, &job.part, job.flags, batch, g)
+    match sealer {
+        Some(x) => send_part_sealed(s, &job.part, job.flags, batch, x, g),
+        None => send_part(s, &job.part, job.flags, batch, g),
+    }
+}
+
+/// [`send_part`] with each span encrypted: its header, its payload gathered
+/// from its sources into a buffer and sealed there (the header as associated
+/// data), its tag, in one write. Spans are at most [`SEALED_PIECE_BYTES`]
+/// long ([`assign`] cut them).
+fn send_part_sealed(
+    s: &TcpStream,
+    part: &Part,
+    flags: u32,
+    batch: u64,
+    sealer: &mut PieceSealer,
+    g: &mut Gather,
+) -> Result<()> {
+    let mut at = 0usize;
+    let buf = &mut g.sealed;
+    for sp in &part.spans {
+        debug_assert!(sp.len <= SEALED_PIECE_BYTES);
+        let h = DataHeader {
+            flags,
+            batch,
+            region: sp.region,
+            offset: sp.offset,
+            len: sp.len,
+        }
+        .encode();
+        buf.clear();
+        buf.extend_from_slice(&h);
+        for x in &part.srcs[at..at + sp.nsrc] {
+            // SAFETY: validate_ops checked [addr, addr+len) lies in a registered local region, pinned by the batch's guards.
+            buf.extend_from_slice(unsafe {
+                std::slice::from_raw_parts(x.addr as *const u8, x.len as usize)
+            });
+        }
+        at += sp.nsrc;
+        let tag = sealer.seal(&h, &mut buf[wire::DATA_HEADER_LEN..])?;
+        buf.extend_from_slice(&tag);
+        write_all(s, buf)?;
+    }
+    Ok(())
+}
+
+/// Writes all of `data`, a write blocked for [`WRITE_TIMEOUT`] failing as
+/// [`writev_all`] does.
+fn write_all(mut s: &TcpStream, data: &[u8]) -> Result<()> {
+    s.write_all(data).map_err(|e| {
+        if e.kind() == std::io::ErrorKind::WouldBlock {
+            Error::new(
+                Status::Timeout,
+                format!("peer accepted no data for {WRITE_TIMEOUT:?} (stalled)"),
+            )
+        } else {
+            e.into()
+        }
+    })
 }
 
 /// Writes the spans of `part`, each a header (`flags`, `batch`) and its
@@ -383,9 +467,10 @@ fn writev_all(s: &TcpStream, iov: &mut [libc::iovec]) -> Result<()> {
 /// where the previous one ends) become one span, its sources gathered; with
 /// several streams a span is cut into parts of [`SPLIT`] bytes at most. Each
 /// span (or part) goes to the least loaded stream.
-fn assign(pieces: &[Piece], n: usize) -> Vec<Part> {
+/// Spans are at most `max_span` bytes long (encrypted pieces are bounded).
+fn assign(pieces: &[Piece], n: usize, max_span: u64) -> Vec<Part> {
     let n = n.max(1);
-    let cap = if n > 1 { SPLIT } else { u64::MAX };
+    let cap = if n > 1 { SPLIT } else { u64::MAX }.min(max_span.max(1));
     let mut out = vec![Part::default(); n];
     let mut load = vec![0u64; n];
     let mut i = 0;
@@ -451,7 +536,12 @@ impl Transport for TcpTransport {
             .rooms
             .admit(&pieces, opts)?
             .map(|token| ((opts.room, opts.epoch), token));
-        let parts = assign(&pieces, self.streams.len());
+        let max_span = if self.encrypt {
+            SEALED_PIECE_BYTES
+        } else {
+            u64::MAX
+        };
+        let parts = assign(&pieces, self.streams.len(), max_span);
         // The checksum is over the spans as sent (the receiver sums the same spans).
         let checksum = opts.checksum.then(|| {
             parts
@@ -589,7 +679,7 @@ mod tests {
         let pieces: Vec<Piece> = (0..10)
             .map(|i| p(1000 + i * 4 * 64, 7, i * 64, 64))
             .collect();
-        let parts = assign(&pieces, 1);
+        let parts = assign(&pieces, 1, u64::MAX);
         assert_eq!(
             parts[0].spans,
             vec![Span {
@@ -613,7 +703,7 @@ mod tests {
             p(400, 2, 5, 0),  // empty, where the previous one ends: merged
             p(500, 2, 5, 3),  // merged
         ];
-        let parts = assign(&pieces, 1);
+        let parts = assign(&pieces, 1, u64::MAX);
         let spans: Vec<(u64, u64, u64, usize)> = parts[0]
             .spans
             .iter()
@@ -625,7 +715,7 @@ mod tests {
         );
         assert_eq!(bytes_of(&parts), bytes_of_pieces(&pieces));
         // a lone empty op is still sent (its header names its destination)
-        let empty = assign(&[p(0, 1, 30, 0)], 1);
+        let empty = assign(&[p(0, 1, 30, 0)], 1, u64::MAX);
         assert_eq!(empty[0].spans.len(), 1);
         assert!(empty[0].srcs.is_empty());
     }
@@ -633,7 +723,7 @@ mod tests {
     #[test]
     fn sources_that_follow_each_other_take_one_iovec() {
         let pieces = vec![p(0, 1, 0, 100), p(100, 1, 100, 100), p(300, 1, 200, 50)];
-        let parts = assign(&pieces, 1);
+        let parts = assign(&pieces, 1, u64::MAX);
         assert_eq!(
             parts[0].srcs,
             vec![Src { addr: 0, len: 200 }, Src { addr: 300, len: 50 }]
@@ -648,7 +738,7 @@ mod tests {
         let mut pieces: Vec<Piece> = (0..rows).map(|i| p(i * 3000, 1, i * 1000, 1000)).collect();
         pieces.last_mut().unwrap().len = 3 * SPLIT + 5 - (rows - 1) * 1000;
         pieces.push(p(90_000_000, 1, 50_000_000, 7));
-        let parts = assign(&pieces, 3);
+        let parts = assign(&pieces, 3, u64::MAX);
         assert!(parts.iter().all(|x| !x.is_empty()));
         assert!(parts
             .iter()
@@ -657,7 +747,7 @@ mod tests {
         assert_eq!(parts.iter().map(|x| x.spans.len()).sum::<usize>(), 5);
         assert_eq!(bytes_of(&parts), bytes_of_pieces(&pieces));
         // one stream: the run is one span
-        let one = assign(&pieces, 1);
+        let one = assign(&pieces, 1, u64::MAX);
         assert_eq!(one[0].spans.len(), 2);
     }
 
@@ -713,7 +803,7 @@ mod tests {
         // and a short run elsewhere
         pieces.push(p(base + row, 4, 0, 100));
         pieces.push(p(base + 5 * row, 4, 100, 28));
-        let parts = assign(&pieces, 1);
+        let parts = assign(&pieces, 1, u64::MAX);
         assert_eq!(parts[0].spans.len(), 2);
         let got = send_and_read(&parts[0], wire::DATA_FLAG_CHECKSUM, 77);
         assert_eq!(got.len(), 2, "one piece per destination run");
@@ -736,6 +826,56 @@ mod tests {
     }
 
     #[test]
+    fn encrypted_runs_are_cut_sealed_per_piece_and_open_byte_exact() {
+        use super::super::seal::{PieceOpener, SEAL_TAG_LEN};
+        // 300 scattered 4 KiB rows to consecutive destination rows: cut at SEALED_PIECE_BYTES
+        let row = 4096u64;
+        let rows = 300u64;
+        let src: Vec<u8> = (0..rows * row * 2).map(|i| (i * 17 % 253) as u8).collect();
+        let base = src.as_ptr() as u64;
+        let pieces: Vec<Piece> = (0..rows)
+            .map(|i| p(base + i * 2 * row, 3, i * row, row))
+            .collect();
+        let parts = assign(&pieces, 1, SEALED_PIECE_BYTES);
+        assert!(parts[0].spans.iter().all(|sp| sp.len <= SEALED_PIECE_BYTES));
+        assert_eq!(
+            parts[0].spans.len() as u64,
+            (rows * row).div_ceil(SEALED_PIECE_BYTES)
+        );
+        let key = [5u8; 32];
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let tx = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let (mut rx, _) = l.accept().unwrap();
+        let part = parts[0].clone();
+        let sender = std::thread::spawn(move || {
+            let mut g = Gather::default();
+            let mut sealer = PieceSealer::new(&key);
+            send_part_sealed(&tx, &part, 0, 11, &mut sealer, &mut g).unwrap();
+        });
+        let mut all = Vec::new();
+        rx.read_to_end(&mut all).unwrap();
+        sender.join().unwrap();
+        let mut opener = PieceOpener::new(&key);
+        let mut r = &all[..];
+        let mut landed = vec![0u8; (rows * row) as usize];
+        let mut n = 0;
+        while !r.is_empty() {
+            let mut hb = [0u8; DATA_HEADER_LEN];
+            r.read_exact(&mut hb).unwrap();
+            let h = DataHeader::decode(&hb).unwrap();
+            let mut body = vec![0u8; h.len as usize];
+            r.read_exact(&mut body).unwrap();
+            let mut tag = [0u8; SEAL_TAG_LEN];
+            r.read_exact(&mut tag).unwrap();
+            opener.open(&hb, &mut body, &tag).unwrap();
+            landed[h.offset as usize..][..body.len()].copy_from_slice(&body);
+            n += 1;
+        }
+        assert_eq!(n, parts[0].spans.len());
+        assert!(landed == every_nth(&src, rows as usize, row as usize, 2));
+    }
+
+    #[test]
     fn a_run_of_more_sources_in_place_than_iov_max_is_byte_exact() {
         // sources long enough to go in place, one iovec each, scattered
         let row = COPY_BELOW as usize;
@@ -751,7 +891,7 @@ mod tests {
         for x in &mut pieces[6..] {
             x.offset += 10;
         }
-        let parts = assign(&pieces, 1);
+        let parts = assign(&pieces, 1, u64::MAX);
         assert_eq!(parts[0].spans.len(), 1);
         assert!(parts[0].srcs.len() > IOV_MAX, "{}", parts[0].srcs.len());
         let got = send_and_read(&parts[0], 0, 3);
