@@ -535,7 +535,7 @@ pub fn authenticate_to_prefill(
 /// checked (`reader`) under the connection's keys; `peer` names the other
 /// side in a `channel_integrity` error.
 pub fn install(writer: &CtlWriter, reader: &mut CtlReader, keys: SessionKeys, peer: &str) {
-    let SessionKeys { send, recv } = keys;
+    let SessionKeys { send, recv, .. } = keys;
     writer.seal_with(send);
     reader.open_with(recv, peer);
 }
