@@ -409,10 +409,14 @@ static void bad_inputs(void) {
     CHECK(pdxfer_engine_create(&c, &pe0) == PDX_STATUS_OK);
     c = config(&p1, PDXFER_ROLE_PREFILL, "c-bad", url);
     CHECK(pdxfer_engine_create(&c, &pe1) == PDX_STATUS_OK);
-    c = config(&d0, PDXFER_ROLE_DECODE, "c-bad", url);
-    CHECK(pdxfer_engine_create(&c, &de0) == PDX_STATUS_OK);
+    /* dx has d0's rank key (tp rank 0): the one created last holds the
+     * bootstrap entry, and a prefill dials only a decode instance whose
+     * entry it can check, so the crossed rank (refused on its own side,
+     * before any connection) is created first */
     c = config(&dx, PDXFER_ROLE_DECODE, "c-bad", url);
     CHECK(pdxfer_engine_create(&c, &dex) == PDX_STATUS_OK);
+    c = config(&d0, PDXFER_ROLE_DECODE, "c-bad", url);
+    CHECK(pdxfer_engine_create(&c, &de0) == PDX_STATUS_OK);
 
     /* config errors */
     PdxEngine *h = NULL;
