@@ -1,116 +1,33 @@
 //! Multi-process data-plane tests: `pdxfer target` children as peers, this
 //! test process as the initiator, over cma and tcp.
 
+use crate::support::target::Target;
 use pdxfer::rng::SplitMix64;
 use pdxfer::transport::{
     wire, Agent, AgentOptions, BatchOptions, ConnectOptions, PlacedRange, Transport, TransportKind,
     WriteOp,
 };
 use pdxfer::Status;
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{Read, Write};
 use std::net::TcpStream;
-use std::process::{Child, ChildStdin, Command, Stdio};
-use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 const REGION: usize = 4 << 20;
 
-struct Target {
-    child: Child,
-    stdin: Option<ChildStdin>,
-    lines: mpsc::Receiver<serde_json::Value>,
-    addr: String,
-    pid: u32,
-    region: u64,
+/// A `pdxfer target` with a [`REGION`]-byte region that stalls `stall_ms`
+/// before validating each batch.
+fn target(stall_ms: u64) -> Target {
+    target_with(stall_ms, false)
 }
 
-impl Target {
-    fn spawn(stall_ms: u64) -> Target {
-        Self::spawn_with(stall_ms, false)
+/// [`target`], its region in heap memory when `heap`.
+fn target_with(stall_ms: u64, heap: bool) -> Target {
+    let stall = stall_ms.to_string();
+    let mut args = vec!["--stall-ms", stall.as_str()];
+    if heap {
+        args.push("--heap");
     }
-
-    fn spawn_with(stall_ms: u64, heap: bool) -> Target {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_pdxfer"))
-            .args([
-                "target",
-                "--listen",
-                "127.0.0.1:0",
-                "--size",
-                &REGION.to_string(),
-                "--stall-ms",
-                &stall_ms.to_string(),
-            ])
-            .args(heap.then_some("--heap"))
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .spawn()
-            .expect("spawn pdxfer target");
-        let stdin = child.stdin.take();
-        let out = child.stdout.take().unwrap();
-        let (tx, rx) = mpsc::channel();
-        std::thread::spawn(move || {
-            for l in BufReader::new(out).lines() {
-                let Ok(l) = l else { return };
-                if let Ok(v) = serde_json::from_str::<serde_json::Value>(&l) {
-                    if tx.send(v).is_err() {
-                        return;
-                    }
-                }
-            }
-        });
-        let ready = rx
-            .recv_timeout(Duration::from_secs(20))
-            .expect("target ready line");
-        assert_eq!(ready["ready"], true, "{ready}");
-        Target {
-            addr: ready["addr"].as_str().unwrap().to_string(),
-            pid: ready["pid"].as_u64().unwrap() as u32,
-            region: ready["regions"][0]["id"].as_u64().unwrap(),
-            child,
-            stdin,
-            lines: rx,
-        }
-    }
-
-    fn next_line(&self, key: &str) -> serde_json::Value {
-        let deadline = Instant::now() + Duration::from_secs(20);
-        loop {
-            let left = deadline.saturating_duration_since(Instant::now());
-            let v = self
-                .lines
-                .recv_timeout(left)
-                .unwrap_or_else(|_| panic!("no {key} line from target"));
-            if v.get(key).is_some() {
-                return v;
-            }
-        }
-    }
-
-    /// Every byte of the target's region, read back through a file it writes.
-    fn dump(&mut self) -> Vec<u8> {
-        let path =
-            std::env::temp_dir().join(format!("pdxfer-dump-{}-{}", std::process::id(), self.pid));
-        let stdin = self.stdin.as_mut().unwrap();
-        writeln!(stdin, "dump {}", path.display()).unwrap();
-        stdin.flush().unwrap();
-        self.next_line("dumped");
-        let b = std::fs::read(&path).unwrap();
-        let _ = std::fs::remove_file(&path);
-        b
-    }
-
-    fn kill9(&mut self) {
-        let _ = self.child.kill(); // SIGKILL
-        let _ = self.child.wait();
-    }
-}
-
-impl Drop for Target {
-    fn drop(&mut self) {
-        drop(self.stdin.take());
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
+    Target::spawn(REGION as u64, &args, None)
 }
 
 fn initiator(src_len: usize) -> (Agent, Vec<u8>, u64) {
@@ -139,7 +56,7 @@ fn connect(a: &Agent, t: &Target, kind: TransportKind, n: u32) -> Box<dyn Transp
 }
 
 fn random_batches(kind: TransportKind, n: u32, seed: u64, heap: bool) {
-    let mut target = Target::spawn_with(0, heap);
+    let mut target = target_with(0, heap);
     let (a, src, sreg) = initiator(2 << 20);
     let t = connect(&a, &target, kind, n);
     assert_eq!(t.kind(), kind);
@@ -185,7 +102,7 @@ fn random_batches(kind: TransportKind, n: u32, seed: u64, heap: bool) {
         let c = t.wait(id, Duration::from_secs(20)).unwrap();
         assert_eq!(c.bytes, ops.iter().map(|o| o.len).sum::<u64>());
         // The receiver saw the same completion record, after the data.
-        let line = target.next_line("completion");
+        let line = target.line("completion");
         assert_eq!(line["completion"]["bytes"], c.bytes, "{line}");
         assert_eq!(line["completion"]["room"], batches, "{line}");
         batches += 1;
@@ -310,7 +227,7 @@ fn read_frame_timeout(s: &mut Raw) -> (wire::FrameType, Vec<u8>) {
 /// and the target's memory stays all zero.
 #[test]
 fn malformed_requests_refused_nothing_written() {
-    let mut target = Target::spawn(0);
+    let mut target = target(0);
     let me = pdxfer::transport::ProcIdentity::current().unwrap();
     let mut s = dial(&target.addr);
     wire::write_json(
@@ -506,7 +423,7 @@ fn malformed_requests_refused_nothing_written() {
 /// nonce: another process, another pid namespace) is refused by name.
 #[test]
 fn cma_identity_proof_mismatch_refused() {
-    let target = Target::spawn(0);
+    let target = target(0);
     let me = pdxfer::transport::ProcIdentity::current().unwrap();
     let mut s = dial(&target.addr);
     wire::write_json(
@@ -548,8 +465,8 @@ fn cma_identity_proof_mismatch_refused() {
 #[test]
 fn killed_peer_fails_batch_within_deadline_others_keep_working() {
     for kind in [TransportKind::Cma, TransportKind::Tcp] {
-        let mut a_t = Target::spawn(3000); // stalls before validating each batch
-        let mut b_t = Target::spawn(0);
+        let mut a_t = target(3000); // stalls before validating each batch
+        let mut b_t = target(0);
         let (a, src, sreg) = initiator(1 << 20);
         let ta = connect(&a, &a_t, kind, 2);
         let tb = connect(&a, &b_t, kind, 2);
@@ -592,7 +509,7 @@ fn killed_peer_fails_batch_within_deadline_others_keep_working() {
 #[test]
 fn stalled_peer_times_out_at_batch_deadline() {
     for kind in [TransportKind::Cma, TransportKind::Tcp] {
-        let t = Target::spawn(2500);
+        let t = target(2500);
         let (a, _src, sreg) = initiator(1 << 16);
         let tr = connect(&a, &t, kind, 1);
         let opts = BatchOptions {
@@ -679,7 +596,7 @@ fn resident_kb(addr: u64) -> u64 {
 /// refused before anything is sent.
 #[test]
 fn cma_maps_shared_regions_populated_and_places_after_the_grant() {
-    let mut target = Target::spawn(300);
+    let mut target = target(300);
     let (a, _src, _) = initiator(4096);
     let t = connect(&a, &target, TransportKind::Cma, 1);
     let m = t.mapped_dst(target.region).expect("shared region mapped");
@@ -735,7 +652,7 @@ fn cma_maps_shared_regions_populated_and_places_after_the_grant() {
     let c = t.wait(id, Duration::from_secs(20)).unwrap();
     assert_eq!((c.bytes, c.room), (10_077, 5));
     assert!(c.checksum.is_some());
-    let line = target.next_line("completion");
+    let line = target.line("completion");
     assert_eq!(line["completion"]["bytes"], 10_077, "{line}");
     assert!(
         target.dump() == model,
@@ -751,7 +668,7 @@ fn cma_maps_shared_regions_populated_and_places_after_the_grant() {
     let e = t.submit_placed(&bad, &opts, &mut never).unwrap_err();
     assert_eq!(e.status(), Status::OutOfBounds, "{e}");
     // heap regions are not mapped: submit_placed is refused
-    let heap = Target::spawn_with(0, true);
+    let heap = target_with(0, true);
     let th = connect(&a, &heap, TransportKind::Cma, 1);
     assert!(th.mapped_dst(heap.region).is_none());
     let e = th
@@ -791,7 +708,7 @@ fn scattered_run(sreg: u64, dreg: u64, src_row: u64, dst_off: u64, rows: u64) ->
 #[test]
 fn tcp_runs_of_scattered_rows_land_byte_exact_with_checksums() {
     for streams in [1, 3] {
-        let mut target = Target::spawn(0);
+        let mut target = target(0);
         let (a, src, sreg) = initiator(8 << 20);
         let t = connect(&a, &target, TransportKind::Tcp, streams);
         // a run of more rows than IOV_MAX, a run of rows long enough to be
@@ -830,7 +747,7 @@ fn tcp_runs_of_scattered_rows_land_byte_exact_with_checksums() {
             let id = t.submit(&ops, &opts).unwrap();
             let c = t.wait(id, Duration::from_secs(20)).unwrap();
             assert_eq!(c.bytes, ops.iter().map(|o| o.len).sum::<u64>());
-            target.next_line("completion");
+            target.line("completion");
         }
         let got = target.dump();
         if let Some(i) = (0..REGION).find(|&i| got[i] != model[i]) {
@@ -844,7 +761,7 @@ fn tcp_runs_of_scattered_rows_land_byte_exact_with_checksums() {
 
 #[test]
 fn tcp_a_bad_op_inside_a_run_refuses_the_batch_nothing_written() {
-    let mut target = Target::spawn(0);
+    let mut target = target(0);
     let (a, _src, sreg) = initiator(8 << 20);
     let t = connect(&a, &target, TransportKind::Tcp, 1);
     for bad in 0..3 {

@@ -5,6 +5,7 @@
 //! bounded (threads read from `/proc/<pid>/status`), release what a silent
 //! peer holds after its timeout, and keep serving real peers.
 
+use crate::support::target::Target;
 use pdxfer::bootstrap::schema::Role;
 use pdxfer::bootstrap::server::{BootstrapServer, ServerConfig};
 use pdxfer::bootstrap::store::Store;
@@ -12,11 +13,8 @@ use pdxfer::transport::{
     wire, Agent, AgentOptions, BatchOptions, ConnectOptions, TransportKind, WriteOp,
 };
 use serde_json::{json, Value};
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{Read, Write};
 use std::net::TcpStream;
-use std::os::unix::process::CommandExt;
-use std::process::{Child, ChildStdin, Command, Stdio};
-use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use crate::support;
@@ -109,103 +107,6 @@ fn closed(conns: &[TcpStream]) -> usize {
         .count()
 }
 
-/// A `pdxfer target` child.
-struct Target {
-    child: Child,
-    stdin: Option<ChildStdin>,
-    lines: mpsc::Receiver<Value>,
-    addr: String,
-    pid: u32,
-    region: u64,
-}
-
-impl Target {
-    /// Starts a target with `args`; under `nofile` descriptors when given.
-    fn spawn(args: &[&str], nofile: Option<u64>) -> Target {
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_pdxfer"));
-        cmd.args(["target", "--listen", "127.0.0.1:0", "--size", "1048576"])
-            .args(args)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped());
-        if let Some(n) = nofile {
-            // SAFETY: the closure only calls setrlimit, which is async-signal-safe.
-            unsafe {
-                cmd.pre_exec(move || {
-                    let r = libc::rlimit {
-                        rlim_cur: n,
-                        rlim_max: n,
-                    };
-                    if libc::setrlimit(libc::RLIMIT_NOFILE, &r) != 0 {
-                        return Err(std::io::Error::last_os_error());
-                    }
-                    Ok(())
-                });
-            }
-        }
-        let mut child = cmd.spawn().expect("spawn pdxfer target");
-        let stdin = child.stdin.take();
-        let out = child.stdout.take().unwrap();
-        let (tx, rx) = mpsc::channel();
-        std::thread::spawn(move || {
-            for l in BufReader::new(out).lines() {
-                let Ok(l) = l else { return };
-                if let Ok(v) = serde_json::from_str::<Value>(&l) {
-                    if tx.send(v).is_err() {
-                        return;
-                    }
-                }
-            }
-        });
-        let ready = rx
-            .recv_timeout(Duration::from_secs(20))
-            .expect("target ready line");
-        assert_eq!(ready["ready"], true, "{ready}");
-        Target {
-            addr: ready["addr"].as_str().unwrap().to_string(),
-            pid: ready["pid"].as_u64().unwrap() as u32,
-            region: ready["regions"][0]["id"].as_u64().unwrap(),
-            child,
-            stdin,
-            lines: rx,
-        }
-    }
-
-    fn line(&self, key: &str) -> Value {
-        let end = Instant::now() + Duration::from_secs(20);
-        loop {
-            let left = end.saturating_duration_since(Instant::now());
-            let v = self
-                .lines
-                .recv_timeout(left)
-                .unwrap_or_else(|_| panic!("no {key} line from the target"));
-            if v.get(key).is_some() {
-                return v;
-            }
-        }
-    }
-
-    fn cmd(&mut self, c: &str) {
-        let s = self.stdin.as_mut().unwrap();
-        writeln!(s, "{c}").unwrap();
-        s.flush().unwrap();
-    }
-
-    /// Unregisters the target's region, waiting up to `ms` for its pins.
-    fn unregister(&mut self, ms: u64) -> Value {
-        let c = format!("unregister {} {ms}", self.region);
-        self.cmd(&c);
-        self.line("unregistered")
-    }
-}
-
-impl Drop for Target {
-    fn drop(&mut self) {
-        drop(self.stdin.take());
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
 /// A real sender: writes 4 KiB into the target's region over tcp and checks
 /// the batch completed and the target delivered its completion record.
 fn real_write(t: &Target, a: &Agent, src: &mut [u8], room: u64) {
@@ -247,7 +148,7 @@ fn real_write(t: &Target, a: &Agent, src: &mut [u8], room: u64) {
 #[test]
 fn agent_idle_flood_is_bounded_and_real_peers_are_served() {
     raise_nofile(FLOOD as u64 + 512);
-    let t = Target::spawn(&["--max-pending", "256"], None);
+    let t = Target::spawn(1 << 20, &["--max-pending", "256"], None);
     let base = threads(t.pid);
     let conns = flood(&t.addr, FLOOD);
     std::thread::sleep(Duration::from_millis(500));
@@ -345,6 +246,7 @@ fn closed_within(s: &mut TcpStream, within: Duration) -> Option<Duration> {
 #[test]
 fn an_idle_half_open_session_is_closed_after_its_timeout() {
     let mut t = Target::spawn(
+        1 << 20,
         &[
             "--idle-timeout-ms",
             "1000",
@@ -418,7 +320,7 @@ fn an_idle_half_open_session_is_closed_after_its_timeout() {
 /// region only until the pin timeout: unregister then succeeds.
 #[test]
 fn a_half_sent_piece_releases_its_pin_after_the_timeout() {
-    let mut t = Target::spawn(&["--pin-timeout-ms", "1500"], None);
+    let mut t = Target::spawn(1 << 20, &["--pin-timeout-ms", "1500"], None);
     let (_ctl, ack) = raw_session(&t.addr);
     let mut data = dial(&t.addr);
     wire::write_json(
@@ -460,7 +362,7 @@ fn a_half_sent_piece_releases_its_pin_after_the_timeout() {
 /// the pin timeout: unregister then succeeds, and the late commit is refused.
 #[test]
 fn an_uncommitted_grant_expires_after_the_pin_timeout() {
-    let mut t = Target::spawn(&["--pin-timeout-ms", "1000"], None);
+    let mut t = Target::spawn(1 << 20, &["--pin-timeout-ms", "1000"], None);
     let (mut ctl, _) = raw_session(&t.addr);
     let range = wire::Range {
         region: t.region,
@@ -503,7 +405,7 @@ fn an_uncommitted_grant_expires_after_the_pin_timeout() {
 /// spinning on accept, and serves again once they close.
 #[test]
 fn emfile_backs_off_and_keeps_serving() {
-    let t = Target::spawn(&[], Some(64));
+    let t = Target::spawn(1 << 20, &[], Some(64));
     // more than its descriptors, fewer than the listen backlog (so every connect completes)
     let mut conns = flood(&t.addr, 150);
     std::thread::sleep(Duration::from_millis(300));

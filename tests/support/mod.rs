@@ -9,6 +9,7 @@ pub mod cluster;
 pub mod etcd;
 pub mod fakes;
 pub mod proc;
+pub mod target;
 
 #[path = "../../src/test_skip.rs"]
 mod test_skip;
