@@ -7,7 +7,7 @@
 //! another uid.
 
 use crate::support as common;
-use crate::support::child::{self, is_root, next_report, report, NOBODY};
+use crate::support::child::{self, is_root, next_report, report, Talker, NOBODY};
 
 use pdxfer::bootstrap::schema::{PeerHello, Role};
 use pdxfer::bootstrap::server::{BootstrapServer, ServerConfig};
@@ -31,7 +31,6 @@ const LAYERS: u32 = 4;
 const ROW: u64 = 64;
 const P: u64 = 16;
 const CANARY: u8 = 0xC3;
-/// Marks the lines a child prints for the parent (the test harness prints others).
 const CHILD_ENV: &str = "PDXFER_AUTH_CHILD";
 
 // ---------------------------------------------------------------- children
@@ -55,58 +54,23 @@ fn is_child(name: &str) -> bool {
     child::is_child(CHILD_ENV, name)
 }
 
-/// A process holding 64 KiB of canary bytes: prints its identity and the
-/// buffer's address, then on each stdin line how many bytes changed.
+/// A process holding 64 KiB of canary bytes ([`child::run_canary`]).
 #[test]
 #[ignore = "child process of the auth tests"]
 fn child_canary() {
-    if !is_child("child_canary") {
-        return;
-    }
-    let buf = vec![CANARY; 64 << 10];
-    report(json!({
-        "identity": ProcIdentity::current().unwrap(),
-        "addr": buf.as_ptr() as u64,
-        "len": buf.len(),
-    }));
-    for _ in std::io::stdin().lock().lines() {
-        let changed = std::hint::black_box(&buf)
-            .iter()
-            .filter(|&&b| b != CANARY)
-            .count();
-        report(json!({ "changed": changed }));
+    if is_child("child_canary") {
+        child::run_canary(CANARY);
     }
 }
 
-struct Canary {
-    child: Child,
-    out: BufReader<std::process::ChildStdout>,
-    info: Value,
-}
-
-impl Canary {
-    fn spawn() -> Canary {
-        let mut child = child("child_canary", &[], false);
-        let mut out = BufReader::new(child.stdout.take().unwrap());
-        let info = next_report(&child, &mut out);
-        Canary { child, out, info }
-    }
-
-    fn changed(&mut self) -> u64 {
-        let stdin = self.child.stdin.as_mut().unwrap();
-        writeln!(stdin, "check").unwrap();
-        stdin.flush().unwrap();
-        next_report(&self.child, &mut self.out)["changed"]
-            .as_u64()
-            .unwrap()
-    }
-}
-
-impl Drop for Canary {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
+/// The canary child, started and reporting.
+fn spawn_canary() -> Talker {
+    Talker::spawn(child::command(
+        module_path!(),
+        "child_canary",
+        CHILD_ENV,
+        false,
+    ))
 }
 
 /// Everything a peer sends until it closes or is quiet for `quiet`.
@@ -507,7 +471,7 @@ fn refusal_code(v: &Value) -> i64 {
 #[test]
 fn an_unprivileged_attacker_cannot_steer_the_prefill() {
     let mut p = pair();
-    let mut canary = Canary::spawn();
+    let mut canary = spawn_canary();
     let room = 41;
     let (src, dst) = open_room(&mut p, room);
     let reg = p.prefill.registration().unwrap();

@@ -9,17 +9,16 @@
 //! (`channel_integrity`), with the secret configured; nothing reaches the
 //! canary.
 
-use crate::support::child::{self, next_report, report};
+use crate::support::child::{self, report, Talker};
 use pdxfer::auth::Mode;
 use pdxfer::transport::peer_auth::authenticate_server;
 use pdxfer::transport::wire::{self, FrameType};
-use pdxfer::transport::{Agent, AgentOptions, ConnectOptions, ProcIdentity, TransportKind};
+use pdxfer::transport::{Agent, AgentOptions, ConnectOptions, TransportKind};
 use pdxfer::Status;
 use serde_json::{json, Value};
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::os::linux::net::SocketAddrExt;
-use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
 
 const SECRET: &str = "security-channel-secret-0123456789";
@@ -27,80 +26,25 @@ const CANARY: u8 = 0x5C;
 const CHILD_ENV: &str = "PDXFER_SECURITY_CHANNEL_CHILD";
 
 /// Re-runs this test binary for the ignored child test `name` (as uid/gid
-/// 65534 when `nobody` and root), with `envs`.
-fn child(name: &str, envs: &[(&str, String)], nobody: bool) -> Child {
+/// 65534 when `nobody` and root), with `envs`; waits for its first report.
+fn spawn(name: &str, envs: &[(&str, String)], nobody: bool) -> Talker {
     let mut c = child::command(module_path!(), name, CHILD_ENV, nobody);
-    c.stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit());
     for (k, v) in envs {
         c.env(k, v);
     }
-    c.spawn().expect("spawn child test")
+    Talker::spawn(c)
 }
 
 fn is_child(name: &str) -> bool {
     child::is_child(CHILD_ENV, name)
 }
 
-/// A child the parent talks to; killed on drop.
-struct Proc {
-    child: Child,
-    out: BufReader<std::process::ChildStdout>,
-    info: Value,
-}
-
-impl Proc {
-    fn spawn(name: &str, envs: &[(&str, String)], nobody: bool) -> Proc {
-        let mut child = child(name, envs, nobody);
-        let mut out = BufReader::new(child.stdout.take().unwrap());
-        let info = next_report(&child, &mut out);
-        Proc { child, out, info }
-    }
-
-    /// The canary's count of changed bytes.
-    fn changed(&mut self) -> u64 {
-        let stdin = self.child.stdin.as_mut().unwrap();
-        writeln!(stdin, "check").unwrap();
-        stdin.flush().unwrap();
-        next_report(&self.child, &mut self.out)["changed"]
-            .as_u64()
-            .unwrap()
-    }
-}
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-/// A process holding 64 KiB of canary bytes: prints its identity and the
-/// buffer's address, then on each stdin line how many bytes changed. Ends
-/// by itself after 60 s.
+/// A process holding 64 KiB of canary bytes ([`child::run_canary`]).
 #[test]
 #[ignore = "child process of the security_channel tests"]
 fn child_canary() {
-    if !is_child("child_canary") {
-        return;
-    }
-    let buf = vec![CANARY; 64 << 10];
-    report(json!({
-        "identity": ProcIdentity::current().unwrap(),
-        "addr": buf.as_ptr() as u64,
-        "len": buf.len(),
-    }));
-    let t0 = Instant::now();
-    for _ in std::io::stdin().lock().lines() {
-        let changed = std::hint::black_box(&buf)
-            .iter()
-            .filter(|&&b| b != CANARY)
-            .count();
-        report(json!({ "changed": changed }));
-        if t0.elapsed() > Duration::from_secs(60) {
-            break;
-        }
+    if is_child("child_canary") {
+        child::run_canary(CANARY);
     }
 }
 
@@ -198,11 +142,11 @@ fn connect(a: &Agent, addr: &str, transport: TransportKind) -> pdxfer::Result<Tr
 /// binding socket refused too; `auto` never picks cma; the canary unchanged.
 #[test]
 fn a_fake_agent_cannot_aim_cma_at_another_process() {
-    let mut canary = Proc::spawn("child_canary", &[], false);
+    let mut canary = spawn("child_canary", &[], false);
     let canary_pid = canary.info["identity"]["pid"].as_u64().unwrap();
     let (tx, _buf, _) = sender(None);
     for socket in ["own", "none"] {
-        let fake = Proc::spawn(
+        let fake = spawn(
             "child_fake_agent",
             &[
                 ("FAKE_CANARY", canary.info.to_string()),
@@ -313,7 +257,7 @@ fn child_relay() {
 /// into the canary; a direct connection still works.
 #[test]
 fn a_relay_that_rewrites_the_hello_ack_is_caught() {
-    let mut canary = Proc::spawn("child_canary", &[], false);
+    let mut canary = spawn("child_canary", &[], false);
     let rx = Agent::new(&AgentOptions {
         listen: Some("127.0.0.1:0".into()),
         secret: Some(SECRET.into()),
@@ -324,7 +268,7 @@ fn a_relay_that_rewrites_the_hello_ack_is_caught() {
     // SAFETY: rbuf outlives the receiving agent (dropped after it below).
     unsafe { rx.registry().register_host(rbuf.as_mut_ptr(), rbuf.len()) }.unwrap();
     let upstream = rx.local_addr().unwrap().to_string();
-    let relay = Proc::spawn(
+    let relay = spawn(
         "child_relay",
         &[
             ("RELAY_CANARY", canary.info.to_string()),

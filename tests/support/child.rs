@@ -3,7 +3,7 @@
 //! root, and reads the child's reports from marked lines of its stdout.
 
 use serde_json::Value;
-use std::io::BufRead;
+use std::io::{BufRead, Write};
 use std::os::unix::process::CommandExt;
 use std::process::{Child, Command};
 
@@ -76,6 +76,75 @@ pub fn next_report(c: &Child, r: &mut impl BufRead) -> Value {
         assert!(n > 0, "child {} ended without a report", c.id());
         if let Some(i) = line.find(MARK) {
             return serde_json::from_str(line[i + MARK.len()..].trim_end()).unwrap();
+        }
+    }
+}
+
+/// A child test the parent talks to: stdin lines one way, marked reports
+/// the other; its first report is [`Talker::info`]. Killed on drop.
+pub struct Talker {
+    /// The process.
+    pub child: Child,
+    out: std::io::BufReader<std::process::ChildStdout>,
+    /// Its first report.
+    pub info: Value,
+}
+
+impl Talker {
+    /// Spawns `cmd` (from [`command`]) with piped stdin and stdout and waits
+    /// for its first report.
+    pub fn spawn(mut cmd: Command) -> Talker {
+        let mut child = cmd
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::inherit())
+            .spawn()
+            .expect("spawn child test");
+        let mut out = std::io::BufReader::new(child.stdout.take().unwrap());
+        let info = next_report(&child, &mut out);
+        Talker { child, out, info }
+    }
+
+    /// Sends `line` and returns the child's next report.
+    pub fn ask(&mut self, line: &str) -> Value {
+        let stdin = self.child.stdin.as_mut().unwrap();
+        writeln!(stdin, "{line}").unwrap();
+        stdin.flush().unwrap();
+        next_report(&self.child, &mut self.out)
+    }
+
+    /// A [`run_canary`] child's count of changed bytes.
+    pub fn changed(&mut self) -> u64 {
+        self.ask("check")["changed"].as_u64().unwrap()
+    }
+}
+
+impl Drop for Talker {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// The body of a canary child: 64 KiB of `byte`; reports its identity and
+/// the buffer's address, then on each stdin line how many bytes changed.
+/// Ends by itself after 60 s.
+pub fn run_canary(byte: u8) {
+    let buf = vec![byte; 64 << 10];
+    report(serde_json::json!({
+        "identity": pdxfer::transport::ProcIdentity::current().unwrap(),
+        "addr": buf.as_ptr() as u64,
+        "len": buf.len(),
+    }));
+    let t0 = std::time::Instant::now();
+    for _ in std::io::stdin().lock().lines() {
+        let changed = std::hint::black_box(&buf)
+            .iter()
+            .filter(|&&b| b != byte)
+            .count();
+        report(serde_json::json!({ "changed": changed }));
+        if t0.elapsed() > std::time::Duration::from_secs(60) {
+            break;
         }
     }
 }
