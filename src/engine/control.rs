@@ -13,11 +13,12 @@
 //! through) is `channel_integrity` and the connection is dropped.
 
 use crate::auth::{
-    AuthChallenge, AuthHello, AuthProof, Channel, ClientAuth, Mode, PeerInstance, ServerAuth,
-    SessionKeys, SessionMac, TAG_LEN,
+    AuthChallenge, AuthHello, AuthProof, Channel, ClientAuth, Mode, PeerInstance, SessionKeys,
+    SessionMac, TAG_LEN,
 };
 use crate::bootstrap::schema::PeerHello;
 use crate::error::{Error, Result, Status};
+use crate::transport::auth_exchange::AuthCodec;
 use serde::{Deserialize, Serialize};
 use std::io::{BufRead, BufReader, Write};
 use std::net::TcpStream;
@@ -256,7 +257,7 @@ pub enum CtlMsg {
 
 /// A framed control connection (one writer lock; one reader thread owns the reader).
 ///
-/// Before [`authenticate_to_prefill`] / [`authenticate_decode`] installed the
+/// Before [`authenticate_to_prefill`] / [`install`] installed the
 /// connection's keys it writes bare lines (the three authentication lines);
 /// after, every line is sealed: one lock covers the sequence number and the
 /// write, so the order of sequence numbers is the order on the wire.
@@ -540,66 +541,87 @@ pub fn install(writer: &CtlWriter, reader: &mut CtlReader, keys: SessionKeys, pe
     reader.open_with(recv, peer);
 }
 
-/// Prefill side: the first line (`first`, read whole by the listener, its
-/// newline stripped) must be an `auth_hello` of at most
-/// [`MAX_UNAUTHENTICATED_LINE`] bytes; answers with the challenge and checks
-/// the proof. Returns the decode's authenticated instance, the connection's
-/// [`SessionKeys`] installed in `writer` and `reader` (`peer` names the
-/// decode's address in a `channel_integrity` error); the caller sends the
-/// refusal on error (bare: no keys are installed then).
-pub fn authenticate_decode(
-    writer: &CtlWriter,
-    reader: &mut CtlReader,
-    mode: &Mode,
-    instance: [u8; 16],
-    first: &[u8],
-    peer: &str,
-) -> Result<PeerInstance> {
-    if first.len() > MAX_UNAUTHENTICATED_LINE {
-        return Err(Error::new(
-            Status::Protocol,
-            format!(
-                "a {}-byte first line: before authenticating, lines are at most {MAX_UNAUTHENTICATED_LINE} bytes",
-                first.len()
-            ),
-        ));
+/// The answer to a Hello that cannot be accepted.
+pub fn refusal(e: &Error) -> CtlMsg {
+    CtlMsg::Status {
+        room: 0,
+        attempt: 0,
+        ok: false,
+        prefill_rank: 0,
+        bytes: 0,
+        reason: Some(e.detail().to_string()),
+        code: Some(e.status() as i32),
     }
-    let hello = match decode_line(first)? {
-        CtlMsg::AuthHello { auth } => auth,
-        _ => {
+}
+
+/// The control channel's authentication lines as the listener's poll loop
+/// reads them: `auth_hello`, then `auth_proof`, each one JSON line of at
+/// most [`MAX_UNAUTHENTICATED_LINE`] bytes; the challenge and a refusal are
+/// bare lines (no keys exist yet).
+pub struct CtlAuth;
+
+impl CtlAuth {
+    fn line(m: &[u8]) -> Result<CtlMsg> {
+        let line = m.strip_suffix(b"\n").unwrap_or(m);
+        if line.len() > MAX_UNAUTHENTICATED_LINE {
             return Err(Error::new(
+                Status::Protocol,
+                format!(
+                    "a {}-byte line: before authenticating, lines are at most {MAX_UNAUTHENTICATED_LINE} bytes",
+                    line.len()
+                ),
+            ));
+        }
+        decode_line(line)
+    }
+
+    fn bare(m: &CtlMsg) -> Result<Vec<u8>> {
+        let mut b =
+            serde_json::to_vec(m).map_err(|e| Error::new(Status::Protocol, e.to_string()))?;
+        b.push(b'\n');
+        Ok(b)
+    }
+}
+
+impl AuthCodec for CtlAuth {
+    fn hello(&self, msg: &[u8]) -> Result<AuthHello> {
+        crate::transport::control_counts::engine_received();
+        match Self::line(msg)? {
+            CtlMsg::AuthHello { auth } => Ok(auth),
+            _ => Err(Error::new(
                 Status::AuthRequired,
                 "the first control message must be auth_hello: this prefill accepts only authenticated decode ranks (same pdxfer version and cluster secret)",
-            ))
+            )),
         }
-    };
-    let (server, ch) = ServerAuth::challenge(mode, Channel::Control, instance, &hello)?;
-    writer.send(&CtlMsg::AuthChallenge { auth: ch })?;
-    match reader.recv_max(MAX_UNAUTHENTICATED_LINE)? {
-        Some(CtlMsg::AuthProof { auth }) => {
-            let (got, keys) = server.verify_keyed(&auth)?;
-            install(
-                writer,
-                reader,
-                keys,
-                &format!("decode instance {got} at {peer}"),
-            );
-            Ok(got)
+    }
+
+    fn challenge(&self, ch: &AuthChallenge) -> Result<Vec<u8>> {
+        let b = Self::bare(&CtlMsg::AuthChallenge { auth: ch.clone() })?;
+        crate::transport::control_counts::engine_sent();
+        Ok(b)
+    }
+
+    fn proof(&self, msg: &[u8]) -> Result<AuthProof> {
+        crate::transport::control_counts::engine_received();
+        match Self::line(msg)? {
+            CtlMsg::AuthProof { auth } => Ok(auth),
+            _ => Err(Error::new(
+                Status::AuthRequired,
+                "expected auth_proof after the challenge",
+            )),
         }
-        None => Err(Error::new(
-            Status::PeerUnreachable,
-            "closed during authentication",
-        )),
-        Some(_) => Err(Error::new(
-            Status::AuthRequired,
-            "expected auth_proof after the challenge",
-        )),
+    }
+
+    fn refusal(&self, e: &Error) -> Vec<u8> {
+        log::warn!("prefill control channel: refused a peer: {e}");
+        Self::bare(&refusal(e)).unwrap_or_default()
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::auth::ServerAuth;
     use std::net::TcpListener;
 
     #[test]
@@ -770,11 +792,35 @@ mod tests {
             let (s, _) = l.accept().unwrap();
             s.set_read_timeout(Some(std::time::Duration::from_secs(5)))
                 .unwrap();
-            let w = CtlWriter::new(s.try_clone().unwrap());
-            let mut r = CtlReader::new(s);
-            let first = r.recv_max(MAX_UNAUTHENTICATED_LINE)?.unwrap();
-            let line = serde_json::to_vec(&first).unwrap();
-            authenticate_decode(&w, &mut r, &prefill_mode, P, &line, "127.0.0.1:2")?;
+            // as the prefill's listener does: the exchange over CtlAuth, then
+            // the keys installed on the connection's writer and reader
+            use crate::transport::auth_exchange::AuthExchange;
+            use crate::transport::listen::{Exchange, Turn};
+            let mut x = AuthExchange::new(prefill_mode, Channel::Control, P, CtlAuth);
+            let mut input = BufReader::new(s.try_clone().unwrap());
+            let mut out = s.try_clone().unwrap();
+            let (peer, keys) = loop {
+                let mut line = Vec::new();
+                input.read_until(b'\n', &mut line)?;
+                match x.on_message(&line) {
+                    Turn::Continue(b) => out.write_all(&b)?,
+                    Turn::Done(d) => break d,
+                    Turn::Refuse(b) => {
+                        out.write_all(&b)?;
+                        return Err(Error::new(Status::AuthFailed, "refused"));
+                    }
+                }
+            };
+            // what arrived after the proof is the start of the next line
+            let rest = input.buffer().to_vec();
+            let w = CtlWriter::new(out);
+            let mut r = CtlReader::with_prefix(s, rest);
+            install(
+                &w,
+                &mut r,
+                keys,
+                &format!("decode instance {peer} at 127.0.0.1:2"),
+            );
             Ok((w, r))
         });
         let s = TcpStream::connect(addr).unwrap();

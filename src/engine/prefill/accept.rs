@@ -4,12 +4,11 @@
 //! until it disconnects.
 
 use super::{MetaInfo, Prefill};
-use crate::auth::{AuthChallenge, AuthHello, AuthProof, Channel, PeerInstance, SessionKeys};
+use crate::auth::{Channel, PeerInstance, SessionKeys};
 use crate::bootstrap::peer::check_pair;
 use crate::bootstrap::schema::{PeerHello, Role};
 use crate::engine::control::{
-    decode_line, install, is_older_peer, CtlMsg, CtlReader, CtlWriter, CONTROL_VERSION,
-    MAX_UNAUTHENTICATED_LINE,
+    install, is_older_peer, refusal, CtlAuth, CtlMsg, CtlReader, CtlWriter, CONTROL_VERSION,
 };
 use crate::engine::link::DecodeLink;
 use crate::engine::path::Conn;
@@ -60,70 +59,6 @@ pub(in crate::engine) fn accept_loop(w: Weak<Prefill>, l: TcpListener) {
     );
 }
 
-/// The control channel's authentication lines as the listener's poll loop
-/// reads them: `auth_hello`, then `auth_proof`, each one JSON line of at
-/// most [`MAX_UNAUTHENTICATED_LINE`] bytes; the challenge and a refusal are
-/// bare lines (no keys exist yet).
-struct CtlAuth;
-
-impl CtlAuth {
-    fn line(m: &[u8]) -> Result<CtlMsg> {
-        let line = m.strip_suffix(b"\n").unwrap_or(m);
-        if line.len() > MAX_UNAUTHENTICATED_LINE {
-            return Err(Error::new(
-                Status::Protocol,
-                format!(
-                    "a {}-byte line: before authenticating, lines are at most {MAX_UNAUTHENTICATED_LINE} bytes",
-                    line.len()
-                ),
-            ));
-        }
-        decode_line(line)
-    }
-
-    fn bare(m: &CtlMsg) -> Result<Vec<u8>> {
-        let mut b =
-            serde_json::to_vec(m).map_err(|e| Error::new(Status::Protocol, e.to_string()))?;
-        b.push(b'\n');
-        Ok(b)
-    }
-}
-
-impl AuthCodec for CtlAuth {
-    fn hello(&self, msg: &[u8]) -> Result<AuthHello> {
-        crate::transport::control_counts::engine_received();
-        match Self::line(msg)? {
-            CtlMsg::AuthHello { auth } => Ok(auth),
-            _ => Err(Error::new(
-                Status::AuthRequired,
-                "the first control message must be auth_hello: this prefill accepts only authenticated decode ranks (same pdxfer version and cluster secret)",
-            )),
-        }
-    }
-
-    fn challenge(&self, ch: &AuthChallenge) -> Result<Vec<u8>> {
-        let b = Self::bare(&CtlMsg::AuthChallenge { auth: ch.clone() })?;
-        crate::transport::control_counts::engine_sent();
-        Ok(b)
-    }
-
-    fn proof(&self, msg: &[u8]) -> Result<AuthProof> {
-        crate::transport::control_counts::engine_received();
-        match Self::line(msg)? {
-            CtlMsg::AuthProof { auth } => Ok(auth),
-            _ => Err(Error::new(
-                Status::AuthRequired,
-                "expected auth_proof after the challenge",
-            )),
-        }
-    }
-
-    fn refusal(&self, e: &Error) -> Vec<u8> {
-        log::warn!("prefill control channel: refused a peer: {e}");
-        Self::bare(&refusal(e)).unwrap_or_default()
-    }
-}
-
 /// A peer's label in the metrics: its rank key (`dp0-tp1-cp0-pp0`), which
 /// names one rank of a cluster and role.
 pub(super) fn peer_label(h: &PeerHello) -> String {
@@ -134,19 +69,6 @@ pub(super) fn peer_label(h: &PeerHello) -> String {
         pp: h.topology.pp_rank,
     }
     .to_string()
-}
-
-/// The answer to a Hello that cannot be accepted.
-fn refusal(e: &Error) -> CtlMsg {
-    CtlMsg::Status {
-        room: 0,
-        attempt: 0,
-        ok: false,
-        prefill_rank: 0,
-        bytes: 0,
-        reason: Some(e.detail().to_string()),
-        code: Some(e.status() as i32),
-    }
 }
 
 /// Prefill: one decode rank's control connection, authenticated by the
