@@ -33,7 +33,7 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-/// Bounds of a [`serve`]d listener.
+/// Bounds of a [`serve_exchange`]d listener.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ListenLimits {
     /// Connections waiting for their first message (no thread each); when
@@ -240,16 +240,6 @@ pub enum Turn<D> {
     Refuse(Vec<u8>),
 }
 
-/// The exchange of [`serve`]: done at the first message.
-struct FirstMessage;
-
-impl Exchange for FirstMessage {
-    type Done = Vec<u8>;
-    fn on_message(&mut self, msg: &[u8]) -> Turn<Vec<u8>> {
-        Turn::Done(msg.to_vec())
-    }
-}
-
 struct Pending<X: Exchange> {
     stream: TcpStream,
     source: Source,
@@ -268,40 +258,12 @@ fn out_of_resources(e: &std::io::Error) -> bool {
     )
 }
 
-/// Serves `l` until `stop()` says so (checked at least every 100 ms): each
-/// connection whose first message arrived whole, within the bounds, goes to
-/// `handle` with that message (and any bytes after it) and its [`Slot`]
-/// (`handle` starts the connection's thread; the slot lives as long as it).
-/// `refuse` encodes the refusal sent to a connection whose first message can
-/// never be accepted (too large, not a pdxfer message), in the protocol the
-/// peer speaks; the connection is then closed.
-pub fn serve(
-    l: TcpListener,
-    limits: ListenLimits,
-    framing: Framing,
-    stats: ListenStats,
-    stop: impl Fn() -> bool,
-    refuse: impl Fn(&str) -> Vec<u8>,
-    mut handle: impl FnMut(TcpStream, Vec<u8>, Slot),
-) {
-    serve_exchange(
-        l,
-        limits,
-        framing,
-        stats,
-        stop,
-        refuse,
-        || FirstMessage,
-        |s, rest, mut first: Vec<u8>, slot| {
-            first.extend_from_slice(&rest);
-            handle(s, first, slot)
-        },
-    )
-}
-
-/// [`serve`] with an [`Exchange`] (from `start`, one per connection) run in
-/// the poll loop before the handler: every message until the exchange is
-/// done is read without a thread, within
+/// Serves `l` until `stop()` says so (checked at least every 100 ms), with an
+/// [`Exchange`] (from `start`, one per connection) run in the poll loop
+/// before the handler. `refuse` encodes the refusal sent to a connection whose
+/// message can never be accepted (too large, not a pdxfer message), in the
+/// protocol the peer speaks; the connection is then closed. Every message
+/// until the exchange is done is read without a thread, within
 /// [`ListenLimits::first_message_timeout`] of the connection's accept and
 /// [`ListenLimits::max_first_message`] each. `handle` then gets the
 /// connection, the bytes after the exchange's last message, its outcome
@@ -542,6 +504,48 @@ fn hand_off<X: Exchange>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The exchange of the tests' [`serve`]: done at the first message.
+    struct FirstMessage;
+
+    impl Exchange for FirstMessage {
+        type Done = Vec<u8>;
+        fn on_message(&mut self, msg: &[u8]) -> Turn<Vec<u8>> {
+            Turn::Done(msg.to_vec())
+        }
+    }
+
+    /// Serves `l` until `stop()` says so (checked at least every 100 ms): each
+    /// connection whose first message arrived whole, within the bounds, goes to
+    /// `handle` with that message (and any bytes after it) and its [`Slot`]
+    /// (`handle` starts the connection's thread; the slot lives as long as it).
+    /// `refuse` encodes the refusal sent to a connection whose first message can
+    /// never be accepted (too large, not a pdxfer message), in the protocol the
+    /// peer speaks; the connection is then closed.
+    fn serve(
+        l: TcpListener,
+        limits: ListenLimits,
+        framing: Framing,
+        stats: ListenStats,
+        stop: impl Fn() -> bool,
+        refuse: impl Fn(&str) -> Vec<u8>,
+        mut handle: impl FnMut(TcpStream, Vec<u8>, Slot),
+    ) {
+        serve_exchange(
+            l,
+            limits,
+            framing,
+            stats,
+            stop,
+            refuse,
+            || FirstMessage,
+            |s, rest, mut first: Vec<u8>, slot| {
+                first.extend_from_slice(&rest);
+                handle(s, first, slot)
+            },
+        )
+    }
+
     use std::io::Write;
     use std::sync::atomic::AtomicBool;
     use std::sync::Mutex;
