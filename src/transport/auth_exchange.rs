@@ -1,5 +1,5 @@
 //! The authentication exchange ([`crate::auth`]) as the bounded listener's
-//! poll loop drives it ([`listen::Exchange`]): the AuthHello is answered with
+//! poll loop drives it ([`listen::Exchange`](crate::transport::listen::Exchange)): the AuthHello is answered with
 //! the challenge and the AuthProof checked, message by message, without a
 //! thread, so a peer that stalls in the middle holds only a place in the
 //! poll set (evicted when newer ones need it). [`AuthCodec`] says how the
