@@ -35,7 +35,7 @@ _Static_assert(sizeof(PdxEngineConfig) == 176, "PdxEngineConfig size is ABI");
 _Static_assert(sizeof(PdxSendOptions) == 48, "PdxSendOptions size is ABI");
 _Static_assert(sizeof(PdxKvPool) == 32, "PdxKvPool size is ABI");
 _Static_assert(sizeof(PdxAuxBuffer) == 24, "PdxAuxBuffer size is ABI");
-_Static_assert(sizeof(PdxTopology) == 88, "PdxTopology size is ABI");
+_Static_assert(sizeof(PdxTopology) == 96, "PdxTopology size is ABI");
 _Static_assert(PDXFER_POLL_FAILED == 0 && PDXFER_POLL_BOOTSTRAPPING == 1 &&
                    PDXFER_POLL_WAITING_FOR_INPUT == 2 && PDXFER_POLL_TRANSFERRING == 3 &&
                    PDXFER_POLL_SUCCESS == 4,

@@ -12,7 +12,7 @@ _Static_assert(sizeof(PdxDcpPlanArgs) == 88, "PdxDcpPlanArgs size is ABI");
 _Static_assert(sizeof(PdxPairPlanArgs) == 144, "PdxPairPlanArgs size is ABI");
 _Static_assert(sizeof(PdxRun) == 24, "PdxRun size is ABI");
 _Static_assert(sizeof(PdxLayout) == 24, "PdxLayout size is ABI");
-_Static_assert(sizeof(PdxTopology) == 88, "PdxTopology size is ABI");
+_Static_assert(sizeof(PdxTopology) == 96, "PdxTopology size is ABI");
 _Static_assert(sizeof(PdxPeerCompat) == 24, "PdxPeerCompat size is ABI");
 _Static_assert(sizeof(PdxRankMapping) == 48, "PdxRankMapping size is ABI");
 

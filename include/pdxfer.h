@@ -106,6 +106,21 @@
 // Plan only the packed layout: source rows are indices into a staging buffer.
 #define PDXFER_PLAN_PACKED 1
 
+// CP rank 0 sends the whole request; the other CP ranks conclude locally.
+#define PDXFER_CP_MODE_RANK0 0
+
+// Every CP rank sends its contiguous page range of the request.
+#define PDXFER_CP_MODE_ALL_CP 1
+
+// Every CP rank holds every token.
+#define PDXFER_CP_STORAGE_REPLICATED 0
+
+// Each CP rank holds a subset of the layers (DSA cache-layer split).
+#define PDXFER_CP_STORAGE_LAYER_SPLIT 1
+
+// Pages are sharded by page id (KV cache sharding).
+#define PDXFER_CP_STORAGE_KV_SHARDED 2
+
 // Every prefill CP rank transfers its shard.
 #define PDXFER_MAP_ALL_CP_RANKS 1
 
@@ -402,6 +417,12 @@ typedef struct PdxTopology {
   const uint32_t *entry_layer_ids;
   // Token row bytes of each entry.
   const uint64_t *entry_row_bytes;
+  // Prefill: `PDXFER_CP_MODE_*`, which attention CP ranks send (0, the
+  // default: CP rank 0 only). Absent from a 88-byte (older) struct.
+  uint32_t cp_mode;
+  // Prefill: `PDXFER_CP_STORAGE_*`, how the CP ranks store the KV (0, the
+  // default: replicated).
+  uint32_t cp_storage;
 } PdxTopology;
 
 // One KV entry's pool: `num_pages` pages of `page_bytes` at `base`.

@@ -206,6 +206,7 @@ fn registration_json() -> String {
             layer_id: 0,
             row_bytes: 64,
         }],
+        cp: Default::default(),
     };
     let r = Registration::new("c1", Role::Decode, InstanceId(5), t);
     serde_json::to_string(&r).unwrap()
@@ -569,6 +570,8 @@ fn c_abi(data: &[u8]) {
             } else {
                 ptr_or_null(rows, f.one_in(8))
             },
+            cp_mode: f.u8() as u32 % 3,
+            cp_storage: f.u8() as u32 % 4,
         }
     };
     let (mut i1, mut r1, mut i2, mut r2) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());

@@ -112,6 +112,7 @@ def topology_json(t: Topology) -> Dict[str, Any]:
         "kv_dtype": t.kv_dtype,
         "pool": _POOLS[t.pool],
         "entries": [{"layer_id": int(l), "row_bytes": int(b)} for l, b in t.entries],
+        "cp": {"mode": t.cp_mode.replace("-", "_"), "storage": t.cp_storage},
     }
 
 

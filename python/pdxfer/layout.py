@@ -119,6 +119,8 @@ class CTopology(ctypes.Structure):
         ("num_entries", ctypes.c_uint64),
         ("entry_layer_ids", _u32p),
         ("entry_row_bytes", _u64p),
+        ("cp_mode", ctypes.c_uint32),
+        ("cp_storage", ctypes.c_uint32),
     ]
 
 
@@ -338,6 +340,10 @@ def dcp_pack_buffer_bytes(kv_item_lens: Sequence[int], page_size: int, max_token
 
 
 POOL_MLA, POOL_HYBRID_MLA, POOL_MHA = 0, 1, 2
+#: Prefill attention CP send modes (``PDXFER_CP_MODE_*``): CP rank 0 sends, or every CP rank its pages.
+CP_MODES = {"rank0": 0, "all-cp": 1}
+#: How a prefill's CP ranks store the KV (``PDXFER_CP_STORAGE_*``).
+CP_STORAGES = {"replicated": 0, "layer_split": 1, "kv_sharded": 2}
 DTYPES = {"auto": 0, "bf16": 1, "fp16": 2, "fp32": 3, "fp8_e4m3": 4, "fp8_e5m2": 5}
 
 
@@ -359,6 +365,10 @@ class Topology:
     dcp_interleave: int = 1
     kv_dtype: str = "bf16"
     pool: int = POOL_MLA
+    #: prefill: which attention CP ranks send (a key of :data:`CP_MODES`)
+    cp_mode: str = "rank0"
+    #: prefill: how the CP ranks store the KV (a key of :data:`CP_STORAGES`)
+    cp_storage: str = "replicated"
 
     @classmethod
     def mla(cls, layers: int = 61, row_bytes: int = 1152, **kw) -> "Topology":
@@ -368,6 +378,9 @@ class Topology:
     def _c(self):
         if self.kv_dtype not in DTYPES:
             raise ArgumentError(-101, f"unknown kv_dtype {self.kv_dtype!r}; one of {sorted(DTYPES)}")
+        if self.cp_mode not in CP_MODES or self.cp_storage not in CP_STORAGES:
+            raise ArgumentError(-101, f"unknown cp_mode {self.cp_mode!r} or cp_storage {self.cp_storage!r}; "
+                                      f"one of {sorted(CP_MODES)} and {sorted(CP_STORAGES)}")
         n = len(self.entries)
         ids = (ctypes.c_uint32 * n)(*[e[0] for e in self.entries])
         rows = (ctypes.c_uint64 * n)(*[e[1] for e in self.entries])
@@ -375,7 +388,8 @@ class Topology:
             ctypes.sizeof(CTopology), self.engine_rank, self.attn_tp_size, self.attn_tp_rank,
             self.attn_cp_size, self.attn_cp_rank, self.pp_size, self.pp_rank, self.dcp_size,
             self.dcp_rank, self.dcp_interleave, self.page_size, DTYPES[self.kv_dtype], self.pool, 0,
-            n, ctypes.cast(ids, _u32p), ctypes.cast(rows, _u64p),
+            n, ctypes.cast(ids, _u32p), ctypes.cast(rows, _u64p), CP_MODES[self.cp_mode],
+            CP_STORAGES[self.cp_storage],
         )
         return t, (ids, rows)
 

@@ -198,7 +198,7 @@ def test_struct_sizes_pinned():
     assert ctypes.sizeof(L.PairPlanArgs) == 144
     assert ctypes.sizeof(L.Run) == 24
     assert ctypes.sizeof(L.Layout) == 24
-    assert ctypes.sizeof(L.CTopology) == 88
+    assert ctypes.sizeof(L.CTopology) == 96
     assert ctypes.sizeof(L.CPeerCompat) == 24
     assert ctypes.sizeof(L.CRankMapping) == 48
 

@@ -269,6 +269,7 @@ fn topology(dcp: u32, rank: u32) -> Topology {
                 row_bytes: ROW,
             })
             .collect(),
+        cp: Default::default(),
     }
 }
 

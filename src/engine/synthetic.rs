@@ -220,6 +220,7 @@ impl SyntheticPools {
                     row_bytes: self.row_bytes,
                 })
                 .collect(),
+            cp: Default::default(),
         }
     }
 

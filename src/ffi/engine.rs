@@ -769,6 +769,8 @@ mod tests {
                 num_entries: t.entries.len() as u64,
                 entry_layer_ids: null(),
                 entry_row_bytes: null(),
+                cp_mode: 0,
+                cp_storage: 0,
             },
         });
         s.topo.entry_layer_ids = s.ids.as_ptr();

@@ -3,7 +3,9 @@
 use super::ptr::{self, Versioned};
 use super::{boundary, PdxStatus};
 use crate::error::Result;
-use crate::layout::{self, KvDtype, KvEntry, MappingOptions, PoolKind, Topology};
+use crate::layout::{
+    self, CpMode, CpStorage, CpTransfer, KvDtype, KvEntry, MappingOptions, PoolKind, Topology,
+};
 
 /// One side's parallel topology and KV geometry.
 #[repr(C)]
@@ -45,11 +47,31 @@ pub struct PdxTopology {
     pub entry_layer_ids: *const u32,
     /// Token row bytes of each entry.
     pub entry_row_bytes: *const u64,
+    /// Prefill: `PDXFER_CP_MODE_*`, which attention CP ranks send (0, the
+    /// default: CP rank 0 only). Absent from a 88-byte (older) struct.
+    pub cp_mode: u32,
+    /// Prefill: `PDXFER_CP_STORAGE_*`, how the CP ranks store the KV (0, the
+    /// default: replicated).
+    pub cp_storage: u32,
 }
+
+/// CP rank 0 sends the whole request; the other CP ranks conclude locally.
+pub const PDXFER_CP_MODE_RANK0: u32 = 0;
+/// Every CP rank sends its contiguous page range of the request.
+pub const PDXFER_CP_MODE_ALL_CP: u32 = 1;
+/// Every CP rank holds every token.
+pub const PDXFER_CP_STORAGE_REPLICATED: u32 = 0;
+/// Each CP rank holds a subset of the layers (DSA cache-layer split).
+pub const PDXFER_CP_STORAGE_LAYER_SPLIT: u32 = 1;
+/// Pages are sharded by page id (KV cache sharding).
+pub const PDXFER_CP_STORAGE_KV_SHARDED: u32 = 2;
+
+/// `sizeof(PdxTopology)` before the CP fields.
+const PDX_TOPOLOGY_SIZE_V1: usize = 88;
 
 // SAFETY: repr(C), starts with u64 struct_size, integers and raw pointers only (zero is valid).
 unsafe impl Versioned for PdxTopology {
-    const MIN_SIZE: usize = std::mem::size_of::<PdxTopology>();
+    const MIN_SIZE: usize = PDX_TOPOLOGY_SIZE_V1;
     const NAME: &'static str = "PdxTopology";
 }
 
@@ -140,6 +162,10 @@ pub(crate) fn topology_from_c(p: *const PdxTopology) -> Result<Topology> {
                 row_bytes,
             })
             .collect(),
+        cp: CpTransfer {
+            mode: CpMode::from_u32(t.cp_mode)?,
+            storage: CpStorage::from_u32(t.cp_storage)?,
+        },
     })
 }
 
@@ -230,7 +256,8 @@ mod tests {
     #[test]
     fn abi_struct_sizes_are_pinned() {
         use std::mem::size_of;
-        assert_eq!(size_of::<PdxTopology>(), 88);
+        assert_eq!(size_of::<PdxTopology>(), 96);
+        assert_eq!(PDX_TOPOLOGY_SIZE_V1, 88);
         assert_eq!(size_of::<PdxPeerCompat>(), 24);
         assert_eq!(size_of::<PdxRankMapping>(), 48);
         assert_eq!(size_of::<super::super::plan::PdxDcpPlanArgs>(), 88);

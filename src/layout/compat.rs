@@ -11,6 +11,7 @@
 //! A pair that shares no token under the two layouts is a miswire and fails
 //! with `dcp_rank_mismatch`, the seed's error, before any byte moves.
 
+use super::cp::check_cp_storage;
 use super::plan::pairs_with_share;
 use super::topology::Topology;
 use crate::error::{Error, Result, Status};
@@ -92,15 +93,7 @@ pub fn check_peer(prefill: &Topology, decode: &Topology) -> Result<PeerCompat> {
             format!("PD decode DCP requires an MLA or hybrid-MLA KV pool, decode has a {} pool with dcp_size={}; run decode with --dcp-size 1 or an MLA model; {both}", decode.pool.as_str(), decode.dcp_size),
         ));
     }
-    if decode.dcp_size > 1 && prefill.attn_cp_size != 1 {
-        return Err(Error::new(
-            Status::PrefillCpWithDecodeDcp,
-            format!(
-                "PD decode DCP currently requires prefill attention CP=1, got {}. Relaunch the prefill server with attention CP disabled, or decode with --dcp-size 1; {both}",
-                prefill.attn_cp_size
-            ),
-        ));
-    }
+    check_cp_storage(prefill, decode, &both)?;
 
     let sl = prefill.dcp_layout()?;
     let dl = decode.dcp_layout()?;
@@ -209,6 +202,7 @@ fn pair_entries(prefill: &Topology, decode: &Topology) -> Result<Vec<(u32, u32)>
 mod tests {
     use super::*;
     use crate::layout::topology::{KvDtype, KvEntry, PoolKind};
+    use crate::layout::CpStorage;
 
     fn t(dcp: u32, rank: u32) -> Topology {
         let mut t = Topology::single_mla(64, 4, 1152);
@@ -292,11 +286,31 @@ mod tests {
         assert!(e
             .detail()
             .contains("kv_cache_dtype=bf16, but decode server has kv_cache_dtype=fp8_e4m3"));
+    }
+
+    #[test]
+    fn prefill_cp_pairs_with_decode_dcp_only_over_replicated_kv() {
         let mut p = t(1, 0);
         p.attn_cp_size = 2;
-        let e = check_peer(&p, &t(4, 0)).unwrap_err();
-        assert_eq!(e.status(), Status::PrefillCpWithDecodeDcp);
-        assert!(e.detail().contains("got 2"));
+        p.attn_cp_rank = 1;
+        let c = check_peer(&p, &t(4, 3)).unwrap();
+        assert_eq!(c.mode, TransferMode::TokenRelayout);
+        assert_eq!(c.decode_ranks_served, vec![0, 1, 2, 3]);
+        for (storage, flag) in [
+            (CpStorage::LayerSplit, "--enable-dsa-cache-layer-split"),
+            (CpStorage::KvSharded, "--enable-kv-cache-sharding"),
+        ] {
+            p.cp.storage = storage;
+            let e = check_peer(&p, &t(4, 0)).unwrap_err();
+            assert_eq!(e.status(), Status::PrefillCpWithDecodeDcp);
+            assert!(
+                e.detail()
+                    .contains(&format!("relaunch the prefill without {flag}")),
+                "{e}"
+            );
+            // without DCP on the decode the storage does not matter here
+            assert!(check_peer(&p, &t(1, 0)).is_ok());
+        }
     }
 
     #[test]

@@ -3,6 +3,9 @@
 //! - [`topology`]: one side's parallel topology, pool kind, per-entry geometry
 //!   and the DCP ownership rule ([`DcpLayout`]).
 //! - [`rank_map`]: which prefill ranks a decode rank talks to (reference 3.1-3.3).
+//! - [`cp_transfer`]: what a prefill publishes about its attention CP.
+//! - [`cp`]: which prefill CP rank sends which tokens ([`CpSender`]), and the
+//!   CP storages a DCP decode refuses.
 //! - [`compat`]: whether a prefill rank may send to a decode rank, and how.
 //! - [`plan`]: token plans for one chunk and one rank pair, SGLang's and general.
 //! - [`runs`]: runs, byte operations per entry, packed layout and pack sizing.
@@ -11,6 +14,8 @@
 
 pub mod chunk;
 pub mod compat;
+pub mod cp;
+pub mod cp_transfer;
 pub mod plan;
 pub mod rank_map;
 pub mod runs;
@@ -18,6 +23,8 @@ pub mod topology;
 
 pub use chunk::{slice_requests, ChunkSpec, SendChunker};
 pub use compat::{check_peer, PeerCompat, TransferMode};
+pub use cp::{check_cp_storage, cp_page_bounds, CpSender, CpShare};
+pub use cp_transfer::{CpMode, CpStorage, CpTransfer};
 pub use plan::{
     dcp_token_plan, pairs_with_share, PairRequest, Segment, SglangChunk, Side, TokenPlan,
 };

@@ -1,6 +1,7 @@
 //! Which prefill ranks a decode rank talks to (reference 3.1-3.3): TP, CP and
 //! PP targets, dummy ranks, and how many peers each side waits for.
 
+use super::cp::CpSender;
 use super::topology::{PoolKind, Topology};
 use crate::error::{Error, Result, Status};
 use serde::Serialize;
@@ -40,7 +41,8 @@ impl RankMapping {
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct MappingOptions {
     /// Every prefill CP rank transfers its shard (`SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER`
-    /// or DSA cache-layer split).
+    /// or DSA cache-layer split) even where the prefill does not publish
+    /// [`CpMode::AllCp`](super::CpMode::AllCp).
     pub all_cp_ranks_transfer: bool,
 }
 
@@ -111,13 +113,16 @@ pub fn resolve_rank_mapping(
         ));
     }
     let cp = prefill.attn_cp_size.max(1);
-    let cp_ranks: Vec<u32> =
-        if cp > 1 && (opts.all_cp_ranks_transfer || decode.pool == PoolKind::HybridMla) {
-            resp *= cp;
-            (0..cp).collect()
-        } else {
-            vec![0]
-        };
+    let cp_ranks: Vec<u32> = if cp > 1
+        && (opts.all_cp_ranks_transfer
+            || decode.pool == PoolKind::HybridMla
+            || CpSender::of(prefill).all_ranks_send())
+    {
+        resp *= cp;
+        (0..cp).collect()
+    } else {
+        vec![0]
+    };
 
     let (ppd, ppp) = (decode.pp_size, prefill.pp_size);
     let pp_ranks: Vec<u32> = if ppd == ppp {

@@ -1,6 +1,7 @@
 //! One side's parallel topology, KV pool kind and per-entry geometry, and the
 //! DCP layout rule (who owns a token and at which local row).
 
+use super::cp_transfer::CpTransfer;
 use crate::error::{Error, Result, Status};
 use serde::{Deserialize, Serialize};
 
@@ -237,6 +238,9 @@ pub struct Topology {
     pub pool: PoolKind,
     /// Per-entry geometry, in the pool's entry order.
     pub entries: Vec<KvEntry>,
+    /// Prefill: which CP ranks send and how they store the KV (decode: the default).
+    #[serde(default)]
+    pub cp: CpTransfer,
 }
 
 impl Topology {
@@ -262,6 +266,7 @@ impl Topology {
                     row_bytes,
                 })
                 .collect(),
+            cp: CpTransfer::default(),
         }
     }
 
