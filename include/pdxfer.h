@@ -138,7 +138,7 @@
 // 1.5: `pdxfer_alloc_shared_pool` / `pdxfer_free_shared_pool` (shared KV
 // pools, one copy on the same host), `PDXFER_ENGINE_NO_ONE_COPY`,
 // `PDXFER_ENGINE_NO_PREFAULT`.
-#define PDXFER_ABI_VERSION_MINOR 5
+#define PDXFER_ABI_VERSION_MINOR 6
 
 // Stable status codes shared by Rust, C (`PdxStatus`) and Python (`.code`).
 enum PdxStatus
@@ -1002,6 +1002,14 @@ PdxStatus pdxfer_engine_set_state_indices(const struct PdxEngine *engine,
                                           uint64_t room,
                                           const int64_t *rows,
                                           size_t num_rows);
+
+// Prefill: the request's page count after the decode prefix (SGLang's
+// `num_kv_indices`), before its first chunk (ABI 1.6). An attention CP rank
+// in all-CP-ranks mode (`PdxTopology.cp_mode`) sends only its share of the
+// pages and needs it; elsewhere it is kept and unused.
+PdxStatus pdxfer_engine_set_request_pages(const struct PdxEngine *engine,
+                                          uint64_t room,
+                                          uint64_t total_pages);
 
 // Forgets a terminal room so its id can be reused (refused while writes for
 // it are in flight, and for a live room).

@@ -237,6 +237,7 @@ _sig("pdxfer_engine_is_fenced", [_vp, _u64, ctypes.POINTER(ctypes.c_uint32)])
 _sig("pdxfer_engine_clear", [_vp, _u64])
 _sig("pdxfer_engine_set_state_indices", [_vp, _u64, ctypes.POINTER(ctypes.c_int64), ctypes.c_size_t])
 _sig("pdxfer_engine_room_bytes", [_vp, _u64, ctypes.POINTER(ctypes.c_uint64)])
+_sig("pdxfer_engine_set_request_pages", [_vp, _u64, _u64])
 _sig("pdxfer_engine_decode_prefix_len", [_vp, _u64, ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint32)])
 _sizep = ctypes.POINTER(ctypes.c_size_t)
 _sig("pdxfer_engine_metrics", [_vp, ctypes.c_char_p, ctypes.c_size_t, _sizep])
@@ -429,6 +430,11 @@ class Engine:
         chunk; decode: before ``send_metadata``)."""
         arr = (ctypes.c_int64 * max(1, len(rows)))(*rows)
         check(lib.pdxfer_engine_set_state_indices(self._live(), room, arr, len(rows)))
+
+    def set_request_pages(self, room: int, total_pages: int) -> None:
+        """Prefill: the request's page count after the decode prefix, before its
+        first chunk (an all-CP-ranks CP rank sends its share of those pages)."""
+        check(lib.pdxfer_engine_set_request_pages(self._live(), room, int(total_pages)))
 
     def _live(self) -> ctypes.c_void_p:
         return self._hd.raw
@@ -652,6 +658,10 @@ class Sender(_Room):
     def set_state_indices(self, rows: Sequence[int]) -> None:
         """State rows (one per state buffer) sent after the last chunk's KV."""
         self.engine.set_state_indices(self.room, rows)
+
+    def set_request_pages(self, total_pages: int) -> None:
+        """The request's page count after the decode prefix (before the first chunk)."""
+        self.engine.set_request_pages(self.room, total_pages)
 
     def decode_prefix_len(self) -> Optional[int]:
         """The decode prefix the decode ranks hold (None before their metadata)."""

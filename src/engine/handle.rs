@@ -233,13 +233,18 @@ impl Engine {
     }
 
     /// Prefill: the `decode_prefix_len` the decode ranks sent for the room,
-    /// once their metadata has arrived (`None` before, or for an unknown room).
+    /// once their metadata has arrived (`None` before, or for an unknown room;
+    /// 0 at once on a dummy CP rank, which no decode rank contacts).
     /// The prefill's chunks start right after it: SGLang's
     /// `pop_decode_prefix_len` reads it to skip the prefix the decode holds.
     pub fn decode_prefix_len(&self, room: u64) -> Option<u64> {
         let Inner::Prefill(p) = &self.inner else {
             return None;
         };
+        // a dummy CP rank hears from no decode: it sends nothing, from position 0
+        if p.cp_sender().is_dummy() {
+            return lock(&p.prefill_rooms).get(&room).map(|_| 0);
+        }
         lock(&p.prefill_rooms)
             .get(&room)
             .and_then(|r| r.infos.first().map(|m| m.prefix))
@@ -327,6 +332,15 @@ impl Engine {
     /// decode rank that targets this rank sent its metadata.
     pub fn sender(&self, room: u64) -> Result<()> {
         self.prefill()?.sender(room)
+    }
+
+    /// Prefill: the request's page count after the decode prefix (SGLang's
+    /// `num_kv_indices`), before its first chunk. An attention CP rank in
+    /// all-CP-ranks mode needs it to send its share
+    /// ([`cp_page_bounds`](crate::layout::cp_page_bounds)); elsewhere it is
+    /// kept and unused.
+    pub fn set_request_pages(&self, room: u64, total_pages: u64) -> Result<()> {
+        self.prefill()?.set_request_pages(room, total_pages)
     }
 
     /// Prefill: queues a chunk of the request: this rank's `pages` holding

@@ -639,6 +639,22 @@ pub extern "C" fn pdxfer_engine_set_state_indices(
     })
 }
 
+/// Prefill: the request's page count after the decode prefix (SGLang's
+/// `num_kv_indices`), before its first chunk (ABI 1.6). An attention CP rank
+/// in all-CP-ranks mode (`PdxTopology.cp_mode`) sends only its share of the
+/// pages and needs it; elsewhere it is kept and unused.
+#[no_mangle]
+pub extern "C" fn pdxfer_engine_set_request_pages(
+    engine: *const PdxEngine,
+    room: u64,
+    total_pages: u64,
+) -> PdxStatus {
+    boundary(|| {
+        eng(engine)?.set_request_pages(room, total_pages)?;
+        ok()
+    })
+}
+
 /// Forgets a terminal room so its id can be reused (refused while writes for
 /// it are in flight, and for a live room).
 #[no_mangle]

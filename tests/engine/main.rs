@@ -11,6 +11,8 @@ mod support;
 
 mod bounded;
 #[cfg(feature = "testing")]
+mod cp;
+#[cfg(feature = "testing")]
 mod engine;
 mod engine_metrics;
 mod engine_races;

@@ -10,6 +10,7 @@
 //!   each link's write path, then completed).
 
 mod accept;
+mod cp;
 pub(super) mod jobs;
 #[cfg(test)]
 mod tests;
@@ -65,6 +66,8 @@ pub(super) struct PrefillRoom {
     pub(super) layer_chunk: Option<LayerChunk>,
     /// That chunk's plan toward every decode rank (made by the worker).
     pub(super) layer_plan: Option<Arc<LayerPlan>>,
+    /// The request's page count after the decode prefix (all-CP-ranks mode).
+    pub(super) total_pages: Option<u64>,
 }
 
 /// A prefill engine's state: the [`Shared`] state and the prefill's own.
@@ -163,6 +166,7 @@ impl Prefill {
         for m in pending {
             self.add_meta(room, m);
         }
+        self.open_dummy_cp_room(room, attempt);
         Ok(())
     }
 
@@ -222,6 +226,7 @@ impl Prefill {
             ));
         }
         self.cfg.check_pages(pages, "pages", "prefill")?;
+        self.check_cp_chunk(room, pages.len())?;
         let start = {
             let mut pr = lock(&self.prefill_rooms);
             let r = pr
@@ -302,10 +307,15 @@ impl Prefill {
             )
         };
         let (start, state_indices, peers, room_done, layered) = start;
+        let Some((pages, start, num_tokens)) =
+            self.cp_share(room, attempt, pages, start, num_tokens, room_done)?
+        else {
+            return Ok(());
+        };
         self.jobs.push(Job {
             room,
             attempt,
-            pages: pages.to_vec(),
+            pages,
             start,
             num_tokens,
             last: room_done,

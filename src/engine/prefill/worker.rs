@@ -224,7 +224,9 @@ fn send_chunk<'a>(
             conn.path
                 .write(&mut cx, &m.link, &conn, &pair, &job.layers)?,
         );
-        if job.last && !inner.cfg.aux.is_empty() {
+        // the aux and state rows are CP replicas: CP rank 0 sends them
+        let aux_and_state = job.last && inner.cp_sender().sends_aux_and_state();
+        if aux_and_state && !inner.cfg.aux.is_empty() {
             let mut ops = Vec::new();
             for (i, (a, r)) in inner.cfg.aux.iter().zip(&inner.aux_regions).enumerate() {
                 let (dr, ditem) = *m.link.regions.aux.get(i).ok_or_else(|| {
@@ -257,7 +259,7 @@ fn send_chunk<'a>(
             cx.flight.submit(&m.link, &ops, None)?;
         }
         // a request without state rows on either side moves no state
-        if job.last && !(job.state_indices.is_empty() && m.state_indices.is_empty()) {
+        if aux_and_state && !(job.state_indices.is_empty() && m.state_indices.is_empty()) {
             let ops = state_ops(inner, job, m)?;
             cx.flight.submit(&m.link, &ops, None)?;
         }
