@@ -465,6 +465,8 @@ static void bad_inputs(void) {
     CHECK(fst == PDX_STATUS_UNKNOWN_ROOM && need > 1);
     char small[2];
     CHECK(pdxfer_engine_failure(pe0, 404, &fst, small, sizeof small, &need) == PDX_STATUS_BUFFER_TOO_SMALL);
+    CHECK(pdxfer_engine_set_request_pages(pe0, 404, 4) == PDX_STATUS_UNKNOWN_ROOM);
+    CHECK(pdxfer_engine_set_request_pages(de0, 404, 4) == PDX_STATUS_UNSUPPORTED);
     CHECK(pdxfer_engine_send_metadata(de0, 404, pg, 1, 0, 0) == PDX_STATUS_UNKNOWN_ROOM);
     CHECK(pdxfer_engine_clear(de0, 404) == PDX_STATUS_UNKNOWN_ROOM);
     CHECK(pdxfer_engine_abort(de0, 404, NULL) == PDX_STATUS_UNKNOWN_ROOM);

@@ -204,6 +204,43 @@ static void test_peer_and_mapping(void) {
     CHECK(pdxfer_rank_mapping(&dec, &pre, 0x10, &m) == PDX_STATUS_INVALID_ARGUMENT);
 }
 
+static void test_prefill_cp(void) {
+    uint32_t ids[4] = {0, 1, 2, 3};
+    uint64_t rows[4] = {1152, 1152, 1152, 1152};
+    PdxPeerCompat c;
+    memset(&c, 0, sizeof c);
+    c.struct_size = sizeof c;
+    /* prefill attention CP 2 over replicated KV pairs with a DCP 4 decode */
+    PdxTopology p = mla(1, 0, ids, rows, 4), d = mla(4, 3, ids, rows, 4);
+    p.attn_cp_size = 2;
+    p.attn_cp_rank = 1;
+    CHECK(pdxfer_check_peer(&p, &d, &c) == PDX_STATUS_OK);
+    CHECK(c.mode == 1 && c.num_decode_ranks_served == 4);
+    /* a split storage is refused, naming the SGLang flag */
+    p.cp_storage = PDXFER_CP_STORAGE_LAYER_SPLIT;
+    CHECK(pdxfer_check_peer(&p, &d, &c) == PDX_STATUS_PREFILL_CP_WITH_DECODE_DCP);
+    CHECK(strstr(pdxfer_last_error(), "--enable-dsa-cache-layer-split") != NULL);
+    p.cp_storage = 7;
+    CHECK(pdxfer_check_peer(&p, &d, &c) == PDX_STATUS_INVALID_ARGUMENT);
+    /* an 88-byte (older) struct reads as rank-0 mode over replicated KV */
+    p.cp_storage = PDXFER_CP_STORAGE_LAYER_SPLIT;
+    p.cp_mode = PDXFER_CP_MODE_ALL_CP;
+    p.struct_size = 88;
+    CHECK(pdxfer_check_peer(&p, &d, &c) == PDX_STATUS_OK);
+    PdxRankMapping m;
+    memset(&m, 0, sizeof m);
+    m.struct_size = sizeof m;
+    d.attn_tp_size = 4;
+    d.engine_rank = 3;
+    CHECK(pdxfer_rank_mapping(&d, &p, 0, &m) == PDX_STATUS_OK);
+    CHECK(m.cp_rank_begin == 0 && m.cp_rank_end == 1 && m.required_prefill_response_num == 1);
+    /* the published all-CP-ranks mode: the decode contacts and waits for both CP ranks */
+    p.struct_size = sizeof p;
+    p.cp_storage = PDXFER_CP_STORAGE_REPLICATED;
+    CHECK(pdxfer_rank_mapping(&d, &p, 0, &m) == PDX_STATUS_OK);
+    CHECK(m.cp_rank_begin == 0 && m.cp_rank_end == 2 && m.required_prefill_response_num == 2);
+}
+
 int main(void) {
     CHECK(pdxfer_abi_version() >> 16 == PDXFER_ABI_VERSION_MAJOR);
     test_worked_example();
@@ -211,5 +248,6 @@ int main(void) {
     test_plan_errors();
     test_bad_inputs();
     test_peer_and_mapping();
+    test_prefill_cp();
     return CHECK_SUMMARY();
 }

@@ -223,7 +223,7 @@ status_table! {
     DcpRankMismatch => "dcp_rank_mismatch", "PD peers must connect matching DCP ranks";
     UnsupportedDcpTopology => "unsupported_dcp_topology", "unsupported PD DCP topology";
     DcpRequiresMla => "dcp_requires_mla", "decode DCP requires an MLA or hybrid-MLA KV pool";
-    PrefillCpWithDecodeDcp => "prefill_cp_with_decode_dcp", "decode DCP requires prefill attention CP=1";
+    PrefillCpWithDecodeDcp => "prefill_cp_with_decode_dcp", "decode DCP needs the prefill's attention CP ranks to hold replicated KV";
     KvDtypeMismatch => "kv_dtype_mismatch", "KV cache dtype differs between prefill and decode";
     GeometryMismatch => "geometry_mismatch", "KV entry geometry differs between prefill and decode";
     PageSizeMismatch => "page_size_mismatch", "page size differs between prefill and decode";

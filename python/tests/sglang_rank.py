@@ -2,7 +2,10 @@
 sequence of SGLang 0.5.23's scheduler (``disaggregation/prefill.py`` and
 ``decode.py``) against the pdxfer backend, for test_sglang.py.
 
-Usage: ``python sglang_rank.py '<json spec>'``. The classes come from SGLang's
+Usage: ``python sglang_rank.py '<json spec>'``. With ``spec["cp"]`` the prefill
+ranks of one attention CP group reduce their polls (MIN) through files, as
+SGLang's ``poll_and_all_reduce_attn_cp_tp_group`` does, and each CP rank holds
+the room's rows only where it is the sender. The classes come from SGLang's
 own ``get_kv_class`` after SGLang's ``load_plugins()`` found pdxfer's entry
 point (``spec["plugin_site"]``), or straight from ``pdxfer.sglang`` when that
 is null. KVArgs is SGLang's class, filled as ``_init_kv_manager`` fills it
@@ -31,6 +34,7 @@ sglang_env.setup()  # before pdxfer: its adapter then subclasses SGLang's base c
 from pdxfer.synthetic import pattern  # noqa: E402
 
 SENTINEL = np.uint64(0xEEEEEEEEEEEEEEEE)
+POISON = 999  # room offset of the rows a CP rank holds where it is not the sender
 POOL_PAGES = 64
 META_ROWS = 6
 STATE_SLOTS = 8
@@ -89,6 +93,9 @@ class Rank:
 
             self.cls = lambda kind: KVArgs if kind == "KVARGS" else names[kind]
         sglang_env.set_parallel(**s["parallel"])
+        # attention CP: the prefill ranks of one CP group reduce their polls (MIN) as
+        # SGLang's poll_and_all_reduce_attn_cp_tp_group does, through files in cp["dir"]
+        self.cp = s.get("cp") if self.role == "prefill" else None
         from sglang.srt.disaggregation.base.conn import StateType
 
         p, local = s["page"], self.role == "prefill"
@@ -140,15 +147,22 @@ class Rank:
             room, total = r["room"], r["total"]
             pages = room_pages(room, -(-total // p), 7)
             loc = np.array([pages[t // p] * p + t % p for t in range(total)], dtype=np.int64)
+            # a CP rank holds the room's rows only where it is the sender (the others
+            # hold another room's), so a row sent from the wrong CP rank shows on the decode
+            mine = self.cp_owned(r["prefix"], total)
             for (key, rb), buf in zip(self.keys, self.kv):
                 buf[loc] = pattern(room, key, np.arange(total), rb // 8)
+                buf[loc[~mine]] = pattern(room + POISON, key, np.arange(total)[~mine], rb // 8)
+            own_rows = room if self.sends_rows() else room + POISON
             if self.state:
                 for i, buf in enumerate(self.state):
-                    buf[state_slot(room, "prefill")] = pattern(room, 0x900 + i, np.arange(1), buf.shape[1])[0]
+                    buf[state_slot(room, "prefill")] = pattern(own_rows, 0x900 + i, np.arange(1), buf.shape[1])[0]
             addr = s["bootstrap_addr"]
             sender = self.cls("SENDER")(mgr=self.mgr, bootstrap_addr=addr, bootstrap_room=room,
                                         req_has_disagg_prefill_dp_rank=False)
-            res = {"room": room}
+            res = {"room": room, "dummy_cp_rank": self.mgr.is_dummy_cp_rank,
+                   "all_cp_ranks": self.mgr.enable_all_cp_ranks_for_transfer,
+                   "polled_at_construction": int(sender.poll())}
             st = self.wait(sender, (K.WaitingForInput, K.Failed), pp=True)
             if st == K.WaitingForInput:
                 prefix = sender.pop_decode_prefix_len()
@@ -164,7 +178,7 @@ class Rank:
                         end -= end % p
                     if last:
                         for (name, w, d), buf in zip(META, self.meta):
-                            buf[idx] = meta_row(room, name, w, d)
+                            buf[idx] = meta_row(own_rows, name, w, d)
                     kv_idx = loc[start:end]
                     page_idx = kv_idx[::p] // p
                     state_idx = [[np.array([state_slot(room, "prefill")], dtype=np.int64)]] \
@@ -285,9 +299,46 @@ class Rank:
         deadline = time.monotonic() + limit
         while True:
             st = conn.poll_pp_consensus() if pp and self.s["parallel"]["pp_size"] > 1 else conn.poll()
+            if self.cp is not None:
+                st = self.cp_reduce(conn.bootstrap_room, int(st))
             if st in states or time.monotonic() > deadline:
                 return st
             time.sleep(0.002)
+
+    def cp_reduce(self, room, st):
+        """The MIN of the CP group's latest polls of ``room`` (a rank not heard from: Bootstrapping)."""
+        d, c, n = self.cp["dir"], self.s["parallel"]["attn_cp_rank"], self.s["parallel"]["attn_cp_size"]
+        tmp = os.path.join(d, f".{room}-{c}")
+        with open(tmp, "w") as f:
+            f.write(str(st))
+        os.replace(tmp, os.path.join(d, f"{room}-{c}"))
+        vals = []
+        for k in range(n):
+            try:
+                with open(os.path.join(d, f"{room}-{k}")) as f:
+                    vals.append(int(f.read()))
+            except (FileNotFoundError, ValueError):
+                vals.append(int(self.u.KVPoll.Bootstrapping))
+        return min(vals)
+
+    def cp_owned(self, prefix, total):
+        """Which positions of the room this CP rank is the sender of (all without CP)."""
+        pos = np.arange(total)
+        if self.cp is None:
+            return np.ones(total, dtype=bool)
+        c, n = self.s["parallel"]["attn_cp_rank"], self.s["parallel"]["attn_cp_size"]
+        if not self.mgr.enable_all_cp_ranks_for_transfer:
+            return (pos >= prefix) if c == 0 else np.zeros(total, dtype=bool)
+        p = self.s["page"]
+        pages = -(-(total - prefix) // p)
+        base, rem = divmod(pages, n)
+        lo = c * base + min(c, rem)
+        hi = lo + base + (1 if c < rem else 0)
+        return (pos >= prefix + lo * p) & (pos < prefix + hi * p)
+
+    def sends_rows(self):
+        """The aux and state rows come from CP rank 0."""
+        return self.cp is None or self.s["parallel"]["attn_cp_rank"] == 0
 
     def wait_landed(self, dst, p, limit=20.0):
         rows = (np.asarray(dst, dtype=np.int64)[:, None] * p + np.arange(p)[None, :]).reshape(-1)
@@ -299,6 +350,7 @@ class Rank:
 
 def main() -> int:
     s = json.loads(sys.argv[1])
+    os.environ.update(s.get("env") or {})
     rank = Rank(s)
     try:
         if rank.role == "prefill":

@@ -170,7 +170,8 @@ def test_check_peer_and_rank_mapping():
             pdxfer.check_peer(pdxfer.Topology.mla(), pdxfer.Topology.mla(dcp_size=4, **kw))
         assert e.value.kind == kind
     with pytest.raises(pdxfer.CompatError) as e:
-        pdxfer.check_peer(pdxfer.Topology.mla(attn_cp_size=2), pdxfer.Topology.mla(dcp_size=4))
+        pdxfer.check_peer(pdxfer.Topology.mla(attn_cp_size=2, cp_storage="layer_split"),
+                          pdxfer.Topology.mla(dcp_size=4))
     assert e.value.kind == "prefill_cp_with_decode_dcp"
     with pytest.raises(pdxfer.CompatError) as e:
         pdxfer.check_peer(pdxfer.Topology.mla(), pdxfer.Topology.mla(row_bytes=576, dcp_size=4))
@@ -185,6 +186,25 @@ def test_check_peer_and_rank_mapping():
     with pytest.raises(pdxfer.CompatError) as e:
         pdxfer.rank_mapping(pdxfer.Topology.mla(pp_size=2), pdxfer.Topology.mla(pp_size=4))
     assert e.value.kind == "pp_mismatch"
+
+
+def test_prefill_cp_with_decode_dcp():
+    dec = pdxfer.Topology.mla(attn_tp_size=4, engine_rank=2, dcp_size=4, dcp_rank=2)
+    pre = pdxfer.Topology.mla(attn_cp_size=2, attn_cp_rank=1)
+    c = pdxfer.check_peer(pre, dec)
+    assert (c.mode, c.num_decode_ranks_served) == ("token_relayout", 4)
+    assert pdxfer.rank_mapping(dec, pre).required_prefill_response_num == 1, "rank-0 mode: one response"
+    pre.cp_mode = "all-cp"
+    m = pdxfer.rank_mapping(dec, pre)
+    assert (m.target_cp_ranks, m.required_prefill_response_num) == ([0, 1], 2)
+    pre.cp_storage = "kv_sharded"
+    with pytest.raises(pdxfer.CompatError) as e:
+        pdxfer.check_peer(pre, dec)
+    assert e.value.kind == "prefill_cp_with_decode_dcp"
+    assert "without --enable-kv-cache-sharding" in str(e.value)
+    pre.cp_mode = "every"
+    with pytest.raises(pdxfer.ArgumentError):
+        pdxfer.check_peer(pre, dec)
 
 
 def test_pack_buffer_bytes():

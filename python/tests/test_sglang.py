@@ -44,8 +44,9 @@ def parallel(tp=1, rank=0, dcp=1, pp=1, pp_rank=0, cp=1, dp=1, attn_dp=1):
 
 
 def spec(role, addr, rooms, *, mla=True, layers=3, par=None, engine_rank=0, start_layer=0, local_layers=None,
-         state=False, draft=0, dp_rank=0, site=None, port=0):
-    return {"role": role, "bootstrap_addr": addr, "rooms": rooms, "mla": mla, "page": PAGE, "row": ROW,
+         state=False, draft=0, dp_rank=0, site=None, port=0, page=PAGE, cp=None, env=None):
+    return {"role": role, "bootstrap_addr": addr, "rooms": rooms, "mla": mla, "page": page, "row": ROW,
+            "cp": cp, "env": env,
             "layers": layers, "start_layer": start_layer,
             "local_layers": layers if local_layers is None else local_layers, "draft": draft, "draft_row": 32,
             "state": state, "parallel": par or parallel(), "engine_rank": engine_rank, "system_dp_rank": dp_rank,
@@ -228,16 +229,20 @@ def test_seed_refusals_name_the_sglang_arguments(server, monkeypatch):
     monkeypatch.setenv("PDXFER_SGLANG_POOL_MEMORY", "host")
     monkeypatch.setenv("PDXFER_SGLANG_CLUSTER", "seed-cp")
     a, keep = addr_of(server), []
-    # prefill with attention CP 2, decode with DCP 2: refused before any room
+    # prefill attention CP 2 with DSA cache-layer split (each CP rank holds some layers), decode
+    # with DCP 2: refused before any room, naming the flag (replicated CP KV is served)
+    split = {"enable_dsa_cache_layer_split": True}
     pre = [S.KVManager(_Args(0, keep), "prefill", _sa(server.port), True,
-                       parallel=dict_ns(parallel(cp=2) | {"attn_cp_rank": c})) for c in range(2)]
+                       parallel=dict_ns(parallel(cp=2) | {"attn_cp_rank": c} | split)) for c in range(2)]
+    assert all(m.enable_all_cp_ranks_for_transfer and not m.is_dummy_cp_rank for m in pre), \
+        "a layer-split prefill sends from every CP rank, as SGLang's"
     dec = S.KVManager(_Args(0, keep), "decode", _sa(0), True, parallel=dict_ns(parallel(tp=2, dcp=2)))
     try:
         with pytest.raises(S.SGLangCompatError) as e:
             dec.try_ensure_parallel_info(a)
         assert e.value.kind == "prefill_cp_with_decode_dcp"
         assert isinstance(e.value, RuntimeError), "SGLang raises RuntimeError here"
-        assert "--attn-cp-size 1" in str(e.value) and "--dcp-size 1" in str(e.value)
+        assert "without --enable-dsa-cache-layer-split" in str(e.value) and "--dcp-size 1" in str(e.value)
     finally:
         for m in pre + [dec]:
             m.close()

@@ -6,7 +6,7 @@
 //! hello of another version is refused with a message naming both versions.
 
 use crate::error::{Error, Result, Status};
-use crate::layout::{KvDtype, PoolKind, Topology};
+use crate::layout::{CpTransfer, KvDtype, PoolKind, Topology};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::fmt;
@@ -276,6 +276,9 @@ pub struct Layout {
     pub kv_dtype: KvDtype,
     /// Pool kind.
     pub pool: PoolKind,
+    /// Which attention CP ranks send and how they store the KV (prefill).
+    #[serde(default)]
+    pub cp: CpTransfer,
 }
 
 impl Layout {
@@ -371,6 +374,7 @@ impl Registration {
             page_size: t.page_size,
             kv_dtype: t.kv_dtype,
             pool: t.pool,
+            cp: t.cp,
         }
     }
 

@@ -124,6 +124,41 @@ def parallel_layout(kv_args: Any, server_args: Any, parallel: Any = None) -> Par
     return ParallelLayout(engine_rank=rank, **base)
 
 
+#: The SGLang launch flag of each non-replicated prefill CP storage.
+CP_STORAGE_FLAGS = {"layer_split": "--enable-dsa-cache-layer-split", "kv_sharded": "--enable-kv-cache-sharding"}
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def cp_send_mode(lay: ParallelLayout, par: Any, hybrid_mla: bool, mode: str) -> Tuple[bool, bool]:
+    """``(enable_all_cp_ranks_for_transfer, is_dummy_cp_rank)`` exactly as SGLang
+    0.5.23's ``CommonKVManager.__init__`` sets them (``common/conn.py:373-389``,
+    ``:431-440``): every CP rank sends unless CP-TP group sharing is on, when
+    ``SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER`` is set, for a CP > 1 prefill
+    of a hybrid-MLA model or with DSA cache-layer split, on a hybrid-MLA decode,
+    or with KV cache sharding; otherwise a prefill's CP ranks other than 0 are dummies."""
+    sharing = bool(_get(par, "enable_cp_tp_group_sharing", False))
+    cp = lay.attn_cp_size
+    cp_sharded_prefill = cp > 1 and (hybrid_mla or bool(_get(par, "enable_dsa_cache_layer_split", False)))
+    hybrid_decode = hybrid_mla and mode == "decode"
+    shard = int(_get(par, "kv_shard_size", cp if _get(par, "enable_kv_cache_sharding", False) else 1))
+    all_cp = not sharing and (_env_flag("SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER") or cp_sharded_prefill
+                              or hybrid_decode or shard > 1)
+    dummy = mode == "prefill" and not all_cp and not sharing and cp > 1 and lay.attn_cp_rank != 0
+    return all_cp, dummy
+
+
+def cp_storage(par: Any) -> str:
+    """How this prefill's CP ranks store the KV (a key of :data:`pdxfer.layout.CP_STORAGES`)."""
+    if _get(par, "enable_dsa_cache_layer_split", False):
+        return "layer_split"
+    if _get(par, "enable_kv_cache_sharding", False):
+        return "kv_sharded"
+    return "replicated"
+
+
 def kv_dtype(kv_args: Any, server_args: Any) -> str:
     """pdxfer's dtype name for ``kv_cache_dtype_str`` (or ``--kv-cache-dtype``)."""
     d = getattr(kv_args, "kv_cache_dtype_str", None) or _get(server_args, "kv_cache_dtype", None)

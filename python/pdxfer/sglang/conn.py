@@ -80,8 +80,9 @@ __all__ = ["KVManager", "KVSender", "KVReceiver", "BootstrapServer", "KVTransfer
 
 #: The SGLang launch arguments that fix each pdxfer refusal.
 _HINTS = {
-    "prefill_cp_with_decode_dcp": "SGLang: relaunch the prefill with --attn-cp-size 1 "
-                                  "(--attention-context-parallel-size 1), or the decode with --dcp-size 1",
+    "prefill_cp_with_decode_dcp": "SGLang: prefill attention CP pairs with a DCP decode over replicated KV: "
+                                  "relaunch the prefill without --enable-dsa-cache-layer-split and "
+                                  "--enable-kv-cache-sharding, or the decode with --dcp-size 1",
     "dcp_rank_mismatch": "SGLang: give the prefill --dcp-size 1 or the decode's --dcp-size, with the same "
                          "--tp-size on both sides, and do not override KVArgs.dcp_rank; then restart the "
                          "decode so its ranks re-register",
@@ -141,6 +142,7 @@ class PrefillServerInfo:
     enable_dsa_cache_layer_split: bool = False
     decode_allocation_policy: str = "early"
     prefill_http_port: Optional[int] = None
+    enable_kv_cache_sharding: bool = False
 
 
 def _mode(mode: Any) -> str:
@@ -206,8 +208,14 @@ class KVManager(BaseKVManager):
         self.enable_deferred_decode_kv_release = (
             os.environ.get("SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE", "").lower() in ("1", "true")
         )
-        self.enable_all_cp_ranks_for_transfer = False
-        self.is_dummy_cp_rank = False
+        self.enable_all_cp_ranks_for_transfer, self.is_dummy_cp_rank = _cfg.cp_send_mode(
+            lay, parallel if parallel is not None else _cfg.sglang_parallel(), self.is_hybrid_mla_backend,
+            self.mode)
+        storage = _cfg.cp_storage(parallel if parallel is not None else _cfg.sglang_parallel())
+        for t in (self.topology, self.draft_topology):
+            if t is not None and self.mode == "prefill":
+                t.cp_mode = "all-cp" if self.enable_all_cp_ranks_for_transfer else "rank0"
+                t.cp_storage = storage
         self.transfer_infos: Dict[int, Any] = {}
         self.prefill_info_table: Dict[str, PrefillServerInfo] = {}
         self._prefill_topology: Dict[str, Dict[str, Any]] = {}
@@ -301,11 +309,14 @@ class KVManager(BaseKVManager):
         if not all(x.get("ready") and x.get("layout") for x in summaries):
             return False
         lay = summaries[0]["layout"]
-        if self.layout.dcp_size > 1 and int(lay["attn_cp_size"]) != 1:
-            err = SGLangCompatError(-206, (
-                f"PD decode DCP currently requires prefill attention CP=1, got {lay['attn_cp_size']} "
-                f"(decode dcp_size={self.layout.dcp_size}, prefill at {bootstrap_addr})"))
-            raise SGLangCompatError(err.code, sglang_hint(err).split(": ", 1)[1])
+        storage = (lay.get("cp") or {}).get("storage", "replicated")
+        if self.layout.dcp_size > 1 and int(lay["attn_cp_size"]) > 1 and storage != "replicated":
+            # the prefill's CP ranks do not each hold every token: nothing a DCP decode can take
+            flag = _cfg.CP_STORAGE_FLAGS.get(storage, storage)
+            raise SGLangCompatError(-206, (
+                f"PD decode DCP needs the prefill's attention CP ranks to hold replicated KV, but the prefill "
+                f"(attention CP={lay['attn_cp_size']}, at {bootstrap_addr}) stores it {storage} ({flag}); "
+                f"relaunch the prefill without {flag}, or decode with --dcp-size 1"))
         try:
             self.engines(bootstrap_addr)  # registers this decode rank there
         except BootstrapError:
@@ -316,7 +327,8 @@ class KVManager(BaseKVManager):
             dp_size=int(lay["dp_size"]), pp_size=int(lay["pp_size"]), page_size=int(lay["page_size"]),
             kv_cache_dtype=self.kv_cache_dtype_str if lay.get("kv_dtype") == self.topology.kv_dtype
             else lay.get("kv_dtype"),
-            follow_bootstrap_room=True, dcp_size=int(lay.get("dcp_size", 1)))
+            follow_bootstrap_room=True, dcp_size=int(lay.get("dcp_size", 1)),
+            enable_dsa_cache_layer_split=storage == "layer_split", enable_kv_cache_sharding=storage == "kv_sharded")
         return True
 
     def should_verify_kv_checksum(self, bootstrap_addr: str) -> bool:
@@ -490,8 +502,10 @@ class KVSender(_Room, BaseKVSender):
     def pop_decode_prefix_len(self) -> int:
         """The prefix the decode holds (the first page to send starts there).
         A PP rank may be told ``WaitingForInput`` by rank 0 a moment before its
-        own metadata lands: it waits for it (up to 30 s)."""
-        if self._room is None or self._error is not None:
+        own metadata lands: it waits for it (up to 30 s). A dummy CP rank
+        (no decode contacts it) returns 0 at once, as SGLang's does, so the
+        CP group's reduced poll is not held up."""
+        if self._room is None or self._error is not None or self.kv_mgr.is_dummy_cp_rank:
             return 0
         deadline = time.monotonic() + 30.0
         while True:
@@ -507,6 +521,11 @@ class KVSender(_Room, BaseKVSender):
         """The request's page count after the decode prefix, and its aux row."""
         self.num_kv_indices = int(num_kv_indices)
         self.aux_index = int(aux_index or 0)
+        try:  # an all-CP-ranks sender moves its share of these pages
+            for r in self._rooms:
+                r.set_request_pages(self.num_kv_indices)
+        except PdxError as e:
+            self._fail(e)
 
     def mark_prefill_complete(self) -> None:
         """Nothing to publish: pdxfer sends as soon as the decode's metadata is there."""
@@ -516,7 +535,10 @@ class KVSender(_Room, BaseKVSender):
         return None
 
     def should_send_kv_chunk(self, num_pages: int, last_chunk: bool) -> bool:
-        return num_pages > 0
+        """A chunk with pages, and the last one even without: it carries the
+        aux and state rows and concludes the room (a request whose every
+        token the decode holds sends only that)."""
+        return num_pages > 0 or last_chunk
 
     def send(self, kv_indices: Any, state_indices: Optional[List] = None, num_kv_tokens: Optional[int] = None,
              event: Any = None, **_: Any) -> None:
@@ -598,6 +620,8 @@ class KVReceiver(_Room, BaseKVReceiver):
             tp_p, pp_p = int(lay["attn_tp_size"]), int(lay["pp_size"])
             tp_d = mgr.layout.attn_tp_size
             n = (max(1, tp_p // tp_d) if tp_p > tp_d else 1) * (pp_p if mgr.layout.pp_size == 1 else 1)
+            if (lay.get("cp") or {}).get("mode") == "all_cp":  # every CP rank sends (and answers)
+                n *= int(lay["attn_cp_size"])
         self.bootstrap_infos = [{"prefill_dp_rank": self.prefill_dp_rank, "index": i} for i in range(n)]
 
     def poll(self) -> int:
