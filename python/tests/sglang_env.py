@@ -119,3 +119,31 @@ def load_plugins(site: str) -> types.ModuleType:
 
     sglang_load_plugins()
     return sys.modules["sglang.srt.disaggregation.utils"]
+
+
+def load_dcp_planner() -> types.ModuleType:
+    """SGLang's ``disaggregation/common/utils.py`` (``build_dcp_token_transfer_plan``),
+    executed from its file: its package's ``__init__`` imports the Mooncake
+    connector (msgspec, zmq, ...), and its one SGLang import,
+    ``observability.trace``, is given the two context classes it names for
+    the time of the load only."""
+    import importlib.util
+
+    setup()
+    names = ("sglang.srt.observability", "sglang.srt.observability.trace")
+    saved = {n: sys.modules.get(n) for n in names}
+    try:
+        _module(names[0], path=os.path.join(TARGET, "sglang", "srt", "observability"))
+        _module(names[1], TraceNullContext=type("TraceNullContext", (), {}),
+                TraceReqContext=type("TraceReqContext", (), {}))
+        path = os.path.join(TARGET, "sglang", "srt", "disaggregation", "common", "utils.py")
+        spec = importlib.util.spec_from_file_location("sglang_disaggregation_common_utils", path)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        return mod
+    finally:
+        for n, m in saved.items():
+            if m is None:
+                sys.modules.pop(n, None)
+            else:
+                sys.modules[n] = m

@@ -66,6 +66,56 @@ fn plan_rows_and_general_layouts() {
     }
 }
 
+/// Prefill attention CP 2 -> decode DCP 4 over the worked example (5 pages):
+/// all-CP-ranks mode splits the pages 3 + 2 with each share's token count
+/// recomputed (192 + 108 tokens); rank-0 mode sends everything from CP rank 0.
+#[test]
+fn plan_prefill_cp_shares() {
+    let tokens_by_cp = |mode: &str| {
+        let (code, out, err) = pdxfer(&["plan", "--src-cp-size", "2", "--cp-mode", mode, "--json"]);
+        assert_eq!(code, 0, "{err}");
+        let v: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+        assert_eq!(v["total_tokens"], 300);
+        let mut by = [0u64; 2];
+        for p in v["pairs"].as_array().unwrap() {
+            by[p["cp_rank"].as_u64().unwrap() as usize] += p["tokens"].as_u64().unwrap();
+        }
+        by
+    };
+    assert_eq!(tokens_by_cp("all-cp"), [192, 108]);
+    assert_eq!(tokens_by_cp("rank0"), [300, 0]);
+    // one CP rank, a chunk boundary inside its share
+    let (code, out, err) = pdxfer(&[
+        "plan",
+        "--src-cp-size",
+        "2",
+        "--src-cp-rank",
+        "1",
+        "--cp-mode",
+        "all-cp",
+        "--chunk-ends",
+        "256",
+        "--rank",
+        "0",
+        "--show-rows",
+        "1",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("from CP rank 1, chunk 0:"), "{out}");
+    assert!(out.contains("from CP rank 1, chunk 1:"), "{out}");
+    // page 3 (id 5) holds positions 192..256: position 192 is row 5 * 64
+    assert!(
+        out.contains("position    192: source row      320 -> destination row     "),
+        "{out}"
+    );
+    let (code, _, err) = pdxfer(&["plan", "--src-cp-size", "2", "--cp-mode", "every"]);
+    assert_eq!(code, 2);
+    assert!(err.contains("use rank0 or all-cp"), "{err}");
+    let (code, _, err) = pdxfer(&["plan", "--src-cp-size", "2", "--chunk-ends", "100"]);
+    assert_eq!(code, 2);
+    assert!(err.contains("--chunk-ends"), "{err}");
+}
+
 #[test]
 fn plan_bad_input_is_a_clear_error() {
     let (code, _, err) = pdxfer(&["plan", "--tokens", "300", "--prefix", "64"]);
