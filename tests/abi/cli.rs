@@ -209,3 +209,40 @@ fn demo_bad_arguments() {
     assert_eq!(code, 2);
     assert!(err.contains("carrier-pigeon"), "{err}");
 }
+
+/// `pdxfer bench-cp` runs both CP send modes between real processes (each
+/// request verified on every decode rank) and reports what each sender moved.
+#[test]
+fn bench_cp_runs_both_modes() {
+    let (code, out, err) = pdxfer(&[
+        "bench-cp",
+        "--tokens",
+        "1000",
+        "--layers",
+        "2",
+        "--requests",
+        "2",
+        "--src-cp-size",
+        "3",
+        "--dcp-size",
+        "2",
+        "--json",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    let v: serde_json::Value = serde_json::from_str(out.lines().last().unwrap()).unwrap();
+    let r = v["results"].as_array().unwrap();
+    assert_eq!(r[0]["cp_mode"], "rank0");
+    assert_eq!(r[0]["bytes_per_sender"], serde_json::json!([1000 * 2304]));
+    // 16 pages over 3 CP ranks: 6, 5 and 5 pages, the last with 296 tokens
+    assert_eq!(r[1]["cp_mode"], "all-cp");
+    assert_eq!(
+        r[1]["bytes_per_sender"],
+        serde_json::json!([384 * 2304, 320 * 2304, 296 * 2304])
+    );
+    for m in r {
+        assert_eq!(m["transfer_ms"].as_array().unwrap().len(), 2);
+    }
+    let (code, _, err) = pdxfer(&["bench-cp", "--src-cp-size", "1"]);
+    assert_eq!(code, 2);
+    assert!(err.contains("src-cp-size >= 2"), "{err}");
+}

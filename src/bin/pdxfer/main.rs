@@ -1,10 +1,11 @@
 //! The `pdxfer` command line: `info`, `plan`, `demo`, `target`, `bench`,
-//! `bootstrap`, `rank`, `rdma-bench`, `bench-request`. It lives in the binary, not in the
+//! `bootstrap`, `rank`, `rdma-bench`, `bench-request`, `bench-cp`. It lives in the binary, not in the
 //! library, so `libpdxfer.so` does not link clap, plotters or indicatif.
 
 mod bench;
 mod bench_args;
 mod bootstrap;
+mod cp_bench;
 mod demo;
 mod layerwise_bench;
 mod logging;
@@ -62,6 +63,8 @@ enum Cmd {
     /// One engine process of `pdxfer bench-request` (driven by JSON lines on stdin).
     #[command(hide = true)]
     BenchRequestRank(request_bench::RequestRankArgs),
+    /// One PD request from prefill attention CP processes to decode DCP processes: rank-0 vs all-CP-ranks mode.
+    BenchCp(cp_bench::CpBenchArgs),
 }
 
 fn main() {
@@ -84,6 +87,7 @@ fn run() -> i32 {
         Cmd::RdmaBench(a) => rdma_bench::run(&a),
         Cmd::BenchRequest(a) => request_bench::run(&a),
         Cmd::BenchRequestRank(a) => request_bench::run_rank(&a),
+        Cmd::BenchCp(a) => cp_bench::run(&a),
     };
     match r {
         Ok(()) => 0,

@@ -16,7 +16,7 @@ use pdxfer::bootstrap::server::{BootstrapServer, ServerConfig};
 use pdxfer::engine::synthetic::SyntheticPools;
 use pdxfer::engine::{Engine, KvPoll};
 use pdxfer::error::{Error, Result, Status};
-use pdxfer::layout::{DcpLayout, Side};
+use pdxfer::layout::{CpMode, DcpLayout, Side};
 use pdxfer::transport::TransportKind;
 use serde::Serialize;
 use serde_json::{json, Value};
@@ -76,6 +76,15 @@ pub struct RequestRankArgs {
     /// Leave the pools to first touch.
     #[arg(long)]
     no_prefault: bool,
+    /// Prefill: attention CP size (every CP rank holds the request's rows).
+    #[arg(long, default_value_t = 1)]
+    cp_size: u32,
+    /// Prefill: attention CP rank.
+    #[arg(long, default_value_t = 0)]
+    cp_rank: u32,
+    /// Prefill: which CP ranks send, rank0 or all-cp.
+    #[arg(long, default_value = "rank0")]
+    cp_mode: String,
 }
 
 const AUX_ROWS: u64 = 4;
@@ -144,7 +153,7 @@ fn time_memcpy(bytes: usize, reps: usize) -> MemcpyTiming {
 }
 
 /// The median of `v` (mean of the middle two for an even count); `None` if empty.
-fn median(v: &[f64]) -> Option<f64> {
+pub(crate) fn median(v: &[f64]) -> Option<f64> {
     let mut s = v.to_vec();
     s.sort_by(|a, b| a.total_cmp(b));
     let n = s.len();
@@ -204,6 +213,9 @@ pub fn run_rank(args: &RequestRankArgs) -> Result<()> {
         AUX_ITEM,
     )?;
     let mut cfg = a.engine_config(&pools)?;
+    cfg.topology.attn_cp_size = args.cp_size;
+    cfg.topology.attn_cp_rank = args.cp_rank;
+    cfg.topology.cp.mode = CpMode::parse(&args.cp_mode)?;
     cfg.room_timeout = Duration::from_secs(120);
     cfg.prefault = !args.no_prefault;
     // SAFETY: `pools` lives until this function returns, after `engine.close()`.
@@ -217,12 +229,17 @@ pub fn run_rank(args: &RequestRankArgs) -> Result<()> {
         };
         let room = cmd["room"].as_u64().unwrap_or(0);
         match cmd["cmd"].as_str() {
+            Some("fill") => {
+                let r = fill_room(&mut pools, &cmd, page);
+                say(&json!({"event": "filled", "room": room, "ok": r.is_ok()}));
+            }
             Some("send") => {
                 let r = prefill_room(&engine, &mut pools, &cmd, page);
                 let _ = engine.clear(room);
                 match r {
-                    Ok(ms) => {
-                        say(&json!({"event": "done", "room": room, "ok": true, "transfer_ms": ms}))
+                    Ok((ms, sent_at, done_at)) => {
+                        say(&json!({"event": "done", "room": room, "ok": true,
+                        "transfer_ms": ms, "sent_at_ns": sent_at, "done_at_ns": done_at}))
                     }
                     Err(e) => say(
                         &json!({"event": "done", "room": room, "ok": false, "error": e.to_string()}),
@@ -260,14 +277,8 @@ pub fn run_rank(args: &RequestRankArgs) -> Result<()> {
     Ok(())
 }
 
-/// Fills the request's rows, opens the room, sends every page in one call;
-/// returns the milliseconds from that send to Success (every decode rank acknowledged).
-fn prefill_room(
-    engine: &Engine,
-    pools: &mut SyntheticPools,
-    cmd: &Value,
-    page: u64,
-) -> Result<f64> {
+/// Writes the request's rows and its aux row into the prefill pools.
+fn fill_room(pools: &mut SyntheticPools, cmd: &Value, page: u64) -> Result<()> {
     let room = cmd["room"].as_u64().unwrap_or(0);
     let pages = pages_of(cmd, "pages");
     let total = cmd["total"].as_u64().unwrap_or(0);
@@ -279,7 +290,34 @@ fn prefill_room(
     };
     pools.fill(room, &side, total);
     pools.fill_aux(room, 0);
+    Ok(())
+}
+
+/// Nanoseconds since the Unix epoch (the ranks of one host share the clock).
+fn unix_ns() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64)
+}
+
+/// Fills the request's rows (unless a `fill` command did: `"prefilled"`),
+/// opens the room, sends every page in one call; returns the milliseconds
+/// from that send to Success (every decode rank acknowledged), and the send
+/// and Success times (Unix ns).
+fn prefill_room(
+    engine: &Engine,
+    pools: &mut SyntheticPools,
+    cmd: &Value,
+    page: u64,
+) -> Result<(f64, u64, u64)> {
+    let room = cmd["room"].as_u64().unwrap_or(0);
+    let pages = pages_of(cmd, "pages");
+    let total = cmd["total"].as_u64().unwrap_or(0);
+    if cmd["prefilled"] != true {
+        fill_room(pools, cmd, page)?;
+    }
     engine.sender(room)?;
+    engine.set_request_pages(room, pages.len() as u64)?;
     let t0 = Instant::now();
     while engine.poll(room) == KvPoll::Bootstrapping {
         if t0.elapsed() > Duration::from_secs(60) {
@@ -290,10 +328,10 @@ fn prefill_room(
         }
         std::thread::sleep(Duration::from_micros(100));
     }
-    let t_send = Instant::now();
+    let (t_send, sent_at) = (Instant::now(), unix_ns());
     engine.send(room, &pages, total, true, 0)?;
     match engine.wait(room, Duration::from_secs(120)) {
-        KvPoll::Success => Ok(t_send.elapsed().as_secs_f64() * 1e3),
+        KvPoll::Success => Ok((t_send.elapsed().as_secs_f64() * 1e3, sent_at, unix_ns())),
         p => Err(engine
             .failure(room)
             .unwrap_or_else(|| Error::new(Status::Timeout, format!("room {room} still {p:?}")))),
@@ -363,7 +401,7 @@ struct ModeResult {
 }
 
 /// Waits for `event` from every rank in `from` (any order); their events by rank.
-fn collect(
+pub(crate) fn collect(
     rx: &Receiver<Event>,
     from: &[usize],
     event: &str,
