@@ -117,3 +117,37 @@ def test_a_decode_abort_with_cp_senders_is_fenced(server, tmp_path):
         assert dres[0]["fenced"]
     for pres in ps:
         assert [x["poll"] for x in pres] == [FAILED, SUCCESS], pres
+
+
+def dict_ns(d):
+    import types
+
+    return types.SimpleNamespace(**d)
+
+
+@pytest.mark.parametrize("extra,all_cp,dummy", [
+    ({}, [False, False], [False, True]),  # SGLang's default: CP rank 1 is a dummy
+    ({"enable_dsa_cache_layer_split": True}, [True, True], [False, False]),
+    ({"enable_kv_cache_sharding": True, "kv_shard_size": 2}, [True, True], [False, False]),
+    ({"enable_cp_tp_group_sharing": True}, [False, False], [False, False]),
+])
+def test_cp_rank_attributes_are_sglangs(server, monkeypatch, extra, all_cp, dummy):
+    """``CommonKVManager.__init__``'s rules (common/conn.py:373-389, 431-440), from get_parallel()."""
+    from test_sglang import _Args, _sa
+
+    monkeypatch.setenv("PDXFER_SGLANG_POOL_MEMORY", "host")
+    monkeypatch.setenv("PDXFER_SGLANG_CLUSTER", "cp-attrs-" + "-".join(sorted(extra)))
+    keep = []
+    mgrs = [S.KVManager(_Args(0, keep), "prefill", _sa(server.port), True,
+                        parallel=dict_ns(parallel(cp=2) | {"attn_cp_rank": c} | extra)) for c in range(2)]
+    try:
+        assert [m.enable_all_cp_ranks_for_transfer for m in mgrs] == all_cp
+        assert [m.is_dummy_cp_rank for m in mgrs] == dummy
+        assert [(m.attn_cp_size, m.attn_cp_rank) for m in mgrs] == [(2, 0), (2, 1)], "from get_parallel()"
+        if extra.get("enable_cp_tp_group_sharing"):
+            # CP rank r transfers as TP rank r of a CP-1 prefill
+            assert [(m.topology.attn_tp_size, m.topology.attn_tp_rank, m.topology.attn_cp_size)
+                    for m in mgrs] == [(2, 0, 1), (2, 1, 1)]
+    finally:
+        for m in mgrs:
+            m.close()

@@ -8,7 +8,7 @@ use crate::support::{self as common};
 use pdxfer::bootstrap::schema::Role;
 use pdxfer::bootstrap::server::{BootstrapServer, ServerConfig};
 use pdxfer::engine::synthetic::SyntheticPools;
-use pdxfer::engine::{Engine, KvPoll};
+use pdxfer::engine::{Engine, KvPoll, SendOptions};
 use pdxfer::layout::{cp_page_bounds, CpMode, DcpLayout, Side};
 use pdxfer::transport::TransportKind;
 use std::time::Duration;
@@ -29,6 +29,8 @@ struct Case {
     /// The prefill's chunk ends (absolute positions, the last `len`).
     ends: Vec<u64>,
     mode: CpMode,
+    /// Each chunk sent layer by layer (one call per layer).
+    layered: bool,
 }
 
 struct Ranks {
@@ -142,8 +144,19 @@ fn run(name: &str, k: &Case, room: u64) {
         for &b in &k.ends {
             let off = ((a - k.prefix) / k.p) as usize;
             let np = (b - a).div_ceil(k.p) as usize;
-            e.send(room, &src[off..off + np], b - a, b == k.len, AUX_ITEM)
-                .unwrap();
+            let pages = &src[off..off + np];
+            if k.layered {
+                for l in 0..LAYERS {
+                    let o = SendOptions {
+                        layers: Some(l..l + 1),
+                        ..Default::default()
+                    };
+                    e.send_with(room, pages, b - a, b == k.len, AUX_ITEM, &o)
+                        .unwrap();
+                }
+            } else {
+                e.send(room, pages, b - a, b == k.len, AUX_ITEM).unwrap();
+            }
             a = b;
         }
     }
@@ -199,6 +212,7 @@ fn case(p: u64, c: u32, d: u32, len: u64, prefix: u64, ends: &[u64], mode: CpMod
             ends.to_vec()
         },
         mode,
+        layered: false,
     }
 }
 
@@ -254,6 +268,15 @@ fn page_size_64_all_cp_ranks() {
         &case(64, 2, 4, 1000, 0, &[512, 1000], CpMode::AllCp),
         14,
     );
+}
+
+#[test]
+fn layer_wise_sends_in_both_modes() {
+    for (i, mode) in [CpMode::AllCp, CpMode::Rank0].into_iter().enumerate() {
+        let mut k = case(16, 3, 2, 300, 32, &[128, 224, 300], mode);
+        k.layered = true;
+        run(&format!("cp-layers-{i}"), &k, 15 + i as u64);
+    }
 }
 
 #[test]

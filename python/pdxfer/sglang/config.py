@@ -12,6 +12,7 @@ fields set on ``KVArgs`` override both (``dcp_size``, ``dcp_rank``,
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from typing import Any, List, Optional, Sequence, Tuple
@@ -148,6 +149,16 @@ def cp_send_mode(lay: ParallelLayout, par: Any, hybrid_mla: bool, mode: str) -> 
                               or hybrid_decode or shard > 1)
     dummy = mode == "prefill" and not all_cp and not sharing and cp > 1 and lay.attn_cp_rank != 0
     return all_cp, dummy
+
+
+def transfer_layout(lay: ParallelLayout, par: Any) -> ParallelLayout:
+    """The layout a rank registers for transfers: its own, except under SGLang's
+    CP-TP group sharing, where CP rank r (holding every KV head) transfers as
+    TP rank r of a CP-1 prefill (``common/conn.py:1580-1583``)."""
+    if not _get(par, "enable_cp_tp_group_sharing", False):
+        return lay
+    return dataclasses.replace(lay, attn_tp_size=lay.attn_cp_size, attn_tp_rank=lay.attn_cp_rank,
+                               attn_cp_size=1, attn_cp_rank=0)
 
 
 def cp_storage(par: Any) -> str:

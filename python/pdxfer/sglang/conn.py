@@ -190,8 +190,9 @@ class KVManager(BaseKVManager):
         for k, v in dataclasses.asdict(lay).items():
             setattr(self, k, v)
         self.pp_rank = lay.pp_rank
+        par = parallel if parallel is not None else _cfg.sglang_parallel()
         self.topology, main_idx, self.draft_topology, draft_idx = _cfg.topologies(
-            args, server_args, lay, self.is_mla_backend, self.mode)
+            args, server_args, _cfg.transfer_layout(lay, par), self.is_mla_backend, self.mode)
         self.pools = _cfg.kv_pools(args, main_idx)
         self.draft_pools = _cfg.kv_pools(args, draft_idx)
         self.aux = _cfg.aux_buffers(args)
@@ -209,9 +210,8 @@ class KVManager(BaseKVManager):
             os.environ.get("SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE", "").lower() in ("1", "true")
         )
         self.enable_all_cp_ranks_for_transfer, self.is_dummy_cp_rank = _cfg.cp_send_mode(
-            lay, parallel if parallel is not None else _cfg.sglang_parallel(), self.is_hybrid_mla_backend,
-            self.mode)
-        storage = _cfg.cp_storage(parallel if parallel is not None else _cfg.sglang_parallel())
+            lay, par, self.is_hybrid_mla_backend, self.mode)
+        storage = _cfg.cp_storage(par)
         for t in (self.topology, self.draft_topology):
             if t is not None and self.mode == "prefill":
                 t.cp_mode = "all-cp" if self.enable_all_cp_ranks_for_transfer else "rank0"
