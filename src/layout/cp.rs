@@ -36,10 +36,28 @@ pub fn cp_page_bounds(total_pages: u64, cp_rank: u64, cp_size: u64) -> Range<u64
     start..start + n
 }
 
-/// Refuses a CP storage a DCP decode cannot take: only replicated KV pairs
-/// with a decode DCP, since the other storages split what DCP needs whole.
+fn kv_sharding_unsupported(cp_size: u64) -> Error {
+    Error::new(
+        Status::Unsupported,
+        format!(
+            "the prefill's {cp_size} attention CP ranks shard the KV by page id (--enable-kv-cache-sharding), which pdxfer does not move; relaunch the prefill without --enable-kv-cache-sharding"
+        ),
+    )
+}
+
+/// Refuses a CP storage the pair cannot move: a DCP decode takes only
+/// replicated CP KV (the other storages split what DCP needs whole), and no
+/// decode takes KV sharded by page id. A layer split pairs with a decode
+/// without DCP as pipeline stages do: each CP rank sends its own layers.
 pub fn check_cp_storage(prefill: &Topology, decode: &Topology, both: &str) -> Result<()> {
-    if decode.dcp_size <= 1 || prefill.attn_cp_size <= 1 {
+    if prefill.attn_cp_size <= 1 {
+        return Ok(());
+    }
+    if prefill.cp.storage == CpStorage::KvSharded && decode.dcp_size <= 1 {
+        let e = kv_sharding_unsupported(u64::from(prefill.attn_cp_size));
+        return Err(Error::new(e.status(), format!("{}; {both}", e.detail())));
+    }
+    if decode.dcp_size <= 1 {
         return Ok(());
     }
     let storage = prefill.cp.storage;
@@ -68,6 +86,10 @@ pub struct CpSender {
     pub cp_rank: u64,
     /// The send mode in effect.
     pub mode: CpMode,
+    /// How the CP ranks store the KV: replicated ranks send page shares in
+    /// all-CP-ranks mode; layer-split ranks each send every page of their
+    /// own layers.
+    pub storage: CpStorage,
 }
 
 /// One CP rank's part of one chunk.
@@ -107,17 +129,17 @@ impl CpShare {
 
 impl CpSender {
     /// The rank of `t` (a prefill topology), with the mode it publishes; a
-    /// hybrid-MLA prefill always sends from every CP rank, as SGLang's does.
+    /// hybrid-MLA or layer-split prefill always sends from every CP rank, as
+    /// SGLang's does.
     pub fn of(t: &Topology) -> CpSender {
-        let mode = if t.cp.mode == CpMode::AllCp || t.pool == PoolKind::HybridMla {
-            CpMode::AllCp
-        } else {
-            CpMode::Rank0
-        };
+        let every = t.cp.mode == CpMode::AllCp
+            || t.pool == PoolKind::HybridMla
+            || t.cp.storage == CpStorage::LayerSplit;
         CpSender {
             cp_size: u64::from(t.attn_cp_size.max(1)),
             cp_rank: u64::from(t.attn_cp_rank),
-            mode,
+            mode: if every { CpMode::AllCp } else { CpMode::Rank0 },
+            storage: t.cp.storage,
         }
     }
 
@@ -177,8 +199,13 @@ impl CpSender {
                 format!("chunk of {chunk_tokens} tokens exceeds its {chunk_pages} pages (capacity {cap})"),
             ));
         }
+        if self.cp_size > 1 && self.storage == CpStorage::KvSharded {
+            return Err(kv_sharding_unsupported(self.cp_size));
+        }
         let first = prefix.saturating_add(page_offset.saturating_mul(page_tokens));
-        let bounds = if self.all_ranks_send() {
+        let bounds = if self.all_ranks_send() && self.storage == CpStorage::LayerSplit {
+            0..total_pages
+        } else if self.all_ranks_send() {
             cp_page_bounds(total_pages, self.cp_rank, self.cp_size)
         } else if self.cp_rank == 0 {
             0..total_pages
@@ -240,6 +267,7 @@ mod tests {
             cp_size: c,
             cp_rank: r,
             mode,
+            storage: CpStorage::Replicated,
         }
     }
 
@@ -320,6 +348,33 @@ mod tests {
     }
 
     #[test]
+    fn layer_split_ranks_send_every_page_and_kv_sharding_is_refused() {
+        let mut t = Topology::single_mla(64, 1, 8);
+        t.attn_cp_size = 2;
+        t.attn_cp_rank = 1;
+        t.cp.storage = CpStorage::LayerSplit;
+        let s = CpSender::of(&t);
+        assert!(s.all_ranks_send(), "a layer split sends from every CP rank");
+        let sh = s.share(5, 64, 0, 0, 5, 300).unwrap();
+        assert_eq!(
+            (sh.pages, sh.num_tokens),
+            (0..5, 300),
+            "its own layers, every page"
+        );
+        t.cp.storage = CpStorage::KvSharded;
+        let e = CpSender::of(&t).share(5, 64, 0, 0, 5, 300).unwrap_err();
+        assert_eq!(e.status(), Status::Unsupported);
+        let e = check_cp_storage(&t, &Topology::single_mla(64, 1, 8), "").unwrap_err();
+        assert_eq!(e.status(), Status::Unsupported);
+        assert!(
+            e.detail().contains("without --enable-kv-cache-sharding"),
+            "{e}"
+        );
+        t.cp.storage = CpStorage::LayerSplit;
+        assert!(check_cp_storage(&t, &Topology::single_mla(64, 1, 8), "").is_ok());
+    }
+
+    #[test]
     fn a_hybrid_mla_prefill_sends_from_every_cp_rank() {
         let mut t = Topology::single_mla(64, 1, 8);
         t.attn_cp_size = 2;
@@ -375,11 +430,7 @@ mod tests {
             let dst_l = DcpLayout::sglang(p, d).unwrap();
             let mut seen = std::collections::HashMap::new();
             for cr in 0..c {
-                let snd = CpSender {
-                    cp_size: c,
-                    cp_rank: cr,
-                    mode,
-                };
+                let snd = sender(c, cr, mode);
                 let mut a = prefix;
                 for &b in &ends {
                     let off = (a - prefix) / p;
@@ -428,11 +479,7 @@ mod tests {
 
     #[test]
     fn a_misaligned_decode_prefix_is_refused() {
-        let snd = CpSender {
-            cp_size: 2,
-            cp_rank: 1,
-            mode: CpMode::AllCp,
-        };
+        let snd = sender(2, 1, CpMode::AllCp);
         // P=4, D=2: the prefix must be a multiple of 8
         let sh = snd.share(4, 4, 4, 0, 4, 16).unwrap();
         let dst = [3u64, 4];

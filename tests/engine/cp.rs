@@ -348,3 +348,118 @@ fn an_all_cp_sender_needs_the_request_page_count() {
         e.close();
     }
 }
+
+fn split_word(room: u64, layer: u64, t: u64, j: u64) -> u64 {
+    ((room * 1_000_003 + layer * 10_007 + t) << 8 | j) + 1
+}
+
+/// A DSA-style layer split (each CP rank holds some layers, every page) to a
+/// decode without DCP: each CP rank sends every page of its own layers, as
+/// pipeline stages do, and the decode waits for both.
+#[test]
+fn layer_split_cp_ranks_send_their_layers_to_a_decode_without_dcp() {
+    use pdxfer::layout::CpStorage;
+    let (c, per, p, len, prefix, room) = (2u32, 2u32, 16u64, 150u64, 32u64, 40u64);
+    let name = "cp-layer-split";
+    let server = BootstrapServer::start(ServerConfig::default()).unwrap();
+    let url = server.url();
+    let n_pages = (len - prefix).div_ceil(p);
+    let src: Vec<u64> = (0..n_pages).map(|i| (i * 7 + 3) % PREFILL_PAGES).collect();
+    let dst: Vec<u64> = (0..n_pages).map(|i| (i * 5 + 1) % DECODE_PAGES).collect();
+    let words = (ROW / 8) as usize;
+    let mut prefill = Vec::new();
+    for k in 0..c {
+        let mut pools = SyntheticPools::new(per, ROW, p, PREFILL_PAGES, 8, 32).unwrap();
+        for l in 0..per as usize {
+            let layer = u64::from(k * per) + l as u64;
+            let bytes = pools.layer_bytes_mut(l);
+            for t in prefix..len {
+                let row = (src[((t - prefix) / p) as usize] * p + (t - prefix) % p) as usize;
+                for j in 0..words {
+                    let at = (row * words + j) * 8;
+                    bytes[at..at + 8]
+                        .copy_from_slice(&split_word(room, layer, t, j as u64).to_le_bytes());
+                }
+            }
+        }
+        pools.fill_aux(if k == 0 { room } else { room + WRONG }, AUX_ITEM);
+        let mut cfg = config(
+            Role::Prefill,
+            name,
+            &url,
+            &pools,
+            (1, 0),
+            TransportKind::Auto,
+        );
+        cfg.topology.attn_cp_size = c;
+        cfg.topology.attn_cp_rank = k;
+        cfg.topology.cp.storage = CpStorage::LayerSplit;
+        for (l, e) in cfg.topology.entries.iter_mut().enumerate() {
+            e.layer_id = k * per + l as u32;
+        }
+        for (l, pool) in cfg.pools.iter_mut().enumerate() {
+            pool.layer_id = k * per + l as u32;
+        }
+        // SAFETY: the pools are kept beside the engine.
+        prefill.push((unsafe { Engine::new(cfg) }.unwrap(), pools));
+    }
+    let dpools = SyntheticPools::new(c * per, ROW, p, DECODE_PAGES, 8, 32).unwrap();
+    let cfg = config(
+        Role::Decode,
+        name,
+        &url,
+        &dpools,
+        (1, 0),
+        TransportKind::Auto,
+    );
+    // SAFETY: the pools are kept beside the engine.
+    let dec = unsafe { Engine::new(cfg) }.unwrap();
+    dec.receiver(room, 0, None).unwrap();
+    dec.send_metadata(room, &dst, prefix, AUX_SLOT).unwrap();
+    for (e, _) in &prefill {
+        e.sender(room).unwrap();
+        e.set_request_pages(room, n_pages).unwrap();
+        let up = common::poll(Duration::from_secs(10), || {
+            (e.poll(room) == KvPoll::WaitingForInput).then_some(())
+        });
+        assert!(up.is_some());
+        e.send(room, &src[..4], 4 * p, false, AUX_ITEM).unwrap();
+        e.send(room, &src[4..], len - prefix - 4 * p, true, AUX_ITEM)
+            .unwrap();
+    }
+    for (k, (e, _)) in prefill.iter().enumerate() {
+        assert_success(e, room, &format!("CP rank {k}"));
+    }
+    assert_success(&dec, room, "decode");
+    // the aux row, from CP rank 0 (no KV position asked of the synthetic pattern)
+    let side = dcp_side(p, 1, 0, &dst, prefix);
+    dpools.verify(room, &side, prefix, Some(AUX_SLOT)).unwrap();
+    for l in 0..(c * per) as usize {
+        let bytes = dpools.layer_bytes(l);
+        let mut mine = vec![false; (DECODE_PAGES * p) as usize];
+        for t in prefix..len {
+            let row = (dst[((t - prefix) / p) as usize] * p + (t - prefix) % p) as usize;
+            mine[row] = true;
+            for j in 0..words {
+                let at = (row * words + j) * 8;
+                let got = u64::from_le_bytes(bytes[at..at + 8].try_into().unwrap());
+                assert_eq!(
+                    got,
+                    split_word(room, l as u64, t, j as u64),
+                    "layer {l} position {t}"
+                );
+            }
+        }
+        for (row, owned) in mine.iter().enumerate() {
+            let at = row * ROW as usize;
+            assert!(
+                *owned || bytes[at..at + ROW as usize].iter().all(|&b| b == 0),
+                "layer {l} row {row}"
+            );
+        }
+    }
+    for (e, _) in &prefill {
+        e.close();
+    }
+    dec.close();
+}

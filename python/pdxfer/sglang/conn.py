@@ -310,6 +310,11 @@ class KVManager(BaseKVManager):
             return False
         lay = summaries[0]["layout"]
         storage = (lay.get("cp") or {}).get("storage", "replicated")
+        if int(lay["attn_cp_size"]) > 1 and storage == "kv_sharded" and self.layout.dcp_size == 1:
+            raise SGLangCompatError(-105, (
+                f"the prefill's {lay['attn_cp_size']} attention CP ranks (at {bootstrap_addr}) shard the KV by "
+                f"page id (--enable-kv-cache-sharding), which pdxfer does not move; relaunch the prefill "
+                f"without --enable-kv-cache-sharding"))
         if self.layout.dcp_size > 1 and int(lay["attn_cp_size"]) > 1 and storage != "replicated":
             # the prefill's CP ranks do not each hold every token: nothing a DCP decode can take
             flag = _cfg.CP_STORAGE_FLAGS.get(storage, storage)

@@ -4,7 +4,7 @@
 
 use clap::Args;
 use pdxfer::layout::{
-    pairs_with_share, CpMode, CpSender, DcpLayout, PackLayout, PairRequest, Side,
+    pairs_with_share, CpMode, CpSender, CpStorage, DcpLayout, PackLayout, PairRequest, Side,
 };
 use pdxfer::{Error, Result};
 use serde::Serialize;
@@ -136,6 +136,7 @@ fn sends(a: &PlanArgs, n: u64, src_l: &DcpLayout, src_pages: &[u64]) -> Result<V
             cp_size: cp,
             cp_rank: c,
             mode,
+            storage: CpStorage::Replicated,
         };
         let mut from = a.prefix;
         for (i, &e) in ends.iter().enumerate() {
