@@ -108,15 +108,18 @@ def test_all_cp_ranks_page_sizes(server, tmp_path, page):
     check(ps, ds, rooms, 2)
 
 
-def test_a_decode_abort_with_cp_senders_is_fenced(server, tmp_path):
+@pytest.mark.parametrize("env", [ALL_CP, None], ids=["all-cp", "rank0"])
+def test_an_abort_on_either_side_with_cp_senders(server, tmp_path, env):
+    """Every CP sender fails promptly, the decode's pages are fenced, the next room is served."""
     rooms = [{"room": 151, "total": 160, "prefix": 0, "chunk": 16, "abort": "decode"},
-             {"room": 152, "total": 40, "prefix": 0, "chunk": 16}]
-    ps, ds = cp_run(server, tmp_path, rooms, 2, 2, env=ALL_CP)
+             {"room": 152, "total": 160, "prefix": 0, "chunk": 16, "abort": "prefill"},
+             {"room": 153, "total": 40, "prefix": 0, "chunk": 16}]
+    ps, ds = cp_run(server, tmp_path, rooms, 2, 2, env=env)
     for dres in ds:
-        assert [x["poll"] for x in dres] == [FAILED, SUCCESS], dres
+        assert [x["poll"] for x in dres] == [FAILED, FAILED, SUCCESS], dres
         assert dres[0]["fenced"]
     for pres in ps:
-        assert [x["poll"] for x in pres] == [FAILED, SUCCESS], pres
+        assert [x["poll"] for x in pres] == [FAILED, FAILED, SUCCESS], pres
 
 
 def dict_ns(d):
