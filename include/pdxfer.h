@@ -1023,7 +1023,8 @@ PdxStatus pdxfer_engine_room_bytes(const struct PdxEngine *engine,
 
 // Prefill: the decode prefix length the decode ranks sent for the room into
 // `*out_len` and 1 into `*out_known` once their metadata has arrived; 0 and 0
-// before (and for an unknown room).
+// before (and for an unknown room). A dummy attention CP rank (rank-0 mode,
+// CP rank != 0), which no decode rank contacts, answers 0 and 1 at once.
 PdxStatus pdxfer_engine_decode_prefix_len(const struct PdxEngine *engine,
                                           uint64_t room,
                                           uint64_t *out_len,
