@@ -1,5 +1,5 @@
 //! Prefill attention context parallelism (CP): which CP rank sends which
-//! tokens of a request, and which CP storage a DCP decode can take.
+//! tokens of a request, and which CP storages a pair can move.
 //!
 //! SGLang's prefill CP splits the attention compute, not the KV storage: every
 //! CP rank writes every token of the batch into its own pool at the same rows,
@@ -16,7 +16,9 @@
 //!
 //! Token `t` at or past the decode prefix `Π` is sent by the CP rank whose
 //! range holds page `(t - Π) div P`; the destination rule is the decode's DCP
-//! layout, unchanged.
+//! layout, unchanged. A DSA cache-layer split (each CP rank some layers,
+//! every page) sends every page from every CP rank, as pipeline stages do,
+//! to a decode without DCP; KV sharded by page id is not moved.
 
 use super::cp_transfer::{CpMode, CpStorage};
 use super::plan::{PairRequest, Side};
