@@ -43,6 +43,11 @@
 // - One device (ordinal 0; any other is CUDA_ERROR_INVALID_DEVICE) of compute
 //   capability 9.0 and 80 GiB, whose free memory (cuMemGetInfo) is what its
 //   allocations leave; device attributes other than those above read 0.
+//   PDXFER_FAKE_CUDA_DEVICES=N (at most 8) makes N such devices, ordinals
+//   0..N-1, PCI bus ids 0000:c1:00.0, 0000:c2:00.0, ...; each has its own
+//   primary context, an allocation remembers the device of the context it
+//   was made in (CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, cuCtxGetDevice), and
+//   they share one memory, one free count and one stream table.
 // It refuses what a real driver would where it is cheap to check: launches of
 // functions it did not hand out, unknown streams/events, copies touching
 // memory it did not allocate, tables outside device memory, a wrong kernel
@@ -56,11 +61,11 @@
 //   operation at a time, never in parallel with the host or other streams;
 //   so races between streams that a real GPU shows as torn data cannot show
 //   here, only missing waits (work that has not run at all);
-// - more than one device, peer access, unified or managed memory, memory
+// - separate memories of several devices, peer access, unified or managed memory, memory
 //   pools, graphs, cuMemGetHandleForAddressRange (dma-buf export: only the
 //   attribute that says it is supported is answered) and nvidia-peermem;
-//   a real PCI address (cuDeviceGetPCIBusId answers a fixed
-//   "0000:c1:00.0" that no sysfs tree of the tests names, so the RDMA NIC
+//   a real PCI address (cuDeviceGetPCIBusId answers "0000:c1:00.0" for
+//   device 0, which no sysfs tree of the tests names, so the RDMA NIC
 //   choice sees a GPU of unknown locality); the exact error code a real
 //   driver gives a too-new cubin;
 // - that a kernel image holds the functions asked for, or its architecture
@@ -114,7 +119,9 @@ enum {
     ERR_NOT_SUPPORTED = 801,
 };
 
-static int g_ctx_token;
+static const int MAX_DEVICES = 8;
+static int g_ctx_tokens[MAX_DEVICES];  // device d's primary context is &g_ctx_tokens[d]
+static int g_devices = 1;
 static int g_gather_token;
 static int g_scatter_token;
 static int g_spin_token;
@@ -125,6 +132,7 @@ static std::recursive_mutex g_exec;     // one executor of enqueued work at a ti
 static std::map<CUdeviceptr, size_t> g_allocs;       // device base -> size
 static std::map<CUdeviceptr, size_t> g_vmm;          // device base -> chunk size (VMM)
 static std::map<CUdeviceptr, size_t> g_host_allocs;  // pinned host base -> size
+static std::map<CUdeviceptr, int> g_alloc_device;    // device base -> its context's device
 static bool g_inited = false;
 static int g_driver_version = 12080;
 static size_t g_vmm_chunk = 0;
@@ -308,6 +316,15 @@ static long env_or(const char* name, long dflt) {
     return v && *v ? strtol(v, nullptr, 0) : dflt;
 }
 
+// The device whose primary context `c` is, or -1.
+static int ctx_device(CUcontext c) {
+    for (int d = 0; d < MAX_DEVICES; d++)
+        if (c == &g_ctx_tokens[d]) return d < g_devices ? d : -1;
+    return -1;
+}
+
+static bool device_ok(CUdevice d) { return d >= 0 && d < g_devices; }
+
 extern "C" {
 
 CUresult cuInit(unsigned int) {
@@ -319,6 +336,8 @@ CUresult cuInit(unsigned int) {
         g_rdma_flush_options =
             (int)env_or("PDXFER_FAKE_CUDA_RDMA_FLUSH_OPTIONS", g_rdma_flush_options);
         g_dma_buf = (int)env_or("PDXFER_FAKE_CUDA_DMA_BUF", g_dma_buf);
+        long n = env_or("PDXFER_FAKE_CUDA_DEVICES", 1);
+        g_devices = n < 1 ? 1 : n > MAX_DEVICES ? MAX_DEVICES : (int)n;
     }
     g_inited = true;
     return OK;
@@ -330,13 +349,13 @@ CUresult cuDriverGetVersion(int* v) {
 }
 CUresult cuDeviceGetCount(int* n) {
     if (!g_inited) return ERR_NOT_INIT;
-    *n = 1;
+    *n = g_devices;
     return OK;
 }
 CUresult cuDeviceGet(CUdevice* d, int ordinal) {
     if (!g_inited) return ERR_NOT_INIT;
-    if (ordinal != 0) return ERR_INVALID_DEVICE;
-    *d = 0;
+    if (!device_ok(ordinal)) return ERR_INVALID_DEVICE;
+    *d = ordinal;
     return OK;
 }
 CUresult cuDeviceGetName(char* name, int len, CUdevice) {
@@ -345,13 +364,13 @@ CUresult cuDeviceGetName(char* name, int len, CUdevice) {
 }
 CUresult cuDeviceGetPCIBusId(char* id, int len, CUdevice d) {
     if (!g_inited) return ERR_NOT_INIT;
-    if (d != 0) return ERR_INVALID_DEVICE;
+    if (!device_ok(d)) return ERR_INVALID_DEVICE;
     if (len < 13) return ERR_INVALID_VALUE;
-    snprintf(id, (size_t)len, "0000:c1:00.0");
+    snprintf(id, (size_t)len, "0000:%02x:00.0", 0xc1 + d);
     return OK;
 }
 CUresult cuDeviceGetAttribute(int* v, int attr, CUdevice d) {
-    if (d != 0) return ERR_INVALID_DEVICE;
+    if (!device_ok(d)) return ERR_INVALID_DEVICE;
     std::lock_guard<std::mutex> l(g_mu);
     switch (attr) {
         case 75: *v = 9; break;                 // compute capability major
@@ -365,8 +384,8 @@ CUresult cuDeviceGetAttribute(int* v, int attr, CUdevice d) {
     return OK;
 }
 CUresult cuDevicePrimaryCtxRetain(CUcontext* c, CUdevice d) {
-    if (d != 0) return ERR_INVALID_DEVICE;
-    *c = &g_ctx_token;
+    if (!device_ok(d)) return ERR_INVALID_DEVICE;
+    *c = &g_ctx_tokens[d];
     return OK;
 }
 CUresult cuDevicePrimaryCtxRelease_v2(CUdevice) { return OK; }
@@ -375,8 +394,14 @@ CUresult cuCtxGetCurrent(CUcontext* c) {
     return OK;
 }
 CUresult cuCtxSetCurrent(CUcontext c) {
-    if (c != nullptr && c != &g_ctx_token) return ERR_INVALID_HANDLE;
+    if (c != nullptr && ctx_device(c) < 0) return ERR_INVALID_HANDLE;
     g_current = c;
+    return OK;
+}
+CUresult cuCtxGetDevice(CUdevice* d) {
+    int dev = ctx_device(g_current);
+    if (dev < 0) return ERR_INVALID_CONTEXT;
+    *d = dev;
     return OK;
 }
 CUresult cuCtxSynchronize() {
@@ -427,12 +452,14 @@ CUresult cuStreamWaitEvent(CUstream s, CUevent e, unsigned int) {
 }
 
 CUresult cuMemAlloc_v2(CUdeviceptr* p, size_t n) {
-    if (g_current != &g_ctx_token) return ERR_INVALID_CONTEXT;  // no context bound
+    int dev = ctx_device(g_current);
+    if (dev < 0) return ERR_INVALID_CONTEXT;  // no context bound
     void* m = aligned_alloc(256, (n + 255) / 256 * 256);
     if (!m) return ERR_OOM;
     std::lock_guard<std::mutex> l(g_mu);
     *p = (CUdeviceptr)m;
     g_allocs[*p] = n;
+    g_alloc_device[*p] = dev;
     if (g_vmm_chunk > 0 && n > g_vmm_chunk) g_vmm[*p] = g_vmm_chunk;
     return OK;
 }
@@ -451,11 +478,12 @@ CUresult cuMemFree_v2(CUdeviceptr p) {
     std::lock_guard<std::mutex> l(g_mu);
     if (!g_allocs.erase(p)) return ERR_INVALID_VALUE;
     g_vmm.erase(p);
+    g_alloc_device.erase(p);
     free((void*)p);
     return OK;
 }
 CUresult cuMemHostAlloc(void** p, size_t n, unsigned int) {
-    if (g_current != &g_ctx_token) return ERR_INVALID_CONTEXT;  // no context bound
+    if (ctx_device(g_current) < 0) return ERR_INVALID_CONTEXT;  // no context bound
     void* m = aligned_alloc(4096, (n + 4095) / 4096 * 4096);
     if (!m) return ERR_OOM;
     std::lock_guard<std::mutex> l(g_mu);
@@ -494,7 +522,17 @@ CUresult cuPointerGetAttribute(void* data, int attr, CUdeviceptr p) {
     if (!device && !find_alloc(g_host_allocs, p, &base, &size)) return ERR_INVALID_VALUE;
     switch (attr) {
         case 2: *(unsigned int*)data = device ? 2 : 1; break;
-        case 9: *(int*)data = 0; break;
+        case 9: {
+            CUdeviceptr ab = 0;
+            size_t as = 0;
+            int dev = 0;
+            if (device && find_alloc(g_allocs, p, &ab, &as)) {
+                auto d = g_alloc_device.find(ab);
+                if (d != g_alloc_device.end()) dev = d->second;
+            }
+            *(int*)data = dev;
+            break;
+        }
         case 11: *(CUdeviceptr*)data = base; break;
         case 12: *(size_t*)data = size; break;
         default: return ERR_INVALID_VALUE;
@@ -780,7 +818,7 @@ CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigned gz, uns
 }
 
 CUresult cuFlushGPUDirectRDMAWrites(int target, int scope) {
-    if (g_current != &g_ctx_token) return ERR_INVALID_CONTEXT;
+    if (ctx_device(g_current) < 0) return ERR_INVALID_CONTEXT;
     if (target != 0 || (scope != 100 && scope != 200)) return ERR_INVALID_VALUE;
     std::lock_guard<std::mutex> l(g_mu);
     if (!(g_rdma_flush_options & 1)) return ERR_NOT_SUPPORTED;

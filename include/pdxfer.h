@@ -244,6 +244,9 @@ enum PdxStatus
   PDX_STATUS_NCCL = -801,
   // The two sides of an NCCL pair derived different send/recv plans.
   PDX_STATUS_NCCL_PLAN_MISMATCH = -802,
+  // Transport nccl between two ranks on one GPU (NCCL refuses two ranks
+  // of one communicator on one device): use cma or tcp there.
+  PDX_STATUS_NCCL_SAME_GPU = -803,
   // The room id is unknown to this engine.
   PDX_STATUS_UNKNOWN_ROOM = -900,
   // The room has failed; its reason is kept on the room.

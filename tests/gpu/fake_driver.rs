@@ -49,7 +49,11 @@ fn device_path_runs_on_fake_driver() {
     let decode_child = spawn("child_engine_decode_device_pools_on_fake_driver");
     let flush_child = spawn("child_engine_gpudirect_flush_on_fake_driver");
     let layerwise_child = spawn("child_gpu_layerwise_bench_on_fake_driver");
-    let out = spawn("child_device_path_on_fake_driver")
+    // two fake GPUs: the NCCL pairs' ranks on devices 0 and 1 (NCCL refuses one)
+    let out = child("child_device_path_on_fake_driver")
+        .env("PDXFER_FAKE_CUDA_DEVICES", "2")
+        .spawn()
+        .expect("spawn the child test")
         .wait_with_output()
         .unwrap();
     let engine_out = engine_child.wait_with_output().unwrap();
@@ -435,7 +439,7 @@ fn child_device_path_on_fake_driver() {
         std::env::var_os("PDXFER_FAKE_CUDA_CHILD").is_some(),
         "this test only runs as the child of device_path_runs_on_fake_driver"
     );
-    assert_eq!(pdxfer::cuda::probe().unwrap().device_count, 1);
+    assert_eq!(pdxfer::cuda::probe().unwrap().device_count, 2);
     let mut g = GpuRelayout::new(0).expect("open the fake device");
     assert!(
         matches!(g.kernel_origin(), KernelOrigin::File(_)),
@@ -477,7 +481,10 @@ fn child_device_path_on_fake_driver() {
     assert_eq!(g.spans_per_warp(), 4, "the benchmark restores the setting");
 
     // Driver errors are typed, and bounds are checked before the driver.
-    assert_eq!(GpuRelayout::new(1).unwrap_err().status(), Status::Cuda);
+    // (This child has two fake devices, with their own PCI bus ids.)
+    assert_eq!(GpuRelayout::new(2).unwrap_err().status(), Status::Cuda);
+    assert_eq!(pdxfer::cuda::pci_bus_id(0).unwrap(), "0000:c1:00.0");
+    assert_eq!(pdxfer::cuda::pci_bus_id(1).unwrap(), "0000:c2:00.0");
     let b = g.stream().alloc(64).unwrap();
     assert_eq!(
         g.stream().upload(&b, 60, &[0u8; 8]).unwrap_err().status(),
@@ -627,7 +634,7 @@ fn nccl_transfers() {
                 pair.close()
             });
             let receiver = s.spawn(move || -> pdxfer::Result<Vec<Vec<u8>>> {
-                let mut g = GpuRelayout::new(0)?;
+                let mut g = GpuRelayout::new(1)?;
                 let rx = NcclPlan::build(&req, rx_rows, NcclRole::Receiver, &opts)?;
                 to_tx.send(rx.digest).unwrap();
                 check_mirror(&rx, from_tx.recv().unwrap())?;
@@ -643,7 +650,7 @@ fn nccl_transfers() {
                 let mut pair = NcclPair::connect(
                     id,
                     NcclRole::Receiver,
-                    0,
+                    1,
                     g.stream().raw(),
                     "prefill",
                     deadline,
