@@ -582,7 +582,10 @@ fn nccl_transfers() {
         .unwrap();
     }
 
-    let direct = NcclPlanOptions::default();
+    let direct = NcclPlanOptions {
+        min_direct_op_bytes: 0,
+        ..Default::default()
+    };
     let staged = NcclPlanOptions {
         max_direct_ops: 0,
         chunk_bytes: 4000,

@@ -241,6 +241,14 @@ struct Decode {
     bufs: Vec<DeviceBuffer>,
 }
 
+/// Direct recvs into the pool rows, although this geometry's ops are small.
+fn direct_options() -> NcclPlanOptions {
+    NcclPlanOptions {
+        min_direct_op_bytes: 0,
+        ..Default::default()
+    }
+}
+
 fn staged_options() -> NcclPlanOptions {
     NcclPlanOptions {
         max_direct_ops: 0,
@@ -472,7 +480,7 @@ fn child_nccl_engine() {
     match case.as_str() {
         "dcp2" | "dcp4" => {
             let (dcp, plan) = if case == "dcp2" {
-                (2u32, None)
+                (2u32, Some(direct_options()))
             } else {
                 (4, Some(staged_options()))
             };

@@ -348,7 +348,10 @@ fn src_pools() -> Vec<Vec<u8>> {
 }
 
 fn options(staged: bool) -> pdxfer::transport::nccl::NcclPlanOptions {
-    let mut o = pdxfer::transport::nccl::NcclPlanOptions::default();
+    let mut o = pdxfer::transport::nccl::NcclPlanOptions {
+        min_direct_op_bytes: 0, // rows of a few hundred bytes, Direct all the same
+        ..Default::default()
+    };
     if staged {
         o.max_direct_ops = 0;
         o.chunk_bytes = 4000;
