@@ -493,6 +493,35 @@ fn child_nccl_engine() {
                 [(1u64, 300u64, 0u64, 4usize), (2, 517, v * 2, 100)]
             {
                 let req = c.open_room(room, total, prefix, true);
+                if room == 1 {
+                    // every link's communicator opens after its hello, before
+                    // any chunk is sent; both ends count the init and its time
+                    let t0 = Instant::now();
+                    let opened = |e: &Engine| e.metrics_snapshot().nccl_comm_inits;
+                    while (opened(c.prefill()) < dcp as u64
+                        || c.decode.iter().any(|(d, _)| opened(d) < 1))
+                        && t0.elapsed() < Duration::from_secs(10)
+                    {
+                        std::thread::sleep(Duration::from_millis(5));
+                    }
+                    let m = c.prefill().metrics_snapshot();
+                    assert_eq!(
+                        m.nccl_comm_inits, dcp as u64,
+                        "{case}: opened before the room"
+                    );
+                    assert_eq!(m.nccl_comm_init_failures, 0);
+                    assert!(m.nccl_comm_init_seconds > 0.0);
+                    for (d, _) in &c.decode {
+                        assert_eq!(d.metrics_snapshot().nccl_comm_inits, 1, "{case} decode");
+                    }
+                    let text = c.prefill().metrics();
+                    assert!(
+                        text.contains(&format!(
+                            "pdxfer_engine_nccl_comm_inits_total{{outcome=\"ok\"}} {dcp}"
+                        )) && text.contains("pdxfer_engine_nccl_comm_init_seconds_total "),
+                        "{text}"
+                    );
+                }
                 c.send_all(&req, chunk_pages);
                 c.wait_prefill_success(room);
                 let mut verified = 0;

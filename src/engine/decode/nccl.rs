@@ -158,6 +158,7 @@ fn open(
     st.pair = None;
     st.generation = generation;
     st.open_error = None;
+    let t0 = Instant::now();
     let r = (|| {
         let id = NcclId::from_hex(id)?;
         let gpu = st.gpu.as_ref().map_err(Clone::clone)?;
@@ -180,8 +181,15 @@ fn open(
             abort,
         )
     })();
+    inner.metrics.nccl_init(t0.elapsed(), r.is_ok());
     match r {
-        Ok(p) => st.pair = Some(p),
+        Ok(p) => {
+            log::info!(
+                "engine: NCCL communicator {generation} with {peer} is up ({} ms init)",
+                t0.elapsed().as_millis()
+            );
+            st.pair = Some(p)
+        }
         Err(e) => {
             log::warn!("engine: NCCL communicator {generation} with {peer} failed: {e}");
             st.open_error = Some(e);

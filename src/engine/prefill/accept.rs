@@ -235,6 +235,10 @@ fn prefill_conn(
     slot.established();
     let _ = s.set_write_timeout(None);
     lock(&inner.decode_links).push(link.clone());
+    if inner.cfg.transport == TransportKind::Nccl {
+        // the link's communicator opens now, not inside its first room
+        crate::engine::path::nccl::send::keep_open(&inner, &link);
+    }
     drop(inner);
     loop {
         let msg = reader.recv();
