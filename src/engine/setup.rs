@@ -146,6 +146,7 @@ fn open_agent(cfg: &EngineConfig, instance: InstanceId) -> Result<Agent> {
         instance: Some(instance.0.to_be_bytes()),
         // PDXFER_TCP_ENCRYPT, on every rank alike
         tcp_encrypt: None,
+        rdma_traffic_class: cfg.rdma_traffic_class,
         #[cfg(any(test, feature = "testing"))]
         testing: cfg.testing.clone(),
     })

@@ -334,8 +334,11 @@ pub(super) fn register_matching(
 }
 
 #[cfg(feature = "rdma")]
-pub(super) fn open_default_nic(gpu: Option<u32>) -> Result<Arc<dyn NicProvider>> {
-    let mut cfg = crate::transport::rdma::RdmaConfig::from_env()?;
+pub(super) fn open_default_nic(
+    gpu: Option<u32>,
+    traffic_class: Option<u8>,
+) -> Result<Arc<dyn NicProvider>> {
+    let mut cfg = crate::transport::rdma::RdmaConfig::from_env()?.with_traffic_class(traffic_class);
     if let Some(ordinal) = gpu {
         cfg = cfg.for_gpu(ordinal);
     }
@@ -345,7 +348,10 @@ pub(super) fn open_default_nic(gpu: Option<u32>) -> Result<Arc<dyn NicProvider>>
 }
 
 #[cfg(not(feature = "rdma"))]
-pub(super) fn open_default_nic(_gpu: Option<u32>) -> Result<Arc<dyn NicProvider>> {
+pub(super) fn open_default_nic(
+    _gpu: Option<u32>,
+    _traffic_class: Option<u8>,
+) -> Result<Arc<dyn NicProvider>> {
     Err(Error::new(
         Status::NoRdmaDevice,
         "this build of pdxfer has no `rdma` feature (no verbs support)",
