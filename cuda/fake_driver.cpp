@@ -33,6 +33,16 @@
 //   pdx_fake_set_vmm_chunk): allocations made while it is set are one VA
 //   range backed by chunks of that size, and CU_POINTER_ATTRIBUTE_RANGE_*
 //   and cuMemGetAddressRange answer the chunk holding the address only.
+// - The VMM API itself: cuMemCreate (a pinned device allocation of the
+//   location's device; allocFlags.gpuDirectRDMACapable recorded),
+//   cuMemAddressReserve, cuMemMap (a handle's whole size at offset 0),
+//   cuMemSetAccess, cuMemUnmap, cuMemRelease, cuMemAddressFree; each mapping
+//   is one range (a copy or kernel row may not cross two) and cuMemFree of
+//   one is CUDA_ERROR_INVALID_VALUE, as on a GPU.
+// - CU_POINTER_ATTRIBUTE_IS_GPU_DIRECT_RDMA_CAPABLE: 1 for cuMemAlloc
+//   memory; for a cuMemCreate mapping its gpuDirectRDMACapable flag; for the
+//   chunked allocations above, the flag set by pdx_fake_set_vmm_gdr
+//   (PDXFER_FAKE_CUDA_VMM_GDR, default 1) when they were made.
 // - GPUDirect RDMA attributes: writes ordering (PDXFER_FAKE_CUDA_RDMA_ORDERING
 //   0/100/200, default 100 = owner; pdx_fake_set_rdma_ordering), flush
 //   options (PDXFER_FAKE_CUDA_RDMA_FLUSH_OPTIONS, default 1 = host flush
@@ -133,6 +143,10 @@ static std::map<CUdeviceptr, size_t> g_allocs;       // device base -> size
 static std::map<CUdeviceptr, size_t> g_vmm;          // device base -> chunk size (VMM)
 static std::map<CUdeviceptr, size_t> g_host_allocs;  // pinned host base -> size
 static std::map<CUdeviceptr, int> g_alloc_device;    // device base -> its context's device
+static std::map<CUdeviceptr, int> g_alloc_gdr;       // device base -> 0 where not GPUDirect capable
+static std::map<CUdeviceptr, size_t> g_reserved;     // VMM VA reservation base -> size
+static std::map<CUdeviceptr, size_t> g_mapped;       // cuMemMap base -> size (also in g_allocs)
+static int g_vmm_gdr = 1;  // gpuDirectRDMACapable of later chunked allocations
 static bool g_inited = false;
 static int g_driver_version = 12080;
 static size_t g_vmm_chunk = 0;
@@ -336,6 +350,7 @@ CUresult cuInit(unsigned int) {
         g_rdma_flush_options =
             (int)env_or("PDXFER_FAKE_CUDA_RDMA_FLUSH_OPTIONS", g_rdma_flush_options);
         g_dma_buf = (int)env_or("PDXFER_FAKE_CUDA_DMA_BUF", g_dma_buf);
+        g_vmm_gdr = (int)env_or("PDXFER_FAKE_CUDA_VMM_GDR", g_vmm_gdr);
         long n = env_or("PDXFER_FAKE_CUDA_DEVICES", 1);
         g_devices = n < 1 ? 1 : n > MAX_DEVICES ? MAX_DEVICES : (int)n;
     }
@@ -460,7 +475,10 @@ CUresult cuMemAlloc_v2(CUdeviceptr* p, size_t n) {
     *p = (CUdeviceptr)m;
     g_allocs[*p] = n;
     g_alloc_device[*p] = dev;
-    if (g_vmm_chunk > 0 && n > g_vmm_chunk) g_vmm[*p] = g_vmm_chunk;
+    if (g_vmm_chunk > 0 && n > g_vmm_chunk) {
+        g_vmm[*p] = g_vmm_chunk;
+        if (!g_vmm_gdr) g_alloc_gdr[*p] = 0;
+    }
     return OK;
 }
 // A 80 GiB device: free is what the allocations made here leave.
@@ -476,9 +494,11 @@ CUresult cuMemFree_v2(CUdeviceptr p) {
     drain_all();  // the driver synchronises before freeing
     refuse_free_in_use(p, "cuMemFree");
     std::lock_guard<std::mutex> l(g_mu);
+    if (g_mapped.count(p)) return ERR_INVALID_VALUE;  // a cuMemMap mapping: cuMemUnmap it
     if (!g_allocs.erase(p)) return ERR_INVALID_VALUE;
     g_vmm.erase(p);
     g_alloc_device.erase(p);
+    g_alloc_gdr.erase(p);
     free((void*)p);
     return OK;
 }
@@ -535,8 +555,104 @@ CUresult cuPointerGetAttribute(void* data, int attr, CUdeviceptr p) {
         }
         case 11: *(CUdeviceptr*)data = base; break;
         case 12: *(size_t*)data = size; break;
+        case 15: {  // IS_GPU_DIRECT_RDMA_CAPABLE
+            CUdeviceptr ab = 0;
+            size_t as = 0;
+            int gdr = device ? 1 : 0;
+            if (device && find_alloc(g_allocs, p, &ab, &as)) {
+                auto g = g_alloc_gdr.find(ab);
+                if (g != g_alloc_gdr.end()) gdr = g->second;
+            }
+            *(int*)data = gdr;
+            break;
+        }
         default: return ERR_INVALID_VALUE;
     }
+    return OK;
+}
+// The VMM API (CUmemAllocationProp read at its C offsets: type 0, location
+// type 8 and id 12, allocFlags.gpuDirectRDMACapable 25).
+struct VmmHandle {
+    size_t size;
+    int device;
+    int gdr;
+};
+CUresult cuMemCreate(unsigned long long* handle, size_t size, const unsigned char* prop,
+                     unsigned long long flags) {
+    if (!g_inited) return ERR_NOT_INIT;
+    if (handle == nullptr || prop == nullptr || size == 0 || flags != 0) return ERR_INVALID_VALUE;
+    int type, loc_type, loc_id;
+    memcpy(&type, prop, 4);
+    memcpy(&loc_type, prop + 8, 4);
+    memcpy(&loc_id, prop + 12, 4);
+    if (type != 1 || loc_type != 1) return ERR_INVALID_VALUE;  // pinned, on a device
+    if (!device_ok(loc_id)) return ERR_INVALID_DEVICE;
+    *handle = (unsigned long long)new VmmHandle{size, loc_id, prop[25] ? 1 : 0};
+    return OK;
+}
+CUresult cuMemRelease(unsigned long long handle) {
+    if (handle == 0) return ERR_INVALID_VALUE;
+    delete (VmmHandle*)handle;
+    return OK;
+}
+CUresult cuMemAddressReserve(CUdeviceptr* ptr, size_t size, size_t align, CUdeviceptr addr,
+                             unsigned long long) {
+    if (ptr == nullptr || size == 0 || addr != 0) return ERR_INVALID_VALUE;
+    size_t a = align > 4096 ? align : 4096;
+    void* m = aligned_alloc(a, (size + a - 1) / a * a);
+    if (!m) return ERR_OOM;
+    std::lock_guard<std::mutex> l(g_mu);
+    *ptr = (CUdeviceptr)m;
+    g_reserved[*ptr] = size;
+    return OK;
+}
+CUresult cuMemAddressFree(CUdeviceptr ptr, size_t size) {
+    std::lock_guard<std::mutex> l(g_mu);
+    auto r = g_reserved.find(ptr);
+    if (r == g_reserved.end() || r->second != size) return ERR_INVALID_VALUE;
+    for (auto& m : g_mapped)
+        if (m.first >= ptr && m.first < ptr + size) return ERR_INVALID_VALUE;  // still mapped
+    g_reserved.erase(r);
+    free((void*)ptr);
+    return OK;
+}
+CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, unsigned long long handle,
+                  unsigned long long flags) {
+    auto* h = (VmmHandle*)handle;
+    if (h == nullptr || offset != 0 || size != h->size || flags != 0) return ERR_INVALID_VALUE;
+    std::lock_guard<std::mutex> l(g_mu);
+    CUdeviceptr base;
+    size_t rsize;
+    if (!find_alloc(g_reserved, ptr, &base, &rsize) || ptr + size > base + rsize)
+        return ERR_INVALID_VALUE;
+    CUdeviceptr ab;
+    size_t as;
+    if (find_alloc(g_allocs, ptr, &ab, &as) || find_alloc(g_allocs, ptr + size - 1, &ab, &as))
+        return ERR_INVALID_VALUE;  // already mapped
+    g_allocs[ptr] = size;
+    g_mapped[ptr] = size;
+    g_alloc_device[ptr] = h->device;
+    g_alloc_gdr[ptr] = h->gdr;
+    return OK;
+}
+CUresult cuMemSetAccess(CUdeviceptr ptr, size_t size, const void* desc, size_t count) {
+    if (desc == nullptr || count == 0) return ERR_INVALID_VALUE;
+    std::lock_guard<std::mutex> l(g_mu);
+    CUdeviceptr ab;
+    size_t as;
+    if (!find_alloc(g_allocs, ptr, &ab, &as) || ptr + size > ab + as) return ERR_INVALID_VALUE;
+    return OK;
+}
+CUresult cuMemUnmap(CUdeviceptr ptr, size_t size) {
+    drain_all();  // the driver synchronises
+    refuse_free_in_use(ptr, "cuMemUnmap");
+    std::lock_guard<std::mutex> l(g_mu);
+    auto m = g_mapped.find(ptr);
+    if (m == g_mapped.end() || m->second != size) return ERR_INVALID_VALUE;
+    g_mapped.erase(m);
+    g_allocs.erase(ptr);
+    g_alloc_device.erase(ptr);
+    g_alloc_gdr.erase(ptr);
     return OK;
 }
 CUresult cuMemGetAddressRange_v2(CUdeviceptr* pbase, size_t* psize, CUdeviceptr p) {
@@ -905,6 +1021,11 @@ void pdx_fake_set_driver_version(int v) {
 void pdx_fake_set_vmm_chunk(unsigned long long chunk) {
     std::lock_guard<std::mutex> l(g_mu);
     g_vmm_chunk = (size_t)chunk;
+}
+// gpuDirectRDMACapable of later chunked (VMM-style) allocations (0 or 1).
+void pdx_fake_set_vmm_gdr(int v) {
+    std::lock_guard<std::mutex> l(g_mu);
+    g_vmm_gdr = v;
 }
 void pdx_fake_set_rdma_ordering(int v) {
     std::lock_guard<std::mutex> l(g_mu);

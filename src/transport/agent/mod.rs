@@ -492,7 +492,16 @@ impl Agent {
     /// is still registered on first use).
     pub fn rdma_register_all_but(&self, skip: &[u64]) -> Result<()> {
         let nic = self.inner.nic()?;
-        accept::register_matching(&self.inner, &*nic, &|d| !skip.contains(&d.id))
+        accept::register_matching(&self.inner, &*nic, &|d| !skip.contains(&d.id), false)
+    }
+
+    /// [`rdma_register_all_but`](Self::rdma_register_all_but), where a
+    /// device region that cannot be registered (no GPUDirect RDMA for it) is
+    /// the error, `NoGpuDirect` naming it: a receiver whose device memory
+    /// peers must write refuses to start rather than fail its batches later.
+    pub fn rdma_register_all_but_devices_required(&self, skip: &[u64]) -> Result<()> {
+        let nic = self.inner.nic()?;
+        accept::register_matching(&self.inner, &*nic, &|d| !skip.contains(&d.id), true)
     }
 
     /// Number of sender sessions currently connected.
