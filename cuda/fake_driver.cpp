@@ -394,6 +394,8 @@ CUresult cuDeviceGetAttribute(int* v, int attr, CUdevice d) {
         case 117: *v = g_rdma_flush_options; break;  // flush options (1: host flush)
         case 118: *v = g_rdma_ordering; break;  // GPUDirect RDMA writes ordering
         case 124: *v = g_dma_buf; break;        // dma-buf supported
+        case 102: *v = 1; break;                // virtual memory management supported
+        case 110: *v = 1; break;                // GPUDirect RDMA with CUDA VMM supported
         default: *v = 0; break;                 // no memory pools, nothing else
     }
     return OK;
@@ -588,6 +590,11 @@ CUresult cuMemCreate(unsigned long long* handle, size_t size, const unsigned cha
     if (type != 1 || loc_type != 1) return ERR_INVALID_VALUE;  // pinned, on a device
     if (!device_ok(loc_id)) return ERR_INVALID_DEVICE;
     *handle = (unsigned long long)new VmmHandle{size, loc_id, prop[25] ? 1 : 0};
+    return OK;
+}
+CUresult cuMemGetAllocationGranularity(size_t* g, const unsigned char* prop, int) {
+    if (g == nullptr || prop == nullptr) return ERR_INVALID_VALUE;
+    *g = (size_t)2 << 20;
     return OK;
 }
 CUresult cuMemRelease(unsigned long long handle) {

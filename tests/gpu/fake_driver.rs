@@ -1550,7 +1550,17 @@ fn child_vmm_gpudirect_on_fake_driver() {
         "cuMemAlloc memory"
     );
     drop(plain);
-    println!("fake-driver vmm-gpudirect child: cuMemAlloc and cuMemCreate(gpuDirectRDMACapable=0/1) told apart");
+    // the probe gpu-check prints asks the same three kinds of memory
+    let p = pdxfer::cuda::probe_vmm_gpudirect(0).unwrap();
+    assert_eq!(
+        (p.vmm, p.mem_alloc, p.vmm_flagged, p.vmm_unflagged),
+        (true, Some(true), Some(true), Some(false)),
+        "{p:?}"
+    );
+    assert!(p
+        .describe()
+        .contains("cuMemCreate(gpuDirectRDMACapable=0) NOT capable"));
+    println!("fake-driver vmm-gpudirect child: cuMemAlloc and cuMemCreate(gpuDirectRDMACapable=0/1) told apart: {}", p.describe());
 
     // decodes whose device pools are VMM chunks without the flag
     fake_set(c"pdx_fake_set_vmm_chunk", 4096u64);
