@@ -50,6 +50,7 @@
 //   (PDXFER_FAKE_CUDA_DMA_BUF, default 1); cuFlushGPUDirectRDMAWrites counts
 //   its calls (pdx_fake_rdma_flushes) and fails with CUDA_ERROR_NOT_SUPPORTED
 //   where the flush options lack the host flush.
+// - pdx_fake_device_frees counts the cuMemFree calls that freed memory.
 // - One device (ordinal 0; any other is CUDA_ERROR_INVALID_DEVICE) of compute
 //   capability 9.0 and 80 GiB, whose free memory (cuMemGetInfo) is what its
 //   allocations leave; device attributes other than those above read 0.
@@ -160,6 +161,7 @@ static unsigned long long g_htod_landed = 0;  // stream-ordered HtoD copies appl
 static unsigned long long g_pinned_htod = 0;  // stream-ordered HtoD copies from pinned memory
 static unsigned long long g_not_ready = 0;    // cuEventQuery answers of NOT_READY
 static unsigned long long g_rdma_flushes = 0; // cuFlushGPUDirectRDMAWrites calls
+static unsigned long long g_device_frees = 0; // cuMemFree calls that freed
 
 // A stream: work not yet run, in order; `done` of `enq` operations have run.
 struct Stream {
@@ -498,6 +500,7 @@ CUresult cuMemFree_v2(CUdeviceptr p) {
     std::lock_guard<std::mutex> l(g_mu);
     if (g_mapped.count(p)) return ERR_INVALID_VALUE;  // a cuMemMap mapping: cuMemUnmap it
     if (!g_allocs.erase(p)) return ERR_INVALID_VALUE;
+    ++g_device_frees;
     g_vmm.erase(p);
     g_alloc_device.erase(p);
     g_alloc_gdr.erase(p);
@@ -1028,6 +1031,11 @@ void pdx_fake_set_driver_version(int v) {
 void pdx_fake_set_vmm_chunk(unsigned long long chunk) {
     std::lock_guard<std::mutex> l(g_mu);
     g_vmm_chunk = (size_t)chunk;
+}
+// cuMemFree calls that freed device memory (each synchronises the device).
+unsigned long long pdx_fake_device_frees() {
+    std::lock_guard<std::mutex> l(g_mu);
+    return g_device_frees;
 }
 // gpuDirectRDMACapable of later chunked (VMM-style) allocations (0 or 1).
 void pdx_fake_set_vmm_gdr(int v) {

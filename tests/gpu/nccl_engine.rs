@@ -456,6 +456,20 @@ fn fake_nccl_counts() -> (u64, u64, u64) {
     (a, d, l)
 }
 
+/// The fake libcuda's `cuMemFree` calls that freed memory, in this process.
+fn fake_device_frees() -> u64 {
+    // SAFETY: dlopen of the already-loaded fake libcuda (RTLD_NOLOAD) and its
+    // counter `unsigned long long (void)`.
+    unsafe {
+        let h = libc::dlopen(c"libcuda.so".as_ptr(), libc::RTLD_NOW | libc::RTLD_NOLOAD);
+        assert!(!h.is_null(), "the fake libcuda is not loaded");
+        let f = libc::dlsym(h, c"pdx_fake_device_frees".as_ptr());
+        assert!(!f.is_null(), "not the fake libcuda");
+        let f: extern "C" fn() -> u64 = std::mem::transmute(f);
+        f()
+    }
+}
+
 /// The fake libnccl's aborts of rank 0 (prefill) and rank 1 (decode)
 /// communicators in this process.
 fn fake_nccl_rank_aborts() -> (u64, u64) {
@@ -522,8 +536,17 @@ fn child_nccl_engine() {
                         "{text}"
                     );
                 }
+                let frees = fake_device_frees();
                 c.send_all(&req, chunk_pages);
                 c.wait_prefill_success(room);
+                // the links' staging was allocated when they opened (and
+                // grown, not freed, for the larger chunks): no cuMemFree,
+                // which would wait for every other link's spinning kernels
+                assert_eq!(
+                    fake_device_frees(),
+                    frees,
+                    "{case} room {room}: a device free"
+                );
                 let mut verified = 0;
                 for r in 0..dcp as usize {
                     c.wait_decode_success(room, r);

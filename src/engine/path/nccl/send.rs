@@ -7,7 +7,7 @@
 use crate::engine::control::CtlMsg;
 use crate::engine::link::DecodeLink;
 use crate::engine::nccl_link::{
-    plan_options, room_deadline, room_live, staging, Answer, AnswerKey, LinkKey, Sender,
+    plan_options, room_deadline, room_live, Answer, AnswerKey, LinkKey, Sender, Staging,
 };
 use crate::engine::prefill::jobs::Job;
 use crate::engine::prefill::Prefill;
@@ -67,7 +67,7 @@ fn sender_of(inner: &Prefill, link: &DecodeLink, ordinal: u32) -> Result<Arc<Mut
     let s = Arc::new(Mutex::new(Sender {
         pair: None,
         generation: 0,
-        staging: None,
+        staging: Staging::default(),
         gpu: GpuRelayout::new(ordinal as usize)?,
     }));
     m.insert(key, s.clone());
@@ -318,6 +318,10 @@ fn open_locked(
         t0.elapsed().as_millis()
     );
     s.pair = Some(pair);
+    // the link's staging, once, before any of its transfers
+    if let Err(e) = s.staging.preallocate(&s.gpu, inner.cfg.staging_bytes) {
+        log::warn!("engine: nccl staging for {peer} not allocated at set-up: {e}");
+    }
     Ok(())
 }
 
@@ -462,7 +466,7 @@ fn post_locked(
         staging: slot,
         gpu,
     } = s;
-    let buf = staging(gpu, slot, need)?;
+    let buf = slot.reserve(gpu, need)?;
     if let Some(ev) = job.ready.cuda_event {
         // SAFETY: the caller keeps the event alive until the room is
         // terminal (`SendOptions::cuda_event`), in the pools' context.
