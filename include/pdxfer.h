@@ -507,7 +507,9 @@ typedef struct PdxSendOptions {
   // The aux row sent after the last chunk (as `pdxfer_engine_send`'s `aux_index`).
   uint64_t aux_index;
   // Device pools: a `CUevent` handle (0: none) recorded after the kernels
-  // that wrote the rows. The engine's stream waits on it
+  // that wrote the rows. A wrapper taking event objects must refuse one
+  // whose handle is still 0 (a `torch.cuda.Event` never recorded) rather
+  // than pass it: 0 sends with no ordering. The engine's stream waits on it
   // (`cuStreamWaitEvent`) before gathering; the caller never synchronises.
   // The event must not be destroyed before the room is terminal. Host
   // pools refuse it (`PDX_STATUS_INVALID_ARGUMENT`): use `ready_flag`.

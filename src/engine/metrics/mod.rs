@@ -198,6 +198,7 @@ impl EngineMetrics {
     }
 
     /// Transport nccl: counts one communicator init that took `took`.
+    #[cfg_attr(not(feature = "nccl"), allow(dead_code))]
     pub(crate) fn nccl_init(&self, took: Duration, ok: bool) {
         self.nccl_init_ns.fetch_add(nanos(took), Ordering::Relaxed);
         if ok {
