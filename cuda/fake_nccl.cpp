@@ -167,7 +167,7 @@ static std::atomic<long> g_groups{0};
 static std::atomic<unsigned long long> g_aborts{0}, g_destroys{0}, g_live{0};
 static std::atomic<unsigned long long> g_rank_aborts[2] = {{0}, {0}};
 static std::atomic<unsigned long long> g_groups_in_progress{0};
-static char g_last_error[256] = "fake NCCL error";
+static char g_last_error[256] = "";  // ncclGetLastError: the last warning, none yet
 
 static long env_or(const char* name, long dflt) {
     const char* v = getenv(name);
