@@ -33,6 +33,16 @@
 //   pdx_fake_set_vmm_chunk): allocations made while it is set are one VA
 //   range backed by chunks of that size, and CU_POINTER_ATTRIBUTE_RANGE_*
 //   and cuMemGetAddressRange answer the chunk holding the address only.
+// - The VMM API itself: cuMemCreate (a pinned device allocation of the
+//   location's device; allocFlags.gpuDirectRDMACapable recorded),
+//   cuMemAddressReserve, cuMemMap (a handle's whole size at offset 0),
+//   cuMemSetAccess, cuMemUnmap, cuMemRelease, cuMemAddressFree; each mapping
+//   is one range (a copy or kernel row may not cross two) and cuMemFree of
+//   one is CUDA_ERROR_INVALID_VALUE, as on a GPU.
+// - CU_POINTER_ATTRIBUTE_IS_GPU_DIRECT_RDMA_CAPABLE: 1 for cuMemAlloc
+//   memory; for a cuMemCreate mapping its gpuDirectRDMACapable flag; for the
+//   chunked allocations above, the flag set by pdx_fake_set_vmm_gdr
+//   (PDXFER_FAKE_CUDA_VMM_GDR, default 1) when they were made.
 // - GPUDirect RDMA attributes: writes ordering (PDXFER_FAKE_CUDA_RDMA_ORDERING
 //   0/100/200, default 100 = owner; pdx_fake_set_rdma_ordering), flush
 //   options (PDXFER_FAKE_CUDA_RDMA_FLUSH_OPTIONS, default 1 = host flush
@@ -40,9 +50,15 @@
 //   (PDXFER_FAKE_CUDA_DMA_BUF, default 1); cuFlushGPUDirectRDMAWrites counts
 //   its calls (pdx_fake_rdma_flushes) and fails with CUDA_ERROR_NOT_SUPPORTED
 //   where the flush options lack the host flush.
+// - pdx_fake_device_frees counts the cuMemFree calls that freed memory.
 // - One device (ordinal 0; any other is CUDA_ERROR_INVALID_DEVICE) of compute
 //   capability 9.0 and 80 GiB, whose free memory (cuMemGetInfo) is what its
 //   allocations leave; device attributes other than those above read 0.
+//   PDXFER_FAKE_CUDA_DEVICES=N (at most 8) makes N such devices, ordinals
+//   0..N-1, PCI bus ids 0000:c1:00.0, 0000:c2:00.0, ...; each has its own
+//   primary context, an allocation remembers the device of the context it
+//   was made in (CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, cuCtxGetDevice), and
+//   they share one memory, one free count and one stream table.
 // It refuses what a real driver would where it is cheap to check: launches of
 // functions it did not hand out, unknown streams/events, copies touching
 // memory it did not allocate, tables outside device memory, a wrong kernel
@@ -56,11 +72,11 @@
 //   operation at a time, never in parallel with the host or other streams;
 //   so races between streams that a real GPU shows as torn data cannot show
 //   here, only missing waits (work that has not run at all);
-// - more than one device, peer access, unified or managed memory, memory
+// - separate memories of several devices, peer access, unified or managed memory, memory
 //   pools, graphs, cuMemGetHandleForAddressRange (dma-buf export: only the
 //   attribute that says it is supported is answered) and nvidia-peermem;
-//   a real PCI address (cuDeviceGetPCIBusId answers a fixed
-//   "0000:c1:00.0" that no sysfs tree of the tests names, so the RDMA NIC
+//   a real PCI address (cuDeviceGetPCIBusId answers "0000:c1:00.0" for
+//   device 0, which no sysfs tree of the tests names, so the RDMA NIC
 //   choice sees a GPU of unknown locality); the exact error code a real
 //   driver gives a too-new cubin;
 // - that a kernel image holds the functions asked for, or its architecture
@@ -114,7 +130,9 @@ enum {
     ERR_NOT_SUPPORTED = 801,
 };
 
-static int g_ctx_token;
+static const int MAX_DEVICES = 8;
+static int g_ctx_tokens[MAX_DEVICES];  // device d's primary context is &g_ctx_tokens[d]
+static int g_devices = 1;
 static int g_gather_token;
 static int g_scatter_token;
 static int g_spin_token;
@@ -125,6 +143,11 @@ static std::recursive_mutex g_exec;     // one executor of enqueued work at a ti
 static std::map<CUdeviceptr, size_t> g_allocs;       // device base -> size
 static std::map<CUdeviceptr, size_t> g_vmm;          // device base -> chunk size (VMM)
 static std::map<CUdeviceptr, size_t> g_host_allocs;  // pinned host base -> size
+static std::map<CUdeviceptr, int> g_alloc_device;    // device base -> its context's device
+static std::map<CUdeviceptr, int> g_alloc_gdr;       // device base -> 0 where not GPUDirect capable
+static std::map<CUdeviceptr, size_t> g_reserved;     // VMM VA reservation base -> size
+static std::map<CUdeviceptr, size_t> g_mapped;       // cuMemMap base -> size (also in g_allocs)
+static int g_vmm_gdr = 1;  // gpuDirectRDMACapable of later chunked allocations
 static bool g_inited = false;
 static int g_driver_version = 12080;
 static size_t g_vmm_chunk = 0;
@@ -138,6 +161,7 @@ static unsigned long long g_htod_landed = 0;  // stream-ordered HtoD copies appl
 static unsigned long long g_pinned_htod = 0;  // stream-ordered HtoD copies from pinned memory
 static unsigned long long g_not_ready = 0;    // cuEventQuery answers of NOT_READY
 static unsigned long long g_rdma_flushes = 0; // cuFlushGPUDirectRDMAWrites calls
+static unsigned long long g_device_frees = 0; // cuMemFree calls that freed
 
 // A stream: work not yet run, in order; `done` of `enq` operations have run.
 struct Stream {
@@ -308,6 +332,15 @@ static long env_or(const char* name, long dflt) {
     return v && *v ? strtol(v, nullptr, 0) : dflt;
 }
 
+// The device whose primary context `c` is, or -1.
+static int ctx_device(CUcontext c) {
+    for (int d = 0; d < MAX_DEVICES; d++)
+        if (c == &g_ctx_tokens[d]) return d < g_devices ? d : -1;
+    return -1;
+}
+
+static bool device_ok(CUdevice d) { return d >= 0 && d < g_devices; }
+
 extern "C" {
 
 CUresult cuInit(unsigned int) {
@@ -319,6 +352,9 @@ CUresult cuInit(unsigned int) {
         g_rdma_flush_options =
             (int)env_or("PDXFER_FAKE_CUDA_RDMA_FLUSH_OPTIONS", g_rdma_flush_options);
         g_dma_buf = (int)env_or("PDXFER_FAKE_CUDA_DMA_BUF", g_dma_buf);
+        g_vmm_gdr = (int)env_or("PDXFER_FAKE_CUDA_VMM_GDR", g_vmm_gdr);
+        long n = env_or("PDXFER_FAKE_CUDA_DEVICES", 1);
+        g_devices = n < 1 ? 1 : n > MAX_DEVICES ? MAX_DEVICES : (int)n;
     }
     g_inited = true;
     return OK;
@@ -330,13 +366,13 @@ CUresult cuDriverGetVersion(int* v) {
 }
 CUresult cuDeviceGetCount(int* n) {
     if (!g_inited) return ERR_NOT_INIT;
-    *n = 1;
+    *n = g_devices;
     return OK;
 }
 CUresult cuDeviceGet(CUdevice* d, int ordinal) {
     if (!g_inited) return ERR_NOT_INIT;
-    if (ordinal != 0) return ERR_INVALID_DEVICE;
-    *d = 0;
+    if (!device_ok(ordinal)) return ERR_INVALID_DEVICE;
+    *d = ordinal;
     return OK;
 }
 CUresult cuDeviceGetName(char* name, int len, CUdevice) {
@@ -345,13 +381,13 @@ CUresult cuDeviceGetName(char* name, int len, CUdevice) {
 }
 CUresult cuDeviceGetPCIBusId(char* id, int len, CUdevice d) {
     if (!g_inited) return ERR_NOT_INIT;
-    if (d != 0) return ERR_INVALID_DEVICE;
+    if (!device_ok(d)) return ERR_INVALID_DEVICE;
     if (len < 13) return ERR_INVALID_VALUE;
-    snprintf(id, (size_t)len, "0000:c1:00.0");
+    snprintf(id, (size_t)len, "0000:%02x:00.0", 0xc1 + d);
     return OK;
 }
 CUresult cuDeviceGetAttribute(int* v, int attr, CUdevice d) {
-    if (d != 0) return ERR_INVALID_DEVICE;
+    if (!device_ok(d)) return ERR_INVALID_DEVICE;
     std::lock_guard<std::mutex> l(g_mu);
     switch (attr) {
         case 75: *v = 9; break;                 // compute capability major
@@ -360,13 +396,15 @@ CUresult cuDeviceGetAttribute(int* v, int attr, CUdevice d) {
         case 117: *v = g_rdma_flush_options; break;  // flush options (1: host flush)
         case 118: *v = g_rdma_ordering; break;  // GPUDirect RDMA writes ordering
         case 124: *v = g_dma_buf; break;        // dma-buf supported
+        case 102: *v = 1; break;                // virtual memory management supported
+        case 110: *v = 1; break;                // GPUDirect RDMA with CUDA VMM supported
         default: *v = 0; break;                 // no memory pools, nothing else
     }
     return OK;
 }
 CUresult cuDevicePrimaryCtxRetain(CUcontext* c, CUdevice d) {
-    if (d != 0) return ERR_INVALID_DEVICE;
-    *c = &g_ctx_token;
+    if (!device_ok(d)) return ERR_INVALID_DEVICE;
+    *c = &g_ctx_tokens[d];
     return OK;
 }
 CUresult cuDevicePrimaryCtxRelease_v2(CUdevice) { return OK; }
@@ -375,8 +413,14 @@ CUresult cuCtxGetCurrent(CUcontext* c) {
     return OK;
 }
 CUresult cuCtxSetCurrent(CUcontext c) {
-    if (c != nullptr && c != &g_ctx_token) return ERR_INVALID_HANDLE;
+    if (c != nullptr && ctx_device(c) < 0) return ERR_INVALID_HANDLE;
     g_current = c;
+    return OK;
+}
+CUresult cuCtxGetDevice(CUdevice* d) {
+    int dev = ctx_device(g_current);
+    if (dev < 0) return ERR_INVALID_CONTEXT;
+    *d = dev;
     return OK;
 }
 CUresult cuCtxSynchronize() {
@@ -427,13 +471,18 @@ CUresult cuStreamWaitEvent(CUstream s, CUevent e, unsigned int) {
 }
 
 CUresult cuMemAlloc_v2(CUdeviceptr* p, size_t n) {
-    if (g_current != &g_ctx_token) return ERR_INVALID_CONTEXT;  // no context bound
+    int dev = ctx_device(g_current);
+    if (dev < 0) return ERR_INVALID_CONTEXT;  // no context bound
     void* m = aligned_alloc(256, (n + 255) / 256 * 256);
     if (!m) return ERR_OOM;
     std::lock_guard<std::mutex> l(g_mu);
     *p = (CUdeviceptr)m;
     g_allocs[*p] = n;
-    if (g_vmm_chunk > 0 && n > g_vmm_chunk) g_vmm[*p] = g_vmm_chunk;
+    g_alloc_device[*p] = dev;
+    if (g_vmm_chunk > 0 && n > g_vmm_chunk) {
+        g_vmm[*p] = g_vmm_chunk;
+        if (!g_vmm_gdr) g_alloc_gdr[*p] = 0;
+    }
     return OK;
 }
 // A 80 GiB device: free is what the allocations made here leave.
@@ -449,13 +498,17 @@ CUresult cuMemFree_v2(CUdeviceptr p) {
     drain_all();  // the driver synchronises before freeing
     refuse_free_in_use(p, "cuMemFree");
     std::lock_guard<std::mutex> l(g_mu);
+    if (g_mapped.count(p)) return ERR_INVALID_VALUE;  // a cuMemMap mapping: cuMemUnmap it
     if (!g_allocs.erase(p)) return ERR_INVALID_VALUE;
+    ++g_device_frees;
     g_vmm.erase(p);
+    g_alloc_device.erase(p);
+    g_alloc_gdr.erase(p);
     free((void*)p);
     return OK;
 }
 CUresult cuMemHostAlloc(void** p, size_t n, unsigned int) {
-    if (g_current != &g_ctx_token) return ERR_INVALID_CONTEXT;  // no context bound
+    if (ctx_device(g_current) < 0) return ERR_INVALID_CONTEXT;  // no context bound
     void* m = aligned_alloc(4096, (n + 4095) / 4096 * 4096);
     if (!m) return ERR_OOM;
     std::lock_guard<std::mutex> l(g_mu);
@@ -494,11 +547,122 @@ CUresult cuPointerGetAttribute(void* data, int attr, CUdeviceptr p) {
     if (!device && !find_alloc(g_host_allocs, p, &base, &size)) return ERR_INVALID_VALUE;
     switch (attr) {
         case 2: *(unsigned int*)data = device ? 2 : 1; break;
-        case 9: *(int*)data = 0; break;
+        case 9: {
+            CUdeviceptr ab = 0;
+            size_t as = 0;
+            int dev = 0;
+            if (device && find_alloc(g_allocs, p, &ab, &as)) {
+                auto d = g_alloc_device.find(ab);
+                if (d != g_alloc_device.end()) dev = d->second;
+            }
+            *(int*)data = dev;
+            break;
+        }
         case 11: *(CUdeviceptr*)data = base; break;
         case 12: *(size_t*)data = size; break;
+        case 15: {  // IS_GPU_DIRECT_RDMA_CAPABLE
+            CUdeviceptr ab = 0;
+            size_t as = 0;
+            int gdr = device ? 1 : 0;
+            if (device && find_alloc(g_allocs, p, &ab, &as)) {
+                auto g = g_alloc_gdr.find(ab);
+                if (g != g_alloc_gdr.end()) gdr = g->second;
+            }
+            *(int*)data = gdr;
+            break;
+        }
         default: return ERR_INVALID_VALUE;
     }
+    return OK;
+}
+// The VMM API (CUmemAllocationProp read at its C offsets: type 0, location
+// type 8 and id 12, allocFlags.gpuDirectRDMACapable 25).
+struct VmmHandle {
+    size_t size;
+    int device;
+    int gdr;
+};
+CUresult cuMemCreate(unsigned long long* handle, size_t size, const unsigned char* prop,
+                     unsigned long long flags) {
+    if (!g_inited) return ERR_NOT_INIT;
+    if (handle == nullptr || prop == nullptr || size == 0 || flags != 0) return ERR_INVALID_VALUE;
+    int type, loc_type, loc_id;
+    memcpy(&type, prop, 4);
+    memcpy(&loc_type, prop + 8, 4);
+    memcpy(&loc_id, prop + 12, 4);
+    if (type != 1 || loc_type != 1) return ERR_INVALID_VALUE;  // pinned, on a device
+    if (!device_ok(loc_id)) return ERR_INVALID_DEVICE;
+    *handle = (unsigned long long)new VmmHandle{size, loc_id, prop[25] ? 1 : 0};
+    return OK;
+}
+CUresult cuMemGetAllocationGranularity(size_t* g, const unsigned char* prop, int) {
+    if (g == nullptr || prop == nullptr) return ERR_INVALID_VALUE;
+    *g = (size_t)2 << 20;
+    return OK;
+}
+CUresult cuMemRelease(unsigned long long handle) {
+    if (handle == 0) return ERR_INVALID_VALUE;
+    delete (VmmHandle*)handle;
+    return OK;
+}
+CUresult cuMemAddressReserve(CUdeviceptr* ptr, size_t size, size_t align, CUdeviceptr addr,
+                             unsigned long long) {
+    if (ptr == nullptr || size == 0 || addr != 0) return ERR_INVALID_VALUE;
+    size_t a = align > 4096 ? align : 4096;
+    void* m = aligned_alloc(a, (size + a - 1) / a * a);
+    if (!m) return ERR_OOM;
+    std::lock_guard<std::mutex> l(g_mu);
+    *ptr = (CUdeviceptr)m;
+    g_reserved[*ptr] = size;
+    return OK;
+}
+CUresult cuMemAddressFree(CUdeviceptr ptr, size_t size) {
+    std::lock_guard<std::mutex> l(g_mu);
+    auto r = g_reserved.find(ptr);
+    if (r == g_reserved.end() || r->second != size) return ERR_INVALID_VALUE;
+    for (auto& m : g_mapped)
+        if (m.first >= ptr && m.first < ptr + size) return ERR_INVALID_VALUE;  // still mapped
+    g_reserved.erase(r);
+    free((void*)ptr);
+    return OK;
+}
+CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, unsigned long long handle,
+                  unsigned long long flags) {
+    auto* h = (VmmHandle*)handle;
+    if (h == nullptr || offset != 0 || size != h->size || flags != 0) return ERR_INVALID_VALUE;
+    std::lock_guard<std::mutex> l(g_mu);
+    CUdeviceptr base;
+    size_t rsize;
+    if (!find_alloc(g_reserved, ptr, &base, &rsize) || ptr + size > base + rsize)
+        return ERR_INVALID_VALUE;
+    CUdeviceptr ab;
+    size_t as;
+    if (find_alloc(g_allocs, ptr, &ab, &as) || find_alloc(g_allocs, ptr + size - 1, &ab, &as))
+        return ERR_INVALID_VALUE;  // already mapped
+    g_allocs[ptr] = size;
+    g_mapped[ptr] = size;
+    g_alloc_device[ptr] = h->device;
+    g_alloc_gdr[ptr] = h->gdr;
+    return OK;
+}
+CUresult cuMemSetAccess(CUdeviceptr ptr, size_t size, const void* desc, size_t count) {
+    if (desc == nullptr || count == 0) return ERR_INVALID_VALUE;
+    std::lock_guard<std::mutex> l(g_mu);
+    CUdeviceptr ab;
+    size_t as;
+    if (!find_alloc(g_allocs, ptr, &ab, &as) || ptr + size > ab + as) return ERR_INVALID_VALUE;
+    return OK;
+}
+CUresult cuMemUnmap(CUdeviceptr ptr, size_t size) {
+    drain_all();  // the driver synchronises
+    refuse_free_in_use(ptr, "cuMemUnmap");
+    std::lock_guard<std::mutex> l(g_mu);
+    auto m = g_mapped.find(ptr);
+    if (m == g_mapped.end() || m->second != size) return ERR_INVALID_VALUE;
+    g_mapped.erase(m);
+    g_allocs.erase(ptr);
+    g_alloc_device.erase(ptr);
+    g_alloc_gdr.erase(ptr);
     return OK;
 }
 CUresult cuMemGetAddressRange_v2(CUdeviceptr* pbase, size_t* psize, CUdeviceptr p) {
@@ -780,7 +944,7 @@ CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigned gz, uns
 }
 
 CUresult cuFlushGPUDirectRDMAWrites(int target, int scope) {
-    if (g_current != &g_ctx_token) return ERR_INVALID_CONTEXT;
+    if (ctx_device(g_current) < 0) return ERR_INVALID_CONTEXT;
     if (target != 0 || (scope != 100 && scope != 200)) return ERR_INVALID_VALUE;
     std::lock_guard<std::mutex> l(g_mu);
     if (!(g_rdma_flush_options & 1)) return ERR_NOT_SUPPORTED;
@@ -867,6 +1031,16 @@ void pdx_fake_set_driver_version(int v) {
 void pdx_fake_set_vmm_chunk(unsigned long long chunk) {
     std::lock_guard<std::mutex> l(g_mu);
     g_vmm_chunk = (size_t)chunk;
+}
+// cuMemFree calls that freed device memory (each synchronises the device).
+unsigned long long pdx_fake_device_frees() {
+    std::lock_guard<std::mutex> l(g_mu);
+    return g_device_frees;
+}
+// gpuDirectRDMACapable of later chunked (VMM-style) allocations (0 or 1).
+void pdx_fake_set_vmm_gdr(int v) {
+    std::lock_guard<std::mutex> l(g_mu);
+    g_vmm_gdr = v;
 }
 void pdx_fake_set_rdma_ordering(int v) {
     std::lock_guard<std::mutex> l(g_mu);

@@ -33,6 +33,16 @@
 //   an op posted after ncclCommAbort is ncclInvalidUsage, and a recv whose
 //   read of the sender's memory fails is ncclSystemError. At most 4096 sends
 //   of a direction wait for their recvs at once; ncclGetVersion says 2.29.99.
+// - Two ranks on one GPU: each rank records its host (boot id) and the PCI
+//   bus id of its current context's device (cuCtxGetDevice on the fake
+//   libcuda, PDXFER_FAKE_CUDA_DEVICES); once both joined, equal ones are
+//   ncclInvalidUsage (non-blocking: from ncclCommGetAsyncError; blocking: from
+//   init) with "Duplicate GPU detected" as ncclGetLastError, as NCCL's init
+//   refuses two ranks of one communicator with one host hash and bus id.
+// - ncclGroupEnd of a group with ops of a non-blocking communicator returns
+//   ncclInProgress (its ops are enqueued), and that communicator's next two
+//   ncclCommGetAsyncError answer ncclInProgress before its real state, as a
+//   non-blocking NCCL may; pdx_fake_nccl_groups_in_progress counts them.
 // - pdx_fake_nccl_counts reports aborts, destroys and live communicators;
 //   pdx_fake_nccl_rank_aborts the aborts of each rank's communicators.
 //
@@ -42,8 +52,8 @@
 // - more than two ranks, collectives, data types other than bytes, and the
 //   concurrency of ops inside one group (they complete in posting order);
 // - NCCL's GPU memory use, channels, proxies, transports and timing;
-// - device ordinals: any rank may use any "device" (real NCCL refuses two
-//   ranks of one communicator on one GPU);
+// - which device an op's buffers are on (only the rank's current device is
+//   compared with its peer's);
 // - ncclCommInitRankConfig's other config fields (only `blocking` is read).
 #include <dlfcn.h>
 #include <fcntl.h>
@@ -106,6 +116,7 @@ struct Shared {
     std::atomic<int> aborted[2];
     std::atomic<int> error;  // a fault both ranks see (size mismatch)
     std::atomic<int> users;
+    char gpu[2][96];  // rank r's "host bus-id", written before it joins ("" unknown)
     Chan ch[2];
 };
 
@@ -116,6 +127,8 @@ struct State {
     std::atomic<bool> aborted{false};
     std::atomic<bool> finalizing{false};
     std::atomic<int> pending{0};  // enqueued steps not finished
+    bool blocking = true;
+    std::atomic<int> launch_polls{0};  // async-error polls still answering in-progress
     uint64_t next_send = 0, next_recv = 0;
     ~State() {
         if (sh == nullptr) return;
@@ -153,6 +166,8 @@ static std::atomic<int> g_fault{0};
 static std::atomic<long> g_groups{0};
 static std::atomic<unsigned long long> g_aborts{0}, g_destroys{0}, g_live{0};
 static std::atomic<unsigned long long> g_rank_aborts[2] = {{0}, {0}};
+static std::atomic<unsigned long long> g_groups_in_progress{0};
+static char g_last_error[256] = "";  // ncclGetLastError: the last warning, none yet
 
 static long env_or(const char* name, long dflt) {
     const char* v = getenv(name);
@@ -249,6 +264,41 @@ static int (*enqueue_step())(void*, int (*)(void*), void*, const unsigned long l
     return f;
 }
 
+// "boot-id bus-id" of the calling thread's current CUDA device ("" when the
+// fake libcuda or a context is missing).
+static std::string current_gpu() {
+    void* h = dlopen("libcuda.so", RTLD_NOW | RTLD_NOLOAD);
+    if (h == nullptr) h = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
+    if (h == nullptr) return "";
+    auto get_dev = (int (*)(int*))dlsym(h, "cuCtxGetDevice");
+    auto bus_id = (int (*)(char*, int, int))dlsym(h, "cuDeviceGetPCIBusId");
+    int dev = -1;
+    char bus[32] = {0};
+    if (get_dev == nullptr || bus_id == nullptr || get_dev(&dev) != 0 ||
+        bus_id(bus, (int)sizeof bus, dev) != 0)
+        return "";
+    char boot[64] = {0};
+    FILE* f = fopen("/proc/sys/kernel/random/boot_id", "r");
+    if (f != nullptr) {
+        if (fgets(boot, sizeof boot, f) == nullptr) boot[0] = 0;
+        fclose(f);
+    }
+    boot[strcspn(boot, "\n")] = 0;
+    return std::string(boot) + " " + bus;
+}
+
+// True once both ranks joined from one GPU (then recorded as the last error).
+static bool duplicate_gpu(Shared& sh) {
+    if (sh.joined.load() != 3 || sh.gpu[0][0] == 0 || strcmp(sh.gpu[0], sh.gpu[1]) != 0)
+        return false;
+    std::lock_guard<std::mutex> l(g_mu);
+    const char* bus = strchr(sh.gpu[0], ' ');
+    snprintf(g_last_error, sizeof g_last_error,
+             "Duplicate GPU detected : rank 1 and rank 0 both on CUDA device %s",
+             bus ? bus + 1 : sh.gpu[0]);
+    return true;
+}
+
 // Enqueues the ops of one group: one step per (communicator, stream).
 static int launch(std::vector<Pending>& ops) {
     auto enq = enqueue_step();
@@ -267,8 +317,13 @@ static int launch(std::vector<Pending>& ops) {
     ops.clear();
     g_groups.fetch_add(1);
     int rc = ncclSuccess;
+    bool in_progress = false;
     for (auto& kv : tasks) {
         Task* t = kv.second;
+        if (!t->st->blocking) {
+            t->st->launch_polls.store(2);
+            in_progress = true;
+        }
         std::vector<unsigned long long> ranges;
         for (auto& op : t->ops) {
             ranges.push_back((unsigned long long)op.buf);
@@ -280,6 +335,10 @@ static int launch(std::vector<Pending>& ops) {
             delete t;
             rc = ncclUnhandledCudaError;
         }
+    }
+    if (rc == ncclSuccess && in_progress) {
+        g_groups_in_progress.fetch_add(1);
+        return ncclInProgress;
     }
     return rc;
 }
@@ -303,13 +362,13 @@ const char* ncclGetErrorString(int rc) {
     switch (rc) {
         case ncclSuccess: return "no error";
         case ncclSystemError: return "fake: system error";
-        case ncclInvalidUsage: return "fake: invalid usage (size mismatch)";
+        case ncclInvalidUsage: return "fake: invalid usage (size mismatch, or two ranks on one GPU)";
         case ncclRemoteError: return "fake: remote process exited or there was a network error";
         case ncclInProgress: return "fake: operation in progress";
         default: return "fake NCCL error";
     }
 }
-const char* ncclGetLastError(void*) { return "fake NCCL error"; }
+const char* ncclGetLastError(void*) { return g_last_error; }
 
 int ncclCommInitRankConfig(void** comm, int nranks, ncclUniqueId id, int rank, void* config) {
     if (nranks != 2 || rank < 0 || rank > 1 || comm == nullptr) return ncclInvalidArgument;
@@ -340,6 +399,9 @@ int ncclCommInitRankConfig(void** comm, int nranks, ncclUniqueId id, int rank, v
     st->sh = (Shared*)m;
     st->sh->users.fetch_add(1);
     st->sh->pid[rank].store(getpid());
+    st->blocking = blocking != 0;
+    std::string gpu = current_gpu();
+    snprintf(st->sh->gpu[rank], sizeof st->sh->gpu[rank], "%s", gpu.c_str());
     st->sh->joined.fetch_or(1 << rank);
     *comm = new Handle{st};
     g_live.fetch_add(1);
@@ -349,6 +411,7 @@ int ncclCommInitRankConfig(void** comm, int nranks, ncclUniqueId id, int rank, v
         if (std::chrono::steady_clock::now() > until) return ncclSystemError;
         std::this_thread::sleep_for(std::chrono::milliseconds(1));
     }
+    if (duplicate_gpu(*st->sh)) return ncclInvalidUsage;
     return ncclSuccess;
 }
 int ncclCommInitRank(void** comm, int nranks, ncclUniqueId id, int rank) {
@@ -361,11 +424,15 @@ int ncclCommGetAsyncError(void* comm, int* out) {
     Shared& sh = *s.sh;
     int f = fault();
     if (f != 0) *out = f;
+    else if (duplicate_gpu(sh)) *out = ncclInvalidUsage;
     else if (sh.error.load() != 0) *out = sh.error.load();
     else if (sh.aborted[1 - s.rank].load()) *out = ncclRemoteError;
     else if (sh.joined.load() != 3) *out = ncclInProgress;
     else if (s.finalizing.load() && s.pending.load() > 0) *out = ncclInProgress;
-    else *out = ncclSuccess;
+    else if (s.launch_polls.load() > 0) {
+        s.launch_polls.fetch_sub(1);
+        *out = ncclInProgress;
+    } else *out = ncclSuccess;
     return ncclSuccess;
 }
 int ncclCommAbort(void* comm) {
@@ -430,6 +497,7 @@ void pdx_fake_nccl_counts(unsigned long long* aborts, unsigned long long* destro
     *destroys = g_destroys.load();
     *live = g_live.load();
 }
+unsigned long long pdx_fake_nccl_groups_in_progress() { return g_groups_in_progress.load(); }
 void pdx_fake_nccl_rank_aborts(unsigned long long* rank0, unsigned long long* rank1) {
     *rank0 = g_rank_aborts[0].load();
     *rank1 = g_rank_aborts[1].load();

@@ -24,7 +24,9 @@
 //! exposed transfer time of both, every decode byte verified.
 //!
 //! `--summary` prints only the driver version, the embedded kernel images,
-//! which one loaded, and the GPUDirect RDMA route.
+//! which one loaded, the GPUDirect RDMA route, and what the driver says of
+//! GPUDirect RDMA on `cuMemAlloc` and `cuMemCreate` (with and without
+//! `gpuDirectRDMACapable`) memory.
 //!
 //! Exit codes: 0 all passed (and the ratio target met, when `--min-ratio`),
 //! 1 a correctness or ratio failure, 2 usage, 3 no usable kernels or device.
@@ -407,6 +409,10 @@ fn summary(a: &Args) -> Option<GpuRelayout> {
         "gpu-check: gpudirect: {}",
         pdxfer::cuda::gpudirect_summary(a.device)
     );
+    match pdxfer::cuda::probe_vmm_gpudirect(a.device) {
+        Ok(v) => println!("gpu-check: gpudirect on VMM memory: {}", v.describe()),
+        Err(e) => println!("gpu-check: gpudirect on VMM memory: not asked: {e}"),
+    }
     g
 }
 

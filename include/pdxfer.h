@@ -259,6 +259,9 @@ enum PdxStatus
   PDX_STATUS_NCCL = -801,
   // The two sides of an NCCL pair derived different send/recv plans.
   PDX_STATUS_NCCL_PLAN_MISMATCH = -802,
+  // Transport nccl between two ranks on one GPU (NCCL refuses two ranks
+  // of one communicator on one device): use cma or tcp there.
+  PDX_STATUS_NCCL_SAME_GPU = -803,
   // The room id is unknown to this engine.
   PDX_STATUS_UNKNOWN_ROOM = -900,
   // The room has failed; its reason is kept on the room.
@@ -525,7 +528,9 @@ typedef struct PdxSendOptions {
   // The aux row sent after the last chunk (as `pdxfer_engine_send`'s `aux_index`).
   uint64_t aux_index;
   // Device pools: a `CUevent` handle (0: none) recorded after the kernels
-  // that wrote the rows. The engine's stream waits on it
+  // that wrote the rows. A wrapper taking event objects must refuse one
+  // whose handle is still 0 (a `torch.cuda.Event` never recorded) rather
+  // than pass it: 0 sends with no ordering. The engine's stream waits on it
   // (`cuStreamWaitEvent`) before gathering; the caller never synchronises.
   // The event must not be destroyed before the room is terminal. Host
   // pools refuse it (`PDX_STATUS_INVALID_ARGUMENT`): use `ready_flag`.

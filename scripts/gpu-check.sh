@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # GPU check. First, before anything long: the driver version, the kernel
-# images the binary embeds and which one this driver loaded, and GPUDirect
+# images the binary embeds and which one this driver loaded, GPUDirect
 # RDMA (dma-buf / peermem / none: tested by a real registration of device
 # memory where an RDMA device exists, else from the dma-buf attribute and
-# /sys/module/nvidia_peermem). Then kernel correctness against the CPU relayout, then the gather
+# /sys/module/nvidia_peermem), and CU_POINTER_ATTRIBUTE_IS_GPU_DIRECT_RDMA_CAPABLE
+# of cuMemAlloc memory and of cuMemCreate mappings made with and without
+# gpuDirectRDMACapable (a flagged mapping reported not capable is flagged
+# here: the engine would refuse such pools for rdma). Then kernel correctness against the CPU relayout, then the gather
 # kernel against a device-to-device memcpy of the same bytes (131,072 tokens,
 # 61 layers, 576 bf16 per row, DCP 4 and 16), then the engine with KV pools in
 # device memory (`--engine-only`: 16,384 tokens x 61 layers to 4 decode ranks
@@ -56,16 +59,27 @@
 # --tokens 2048"), SGLANG_CHECK_TIMEOUT (seconds, default 90), PDXFER_LIB
 # (default target/libpdxfer.so, else target/release/libpdxfer.so);
 # GPU_CHECK_BUDGET caps the whole script (seconds, default 470).
+# GPU_CHECK_DRY_RUN=1 runs nothing: it prints each step it would run, with
+# its timeout, and exits 0 (no binary or GPU needed; tests/abi/scripts.rs).
 # Output: the log on stdout, and $OUT/gpu-check.log when $OUT is set.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+dry=${GPU_CHECK_DRY_RUN:-}
+[ "$dry" = 0 ] && dry=""
+if [ -n "$dry" ]; then
+    # every step prints what it would run instead (its timeout first)
+    timeout() { echo "gpu-check: [dry-run] timeout $*"; return 0; }
+    : "${PDXFER_GPU_CHECK_BIN:=target/gpu-check}"
+fi
+# A carried binary (or, in a dry run, any name).
+have() { [ -n "$dry" ] || [ -x "$1" ]; }
 bin=${PDXFER_GPU_CHECK_BIN:-}
 if [ -z "$bin" ]; then
     for b in target/gpu-check target/release/examples/gpu_check; do
         if [ -x "$b" ]; then bin=$b; break; fi
     done
 fi
-if [ -z "$bin" ] || [ ! -x "$bin" ]; then
+if [ -z "$bin" ] || ! have "$bin"; then
     echo "gpu-check: no binary (build it as described at the top of $0)" >&2
     exit 2
 fi
@@ -95,9 +109,13 @@ done
 say "gpu-check: $(date -u +%FT%TZ) binary $bin"
 # First: driver, kernel image, GPUDirect (the binary's --summary; its exit 3
 # means no embedded image or NVRTC loads, which the nvcc step below may fix).
-timeout "$(within 90)" "$bin" --summary 2>&1 | tee -a "$log"
-src=${PIPESTATUS[0]}
+summary_out=$(timeout "$(within 90)" "$bin" --summary 2>&1)
+src=$?
+echo "$summary_out" | tee -a "$log"
 [ "$src" -ne 0 ] && say "gpu-check: summary exit $src"
+if echo "$summary_out" | grep -q "cuMemCreate(gpuDirectRDMACapable=1) NOT capable"; then
+    say "gpu-check: WARNING: a cuMemCreate mapping made with gpuDirectRDMACapable is not GPUDirect RDMA capable: decode device pools from VMM allocators go over tcp (auto) or are refused (rdma) on this host"
+fi
 if command -v nvidia-smi >/dev/null; then
     nvidia-smi --query-gpu=name,driver_version,compute_cap,memory.total --format=csv,noheader 2>&1 | tee -a "$log"
 fi
@@ -155,7 +173,10 @@ if [ -z "$lib" ]; then
         if [ -f "$l" ]; then lib=$PWD/$l; break; fi
     done
 fi
-if [ "$rc" -eq 3 ]; then
+if [ -n "$dry" ]; then
+    py=${py:-python3}
+    lib=${lib:-$PWD/target/libpdxfer.so}
+elif [ "$rc" -eq 3 ]; then
     sglang_skip="no kernel image loads"
 elif [ -z "$py" ]; then
     sglang_skip="no python3"
@@ -186,7 +207,7 @@ fi
 # the library loads, a unique id, and an init whose peer never joins fails
 # at its 3 s deadline. Exit 3 there means no NCCL on this host (reported).
 nccl_bin=${PDXFER_NCCL_CHECK_BIN:-}
-[ -z "$nccl_bin" ] && [ -x target/nccl-check ] && nccl_bin=target/nccl-check
+[ -z "$nccl_bin" ] && have target/nccl-check && nccl_bin=target/nccl-check
 if [ -n "$nccl_bin" ]; then
     say "gpu-check: NCCL: library, unique id, init with a peer that never joins"
     timeout "$(within 30)" "$nccl_bin" --solo --deadline-ms 3000 2>&1 | tee -a "$log"
@@ -203,17 +224,30 @@ fi
 # The engine over transport nccl needs two GPUs (scripts/nccl-check.sh); on
 # one, `pdxfer bench --transport nccl` (target/pdxfer-nccl, built as
 # scripts/nccl-check.sh says) must refuse at once, saying why.
-if [ -x target/pdxfer-nccl ]; then
+if have target/pdxfer-nccl; then
     gcount=$(nvidia-smi --query-gpu=index --format=csv,noheader 2>/dev/null | wc -l)
+    [ -n "$dry" ] && gcount=1
     if [ "$gcount" -eq 1 ]; then
         say "gpu-check: engine over nccl on one GPU: a typed refusal"
         out=$(timeout "$(within 30)" target/pdxfer-nccl bench --transport nccl 2>&1)
         erc=$?
         echo "$out" | tee -a "$log"
-        if [ "$erc" -eq 0 ] || ! echo "$out" | grep -Eq "one GPU per rank|no_nccl"; then
+        if [ -z "$dry" ] && { [ "$erc" -eq 0 ] || ! echo "$out" | grep -Eq "one GPU per rank|no_nccl"; }; then
             say "gpu-check: engine over nccl on one GPU: no typed refusal (exit $erc)"
             [ "$rc" -eq 0 ] && rc=1
         fi
+    fi
+    # Both ranks named on one GPU: each end's GPU is in the control hello, so
+    # the link is refused when it is set up (nccl_same_gpu, naming cma/tcp),
+    # not by NCCL's "Duplicate GPU detected" at the first chunk.
+    say "gpu-check: engine over nccl with both ranks on GPU 0: refused at link set-up (nccl_same_gpu)"
+    out=$(timeout "$(within 30)" target/pdxfer-nccl bench --transport nccl --nccl-gpus 0,0 \
+        --block-sizes 64K --iters 1 2>&1)
+    erc=$?
+    echo "$out" | tee -a "$log"
+    if [ -z "$dry" ] && { [ "$erc" -eq 0 ] || ! echo "$out" | grep -Eq "nccl_same_gpu|no_nccl"; }; then
+        say "gpu-check: engine over nccl on one GPU named twice: no nccl_same_gpu refusal (exit $erc)"
+        [ "$rc" -eq 0 ] && rc=1
     fi
 fi
 say "gpu-check: exit $rc"

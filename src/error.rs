@@ -147,6 +147,9 @@ pub enum PdxStatus {
     Nccl = -801,
     /// The two sides of an NCCL pair derived different send/recv plans.
     NcclPlanMismatch = -802,
+    /// Transport nccl between two ranks on one GPU (NCCL refuses two ranks
+    /// of one communicator on one device): use cma or tcp there.
+    NcclSameGpu = -803,
 
     /// The room id is unknown to this engine.
     UnknownRoom = -900,
@@ -261,6 +264,7 @@ status_table! {
     NoNccl => "no_nccl", "no NCCL library could be loaded";
     Nccl => "nccl", "NCCL call failed";
     NcclPlanMismatch => "nccl_plan_mismatch", "NCCL sender and receiver plans differ";
+    NcclSameGpu => "nccl_same_gpu", "transport nccl between two ranks on one GPU (use cma or tcp)";
     UnknownRoom => "unknown_room", "unknown room";
     RoomFailed => "room_failed", "room failed";
     Aborted => "aborted", "room aborted";

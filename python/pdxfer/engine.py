@@ -200,16 +200,38 @@ class CSendOptions(ctypes.Structure):
 
 def _event_handle(event: Any) -> int:
     """The raw ``CUevent`` of a ``torch.cuda.Event`` (``.cuda_event``), a CuPy
-    event (``.ptr``) or an int; 0 for None."""
+    event (``.ptr``) or an int; 0 for None.
+
+    An event given that yields handle 0 is refused (``ArgumentError``): PyTorch
+    creates a ``torch.cuda.Event``'s CUDA event at its first ``record()``, so a
+    never-recorded one has handle 0, which the C ABI reads as "no event" and the
+    send would then have no ordering at all. Record the event before the send;
+    pass ``event=None`` for no event."""
     if event is None:
         return 0
+    if isinstance(event, bool):
+        raise TypeError("event must be a torch.cuda.Event, a CuPy event or an int CUevent handle, not bool")
     if isinstance(event, int):
-        return event
-    for attr in ("cuda_event", "ptr"):
-        h = getattr(event, attr, None)
-        if isinstance(h, int):
-            return h
-    raise TypeError(f"event must be a torch.cuda.Event, a CuPy event or an int CUevent handle, not {type(event).__name__}")
+        h = event
+    else:
+        for attr in ("cuda_event", "ptr"):
+            v = getattr(event, attr, None)
+            if isinstance(v, int) and not isinstance(v, bool):
+                h = v
+                break
+        else:
+            raise TypeError(
+                f"event must be a torch.cuda.Event, a CuPy event or an int CUevent handle, not {type(event).__name__}"
+            )
+    if h == 0:
+        raise ArgumentError(
+            -101,
+            f"the {type(event).__name__} event has CUDA handle 0 (a torch.cuda.Event never recorded has none): "
+            "record the event before the send, or pass event=None for no ordering",
+        )
+    if h < 0:
+        raise ArgumentError(-101, f"CUevent handle {h:#x} is negative")
+    return h
 
 
 def _sig(name: str, args: list) -> None:
@@ -673,7 +695,8 @@ class Sender(_Room):
         sequence positions (default: the pages' full capacity, ``page_size * dcp_size`` each);
         only the ``last`` chunk may be partial; the aux row ``aux_index`` follows it.
         ``event`` (device pools: a ``torch.cuda.Event``, a CuPy event or a raw
-        ``CUevent`` int) or ``ready_flag`` (host pools: a ``ctypes.c_uint64`` the
+        ``CUevent`` int, recorded before this call: an event with no CUDA handle
+        yet raises ``ArgumentError``) or ``ready_flag`` (host pools: a ``ctypes.c_uint64`` the
         caller sets non-zero) orders the gather after the caller's writes, so
         the caller need not synchronise before sending."""
         self.engine.send(self.room, pages, num_tokens, last, aux_index, event=event, ready_flag=ready_flag)

@@ -33,6 +33,25 @@ def test_event_handles():
     assert E._event_handle(CupyEvent()) == 0x7F10
     with pytest.raises(TypeError):
         E._event_handle("event")
+    with pytest.raises(TypeError):
+        E._event_handle(True)
+
+
+def test_event_with_no_cuda_handle_is_refused():
+    # torch.cuda.Event creates its CUevent at the first record(): before that .cuda_event is 0
+    class UnrecordedTorchEvent:
+        cuda_event = 0
+
+    class NullCupyEvent:
+        ptr = 0
+
+    for ev in (UnrecordedTorchEvent(), NullCupyEvent(), 0):
+        with pytest.raises(pdxfer.ArgumentError) as err:
+            E._event_handle(ev)
+        assert "record the event before the send" in str(err.value), err.value
+        assert err.value.kind == "invalid_argument"
+    with pytest.raises(pdxfer.ArgumentError):
+        E._event_handle(-5)
 
 
 def test_layerwise_room_behind_ready_flags_is_byte_exact():
@@ -67,6 +86,14 @@ def test_layerwise_room_behind_ready_flags_is_byte_exact():
             with pytest.raises(pdxfer.PdxError) as err:
                 tx.send_layers(pages, 1, 3, tokens, last=last, aux_index=3)
             assert err.value.kind == "layer_order", err.value
+        # a never-recorded event is refused before the library sees it, and queues nothing
+        # (the room below still completes with exactly its two chunks)
+        class UnrecordedEvent:
+            cuda_event = 0
+
+        with pytest.raises(pdxfer.ArgumentError, match="record the event before the send"):
+            tx.send(src[:6], 6 * PAGE, last=False, aux_index=3, event=UnrecordedEvent())
+        assert room not in pre._room_keep or all(not isinstance(e, UnrecordedEvent) for e, _ in pre._room_keep[room])
         time.sleep(0.2)
         assert decs[0][0].poll(room) == pdxfer.KVPoll.WaitingForInput
         # the rows are written only now, after every send was queued

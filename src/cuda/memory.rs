@@ -187,6 +187,59 @@ pub(super) fn check_device_range_in(ctx: &Arc<CudaContext>, ptr: u64, len: u64) 
     Ok(())
 }
 
+/// The first mapping of `[ptr, ptr + len)` that cannot be registered for
+/// GPUDirect RDMA (`CU_POINTER_ATTRIBUTE_IS_GPU_DIRECT_RDMA_CAPABLE` 0: VMM
+/// memory from `cuMemCreate` without `allocFlags.gpuDirectRDMACapable`, as
+/// PyTorch's expandable segments made it before 2.8), as `[start, end)`;
+/// `None` when every mapping can. Walks the range mapping by mapping, as
+/// [`check_device_range_in`] does; an address the driver cannot describe
+/// ends the walk with `None` (that check refuses it, with the reason), and a
+/// driver without the attribute (before CUDA 11.3) answers `None` too.
+pub(super) fn mapping_without_gpu_direct_in(
+    ctx: &Arc<CudaContext>,
+    ptr: u64,
+    len: u64,
+) -> Result<Option<(u64, u64)>> {
+    use sys::CUpointer_attribute as A;
+    guard("cuCtxSetCurrent", || ctx.bind_to_thread())?;
+    let end = ptr.saturating_add(len);
+    let mut at = ptr;
+    while at < end {
+        let Ok((start, stop)) = mapping_at(ctx, at) else {
+            return Ok(None);
+        };
+        let mut capable: i32 = 1;
+        // SAFETY: `capable` is a local of the attribute's size (an int).
+        let r = guard(
+            "cuPointerGetAttribute(IS_GPU_DIRECT_RDMA_CAPABLE)",
+            || unsafe {
+                sys::cuPointerGetAttribute(
+                    &mut capable as *mut i32 as *mut std::ffi::c_void,
+                    A::CU_POINTER_ATTRIBUTE_IS_GPU_DIRECT_RDMA_CAPABLE,
+                    at,
+                )
+                .result()
+            },
+        );
+        match r {
+            Err(e) if e.status() == Status::NoCudaDriver => return Err(e),
+            Err(e) => {
+                log::info!(
+                    "cuda: the driver does not say whether 0x{at:x} is GPUDirect RDMA capable: {e}"
+                );
+                return Ok(None);
+            }
+            Ok(()) if capable == 0 => return Ok(Some((start, stop))),
+            Ok(()) => {}
+        }
+        if stop <= at {
+            return Ok(None);
+        }
+        at = stop;
+    }
+    Ok(None)
+}
+
 /// The mapping holding `addr` (`[start, end)` from
 /// `CU_POINTER_ATTRIBUTE_RANGE_START_ADDR` / `_SIZE`), after checking it is
 /// device memory of `ctx`'s device; errors say which of those failed.

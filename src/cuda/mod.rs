@@ -23,7 +23,9 @@
 //! - `writer`: [`HostToDevice`], the device writer of the tcp receiver;
 //! - `gpudirect`: [`GpuDirectInfo`] and [`RdmaWriteFlush`] (what a device says
 //!   about GPUDirect RDMA writes, and the flush where it does not order them);
-//! - `gpudirect_probe`: [`probe_gpudirect`], which GPUDirect route works here.
+//! - `gpudirect_probe`: [`probe_gpudirect`], which GPUDirect route works here;
+//! - `vmm_probe`: [`probe_vmm_gpudirect`], what the driver says about
+//!   GPUDirect RDMA on `cuMemAlloc` and `cuMemCreate` memory.
 
 mod driver;
 #[cfg(feature = "cuda")]
@@ -35,6 +37,8 @@ pub mod library;
 mod memory;
 #[cfg(feature = "cuda")]
 mod stream;
+#[cfg(feature = "cuda")]
+mod vmm_probe;
 #[cfg(feature = "cuda")]
 mod writer;
 
@@ -50,6 +54,8 @@ pub use gpudirect_probe::{probe_gpudirect, GpuDirectProbe, GpuDirectRoute};
 pub use memory::{DeviceBuffer, PinnedBuffer};
 #[cfg(feature = "cuda")]
 pub use stream::{GpuEvent, GpuStream};
+#[cfg(feature = "cuda")]
+pub use vmm_probe::{probe_vmm_gpudirect, VmmGpuDirect};
 #[cfg(feature = "cuda")]
 pub use writer::HostToDevice;
 

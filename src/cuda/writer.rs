@@ -2,7 +2,7 @@
 //! arrived on the host in device memory.
 
 use super::driver::{driver_present, guard};
-use super::memory::check_device_range_in;
+use super::memory::{check_device_range_in, mapping_without_gpu_direct_in};
 use crate::error::Result;
 use cudarc::driver::{result, sys, CudaContext, CudaStream};
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -44,6 +44,13 @@ impl HostToDevice {
     /// (as [`GpuStream::check_device_range`](super::GpuStream::check_device_range)).
     pub fn check_device_range(&self, ptr: u64, len: u64) -> Result<()> {
         check_device_range_in(&self.ctx, ptr, len)
+    }
+
+    /// The first mapping of `[ptr, ptr + len)` that cannot be registered for
+    /// GPUDirect RDMA (`CU_POINTER_ATTRIBUTE_IS_GPU_DIRECT_RDMA_CAPABLE`
+    /// 0), as `[start, end)`; `None` when all can or the driver cannot say.
+    pub fn mapping_without_gpu_direct(&self, ptr: u64, len: u64) -> Result<Option<(u64, u64)>> {
+        mapping_without_gpu_direct_in(&self.ctx, ptr, len)
     }
 }
 

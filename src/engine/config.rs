@@ -118,6 +118,11 @@ pub struct EngineConfig {
     /// data connection supports it (cma, tcp, rdma); `false` keeps the per-batch
     /// grant for every batch.
     pub room_grants: bool,
+    /// RDMA: the RoCE traffic class (IPv6 traffic class / IPv4 ToS byte:
+    /// DSCP << 2) of the QPs, e.g. 106 (DSCP 26) where the fabric's lossless
+    /// (PFC) class is DSCP 26; `None` reads `PDXFER_RDMA_TRAFFIC_CLASS`,
+    /// else 0 (see docs/transports.md).
+    pub rdma_traffic_class: Option<u8>,
     /// Test knobs of the engine's agent (e.g. the software RDMA fabric);
     /// the default is production behaviour.
     #[cfg(any(test, feature = "testing"))]
@@ -161,6 +166,7 @@ impl EngineConfig {
             room_grants: true,
             pin_timeout: Duration::from_secs(60),
             keepalive: Duration::from_secs(15),
+            rdma_traffic_class: None,
             #[cfg(any(test, feature = "testing"))]
             testing: Default::default(),
         }

@@ -12,6 +12,7 @@
 //! replayed, reordered, or sent by a relay that only passed the exchange
 //! through) is `channel_integrity` and the connection is dropped.
 
+use super::gpu_identity::GpuIdentity;
 use crate::auth::{
     AuthChallenge, AuthHello, AuthProof, Channel, ClientAuth, Mode, PeerInstance, SessionKeys,
     SessionMac, TAG_LEN,
@@ -116,6 +117,10 @@ pub enum CtlMsg {
         data_addr: String,
         /// The decode rank's regions by purpose.
         regions: RegionMap,
+        /// The GPU of the decode's device pools (absent: host pools, or an
+        /// older peer).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        gpu: Option<GpuIdentity>,
     },
     /// Prefill -> decode: the answer to Hello.
     HelloAck {
@@ -123,6 +128,10 @@ pub enum CtlMsg {
         version: u32,
         /// The prefill rank's self-description.
         hello: PeerHello,
+        /// The GPU of the prefill's device pools (absent: host pools, or an
+        /// older peer).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        gpu: Option<GpuIdentity>,
     },
     /// Decode -> prefill, per room: where the request's KV goes.
     Meta {
@@ -880,6 +889,7 @@ mod tests {
             hello: PeerHello::from(&reg),
             data_addr: "127.0.0.1:9".into(),
             regions: RegionMap::default(),
+            gpu: None,
         };
         let mut line = serde_json::to_vec(&hello).unwrap();
         line.push(b'\n');

@@ -120,6 +120,15 @@ pub(super) fn decide_gpu_direct_writes(
         return Ok(()); // no NIC can write device memory: rdma never reaches the pools
     }
     #[cfg(feature = "cuda")]
+    if let Some(e) = pool_without_gpu_direct(cfg, ordinal)? {
+        // a pool the NIC cannot register: never a late failure of its rooms
+        if cfg.transport == TransportKind::Rdma {
+            return Err(e);
+        }
+        log::warn!("engine: peers write the device pools over tcp, not GPUDirect RDMA: {e}");
+        return agent.refuse_gpu_direct(&e);
+    }
+    #[cfg(feature = "cuda")]
     match crate::cuda::RdmaWriteFlush::new(ordinal as usize) {
         Ok(f) => {
             log::info!(
@@ -159,6 +168,30 @@ pub(super) fn decide_gpu_direct_writes(
             "device-memory pools need pdxfer built with the `cuda` feature",
         ))
     }
+}
+
+/// Decode device pools: the first pool with a mapping the driver says
+/// cannot be registered for GPUDirect RDMA
+/// (`CU_POINTER_ATTRIBUTE_IS_GPU_DIRECT_RDMA_CAPABLE` 0: `cuMemCreate`
+/// memory without `gpuDirectRDMACapable`), as the `NoGpuDirect` error naming
+/// it; `None` when every mapping of every pool can (or the driver cannot
+/// say). Each mapping is asked, since VMM pools are many.
+#[cfg(feature = "cuda")]
+fn pool_without_gpu_direct(cfg: &EngineConfig, ordinal: u32) -> Result<Option<Error>> {
+    let w = crate::cuda::HostToDevice::new(ordinal as usize)?;
+    for (i, p) in cfg.pools.iter().enumerate() {
+        let len = p.page_bytes.saturating_mul(p.num_pages);
+        if let Some((start, end)) = w.mapping_without_gpu_direct(p.base, len)? {
+            return Ok(Some(Error::new(
+                Status::NoGpuDirect,
+                format!(
+                    "decode KV pool {i} (0x{:x}+{len}) cannot be written by GPUDirect RDMA: its mapping 0x{start:x}..0x{end:x} is not GPUDirect RDMA capable (CU_POINTER_ATTRIBUTE_IS_GPU_DIRECT_RDMA_CAPABLE 0: VMM memory from cuMemCreate without allocFlags.gpuDirectRDMACapable, as PyTorch's expandable_segments made before 2.8); allocate the pools with gpuDirectRDMACapable = 1 (or with cuMemAlloc), or use transport tcp or auto (which then uses tcp)",
+                    p.base
+                ),
+            )));
+        }
+    }
+    Ok(None)
 }
 
 /// One slice of a staged device gather, ready in a staging buffer.

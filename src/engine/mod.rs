@@ -12,6 +12,9 @@
 //!   rows a room's grant covers (both roles).
 //! - `state`: `Shared`, the state of both roles (configuration, agent,
 //!   store, room table, regions, staging, counters) and its lock order.
+//! - [`gpu_identity`]: the GPU of an engine's device pools (host and PCI
+//!   bus id), carried by the control hello; transport nccl refuses a link
+//!   whose ends are one GPU.
 //! - `device`: KV pools in CUDA device memory (checks, each worker's GPU
 //!   stage, the decode's device writer, the GPUDirect policy).
 //! - `path` (`path/mod.rs`): the write path of each link (`WritePath`:
@@ -51,6 +54,7 @@ mod deadline;
 mod decode;
 mod device;
 mod flight;
+pub mod gpu_identity;
 #[cfg(feature = "cuda")]
 pub mod gpu_layerwise_bench;
 mod handle;

@@ -146,6 +146,7 @@ fn open_agent(cfg: &EngineConfig, instance: InstanceId) -> Result<Agent> {
         instance: Some(instance.0.to_be_bytes()),
         // PDXFER_TCP_ENCRYPT, on every rank alike
         tcp_encrypt: None,
+        rdma_traffic_class: cfg.rdma_traffic_class,
         #[cfg(any(test, feature = "testing"))]
         testing: cfg.testing.clone(),
     })
@@ -284,7 +285,23 @@ unsafe fn register_regions(cfg: &EngineConfig, agent: &Agent, workers: usize) ->
             (Role::Prefill, Some(_)) => pool_regions.iter().map(|r| r.id).collect(),
             _ => Vec::new(),
         };
-        agent.rdma_register_all_but(&skip)?;
+        if (cfg.role, cfg.pool_device.is_some()) == (Role::Decode, true) {
+            // peers write these device pools by GPUDirect: one the NIC cannot
+            // register fails the engine now, not each room's first batch
+            agent
+                .rdma_register_all_but_devices_required(&skip)
+                .map_err(|e| {
+                    Error::new(
+                        e.status(),
+                        format!(
+                            "{}; use transport tcp (the receiver copies into device memory) or auto",
+                            e.detail()
+                        ),
+                    )
+                })?;
+        } else {
+            agent.rdma_register_all_but(&skip)?;
+        }
         log::info!(
             "engine: registered {} region(s) with the RDMA NICs in {:?}",
             agent.registry().descriptors().len(),

@@ -380,7 +380,9 @@ pub struct PdxSendOptions {
     /// The aux row sent after the last chunk (as `pdxfer_engine_send`'s `aux_index`).
     pub aux_index: u64,
     /// Device pools: a `CUevent` handle (0: none) recorded after the kernels
-    /// that wrote the rows. The engine's stream waits on it
+    /// that wrote the rows. A wrapper taking event objects must refuse one
+    /// whose handle is still 0 (a `torch.cuda.Event` never recorded) rather
+    /// than pass it: 0 sends with no ordering. The engine's stream waits on it
     /// (`cuStreamWaitEvent`) before gathering; the caller never synchronises.
     /// The event must not be destroyed before the room is terminal. Host
     /// pools refuse it (`PDX_STATUS_INVALID_ARGUMENT`): use `ready_flag`.
@@ -708,6 +710,28 @@ mod tests {
     use crate::layout::{DcpLayout, Side};
     use std::ffi::{CStr, CString};
     use std::ptr::{null, null_mut};
+
+    /// In C a `cuda_event` of 0 is "no event" (zero is every field's
+    /// default), any other value the handle; an event object with no handle
+    /// yet is refused by the wrapper that sees the object (Python's
+    /// `_event_handle`), since only it knows an event was meant.
+    #[test]
+    fn a_zero_cuda_event_is_no_event() {
+        let mut o = PdxSendOptions {
+            struct_size: std::mem::size_of::<PdxSendOptions>() as u64,
+            aux_index: 3,
+            cuda_event: 0,
+            ready_flag: null(),
+            first_layer: 0,
+            num_layers: 0,
+            flags: 0,
+            reserved: 0,
+        };
+        let (aux, opts) = send_options(&o).unwrap();
+        assert_eq!((aux, opts.cuda_event), (3, None));
+        o.cuda_event = 0x7f00;
+        assert_eq!(send_options(&o).unwrap().1.cuda_event, Some(0x7f00));
+    }
 
     #[test]
     fn struct_sizes_are_pinned() {

@@ -801,6 +801,7 @@ fn a_cluster_member_cannot_redirect_the_prefill() {
             hello,
             data_addr,
             regions: Default::default(),
+            gpu: None,
         })
         .unwrap();
         match r.recv().unwrap() {

@@ -49,7 +49,11 @@ fn device_path_runs_on_fake_driver() {
     let decode_child = spawn("child_engine_decode_device_pools_on_fake_driver");
     let flush_child = spawn("child_engine_gpudirect_flush_on_fake_driver");
     let layerwise_child = spawn("child_gpu_layerwise_bench_on_fake_driver");
-    let out = spawn("child_device_path_on_fake_driver")
+    // two fake GPUs: the NCCL pairs' ranks on devices 0 and 1 (NCCL refuses one)
+    let out = child("child_device_path_on_fake_driver")
+        .env("PDXFER_FAKE_CUDA_DEVICES", "2")
+        .spawn()
+        .expect("spawn the child test")
         .wait_with_output()
         .unwrap();
     let engine_out = engine_child.wait_with_output().unwrap();
@@ -62,6 +66,18 @@ fn device_path_runs_on_fake_driver() {
         layerwise_out.status.success()
             && layerwise_text.contains("fake-driver layerwise child: all checks passed"),
         "GPU layer-wise benchmark child failed:\n{layerwise_text}"
+    );
+    // VMM pools with and without gpuDirectRDMACapable
+    let vmm_out = child("child_vmm_gpudirect_on_fake_driver")
+        .output()
+        .unwrap();
+    let vmm_text = String::from_utf8_lossy(&vmm_out.stdout).into_owned()
+        + &String::from_utf8_lossy(&vmm_out.stderr);
+    assert!(
+        vmm_out.status.success()
+            && vmm_text.contains("fake-driver vmm-gpudirect child: all checks passed"),
+        "VMM GPUDirect child failed:
+{vmm_text}"
     );
     // the kernel images the driver version picks: no module file given
     let images_out = child("child_kernel_images_on_fake_driver")
@@ -435,7 +451,7 @@ fn child_device_path_on_fake_driver() {
         std::env::var_os("PDXFER_FAKE_CUDA_CHILD").is_some(),
         "this test only runs as the child of device_path_runs_on_fake_driver"
     );
-    assert_eq!(pdxfer::cuda::probe().unwrap().device_count, 1);
+    assert_eq!(pdxfer::cuda::probe().unwrap().device_count, 2);
     let mut g = GpuRelayout::new(0).expect("open the fake device");
     assert!(
         matches!(g.kernel_origin(), KernelOrigin::File(_)),
@@ -477,7 +493,10 @@ fn child_device_path_on_fake_driver() {
     assert_eq!(g.spans_per_warp(), 4, "the benchmark restores the setting");
 
     // Driver errors are typed, and bounds are checked before the driver.
-    assert_eq!(GpuRelayout::new(1).unwrap_err().status(), Status::Cuda);
+    // (This child has two fake devices, with their own PCI bus ids.)
+    assert_eq!(GpuRelayout::new(2).unwrap_err().status(), Status::Cuda);
+    assert_eq!(pdxfer::cuda::pci_bus_id(0).unwrap(), "0000:c1:00.0");
+    assert_eq!(pdxfer::cuda::pci_bus_id(1).unwrap(), "0000:c2:00.0");
     let b = g.stream().alloc(64).unwrap();
     assert_eq!(
         g.stream().upload(&b, 60, &[0u8; 8]).unwrap_err().status(),
@@ -575,7 +594,10 @@ fn nccl_transfers() {
         .unwrap();
     }
 
-    let direct = NcclPlanOptions::default();
+    let direct = NcclPlanOptions {
+        min_direct_op_bytes: 0,
+        ..Default::default()
+    };
     let staged = NcclPlanOptions {
         max_direct_ops: 0,
         chunk_bytes: 4000,
@@ -627,7 +649,7 @@ fn nccl_transfers() {
                 pair.close()
             });
             let receiver = s.spawn(move || -> pdxfer::Result<Vec<Vec<u8>>> {
-                let mut g = GpuRelayout::new(0)?;
+                let mut g = GpuRelayout::new(1)?;
                 let rx = NcclPlan::build(&req, rx_rows, NcclRole::Receiver, &opts)?;
                 to_tx.send(rx.digest).unwrap();
                 check_mirror(&rx, from_tx.recv().unwrap())?;
@@ -643,7 +665,7 @@ fn nccl_transfers() {
                 let mut pair = NcclPair::connect(
                     id,
                     NcclRole::Receiver,
-                    0,
+                    1,
                     g.stream().raw(),
                     "prefill",
                     deadline,
@@ -1415,4 +1437,194 @@ fn child_gpu_layerwise_bench_on_fake_driver() {
         );
     }
     println!("fake-driver layerwise child: all checks passed ({points:?})");
+}
+
+/// The fake libcuda's `cuMemCreate` memory against
+/// `CU_POINTER_ATTRIBUTE_IS_GPU_DIRECT_RDMA_CAPABLE`, and decodes whose device
+/// pools cannot be written by GPUDirect RDMA: a mapping made without
+/// `gpuDirectRDMACapable` is found (with its range), one made with it and
+/// `cuMemAlloc` memory pass; over rdma such a decode is refused at creation
+/// (`no_gpudirect`, naming the pool and the flag), over auto it starts, does
+/// not offer GPUDirect, and its rooms go over tcp whole.
+#[test]
+#[ignore = "run by device_path_runs_on_fake_driver in a child process with the fake libcuda"]
+fn child_vmm_gpudirect_on_fake_driver() {
+    use cluster::{Cluster, Pools};
+    use pdxfer::bootstrap::schema::Role;
+    use pdxfer::engine::{Engine, KvPool};
+    use pdxfer::relayout::gpu::GpuRelayout;
+    use pdxfer::transport::rdma::fake::FakeNic;
+    use pdxfer::transport::rdma::handshake::Mtu;
+    use pdxfer::transport::TransportKind;
+    use std::time::Duration;
+
+    assert!(
+        std::env::var_os("PDXFER_FAKE_CUDA_CHILD").is_some(),
+        "this test only runs as the child of device_path_runs_on_fake_driver"
+    );
+    pdxfer::cuda::probe().expect("load the fake libcuda");
+    let g = GpuRelayout::new(0).unwrap();
+    let w = pdxfer::cuda::HostToDevice::new(0).unwrap();
+
+    // CUmemAllocationProp and CUmemAccessDesc as C lays them out
+    #[repr(C)]
+    struct Prop {
+        type_: i32,
+        handle_types: i32,
+        loc_type: i32,
+        loc_id: i32,
+        win32: u64,
+        compression: u8,
+        gpu_direct_rdma_capable: u8,
+        usage: u16,
+        reserved: [u8; 4],
+    }
+    #[repr(C)]
+    struct Access {
+        loc_type: i32,
+        loc_id: i32,
+        flags: i32,
+    }
+    fn sym<T>(name: &std::ffi::CStr) -> T {
+        // SAFETY: the already-loaded fake libcuda (RTLD_NOLOAD); the caller
+        // names the symbol's C signature as T (a function pointer).
+        unsafe {
+            let h = libc::dlopen(c"libcuda.so".as_ptr(), libc::RTLD_NOW | libc::RTLD_NOLOAD);
+            assert!(!h.is_null(), "the fake libcuda is not loaded");
+            let f = libc::dlsym(h, name.as_ptr());
+            assert!(!f.is_null(), "{name:?} missing");
+            std::mem::transmute_copy(&f)
+        }
+    }
+    let create: extern "C" fn(*mut u64, usize, *const Prop, u64) -> i32 = sym(c"cuMemCreate");
+    let reserve: extern "C" fn(*mut u64, usize, usize, u64, u64) -> i32 =
+        sym(c"cuMemAddressReserve");
+    let map: extern "C" fn(u64, usize, usize, u64, u64) -> i32 = sym(c"cuMemMap");
+    let access: extern "C" fn(u64, usize, *const Access, usize) -> i32 = sym(c"cuMemSetAccess");
+    let unmap: extern "C" fn(u64, usize) -> i32 = sym(c"cuMemUnmap");
+    let release: extern "C" fn(u64) -> i32 = sym(c"cuMemRelease");
+    let free_va: extern "C" fn(u64, usize) -> i32 = sym(c"cuMemAddressFree");
+    const SIZE: usize = 2 << 20;
+    for capable in [0u8, 1] {
+        let prop = Prop {
+            type_: 1, // CU_MEM_ALLOCATION_TYPE_PINNED
+            handle_types: 0,
+            loc_type: 1, // CU_MEM_LOCATION_TYPE_DEVICE
+            loc_id: 0,
+            win32: 0,
+            compression: 0,
+            gpu_direct_rdma_capable: capable,
+            usage: 0,
+            reserved: [0; 4],
+        };
+        let (mut handle, mut va) = (0u64, 0u64);
+        assert_eq!(create(&mut handle, SIZE, &prop, 0), 0);
+        assert_eq!(reserve(&mut va, SIZE, 0, 0, 0), 0);
+        assert_eq!(map(va, SIZE, 0, handle, 0), 0);
+        let rw = Access {
+            loc_type: 1,
+            loc_id: 0,
+            flags: 3,
+        };
+        assert_eq!(access(va, SIZE, &rw, 1), 0);
+        w.check_device_range(va, SIZE as u64).unwrap();
+        let gap = w.mapping_without_gpu_direct(va, SIZE as u64).unwrap();
+        if capable == 0 {
+            assert_eq!(
+                gap,
+                Some((va, va + SIZE as u64)),
+                "cuMemCreate without the flag"
+            );
+        } else {
+            assert_eq!(gap, None, "cuMemCreate with gpuDirectRDMACapable");
+        }
+        assert_eq!(unmap(va, SIZE), 0);
+        assert_eq!(release(handle), 0);
+        assert_eq!(free_va(va, SIZE), 0);
+    }
+    let plain = g.stream().alloc(SIZE).unwrap();
+    assert_eq!(
+        w.mapping_without_gpu_direct(plain.ptr(), SIZE as u64)
+            .unwrap(),
+        None,
+        "cuMemAlloc memory"
+    );
+    drop(plain);
+    // the probe gpu-check prints asks the same three kinds of memory
+    let p = pdxfer::cuda::probe_vmm_gpudirect(0).unwrap();
+    assert_eq!(
+        (p.vmm, p.mem_alloc, p.vmm_flagged, p.vmm_unflagged),
+        (true, Some(true), Some(true), Some(false)),
+        "{p:?}"
+    );
+    assert!(p
+        .describe()
+        .contains("cuMemCreate(gpuDirectRDMACapable=0) NOT capable"));
+    println!("fake-driver vmm-gpudirect child: cuMemAlloc and cuMemCreate(gpuDirectRDMACapable=0/1) told apart: {}", p.describe());
+
+    // decodes whose device pools are VMM chunks without the flag
+    fake_set(c"pdx_fake_set_vmm_chunk", 4096u64);
+    fake_set(c"pdx_fake_set_vmm_gdr", 0i32);
+    let name = "fake-vmm-gdr";
+    let mut c = Cluster::build(name, (1, 1), TransportKind::Auto)
+        .layers(2)
+        .decode_pools(Pools::Device)
+        .rails(1)
+        .prefill_nic(FakeNic::new("vmm-gdr-p", 1, Mtu::Mtu4096))
+        .room_timeout(Duration::from_secs(20))
+        .receiver_timeout(Duration::from_secs(20))
+        .start();
+    let rdma_decode = |c: &Cluster, nic: &str| {
+        let mirror = &c.decode[0].1;
+        let mut cfg = cluster::config(
+            Role::Decode,
+            name,
+            &c.server.url(),
+            mirror,
+            (1, 0),
+            TransportKind::Rdma,
+        );
+        cfg.pools = mirror
+            .kv_pools()
+            .into_iter()
+            .zip(&c.decode_dev[0])
+            .map(|(p, d)| KvPool { base: d.ptr(), ..p })
+            .collect();
+        cfg.pool_device = Some(0);
+        cfg.testing.nic = Some(FakeNic::new(nic, 1, Mtu::Mtu4096) as _);
+        // SAFETY: the device pools and the aux outlive the engine (dropped below).
+        unsafe { Engine::new(cfg) }
+    };
+    let e = rdma_decode(&c, "vmm-gdr-d1").map(|_| ()).unwrap_err();
+    assert_eq!(e.status(), pdxfer::Status::NoGpuDirect, "{e}");
+    for want in ["KV pool 0", "gpuDirectRDMACapable", "transport tcp or auto"] {
+        assert!(e.detail().contains(want), "{want}: {e}");
+    }
+    // over auto: rooms whole, over tcp
+    let token = 2 * cluster::ROW;
+    let verified = c.request(1, 300, 0, 4);
+    assert_eq!(verified, 300 * token + 32);
+    let used: Vec<String> = c
+        .prefill()
+        .metrics_snapshot()
+        .peers
+        .iter()
+        .map(|p| p.transport.clone())
+        .collect();
+    assert_eq!(used, ["tcp"], "auto with pools GPUDirect cannot write");
+    c.close();
+    println!("fake-driver vmm-gpudirect child: rdma refused at creation ({e}); auto went over tcp");
+    // the same pools made with the flag: an rdma decode starts
+    fake_set(c"pdx_fake_set_vmm_gdr", 1i32);
+    let c = Cluster::build("fake-vmm-gdr-ok", (1, 1), TransportKind::Auto)
+        .layers(2)
+        .decode_pools(Pools::Device)
+        .rails(1)
+        .prefill_nic(FakeNic::new("vmm-gdr-ok-p", 1, Mtu::Mtu4096))
+        .start();
+    let d = rdma_decode(&c, "vmm-gdr-d2").unwrap_or_else(|e| panic!("capable VMM pools: {e}"));
+    d.close();
+    c.close();
+    fake_set(c"pdx_fake_set_vmm_chunk", 0u64);
+    println!("fake-driver vmm-gpudirect child: all checks passed");
 }

@@ -15,7 +15,10 @@
 //! a killed decode (`peer_unreachable` before the deadline); engines
 //! closed mid-transfer (prompt, the peers' rooms fail); and a prefill whose
 //! chunks name another live room's decode pages (refused `out_of_bounds`
-//! before posting, the other room's bytes unchanged).
+//! before posting, the other room's bytes unchanged); both ends on one GPU
+//! (refused `nccl_same_gpu` when the link is set up, no communicator made).
+//! The decodes' pools are on fake device 1, the prefill's on device 0
+//! (`PDXFER_FAKE_CUDA_DEVICES=2`).
 #![cfg(feature = "nccl")]
 
 use crate::support::cluster::{Cluster, Pools, Spec};
@@ -27,7 +30,7 @@ use pdxfer::engine::synthetic::SyntheticPools;
 use pdxfer::engine::{Engine, EngineConfig, KvPoll};
 use pdxfer::layout::{DcpLayout, Side};
 use pdxfer::relayout::gpu::GpuRelayout;
-use pdxfer::transport::nccl::NcclPlanOptions;
+use pdxfer::transport::nccl::{NcclAbort, NcclPair, NcclPlanOptions, NcclRole};
 use pdxfer::transport::TransportKind;
 use pdxfer::Status;
 use std::path::PathBuf;
@@ -65,6 +68,8 @@ fn child(fakes: &std::path::Path, name: &str, case: &str) -> Command {
     .env("PDXFER_KERNEL_MODULE", fakes.join("module.ptx"))
     .env("PDXFER_NCCL", fakes.join("libnccl.so.2"))
     .env("PDXFER_FAKE_NCCL_DIR", fakes)
+    // two fake GPUs: the prefill's pools on device 0, the decodes' on device 1
+    .env("PDXFER_FAKE_CUDA_DEVICES", "2")
     .env("PDXFER_NCCL_ENGINE_CHILD", "1")
     .env("PDXFER_NCCL_ENGINE_CASE", case)
     .env("PDXFER_NCCL_ENGINE_FAKES", fakes)
@@ -85,6 +90,7 @@ fn engines_over_nccl_on_the_fakes() {
         "killed",
         "decode_close",
         "forged",
+        "same_gpu",
     ];
     let kids: Vec<_> = cases
         .iter()
@@ -118,6 +124,15 @@ fn bench_over_nccl_on_the_fakes() {
             .args(["bench", "--transport", "nccl"])
             .args(args)
             .env("LD_LIBRARY_PATH", &fakes)
+            // one fake GPU unless the arguments name two
+            .env(
+                "PDXFER_FAKE_CUDA_DEVICES",
+                if args.contains(&"--nccl-gpus") {
+                    "2"
+                } else {
+                    "1"
+                },
+            )
             .env("PDXFER_KERNEL_MODULE", fakes.join("module.ptx"))
             .env("PDXFER_NCCL", nccl)
             .env("PDXFER_FAKE_NCCL_DIR", &fakes)
@@ -131,7 +146,7 @@ fn bench_over_nccl_on_the_fakes() {
     let out = bench(
         &[
             "--nccl-gpus",
-            "0,0",
+            "0,1",
             "--block-sizes",
             "64K,1M",
             "--iters",
@@ -153,6 +168,17 @@ fn bench_over_nccl_on_the_fakes() {
         assert_eq!(p["verified"], true, "{v}");
         assert!(p["gb_per_s"].as_f64().unwrap() > 0.0, "{v}");
     }
+    // both ranks on one GPU: refused when the link is set up, naming cma and tcp
+    let out = bench(
+        &["--nccl-gpus", "1,1", "--block-sizes", "64K", "--iters", "1"],
+        &lib,
+    );
+    let err = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(!out.status.success(), "{err}");
+    assert!(
+        err.contains("nccl_same_gpu") && err.contains("0000:c2:00.0") && err.contains("cma or tcp"),
+        "{err}"
+    );
     let out = bench(&[], &lib);
     let err = String::from_utf8_lossy(&out.stderr).into_owned();
     assert!(!out.status.success());
@@ -202,6 +228,7 @@ fn device_cluster(name: &str, dcp: u32) -> Spec {
         .row_bytes(ROW)
         .prefill_pools(Pools::Device)
         .decode_pools(Pools::Device)
+        .decode_device(1)
         .staging(2 * 7 * LAYERS as u64 * ROW)
         .room_timeout(Duration::from_secs(20))
         .receiver_timeout(Duration::from_secs(20))
@@ -214,6 +241,14 @@ struct Decode {
     bufs: Vec<DeviceBuffer>,
 }
 
+/// Direct recvs into the pool rows, although this geometry's ops are small.
+fn direct_options() -> NcclPlanOptions {
+    NcclPlanOptions {
+        min_direct_op_bytes: 0,
+        ..Default::default()
+    }
+}
+
 fn staged_options() -> NcclPlanOptions {
     NcclPlanOptions {
         max_direct_ops: 0,
@@ -223,8 +258,8 @@ fn staged_options() -> NcclPlanOptions {
     }
 }
 
+/// Its pools are on device 1 (the prefill's on device 0).
 fn decode_engine(
-    g: &GpuRelayout,
     cluster: &str,
     url: &str,
     dcp: u32,
@@ -232,14 +267,15 @@ fn decode_engine(
     plan: Option<NcclPlanOptions>,
     never_post: Vec<u64>,
 ) -> Decode {
+    let g = GpuRelayout::new(1).expect("device 1 (PDXFER_FAKE_CUDA_DEVICES=2)");
     let mirror = SyntheticPools::new(LAYERS, ROW, PAGE, DPAGES, 8, 32).unwrap();
-    let (bufs, kv) = on_device(g, &mirror);
+    let (bufs, kv) = on_device(&g, &mirror);
     for b in &bufs {
         g.stream().memset(b, 0).unwrap();
     }
     g.stream().record(false).unwrap().wait().unwrap();
     let mut cfg = EngineConfig::new(Role::Decode, cluster, url, mirror.topology(dcp, r), kv);
-    cfg.pool_device = Some(0);
+    cfg.pool_device = Some(1);
     cfg.aux = mirror.aux_buffers();
     cfg.transport = TransportKind::Nccl;
     cfg.testing.nccl_plan = plan;
@@ -420,6 +456,20 @@ fn fake_nccl_counts() -> (u64, u64, u64) {
     (a, d, l)
 }
 
+/// The fake libcuda's `cuMemFree` calls that freed memory, in this process.
+fn fake_device_frees() -> u64 {
+    // SAFETY: dlopen of the already-loaded fake libcuda (RTLD_NOLOAD) and its
+    // counter `unsigned long long (void)`.
+    unsafe {
+        let h = libc::dlopen(c"libcuda.so".as_ptr(), libc::RTLD_NOW | libc::RTLD_NOLOAD);
+        assert!(!h.is_null(), "the fake libcuda is not loaded");
+        let f = libc::dlsym(h, c"pdx_fake_device_frees".as_ptr());
+        assert!(!f.is_null(), "not the fake libcuda");
+        let f: extern "C" fn() -> u64 = std::mem::transmute(f);
+        f()
+    }
+}
+
 /// The fake libnccl's aborts of rank 0 (prefill) and rank 1 (decode)
 /// communicators in this process.
 fn fake_nccl_rank_aborts() -> (u64, u64) {
@@ -444,7 +494,7 @@ fn child_nccl_engine() {
     match case.as_str() {
         "dcp2" | "dcp4" => {
             let (dcp, plan) = if case == "dcp2" {
-                (2u32, None)
+                (2u32, Some(direct_options()))
             } else {
                 (4, Some(staged_options()))
             };
@@ -457,8 +507,46 @@ fn child_nccl_engine() {
                 [(1u64, 300u64, 0u64, 4usize), (2, 517, v * 2, 100)]
             {
                 let req = c.open_room(room, total, prefix, true);
+                if room == 1 {
+                    // every link's communicator opens after its hello, before
+                    // any chunk is sent; both ends count the init and its time
+                    let t0 = Instant::now();
+                    let opened = |e: &Engine| e.metrics_snapshot().nccl_comm_inits;
+                    while (opened(c.prefill()) < dcp as u64
+                        || c.decode.iter().any(|(d, _)| opened(d) < 1))
+                        && t0.elapsed() < Duration::from_secs(10)
+                    {
+                        std::thread::sleep(Duration::from_millis(5));
+                    }
+                    let m = c.prefill().metrics_snapshot();
+                    assert_eq!(
+                        m.nccl_comm_inits, dcp as u64,
+                        "{case}: opened before the room"
+                    );
+                    assert_eq!(m.nccl_comm_init_failures, 0);
+                    assert!(m.nccl_comm_init_seconds > 0.0);
+                    for (d, _) in &c.decode {
+                        assert_eq!(d.metrics_snapshot().nccl_comm_inits, 1, "{case} decode");
+                    }
+                    let text = c.prefill().metrics();
+                    assert!(
+                        text.contains(&format!(
+                            "pdxfer_engine_nccl_comm_inits_total{{outcome=\"ok\"}} {dcp}"
+                        )) && text.contains("pdxfer_engine_nccl_comm_init_seconds_total "),
+                        "{text}"
+                    );
+                }
+                let frees = fake_device_frees();
                 c.send_all(&req, chunk_pages);
                 c.wait_prefill_success(room);
+                // the links' staging was allocated when they opened (and
+                // grown, not freed, for the larger chunks): no cuMemFree,
+                // which would wait for every other link's spinning kernels
+                assert_eq!(
+                    fake_device_frees(),
+                    frees,
+                    "{case} room {room}: a device free"
+                );
                 let mut verified = 0;
                 for r in 0..dcp as usize {
                     c.wait_decode_success(room, r);
@@ -492,6 +580,12 @@ fn child_nccl_engine() {
             c.close();
             // closing finalized and destroyed every communicator
             assert_eq!(fake_nccl_counts(), (0, 2 * dcp as u64, 0), "{case} closed");
+            // the non-blocking communicators' ncclGroupEnd answered ncclInProgress
+            // (as a real NCCL may) and the pairs polled through it
+            let in_progress = fake_nccl_symbol(c"pdx_fake_nccl_groups_in_progress");
+            // SAFETY: the fake's `unsigned long long (void)` counter.
+            let in_progress: extern "C" fn() -> u64 = unsafe { std::mem::transmute(in_progress) };
+            assert!(in_progress() > 0, "{case}: no group launch was in progress");
         }
         "faults" => faults(&g, &cluster, &url),
         "mismatch" => {
@@ -526,6 +620,56 @@ fn child_nccl_engine() {
             println!("mismatch: nccl_plan_mismatch on both sides before posting: {e}");
             c.close();
         }
+        "same_gpu" => {
+            // both ends' pools on device 0: the link is refused when the decode
+            // connects (its receiver() fails), before any room or communicator
+            let c = device_cluster(&cluster, 1).decode_device(0).start();
+            let e = c.decode[0]
+                .0
+                .receiver(1, 0, Some(Duration::from_secs(10)))
+                .unwrap_err();
+            assert_eq!(e.status(), Status::NcclSameGpu, "{e}");
+            for want in ["0000:c1:00.0", "cma or tcp", "decode instance"] {
+                assert!(e.detail().contains(want), "{want}: {e}");
+            }
+            assert_eq!(fake_nccl_counts(), (0, 0, 0), "no communicator was made");
+            println!("same_gpu: refused at link set-up: {e}");
+            c.close();
+            // what the check spares: the (fake) NCCL itself refuses two ranks on
+            // one GPU, at init, as NCCL's "Duplicate GPU detected"
+            let id = pdxfer::transport::nccl::NcclId::new().unwrap();
+            let errs: Vec<pdxfer::Error> = std::thread::scope(|s| {
+                let id = &id;
+                let ends: Vec<_> = [NcclRole::Sender, NcclRole::Receiver]
+                    .into_iter()
+                    .map(|role| {
+                        s.spawn(move || {
+                            let g = GpuRelayout::new(0).unwrap();
+                            NcclPair::connect(
+                                id,
+                                role,
+                                0,
+                                g.stream().raw(),
+                                "the other rank",
+                                Instant::now() + Duration::from_secs(10),
+                                &mut || true,
+                                NcclAbort::new(),
+                            )
+                            .map(|_| ())
+                            .unwrap_err()
+                        })
+                    })
+                    .collect();
+                ends.into_iter().map(|h| h.join().unwrap()).collect()
+            });
+            // ...and the pair's error carries NCCL's own words (ncclGetLastError)
+            for e in &errs {
+                assert_eq!(e.status(), Status::Nccl, "{e}");
+                assert!(e.detail().contains("ncclInvalidUsage"), "{e}");
+                assert!(e.detail().contains("Duplicate GPU detected"), "{e}");
+            }
+            println!("same_gpu: the fake NCCL refuses one GPU twice: {}", errs[0]);
+        }
         "killed" => killed(&g, &cluster, &url),
         "decode_close" => decode_close(&g, &cluster, &url),
         "forged" => forged(&g, &cluster, &url),
@@ -538,8 +682,8 @@ fn faults(g: &GpuRelayout, cluster: &str, url: &str) {
     // decode 0 never posts rooms 10, 12 and 13
     let mut p = prefill_engine(g, cluster, url, None, Duration::from_secs(2), vec![]);
     let mut decodes = [
-        decode_engine(g, cluster, url, 2, 0, None, vec![10, 12, 13]),
-        decode_engine(g, cluster, url, 2, 1, None, vec![]),
+        decode_engine(cluster, url, 2, 0, None, vec![10, 12, 13]),
+        decode_engine(cluster, url, 2, 1, None, vec![]),
     ];
     let total = 300;
     // 10: a decode that never posts: the room fails at its deadline, typed,
@@ -672,7 +816,7 @@ fn faults(g: &GpuRelayout, cluster: &str, url: &str) {
 /// NCCL op still used them); the prefill's room fails naming the decode.
 fn decode_close(g: &GpuRelayout, cluster: &str, url: &str) {
     let mut p = prefill_engine(g, cluster, url, None, Duration::from_secs(30), vec![30]);
-    let d = decode_engine(g, cluster, url, 1, 0, None, vec![]);
+    let d = decode_engine(cluster, url, 1, 0, None, vec![]);
     let (src, dst, n) = room_pages(30, 1, 0, 300);
     fill(g, &mut p, 30, &src, 0, 300);
     open_decodes(&[&d], 30, &dst, 0, Duration::from_secs(30));
@@ -739,10 +883,9 @@ fn killed(g: &GpuRelayout, cluster: &str, url: &str) {
 #[ignore = "run by the killed case of child_nccl_engine as a process of its own"]
 fn child_nccl_decode_process() {
     require_child();
-    let g = GpuRelayout::new(0).unwrap();
     let url = env("PDXFER_NCCL_ENGINE_URL");
     let cluster = env("PDXFER_NCCL_ENGINE_CLUSTER");
-    let d = decode_engine(&g, &cluster, &url, 1, 0, None, vec![20]);
+    let d = decode_engine(&cluster, &url, 1, 0, None, vec![20]);
     let (_src, dst, _n) = room_pages(20, 1, 0, 300);
     open_decodes(&[&d], 20, &dst, 0, Duration::from_secs(60));
     // the parent kills this process
@@ -796,7 +939,7 @@ fn forged(g: &GpuRelayout, cluster: &str, url: &str) {
     let mut p = prefill_engine_with(g, cluster, url, Duration::from_secs(20), |cfg| {
         cfg.testing.nccl_forge_dst_pages = vec![(41, forged_pages)];
     });
-    let mut d = decode_engine(g, cluster, url, 1, 0, None, vec![]);
+    let mut d = decode_engine(cluster, url, 1, 0, None, vec![]);
     land(g, &mut p, &mut d, 40, &dst40, total);
     let before = pool_bytes(&d);
     let (src, _, n) = room_pages(41, 1, 0, total);

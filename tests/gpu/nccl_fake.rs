@@ -62,6 +62,8 @@ fn child(fakes: &Path, dir: &Path, name: &str, envs: &[(&str, String)]) -> Child
     .env("PDXFER_FAKE_NCCL_DIR", dir)
     .env("PDXFER_NCCL_TEST_DIR", dir)
     .env("PDXFER_NCCL_TEST_CHILD", "1")
+    // two fake GPUs: the prefill rank on device 0, the decode ranks on device 1
+    .env("PDXFER_FAKE_CUDA_DEVICES", "2")
     .env_remove("PDXFER_FAKE_NCCL_FAULT")
     .stdout(Stdio::piped())
     .stderr(Stdio::piped());
@@ -346,7 +348,10 @@ fn src_pools() -> Vec<Vec<u8>> {
 }
 
 fn options(staged: bool) -> pdxfer::transport::nccl::NcclPlanOptions {
-    let mut o = pdxfer::transport::nccl::NcclPlanOptions::default();
+    let mut o = pdxfer::transport::nccl::NcclPlanOptions {
+        min_direct_op_bytes: 0, // rows of a few hundred bytes, Direct all the same
+        ..Default::default()
+    };
     if staged {
         o.max_direct_ops = 0;
         o.chunk_bytes = 4000;
@@ -441,11 +446,24 @@ fn child_prefill_rank() {
             g,
         };
         // SAFETY: staging holds the whole pack until the pair's work completed or was aborted.
-        unsafe {
+        let posted = unsafe {
             l.pair
                 .post(&l.tx, l.staging.ptr(), &[], deadline, &mut || true)
+        };
+        match posted {
+            // the injected fault is in force from the first group on, so the
+            // poll of the group launch (ncclGroupEnd answers ncclInProgress)
+            // may see it before the wait does
+            Err(e) if case == "fault" => {
+                assert_eq!(e.status(), Status::Nccl, "{e}");
+                assert!(e.detail().contains("decode rank 0"), "{e}");
+                assert!(e.detail().contains("ncclSystemError"), "{e}");
+                assert!(!l.pair.in_flight());
+                println!("prefill: nccl error ncclSystemError naming the peer: {e}");
+                return;
+            }
+            r => r.unwrap(),
         }
-        .unwrap();
         live.push(l);
     }
     let peer_pid = || -> i32 { read_file(&dir, "connected.0").parse().unwrap() };
@@ -631,7 +649,7 @@ fn child_decode_rank() {
         return;
     }
     let id = NcclId::from_hex(&read_file(&dir, &format!("id.{rank}"))).unwrap();
-    let mut g = GpuRelayout::new(0).unwrap();
+    let mut g = GpuRelayout::new(1).unwrap();
     let dst_rows = dst.iter().max().unwrap() + 1;
     let bufs: Vec<_> = rows
         .iter()
@@ -647,7 +665,7 @@ fn child_decode_rank() {
     let joined = NcclPair::connect(
         &id,
         NcclRole::Receiver,
-        0,
+        1,
         g.stream().raw(),
         "prefill rank 0",
         deadline,
@@ -677,7 +695,7 @@ fn child_decode_rank() {
         pair = NcclPair::connect(
             &id2,
             NcclRole::Receiver,
-            0,
+            1,
             g.stream().raw(),
             "prefill rank 0",
             Instant::now() + Duration::from_secs(20),

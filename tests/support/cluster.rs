@@ -182,6 +182,7 @@ pub struct Spec {
     row: u64,
     prefill_pools: Pools,
     decode_pools: Pools,
+    decode_device: usize,
     prefill_staging: Option<u64>,
     decode_staging: Option<u64>,
     prefill_timeout: Option<Duration>,
@@ -220,6 +221,13 @@ impl Spec {
     /// The decode ranks' KV pools (default [`Pools::Heap`]).
     pub fn decode_pools(mut self, p: Pools) -> Self {
         self.decode_pools = p;
+        self
+    }
+    /// The CUDA device of the decode ranks' [`Pools::Device`] (default 0,
+    /// the prefill's; transport nccl needs another: the fake libcuda with
+    /// `PDXFER_FAKE_CUDA_DEVICES=2`).
+    pub fn decode_device(mut self, ordinal: usize) -> Self {
+        self.decode_device = ordinal;
         self
     }
     /// The decode ranks' `room_grants` (default: the engine's).
@@ -288,6 +296,12 @@ impl Spec {
             .contains(&Pools::Device)
             .then(|| GpuRelayout::new(0).expect("device 0 (the fake libcuda without a GPU)"));
         #[cfg(feature = "cuda")]
+        let decode_gpu =
+            (self.decode_pools == Pools::Device && self.decode_device != 0).then(|| {
+                GpuRelayout::new(self.decode_device)
+                    .unwrap_or_else(|e| panic!("device {} for the decode: {e}", self.decode_device))
+            });
+        #[cfg(feature = "cuda")]
         let (mut prefill_dev, mut decode_dev) = (Vec::new(), Vec::new());
         let mut prefill = Vec::new();
         for r in 0..self.src_dcp {
@@ -324,7 +338,12 @@ impl Spec {
             let pools = pools_of(self.decode_pools, self.layers, self.row, DECODE_PAGES);
             let mut cfg = self.config(Role::Decode, &url, &pools, (self.dcp, r));
             #[cfg(feature = "cuda")]
-            decode_dev.push(on_device(gpu.as_ref(), self.decode_pools, &pools, &mut cfg));
+            decode_dev.push(on_device(
+                decode_gpu.as_ref().or(gpu.as_ref()),
+                self.decode_pools,
+                &pools,
+                &mut cfg,
+            ));
             if let Some(s) = self.decode_staging {
                 cfg.staging_bytes = s;
             }
@@ -351,6 +370,8 @@ impl Spec {
             decode_dev,
             #[cfg(feature = "cuda")]
             gpu,
+            #[cfg(feature = "cuda")]
+            decode_gpu,
         }
     }
 
@@ -381,7 +402,7 @@ impl Spec {
 }
 
 /// For [`Pools::Device`]: `mirror`'s KV pools moved onto device memory of
-/// `gpu` (zeroed), set in `cfg` with `pool_device` 0; returns the buffers
+/// `gpu` (zeroed), set in `cfg` with `pool_device` its device; returns the buffers
 /// (none for host pools).
 #[cfg(feature = "cuda")]
 fn on_device(
@@ -399,7 +420,7 @@ fn on_device(
     }
     g.stream().record(false).unwrap().wait().unwrap();
     cfg.pools = kv;
-    cfg.pool_device = Some(0);
+    cfg.pool_device = Some(g.stream().ordinal() as u32);
     bufs
 }
 
@@ -422,6 +443,9 @@ pub struct Cluster {
     /// The context the device pools were allocated in (with [`Pools::Device`]).
     #[cfg(feature = "cuda")]
     pub gpu: Option<GpuRelayout>,
+    /// The decode ranks' own device, when [`Spec::decode_device`] names another.
+    #[cfg(feature = "cuda")]
+    pub decode_gpu: Option<GpuRelayout>,
 }
 
 /// One room's request: `total` positions, decode prefix `prefix`, the pages
@@ -460,6 +484,7 @@ impl Cluster {
             row: ROW,
             prefill_pools: Pools::Heap,
             decode_pools: Pools::Heap,
+            decode_device: 0,
             prefill_staging: None,
             decode_staging: None,
             prefill_timeout: None,
@@ -492,6 +517,8 @@ impl Cluster {
             decode_dev: Vec::new(),
             #[cfg(feature = "cuda")]
             gpu: None,
+            #[cfg(feature = "cuda")]
+            decode_gpu: None,
         }
     }
 

@@ -2,12 +2,11 @@
 //! joins the link's communicators and checks, posts and completes each
 //! chunk's recvs.
 
-use crate::cuda::DeviceBuffer;
 use crate::engine::control::CtlMsg;
 use crate::engine::decode::{Decode, DecodeRoom};
 use crate::engine::link::PrefillLink;
 use crate::engine::nccl_link::{
-    plan_options, room_deadline, room_live, staging, LinkKey, ReceiverThread,
+    plan_options, room_deadline, room_live, LinkKey, ReceiverThread, Staging,
 };
 use crate::engine::state::lock;
 use crate::error::{Error, Result, Status};
@@ -75,7 +74,7 @@ struct Receiver {
     generation: u64,
     /// Why the last `nccl_open` failed (named in the chunks' refusals).
     open_error: Option<Error>,
-    staging: Option<DeviceBuffer>,
+    staging: Staging,
     gpu: Result<GpuRelayout>,
     /// See [`ReceiverThread::opened`].
     opened: Arc<AtomicU64>,
@@ -92,7 +91,7 @@ fn receiver_loop(
         pair: None,
         generation: 0,
         open_error: None,
-        staging: None,
+        staging: Staging::default(),
         gpu: GpuRelayout::new(ordinal as usize),
         opened,
     };
@@ -158,6 +157,7 @@ fn open(
     st.pair = None;
     st.generation = generation;
     st.open_error = None;
+    let t0 = Instant::now();
     let r = (|| {
         let id = NcclId::from_hex(id)?;
         let gpu = st.gpu.as_ref().map_err(Clone::clone)?;
@@ -180,8 +180,21 @@ fn open(
             abort,
         )
     })();
+    inner.metrics.nccl_init(t0.elapsed(), r.is_ok());
     match r {
-        Ok(p) => st.pair = Some(p),
+        Ok(p) => {
+            log::info!(
+                "engine: NCCL communicator {generation} with {peer} is up ({} ms init)",
+                t0.elapsed().as_millis()
+            );
+            st.pair = Some(p);
+            // the link's staging, once, before any of its chunks
+            if let Ok(gpu) = &st.gpu {
+                if let Err(e) = st.staging.preallocate(gpu, inner.cfg.staging_bytes) {
+                    log::warn!("engine: nccl staging for {peer} not allocated at set-up: {e}");
+                }
+            }
+        }
         Err(e) => {
             log::warn!("engine: NCCL communicator {generation} with {peer} failed: {e}");
             st.open_error = Some(e);
@@ -479,7 +492,7 @@ fn post_and_wait(
     } else {
         1
     };
-    let buf = staging(gpu, slot, need)?;
+    let buf = slot.reserve(gpu, need)?;
     let bases: Vec<u64> = inner.pool_regions.iter().map(|r| r.addr).collect();
     let abort = pair.abort_handle();
     let mut watch = || {

@@ -10,6 +10,7 @@ use crate::bootstrap::schema::{PeerHello, Registration};
 use crate::engine::control::{
     authenticate_to_prefill, CtlMsg, CtlReader, CtlWriter, CONTROL_VERSION,
 };
+use crate::engine::gpu_identity::{local_gpu, refuse_same_gpu};
 use crate::engine::link::PrefillLink;
 use crate::engine::room::KvPoll;
 use crate::engine::state::lock;
@@ -70,11 +71,13 @@ impl Decode {
             .local_addr()
             .map(|a| a.to_string())
             .unwrap_or_default();
+        let gpu = local_gpu(&self.cfg);
         writer.send(&CtlMsg::Hello {
             version: CONTROL_VERSION,
             hello: PeerHello::from(local),
             data_addr,
             regions: self.region_map(),
+            gpu: gpu.clone(),
         })?;
         s.set_read_timeout(Some(Duration::from_secs(15)))?;
         let ack = reader.recv_first()?.ok_or_else(|| {
@@ -87,8 +90,12 @@ impl Decode {
             )
         })?;
         s.set_read_timeout(None)?;
-        let hello = match ack {
-            CtlMsg::HelloAck { version, hello } if version == CONTROL_VERSION => hello,
+        let (hello, peer_gpu) = match ack {
+            CtlMsg::HelloAck {
+                version,
+                hello,
+                gpu,
+            } if version == CONTROL_VERSION => (hello, gpu),
             CtlMsg::Status {
                 ok: false,
                 reason,
@@ -122,6 +129,12 @@ impl Decode {
         };
         // the peer must still be the process the bootstrap advertised, with a compatible layout
         verify_peer(reg, &hello, local)?;
+        refuse_same_gpu(
+            self.cfg.transport,
+            gpu.as_ref(),
+            peer_gpu.as_ref(),
+            &format!("prefill {}", reg.describe()),
+        )?;
         let counters = self
             .metrics
             .peer(self.cfg.transport.name(), reg.key().to_string());

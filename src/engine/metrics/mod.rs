@@ -13,7 +13,10 @@
 //!   not yet completed (per link, summed);
 //! - gather time: the prefill workers' CPU gathers into the staging;
 //! - received bytes (decode): the KV bytes each prefill rank reported for
-//!   its rooms; received batches: the receiving agent's completion records.
+//!   its rooms; received batches: the receiving agent's completion records;
+//! - NCCL communicator inits (transport nccl, both roles): each link's
+//!   communicator generations opened or failed and the seconds their init
+//!   took.
 
 mod prometheus;
 
@@ -156,6 +159,11 @@ pub(crate) struct EngineMetrics {
     one_copy_bytes: AtomicU64,
     /// Decode: batches that landed (the agent's completion records).
     received_batches: AtomicU64,
+    /// Transport nccl: communicators opened, inits that failed, and the
+    /// nanoseconds all inits took.
+    nccl_inits: AtomicU64,
+    nccl_init_failures: AtomicU64,
+    nccl_init_ns: AtomicU64,
 }
 
 impl EngineMetrics {
@@ -187,6 +195,17 @@ impl EngineMetrics {
     /// Counts `bytes` gathered straight into a decode rank's mapped pools.
     pub(crate) fn placed(&self, bytes: u64) {
         self.one_copy_bytes.fetch_add(bytes, Ordering::Relaxed);
+    }
+
+    /// Transport nccl: counts one communicator init that took `took`.
+    #[cfg_attr(not(feature = "nccl"), allow(dead_code))]
+    pub(crate) fn nccl_init(&self, took: Duration, ok: bool) {
+        self.nccl_init_ns.fetch_add(nanos(took), Ordering::Relaxed);
+        if ok {
+            self.nccl_inits.fetch_add(1, Ordering::Relaxed);
+        } else {
+            self.nccl_init_failures.fetch_add(1, Ordering::Relaxed);
+        }
     }
 
     /// Decode: counts `n` batches that landed.
@@ -279,6 +298,12 @@ pub struct MetricsSnapshot {
     /// Decode: room grants this engine's agent holds (rooms granted to
     /// their prefill ranks and not yet ended, revoked or expired).
     pub room_grants_held: u64,
+    /// Transport nccl: communicators opened (every link and generation).
+    pub nccl_comm_inits: u64,
+    /// Transport nccl: communicator inits that failed.
+    pub nccl_comm_init_failures: u64,
+    /// Transport nccl: seconds spent in communicator inits (opened or failed).
+    pub nccl_comm_init_seconds: f64,
 }
 
 /// `KvPoll` state names as label values, indexed by the state's value.
@@ -315,6 +340,9 @@ impl MetricsSnapshot {
             registered_bytes,
             control: crate::transport::control_counts::control_counts(),
             room_grants_held: 0,
+            nccl_comm_inits: m.nccl_inits.load(Ordering::Relaxed),
+            nccl_comm_init_failures: m.nccl_init_failures.load(Ordering::Relaxed),
+            nccl_comm_init_seconds: m.nccl_init_ns.load(Ordering::Relaxed) as f64 * 1e-9,
         }
     }
 
@@ -376,6 +404,24 @@ mod tests {
         f.observe(0.0001);
         f.observe(0.0001);
         assert!((f.quantile(0.5).unwrap() - 0.00025).abs() < 1e-12);
+    }
+
+    #[test]
+    fn nccl_inits_are_counted_with_their_time() {
+        let m = EngineMetrics::default();
+        m.nccl_init(Duration::from_millis(300), true);
+        m.nccl_init(Duration::from_millis(200), false);
+        let s = MetricsSnapshot::new(
+            Role::Decode,
+            "c",
+            [0; 5],
+            RoomTotals::default(),
+            &m,
+            0,
+            BTreeMap::new(),
+        );
+        assert_eq!((s.nccl_comm_inits, s.nccl_comm_init_failures), (1, 1));
+        assert!((s.nccl_comm_init_seconds - 0.5).abs() < 1e-9);
     }
 
     #[test]

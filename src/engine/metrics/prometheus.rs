@@ -173,6 +173,34 @@ impl MetricsSnapshot {
                 self.room_grants_held
             );
         }
+        if self.nccl_comm_inits + self.nccl_comm_init_failures > 0 {
+            head(
+                &mut o,
+                "pdxfer_engine_nccl_comm_inits_total",
+                "counter",
+                "NCCL communicators opened (transport nccl: one per link and generation, opened after the hello and again after a failure), by outcome.",
+            );
+            for (outcome, v) in [
+                ("ok", self.nccl_comm_inits),
+                ("failed", self.nccl_comm_init_failures),
+            ] {
+                let _ = writeln!(
+                    o,
+                    "pdxfer_engine_nccl_comm_inits_total{{outcome=\"{outcome}\"}} {v}"
+                );
+            }
+            head(
+                &mut o,
+                "pdxfer_engine_nccl_comm_init_seconds_total",
+                "counter",
+                "Seconds spent in NCCL communicator inits (ncclCommInitRankConfig until ready, or failed).",
+            );
+            let _ = writeln!(
+                o,
+                "pdxfer_engine_nccl_comm_init_seconds_total {}",
+                self.nccl_comm_init_seconds
+            );
+        }
         head(
             &mut o,
             "pdxfer_engine_control_messages_total",

@@ -41,6 +41,8 @@
 //! The aux and state rows of an nccl engine move over the automatic data
 //! connection (host memory), as for any other transport.
 //!
+//! - `staging`: each link end's device staging, allocated once when its
+//!   communicator opens and never freed while the link lives;
 //! - this file: the checks at creation, the engine's NCCL state
 //!   ([`NcclLinks`]: the decode's answers, the decode's active rooms, each
 //!   link's sending end or NCCL thread, close), which each role's state holds;
@@ -49,6 +51,11 @@
 //! - the decode side (the NCCL thread of a prefill link) is `engine/decode/nccl.rs`.
 
 #![cfg_attr(not(feature = "nccl"), allow(dead_code))]
+
+#[cfg(feature = "nccl")]
+mod staging;
+#[cfg(feature = "nccl")]
+pub(in crate::engine) use staging::Staging;
 
 use super::config::EngineConfig;
 use super::control::CtlMsg;
@@ -343,7 +350,7 @@ pub(in crate::engine) fn plan_options(
 pub(in crate::engine) struct Sender {
     pub(in crate::engine) pair: Option<crate::transport::nccl::NcclPair>,
     pub(in crate::engine) generation: u64,
-    pub(in crate::engine) staging: Option<crate::cuda::DeviceBuffer>,
+    pub(in crate::engine) staging: Staging,
     pub(in crate::engine) gpu: crate::relayout::gpu::GpuRelayout,
 }
 
@@ -367,25 +374,6 @@ impl ReceiverThread {
             let _ = self.handle.join();
         }
     }
-}
-
-/// A device buffer of at least `need` bytes in `slot` (grown, never shrunk).
-#[cfg(feature = "nccl")]
-pub(in crate::engine) fn staging<'a>(
-    gpu: &crate::relayout::gpu::GpuRelayout,
-    slot: &'a mut Option<crate::cuda::DeviceBuffer>,
-    need: usize,
-) -> Result<&'a crate::cuda::DeviceBuffer> {
-    if slot.as_ref().is_none_or(|b| b.len() < need) {
-        if slot.is_some() {
-            // work enqueued on this stream (a gather whose chunk was
-            // refused) may still use the old buffer: wait before freeing
-            gpu.stream().record(false)?.wait()?;
-        }
-        *slot = None;
-        *slot = Some(gpu.stream().alloc(need.max(1))?);
-    }
-    Ok(slot.as_ref().expect("allocated above"))
 }
 
 #[cfg(test)]

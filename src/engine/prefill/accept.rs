@@ -10,6 +10,7 @@ use crate::bootstrap::schema::{PeerHello, Role};
 use crate::engine::control::{
     install, is_older_peer, refusal, CtlAuth, CtlMsg, CtlReader, CtlWriter, CONTROL_VERSION,
 };
+use crate::engine::gpu_identity::{local_gpu, refuse_same_gpu};
 use crate::engine::link::DecodeLink;
 use crate::engine::path::Conn;
 use crate::engine::room_grants::room_ranges;
@@ -102,13 +103,14 @@ fn prefill_conn(
     let _ = s.set_read_timeout(handshake);
     let hello_msg = reader.recv_first();
     let _ = s.set_read_timeout(None);
-    let (version, hello, data_addr, regions) = match hello_msg {
+    let (version, hello, data_addr, regions, peer_gpu) = match hello_msg {
         Ok(Some(CtlMsg::Hello {
             version,
             hello,
             data_addr,
             regions,
-        })) => (version, hello, data_addr, regions),
+            gpu,
+        })) => (version, hello, data_addr, regions, gpu),
         Ok(other) => {
             let _ = writer.send(&refusal(&Error::new(
                 Status::Protocol,
@@ -130,6 +132,7 @@ fn prefill_conn(
         }
     };
     let Some(inner) = w.upgrade() else { return };
+    let local_gpu = local_gpu(&inner.cfg);
     let setup = catch("control handshake", || {
         if u128::from_be_bytes(peer.0) != hello.instance_id.0 {
             return Err(Error::new(
@@ -160,6 +163,12 @@ fn prefill_conn(
         peer.registered_at_ms = hello.registered_at_ms;
         check_pair(&local, &peer)?;
         check_advertised(&*inner.store, &local.cluster, &hello, &data_addr)?;
+        refuse_same_gpu(
+            inner.cfg.transport,
+            local_gpu.as_ref(),
+            peer_gpu.as_ref(),
+            &format!("decode instance {}", hello.instance_id),
+        )?;
         Ok(local)
     });
     let local = match setup {
@@ -217,6 +226,7 @@ fn prefill_conn(
         .send(&CtlMsg::HelloAck {
             version: CONTROL_VERSION,
             hello: PeerHello::from(&local),
+            gpu: local_gpu,
         })
         .is_err()
     {
@@ -225,6 +235,10 @@ fn prefill_conn(
     slot.established();
     let _ = s.set_write_timeout(None);
     lock(&inner.decode_links).push(link.clone());
+    if inner.cfg.transport == TransportKind::Nccl {
+        // the link's communicator opens now, not inside its first room
+        crate::engine::path::nccl::send::keep_open(&inner, &link);
+    }
     drop(inner);
     loop {
         let msg = reader.recv();

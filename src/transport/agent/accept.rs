@@ -292,14 +292,17 @@ fn accept_rdma(
 /// the host regions still work: batches into them are refused at grant, and
 /// from them at submit, with the reason.
 pub(super) fn register_all(a: &AgentInner, nic: &dyn NicProvider) -> Result<()> {
-    register_matching(a, nic, &|_| true)
+    register_matching(a, nic, &|_| true, false)
 }
 
-/// [`register_all`] for the regions `keep` accepts.
+/// [`register_all`] for the regions `keep` accepts; with `devices_required`
+/// a device region that cannot be registered is the error (`NoGpuDirect`
+/// naming it) instead of a warning.
 pub(super) fn register_matching(
     a: &AgentInner,
     nic: &dyn NicProvider,
     keep: &dyn Fn(&crate::memory::RegionDesc) -> bool,
+    devices_required: bool,
 ) -> Result<()> {
     let gpu = a.gpu_direct(nic);
     for d in a.registry.descriptors().into_iter().filter(|d| keep(d)) {
@@ -309,6 +312,18 @@ pub(super) fn register_matching(
                 unsafe { nic.register(d.addr, d.len, d.kind) }
             });
             if let Err(e) = r {
+                if devices_required {
+                    return Err(Error::new(
+                        Status::NoGpuDirect,
+                        format!(
+                            "device region {} (0x{:x}+{}) cannot be registered with the RDMA NIC for GPUDirect RDMA: {}",
+                            d.id,
+                            d.addr,
+                            d.len,
+                            e.detail()
+                        ),
+                    ));
+                }
                 log::warn!(
                     "rdma: device region {} is not registered with the NIC, so rdma cannot move it: {e}",
                     d.id
@@ -334,8 +349,11 @@ pub(super) fn register_matching(
 }
 
 #[cfg(feature = "rdma")]
-pub(super) fn open_default_nic(gpu: Option<u32>) -> Result<Arc<dyn NicProvider>> {
-    let mut cfg = crate::transport::rdma::RdmaConfig::from_env()?;
+pub(super) fn open_default_nic(
+    gpu: Option<u32>,
+    traffic_class: Option<u8>,
+) -> Result<Arc<dyn NicProvider>> {
+    let mut cfg = crate::transport::rdma::RdmaConfig::from_env()?.with_traffic_class(traffic_class);
     if let Some(ordinal) = gpu {
         cfg = cfg.for_gpu(ordinal);
     }
@@ -345,7 +363,10 @@ pub(super) fn open_default_nic(gpu: Option<u32>) -> Result<Arc<dyn NicProvider>>
 }
 
 #[cfg(not(feature = "rdma"))]
-pub(super) fn open_default_nic(_gpu: Option<u32>) -> Result<Arc<dyn NicProvider>> {
+pub(super) fn open_default_nic(
+    _gpu: Option<u32>,
+    _traffic_class: Option<u8>,
+) -> Result<Arc<dyn NicProvider>> {
     Err(Error::new(
         Status::NoRdmaDevice,
         "this build of pdxfer has no `rdma` feature (no verbs support)",

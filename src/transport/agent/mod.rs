@@ -88,6 +88,10 @@ pub struct AgentOptions {
     /// else off. Without a cluster secret the keys come from public nonces:
     /// the bytes are then scrambled, not kept secret.
     pub tcp_encrypt: Option<bool>,
+    /// RDMA: the RoCE traffic class of the QPs (DSCP << 2; the fabric's
+    /// lossless class, commonly 106); `None` reads
+    /// `PDXFER_RDMA_TRAFFIC_CLASS`, else 0.
+    pub rdma_traffic_class: Option<u8>,
     /// Behaviour only tests change (a stalled receiver, a software NIC, no
     /// same-host shortcut); the default is production behaviour.
     #[cfg(any(test, feature = "testing"))]
@@ -106,6 +110,7 @@ impl Default for AgentOptions {
             secret: None,
             instance: None,
             tcp_encrypt: None,
+            rdma_traffic_class: None,
             #[cfg(any(test, feature = "testing"))]
             testing: TestKnobs::default(),
         }
@@ -254,6 +259,8 @@ pub(crate) struct AgentInner {
     pub(crate) room_grants: room_grant::RoomGrants,
     /// tcp pieces are encrypted, both ways ([`AgentOptions::tcp_encrypt`]).
     pub(crate) tcp_encrypt: bool,
+    /// [`AgentOptions::rdma_traffic_class`].
+    rdma_traffic_class: Option<u8>,
 }
 
 impl AgentInner {
@@ -261,7 +268,7 @@ impl AgentInner {
     /// the real NICs (opened once, on first use); `NoRdmaDevice` with the reason.
     pub(crate) fn nic(&self) -> Result<Arc<dyn NicProvider>> {
         self.nic
-            .get_or_init(|| accept::open_default_nic(self.gpu))
+            .get_or_init(|| accept::open_default_nic(self.gpu, self.rdma_traffic_class))
             .clone()
     }
 
@@ -365,6 +372,7 @@ impl Agent {
             gpu_writes: OnceLock::new(),
             room_grants: Default::default(),
             tcp_encrypt: encrypt,
+            rdma_traffic_class: opts.rdma_traffic_class,
         });
         // Unregistering a region drops its NIC registration before the memory
         // can be freed, so a peer holding its rkey cannot write into it.
@@ -484,7 +492,16 @@ impl Agent {
     /// is still registered on first use).
     pub fn rdma_register_all_but(&self, skip: &[u64]) -> Result<()> {
         let nic = self.inner.nic()?;
-        accept::register_matching(&self.inner, &*nic, &|d| !skip.contains(&d.id))
+        accept::register_matching(&self.inner, &*nic, &|d| !skip.contains(&d.id), false)
+    }
+
+    /// [`rdma_register_all_but`](Self::rdma_register_all_but), where a
+    /// device region that cannot be registered (no GPUDirect RDMA for it) is
+    /// the error, `NoGpuDirect` naming it: a receiver whose device memory
+    /// peers must write refuses to start rather than fail its batches later.
+    pub fn rdma_register_all_but_devices_required(&self, skip: &[u64]) -> Result<()> {
+        let nic = self.inner.nic()?;
+        accept::register_matching(&self.inner, &*nic, &|d| !skip.contains(&d.id), true)
     }
 
     /// Number of sender sessions currently connected.

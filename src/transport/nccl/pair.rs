@@ -188,8 +188,18 @@ impl NcclPair {
     fn nccl_error(&self, what: &str, rc: NcclResult) -> Error {
         Error::new(
             Status::Nccl,
-            format!("{what} with {} failed: {}", self.peer, self.nccl.error(rc)),
+            format!("{what} with {} failed: {}", self.peer, self.described(rc)),
         )
+    }
+
+    /// NCCL's text for `rc`, with its last warning where it has one (a
+    /// failed init says why there: "Duplicate GPU detected ...").
+    fn described(&self, rc: NcclResult) -> String {
+        let text = self.nccl.error(rc);
+        match self.nccl.last_error(self.comm) {
+            Some(last) => format!("{text} (NCCL's last warning: \"{last}\")"),
+            None => text,
+        }
     }
 
     /// One `ncclCommGetAsyncError`.
@@ -278,7 +288,7 @@ impl NcclPair {
                 Status::Nccl,
                 format!(
                     "NCCL {doing} with {peer} failed: {}; the communicator was aborted",
-                    self.nccl.error(rc)
+                    self.described(rc)
                 ),
             ),
             Stop::Cuda(e) => Error::new(

@@ -19,8 +19,13 @@ pub enum NcclMode {
 /// Knobs both sides must agree on (they are part of the digest).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct NcclPlanOptions {
-    /// Direct mode while the pair has at most this many (entry, run) ops.
+    /// Direct mode while the pair has at most this many (entry, run) ops...
     pub max_direct_ops: usize,
+    /// ...and its average op is at least this many bytes (NCCL runs a peer's
+    /// ops of a group one after another, each with its own overhead, and
+    /// small ones on the LL/LL128 protocols: many small ops move far slower
+    /// than a few large staged chunks).
+    pub min_direct_op_bytes: u64,
     /// Staged mode chunk size in bytes.
     pub chunk_bytes: u64,
     /// At most this many ops between one ncclGroupStart/End.
@@ -33,6 +38,7 @@ impl Default for NcclPlanOptions {
     fn default() -> Self {
         NcclPlanOptions {
             max_direct_ops: 1024,
+            min_direct_op_bytes: 1 << 20,
             chunk_bytes: 64 << 20,
             max_group_ops: 256,
             max_group_bytes: 1 << 30,
@@ -95,7 +101,9 @@ impl NcclPlan {
         let pack = PackLayout::new(req.token_count(), row_bytes)?;
         let direct = byte_ops(&runs, row_bytes, Some(&pack));
         let direct: Vec<_> = direct.into_iter().filter(|o| o.len > 0).collect();
-        let mode = if direct.len() <= opts.max_direct_ops {
+        let bytes: u64 = direct.iter().map(|o| o.len).sum();
+        let average = bytes / (direct.len().max(1) as u64);
+        let mode = if direct.len() <= opts.max_direct_ops && average >= opts.min_direct_op_bytes {
             NcclMode::Direct
         } else {
             NcclMode::Staged
@@ -199,6 +207,7 @@ fn digest(
     }
     eat(mode as u64);
     eat(o.max_direct_ops as u64);
+    eat(o.min_direct_op_bytes);
     eat(o.chunk_bytes);
     eat(o.max_group_ops as u64);
     eat(o.max_group_bytes);
@@ -260,7 +269,11 @@ mod tests {
         let (s, d, r) = worked_example(1);
         let req = chunk(&s, &d, r);
         let rows = vec![1152u64; 61];
-        let o = NcclPlanOptions::default();
+        // ops of 43 KB on average: Direct only with the size floor off
+        let o = NcclPlanOptions {
+            min_direct_op_bytes: 0,
+            ..Default::default()
+        };
         let tx = NcclPlan::build(&req, &rows, NcclRole::Sender, &o).unwrap();
         let rx = NcclPlan::build(&req, &rows, NcclRole::Receiver, &o).unwrap();
         assert_eq!(tx.mode, NcclMode::Direct);
@@ -288,6 +301,33 @@ mod tests {
         assert_eq!(rx.ops[3].buffer, NcclBuffer::Entry(1));
         assert!(!rx.needs_scatter());
         check_mirror(&rx, tx.digest).unwrap();
+    }
+
+    /// By default Direct only where the average op is at least 1 MiB: the
+    /// worked example's 122 ops of 43 KB go Staged, the same runs with rows
+    /// of 64 KiB (ops of 2.4 MiB) go Direct; both sides agree either way.
+    #[test]
+    fn small_ops_go_staged_by_default() {
+        let (s, d, r) = worked_example(1);
+        let req = chunk(&s, &d, r);
+        let o = NcclPlanOptions::default();
+        let small = NcclPlan::build(&req, &[1152; 61], NcclRole::Sender, &o).unwrap();
+        assert_eq!(small.mode, NcclMode::Staged);
+        assert_eq!(small.ops.len(), 1, "5,270,400 B in one 64 MiB chunk");
+        let large = NcclPlan::build(&req, &[64 << 10; 61], NcclRole::Sender, &o).unwrap();
+        let large_rx = NcclPlan::build(&req, &[64 << 10; 61], NcclRole::Receiver, &o).unwrap();
+        assert_eq!(large.mode, NcclMode::Direct);
+        assert_eq!(large.ops.len(), 122);
+        assert!(large.total_bytes() / 122 >= 1 << 20);
+        check_mirror(&large_rx, large.digest).unwrap();
+        // the floor is part of the digest: sides with different floors refuse
+        let other = NcclPlanOptions {
+            min_direct_op_bytes: 1,
+            ..o
+        };
+        let rx = NcclPlan::build(&req, &[64 << 10; 61], NcclRole::Receiver, &other).unwrap();
+        assert_eq!(rx.mode, NcclMode::Direct);
+        assert!(check_mirror(&rx, large.digest).is_err());
     }
 
     #[test]
@@ -357,6 +397,7 @@ mod tests {
             let rows: Vec<u64> = (0..1 + next(4)).map(|_| 1 + next(100)).collect();
             let o = NcclPlanOptions {
                 max_direct_ops: next(2000) as usize,
+                min_direct_op_bytes: next(3) * 100,
                 chunk_bytes: 1 + next(5000),
                 max_group_ops: 1 + next(50) as usize,
                 max_group_bytes: 1 + next(20_000),

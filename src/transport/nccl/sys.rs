@@ -79,6 +79,7 @@ type SendFn =
 type RecvFn =
     unsafe extern "C" fn(*mut c_void, usize, c_int, c_int, Comm, *mut c_void) -> NcclResult;
 type ErrorStringFn = unsafe extern "C" fn(NcclResult) -> *const c_char;
+type LastErrorFn = unsafe extern "C" fn(Comm) -> *const c_char;
 
 /// One loaded NCCL library and its entry points (signatures of `nccl.h`).
 pub struct Nccl {
@@ -97,6 +98,9 @@ pub struct Nccl {
     pub(super) send: SendFn,
     pub(super) recv: RecvFn,
     error_string: ErrorStringFn,
+    /// `ncclGetLastError` (NCCL 2.13 on): the text of the last warning,
+    /// e.g. "Duplicate GPU detected ..."; absent from stand-ins without it.
+    last_error: Option<LastErrorFn>,
 }
 
 // SAFETY: only function pointers of a library that stays loaded for the life
@@ -154,6 +158,13 @@ impl Nccl {
             send: need!(c"ncclSend", SendFn),
             recv: need!(c"ncclRecv", RecvFn),
             error_string: need!(c"ncclGetErrorString", ErrorStringFn),
+            last_error: {
+                // SAFETY: handle is a live dlopen handle; the name is NUL-terminated.
+                let p = unsafe { libc::dlsym(handle, c"ncclGetLastError".as_ptr()) };
+                // SAFETY: when present, the NCCL function of this signature (nccl.h).
+                (!p.is_null())
+                    .then(|| unsafe { std::mem::transmute::<*mut c_void, LastErrorFn>(p) })
+            },
         };
         let mut v = 0;
         // SAFETY: an out-pointer to a local.
@@ -176,6 +187,23 @@ impl Nccl {
             unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned()
         };
         format!("{} ({text})", result_name(rc))
+    }
+
+    /// NCCL's last warning (`ncclGetLastError`) for `comm`, when it has one.
+    pub fn last_error(&self, comm: Comm) -> Option<String> {
+        let f = self.last_error?;
+        // SAFETY: ncclGetLastError takes a communicator or NULL and returns
+        // a NUL-terminated string NCCL owns (or NULL).
+        let p = unsafe { f(comm) };
+        if p.is_null() {
+            return None;
+        }
+        // SAFETY: non-null, NUL-terminated.
+        let t = unsafe { CStr::from_ptr(p) }
+            .to_string_lossy()
+            .trim()
+            .to_string();
+        (!t.is_empty()).then_some(t)
     }
 
     /// A call's result as a typed error ([`Status::Nccl`]).

@@ -177,6 +177,16 @@ impl RdmaConfig {
         Ok(())
     }
 
+    /// The RoCE traffic class given in code (an engine's or agent's
+    /// `rdma_traffic_class`) over the one from `PDXFER_RDMA_TRAFFIC_CLASS`;
+    /// `None` keeps it.
+    pub fn with_traffic_class(mut self, traffic_class: Option<u8>) -> RdmaConfig {
+        if let Some(tc) = traffic_class {
+            self.tuning.traffic_class = tc;
+        }
+        self
+    }
+
     /// Serves the memory of CUDA device `ordinal`: without an explicit
     /// `gpu_pci` (`PDXFER_RDMA_GPU_PCI`), its PCI bus id comes from the
     /// driver (`cuDeviceGetPCIBusId`), so the NICs chosen are the GPU's; where
@@ -249,6 +259,21 @@ mod tests {
         assert_eq!(c.tuning.retry_cnt, 3);
         assert_eq!(c.record, RecordMode::None);
         assert_eq!(c.affinity().numa_node, Some(1));
+    }
+
+    /// The RoCE traffic class: 0 by default, `PDXFER_RDMA_TRAFFIC_CLASS`, and
+    /// the engine's or agent's setting over both.
+    #[test]
+    fn traffic_class_from_env_and_config() {
+        assert_eq!(from(&[]).unwrap().tuning.traffic_class, 0);
+        let env = from(&[("PDXFER_RDMA_TRAFFIC_CLASS", "106")]).unwrap();
+        assert_eq!(env.tuning.traffic_class, 106);
+        assert_eq!(
+            env.clone().with_traffic_class(None).tuning.traffic_class,
+            106
+        );
+        assert_eq!(env.with_traffic_class(Some(96)).tuning.traffic_class, 96);
+        assert!(from(&[("PDXFER_RDMA_TRAFFIC_CLASS", "256")]).is_err());
     }
 
     #[test]

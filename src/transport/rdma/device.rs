@@ -381,8 +381,12 @@ pub struct NearestChoice {
 /// crosses the root complex or the socket, and storage or management NICs
 /// of other switches may not even reach the peer. Without a NIC under the
 /// GPU's root complex, or without a GPU, the memory's NUMA node decides
-/// (NICs on other nodes are left out when one shares it); with no
-/// locality at all, every active port is used. Chosen ports come first,
+/// (NICs on other nodes are left out when one shares it). With no locality
+/// at all (cloud VMs often show a flat PCIe tree and NUMA node -1), only the
+/// first active port by name is used: other ports may sit on networks that
+/// do not reach the peer (storage, management), and a rail that cannot
+/// reach it fails only after the QP's retries (about 8.6 s), on every
+/// redial; `PDXFER_RDMA_DEVICES` names more. Chosen ports come first,
 /// nearest first, then by name.
 pub fn nearest(devs: &[RdmaDevice], affinity: &Affinity) -> Vec<NearestChoice> {
     let mut all: Vec<NearestChoice> = Vec::new();
@@ -469,6 +473,20 @@ pub fn nearest(devs: &[RdmaDevice], affinity: &Affinity) -> Vec<NearestChoice> {
                     .cmp(&devs[b.dev].ports[b.port].num),
             )
     });
+    let placed = matches!(best, Some(PciRelation::SameRoot { .. })) || any_numa;
+    if !placed {
+        for (i, c) in all.iter_mut().enumerate() {
+            if i == 0 {
+                c.reason = format!(
+                    "{}: the only port used, since locality is unknown (name more in PDXFER_RDMA_DEVICES)",
+                    c.reason
+                );
+            } else {
+                c.chosen = false;
+                c.reason = "locality unknown: only the first active port by name is used (name more in PDXFER_RDMA_DEVICES)".to_string();
+            }
+        }
+    }
     all
 }
 
@@ -597,6 +615,17 @@ pub fn select_rails(
                             .join(", ")
                     ),
                 ));
+            }
+            let left_out = decided.iter().filter(|c| !c.chosen).count();
+            if let Some(c) = decided
+                .first()
+                .filter(|c| c.reason.contains("locality is unknown"))
+            {
+                log::warn!(
+                    "rdma: the locality of the memory served is unknown (no NIC under the GPU's PCIe root complex, none on its NUMA node): using {} port {} only and leaving {left_out} other active port(s) out, since a port on a network that does not reach the peer fails every room after the QP's retries; set PDXFER_RDMA_DEVICES to choose the NICs (e.g. mlx5_0,mlx5_1)",
+                    devs[c.dev].name,
+                    devs[c.dev].ports[c.port].num
+                );
             }
             for c in decided {
                 let (d, p) = (&devs[c.dev], &devs[c.dev].ports[c.port]);
@@ -828,18 +857,35 @@ pub(crate) mod tests {
             r.iter().map(|c| c.device.as_str()).collect::<Vec<_>>(),
             ["mlx5_2"]
         );
-        // Unknown locality: every active port, by name.
+        // Unknown locality: the first active port by name only, saying why;
+        // the others are left out with the way to name them.
         let r = select_rails(&devs, &NicPolicy::Nearest, &Affinity::default(), None, 0).unwrap();
+        assert_eq!(
+            r.iter().map(|c| c.device.as_str()).collect::<Vec<_>>(),
+            ["mlx5_0"]
+        );
+        assert!(
+            r[0].reason.contains("locality is unknown"),
+            "{}",
+            r[0].reason
+        );
+        let all = nearest(&devs, &Affinity::default());
+        assert_eq!(all.len(), 3, "the three active ports are still listed");
+        assert!(all[1..]
+            .iter()
+            .all(|c| !c.chosen && c.reason.contains("PDXFER_RDMA_DEVICES")));
+        // ...unless the configuration names them
+        let named = NicPolicy::Named(vec!["mlx5_0".into(), "mlx5_1".into(), "mlx5_2".into()]);
+        let r = select_rails(&devs, &named, &Affinity::default(), None, 0).unwrap();
         assert_eq!(r.len(), 3);
-        assert!(r[0].reason.contains("unknown"));
-        // A node without NICs: all active ports, flagged cross-NUMA.
+        // A node without NICs: one port too, flagged cross-NUMA.
         let aff5 = Affinity {
             numa_node: Some(5),
             pci_path: None,
         };
         let r = select_rails(&devs, &NicPolicy::Nearest, &aff5, None, 0).unwrap();
-        assert_eq!(r.len(), 3);
-        assert!(r[0].reason.contains("cross-NUMA"));
+        assert_eq!(r.len(), 1);
+        assert!(r[0].reason.contains("cross-NUMA"), "{}", r[0].reason);
     }
 
     #[test]

@@ -31,6 +31,13 @@ pub(in crate::engine) mod send {
     }
 
     /// Without the `nccl` feature an nccl engine is refused at creation.
+    pub(in crate::engine) fn keep_open(
+        _inner: &std::sync::Arc<crate::engine::prefill::Prefill>,
+        _link: &std::sync::Arc<DecodeLink>,
+    ) {
+    }
+
+    /// Without the `nccl` feature an nccl engine is refused at creation.
     pub(in crate::engine) fn start_pair(
         _inner: &Shared,
         _job: &Job,

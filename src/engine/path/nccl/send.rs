@@ -1,11 +1,13 @@
 //! The prefill side of transport nccl: each decode link's sending end (its
-//! communicator, stream and staging), a chunk's pairs started one after
-//! another and finished together.
+//! communicator, stream and staging), kept open from the link's hello on
+//! by a thread of its own ([`keep_open`]: opened at once, rebuilt after a
+//! failure, off the data path), a chunk's pairs started one after another
+//! and finished together.
 
 use crate::engine::control::CtlMsg;
 use crate::engine::link::DecodeLink;
 use crate::engine::nccl_link::{
-    plan_options, room_deadline, room_live, staging, Answer, AnswerKey, LinkKey, Sender,
+    plan_options, room_deadline, room_live, Answer, AnswerKey, LinkKey, Sender, Staging,
 };
 use crate::engine::prefill::jobs::Job;
 use crate::engine::prefill::Prefill;
@@ -65,7 +67,7 @@ fn sender_of(inner: &Prefill, link: &DecodeLink, ordinal: u32) -> Result<Arc<Mut
     let s = Arc::new(Mutex::new(Sender {
         pair: None,
         generation: 0,
-        staging: None,
+        staging: Staging::default(),
         gpu: GpuRelayout::new(ordinal as usize)?,
     }));
     m.insert(key, s.clone());
@@ -278,6 +280,124 @@ fn answer_live(inner: &Prefill, link: &DecodeLink, room: u64, attempt: u64) -> R
     room_live(inner, &inner.nccl, room, attempt)
 }
 
+/// Opens the link's next communicator generation (the decode joins on
+/// `nccl_open`); its init time is logged and counted in the metrics.
+#[allow(clippy::too_many_arguments)]
+fn open_locked(
+    inner: &Prefill,
+    s: &mut Sender,
+    link: &DecodeLink,
+    peer: &str,
+    deadline: Instant,
+    ordinal: u32,
+    alive: &mut dyn FnMut() -> bool,
+    abort: NcclAbort,
+) -> Result<()> {
+    s.generation += 1;
+    let id = NcclId::new()?;
+    link.writer.send(&CtlMsg::NcclOpen {
+        generation: s.generation,
+        id: id.to_hex(),
+    })?;
+    let t0 = Instant::now();
+    let pair = NcclPair::connect(
+        &id,
+        NcclRole::Sender,
+        ordinal as usize,
+        s.gpu.stream().raw(),
+        peer,
+        deadline,
+        alive,
+        abort,
+    );
+    inner.metrics.nccl_init(t0.elapsed(), pair.is_ok());
+    let pair = pair?;
+    log::info!(
+        "engine: NCCL communicator {} with {peer} is up ({} ms init)",
+        s.generation,
+        t0.elapsed().as_millis()
+    );
+    s.pair = Some(pair);
+    // the link's staging, once, before any of its transfers
+    if let Err(e) = s.staging.preallocate(&s.gpu, inner.cfg.staging_bytes) {
+        log::warn!("engine: nccl staging for {peer} not allocated at set-up: {e}");
+    }
+    Ok(())
+}
+
+/// How often a link's keeper looks at its communicator.
+const KEEP_OPEN_PERIOD: Duration = Duration::from_millis(50);
+
+/// Prefill: keeps the communicator of decode `link` open from its hello on,
+/// on a thread of its own: opened at once, and opened again (a new
+/// generation) whenever a failure dropped it and no worker holds the link,
+/// so rooms do not pay NCCL's init and first connect. A chunk that finds no
+/// communicator still opens one itself. The thread ends with the link (its
+/// control connection closed or replaced) or the engine.
+pub(in crate::engine) fn keep_open(inner: &Arc<Prefill>, link: &Arc<DecodeLink>) {
+    let Some(ordinal) = inner.cfg.pool_device else {
+        return;
+    };
+    let (w, link) = (Arc::downgrade(inner), link.clone());
+    let spawned = std::thread::Builder::new()
+        .name("pdxfer-nccl-open".into())
+        .spawn(move || {
+            let peer = peer_of(&link);
+            let mut backoff = KEEP_OPEN_PERIOD;
+            loop {
+                {
+                    let Some(inner) = w.upgrade() else { return };
+                    let gone = inner.nccl.is_closing()
+                        || inner.closed.load(Ordering::Acquire)
+                        || !link.alive.load(Ordering::Acquire)
+                        || !lock(&inner.decode_links)
+                            .iter()
+                            .any(|l| Arc::ptr_eq(l, &link));
+                    if gone {
+                        return;
+                    }
+                    let slot = match sender_of(&inner, &link, ordinal) {
+                        Ok(s) => s,
+                        Err(e) => {
+                            log::warn!("engine: no NCCL sending end for {peer}: {e}");
+                            return;
+                        }
+                    };
+                    // a worker moving a chunk holds the slot: look again later
+                    if let Ok(mut s) = slot.try_lock() {
+                        if s.pair.is_none() {
+                            let abort = NcclAbort::new();
+                            let a2 = abort.clone();
+                            let mut alive = || {
+                                if inner.nccl.is_closing() || inner.closed.load(Ordering::Acquire) {
+                                    a2.abort();
+                                }
+                                link.alive.load(Ordering::Acquire)
+                            };
+                            let deadline = Instant::now() + inner.cfg.handshake_timeout;
+                            match open_locked(
+                                &inner, &mut s, &link, &peer, deadline, ordinal, &mut alive, abort,
+                            ) {
+                                Ok(()) => backoff = KEEP_OPEN_PERIOD,
+                                Err(e) => {
+                                    log::warn!(
+                                        "engine: NCCL communicator {} with {peer} failed: {e}",
+                                        s.generation
+                                    );
+                                    backoff = (backoff * 2).min(Duration::from_secs(2));
+                                }
+                            }
+                        }
+                    };
+                }
+                std::thread::sleep(backoff);
+            }
+        });
+    if let Err(e) = spawned {
+        log::warn!("engine: cannot start the NCCL keeper thread: {e}");
+    }
+}
+
 #[allow(clippy::too_many_arguments)]
 fn post_locked(
     inner: &Prefill,
@@ -323,29 +443,19 @@ fn post_locked(
         }
     };
     if s.pair.is_none() {
-        s.generation += 1;
-        let id = NcclId::new()?;
-        link.writer.send(&CtlMsg::NcclOpen {
-            generation: s.generation,
-            id: id.to_hex(),
-        })?;
+        // the link's keeper had not (re)opened it yet: this chunk does
         let init_deadline = deadline.min(Instant::now() + inner.cfg.handshake_timeout);
         let abort = NcclAbort::new();
-        let pair = NcclPair::connect(
-            &id,
-            NcclRole::Sender,
-            ordinal as usize,
-            s.gpu.stream().raw(),
+        open_locked(
+            inner,
+            s,
+            link,
             peer,
             init_deadline,
+            ordinal,
             &mut watch(&abort),
             abort.clone(),
         )?;
-        log::info!(
-            "engine: NCCL communicator {} with {peer} is up",
-            s.generation
-        );
-        s.pair = Some(pair);
     }
     let plan = NcclPlan::build(req, row_bytes, NcclRole::Sender, &plan_options(&inner.cfg))?;
     let need = usize::try_from(plan.pack.total_bytes)
@@ -356,7 +466,7 @@ fn post_locked(
         staging: slot,
         gpu,
     } = s;
-    let buf = staging(gpu, slot, need)?;
+    let buf = slot.reserve(gpu, need)?;
     if let Some(ev) = job.ready.cuda_event {
         // SAFETY: the caller keeps the event alive until the room is
         // terminal (`SendOptions::cuda_event`), in the pools' context.
