@@ -9,6 +9,8 @@
 //!   receiver's handshake and RDMA registration;
 //! - `session`: the receiver's state for one sender connection;
 //! - `grant`: the grant protocol of cma and rdma (intent, grant, commit);
+//! - `standing_grant`: a cma connection's regions granted for its life, and
+//!   their fenced revoke on unregister;
 //! - the tcp receiver is in [`tcp`](super::tcp).
 
 mod accept;
@@ -19,6 +21,7 @@ mod gpu_direct;
 mod grant;
 mod room_grant;
 mod session;
+mod standing_grant;
 #[cfg(any(test, feature = "testing"))]
 mod test_knobs;
 #[cfg(test)]
@@ -254,6 +257,8 @@ pub(crate) struct AgentInner {
     pub(crate) room_grants: room_grant::RoomGrants,
     /// tcp pieces are encrypted, both ways ([`AgentOptions::tcp_encrypt`]).
     pub(crate) tcp_encrypt: bool,
+    /// Regions granted to cma senders for their connection's life.
+    pub(crate) standing: standing_grant::StandingGrants,
 }
 
 impl AgentInner {
@@ -365,7 +370,18 @@ impl Agent {
             gpu_writes: OnceLock::new(),
             room_grants: Default::default(),
             tcp_encrypt: encrypt,
+            standing: Default::default(),
         });
+        // An unregister revokes the region's standing grants first: their
+        // senders fence their writes before the drain waits for the rest.
+        let weak = Arc::downgrade(&inner);
+        inner.registry.add_revoke_hook(Arc::new(
+            move |d: &RegionDesc, deadline: std::time::Instant| {
+                if let Some(a) = weak.upgrade() {
+                    standing_grant::revoke(&a, d, deadline);
+                }
+            },
+        ));
         // Unregistering a region drops its NIC registration before the memory
         // can be freed, so a peer holding its rkey cannot write into it.
         let weak = Arc::downgrade(&inner);

@@ -15,6 +15,13 @@
 //! room's granted ranges here, written, and done once its bytes landed, with
 //! no frame at all; the room's one RoomEnd/RoomAck follows its last batch.
 //!
+//! A batch into regions the receiver granted for the connection's life
+//! (`transport::standing`: every host region it had at the
+//! handshake, until an unregister revokes one) skips the exchange too: it
+//! is checked against the peer's descriptors, written, and ends with one
+//! `StandingCommit` frame, after which the receiver delivers its completion;
+//! nothing is answered. Reads and batches with a checksum keep the exchange.
+//!
 //! The process written into is the one the kernel names ([`bind`]): the
 //! listener of the receiver's per-session Unix socket, by `SO_PEERCRED` and
 //! its pidfd (`SO_PEERPIDFD`); a HelloAck naming any other pid is refused,
@@ -28,6 +35,7 @@ use super::batch::Stage;
 use super::conn::{Conn, Reach};
 use super::handshake::Select;
 use super::piece::Piece;
+use super::standing::Ticket;
 use super::wire::{self, Commit, FrameType};
 use super::{
     BatchId, BatchOptions, BatchStatus, MappedRegion, PlacedRange, ReadOp, Transport,
@@ -58,6 +66,9 @@ struct Job {
     _guards: Arc<Vec<AccessGuard>>,
     /// The caller placed the bytes already (`submit_placed`): nothing to move.
     placed: bool,
+    /// A batch under standing grants, held until its bytes were written; it
+    /// ends with a `StandingCommit` and no answer.
+    standing: Option<Ticket>,
 }
 
 /// The cma transport (sender side).
@@ -138,8 +149,20 @@ pub(crate) fn connect(mut d: Dialed<'_>) -> Result<Box<dyn Transport>> {
 }
 
 impl Conn {
-    fn run_job(&self, peer: &PeerProcess, threads: usize, job: Job) {
+    fn run_job(&self, peer: &PeerProcess, threads: usize, mut job: Job) {
         let r = self.move_job(peer, threads, &job);
+        if let Some(ticket) = job.standing.take() {
+            // written (or failed) under standing grants: one frame, no answer
+            if r.is_ok()
+                && self
+                    .send(FrameType::StandingCommit, &wire::encode_commit(&job.commit))
+                    .is_ok()
+            {
+                self.table.set(job.id, Stage::Done);
+            }
+            drop(ticket);
+            return;
+        }
         if let Some(key) = job.room {
             // a granted room's batch ends here: no commit, no frame
             let outcome = match r {
@@ -269,16 +292,23 @@ impl CmaTransport {
         } else {
             self.conn.rooms.admit(&pieces, opts)?
         };
-        let (commit, room) = match granted {
-            None => (
-                self.conn.announce(&pieces, &guards, bytes, opts, read)?,
-                None,
-            ),
-            Some(_token) => (
+        let standing = if read || opts.checksum || granted.is_some() {
+            None
+        } else {
+            self.conn.standing.admit(&pieces)
+        };
+        let (commit, room) = match (granted, &standing) {
+            (Some(_token), _) => (
                 self.conn.insert_room_batch(bytes, &guards, opts)?,
                 Some((opts.room, opts.epoch)),
             ),
+            (None, Some(_)) => (self.conn.insert_standing_batch(bytes, &guards, opts)?, None),
+            (None, None) => (
+                self.conn.announce(&pieces, &guards, bytes, opts, read)?,
+                None,
+            ),
         };
+        let inline = (room.is_some() || standing.is_some()) && bytes < INLINE_ROOM_BYTES;
         let id = commit.batch;
         let job = Job {
             id,
@@ -288,10 +318,11 @@ impl CmaTransport {
             room,
             _guards: guards,
             placed: false,
+            standing,
         };
-        if room.is_some() && bytes < INLINE_ROOM_BYTES {
-            // nothing to wait for (granted with the room): moved on this
-            // thread, sparing the writer thread's wake-up and the caller's
+        if inline {
+            // nothing to wait for (granted with the room, or standing):
+            // moved on this thread, sparing the writer thread's wake-up and the caller's
             self.conn.run_job(&self.peer, 1, job);
         } else {
             self.queue(job);
@@ -415,6 +446,7 @@ impl CmaTransport {
             room: None,
             _guards: guards,
             placed: true,
+            standing: None,
         };
         self.queue(job);
         Ok(BatchId(id))
@@ -456,6 +488,7 @@ impl CmaTransport {
                 room: Some(key),
                 _guards: guards,
                 placed: true,
+                standing: None,
             },
         );
         Ok(BatchId(id))
