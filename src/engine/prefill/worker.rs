@@ -302,34 +302,51 @@ fn open_grant(m: &MetaInfo, epoch: u64) -> Result<()> {
 
 /// Closes the room's grants once every batch completed: one RoomEnd /
 /// RoomAck per decode rank whose connection opened one (after every byte
-/// landed on it), before the room is reported done.
+/// landed on it), all decode ranks at once (a thread each beyond the first),
+/// before the room is reported done: a slow decode rank's answer costs the
+/// room one wait, not one per rank.
 fn close_grants(inner: &Prefill, room: u64, attempt: u64) -> Result<()> {
     let infos = lock(&inner.prefill_rooms)
         .get(&room)
         .map(|r| r.infos.clone())
         .unwrap_or_default();
-    for m in infos.iter().filter(|m| m.grant.is_some()) {
+    let granted: Vec<&MetaInfo> = infos.iter().filter(|m| m.grant.is_some()).collect();
+    let close = |m: &MetaInfo| -> Result<()> {
         match m
             .link
             .data()
             .close_room(room, attempt, inner.cfg.batch_timeout)
         {
-            Ok(_) => {}
+            Ok(_) => Ok(()),
             // never opened here: the transport has no grants, or the link was remade
-            Err(e) if matches!(e.status(), Status::Unsupported | Status::UnknownRoom) => {}
-            Err(e) => {
-                return Err(Error::new(
-                    e.status(),
-                    format!(
-                        "room {room}: closing the grant of decode rank instance {}: {}",
-                        m.link.hello.instance_id,
-                        e.detail()
-                    ),
-                ))
-            }
+            Err(e) if matches!(e.status(), Status::Unsupported | Status::UnknownRoom) => Ok(()),
+            Err(e) => Err(Error::new(
+                e.status(),
+                format!(
+                    "room {room}: closing the grant of decode rank instance {}: {}",
+                    m.link.hello.instance_id,
+                    e.detail()
+                ),
+            )),
         }
-    }
-    Ok(())
+    };
+    let Some((first, rest)) = granted.split_first() else {
+        return Ok(());
+    };
+    let results: Vec<Result<()>> = std::thread::scope(|s| {
+        let others: Vec<_> = rest.iter().map(|m| s.spawn(move || close(m))).collect();
+        let mut v = vec![close(first)];
+        v.extend(others.into_iter().map(|h| {
+            h.join().unwrap_or_else(|_| {
+                Err(Error::new(
+                    Status::Panic,
+                    format!("room {room}: a room close panicked"),
+                ))
+            })
+        }));
+        v
+    });
+    results.into_iter().collect()
 }
 
 /// Forgets the room's open grants after a failure (the decode revokes them).

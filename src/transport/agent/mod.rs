@@ -279,6 +279,15 @@ impl AgentInner {
         Duration::ZERO
     }
 
+    /// How long the receiver sleeps before answering each RoomEnd (the
+    /// [`TestKnobs::room_end_stall`] knob; zero in a product build).
+    pub(crate) fn room_end_stall(&self) -> Duration {
+        #[cfg(any(test, feature = "testing"))]
+        return self.knobs.room_end_stall;
+        #[cfg(not(any(test, feature = "testing")))]
+        Duration::ZERO
+    }
+
     /// Whether a peer is never taken as on this host (the
     /// [`TestKnobs::deny_same_host`] knob; false in a product build).
     pub(crate) fn deny_same_host(&self) -> bool {
