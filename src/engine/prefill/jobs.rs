@@ -5,12 +5,15 @@
 //! worker is serving: a room's chunks stay in order (one at a time, oldest
 //! first), and a decode rank is in flight on one worker at most, so a decode
 //! that stops answering holds one worker (until its batches time out) while
-//! the others go on with the rooms of every other decode rank.
+//! the others go on with the rooms of every other decode rank. A room's
+//! close (its grants' RoomEnd/RoomAck, after its last chunk moved) runs on a
+//! thread of its own, so a decode slow to answer it holds no worker at all.
 
 use crate::engine::layers::Ready;
 use crate::engine::state::lock;
 use std::collections::{HashSet, VecDeque};
 use std::ops::Range;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Condvar, Mutex};
 use std::time::{Duration, Instant};
 
@@ -58,7 +61,13 @@ impl State {
 pub(in crate::engine) struct JobQueue {
     state: Mutex<State>,
     cv: Condvar,
+    /// Room closes running on threads of their own (see [`start_close`](Self::start_close)).
+    closing: AtomicUsize,
 }
+
+/// Room closes at most on threads of their own at once; beyond, a worker
+/// closes its room itself.
+const MAX_CLOSERS: usize = 256;
 
 impl JobQueue {
     /// Queues a job.
@@ -89,6 +98,21 @@ impl JobQueue {
                 .unwrap_or_else(|p| p.into_inner())
                 .0;
         }
+    }
+
+    /// Reserves a room close on a thread of its own (false: too many run
+    /// already, the worker closes it); [`end_close`](Self::end_close) when done.
+    pub(in crate::engine) fn start_close(&self) -> bool {
+        self.closing
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                (n < MAX_CLOSERS).then_some(n + 1)
+            })
+            .is_ok()
+    }
+
+    /// A room close reserved with [`start_close`](Self::start_close) ended.
+    pub(in crate::engine) fn end_close(&self) {
+        self.closing.fetch_sub(1, Ordering::AcqRel);
     }
 
     /// The job taken is finished: its room and decode ranks are free again.

@@ -39,7 +39,25 @@ pub(in crate::engine) fn worker_loop(
         let r = catch("transfer worker", || {
             run_job(&inner, idx, &job, stage.as_mut())
         });
-        // the last chunk closes the room's grants: one round trip per decode rank
+        // the last chunk closes the room's grants (every decode rank at once):
+        // on a thread of its own, so a decode slow to answer holds no worker
+        if last && r.is_ok() && jobs.start_close() {
+            let (p, q) = (inner.clone(), jobs.clone());
+            let spawned = std::thread::Builder::new()
+                .name("pdxfer-close".into())
+                .spawn(move || {
+                    let r = close_grants(&p, room, attempt);
+                    conclude(&p, room, attempt, last, r);
+                    q.end_close();
+                    p.cv.notify_all();
+                });
+            if spawned.is_ok() {
+                inner.jobs.done(&job);
+                inner.cv.notify_all();
+                continue;
+            }
+            jobs.end_close();
+        }
         let r = r.and_then(|()| {
             if last {
                 close_grants(&inner, room, attempt)
@@ -47,35 +65,42 @@ pub(in crate::engine) fn worker_loop(
                 Ok(())
             }
         });
-        match r {
-            Ok(()) if last => {
-                if lock(&inner.rooms)
-                    .get(room)
-                    .is_ok_and(|r| r.attempt == attempt && r.poll != KvPoll::Failed)
-                {
-                    notify_decode(&inner, room, true, None);
-                    lock(&inner.rooms).update(room, attempt, KvPoll::Success);
-                }
-            }
-            Ok(()) => {}
-            Err(e) => {
-                forget_grants(&inner, room, attempt);
-                inner.fail_room(room, attempt, e.clone());
-                notify_decode(&inner, room, false, Some(e));
-            }
-        }
-        // answer aborts that waited for in-flight writes
-        if lock(&inner.rooms).is_fenced(room) {
-            let pending = lock(&inner.prefill_rooms)
-                .get_mut(&room)
-                .map(|r| std::mem::take(&mut r.abort_pending))
-                .unwrap_or_default();
-            for (l, a) in pending {
-                let _ = l.writer.send(&CtlMsg::AbortAck { room, attempt: a });
-            }
-        }
+        conclude(&inner, room, attempt, last, r);
         inner.jobs.done(&job);
         inner.cv.notify_all();
+    }
+}
+
+/// A job's outcome on its room: the room succeeds after its last chunk (and
+/// the close of its grants), fails on an error; aborts that waited for the
+/// in-flight writes are answered.
+fn conclude(inner: &Prefill, room: u64, attempt: u64, last: bool, r: Result<()>) {
+    match r {
+        Ok(()) if last => {
+            if lock(&inner.rooms)
+                .get(room)
+                .is_ok_and(|r| r.attempt == attempt && r.poll != KvPoll::Failed)
+            {
+                notify_decode(inner, room, true, None);
+                lock(&inner.rooms).update(room, attempt, KvPoll::Success);
+            }
+        }
+        Ok(()) => {}
+        Err(e) => {
+            forget_grants(inner, room, attempt);
+            inner.fail_room(room, attempt, e.clone());
+            notify_decode(inner, room, false, Some(e));
+        }
+    }
+    // answer aborts that waited for in-flight writes
+    if lock(&inner.rooms).is_fenced(room) {
+        let pending = lock(&inner.prefill_rooms)
+            .get_mut(&room)
+            .map(|r| std::mem::take(&mut r.abort_pending))
+            .unwrap_or_default();
+        for (l, a) in pending {
+            let _ = l.writer.send(&CtlMsg::AbortAck { room, attempt: a });
+        }
     }
 }
 
