@@ -5,7 +5,10 @@
 //! worker is serving: a room's chunks stay in order (one at a time, oldest
 //! first), and a decode rank is in flight on one worker at most, so a decode
 //! that stops answering holds one worker (until its batches time out) while
-//! the others go on with the rooms of every other decode rank. A room's
+//! the others go on with the rooms of every other decode rank. A job whose
+//! ready flag is unset is not taken: it holds no worker and blocks neither
+//! its decode ranks nor other rooms (only its own room's later chunks), and
+//! the ready jobs behind it run first. A room's
 //! close (its grants' RoomEnd/RoomAck, after its last chunk moved) runs on a
 //! thread of its own, so a decode slow to answer it holds no worker at all.
 
@@ -48,13 +51,49 @@ struct State {
     queue: VecDeque<Job>,
     busy_rooms: HashSet<u64>,
     busy_peers: HashSet<PeerKey>,
+    /// (room, attempt) whose jobs are taken with their ready flag unset: the
+    /// room ended (the worker's wait then fails at once).
+    released: HashSet<(u64, u64)>,
 }
 
 impl State {
     fn eligible(&self, j: &Job) -> bool {
         !self.busy_rooms.contains(&j.room) && j.peers.iter().all(|p| !self.busy_peers.contains(p))
     }
+
+    /// Whether the job's rows are ready to read (no flag, or it is set), or
+    /// its room was released.
+    fn runnable(&self, j: &Job) -> bool {
+        j.ready.flag.as_ref().is_none_or(|f| f.is_set())
+            || self.released.contains(&(j.room, j.attempt))
+    }
+
+    /// The oldest job to take: its room's first queued job, its room and
+    /// decode ranks free, its rows ready. Also says whether some job waits
+    /// only for its ready flag.
+    fn next(&self) -> (Option<usize>, bool) {
+        let mut passed: HashSet<u64> = HashSet::new();
+        let mut flagged = false;
+        for (i, j) in self.queue.iter().enumerate() {
+            if passed.contains(&j.room) {
+                continue;
+            }
+            if self.eligible(j) {
+                if self.runnable(j) {
+                    return (Some(i), flagged);
+                }
+                flagged = true;
+            }
+            // a room's later chunks wait for its first
+            passed.insert(j.room);
+        }
+        (None, flagged)
+    }
 }
+
+/// How often a worker with nothing to take looks at the ready flags of the
+/// jobs waiting for them (the caller sets a flag without telling anyone).
+const FLAG_POLL: Duration = Duration::from_micros(50);
 
 /// See the module documentation.
 #[derive(Default)]
@@ -76,28 +115,61 @@ impl JobQueue {
         self.cv.notify_all();
     }
 
-    /// The oldest job no other worker's room or decode rank blocks, marked
-    /// busy until [`done`](Self::done); `None` after `wait` without one.
+    /// The oldest job no other worker's room or decode rank blocks and whose
+    /// rows are ready (a job waiting for its ready flag holds no worker and
+    /// blocks no other room), marked busy until [`done`](Self::done); `None`
+    /// after `wait` without one.
     pub(in crate::engine) fn take(&self, wait: Duration) -> Option<Job> {
         let mut st = lock(&self.state);
         let end = std::time::Instant::now() + wait;
         loop {
-            if let Some(i) = st.queue.iter().position(|j| st.eligible(j)) {
+            let (found, flagged) = st.next();
+            if let Some(i) = found {
                 let j = st.queue.remove(i).expect("position is in the queue");
                 st.busy_rooms.insert(j.room);
                 st.busy_peers.extend(j.peers.iter().copied());
+                let key = (j.room, j.attempt);
+                if st.released.contains(&key)
+                    && !st.queue.iter().any(|q| (q.room, q.attempt) == key)
+                {
+                    st.released.remove(&key);
+                }
                 return Some(j);
             }
             let left = end.saturating_duration_since(std::time::Instant::now());
             if left.is_zero() {
                 return None;
             }
+            let nap = if flagged { left.min(FLAG_POLL) } else { left };
             st = self
                 .cv
-                .wait_timeout(st, left)
+                .wait_timeout(st, nap)
                 .unwrap_or_else(|p| p.into_inner())
                 .0;
         }
+    }
+
+    /// The (room, attempt) of the queued jobs whose ready flag is unset.
+    pub(in crate::engine) fn waiting(&self) -> Vec<(u64, u64)> {
+        let st = lock(&self.state);
+        let mut v: Vec<(u64, u64)> = st
+            .queue
+            .iter()
+            .filter(|j| !st.runnable(j))
+            .map(|j| (j.room, j.attempt))
+            .collect();
+        v.dedup();
+        v
+    }
+
+    /// The rooms `ended` ended: their queued jobs are taken with their ready
+    /// flag unset (the worker's wait fails them at once).
+    pub(in crate::engine) fn release(&self, ended: &[(u64, u64)]) {
+        if ended.is_empty() {
+            return;
+        }
+        lock(&self.state).released.extend(ended.iter().copied());
+        self.cv.notify_all();
     }
 
     /// Reserves a room close on a thread of its own (false: too many run
@@ -170,6 +242,40 @@ mod tests {
         assert!(q.take(NOW).is_none(), "room 2 waits for decode 10");
         q.done(&stuck);
         assert_eq!(q.take(NOW).unwrap().room, 2);
+    }
+
+    #[test]
+    fn jobs_waiting_for_their_ready_flag_hold_nothing() {
+        use crate::engine::layers::ReadyFlag;
+        use std::sync::atomic::AtomicU64;
+        use std::sync::Arc;
+        let q = JobQueue::default();
+        let flag = Arc::new(AtomicU64::new(0));
+        let mut waits = job(1, &[10]);
+        waits.ready.flag = Some(ReadyFlag::new(flag.clone()));
+        q.push(waits);
+        q.push(job(1, &[10])); // the same room's next chunk
+        q.push(job(2, &[10])); // another room to the same decode
+                               // the ready room to the same decode runs first; room 1 waits
+        let a = q.take(NOW).unwrap();
+        assert_eq!(a.room, 2);
+        q.done(&a);
+        assert!(q.take(NOW).is_none(), "room 1's chunks wait for its flag");
+        assert_eq!(q.waiting(), vec![(1, 1)]);
+        flag.store(1, std::sync::atomic::Ordering::Release);
+        let b = q.take(Duration::from_millis(100)).unwrap();
+        assert_eq!(b.room, 1);
+        assert!(b.ready.flag.is_some(), "the flagged chunk first");
+        q.done(&b);
+        assert_eq!(q.take(NOW).unwrap().room, 1);
+        // a released room's job is taken with its flag unset
+        let mut never = job(3, &[20]);
+        never.ready.flag = Some(ReadyFlag::new(Arc::new(AtomicU64::new(0))));
+        q.push(never);
+        assert!(q.take(NOW).is_none());
+        q.release(&[(3, 1)]);
+        assert_eq!(q.take(NOW).unwrap().room, 3);
+        assert!(q.waiting().is_empty());
     }
 
     #[test]

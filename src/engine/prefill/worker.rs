@@ -30,10 +30,15 @@ pub(in crate::engine) fn worker_loop(
     idx: usize,
     mut stage: Option<DeviceStage>,
 ) {
+    let mut swept = Instant::now();
     loop {
         // waits without holding the engine, so dropping it is not delayed
         let job = jobs.take(Duration::from_millis(200));
         let Some(inner) = w.upgrade() else { return };
+        if job.is_none() || swept.elapsed() >= Duration::from_millis(200) {
+            release_ended(&inner, &jobs);
+            swept = Instant::now();
+        }
         let Some(job) = job else { continue };
         let (room, attempt, last) = (job.room, job.attempt, job.last);
         let r = catch("transfer worker", || {
@@ -69,6 +74,30 @@ pub(in crate::engine) fn worker_loop(
         inner.jobs.done(&job);
         inner.cv.notify_all();
     }
+}
+
+/// Releases the queued jobs waiting for a ready flag whose room ended (it
+/// failed, was aborted or is gone) or whose engine closed, so a worker takes
+/// them and fails them at once.
+fn release_ended(inner: &Prefill, jobs: &JobQueue) {
+    let waiting = jobs.waiting();
+    if waiting.is_empty() {
+        return;
+    }
+    let closed = inner.closed.load(Ordering::Acquire);
+    let ended: Vec<(u64, u64)> = {
+        let rooms = lock(&inner.rooms);
+        waiting
+            .into_iter()
+            .filter(|&(room, attempt)| {
+                closed
+                    || !rooms.get(room).is_ok_and(|r| {
+                        r.attempt == attempt && r.poll != KvPoll::Failed && !r.aborted
+                    })
+            })
+            .collect()
+    };
+    jobs.release(&ended);
 }
 
 /// A job's outcome on its room: the room succeeds after its last chunk (and
