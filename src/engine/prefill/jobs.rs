@@ -54,6 +54,9 @@ struct State {
     /// (room, attempt) whose jobs are taken with their ready flag unset: the
     /// room ended (the worker's wait then fails at once).
     released: HashSet<(u64, u64)>,
+    /// One idle worker watches the ready flags of the waiting jobs; the
+    /// others sleep until a job is queued or finished.
+    watched: bool,
 }
 
 impl State {
@@ -91,9 +94,9 @@ impl State {
     }
 }
 
-/// How often a worker with nothing to take looks at the ready flags of the
-/// jobs waiting for them (the caller sets a flag without telling anyone).
-const FLAG_POLL: Duration = Duration::from_micros(50);
+/// How often the idle worker watching the ready flags of the waiting jobs
+/// looks at them (the caller sets a flag without telling anyone).
+const FLAG_POLL: Duration = Duration::from_micros(20);
 
 /// See the module documentation.
 #[derive(Default)]
@@ -122,8 +125,15 @@ impl JobQueue {
     pub(in crate::engine) fn take(&self, wait: Duration) -> Option<Job> {
         let mut st = lock(&self.state);
         let end = std::time::Instant::now() + wait;
+        let mut watching = false;
         loop {
             let (found, flagged) = st.next();
+            if watching && (found.is_some() || !flagged) {
+                // handed on: another idle worker watches what is left
+                st.watched = false;
+                watching = false;
+                self.cv.notify_all();
+            }
             if let Some(i) = found {
                 let j = st.queue.remove(i).expect("position is in the queue");
                 st.busy_rooms.insert(j.room);
@@ -138,9 +148,17 @@ impl JobQueue {
             }
             let left = end.saturating_duration_since(std::time::Instant::now());
             if left.is_zero() {
+                if watching {
+                    st.watched = false;
+                    self.cv.notify_all();
+                }
                 return None;
             }
-            let nap = if flagged { left.min(FLAG_POLL) } else { left };
+            if flagged && !st.watched {
+                st.watched = true;
+                watching = true;
+            }
+            let nap = if watching { left.min(FLAG_POLL) } else { left };
             st = self
                 .cv
                 .wait_timeout(st, nap)
