@@ -167,6 +167,26 @@ impl JobQueue {
         }
     }
 
+    /// The room's next queued job after `held` (a layer group taken by this
+    /// worker, which holds the room and its decode ranks) when it is a layer
+    /// group of the same attempt and decode ranks whose rows are ready and
+    /// that waits for no CUDA event: taken without a busy mark of its own
+    /// (the worker's [`done`](Self::done) of `held` frees both).
+    pub(in crate::engine) fn take_follow(&self, held: &Job) -> Option<Job> {
+        let mut st = lock(&self.state);
+        let i = st.queue.iter().position(|j| j.room == held.room)?;
+        let j = &st.queue[i];
+        let follows = j.attempt == held.attempt
+            && j.layered
+            && j.peers == held.peers
+            && j.ready.cuda_event.is_none()
+            && st.runnable(j);
+        if !follows {
+            return None;
+        }
+        st.queue.remove(i)
+    }
+
     /// The (room, attempt) of the queued jobs whose ready flag is unset.
     pub(in crate::engine) fn waiting(&self) -> Vec<(u64, u64)> {
         let st = lock(&self.state);
@@ -297,6 +317,38 @@ mod tests {
     }
 
     #[test]
+    fn a_layer_group_is_followed_by_its_rooms_next_ready_one() {
+        use crate::engine::layers::ReadyFlag;
+        use std::sync::atomic::AtomicU64;
+        use std::sync::Arc;
+        let q = JobQueue::default();
+        let group = |room, layers: Range<usize>| Job {
+            layered: true,
+            layers,
+            ..job(room, &[1])
+        };
+        let flag = Arc::new(AtomicU64::new(0));
+        q.push(group(4, 0..2));
+        q.push(group(5, 0..2)); // another room: never a follow-up
+        q.push(group(4, 2..4));
+        let mut unset = group(4, 4..6);
+        unset.ready.flag = Some(ReadyFlag::new(flag.clone()));
+        q.push(unset);
+        let a = q.take(NOW).unwrap();
+        assert_eq!((a.room, a.layers.clone()), (4, 0..2));
+        let b = q.take_follow(&a).unwrap();
+        assert_eq!((b.room, b.layers.clone()), (4, 2..4));
+        assert!(q.take_follow(&a).is_none(), "its flag is unset");
+        flag.store(1, std::sync::atomic::Ordering::Release);
+        assert_eq!(q.take_follow(&a).unwrap().layers, 4..6);
+        assert!(q.take_follow(&a).is_none());
+        // the worker's done frees the room and its decode rank for room 5
+        assert!(q.take(NOW).is_none(), "decode 1 is busy");
+        q.done(&a);
+        assert_eq!(q.take(NOW).unwrap().room, 5);
+    }
+
+    #[test]
     fn a_rooms_chunks_run_one_at_a_time_in_order() {
         let q = JobQueue::default();
         let mut first = job(7, &[1]);
@@ -309,6 +361,7 @@ mod tests {
         let a = q.take(NOW).unwrap();
         assert_eq!((a.room, a.start), (7, 0));
         assert!(q.take(NOW).is_none());
+        assert!(q.take_follow(&a).is_none(), "whole chunks are not followed");
         q.done(&a);
         let b = q.take(NOW).unwrap();
         assert_eq!((b.room, b.start), (7, 16));

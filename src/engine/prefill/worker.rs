@@ -40,10 +40,13 @@ pub(in crate::engine) fn worker_loop(
             swept = Instant::now();
         }
         let Some(job) = job else { continue };
-        let (room, attempt, last) = (job.room, job.attempt, job.last);
+        let (room, attempt) = (job.room, job.attempt);
         let r = catch("transfer worker", || {
             run_job(&inner, idx, &job, stage.as_mut())
         });
+        // the room's last chunk ran (this job's, or a layer group after it)
+        let last = matches!(r, Ok(true));
+        let r = r.map(|_| ());
         // the last chunk closes the room's grants (every decode rank at once):
         // on a thread of its own, so a decode slow to answer holds no worker
         if last && r.is_ok() && jobs.start_close() {
@@ -136,12 +139,16 @@ fn conclude(inner: &Prefill, room: u64, attempt: u64, last: bool, r: Result<()>)
 /// Moves one chunk to every decode rank of the room (and aux and state on
 /// the last chunk): the batches of all decode ranks are in flight together
 /// (a [`Flight`]), and the chunk is done once every one of them completed.
+/// A layer group's send is followed by the room's next ones already ready
+/// ([`JobQueue::take_follow`]): each is planned and posted while the
+/// batches before it move, into the same flight. Returns whether the
+/// room's last chunk was among them.
 fn run_job(
     inner: &Prefill,
     idx: usize,
     job: &Job,
     mut stage: Option<&mut DeviceStage>,
-) -> Result<()> {
+) -> Result<bool> {
     wait_ready(
         inner,
         job.room,
@@ -156,7 +163,21 @@ fn run_job(
         epoch: job.attempt,
     };
     let mut flight = Flight::new(&inner.rooms, opts);
-    let sent = send_chunk(inner, idx, job, stage, &mut flight);
+    let mut last = job.last;
+    let mut sent = send_chunk(inner, idx, job, stage.as_deref_mut(), &mut flight);
+    while let Ok(bytes) = &mut sent {
+        if last || !job.layered {
+            break;
+        }
+        let Some(next) = inner.jobs.take_follow(job) else {
+            break;
+        };
+        last = next.last;
+        match send_chunk(inner, idx, &next, stage.as_deref_mut(), &mut flight) {
+            Ok(more) => bytes.iter_mut().zip(more).for_each(|(b, m)| *b += m),
+            Err(e) => sent = Err(e),
+        }
+    }
     // every batch completes (or fails) before the chunk ends, error or not:
     // the room's in-flight count falls back and the staging is free again
     let drained = flight.drain();
@@ -167,7 +188,7 @@ fn run_job(
             x.bytes += b;
         }
     }
-    Ok(())
+    Ok(last)
 }
 
 /// Submits one chunk's batches to every decode rank of the room into
