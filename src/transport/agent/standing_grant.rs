@@ -13,6 +13,7 @@ use crate::memory::{AccessGuard, RegionDesc, RegionKind};
 use crate::transport::identity::ProcIdentity;
 use crate::transport::standing::encode_regions;
 use crate::transport::wire::{self, FrameType};
+use crate::transport::{BatchId, Completion};
 use std::collections::HashMap;
 use std::sync::{Condvar, Mutex};
 use std::time::Instant;
@@ -93,7 +94,14 @@ pub(super) fn committed(
             ),
         ));
     }
-    a.deliver(peer.clone(), sess.id, super::grant::completion(&c));
+    let done = Completion {
+        batch_id: BatchId(c.batch),
+        bytes: c.bytes,
+        checksum: c.checksum,
+        room: c.room,
+        epoch: c.epoch,
+    };
+    a.deliver(peer.clone(), sess.id, done);
     Ok(())
 }
 
