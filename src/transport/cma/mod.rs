@@ -45,9 +45,11 @@ use crate::error::{Error, Result, Status};
 use crate::memory::{AccessGuard, RegionDesc};
 use crossbeam::channel::{unbounded, Sender};
 use std::sync::Arc;
+use writers::Writers;
 
 pub(crate) mod bind;
 mod peer;
+mod writers;
 pub(crate) use peer::{split_even, PeerProcess};
 
 /// A write batch of a granted room below this many bytes is moved on the
@@ -92,11 +94,12 @@ impl CmaTransport {
         let peer = Arc::new(peer);
         let (tx, rx) = unbounded::<Job>();
         let (c, p) = (conn.clone(), peer.clone());
+        let writers = Writers::start(&peer, threads)?;
         std::thread::Builder::new()
             .name("pdxfer-cma-tx".into())
             .spawn(move || {
                 for job in rx {
-                    c.run_job(&p, threads, job);
+                    c.run_job(&p, &writers, job);
                 }
             })?;
         Ok(CmaTransport {
@@ -149,8 +152,8 @@ pub(crate) fn connect(mut d: Dialed<'_>) -> Result<Box<dyn Transport>> {
 }
 
 impl Conn {
-    fn run_job(&self, peer: &PeerProcess, threads: usize, mut job: Job) {
-        let r = self.move_job(peer, threads, &job);
+    fn run_job(&self, peer: &PeerProcess, writers: &Writers, mut job: Job) {
+        let r = self.move_job(peer, writers, &job);
         if let Some(ticket) = job.standing.take() {
             // written (or failed) under standing grants: one frame, no answer
             if r.is_ok()
@@ -196,7 +199,7 @@ impl Conn {
     /// before the batch's deadline (the batch is then `Written`; a read asked
     /// for a checksum gets it, recorded and returned), else why not (the
     /// batch failed).
-    fn move_job(&self, peer: &PeerProcess, threads: usize, job: &Job) -> Result<Option<u64>> {
+    fn move_job(&self, peer: &PeerProcess, writers: &Writers, job: &Job) -> Result<Option<u64>> {
         let gone = || Error::new(Status::BatchFailed, "the batch ended before it was written");
         self.table.wait_granted(job.id)?;
         if let Err(e) = peer.check_alive() {
@@ -207,33 +210,13 @@ impl Conn {
         if self.table.finished(job.id) {
             return Err(gone());
         }
+        let threads = writers.threads();
         let r = if job.placed {
             Ok(job.commit.bytes)
         } else if threads <= 1 || job.pieces.is_empty() || job.commit.bytes < (256 << 10) {
             peer.xfer(&job.pieces, job.read)
         } else {
-            let groups = split_even(&job.pieces, threads);
-            std::thread::scope(|s| {
-                let hs: Vec<_> = groups
-                    .iter()
-                    .map(|g| s.spawn(move || peer.xfer(g, job.read)))
-                    .collect();
-                let mut sum = 0u64;
-                let mut err = None;
-                for h in hs {
-                    match h.join() {
-                        Ok(Ok(n)) => sum += n,
-                        Ok(Err(e)) => err = Some(e),
-                        Err(_) => {
-                            err = Some(Error::new(
-                                Status::BatchFailed,
-                                "a cma writer thread panicked",
-                            ))
-                        }
-                    }
-                }
-                err.map_or(Ok(sum), Err)
-            })
+            writers.xfer(peer, split_even(&job.pieces, threads), job.read)
         };
         match r {
             Ok(n) if n == job.commit.bytes => {
@@ -323,7 +306,7 @@ impl CmaTransport {
         if inline {
             // nothing to wait for (granted with the room, or standing):
             // moved on this thread, sparing the writer thread's wake-up and the caller's
-            self.conn.run_job(&self.peer, 1, job);
+            self.conn.run_job(&self.peer, &Writers::single(), job);
         } else {
             self.queue(job);
         }
@@ -479,7 +462,7 @@ impl CmaTransport {
         // placed already and granted with the room: marked done on this thread
         self.conn.run_job(
             &self.peer,
-            1,
+            &Writers::single(),
             Job {
                 id,
                 read: false,
