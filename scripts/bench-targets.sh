@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # The data plane's and the engine's speed targets in one run, as a markdown table
-# (figure / value / target / met / command): per-batch fixed cost on cma, 4 KiB
-# writes over cma and tcp, and one PD request against memcpy and iperf3
+# (figure / value / target / PASS or FAIL / command): 4 KiB writes over cma with and
+# without a room grant and over tcp, one PD request against memcpy and iperf3, and
+# the layer-wise exposure at 8K and 32K tokens over cma and tcp
 # (scripts/bench_targets.py says how each is measured). Release build; needs
-# iperf3 for the tcp request row. Runs about 2 minutes; not part of the tests.
+# iperf3 for the tcp request row. Runs about 5 minutes on an idle machine (plus the
+# release build); exits 1 when a target fails. Not part of the tests.
 #
 #   bash scripts/bench-targets.sh [--requests N] [--json]
 set -euo pipefail

@@ -1,22 +1,27 @@
 #!/usr/bin/env python3
 """The speed targets of the data plane and the engine, measured in one run,
-printed as a markdown table of figure / target / met (see scripts/bench-targets.sh).
+printed as a markdown table of figure / value / target / PASS or FAIL (see
+scripts/bench-targets.sh).
 
     python3 scripts/bench_targets.py [--pdxfer target/release/pdxfer] [--json]
-    python3 scripts/bench_targets.py --self-test     # checks the fit
+    python3 scripts/bench_targets.py --self-test     # checks the fit and the checks
 
-Figures (every ratio within one run):
-- per-batch fixed cost on cma: the intercept of a least-squares line through
-  the median batch latency of 64-byte writes at batch sizes 1, 4, 16, 64
-  (depth 1: one batch in flight), next to the median latency of one batch
-  of one 64-byte write;
-- 4 KiB writes batched (256 per batch, 4 batches in flight), operations per
-  second over cma (shared target regions) and tcp (one stream);
-- `pdxfer bench-request`: one 575.7 MB PD request against memcpy of its bytes
-  (cma, heap and shared decode pools), against iperf3 (tcp), and its first
-  request after connecting against the warm ones.
-With `--room-grant` in `pdxfer bench --help`, the bench rows run twice: without
-and with it.
+Figures (every ratio within one run; targets for an idle 2-core machine):
+- 4 KiB writes, 256 per batch, over cma (shared target regions): without a
+  room grant >= 3 Mops/s (4 batches in flight) with a per-batch p50 <= 100 us
+  (one batch in flight); with `--room-grant` >= 5 Mops/s;
+- per-batch fixed cost on cma (informational): the intercept of a
+  least-squares line through the median latency of 64-byte writes at batch
+  sizes 1, 4, 16, 64 (one batch in flight);
+- 4 KiB writes over tcp (one stream) >= 1 Mops/s;
+- `pdxfer bench-request` (one 575.7 MB PD request, 1 prefill -> 4 decode
+  ranks): with shared decode pools >= 0.95x one memcpy of its bytes (median of
+  6 warm requests) and every warm request >= 0.9x; over tcp >= 1.0x an iperf3
+  loopback stream; in every mode the first request within 1.2x of a warm one;
+  heap pools over cma against memcpy (informational);
+- `pdxfer bench --layerwise`: transfer exposed after the last layer's compute
+  <= 1 layer at 8K and 32K tokens, over cma and tcp.
+Exit status 0 when every target passed, 1 otherwise.
 """
 
 import argparse
@@ -55,25 +60,41 @@ def self_test():
 def pdxfer_json(cmd):
     """Runs a pdxfer command with --json; its last JSON line, or raises with its stderr."""
     p = subprocess.run(cmd + ["--json"], capture_output=True, text=True, check=False)
-    lines = [l for l in p.stdout.splitlines() if l.startswith("{")]
+    lines = [l for l in p.stdout.splitlines() if l.startswith("{") or l.startswith("[")]
     if not lines:
         tail = p.stderr.strip().splitlines()
         raise RuntimeError(f"rc {p.returncode}: {tail[-1] if tail else 'no output'}")
     return json.loads(lines[-1])
 
 
+def every_run_ratio(memcpy_ms, transfer_ms):
+    """The lowest per-request ratio against memcpy over the warm requests
+    (all but the first); None without a warm one."""
+    warm = [t for t in transfer_ms[1:] if t > 0]
+    if not warm or memcpy_ms <= 0:
+        return None
+    return memcpy_ms / max(warm)
+
+
+def check_self():
+    assert every_run_ratio(90.0, [200.0, 100.0, 95.0]) == 0.9
+    assert every_run_ratio(90.0, [200.0]) is None
+    assert every_run_ratio(0.0, [1.0, 2.0]) is None
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--pdxfer", default="target/release/pdxfer")
-    ap.add_argument("--requests", type=int, default=6)
+    ap.add_argument("--requests", type=int, default=7, help="requests per bench-request mode (the first is the cold one)")
     ap.add_argument("--self-test", action="store_true")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
     if a.self_test:
+        check_self()
         return self_test()
     B = a.pdxfer
     help_text = subprocess.run([B, "bench", "--help"], capture_output=True, text=True).stdout
-    variants = [("", [])] + ([(" (--room-grant)", ["--room-grant"])] if "--room-grant" in help_text else [])
+    has_grant = "--room-grant" in help_text
     rows, notes = [], []
 
     def row(figure, value, unit, target, met, command):
@@ -83,71 +104,111 @@ def main():
     def show(cmd):
         return "`" + " ".join(["B" if c == B else c for c in cmd]) + " --json`"
 
-    for label, extra in variants:
-        # per-batch fixed cost: one tiny op, and the intercept over batch sizes
-        cmd = [B, "bench", "--transport", "cma", "--block-sizes", "64", "--batch-sizes", "1,4,16,64",
-               "--depth", "1", "--max-ms", "1500"] + extra
+    # 4 KiB x 256 over cma: throughput with 4 in flight, latency with one
+    for label, extra, target in (("without a grant", [], 3e6), ("with a room grant", ["--room-grant"], 5e6)):
+        if extra and not has_grant:
+            notes.append("cma 4 KiB writes with a room grant: not measured: no --room-grant in pdxfer bench")
+            continue
+        cmd = [B, "bench", "--transport", "cma", "--block-sizes", "4K", "--batch-sizes", "256",
+               "--depth", "4", "--max-ms", "2000"] + extra
         try:
-            pts = pdxfer_json(cmd)["points"]
-            xs = [p["batch_size"] for p in pts]
-            ys = [p["p50_us"] for p in pts]
-            a0, b0 = fit_line(xs, ys)
-            one = next(p["p50_us"] for p in pts if p["batch_size"] == 1)
-            row(f"cma batch of one 64 B write, p50{label}", one, "us", "<= 15 us", one <= 15, show(cmd))
-            row(f"cma per-batch fixed cost (intercept; slope {b0:.2f} us/op){label}", a0, "us",
-                "<= 15 us", a0 <= 15, "same run: p50 at batch " + ", ".join(f"{x}: {y:.1f}" for x, y in zip(xs, ys)))
+            ops = pdxfer_json(cmd)["ops_per_s"]
+            row(f"cma 4 KiB x 256, {label}", ops / 1e6, "Mops/s", f">= {target / 1e6:g} Mops/s",
+                ops >= target, show(cmd))
         except Exception as e:
-            notes.append(f"per-batch fixed cost{label}: not measured: {e}")
-        for transport, target, extra_t in (("cma", 3e6, []), ("tcp", 1e6, ["--threads", "1"])):
-            cmd = [B, "bench", "--transport", transport, "--block-sizes", "4K", "--batch-sizes", "256",
-                   "--depth", "4", "--max-ms", "2000"] + extra_t + extra
+            notes.append(f"cma 4 KiB writes {label}: not measured: {e}")
+        if not extra:
+            cmd = [B, "bench", "--transport", "cma", "--block-sizes", "4K", "--batch-sizes", "256",
+                   "--depth", "1", "--max-ms", "2000"]
             try:
-                ops = pdxfer_json(cmd)["ops_per_s"]
-                row(f"{transport} 4 KiB writes, batch 256{label}", ops / 1e6, "Mops/s",
-                    f">= {target / 1e6:g} Mops/s", ops >= target, show(cmd))
+                p50 = pdxfer_json(cmd)["p50_us"]
+                row(f"cma 4 KiB x 256, {label}: per-batch p50 (one in flight)", p50, "us", "<= 100 us",
+                    p50 <= 100, show(cmd))
             except Exception as e:
-                notes.append(f"{transport} 4 KiB writes{label}: not measured: {e}")
+                notes.append(f"cma per-batch p50 {label}: not measured: {e}")
+
+    cmd = [B, "bench", "--transport", "cma", "--block-sizes", "64", "--batch-sizes", "1,4,16,64",
+           "--depth", "1", "--max-ms", "1500"]
+    try:
+        pts = pdxfer_json(cmd)["points"]
+        xs = [p["batch_size"] for p in pts]
+        ys = [p["p50_us"] for p in pts]
+        a0, b0 = fit_line(xs, ys)
+        row(f"cma per-batch fixed cost, no grant (intercept; slope {b0:.2f} us/op)", a0, "us",
+            "(informational)", None, show(cmd) + "; p50 at batch " + ", ".join(f"{x}: {y:.1f}" for x, y in zip(xs, ys)))
+    except Exception as e:
+        notes.append(f"per-batch fixed cost: not measured: {e}")
+
+    cmd = [B, "bench", "--transport", "tcp", "--block-sizes", "4K", "--batch-sizes", "256",
+           "--depth", "4", "--max-ms", "2000", "--threads", "1"]
+    try:
+        ops = pdxfer_json(cmd)["ops_per_s"]
+        row("tcp 4 KiB x 256, one stream", ops / 1e6, "Mops/s", ">= 1 Mops/s", ops >= 1e6, show(cmd))
+    except Exception as e:
+        notes.append(f"tcp 4 KiB writes: not measured: {e}")
 
     cmd = [B, "bench-request", "--modes", "cma-heap,cma-shared,tcp", "--requests", str(a.requests)]
-    p = subprocess.run(cmd + ["--json"], capture_output=True, text=True, check=False)
-    lines = [l for l in p.stdout.splitlines() if l.startswith("{")]
-    if lines:
-        v = json.loads(lines[-1])
+    try:
+        v = pdxfer_json(cmd)
         for r in v["results"]:
             m = r["mode"]
-            row(f"PD request {m}, warm ({r['warm_median_ms']:.1f} ms) vs memcpy ({r['memcpy_ms']:.1f} ms)",
-                r["ratio_vs_memcpy"], "x memcpy", ">= 0.8x" if m == "cma-shared" else "(>= 0.8x is for cma-shared)",
-                (r["ratio_vs_memcpy"] >= 0.8) if m == "cma-shared" else None, show(cmd))
-            if r.get("ratio_vs_iperf3") is not None:
-                row(f"PD request {m} vs iperf3 loopback ({r['iperf3_gb_per_s']:.2f} GB/s)",
-                    r["ratio_vs_iperf3"], "x iperf3", ">= 0.9x", r["ratio_vs_iperf3"] >= 0.9, "same run")
-            row(f"PD request {m}, first ({r['first_ms']:.1f} ms) over warm", r["first_over_warm"], "x",
-                "<= 1.2x", r["first_over_warm"] <= 1.2, "same run")
+            ratio = r["ratio_vs_memcpy"]
             if m == "cma-shared":
+                row(f"PD request {m}, warm median ({r['warm_median_ms']:.1f} ms) vs memcpy ({r['memcpy_ms']:.1f} ms)",
+                    ratio, "x memcpy", ">= 0.95x", ratio >= 0.95, show(cmd))
+                low = every_run_ratio(r["memcpy_ms"], r.get("transfer_ms", []))
+                row(f"PD request {m}, slowest warm request vs memcpy", low, "x memcpy", ">= 0.9x",
+                    None if low is None else low >= 0.9, "same run")
                 share = r.get("one_copy_bytes_per_request", 0) / r["request_bytes"]
                 row(f"PD request {m}, KV bytes copied straight into the decode's rows", share * 100, "%",
                     "(one copy)", None, "same run")
+            else:
+                row(f"PD request {m}, warm median ({r['warm_median_ms']:.1f} ms) vs memcpy ({r['memcpy_ms']:.1f} ms)",
+                    ratio, "x memcpy", "(informational)", None, show(cmd))
+            if m == "tcp":
+                x = r.get("ratio_vs_iperf3")
+                if x is None:
+                    notes.append(f"PD request tcp vs iperf3: not measured: {r.get('iperf3_note') or 'no iperf3'}")
+                else:
+                    row(f"PD request {m} vs iperf3 loopback ({r['iperf3_gb_per_s']:.2f} GB/s)", x, "x iperf3",
+                        ">= 1.0x", x >= 1.0, "same run")
+            row(f"PD request {m}, first ({r['first_ms']:.1f} ms) over warm", r["first_over_warm"], "x",
+                "<= 1.2x", r["first_over_warm"] <= 1.2, "same run")
             c = r.get("control_messages_per_request")
             row(f"PD request {m}, control messages per request", c, "", "(counted)", None, "same run")
         for e in v.get("errors", []):
             notes.append(f"PD request {e['mode']}: not measured: {e['error']}")
-    else:
-        notes.append(f"pdxfer bench-request gave no JSON (rc {p.returncode}): {p.stderr.strip()[-300:]}")
+    except Exception as e:
+        notes.append(f"pdxfer bench-request: not measured: {e}")
 
+    for transport in ("cma", "tcp"):
+        cmd = [B, "bench", "--layerwise", "--transport", transport, "--tokens", "8192,32768"]
+        try:
+            for p in pdxfer_json(cmd):
+                x = p["exposed_in_layers"]
+                row(f"layer-wise over {transport}, {p['tokens']} tokens: transfer exposed after the last layer",
+                    x, "layers", "<= 1 layer", x <= 1.0, show(cmd))
+        except Exception as e:
+            notes.append(f"layer-wise over {transport}: not measured: {e}")
+
+    checked = [r for r in rows if r["met"] is not None]
+    passed = sum(1 for r in checked if r["met"])
+    ok = passed == len(checked) and not notes
     if a.json:
-        print(json.dumps({"rows": rows, "notes": notes}))
-        return 0
-    print("| figure | value | target | met | command |")
+        print(json.dumps({"rows": rows, "notes": notes, "passed": passed, "checked": len(checked)}))
+        return 0 if ok else 1
+    print("| figure | value | target | result | command |")
     print("|---|---:|---|---|---|")
     for r in rows:
         v = r["value"]
         val = "n/a" if v is None else f"{v:.2f} {r['unit']}".strip()
-        met = {True: "yes", False: "no", None: "-"}[r["met"]]
+        met = {True: "PASS", False: "FAIL", None: "-"}[r["met"]]
         print(f"| {r['figure']} | {val} | {r['target']} | {met} | {r['command']} |")
     for n in notes:
-        print(n)
+        print("NOT MEASURED: " + n)
+    print(f"{passed} of {len(checked)} targets PASS" + ("" if not notes else f"; {len(notes)} not measured"))
     print("(B = " + B + ")")
-    return 0
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

@@ -77,11 +77,11 @@ pub struct SendOptions {
     /// be destroyed before the room is terminal; re-recording it before the
     /// worker reached the send makes the send wait for the newer work.
     pub cuda_event: Option<u64>,
-    /// Host pools (or either): the worker waits for this flag before it reads
-    /// the rows of the send (polling; abort and deadlines still end the wait).
-    /// The job holds its worker and its decode ranks meanwhile: other rooms
-    /// to the same decode ranks queue behind it (until the flag is set, the
-    /// room fails or its deadline passes).
+    /// Host pools (or either): the rows of the send are read only once this
+    /// flag is set (abort and deadlines still end the wait). Until then the
+    /// send holds no worker and no decode rank: the workers take the sends
+    /// that are ready, other rooms first; only the room's own later sends
+    /// wait behind it.
     pub ready_flag: Option<ReadyFlag>,
     /// Layer-wise: the layers (topology entries, by position) whose rows this
     /// call sends. A chunk's layers come in order over many calls with the

@@ -18,4 +18,6 @@ pub mod shared;
 
 pub use device_writer::{BounceBuffer, DeviceWriter, Fence};
 pub use region::{RegionDesc, RegionKind};
-pub use registry::{AccessGuard, Registry, UnregisterHook, MEMFD_KEY, MEMFD_OFFSET_KEY};
+pub use registry::{
+    AccessGuard, Registry, RevokeHook, UnregisterHook, MEMFD_KEY, MEMFD_OFFSET_KEY,
+};

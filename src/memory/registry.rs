@@ -38,6 +38,10 @@ struct State {
 /// [`Registry::add_unregister_hook`]).
 pub type UnregisterHook = Arc<dyn Fn(&RegionDesc) + Send + Sync>;
 
+/// Called when an unregister of a region begins, with the region and the
+/// unregister's deadline (see [`Registry::add_revoke_hook`]).
+pub type RevokeHook = Arc<dyn Fn(&RegionDesc, Instant) + Send + Sync>;
+
 struct Inner {
     state: Mutex<State>,
     idle: Condvar,
@@ -47,6 +51,8 @@ struct Inner {
     changes: Mutex<()>,
     hooks: Mutex<Vec<(u64, UnregisterHook)>>,
     next_hook: std::sync::atomic::AtomicU64,
+    /// Hooks run when an unregister begins, before its drain.
+    revokers: Mutex<Vec<RevokeHook>>,
 }
 
 /// The registered regions of one process (cheap to clone; clones share state).
@@ -120,6 +126,7 @@ impl Registry {
                 changes: Mutex::new(()),
                 hooks: Mutex::new(Vec::new()),
                 next_hook: std::sync::atomic::AtomicU64::new(1),
+                revokers: Mutex::new(Vec::new()),
             }),
         }
     }
@@ -139,6 +146,16 @@ impl Registry {
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         relock(&self.inner.hooks).push((id, hook));
         id
+    }
+
+    /// Installs `hook`, called when an unregister of a region begins: new
+    /// accesses are already refused, the in-flight ones not yet drained. A
+    /// holder of a standing pin (a grant for a connection's life) releases it
+    /// there, within the deadline given, after its own writes in flight
+    /// finished; the drain then waits for the rest. Same rules as
+    /// [`add_unregister_hook`](Self::add_unregister_hook) otherwise.
+    pub fn add_revoke_hook(&self, hook: RevokeHook) {
+        relock(&self.inner.revokers).push(hook);
     }
 
     /// Removes a hook installed by [`add_unregister_hook`](Self::add_unregister_hook);
@@ -373,10 +390,20 @@ impl Registry {
     pub fn unregister(&self, region: u64, timeout: Duration) -> Result<()> {
         let deadline = Instant::now() + timeout;
         let mut st = self.lock();
-        match st.regions.get_mut(&region) {
+        let desc = match st.regions.get_mut(&region) {
             None => return Err(not_found(region)),
-            Some(e) => e.closing += 1,
+            Some(e) => {
+                e.closing += 1;
+                e.desc.clone()
+            }
+        };
+        // standing pins are released first (new accesses are refused now)
+        drop(st);
+        let revokers: Vec<RevokeHook> = relock(&self.inner.revokers).clone();
+        for h in revokers {
+            h(&desc, deadline);
         }
+        let mut st = self.lock();
         loop {
             let inflight = st.regions.get(&region).map_or(0, |e| e.inflight);
             if inflight == 0 {

@@ -60,7 +60,7 @@ impl SharedMapping {
                 std::ptr::null_mut(),
                 len,
                 libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED | libc::MAP_POPULATE,
+                libc::MAP_SHARED,
                 fd.as_raw_fd(),
                 0,
             )
@@ -71,11 +71,20 @@ impl SharedMapping {
                 format!("mmap {len} bytes: {}", std::io::Error::last_os_error()),
             ));
         }
-        Ok(SharedMapping {
-            fd,
-            ptr: p as *mut u8,
-            len,
-        })
+        let p = p as *mut u8;
+        // huge pages where the system allows them for shared memory, asked
+        // for before the first fault; then every page faulted in
+        // SAFETY: [p, p + len) is the mapping made above.
+        let _ = unsafe { super::prefault::advise_huge_pages(p, len) };
+        // SAFETY: as above.
+        if unsafe { super::prefault::populate_write(p, len) }.is_err() {
+            // older kernels: one write of the zero already there per page
+            for i in (0..len).step_by(4096) {
+                // SAFETY: i < len, inside the writable mapping.
+                unsafe { std::ptr::write_volatile(p.add(i), 0) };
+            }
+        }
+        Ok(SharedMapping { fd, ptr: p, len })
     }
 
     /// Start address in this process.

@@ -6,6 +6,7 @@ use super::batch::{BatchTable, Stage};
 use super::identity::ProcIdentity;
 use super::piece::Piece;
 use super::room::{self, OpenRooms, RoomEnd, RoomGrant, RoomSummary};
+use super::standing::{self, StandingRegions};
 use super::wire::{self, FrameType};
 use super::WriteOp;
 use crate::auth::{SessionKeys, SessionMac};
@@ -32,6 +33,8 @@ pub(crate) struct Conn {
     pub instance: [u8; 16],
     /// Room grants open on this connection.
     pub rooms: OpenRooms,
+    /// The receiver's regions granted for the connection's life (cma).
+    pub standing: Arc<StandingRegions>,
 }
 
 impl Conn {
@@ -61,6 +64,7 @@ impl Conn {
             addr,
             instance,
             rooms: OpenRooms::default(),
+            standing: Arc::default(),
         });
         let c = conn.clone();
         std::thread::Builder::new()
@@ -105,6 +109,10 @@ impl Conn {
                 FrameType::RoomRefuse => {
                     wire::decode_reason(&p).map(|(token, e)| self.rooms.answered(token, Err(e)))
                 }
+                FrameType::StandingGrant => {
+                    standing::decode_regions(&p).map(|r| self.standing.grant(&r))
+                }
+                FrameType::Revoke => wire::decode_batch(&p).and_then(|region| self.fence(region)),
                 // the receiver drops the session because a data stream
                 // failed its integrity check (an encrypted piece's tag)
                 FrameType::Error => Err(match wire::decode_error(&p) {
@@ -140,6 +148,23 @@ impl Conn {
         self.rooms.fail_all(e.clone());
         self.table.fail_all(e);
         let _ = self.shut.shutdown(Shutdown::Both);
+    }
+
+    /// Answers the receiver's revoke of the standing grant of `region`: off
+    /// this thread (a batch it waits for may wait for a frame this thread
+    /// reads), once no batch under the grant is writing, `Fenced`.
+    fn fence(self: &Arc<Self>, region: u64) -> Result<()> {
+        let c = self.clone();
+        std::thread::Builder::new()
+            .name("pdxfer-fence".into())
+            .spawn(move || match c.standing.revoke(region, FENCE_WAIT) {
+                Ok(()) => {
+                    let _ = c.send(FrameType::Fenced, &region.to_le_bytes());
+                }
+                // no Fenced: the receiver keeps the region pinned
+                Err(e) => log::error!("revoking the standing grant of region {region}: {e}"),
+            })?;
+        Ok(())
     }
 
     /// Sends a control frame; a failure kills the connection.
@@ -266,6 +291,28 @@ impl Conn {
         })
     }
 
+    /// Numbers a batch whose destinations are all under standing grants (a
+    /// [`Ticket`](standing::Ticket) holds them): no Intent, no Grant frame; the
+    /// entry is granted at once. Returns the commit record to send once the
+    /// bytes landed.
+    pub fn insert_standing_batch(
+        &self,
+        bytes: u64,
+        guards: &Arc<Vec<AccessGuard>>,
+        opts: &super::BatchOptions,
+    ) -> Result<wire::Commit> {
+        let template = super::Completion::pending(bytes, None, opts);
+        let id = self.table.insert(opts.timeout, template, guards.clone())?;
+        self.table.set(id, Stage::Granted);
+        Ok(wire::Commit {
+            batch: id,
+            bytes,
+            checksum: None,
+            room: opts.room,
+            epoch: opts.epoch,
+        })
+    }
+
     /// Numbers a one-sided batch and announces it to the peer: the checksum of
     /// the source pieces for writes (a placeholder for reads, computed once the
     /// bytes landed), the batch-table entry holding `guards` until the batch
@@ -326,6 +373,9 @@ impl Conn {
         )
     }
 }
+
+/// Longest a revoke of a standing grant waits for the batches writing under it.
+const FENCE_WAIT: Duration = Duration::from_secs(120);
 
 /// Waits up to `timeout` for `s` to become readable (a frame, or its end).
 pub(crate) fn readable(s: &TcpStream, timeout: Duration) -> Result<bool> {

@@ -54,6 +54,18 @@ pub enum FrameType {
     RoomAck = 41,
     /// Receiver: the room end was refused (token, code, reason).
     RoomRefuse = 42,
+    /// Receiver (cma): these regions (u64 ids) are granted for the
+    /// connection's life; batches into them need no intent.
+    StandingGrant = 43,
+    /// Receiver: the standing grant of this region (u64 id) is revoked (its
+    /// unregister began); answered by `Fenced`.
+    Revoke = 44,
+    /// Sender: no write under the revoked standing grant of this region (u64
+    /// id) is in flight, and none follows.
+    Fenced = 45,
+    /// Sender: a batch under standing grants was written (a commit record);
+    /// the receiver delivers its completion, nothing is answered.
+    StandingCommit = 46,
 }
 
 impl FrameType {
@@ -84,6 +96,10 @@ impl FrameType {
             40 => RoomEnd,
             41 => RoomAck,
             42 => RoomRefuse,
+            43 => StandingGrant,
+            44 => Revoke,
+            45 => Fenced,
+            46 => StandingCommit,
             _ => return None,
         })
     }

@@ -43,6 +43,7 @@ pub mod nccl;
 pub mod peer_auth;
 mod piece;
 pub mod room;
+mod standing;
 // Nothing in the RDMA transport crosses the C ABI: keep its items out of pdxfer.h.
 /// cbindgen:ignore
 pub mod rdma;

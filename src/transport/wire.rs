@@ -21,7 +21,7 @@ use std::io::{Read, Write};
 /// `"PDXF"` as a little-endian u32.
 pub const MAGIC: u32 = u32::from_le_bytes(*b"PDXF");
 /// Wire protocol version; peers with another version are refused at the handshake.
-pub const VERSION: u16 = 2;
+pub const VERSION: u16 = 3;
 /// Largest control payload accepted (descriptor lists, write intents).
 pub const MAX_CONTROL_PAYLOAD: u32 = 64 << 20;
 /// Size of a data frame header.

@@ -325,3 +325,44 @@ fn layerwise_over_cma_into_shared_decode_pools_takes_the_one_copy_path() {
         .metrics()
         .contains(&format!("pdxfer_engine_one_copy_bytes_total {kv}")));
 }
+
+/// Sends waiting for their ready flag hold no worker: with both of the
+/// prefill's workers' worth of rooms waiting (the default 2 workers), a
+/// ready room to the same decode ranks goes first and succeeds; the waiting
+/// rooms move once the caller wrote their rows and set their flags.
+#[test]
+fn sends_waiting_for_their_ready_flag_hold_no_worker() {
+    let mut c = cluster(
+        "lw-flag-queue",
+        (1, 2),
+        TransportKind::Cma,
+        1 << 20,
+        Duration::from_secs(20),
+    );
+    let flags: Vec<Arc<AtomicU64>> = (0..2).map(|_| Arc::default()).collect();
+    // one page per room: the rooms' pages are distinct
+    let waiting: Vec<_> = (1..=2)
+        .map(|room| c.open_room(room, 16, 0, false))
+        .collect();
+    for (req, f) in waiting.iter().zip(&flags) {
+        let (pages, t, last) = c.chunks(req, 0, 100).remove(0);
+        let o = SendOptions {
+            ready_flag: Some(ReadyFlag::new(f.clone())),
+            ..Default::default()
+        };
+        c.prefill[0]
+            .0
+            .send_with(req.room, &pages, t, last, 3, &o)
+            .unwrap();
+    }
+    std::thread::sleep(Duration::from_millis(100));
+    let ready = c.open_room(3, 16, 0, true);
+    c.send_all(&ready, 100);
+    assert_eq!(c.finish(&ready), ready.n() * TOKEN + 2 * 32);
+    for (req, f) in waiting.iter().zip(&flags) {
+        assert_eq!(c.prefill[0].0.poll(req.room), KvPoll::Transferring);
+        c.fill(req);
+        f.store(1, Ordering::Release);
+        assert_eq!(c.finish(req), req.n() * TOKEN + 2 * 32);
+    }
+}

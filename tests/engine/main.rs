@@ -20,6 +20,8 @@ mod engine_races;
 mod faults;
 #[cfg(feature = "testing")]
 mod layerwise;
+#[cfg(feature = "testing")]
+mod room_close;
 
 /// Without the `testing` feature the modules above marked so are not built;
 /// this test says so instead of leaving them out silently.

@@ -26,7 +26,7 @@ use std::time::Duration;
 
 static SERIAL: Mutex<()> = Mutex::new(());
 
-fn serial() -> MutexGuard<'static, ()> {
+pub(crate) fn serial() -> MutexGuard<'static, ()> {
     SERIAL.lock().unwrap_or_else(|p| p.into_inner())
 }
 
@@ -234,8 +234,10 @@ fn room_flows_without_per_batch_frames(kind: TransportKind) {
         p.t.close_room(ROOM, EPOCH, Duration::from_secs(1))
             .unwrap_err();
     assert_eq!(e.status(), Status::UnknownRoom, "{e}");
-    // batches of other rooms still use the per-batch protocol, unchanged
+    // batches of other rooms use the per-batch protocol (tcp, rdma) or, on
+    // cma, the connection's standing grant (one StandingCommit, no answer)
     let before = per_batch_frames();
+    let standing = frames_received(FrameType::StandingCommit);
     let other = BatchOptions {
         room: ROOM + 1,
         ..opts()
@@ -243,11 +245,24 @@ fn room_flows_without_per_batch_frames(kind: TransportKind) {
     let id = p.t.submit(&[op(&p, 0, 900 << 10, 64)], &other).unwrap();
     p.t.wait(id, Duration::from_secs(10)).unwrap();
     let after = per_batch_frames();
-    if kind != TransportKind::Tcp {
-        assert_eq!(after[0] - before[0], 1, "one Intent for an ungranted batch");
+    if kind == TransportKind::Cma {
+        assert_eq!(
+            after, before,
+            "no per-batch round trip under a standing grant"
+        );
+        let t0 = std::time::Instant::now();
+        while frames_received(FrameType::StandingCommit) == standing {
+            assert!(t0.elapsed() < Duration::from_secs(5), "no StandingCommit");
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        assert_eq!(frames_received(FrameType::StandingCommit), standing + 1);
+    } else {
+        if kind == TransportKind::Rdma {
+            assert_eq!(after[0] - before[0], 1, "one Intent for an ungranted batch");
+        }
+        assert_eq!(after[2] - before[2], 1, "one Commit for an ungranted batch");
+        assert_eq!(after[3] - before[3], 1, "one Ack for an ungranted batch");
     }
-    assert_eq!(after[2] - before[2], 1, "one Commit for an ungranted batch");
-    assert_eq!(after[3] - before[3], 1, "one Ack for an ungranted batch");
     assert_eq!(&p.dst[900 << 10..(900 << 10) + 64], &expected(64, 0)[..]);
 }
 

@@ -5,12 +5,18 @@
 //! worker is serving: a room's chunks stay in order (one at a time, oldest
 //! first), and a decode rank is in flight on one worker at most, so a decode
 //! that stops answering holds one worker (until its batches time out) while
-//! the others go on with the rooms of every other decode rank.
+//! the others go on with the rooms of every other decode rank. A job whose
+//! ready flag is unset is not taken: it holds no worker and blocks neither
+//! its decode ranks nor other rooms (only its own room's later chunks), and
+//! the ready jobs behind it run first. A room's
+//! close (its grants' RoomEnd/RoomAck, after its last chunk moved) runs on a
+//! thread of its own, so a decode slow to answer it holds no worker at all.
 
 use crate::engine::layers::Ready;
 use crate::engine::state::lock;
 use std::collections::{HashSet, VecDeque};
 use std::ops::Range;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Condvar, Mutex};
 use std::time::{Duration, Instant};
 
@@ -45,20 +51,65 @@ struct State {
     queue: VecDeque<Job>,
     busy_rooms: HashSet<u64>,
     busy_peers: HashSet<PeerKey>,
+    /// (room, attempt) whose jobs are taken with their ready flag unset: the
+    /// room ended (the worker's wait then fails at once).
+    released: HashSet<(u64, u64)>,
+    /// One idle worker watches the ready flags of the waiting jobs; the
+    /// others sleep until a job is queued or finished.
+    watched: bool,
 }
 
 impl State {
     fn eligible(&self, j: &Job) -> bool {
         !self.busy_rooms.contains(&j.room) && j.peers.iter().all(|p| !self.busy_peers.contains(p))
     }
+
+    /// Whether the job's rows are ready to read (no flag, or it is set), or
+    /// its room was released.
+    fn runnable(&self, j: &Job) -> bool {
+        j.ready.flag.as_ref().is_none_or(|f| f.is_set())
+            || self.released.contains(&(j.room, j.attempt))
+    }
+
+    /// The oldest job to take: its room's first queued job, its room and
+    /// decode ranks free, its rows ready. Also says whether some job waits
+    /// only for its ready flag.
+    fn next(&self) -> (Option<usize>, bool) {
+        let mut passed: HashSet<u64> = HashSet::new();
+        let mut flagged = false;
+        for (i, j) in self.queue.iter().enumerate() {
+            if passed.contains(&j.room) {
+                continue;
+            }
+            if self.eligible(j) {
+                if self.runnable(j) {
+                    return (Some(i), flagged);
+                }
+                flagged = true;
+            }
+            // a room's later chunks wait for its first
+            passed.insert(j.room);
+        }
+        (None, flagged)
+    }
 }
+
+/// How often the idle worker watching the ready flags of the waiting jobs
+/// looks at them (the caller sets a flag without telling anyone).
+const FLAG_POLL: Duration = Duration::from_micros(20);
 
 /// See the module documentation.
 #[derive(Default)]
 pub(in crate::engine) struct JobQueue {
     state: Mutex<State>,
     cv: Condvar,
+    /// Room closes running on threads of their own (see [`start_close`](Self::start_close)).
+    closing: AtomicUsize,
 }
+
+/// Room closes at most on threads of their own at once; beyond, a worker
+/// closes its room itself.
+const MAX_CLOSERS: usize = 256;
 
 impl JobQueue {
     /// Queues a job.
@@ -67,28 +118,111 @@ impl JobQueue {
         self.cv.notify_all();
     }
 
-    /// The oldest job no other worker's room or decode rank blocks, marked
-    /// busy until [`done`](Self::done); `None` after `wait` without one.
+    /// The oldest job no other worker's room or decode rank blocks and whose
+    /// rows are ready (a job waiting for its ready flag holds no worker and
+    /// blocks no other room), marked busy until [`done`](Self::done); `None`
+    /// after `wait` without one.
     pub(in crate::engine) fn take(&self, wait: Duration) -> Option<Job> {
         let mut st = lock(&self.state);
         let end = std::time::Instant::now() + wait;
+        let mut watching = false;
         loop {
-            if let Some(i) = st.queue.iter().position(|j| st.eligible(j)) {
+            let (found, flagged) = st.next();
+            if watching && (found.is_some() || !flagged) {
+                // handed on: another idle worker watches what is left
+                st.watched = false;
+                watching = false;
+                self.cv.notify_all();
+            }
+            if let Some(i) = found {
                 let j = st.queue.remove(i).expect("position is in the queue");
                 st.busy_rooms.insert(j.room);
                 st.busy_peers.extend(j.peers.iter().copied());
+                let key = (j.room, j.attempt);
+                if st.released.contains(&key)
+                    && !st.queue.iter().any(|q| (q.room, q.attempt) == key)
+                {
+                    st.released.remove(&key);
+                }
                 return Some(j);
             }
             let left = end.saturating_duration_since(std::time::Instant::now());
             if left.is_zero() {
+                if watching {
+                    st.watched = false;
+                    self.cv.notify_all();
+                }
                 return None;
             }
+            if flagged && !st.watched {
+                st.watched = true;
+                watching = true;
+            }
+            let nap = if watching { left.min(FLAG_POLL) } else { left };
             st = self
                 .cv
-                .wait_timeout(st, left)
+                .wait_timeout(st, nap)
                 .unwrap_or_else(|p| p.into_inner())
                 .0;
         }
+    }
+
+    /// The room's next queued job after `held` (a layer group taken by this
+    /// worker, which holds the room and its decode ranks) when it is a layer
+    /// group of the same attempt and decode ranks whose rows are ready and
+    /// that waits for no CUDA event: taken without a busy mark of its own
+    /// (the worker's [`done`](Self::done) of `held` frees both).
+    pub(in crate::engine) fn take_follow(&self, held: &Job) -> Option<Job> {
+        let mut st = lock(&self.state);
+        let i = st.queue.iter().position(|j| j.room == held.room)?;
+        let j = &st.queue[i];
+        let follows = j.attempt == held.attempt
+            && j.layered
+            && j.peers == held.peers
+            && j.ready.cuda_event.is_none()
+            && st.runnable(j);
+        if !follows {
+            return None;
+        }
+        st.queue.remove(i)
+    }
+
+    /// The (room, attempt) of the queued jobs whose ready flag is unset.
+    pub(in crate::engine) fn waiting(&self) -> Vec<(u64, u64)> {
+        let st = lock(&self.state);
+        let mut v: Vec<(u64, u64)> = st
+            .queue
+            .iter()
+            .filter(|j| !st.runnable(j))
+            .map(|j| (j.room, j.attempt))
+            .collect();
+        v.dedup();
+        v
+    }
+
+    /// The rooms `ended` ended: their queued jobs are taken with their ready
+    /// flag unset (the worker's wait fails them at once).
+    pub(in crate::engine) fn release(&self, ended: &[(u64, u64)]) {
+        if ended.is_empty() {
+            return;
+        }
+        lock(&self.state).released.extend(ended.iter().copied());
+        self.cv.notify_all();
+    }
+
+    /// Reserves a room close on a thread of its own (false: too many run
+    /// already, the worker closes it); [`end_close`](Self::end_close) when done.
+    pub(in crate::engine) fn start_close(&self) -> bool {
+        self.closing
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                (n < MAX_CLOSERS).then_some(n + 1)
+            })
+            .is_ok()
+    }
+
+    /// A room close reserved with [`start_close`](Self::start_close) ended.
+    pub(in crate::engine) fn end_close(&self) {
+        self.closing.fetch_sub(1, Ordering::AcqRel);
     }
 
     /// The job taken is finished: its room and decode ranks are free again.
@@ -149,6 +283,72 @@ mod tests {
     }
 
     #[test]
+    fn jobs_waiting_for_their_ready_flag_hold_nothing() {
+        use crate::engine::layers::ReadyFlag;
+        use std::sync::atomic::AtomicU64;
+        use std::sync::Arc;
+        let q = JobQueue::default();
+        let flag = Arc::new(AtomicU64::new(0));
+        let mut waits = job(1, &[10]);
+        waits.ready.flag = Some(ReadyFlag::new(flag.clone()));
+        q.push(waits);
+        q.push(job(1, &[10])); // the same room's next chunk
+        q.push(job(2, &[10])); // another room to the same decode
+                               // the ready room to the same decode runs first; room 1 waits
+        let a = q.take(NOW).unwrap();
+        assert_eq!(a.room, 2);
+        q.done(&a);
+        assert!(q.take(NOW).is_none(), "room 1's chunks wait for its flag");
+        assert_eq!(q.waiting(), vec![(1, 1)]);
+        flag.store(1, std::sync::atomic::Ordering::Release);
+        let b = q.take(Duration::from_millis(100)).unwrap();
+        assert_eq!(b.room, 1);
+        assert!(b.ready.flag.is_some(), "the flagged chunk first");
+        q.done(&b);
+        assert_eq!(q.take(NOW).unwrap().room, 1);
+        // a released room's job is taken with its flag unset
+        let mut never = job(3, &[20]);
+        never.ready.flag = Some(ReadyFlag::new(Arc::new(AtomicU64::new(0))));
+        q.push(never);
+        assert!(q.take(NOW).is_none());
+        q.release(&[(3, 1)]);
+        assert_eq!(q.take(NOW).unwrap().room, 3);
+        assert!(q.waiting().is_empty());
+    }
+
+    #[test]
+    fn a_layer_group_is_followed_by_its_rooms_next_ready_one() {
+        use crate::engine::layers::ReadyFlag;
+        use std::sync::atomic::AtomicU64;
+        use std::sync::Arc;
+        let q = JobQueue::default();
+        let group = |room, layers: Range<usize>| Job {
+            layered: true,
+            layers,
+            ..job(room, &[1])
+        };
+        let flag = Arc::new(AtomicU64::new(0));
+        q.push(group(4, 0..2));
+        q.push(group(5, 0..2)); // another room: never a follow-up
+        q.push(group(4, 2..4));
+        let mut unset = group(4, 4..6);
+        unset.ready.flag = Some(ReadyFlag::new(flag.clone()));
+        q.push(unset);
+        let a = q.take(NOW).unwrap();
+        assert_eq!((a.room, a.layers.clone()), (4, 0..2));
+        let b = q.take_follow(&a).unwrap();
+        assert_eq!((b.room, b.layers.clone()), (4, 2..4));
+        assert!(q.take_follow(&a).is_none(), "its flag is unset");
+        flag.store(1, std::sync::atomic::Ordering::Release);
+        assert_eq!(q.take_follow(&a).unwrap().layers, 4..6);
+        assert!(q.take_follow(&a).is_none());
+        // the worker's done frees the room and its decode rank for room 5
+        assert!(q.take(NOW).is_none(), "decode 1 is busy");
+        q.done(&a);
+        assert_eq!(q.take(NOW).unwrap().room, 5);
+    }
+
+    #[test]
     fn a_rooms_chunks_run_one_at_a_time_in_order() {
         let q = JobQueue::default();
         let mut first = job(7, &[1]);
@@ -161,6 +361,7 @@ mod tests {
         let a = q.take(NOW).unwrap();
         assert_eq!((a.room, a.start), (7, 0));
         assert!(q.take(NOW).is_none());
+        assert!(q.take_follow(&a).is_none(), "whole chunks are not followed");
         q.done(&a);
         let b = q.take(NOW).unwrap();
         assert_eq!((b.room, b.start), (7, 16));

@@ -30,16 +30,42 @@ pub(in crate::engine) fn worker_loop(
     idx: usize,
     mut stage: Option<DeviceStage>,
 ) {
+    let mut swept = Instant::now();
     loop {
         // waits without holding the engine, so dropping it is not delayed
         let job = jobs.take(Duration::from_millis(200));
         let Some(inner) = w.upgrade() else { return };
+        if job.is_none() || swept.elapsed() >= Duration::from_millis(200) {
+            release_ended(&inner, &jobs);
+            swept = Instant::now();
+        }
         let Some(job) = job else { continue };
-        let (room, attempt, last) = (job.room, job.attempt, job.last);
+        let (room, attempt) = (job.room, job.attempt);
         let r = catch("transfer worker", || {
             run_job(&inner, idx, &job, stage.as_mut())
         });
-        // the last chunk closes the room's grants: one round trip per decode rank
+        // the room's last chunk ran (this job's, or a layer group after it)
+        let last = matches!(r, Ok(true));
+        let r = r.map(|_| ());
+        // the last chunk closes the room's grants (every decode rank at once):
+        // on a thread of its own, so a decode slow to answer holds no worker
+        if last && r.is_ok() && jobs.start_close() {
+            let (p, q) = (inner.clone(), jobs.clone());
+            let spawned = std::thread::Builder::new()
+                .name("pdxfer-close".into())
+                .spawn(move || {
+                    let r = close_grants(&p, room, attempt);
+                    conclude(&p, room, attempt, last, r);
+                    q.end_close();
+                    p.cv.notify_all();
+                });
+            if spawned.is_ok() {
+                inner.jobs.done(&job);
+                inner.cv.notify_all();
+                continue;
+            }
+            jobs.end_close();
+        }
         let r = r.and_then(|()| {
             if last {
                 close_grants(&inner, room, attempt)
@@ -47,47 +73,82 @@ pub(in crate::engine) fn worker_loop(
                 Ok(())
             }
         });
-        match r {
-            Ok(()) if last => {
-                if lock(&inner.rooms)
-                    .get(room)
-                    .is_ok_and(|r| r.attempt == attempt && r.poll != KvPoll::Failed)
-                {
-                    notify_decode(&inner, room, true, None);
-                    lock(&inner.rooms).update(room, attempt, KvPoll::Success);
-                }
-            }
-            Ok(()) => {}
-            Err(e) => {
-                forget_grants(&inner, room, attempt);
-                inner.fail_room(room, attempt, e.clone());
-                notify_decode(&inner, room, false, Some(e));
-            }
-        }
-        // answer aborts that waited for in-flight writes
-        if lock(&inner.rooms).is_fenced(room) {
-            let pending = lock(&inner.prefill_rooms)
-                .get_mut(&room)
-                .map(|r| std::mem::take(&mut r.abort_pending))
-                .unwrap_or_default();
-            for (l, a) in pending {
-                let _ = l.writer.send(&CtlMsg::AbortAck { room, attempt: a });
-            }
-        }
+        conclude(&inner, room, attempt, last, r);
         inner.jobs.done(&job);
         inner.cv.notify_all();
+    }
+}
+
+/// Releases the queued jobs waiting for a ready flag whose room ended (it
+/// failed, was aborted or is gone) or whose engine closed, so a worker takes
+/// them and fails them at once.
+fn release_ended(inner: &Prefill, jobs: &JobQueue) {
+    let waiting = jobs.waiting();
+    if waiting.is_empty() {
+        return;
+    }
+    let closed = inner.closed.load(Ordering::Acquire);
+    let ended: Vec<(u64, u64)> = {
+        let rooms = lock(&inner.rooms);
+        waiting
+            .into_iter()
+            .filter(|&(room, attempt)| {
+                closed
+                    || !rooms.get(room).is_ok_and(|r| {
+                        r.attempt == attempt && r.poll != KvPoll::Failed && !r.aborted
+                    })
+            })
+            .collect()
+    };
+    jobs.release(&ended);
+}
+
+/// A job's outcome on its room: the room succeeds after its last chunk (and
+/// the close of its grants), fails on an error; aborts that waited for the
+/// in-flight writes are answered.
+fn conclude(inner: &Prefill, room: u64, attempt: u64, last: bool, r: Result<()>) {
+    match r {
+        Ok(()) if last => {
+            if lock(&inner.rooms)
+                .get(room)
+                .is_ok_and(|r| r.attempt == attempt && r.poll != KvPoll::Failed)
+            {
+                notify_decode(inner, room, true, None);
+                lock(&inner.rooms).update(room, attempt, KvPoll::Success);
+            }
+        }
+        Ok(()) => {}
+        Err(e) => {
+            forget_grants(inner, room, attempt);
+            inner.fail_room(room, attempt, e.clone());
+            notify_decode(inner, room, false, Some(e));
+        }
+    }
+    // answer aborts that waited for in-flight writes
+    if lock(&inner.rooms).is_fenced(room) {
+        let pending = lock(&inner.prefill_rooms)
+            .get_mut(&room)
+            .map(|r| std::mem::take(&mut r.abort_pending))
+            .unwrap_or_default();
+        for (l, a) in pending {
+            let _ = l.writer.send(&CtlMsg::AbortAck { room, attempt: a });
+        }
     }
 }
 
 /// Moves one chunk to every decode rank of the room (and aux and state on
 /// the last chunk): the batches of all decode ranks are in flight together
 /// (a [`Flight`]), and the chunk is done once every one of them completed.
+/// A layer group's send is followed by the room's next ones already ready
+/// ([`JobQueue::take_follow`]): each is planned and posted while the
+/// batches before it move, into the same flight. Returns whether the
+/// room's last chunk was among them.
 fn run_job(
     inner: &Prefill,
     idx: usize,
     job: &Job,
     mut stage: Option<&mut DeviceStage>,
-) -> Result<()> {
+) -> Result<bool> {
     wait_ready(
         inner,
         job.room,
@@ -102,7 +163,21 @@ fn run_job(
         epoch: job.attempt,
     };
     let mut flight = Flight::new(&inner.rooms, opts);
-    let sent = send_chunk(inner, idx, job, stage, &mut flight);
+    let mut last = job.last;
+    let mut sent = send_chunk(inner, idx, job, stage.as_deref_mut(), &mut flight);
+    while let Ok(bytes) = &mut sent {
+        if last || !job.layered {
+            break;
+        }
+        let Some(next) = inner.jobs.take_follow(job) else {
+            break;
+        };
+        last = next.last;
+        match send_chunk(inner, idx, &next, stage.as_deref_mut(), &mut flight) {
+            Ok(more) => bytes.iter_mut().zip(more).for_each(|(b, m)| *b += m),
+            Err(e) => sent = Err(e),
+        }
+    }
     // every batch completes (or fails) before the chunk ends, error or not:
     // the room's in-flight count falls back and the staging is free again
     let drained = flight.drain();
@@ -113,7 +188,7 @@ fn run_job(
             x.bytes += b;
         }
     }
-    Ok(())
+    Ok(last)
 }
 
 /// Submits one chunk's batches to every decode rank of the room into
@@ -304,34 +379,51 @@ fn open_grant(m: &MetaInfo, epoch: u64) -> Result<()> {
 
 /// Closes the room's grants once every batch completed: one RoomEnd /
 /// RoomAck per decode rank whose connection opened one (after every byte
-/// landed on it), before the room is reported done.
+/// landed on it), all decode ranks at once (a thread each beyond the first),
+/// before the room is reported done: a slow decode rank's answer costs the
+/// room one wait, not one per rank.
 fn close_grants(inner: &Prefill, room: u64, attempt: u64) -> Result<()> {
     let infos = lock(&inner.prefill_rooms)
         .get(&room)
         .map(|r| r.infos.clone())
         .unwrap_or_default();
-    for m in infos.iter().filter(|m| m.grant.is_some()) {
+    let granted: Vec<&MetaInfo> = infos.iter().filter(|m| m.grant.is_some()).collect();
+    let close = |m: &MetaInfo| -> Result<()> {
         match m
             .link
             .data()
             .close_room(room, attempt, inner.cfg.batch_timeout)
         {
-            Ok(_) => {}
+            Ok(_) => Ok(()),
             // never opened here: the transport has no grants, or the link was remade
-            Err(e) if matches!(e.status(), Status::Unsupported | Status::UnknownRoom) => {}
-            Err(e) => {
-                return Err(Error::new(
-                    e.status(),
-                    format!(
-                        "room {room}: closing the grant of decode rank instance {}: {}",
-                        m.link.hello.instance_id,
-                        e.detail()
-                    ),
-                ))
-            }
+            Err(e) if matches!(e.status(), Status::Unsupported | Status::UnknownRoom) => Ok(()),
+            Err(e) => Err(Error::new(
+                e.status(),
+                format!(
+                    "room {room}: closing the grant of decode rank instance {}: {}",
+                    m.link.hello.instance_id,
+                    e.detail()
+                ),
+            )),
         }
-    }
-    Ok(())
+    };
+    let Some((first, rest)) = granted.split_first() else {
+        return Ok(());
+    };
+    let results: Vec<Result<()>> = std::thread::scope(|s| {
+        let others: Vec<_> = rest.iter().map(|m| s.spawn(move || close(m))).collect();
+        let mut v = vec![close(first)];
+        v.extend(others.into_iter().map(|h| {
+            h.join().unwrap_or_else(|_| {
+                Err(Error::new(
+                    Status::Panic,
+                    format!("room {room}: a room close panicked"),
+                ))
+            })
+        }));
+        v
+    });
+    results.into_iter().collect()
 }
 
 /// Forgets the room's open grants after a failure (the decode revokes them).

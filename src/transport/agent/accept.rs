@@ -246,6 +246,9 @@ fn serve_control(
             }
         }
         session.write(FrameType::SelectOk, &json(&ok)?)?;
+        if sel.transport == TransportKind::Cma {
+            super::standing_grant::grant_session(&a, &session, &ack.regions);
+        }
         slot.established();
         // a sender that stops reading cannot pin this thread in a write
         s.set_write_timeout(Some(a.idle_timeout))?;
@@ -258,6 +261,7 @@ fn serve_control(
     }
     session.close();
     lock(&a.sessions).remove(&id);
+    super::standing_grant::session_ended(&a, id);
 }
 
 fn json<T: serde::Serialize>(v: &T) -> Result<Vec<u8>> {

@@ -109,6 +109,8 @@ pub(super) fn control_loop(
                 }
             }
             FrameType::RoomEnd => super::room_grant::room_end(a, sess, &p, &peer),
+            FrameType::Fenced => super::standing_grant::fenced(a, sess, &p)?,
+            FrameType::StandingCommit => super::standing_grant::committed(a, sess, &p, &peer)?,
             FrameType::Abort => {
                 let batch = wire::decode_batch(&p)?;
                 lock(&sess.granted).remove(&batch);

@@ -9,6 +9,8 @@
 //!   receiver's handshake and RDMA registration;
 //! - `session`: the receiver's state for one sender connection;
 //! - `grant`: the grant protocol of cma and rdma (intent, grant, commit);
+//! - `standing_grant`: a cma connection's regions granted for its life, and
+//!   their fenced revoke on unregister;
 //! - the tcp receiver is in [`tcp`](super::tcp).
 
 mod accept;
@@ -19,6 +21,7 @@ mod gpu_direct;
 mod grant;
 mod room_grant;
 mod session;
+mod standing_grant;
 #[cfg(any(test, feature = "testing"))]
 mod test_knobs;
 #[cfg(test)]
@@ -261,6 +264,8 @@ pub(crate) struct AgentInner {
     pub(crate) tcp_encrypt: bool,
     /// [`AgentOptions::rdma_traffic_class`].
     rdma_traffic_class: Option<u8>,
+    /// Regions granted to cma senders for their connection's life.
+    pub(crate) standing: standing_grant::StandingGrants,
 }
 
 impl AgentInner {
@@ -277,6 +282,15 @@ impl AgentInner {
     pub(crate) fn stall(&self) -> Duration {
         #[cfg(any(test, feature = "testing"))]
         return self.knobs.stall;
+        #[cfg(not(any(test, feature = "testing")))]
+        Duration::ZERO
+    }
+
+    /// How long the receiver sleeps before answering each RoomEnd (the
+    /// [`TestKnobs::room_end_stall`] knob; zero in a product build).
+    pub(crate) fn room_end_stall(&self) -> Duration {
+        #[cfg(any(test, feature = "testing"))]
+        return self.knobs.room_end_stall;
         #[cfg(not(any(test, feature = "testing")))]
         Duration::ZERO
     }
@@ -373,7 +387,18 @@ impl Agent {
             room_grants: Default::default(),
             tcp_encrypt: encrypt,
             rdma_traffic_class: opts.rdma_traffic_class,
+            standing: Default::default(),
         });
+        // An unregister revokes the region's standing grants first: their
+        // senders fence their writes before the drain waits for the rest.
+        let weak = Arc::downgrade(&inner);
+        inner.registry.add_revoke_hook(Arc::new(
+            move |d: &RegionDesc, deadline: std::time::Instant| {
+                if let Some(a) = weak.upgrade() {
+                    standing_grant::revoke(&a, d, deadline);
+                }
+            },
+        ));
         // Unregistering a region drops its NIC registration before the memory
         // can be freed, so a peer holding its rkey cannot write into it.
         let weak = Arc::downgrade(&inner);

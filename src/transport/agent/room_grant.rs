@@ -375,6 +375,9 @@ impl Agent {
 /// room delivered (its batch id is the grant's token, its bytes the room's)
 /// and RoomAck sent; otherwise RoomRefuse with the reason.
 pub(super) fn room_end(a: &AgentInner, sess: &ReceiverSession, p: &[u8], peer: &ProcIdentity) {
+    if !a.room_end_stall().is_zero() {
+        std::thread::sleep(a.room_end_stall());
+    }
     let e = match RoomEnd::decode(p) {
         Ok(e) => e,
         Err(err) => return sess.send(FrameType::RoomRefuse, &wire::encode_reason(0, &err)),

@@ -15,6 +15,9 @@ pub struct TestKnobs {
     /// The receiver sleeps this long before validating each new batch
     /// (simulates a stalled peer). Zero: no sleep.
     pub stall: Duration,
+    /// The receiver sleeps this long before answering each RoomEnd (a
+    /// decode slow to close its rooms). Zero: no sleep.
+    pub room_end_stall: Duration,
     /// The RDMA NIC provider to use (e.g. the software fabric
     /// [`FakeNic`](crate::transport::rdma::fake::FakeNic)). `None` opens the
     /// real NICs through verbs when first needed.

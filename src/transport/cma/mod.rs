@@ -15,6 +15,13 @@
 //! room's granted ranges here, written, and done once its bytes landed, with
 //! no frame at all; the room's one RoomEnd/RoomAck follows its last batch.
 //!
+//! A batch into regions the receiver granted for the connection's life
+//! (`transport::standing`: every host region it had at the
+//! handshake, until an unregister revokes one) skips the exchange too: it
+//! is checked against the peer's descriptors, written, and ends with one
+//! `StandingCommit` frame, after which the receiver delivers its completion;
+//! nothing is answered. Reads and batches with a checksum keep the exchange.
+//!
 //! The process written into is the one the kernel names ([`bind`]): the
 //! listener of the receiver's per-session Unix socket, by `SO_PEERCRED` and
 //! its pidfd (`SO_PEERPIDFD`); a HelloAck naming any other pid is refused,
@@ -28,6 +35,7 @@ use super::batch::Stage;
 use super::conn::{Conn, Reach};
 use super::handshake::Select;
 use super::piece::Piece;
+use super::standing::Ticket;
 use super::wire::{self, Commit, FrameType};
 use super::{
     BatchId, BatchOptions, BatchStatus, MappedRegion, PlacedRange, ReadOp, Transport,
@@ -37,9 +45,11 @@ use crate::error::{Error, Result, Status};
 use crate::memory::{AccessGuard, RegionDesc};
 use crossbeam::channel::{unbounded, Sender};
 use std::sync::Arc;
+use writers::Writers;
 
 pub(crate) mod bind;
 mod peer;
+mod writers;
 pub(crate) use peer::{split_even, PeerProcess};
 
 /// A write batch of a granted room below this many bytes is moved on the
@@ -58,6 +68,9 @@ struct Job {
     _guards: Arc<Vec<AccessGuard>>,
     /// The caller placed the bytes already (`submit_placed`): nothing to move.
     placed: bool,
+    /// A batch under standing grants, held until its bytes were written; it
+    /// ends with a `StandingCommit` and no answer.
+    standing: Option<Ticket>,
 }
 
 /// The cma transport (sender side).
@@ -81,11 +94,12 @@ impl CmaTransport {
         let peer = Arc::new(peer);
         let (tx, rx) = unbounded::<Job>();
         let (c, p) = (conn.clone(), peer.clone());
+        let writers = Writers::start(&peer, threads)?;
         std::thread::Builder::new()
             .name("pdxfer-cma-tx".into())
             .spawn(move || {
                 for job in rx {
-                    c.run_job(&p, threads, job);
+                    c.run_job(&p, &writers, job);
                 }
             })?;
         Ok(CmaTransport {
@@ -138,8 +152,20 @@ pub(crate) fn connect(mut d: Dialed<'_>) -> Result<Box<dyn Transport>> {
 }
 
 impl Conn {
-    fn run_job(&self, peer: &PeerProcess, threads: usize, job: Job) {
-        let r = self.move_job(peer, threads, &job);
+    fn run_job(&self, peer: &PeerProcess, writers: &Writers, mut job: Job) {
+        let r = self.move_job(peer, writers, &job);
+        if let Some(ticket) = job.standing.take() {
+            // written (or failed) under standing grants: one frame, no answer
+            if r.is_ok()
+                && self
+                    .send(FrameType::StandingCommit, &wire::encode_commit(&job.commit))
+                    .is_ok()
+            {
+                self.table.set(job.id, Stage::Done);
+            }
+            drop(ticket);
+            return;
+        }
         if let Some(key) = job.room {
             // a granted room's batch ends here: no commit, no frame
             let outcome = match r {
@@ -173,7 +199,7 @@ impl Conn {
     /// before the batch's deadline (the batch is then `Written`; a read asked
     /// for a checksum gets it, recorded and returned), else why not (the
     /// batch failed).
-    fn move_job(&self, peer: &PeerProcess, threads: usize, job: &Job) -> Result<Option<u64>> {
+    fn move_job(&self, peer: &PeerProcess, writers: &Writers, job: &Job) -> Result<Option<u64>> {
         let gone = || Error::new(Status::BatchFailed, "the batch ended before it was written");
         self.table.wait_granted(job.id)?;
         if let Err(e) = peer.check_alive() {
@@ -184,33 +210,13 @@ impl Conn {
         if self.table.finished(job.id) {
             return Err(gone());
         }
+        let threads = writers.threads();
         let r = if job.placed {
             Ok(job.commit.bytes)
         } else if threads <= 1 || job.pieces.is_empty() || job.commit.bytes < (256 << 10) {
             peer.xfer(&job.pieces, job.read)
         } else {
-            let groups = split_even(&job.pieces, threads);
-            std::thread::scope(|s| {
-                let hs: Vec<_> = groups
-                    .iter()
-                    .map(|g| s.spawn(move || peer.xfer(g, job.read)))
-                    .collect();
-                let mut sum = 0u64;
-                let mut err = None;
-                for h in hs {
-                    match h.join() {
-                        Ok(Ok(n)) => sum += n,
-                        Ok(Err(e)) => err = Some(e),
-                        Err(_) => {
-                            err = Some(Error::new(
-                                Status::BatchFailed,
-                                "a cma writer thread panicked",
-                            ))
-                        }
-                    }
-                }
-                err.map_or(Ok(sum), Err)
-            })
+            writers.xfer(peer, split_even(&job.pieces, threads), job.read)
         };
         match r {
             Ok(n) if n == job.commit.bytes => {
@@ -269,16 +275,23 @@ impl CmaTransport {
         } else {
             self.conn.rooms.admit(&pieces, opts)?
         };
-        let (commit, room) = match granted {
-            None => (
-                self.conn.announce(&pieces, &guards, bytes, opts, read)?,
-                None,
-            ),
-            Some(_token) => (
+        let standing = if read || opts.checksum || granted.is_some() {
+            None
+        } else {
+            self.conn.standing.admit(&pieces)
+        };
+        let (commit, room) = match (granted, &standing) {
+            (Some(_token), _) => (
                 self.conn.insert_room_batch(bytes, &guards, opts)?,
                 Some((opts.room, opts.epoch)),
             ),
+            (None, Some(_)) => (self.conn.insert_standing_batch(bytes, &guards, opts)?, None),
+            (None, None) => (
+                self.conn.announce(&pieces, &guards, bytes, opts, read)?,
+                None,
+            ),
         };
+        let inline = (room.is_some() || standing.is_some()) && bytes < INLINE_ROOM_BYTES;
         let id = commit.batch;
         let job = Job {
             id,
@@ -288,11 +301,12 @@ impl CmaTransport {
             room,
             _guards: guards,
             placed: false,
+            standing,
         };
-        if room.is_some() && bytes < INLINE_ROOM_BYTES {
-            // nothing to wait for (granted with the room): moved on this
-            // thread, sparing the writer thread's wake-up and the caller's
-            self.conn.run_job(&self.peer, 1, job);
+        if inline {
+            // nothing to wait for (granted with the room, or standing):
+            // moved on this thread, sparing the writer thread's wake-up and the caller's
+            self.conn.run_job(&self.peer, &Writers::single(), job);
         } else {
             self.queue(job);
         }
@@ -415,6 +429,7 @@ impl CmaTransport {
             room: None,
             _guards: guards,
             placed: true,
+            standing: None,
         };
         self.queue(job);
         Ok(BatchId(id))
@@ -447,7 +462,7 @@ impl CmaTransport {
         // placed already and granted with the room: marked done on this thread
         self.conn.run_job(
             &self.peer,
-            1,
+            &Writers::single(),
             Job {
                 id,
                 read: false,
@@ -456,6 +471,7 @@ impl CmaTransport {
                 room: Some(key),
                 _guards: guards,
                 placed: true,
+                standing: None,
             },
         );
         Ok(BatchId(id))
