@@ -566,7 +566,7 @@ impl Verbs {
             };
         }
         let get_device_list = need!("ibv_get_device_list", GetDeviceListFn);
-        let file = loaded_file(get_device_list as *const c_void);
+        let file = crate::cuda::loaded::file_of(get_device_list as *const c_void);
         Ok(Verbs {
             name: name.to_string(),
             file,
@@ -599,23 +599,6 @@ impl Verbs {
         let tail = f.rsplit('/').next()?.strip_prefix("libibverbs.so.1.")?;
         tail.split('.').nth(1)?.parse().ok()
     }
-}
-
-/// The canonical path of the file holding `addr` (`dladdr`), symlinks resolved.
-fn loaded_file(addr: *const c_void) -> Option<String> {
-    // SAFETY: Dl_info is plain data; zero is a valid value.
-    let mut info: libc::Dl_info = unsafe { std::mem::zeroed() };
-    // SAFETY: dladdr only reads `addr` as an address and fills `info`.
-    if unsafe { libc::dladdr(addr, &mut info) } == 0 || info.dli_fname.is_null() {
-        return None;
-    }
-    // SAFETY: dli_fname is a NUL-terminated string owned by the loader.
-    let p = unsafe { std::ffi::CStr::from_ptr(info.dli_fname) }.to_string_lossy();
-    Some(
-        std::fs::canonicalize(&*p)
-            .map(|c| c.to_string_lossy().into_owned())
-            .unwrap_or_else(|_| p.into_owned()),
-    )
 }
 
 /// Why no libibverbs loaded, with what was tried and the fix.
