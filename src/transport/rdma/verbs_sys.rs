@@ -548,7 +548,8 @@ impl Verbs {
     pub fn open(name: &str) -> std::result::Result<Verbs, String> {
         // SAFETY: loading a shared library runs its constructors: rdma-core's
         // (it reads its provider directory), which have no preconditions.
-        let lib = unsafe { libloading::Library::new(name) }.map_err(|e| format!("{name}: {e}"))?;
+        let lib = unsafe { libloading::Library::new(name) }
+            .map_err(|e| format!("{name}: {}", why(&e)))?;
         macro_rules! sym {
             ($s:literal, $t:ty) => {{
                 // SAFETY: the symbol is the verbs.h function of this signature.
@@ -598,6 +599,15 @@ impl Verbs {
         let f = self.file.as_deref()?;
         let tail = f.rsplit('/').next()?.strip_prefix("libibverbs.so.1.")?;
         tail.split('.').nth(1)?.parse().ok()
+    }
+}
+
+/// A libloading error with the loader's own words (`dlerror`), which
+/// libloading keeps as the error's source.
+fn why(e: &libloading::Error) -> String {
+    match std::error::Error::source(e) {
+        Some(src) => src.to_string(),
+        None => e.to_string(),
     }
 }
 
