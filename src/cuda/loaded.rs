@@ -4,12 +4,14 @@
 
 use std::ffi::{c_void, CStr};
 
-/// The canonical path (symlinks resolved) of the loaded file holding `addr`.
-pub fn file_of(addr: *const c_void) -> Option<String> {
+/// The canonical path (symlinks resolved) of the loaded file holding the
+/// code or data at address `addr` (a function's address, say).
+pub fn file_of(addr: usize) -> Option<String> {
     // SAFETY: Dl_info is plain data; zero is a valid value.
     let mut info: libc::Dl_info = unsafe { std::mem::zeroed() };
-    // SAFETY: dladdr only reads `addr` as an address and fills `info`.
-    if unsafe { libc::dladdr(addr, &mut info) } == 0 || info.dli_fname.is_null() {
+    // SAFETY: dladdr only compares `addr` with the loaded objects' ranges (it
+    // never dereferences it) and fills `info`.
+    if unsafe { libc::dladdr(addr as *const c_void, &mut info) } == 0 || info.dli_fname.is_null() {
         return None;
     }
     // SAFETY: dli_fname is a NUL-terminated string owned by the loader.
@@ -46,7 +48,7 @@ pub fn file_of_library(sonames: &[&str], symbol: &CStr) -> Result<String, String
         }
         // SAFETY: h is a live handle; symbol is NUL-terminated.
         let p = unsafe { libc::dlsym(h, symbol.as_ptr()) };
-        match (!p.is_null()).then(|| file_of(p)).flatten() {
+        match (!p.is_null()).then(|| file_of(p as usize)).flatten() {
             Some(f) => return Ok(f),
             None => tried.push(format!("{name}: no {symbol:?}")),
         }

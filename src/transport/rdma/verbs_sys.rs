@@ -567,7 +567,7 @@ impl Verbs {
             };
         }
         let get_device_list = need!("ibv_get_device_list", GetDeviceListFn);
-        let file = crate::cuda::loaded::file_of(get_device_list as *const c_void);
+        let file = crate::cuda::loaded::file_of(get_device_list as usize);
         Ok(Verbs {
             name: name.to_string(),
             file,
