@@ -272,6 +272,11 @@ pub fn nvrtc_cubin_for_driver(arch: &str, driver: i32) -> Result<(Vec<u8>, Strin
     if found.is_empty() {
         return Err(no_nvrtc());
     }
+    cubin_from(found, arch, driver)
+}
+
+/// [`nvrtc_cubin_for_driver`] with the NVRTCs `found` (newest first).
+fn cubin_from(found: &[nvrtc::Nvrtc], arch: &str, driver: i32) -> Result<(Vec<u8>, String)> {
     let versions: Vec<(i32, i32)> = found.iter().map(|n| n.version).collect();
     let Some(i) = cubin_nvrtc_index(&versions, driver) else {
         return Err(Error::new(
@@ -279,7 +284,11 @@ pub fn nvrtc_cubin_for_driver(arch: &str, driver: i32) -> Result<(Vec<u8>, Strin
             format!(
                 "every NVRTC found is of a newer CUDA major than the driver (CUDA {}), so its cubin would not load: {}",
                 version_text(driver),
-                probe_nvrtc().unwrap_or_default()
+                found
+                    .iter()
+                    .map(|n| format!("NVRTC {}.{} ({})", n.version.0, n.version.1, n.path))
+                    .collect::<Vec<_>>()
+                    .join(", ")
             ),
         ));
     };
@@ -492,24 +501,39 @@ mod tests {
         assert_eq!(cubin_nvrtc_index(&[(12, 4)], 13050), Some(0));
     }
 
-    /// Any 12.x NVRTC found (the CUDA 12.4 wheel of `scripts/cuda-deps.sh`)
-    /// compiles a 12.x cubin for a 12.x driver.
+    /// With the CUDA 12.4 NVRTC of `scripts/cuda-deps.sh`
+    /// (`$PDXFER_KERNEL_NVRTC`) beside the newest NVRTC found, the fallback
+    /// compiles a 12.x cubin for a 12.x driver and, where a 13.x NVRTC is
+    /// there too, a 13.x cubin for a 13.x driver.
     #[test]
-    fn the_run_time_fallback_compiles_a_cuda12_cubin_for_a_cuda12_driver() {
-        if !nvrtcs().0.iter().any(|n| n.version.0 == 12) {
+    fn the_run_time_fallback_compiles_a_cubin_of_the_drivers_major() {
+        let Some(lib) = std::env::var_os("PDXFER_KERNEL_NVRTC") else {
             assert!(
                 std::env::var_os("PDXFER_REQUIRE_CUDA_TOOLS").is_none(),
-                "PDXFER_REQUIRE_CUDA_TOOLS is set but no CUDA 12 NVRTC was found: {}",
-                probe_nvrtc().unwrap_or_else(|e| e.to_string())
+                "PDXFER_REQUIRE_CUDA_TOOLS is set but PDXFER_KERNEL_NVRTC is not"
             );
-            crate::test_skip::skip("cuda-tools", "no CUDA 12 NVRTC (scripts/cuda-deps.sh)");
+            crate::test_skip::skip(
+                "cuda-tools",
+                "no PDXFER_KERNEL_NVRTC (scripts/cuda-deps.sh)",
+            );
             return;
+        };
+        let cu12 = nvrtc::Nvrtc::open(&lib.to_string_lossy()).unwrap();
+        assert_eq!(cu12.version.0, 12, "{cu12:?}");
+        let mut found = vec![cu12];
+        if let Some(n) = nvrtcs().0.iter().find(|n| n.version.0 >= 13) {
+            found.insert(0, nvrtc::Nvrtc::open(&n.path).unwrap());
         }
-        let (cubin, what) = nvrtc_cubin_for_driver("sm_90", 12020).unwrap();
+        let (cubin, what) = cubin_from(&found, "sm_90", 12020).unwrap();
         assert!(what.starts_with("NVRTC 12."), "{what}");
         // an ELF cubin of CUDA 12 (OS/ABI 0x33)
         assert_eq!((&cubin[..4], cubin[7]), (&b"\x7fELF"[..], 0x33), "{what}");
-        let e = nvrtc_cubin_for_driver("sm_90", 11080).unwrap_err();
+        if found.len() == 2 {
+            let (cubin, what) = cubin_from(&found, "sm_90", 13050).unwrap();
+            assert!(what.starts_with("NVRTC 13."), "{what}");
+            assert_eq!(cubin[7], 0x41, "{what}");
+        }
+        let e = cubin_from(&found, "sm_90", 11080).unwrap_err();
         assert_eq!(e.status(), Status::Nvrtc);
         assert!(e.detail().contains("CUDA 11.8"), "{e}");
     }
