@@ -8,7 +8,14 @@
 //!    `PATH`) and every NVRTC library named in `$PDXFER_KERNEL_NVRTC`
 //!    (`:`-separated paths, e.g. the CUDA 12.4 `libnvrtc.so.12` that
 //!    `scripts/cuda-deps.sh` installs, whose images load on CUDA 12.x drivers).
-//!    Without any the build still succeeds; see `relayout::gpu::kernels`.
+//!    When none of those is a CUDA 12 NVRTC, the first `libnvrtc.so.12` found
+//!    the way pdxfer finds NVRTC at run time (`src/cuda/library.rs`: the
+//!    loader path and pip's site-packages, including those of the Python that
+//!    runs the build, so `pip install .` finds the `nvidia-cuda-nvrtc-cu12`
+//!    build requirement) compiles the CUDA 12 images. A release build without
+//!    a CUDA 12 cubin fails, saying how to get one, unless
+//!    `PDXFER_KERNELS_WITHOUT_CUDA12=1` accepts it; other builds only warn.
+//!    See `relayout::gpu::kernels`.
 //! 3. Gives the cdylib the soname `libpdxfer.so.<ABI major>` (the major of
 //!    `src/version.rs`), so programs linked against it keep working across
 //!    minor versions and refuse another major at load time.
@@ -18,6 +25,10 @@ use std::process::Command;
 #[allow(dead_code)]
 #[path = "src/relayout/gpu/nvrtc.rs"]
 mod nvrtc;
+
+#[allow(dead_code)]
+#[path = "src/cuda/library.rs"]
+mod library;
 
 fn main() {
     let crate_dir =
@@ -209,11 +220,23 @@ fn kernels(crate_dir: &Path) {
         }
     }
     let source = std::fs::read_to_string(&src).expect("read cuda/relayout.cu");
-    for lib in std::env::var("PDXFER_KERNEL_NVRTC")
+    let mut libs: Vec<String> = std::env::var("PDXFER_KERNEL_NVRTC")
         .unwrap_or_default()
         .split(':')
         .filter(|s| !s.is_empty())
-    {
+        .map(str::to_string)
+        .collect();
+    let has_cuda12 = libs
+        .iter()
+        .any(|l| nvrtc::Nvrtc::open(l).is_ok_and(|n| n.version.0 == 12));
+    let mut searched = Vec::new();
+    if !has_cuda12 {
+        match find_cuda12_nvrtc(&mut searched) {
+            Some(l) => libs.push(l),
+            None => searched.push("no libnvrtc.so.12 found".into()),
+        }
+    }
+    for lib in &libs {
         println!("cargo:rerun-if-changed={lib}");
         let r = nvrtc::Nvrtc::open(lib).and_then(|nv| {
             let c = nv.compile(&source, "relayout.cu", &["--gpu-architecture=sm_90"])?;
@@ -243,11 +266,10 @@ fn kernels(crate_dir: &Path) {
                     file: f,
                 });
             }
-            Err(e) => {
-                println!("cargo:warning=PDXFER_KERNEL_NVRTC: {e}; its images are not embedded")
-            }
+            Err(e) => println!("cargo:warning=NVRTC {lib}: {e}; its images are not embedded"),
         }
     }
+    require_cuda12_cubin(&images, &searched);
     // newest toolkit first; one image per (kind, toolkit)
     images.sort_by(|a, b| b.toolkit.cmp(&a.toolkit).then(a.kind.cmp(b.kind)));
     images.dedup_by(|a, b| a.kind == b.kind && a.toolkit == b.toolkit);
@@ -272,4 +294,71 @@ fn kernels(crate_dir: &Path) {
         src.display().to_string(),
     );
     std::fs::write(out_dir.join("kernels.rs"), code).expect("write kernels.rs");
+}
+
+/// The site-packages (and other `sys.path` entries) of the Python running
+/// the build (`$PYO3_PYTHON`, which setuptools-rust sets, else `python3`):
+/// inside pip's isolated build environment this is where the build
+/// requirements are.
+fn build_python_paths() -> Vec<PathBuf> {
+    println!("cargo:rerun-if-env-changed=PYO3_PYTHON");
+    let py = std::env::var("PYO3_PYTHON").unwrap_or_else(|_| "python3".into());
+    let Ok(o) = Command::new(&py)
+        .args([
+            "-c",
+            "import sys; print(chr(10).join(p for p in sys.path if p))",
+        ])
+        .output()
+    else {
+        return Vec::new();
+    };
+    String::from_utf8_lossy(&o.stdout)
+        .lines()
+        .map(PathBuf::from)
+        .filter(|p| p.is_dir())
+        .collect()
+}
+
+/// The first CUDA 12 NVRTC found as pdxfer finds NVRTC at run time, plus the
+/// build Python's `sys.path`; `searched` gets what was tried.
+fn find_cuda12_nvrtc(searched: &mut Vec<String>) -> Option<String> {
+    for var in ["PYTHONPATH", "VIRTUAL_ENV", "CONDA_PREFIX", "PDXFER_NVRTC"] {
+        println!("cargo:rerun-if-env-changed={var}");
+    }
+    let mut dirs = build_python_paths();
+    for d in library::site_packages() {
+        if !dirs.contains(&d) {
+            dirs.push(d);
+        }
+    }
+    for c in library::NVRTC.candidates_in(&dirs) {
+        match nvrtc::Nvrtc::open(&c) {
+            Ok(n) if n.version.0 == 12 => return Some(c),
+            Ok(n) => searched.push(format!("{c}: NVRTC {}.{}", n.version.0, n.version.1)),
+            Err(e) => searched.push(e),
+        }
+    }
+    None
+}
+
+/// Fails a release build whose images hold no CUDA 12 cubin (the image that
+/// loads on every 12.x driver), unless `PDXFER_KERNELS_WITHOUT_CUDA12=1`.
+fn require_cuda12_cubin(images: &[Image], searched: &[String]) {
+    println!("cargo:rerun-if-env-changed=PDXFER_KERNELS_WITHOUT_CUDA12");
+    if images
+        .iter()
+        .any(|i| i.kind == "Cubin" && i.toolkit.0 == 12)
+    {
+        return;
+    }
+    let why = format!(
+        "no CUDA 12 cubin of the relayout kernels is embedded: hosts with a CUDA 12.x driver would need NVRTC at run time. Install one (pip install nvidia-cuda-nvrtc-cu12==12.4.127, or `eval \"$(bash scripts/cuda-deps.sh)\"`) or name its libnvrtc.so.12 in PDXFER_KERNEL_NVRTC. Searched: {}",
+        searched.join("; ")
+    );
+    let release = std::env::var("PROFILE").as_deref() == Ok("release");
+    let accepted = std::env::var("PDXFER_KERNELS_WITHOUT_CUDA12").as_deref() == Ok("1");
+    if release && !accepted {
+        panic!("{why}; PDXFER_KERNELS_WITHOUT_CUDA12=1 builds without it");
+    }
+    println!("cargo:warning={why}");
 }

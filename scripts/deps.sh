@@ -4,8 +4,8 @@
 set -euo pipefail
 
 APT_PACKAGES=(
-  cmake pkg-config libclang-dev         # ibverbs-sys build (bindgen + rdma-core CMake)
-  libnl-3-dev libnl-route-3-dev libibverbs-dev
+  cmake pkg-config                      # scripts/check-install.sh (CMake and pkg-config consumers)
+  libibverbs-dev ibverbs-providers      # verbs.h for the layout check of our verbs binding; libibverbs.so.1 at run time
   valgrind                              # C tests under memcheck
   python3-venv
   etcd-server                           # bootstrap tests start a private etcd (/usr/bin/etcd)

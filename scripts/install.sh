@@ -10,6 +10,9 @@
 # Builds the library with cargo first (release; PDXFER_INSTALL_PROFILE=debug
 # installs the debug build; CARGO_TARGET_DIR is honoured). The CMake and
 # pkg-config files locate PREFIX relative to themselves, so the tree may move.
+# A release build embeds a CUDA 12 cubin of the kernels or stops saying how to
+# get one (`eval "$(bash scripts/cuda-deps.sh)"` first, or
+# PDXFER_KERNELS_WITHOUT_CUDA12=1; see docs/gpu.md).
 set -euo pipefail
 if [ $# -ne 1 ]; then
   echo "usage: $0 PREFIX" >&2

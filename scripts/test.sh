@@ -132,7 +132,7 @@ echo "pytest: $(grep -oE '[0-9]+ skipped' target/pytest.log | tail -n 1 || echo 
 step "C/C++ install: scripts/install.sh, examples/cpp with CMake and pkg-config"
 bash scripts/check-install.sh
 
-step "Python wheel: pip wheel ., installed into a fresh venv, its tests against it"
+step "Python wheel: the manylinux_2_28 wheel (scripts/build-wheel.sh), auditwheel, a fresh venv, its tests, and a run without libibverbs"
 # The full suite ran against the source tree above: the installed package
 # runs the tests of what installing changes (PDXFER_WHEEL_TESTS, see the script).
 bash scripts/check-wheel.sh

@@ -99,7 +99,7 @@ def setup() -> types.ModuleType:
 
 def write_plugin_dist(site: str) -> None:
     """An installed distribution ``pdxfer`` whose ``entry_points.txt`` declares
-    the ``sglang.srt.plugins`` entry point (what ``pip install pdxfer`` leaves)."""
+    the ``sglang.srt.plugins`` entry point (what installing the pdxfer wheel leaves)."""
     d = os.path.join(site, "pdxfer-0.0.0.dist-info")
     os.makedirs(d, exist_ok=True)
     with open(os.path.join(d, "METADATA"), "w") as f:

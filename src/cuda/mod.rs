@@ -16,6 +16,7 @@
 //! - `driver`: is libcuda loadable, its version, the device count
 //!   ([`probe`], [`CudaInfo`]), a device's PCI bus id ([`pci_bus_id`]);
 //! - [`library`]: finding NVRTC and NCCL by soname and in pip wheels;
+//! - [`loaded`]: which file a loaded library came from (`pdxfer info`);
 //! - `memory`: [`DeviceBuffer`], [`PinnedBuffer`], and the checks that an
 //!   address range is mapped device memory of one device;
 //! - `stream`: [`GpuStream`] (a context and one stream: alloc, upload,
@@ -33,6 +34,7 @@ mod gpudirect;
 #[cfg(feature = "cuda")]
 mod gpudirect_probe;
 pub mod library;
+pub mod loaded;
 #[cfg(feature = "cuda")]
 mod memory;
 #[cfg(feature = "cuda")]

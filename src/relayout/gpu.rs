@@ -15,9 +15,10 @@
 //! that the driver can load ([`kernels::plan`]: sm_90 cubins of a toolkit
 //! major the driver has, when the device is sm_90, newest first; then PTX no
 //! newer than the driver), and finally NVRTC on the embedded source for the
-//! device's own architecture, with the newest NVRTC found
-//! ([`library::NVRTC`]: CUDA 13 or 12 sonames,
-//! pip site-packages) that is no newer than the driver.
+//! device's own architecture ([`library::NVRTC`]: CUDA 13 or 12 sonames, pip
+//! site-packages): a cubin from the newest NVRTC whose CUDA major the driver
+//! runs (any 12.x NVRTC on a 12.x driver: minor-version compatibility), else
+//! PTX from the newest NVRTC no newer than the driver.
 //! [`GpuRelayout::kernel_origin`] says which loaded.
 //!
 //! Launches never block the calling thread on the stream: each returns a
@@ -191,14 +192,26 @@ fn pick_nvrtc(driver: Option<i32>) -> Result<&'static nvrtc::Nvrtc> {
     }
 }
 
+/// The index in `versions` (NVRTC `(major, minor)`, newest first) of the
+/// NVRTC whose cubin driver `driver` loads: the newest of a CUDA major no
+/// newer than the driver's (a cubin loads on any driver of its major or later).
+fn cubin_nvrtc_index(versions: &[(i32, i32)], driver: i32) -> Option<usize> {
+    versions.iter().position(|v| v.0 * 1000 <= driver)
+}
+
 /// Compiles the embedded source with `nv` for `arch`; returns the PTX.
 fn compile_with(nv: &nvrtc::Nvrtc, arch: &str) -> Result<String> {
+    compile_both(nv, arch).map(|c| c.ptx)
+}
+
+/// Compiles the embedded source with `nv` for `arch`: PTX and, for a real
+/// architecture, the cubin.
+fn compile_both(nv: &nvrtc::Nvrtc, arch: &str) -> Result<nvrtc::Compiled> {
     nv.compile(
         kernels::SOURCE,
         "relayout.cu",
         &[&format!("--gpu-architecture={arch}")],
     )
-    .map(|c| c.ptx)
     .map_err(|e| {
         Error::new(
             Status::Nvrtc,
@@ -224,6 +237,16 @@ pub fn probe_nvrtc() -> Result<String> {
         .join(", "))
 }
 
+/// Every NVRTC found, newest first: what was passed to `dlopen` (a soname
+/// or a full path) and its `(major, minor)`.
+pub fn nvrtc_libraries() -> Vec<(String, (i32, i32))> {
+    nvrtcs()
+        .0
+        .iter()
+        .map(|n| (n.path.clone(), n.version))
+        .collect()
+}
+
 /// Compiles the embedded kernel source with the newest NVRTC found for
 /// `arch` (e.g. `sm_90`) and returns the PTX. Needs libnvrtc only, no GPU.
 pub fn nvrtc_compile(arch: &str) -> Result<String> {
@@ -239,6 +262,45 @@ pub fn nvrtc_compile_for_driver(arch: &str, driver: i32) -> Result<(String, Stri
         ptx,
         format!("NVRTC {}.{} ({})", nv.version.0, nv.version.1, nv.path),
     ))
+}
+
+/// Compiles the embedded source for `arch` (`sm_90`) to a cubin with the
+/// newest NVRTC whose CUDA major driver `driver` runs; returns the cubin and
+/// that NVRTC's description, or why there is none.
+pub fn nvrtc_cubin_for_driver(arch: &str, driver: i32) -> Result<(Vec<u8>, String)> {
+    let (found, _) = nvrtcs();
+    if found.is_empty() {
+        return Err(no_nvrtc());
+    }
+    cubin_from(found, arch, driver)
+}
+
+/// [`nvrtc_cubin_for_driver`] with the NVRTCs `found` (newest first).
+fn cubin_from(found: &[nvrtc::Nvrtc], arch: &str, driver: i32) -> Result<(Vec<u8>, String)> {
+    let versions: Vec<(i32, i32)> = found.iter().map(|n| n.version).collect();
+    let Some(i) = cubin_nvrtc_index(&versions, driver) else {
+        return Err(Error::new(
+            Status::Nvrtc,
+            format!(
+                "every NVRTC found is of a newer CUDA major than the driver (CUDA {}), so its cubin would not load: {}",
+                version_text(driver),
+                found
+                    .iter()
+                    .map(|n| format!("NVRTC {}.{} ({})", n.version.0, n.version.1, n.path))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ),
+        ));
+    };
+    let nv = &found[i];
+    let what = format!("NVRTC {}.{} ({})", nv.version.0, nv.version.1, nv.path);
+    let cubin = compile_both(nv, arch)?.cubin.ok_or_else(|| {
+        Error::new(
+            Status::Nvrtc,
+            format!("{what} made no cubin for {arch} (it lacks nvrtcGetCUBIN, before CUDA 11.1)"),
+        )
+    })?;
+    Ok((cubin, what))
 }
 
 /// Opens device `ordinal` with its kernels and says which image loaded and
@@ -427,6 +489,53 @@ mod tests {
             .err()
             .expect("refused");
         assert!(e.contains("nvrtcCompileProgram"), "{e}");
+    }
+
+    #[test]
+    fn the_cubin_nvrtc_is_the_newest_of_a_major_the_driver_runs() {
+        let v = [(13, 5), (12, 9), (12, 4)];
+        // a 12.2 driver runs a 12.9 cubin (minor-version compatibility)
+        assert_eq!(cubin_nvrtc_index(&v, 12020), Some(1));
+        assert_eq!(cubin_nvrtc_index(&v, 13000), Some(0));
+        assert_eq!(cubin_nvrtc_index(&v, 11080), None);
+        assert_eq!(cubin_nvrtc_index(&[(12, 4)], 13050), Some(0));
+    }
+
+    /// With the CUDA 12.4 NVRTC of `scripts/cuda-deps.sh`
+    /// (`$PDXFER_KERNEL_NVRTC`) beside the newest NVRTC found, the fallback
+    /// compiles a 12.x cubin for a 12.x driver and, where a 13.x NVRTC is
+    /// there too, a 13.x cubin for a 13.x driver.
+    #[test]
+    fn the_run_time_fallback_compiles_a_cubin_of_the_drivers_major() {
+        let Some(lib) = std::env::var_os("PDXFER_KERNEL_NVRTC") else {
+            assert!(
+                std::env::var_os("PDXFER_REQUIRE_CUDA_TOOLS").is_none(),
+                "PDXFER_REQUIRE_CUDA_TOOLS is set but PDXFER_KERNEL_NVRTC is not"
+            );
+            crate::test_skip::skip(
+                "cuda-tools",
+                "no PDXFER_KERNEL_NVRTC (scripts/cuda-deps.sh)",
+            );
+            return;
+        };
+        let cu12 = nvrtc::Nvrtc::open(&lib.to_string_lossy()).unwrap();
+        assert_eq!(cu12.version.0, 12, "{cu12:?}");
+        let mut found = vec![cu12];
+        if let Some(n) = nvrtcs().0.iter().find(|n| n.version.0 >= 13) {
+            found.insert(0, nvrtc::Nvrtc::open(&n.path).unwrap());
+        }
+        let (cubin, what) = cubin_from(&found, "sm_90", 12020).unwrap();
+        assert!(what.starts_with("NVRTC 12."), "{what}");
+        // an ELF cubin of CUDA 12 (OS/ABI 0x33)
+        assert_eq!((&cubin[..4], cubin[7]), (&b"\x7fELF"[..], 0x33), "{what}");
+        if found.len() == 2 {
+            let (cubin, what) = cubin_from(&found, "sm_90", 13050).unwrap();
+            assert!(what.starts_with("NVRTC 13."), "{what}");
+            assert_eq!(cubin[7], 0x41, "{what}");
+        }
+        let e = cubin_from(&found, "sm_90", 11080).unwrap_err();
+        assert_eq!(e.status(), Status::Nvrtc);
+        assert!(e.detail().contains("CUDA 11.8"), "{e}");
     }
 
     /// `PDXFER_REQUIRE_CUDA_TOOLS=1` turns a missing NVRTC into a failure.

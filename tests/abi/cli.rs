@@ -167,6 +167,77 @@ fn info_reports_absent_hardware_as_typed_entries() {
     }
 }
 
+/// `libraries` says, for each library opened at run time, whether it was
+/// found (with its file and version) or why not; `kernel_images` lists each
+/// embedded image's kind, architecture and CUDA version.
+#[test]
+fn info_names_each_run_time_library_and_the_embedded_images() {
+    let (code, out, err) = pdxfer(&["info", "--json"]);
+    assert_eq!(code, 0, "{err}");
+    let v: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+    for k in ["libibverbs", "libcuda", "nvrtc", "libnccl"] {
+        let l = &v["libraries"][k];
+        let found = l["found"]
+            .as_bool()
+            .unwrap_or_else(|| panic!("{k}: \"found\" is not a boolean: {v}"));
+        if found {
+            assert!(
+                l["path"].is_string() && l["version"].is_string(),
+                "{k}: {l}"
+            );
+        } else {
+            assert!(l["detail"].is_string(), "{k}: {l}");
+        }
+    }
+    for i in v["kernel_images"]
+        .as_array()
+        .expect("kernel_images is a list")
+    {
+        assert!(matches!(i["kind"].as_str(), Some("cubin" | "ptx")), "{i}");
+        assert_eq!(i["arch"], "sm_90", "{i}");
+        assert!(i["cuda"].as_str().unwrap().contains('.'), "{i}");
+        assert!(i["bytes"].as_u64().unwrap() > 0, "{i}");
+    }
+    if !cfg!(feature = "rdma") {
+        assert_eq!(v["libraries"]["libibverbs"]["found"], false, "{v}");
+        return;
+    }
+    // rdma-core is installed on the test machines (scripts/deps.sh)
+    let ib = &v["libraries"]["libibverbs"];
+    assert_eq!(ib["found"], true, "{ib}");
+    assert!(
+        ib["path"].as_str().unwrap().contains("libibverbs.so.1"),
+        "{ib}"
+    );
+    assert!(
+        ib["version"].as_str().unwrap().starts_with("rdma-core "),
+        "{ib}"
+    );
+
+    // libibverbs that does not load: a typed entry naming what was tried; the
+    // command still answers.
+    let out = Command::new(env!("CARGO_BIN_EXE_pdxfer"))
+        .args(["info", "--json"])
+        .env("PDXFER_IBVERBS", "/nonexistent/libibverbs.so.1")
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let ib = &v["libraries"]["libibverbs"];
+    assert_eq!(
+        (&ib["found"], &ib["kind"]),
+        (&false.into(), &"no_rdma_device".into()),
+        "{ib}"
+    );
+    assert!(
+        ib["detail"]
+            .as_str()
+            .unwrap()
+            .contains("/nonexistent/libibverbs.so.1"),
+        "{ib}"
+    );
+}
+
 #[test]
 fn demo_moves_verified_bytes_over_cma_and_tcp() {
     for transport in ["cma", "tcp"] {

@@ -8,6 +8,7 @@ mod bootstrap;
 mod cp_bench;
 mod demo;
 mod layerwise_bench;
+mod libraries;
 mod logging;
 #[cfg(feature = "nccl")]
 mod nccl_bench;
@@ -107,10 +108,6 @@ fn info(json: bool, gpu: Option<u32>) -> pdxfer::Result<()> {
         Ok(_) => Err(pdxfer::Error::new(pdxfer::Status::Cuda, "no CUDA device")),
         Err(e) => Err(e.clone()),
     };
-    let images: Vec<String> = pdxfer::relayout::gpu::kernels::IMAGES
-        .iter()
-        .map(|i| i.describe())
-        .collect();
     let nccl = pdxfer::transport::nccl::probe();
     let rdma = pdxfer::transport::rdma::list_devices();
     let rdma_json = rdma_info(&rdma);
@@ -126,7 +123,8 @@ fn info(json: bool, gpu: Option<u32>) -> pdxfer::Result<()> {
         "features": {"rdma": cfg!(feature = "rdma"), "cuda": cfg!(feature = "cuda"), "nccl": cfg!(feature = "nccl")},
         "cuda": show(cuda.map(|i| i.describe())),
         "kernels": show(kernels),
-        "kernel_images": images,
+        "kernel_images": libraries::kernel_images(),
+        "libraries": libraries::libraries(),
         "nvrtc": show(nvrtc),
         "nccl": show(nccl.map(|(v, path)| format!("version {}.{}.{} ({path})", v / 10000, v / 100 % 100, v % 100))),
         "rdma": rdma_json,
@@ -161,6 +159,7 @@ fn info(json: bool, gpu: Option<u32>) -> pdxfer::Result<()> {
         if let Ok(devs) = &rdma {
             print_rdma_devices(devs);
         }
+        libraries::print(&v["libraries"], &v["kernel_images"]);
         if gpu.is_some() {
             rdma_gpu::print(&v["rdma_for_gpu"]);
         }

@@ -32,8 +32,11 @@ pub enum KernelOrigin {
         /// The compiler, as [`kernels::KernelImage::compiler`].
         compiler: &'static str,
     },
-    /// NVRTC at run time: the architecture, and which NVRTC ("NVRTC 12.4 (path)").
+    /// NVRTC at run time: the image kind, the architecture, and which NVRTC
+    /// ("NVRTC 12.4 (path)").
     Nvrtc {
+        /// Cubin (preferred) or PTX.
+        kind: ImageKind,
         /// The device's architecture (`sm_90`).
         arch: String,
         /// The NVRTC used.
@@ -60,7 +63,13 @@ impl std::fmt::Display for KernelOrigin {
                     toolkit.0, toolkit.1
                 )
             }
-            KernelOrigin::Nvrtc { arch, nvrtc } => write!(f, "{nvrtc} PTX for {arch}"),
+            KernelOrigin::Nvrtc { kind, arch, nvrtc } => {
+                let kind = match kind {
+                    ImageKind::Cubin => "cubin",
+                    ImageKind::Ptx => "PTX",
+                };
+                write!(f, "{nvrtc} {kind} for {arch}")
+            }
         }
     }
 }
@@ -641,13 +650,24 @@ fn load_module(
         }
     }
     let arch = format!("sm_{}{}", cc.0, cc.1);
+    match super::nvrtc_cubin_for_driver(&arch, driver) {
+        Ok((cubin, nvrtc)) => {
+            let what = format!("{nvrtc} cubin");
+            if let Some(m) = attempt(&mut tried, Ptx::from_binary(cubin), &what) {
+                let kind = ImageKind::Cubin;
+                return Ok((m, KernelOrigin::Nvrtc { kind, arch, nvrtc }));
+            }
+        }
+        Err(e) => tried.push(format!("NVRTC cubin: {}", e.detail())),
+    }
     match super::nvrtc_compile_for_driver(&arch, driver) {
         Ok((ptx, nvrtc)) => {
             if let Some(m) = attempt(&mut tried, Ptx::from_src(ptx), &format!("{nvrtc} PTX")) {
-                return Ok((m, KernelOrigin::Nvrtc { arch, nvrtc }));
+                let kind = ImageKind::Ptx;
+                return Ok((m, KernelOrigin::Nvrtc { kind, arch, nvrtc }));
             }
         }
-        Err(e) => tried.push(format!("NVRTC: {}", e.detail())),
+        Err(e) => tried.push(format!("NVRTC PTX: {}", e.detail())),
     }
     Err(Error::new(
         Status::Cuda,

@@ -1,5 +1,5 @@
 //! RDMA transport: one-sided RDMA WRITE/READ over RC queue pairs through
-//! `ibverbs-sys`, host and GPU (dma-buf) memory regions, a negotiated handshake,
+//! libibverbs (opened at run time), host and GPU (dma-buf) memory regions, a negotiated handshake,
 //! and batches sliced across several NICs.
 //!
 //! Layers, pure first:
@@ -14,7 +14,10 @@
 //! - `device`: sysfs discovery and NIC selection nearest to the GPU on PCIe
 //!   (else by NUMA node);
 //! - `config`: settings and their `PDXFER_RDMA_*` environment variables;
-//! - `verbs` (feature `rdma`): RAII wrappers over `ibverbs-sys`;
+//! - `verbs_sys` (feature `rdma`): the verbs.h structs and libibverbs'
+//!   entry points, `dlopen`ed on first use (a host without rdma-core gets
+//!   `NoRdmaDevice` naming the library, tcp and cma unaffected);
+//! - `verbs` (feature `rdma`): RAII wrappers over `verbs_sys`;
 //! - `endpoint` (feature `rdma`): `VerbsNic` (rails, parallel timed
 //!   registration of host and GPU memory) and `RdmaEndpoint` (`connect`,
 //!   `post_batch`, `poll`/`wait`, the completion poller thread).
@@ -63,6 +66,10 @@ pub mod tracker;
 pub mod transport;
 #[cfg(feature = "rdma")]
 pub mod verbs;
+#[cfg(all(test, feature = "rdma"))]
+mod verbs_layout_check;
+#[cfg(feature = "rdma")]
+pub mod verbs_sys;
 pub mod wr;
 
 pub use config::{RdmaConfig, RecordMode};

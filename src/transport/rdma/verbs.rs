@@ -1,6 +1,7 @@
-//! Thin, owned wrappers over `ibverbs-sys` (feature `rdma`).
+//! Thin, owned wrappers over libibverbs (feature `rdma`).
 //!
-//! Layering: `ffi` (the raw bindings) -> functions here that turn each call's
+//! Layering: [`super::verbs_sys`] (the `repr(C)` structs and the library's
+//! entry points, loaded at run time) -> functions here that turn each call's
 //! NULL / non-zero return into a [`Result`] carrying the errno and the call's
 //! name -> RAII types ([`Context`], [`Pd`], [`Mr`], [`Cq`], [`Qp`]) whose `Drop`
 //! never panics (a failed destroy is logged and ignored). Objects keep their
@@ -11,11 +12,13 @@
 
 use super::device::RdmaDevice;
 use super::handshake::{Gid, LinkLayer, Mtu};
-use super::qp::QpAttrs;
+use super::qp::{
+    QpAttrs, ACCESS_LOCAL_WRITE, ACCESS_RELAXED_ORDERING, ACCESS_REMOTE_READ, ACCESS_REMOTE_WRITE,
+};
 use super::tracker::WorkCompletion;
+use super::verbs_sys::{self as ffi, Verbs};
 use super::wr::{Opcode, WorkRequest};
 use crate::error::{Error, Result, Status};
-use ibverbs_sys as ffi;
 use std::ffi::CStr;
 use std::sync::Arc;
 
@@ -29,16 +32,19 @@ fn verbs_err(call: &str, what: &str, e: impl std::fmt::Display) -> Error {
 
 /// The device list of libibverbs; freed on drop.
 pub struct DeviceList {
+    v: &'static Verbs,
     list: *mut *mut ffi::ibv_device,
     n: usize,
 }
 
 impl DeviceList {
-    /// `ibv_get_device_list`, or [`Status::NoRdmaDevice`] with the reason.
+    /// `ibv_get_device_list`, or [`Status::NoRdmaDevice`] with the reason
+    /// (no libibverbs among them).
     pub fn get() -> Result<DeviceList> {
+        let v = ffi::verbs()?;
         let mut n: i32 = 0;
         // SAFETY: `n` is a valid out-pointer; the returned list is freed in Drop.
-        let list = unsafe { ffi::ibv_get_device_list(&mut n) };
+        let list = unsafe { (v.get_device_list)(&mut n) };
         if list.is_null() {
             let e = errno();
             let hint = if e.raw_os_error() == Some(libc::ENOSYS) {
@@ -52,6 +58,7 @@ impl DeviceList {
             ));
         }
         Ok(DeviceList {
+            v,
             list,
             n: n.max(0) as usize,
         })
@@ -67,7 +74,7 @@ impl DeviceList {
         // ibv_get_device_name returns a NUL-terminated string owned by the device.
         unsafe {
             let d = *self.list.add(i);
-            let p = ffi::ibv_get_device_name(d);
+            let p = (self.v.get_device_name)(d);
             if p.is_null() {
                 String::new()
             } else {
@@ -87,7 +94,7 @@ impl DeviceList {
 impl Drop for DeviceList {
     fn drop(&mut self) {
         // SAFETY: the list came from ibv_get_device_list and is freed exactly once.
-        unsafe { ffi::ibv_free_device_list(self.list) }
+        unsafe { (self.v.free_device_list)(self.list) }
     }
 }
 
@@ -127,6 +134,7 @@ pub struct DeviceAttr {
 
 /// An open device (`ibv_context`).
 pub struct Context {
+    v: &'static Verbs,
     ctx: *mut ffi::ibv_context,
     name: String,
 }
@@ -150,7 +158,7 @@ impl Context {
             )
         })?;
         // SAFETY: dev is a valid device from the live list; the context outlives the list.
-        let ctx = unsafe { ffi::ibv_open_device(dev) };
+        let ctx = unsafe { (list.v.open_device)(dev) };
         if ctx.is_null() {
             return Err(Error::new(
                 Status::NoRdmaDevice,
@@ -161,6 +169,7 @@ impl Context {
             ));
         }
         Ok(Arc::new(Context {
+            v: list.v,
             ctx,
             name: name.to_string(),
         }))
@@ -177,13 +186,7 @@ impl Context {
         let mut a: ffi::ibv_port_attr = unsafe { std::mem::zeroed() };
         // SAFETY: the exported symbol fills the (larger, zeroed) full ibv_port_attr
         // through the provider's query_port; ctx is open.
-        let rc = unsafe {
-            ffi::ibv_query_port(
-                self.ctx,
-                port,
-                &mut a as *mut ffi::ibv_port_attr as *mut ffi::_compat_ibv_port_attr,
-            )
-        };
+        let rc = unsafe { (self.v.query_port)(self.ctx, port, &mut a) };
         if rc != 0 {
             return Err(verbs_err(
                 "ibv_query_port",
@@ -207,7 +210,7 @@ impl Context {
         // SAFETY: ibv_gid is a 16-byte union of plain data.
         let mut g: ffi::ibv_gid = unsafe { std::mem::zeroed() };
         // SAFETY: ctx is open and g is a valid out-pointer.
-        let rc = unsafe { ffi::ibv_query_gid(self.ctx, port, index as i32, &mut g) };
+        let rc = unsafe { (self.v.query_gid)(self.ctx, port, index as i32, &mut g) };
         if rc != 0 {
             return Err(Error::new(
                 Status::RdmaHandshake,
@@ -223,7 +226,7 @@ impl Context {
         // SAFETY: plain data; zero is valid.
         let mut a: ffi::ibv_device_attr = unsafe { std::mem::zeroed() };
         // SAFETY: ctx is open; a is a valid out-pointer.
-        let rc = unsafe { ffi::ibv_query_device(self.ctx, &mut a) };
+        let rc = unsafe { (self.v.query_device)(self.ctx, &mut a) };
         if rc != 0 {
             return Err(verbs_err(
                 "ibv_query_device",
@@ -245,7 +248,7 @@ impl Drop for Context {
     fn drop(&mut self) {
         // SAFETY: ctx came from ibv_open_device and every child holds an Arc to us,
         // so none is alive any more.
-        let rc = unsafe { ffi::ibv_close_device(self.ctx) };
+        let rc = unsafe { (self.v.close_device)(self.ctx) };
         if rc != 0 {
             log::warn!("rdma: ibv_close_device({}) failed: {}", self.name, errno());
         }
@@ -309,7 +312,7 @@ impl Pd {
     /// `ibv_alloc_pd`.
     pub fn alloc(ctx: &Arc<Context>) -> Result<Arc<Pd>> {
         // SAFETY: ctx is open.
-        let pd = unsafe { ffi::ibv_alloc_pd(ctx.ctx) };
+        let pd = unsafe { (ctx.v.alloc_pd)(ctx.ctx) };
         if pd.is_null() {
             return Err(verbs_err("ibv_alloc_pd", &ctx.name, errno()));
         }
@@ -328,7 +331,7 @@ impl Pd {
 impl Drop for Pd {
     fn drop(&mut self) {
         // SAFETY: pd came from ibv_alloc_pd; MRs and QPs hold Arcs to it, so none is alive.
-        let rc = unsafe { ffi::ibv_dealloc_pd(self.pd) };
+        let rc = unsafe { (self.ctx.v.dealloc_pd)(self.pd) };
         if rc != 0 {
             log::warn!(
                 "rdma: ibv_dealloc_pd on {} failed: errno {rc}",
@@ -345,15 +348,12 @@ impl Drop for Pd {
 /// writes to GPU memory complete out of order, which GPUDirect write
 /// bandwidth needs on some platforms, as NCCL does).
 pub fn region_access() -> i32 {
-    (ffi::ibv_access_flags::IBV_ACCESS_LOCAL_WRITE.0
-        | ffi::ibv_access_flags::IBV_ACCESS_REMOTE_WRITE.0
-        | ffi::ibv_access_flags::IBV_ACCESS_REMOTE_READ.0
-        | ffi::ibv_access_flags::IBV_ACCESS_RELAXED_ORDERING.0) as i32
+    (ACCESS_LOCAL_WRITE | ACCESS_REMOTE_WRITE | ACCESS_REMOTE_READ | ACCESS_RELAXED_ORDERING) as i32
 }
 
 /// `access` without relaxed ordering, when it asked for it.
 fn without_relaxed_ordering(access: i32) -> Option<i32> {
-    let ro = ffi::ibv_access_flags::IBV_ACCESS_RELAXED_ORDERING.0 as i32;
+    let ro = ACCESS_RELAXED_ORDERING as i32;
     (access & ro != 0).then_some(access & !ro)
 }
 
@@ -398,13 +398,13 @@ impl Mr {
     pub unsafe fn register(pd: &Arc<Pd>, addr: u64, len: u64, access: i32) -> Result<Mr> {
         // SAFETY: the caller guarantees the range; pd is live.
         let mut mr =
-            unsafe { ffi::ibv_reg_mr(pd.pd, addr as *mut libc::c_void, len as usize, access) };
+            unsafe { (pd.ctx.v.reg_mr)(pd.pd, addr as *mut libc::c_void, len as usize, access) };
         if mr.is_null() {
             if let Some(plain) = without_relaxed_ordering(access) {
                 // An older libibverbs that passes the optional flag to a kernel without it.
                 // SAFETY: as above.
                 mr = unsafe {
-                    ffi::ibv_reg_mr(pd.pd, addr as *mut libc::c_void, len as usize, plain)
+                    (pd.ctx.v.reg_mr)(pd.pd, addr as *mut libc::c_void, len as usize, plain)
                 };
             }
         }
@@ -432,14 +432,21 @@ impl Mr {
         iova: u64,
         access: i32,
     ) -> Result<Mr> {
+        let Some(reg_dmabuf_mr) = pd.ctx.v.reg_dmabuf_mr else {
+            return Err(Error::new(
+                Status::NoGpuDirect,
+                format!(
+                    "{} has no ibv_reg_dmabuf_mr (rdma-core 34 or later registers dma-bufs)",
+                    pd.ctx.v.name
+                ),
+            ));
+        };
         // SAFETY: the caller guarantees the fd; pd is live.
-        let mut mr =
-            unsafe { ffi::ibv_reg_dmabuf_mr(pd.pd, offset, len as usize, iova, fd, access) };
+        let mut mr = unsafe { reg_dmabuf_mr(pd.pd, offset, len as usize, iova, fd, access) };
         if mr.is_null() {
             if let Some(plain) = without_relaxed_ordering(access) {
                 // SAFETY: as above.
-                mr =
-                    unsafe { ffi::ibv_reg_dmabuf_mr(pd.pd, offset, len as usize, iova, fd, plain) };
+                mr = unsafe { reg_dmabuf_mr(pd.pd, offset, len as usize, iova, fd, plain) };
             }
         }
         if mr.is_null() {
@@ -459,7 +466,7 @@ impl Mr {
 impl Drop for Mr {
     fn drop(&mut self) {
         // SAFETY: mr came from a registration call and is deregistered once.
-        let rc = unsafe { ffi::ibv_dereg_mr(self.mr) };
+        let rc = unsafe { (self.pd.ctx.v.dereg_mr)(self.mr) };
         if rc != 0 {
             log::warn!(
                 "rdma: ibv_dereg_mr({:#x}+{}) on {} failed: errno {rc}",
@@ -488,7 +495,7 @@ impl Cq {
     pub fn create(ctx: &Arc<Context>, depth: i32) -> Result<Arc<Cq>> {
         // SAFETY: ctx is open; no channel, vector 0.
         let cq = unsafe {
-            ffi::ibv_create_cq(
+            (ctx.v.create_cq)(
                 ctx.ctx,
                 depth,
                 std::ptr::null_mut(),
@@ -528,13 +535,14 @@ impl Cq {
             return Err(verbs_err("ibv_poll_cq", &self.ctx.name, got));
         }
         for w in &raw[..got as usize] {
-            let (status, vendor_err) = w.error().unwrap_or((0, 0));
+            let ok = w.status == ffi::IBV_WC_SUCCESS;
             out.push(WorkCompletion {
-                wr_id: w.wr_id(),
-                status,
-                vendor_err,
-                opcode: w.opcode(),
-                imm: w.imm_data().map(u32::from_be),
+                wr_id: w.wr_id,
+                status: w.status,
+                vendor_err: if ok { 0 } else { w.vendor_err },
+                opcode: w.opcode,
+                imm: (ok && w.wc_flags & ffi::IBV_WC_WITH_IMM != 0)
+                    .then_some(u32::from_be(w.imm_data)),
             });
         }
         Ok(got as usize)
@@ -544,7 +552,7 @@ impl Cq {
 impl Drop for Cq {
     fn drop(&mut self) {
         // SAFETY: cq came from ibv_create_cq; QPs using it hold Arcs, so none is alive.
-        let rc = unsafe { ffi::ibv_destroy_cq(self.cq) };
+        let rc = unsafe { (self.ctx.v.destroy_cq)(self.cq) };
         if rc != 0 {
             log::warn!(
                 "rdma: ibv_destroy_cq on {} failed: errno {rc}",
@@ -557,7 +565,7 @@ impl Drop for Cq {
 /// An RC queue pair.
 pub struct Qp {
     qp: *mut ffi::ibv_qp,
-    _pd: Arc<Pd>,
+    pd: Arc<Pd>,
     _cq: Arc<Cq>,
     name: String,
 }
@@ -574,14 +582,14 @@ impl Qp {
         let mut init: ffi::ibv_qp_init_attr = unsafe { std::mem::zeroed() };
         init.send_cq = cq.cq;
         init.recv_cq = cq.cq;
-        init.qp_type = ffi::ibv_qp_type::IBV_QPT_RC;
+        init.qp_type = ffi::IBV_QPT_RC;
         init.sq_sig_all = 0;
         init.cap.max_send_wr = max_send_wr;
         init.cap.max_recv_wr = max_recv_wr;
         init.cap.max_send_sge = 1;
         init.cap.max_recv_sge = 1;
         // SAFETY: pd and cq are live; init is fully initialised.
-        let qp = unsafe { ffi::ibv_create_qp(pd.pd, &mut init) };
+        let qp = unsafe { (pd.ctx.v.create_qp)(pd.pd, &mut init) };
         if qp.is_null() {
             return Err(verbs_err(
                 "ibv_create_qp",
@@ -594,7 +602,7 @@ impl Qp {
         }
         Ok(Qp {
             qp,
-            _pd: pd.clone(),
+            pd: pd.clone(),
             _cq: cq.clone(),
             name: pd.ctx.name.clone(),
         })
@@ -638,7 +646,7 @@ impl Qp {
         r.rnr_retry = a.rnr_retry;
         r.max_rd_atomic = a.max_rd_atomic;
         // SAFETY: qp is live; r is fully initialised.
-        let rc = unsafe { ffi::ibv_modify_qp(self.qp, &mut r, a.mask as i32) };
+        let rc = unsafe { (self.pd.ctx.v.modify_qp)(self.qp, &mut r, a.mask as i32) };
         if rc != 0 {
             return Err(Error::new(
                 Status::RdmaHandshake,
@@ -762,17 +770,17 @@ impl SendList {
                 let mut x: ffi::ibv_send_wr = unsafe { std::mem::zeroed() };
                 x.wr_id = w.wr_id;
                 x.opcode = match w.opcode {
-                    Opcode::Write => ffi::ibv_wr_opcode::IBV_WR_RDMA_WRITE,
-                    Opcode::WriteWithImm => ffi::ibv_wr_opcode::IBV_WR_RDMA_WRITE_WITH_IMM,
-                    Opcode::Read => ffi::ibv_wr_opcode::IBV_WR_RDMA_READ,
+                    Opcode::Write => ffi::IBV_WR_RDMA_WRITE,
+                    Opcode::WriteWithImm => ffi::IBV_WR_RDMA_WRITE_WITH_IMM,
+                    Opcode::Read => ffi::IBV_WR_RDMA_READ,
                 };
                 x.send_flags = if w.signaled {
-                    ffi::ibv_send_flags::IBV_SEND_SIGNALED.0
+                    ffi::IBV_SEND_SIGNALED
                 } else {
                     0
                 };
                 if let Some(imm) = w.imm {
-                    x.__bindgen_anon_1.imm_data = imm.to_be();
+                    x.imm_data = imm.to_be();
                 }
                 x.wr.rdma.remote_addr = w.remote_addr;
                 x.wr.rdma.rkey = w.rkey;
@@ -836,7 +844,7 @@ impl SendList {
 impl Drop for Qp {
     fn drop(&mut self) {
         // SAFETY: qp came from ibv_create_qp and is destroyed once.
-        let rc = unsafe { ffi::ibv_destroy_qp(self.qp) };
+        let rc = unsafe { (self.pd.ctx.v.destroy_qp)(self.qp) };
         if rc != 0 {
             log::warn!("rdma: ibv_destroy_qp on {} failed: errno {rc}", self.name);
         }
@@ -892,41 +900,11 @@ pub fn gpu_dmabuf(dptr: u64, len: u64) -> Result<(i32, u64, u64)> {
 
 #[cfg(test)]
 mod tests {
-    use super::super::qp::{
-        mask, QpState, ACCESS_LOCAL_WRITE, ACCESS_RELAXED_ORDERING, ACCESS_REMOTE_READ,
-        ACCESS_REMOTE_WRITE,
-    };
-    use super::super::tracker::{
-        wc_status_text, WC_LOC_PROT_ERR, WC_OP_RDMA_READ, WC_OP_RDMA_WRITE,
-        WC_OP_RECV_RDMA_WITH_IMM, WC_RECV, WC_REM_ACCESS_ERR, WC_RETRY_EXC_ERR,
-        WC_RNR_RETRY_EXC_ERR, WC_SUCCESS, WC_WR_FLUSH_ERR,
-    };
     use super::super::wr::{build_batch, BatchParams, CompletionRecord, Direction, Transfer};
     use super::*;
 
     #[test]
-    fn mirrored_constants_match_the_bindings() {
-        use ffi::ibv_qp_attr_mask as M;
-        assert_eq!(mask::STATE, M::IBV_QP_STATE.0);
-        assert_eq!(mask::ACCESS_FLAGS, M::IBV_QP_ACCESS_FLAGS.0);
-        assert_eq!(mask::PKEY_INDEX, M::IBV_QP_PKEY_INDEX.0);
-        assert_eq!(mask::PORT, M::IBV_QP_PORT.0);
-        assert_eq!(mask::AV, M::IBV_QP_AV.0);
-        assert_eq!(mask::PATH_MTU, M::IBV_QP_PATH_MTU.0);
-        assert_eq!(mask::TIMEOUT, M::IBV_QP_TIMEOUT.0);
-        assert_eq!(mask::RETRY_CNT, M::IBV_QP_RETRY_CNT.0);
-        assert_eq!(mask::RNR_RETRY, M::IBV_QP_RNR_RETRY.0);
-        assert_eq!(mask::RQ_PSN, M::IBV_QP_RQ_PSN.0);
-        assert_eq!(mask::MAX_QP_RD_ATOMIC, M::IBV_QP_MAX_QP_RD_ATOMIC.0);
-        assert_eq!(mask::MIN_RNR_TIMER, M::IBV_QP_MIN_RNR_TIMER.0);
-        assert_eq!(mask::SQ_PSN, M::IBV_QP_SQ_PSN.0);
-        assert_eq!(mask::MAX_DEST_RD_ATOMIC, M::IBV_QP_MAX_DEST_RD_ATOMIC.0);
-        assert_eq!(mask::DEST_QPN, M::IBV_QP_DEST_QPN.0);
-        use ffi::ibv_access_flags as A;
-        assert_eq!(ACCESS_LOCAL_WRITE, A::IBV_ACCESS_LOCAL_WRITE.0);
-        assert_eq!(ACCESS_REMOTE_WRITE, A::IBV_ACCESS_REMOTE_WRITE.0);
-        assert_eq!(ACCESS_REMOTE_READ, A::IBV_ACCESS_REMOTE_READ.0);
-        assert_eq!(ACCESS_RELAXED_ORDERING, A::IBV_ACCESS_RELAXED_ORDERING.0);
+    fn region_access_asks_for_relaxed_ordering_and_can_drop_it() {
         assert_eq!(
             region_access() as u32,
             ACCESS_LOCAL_WRITE | ACCESS_REMOTE_WRITE | ACCESS_REMOTE_READ | ACCESS_RELAXED_ORDERING
@@ -936,41 +914,6 @@ mod tests {
             Some((ACCESS_LOCAL_WRITE | ACCESS_REMOTE_WRITE | ACCESS_REMOTE_READ) as i32)
         );
         assert_eq!(without_relaxed_ordering(1), None);
-        assert_eq!(QpState::Init as u32, ffi::ibv_qp_state::IBV_QPS_INIT);
-        assert_eq!(QpState::Rtr as u32, ffi::ibv_qp_state::IBV_QPS_RTR);
-        assert_eq!(QpState::Rts as u32, ffi::ibv_qp_state::IBV_QPS_RTS);
-        assert_eq!(QpState::Err as u32, ffi::ibv_qp_state::IBV_QPS_ERR);
-        assert_eq!(Mtu::Mtu256.to_ibv(), ffi::IBV_MTU_256);
-        assert_eq!(Mtu::Mtu4096.to_ibv(), ffi::IBV_MTU_4096);
-        use ffi::ibv_wc_status as S;
-        assert_eq!(WC_SUCCESS, S::IBV_WC_SUCCESS);
-        assert_eq!(WC_WR_FLUSH_ERR, S::IBV_WC_WR_FLUSH_ERR);
-        assert_eq!(WC_RECV, ffi::ibv_wc_opcode::IBV_WC_RECV);
-        assert_eq!(WC_OP_RDMA_WRITE, ffi::ibv_wc_opcode::IBV_WC_RDMA_WRITE);
-        assert_eq!(WC_OP_RDMA_READ, ffi::ibv_wc_opcode::IBV_WC_RDMA_READ);
-        assert_eq!(WC_LOC_PROT_ERR, S::IBV_WC_LOC_PROT_ERR);
-        assert_eq!(WC_REM_ACCESS_ERR, S::IBV_WC_REM_ACCESS_ERR);
-        assert_eq!(WC_RETRY_EXC_ERR, S::IBV_WC_RETRY_EXC_ERR);
-        assert_eq!(WC_RNR_RETRY_EXC_ERR, S::IBV_WC_RNR_RETRY_EXC_ERR);
-        assert_eq!(
-            WC_OP_RECV_RDMA_WITH_IMM,
-            ffi::ibv_wc_opcode::IBV_WC_RECV_RDMA_WITH_IMM
-        );
-        for (code, name) in [
-            (S::IBV_WC_LOC_LEN_ERR, "IBV_WC_LOC_LEN_ERR"),
-            (S::IBV_WC_LOC_PROT_ERR, "IBV_WC_LOC_PROT_ERR"),
-            (S::IBV_WC_REM_INV_REQ_ERR, "IBV_WC_REM_INV_REQ_ERR"),
-            (S::IBV_WC_REM_ACCESS_ERR, "IBV_WC_REM_ACCESS_ERR"),
-            (S::IBV_WC_RETRY_EXC_ERR, "IBV_WC_RETRY_EXC_ERR"),
-            (S::IBV_WC_RNR_RETRY_EXC_ERR, "IBV_WC_RNR_RETRY_EXC_ERR"),
-            (S::IBV_WC_GENERAL_ERR, "IBV_WC_GENERAL_ERR"),
-        ] {
-            assert_eq!(wc_status_text(code).0, name);
-        }
-        assert_eq!(
-            LinkLayer::from_u8(ffi::IBV_LINK_LAYER_ETHERNET as u8),
-            Some(LinkLayer::Ethernet)
-        );
     }
 
     #[test]
@@ -1020,18 +963,14 @@ mod tests {
             let (ra, rk) = unsafe { (w.wr.rdma.remote_addr, w.wr.rdma.rkey) };
             assert_eq!((ra, rk), (0x8000 + 1000 * i as u64, 6));
         }
-        let sig = ffi::ibv_send_flags::IBV_SEND_SIGNALED.0;
+        let sig = ffi::IBV_SEND_SIGNALED;
         assert_eq!(seen[0].send_flags & sig, 0);
         assert_eq!(seen[1].send_flags & sig, sig);
         assert_eq!(seen[2].send_flags & sig, sig);
-        assert_eq!(seen[0].opcode, ffi::ibv_wr_opcode::IBV_WR_RDMA_WRITE);
-        assert_eq!(
-            seen[2].opcode,
-            ffi::ibv_wr_opcode::IBV_WR_RDMA_WRITE_WITH_IMM
-        );
+        assert_eq!(seen[0].opcode, ffi::IBV_WR_RDMA_WRITE);
+        assert_eq!(seen[2].opcode, ffi::IBV_WR_RDMA_WRITE_WITH_IMM);
         // Immediate data is big-endian on the wire.
-        // SAFETY: imm_data is the member written for WRITE_WITH_IMM.
-        let imm = unsafe { seen[2].__bindgen_anon_1.imm_data };
+        let imm = seen[2].imm_data;
         assert_eq!(imm, 0x0102_0304u32.to_be());
         assert_eq!(list.sges().len(), 3);
 
@@ -1048,10 +987,7 @@ mod tests {
             &p,
         )
         .unwrap();
-        assert_eq!(
-            SendList::new(&r).wrs()[0].opcode,
-            ffi::ibv_wr_opcode::IBV_WR_RDMA_READ
-        );
+        assert_eq!(SendList::new(&r).wrs()[0].opcode, ffi::IBV_WR_RDMA_READ);
         let mut empty = SendList::new(&[]);
         assert!(empty.is_empty() && empty.head().is_null());
     }
