@@ -338,7 +338,7 @@ def dcp_pack_buffer_bytes(kv_item_lens: Sequence[int], page_size: int, max_token
 
 
 POOL_MLA, POOL_HYBRID_MLA, POOL_MHA = 0, 1, 2
-DTYPES = {"auto": 0, "bf16": 1, "fp16": 2, "fp32": 3, "fp8_e4m3": 4, "fp8_e5m2": 5}
+DTYPES = {"auto": 0, "bf16": 1, "fp16": 2, "fp32": 3, "fp8_e4m3": 4, "fp8_e5m2": 5, "fp8_ds_mla": 6}
 
 
 @dataclass

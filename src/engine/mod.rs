@@ -62,6 +62,7 @@ mod nccl_link;
 mod path;
 mod prefill;
 pub mod room;
+pub mod room_keys;
 mod room_grants;
 mod setup;
 mod state;
@@ -77,4 +78,5 @@ pub use metrics::{
     Histogram, MetricsSnapshot, PeerSnapshot, RoomTotals, LATENCY_BUCKETS, STATE_NAMES,
 };
 pub use room::{KvPoll, Room, RoomTable, RoomTimes};
+pub use room_keys::{room_for_key, RoomKeys, MAX_ROOM_KEY_BYTES};
 pub use telemetry::RoomTelemetry;
