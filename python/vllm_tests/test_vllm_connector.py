@@ -1,0 +1,197 @@
+"""PdxferConnector under vLLM 0.33's own classes on the CPU: a prefill and a
+decode instance as two processes (instance.py), the test as the PD proxy
+(prefill request first, its kv_transfer_params forwarded verbatim to the
+decode request). Every byte of every loaded request is checked on the decode,
+and both schedulers end with no request, no held block and no open room."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import socket
+import time
+from typing import Any, Dict, List, Optional
+
+import pytest
+
+import instance
+
+BLOCK = 16
+BLOCKS = 64
+TIMEOUT = 8.0  # the instances' transfer_timeout (s)
+
+
+def _port() -> int:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    p = s.getsockname()[1]
+    s.close()
+    return p
+
+
+class Inst:
+    def __init__(self, role: str, opts: Dict[str, Any]):
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=instance.main, args=(role, opts, child), daemon=True)
+        self.proc.start()
+        self.opts = opts
+        self.events: List[tuple] = []
+
+    def wait(self, pred, timeout: float = 120.0):
+        end = time.monotonic() + timeout
+        while True:
+            for i, ev in enumerate(self.events):
+                if pred(ev):
+                    return self.events.pop(i)
+            left = end - time.monotonic()
+            if left <= 0:
+                raise AssertionError(f"no matching event within {timeout} s; have {self.events}")
+            if self.conn.poll(min(left, 0.5)):
+                ev = self.conn.recv()
+                if ev[0] == "error":
+                    raise AssertionError("instance failed:\n" + ev[1])
+                self.events.append(ev)
+            elif not self.proc.is_alive():
+                raise AssertionError(f"instance exited with {self.proc.exitcode}")
+
+    def send(self, *cmd) -> None:
+        self.conn.send(cmd)
+
+    def stop(self) -> None:
+        if self.proc.is_alive():
+            try:
+                self.send("stop")
+                self.wait(lambda e: e[0] == "stopped", 30)
+            finally:
+                self.proc.join(10)
+                if self.proc.is_alive():
+                    self.proc.kill()
+
+
+def _opts(engine_id: str, boot_port: int, **kw) -> Dict[str, Any]:
+    o = {"block_size": BLOCK, "num_blocks": BLOCKS, "engine_id": engine_id, "dist_port": _port(),
+         "extra": {"bootstrap_port": boot_port, "transport": "tcp", "transfer_timeout": TIMEOUT}}
+    o.update(kw)
+    return o
+
+
+@pytest.fixture(scope="module")
+def pd():
+    boot = _port()
+    p = Inst("kv_producer", _opts("prefill-0", boot))
+    d = Inst("kv_consumer", _opts("decode-0", boot))
+    try:
+        p.wait(lambda e: e[0] == "ready", 300)
+        d.wait(lambda e: e[0] == "ready", 300)
+        yield p, d
+    finally:
+        d.stop()
+        p.stop()
+
+
+def _prompt(n: int, seed: int, prefix: Optional[List[int]] = None) -> List[int]:
+    head = list(prefix or [])
+    return head + [(seed * 131 + i * 17) % 1000 + 2 for i in range(n - len(head))]
+
+
+def _pd_request(p: Inst, d: Inst, rid: str, prompt: List[int], decode_tokens: int = 3) -> Dict[str, Any]:
+    """The proxy: prefill first, its kv_transfer_params to the decode verbatim."""
+    p.send("add", {"id": rid, "prompt": prompt, "max_tokens": 1,
+                   "params": {"do_remote_decode": True, "do_remote_prefill": False}})
+    ev = p.wait(lambda e: e[0] == "finished" and e[1] == rid)
+    params = ev[3]
+    assert params and params["do_remote_prefill"] is True, ev
+    assert params["remote_num_tokens"] == len(prompt)
+    d.send("add", {"id": "d-" + rid, "prompt": prompt, "max_tokens": decode_tokens, "params": params})
+    loaded = d.wait(lambda e: e[0] == "loaded" and e[1] == "d-" + rid)[2]
+    loaded["prefill_hit"] = p.wait(lambda e: e[0] == "scheduled" and e[1] == rid)[2]
+    d.wait(lambda e: e[0] == "finished" and e[1] == "d-" + rid)
+    p.wait(lambda e: e[0] == "finished_sending" and rid in e[1])
+    return loaded
+
+
+def _no_leaks(*insts: Inst) -> None:
+    for inst in insts:
+        deadline = time.monotonic() + 20
+        while True:
+            inst.send("check")
+            lk = inst.wait(lambda e: e[0] == "leaks")[1]
+            clean = (lk["requests"] == 0 and lk["waiting"] == 0 and lk["running"] == 0
+                     and lk["ref_nonzero"] == 0 and lk["req_to_blocks"] == 0
+                     and lk["free_blocks"] == lk["num_blocks"] - 1 and not lk["pending_push"]
+                     and lk["worker_rooms"] == 0)
+            if clean:
+                break
+            assert time.monotonic() < deadline, f"leaked: {lk}"
+            time.sleep(0.2)
+
+
+def test_sequential_proxy_flow_every_byte(pd):
+    p, d = pd
+    for i, n in enumerate((5, 16, 100)):
+        got = _pd_request(p, d, f"seq-{i}", _prompt(n, i))
+        assert got["bad_rows"] == 0, got
+        assert got["tokens"] == n and got["bytes"] == n * 2 * instance.ROW * 2
+        assert got["decode_prefix_len"] == 0 and got["prefill_hit"] == 0
+    _no_leaks(p, d)
+
+
+def test_chunked_prefill_chunks_not_page_aligned(pd):
+    # max_num_batched_tokens=40: chunks of 40 tokens over 16-token blocks
+    p, d = pd
+    got = _pd_request(p, d, "chunked", _prompt(150, 7))
+    assert got["bad_rows"] == 0 and got["tokens"] == 150
+    _no_leaks(p, d)
+
+
+def test_decode_and_prefill_prefix_hits(pd):
+    p, d = pd
+    base = _prompt(64, 11)
+    first = _pd_request(p, d, "prefix-a", base + _prompt(9, 12))
+    assert first["bad_rows"] == 0
+    # the second prompt shares 64 tokens (4 blocks) with the first: cached on both sides
+    got = _pd_request(p, d, "prefix-b", base + _prompt(30, 13))
+    assert got["bad_rows"] == 0 and got["tokens"] == 94
+    assert got["decode_prefix_len"] == 64, got  # only 30 tokens moved
+    assert got["prefill_hit"] == 64, got
+    _no_leaks(p, d)
+
+
+def test_decode_timeout_fails_the_request_with_a_typed_reason(pd, caplog):
+    p, d = pd
+    # kv_transfer_params of a prefill request that never ran: no sender for the room
+    params = {"do_remote_prefill": True, "do_remote_decode": False, "pdxfer_room_key": "never-sent",
+              "remote_bootstrap_addr": f"http://127.0.0.1:{p_boot(p)}", "remote_num_tokens": 20}
+    t0 = time.monotonic()
+    d.send("add", {"id": "d-lost", "prompt": _prompt(20, 3), "max_tokens": 2, "params": params})
+    ev = d.wait(lambda e: e[0] == "failed_recving" and "d-lost" in e[1], 3 * TIMEOUT + 30)
+    assert ev[2], "the failed request's blocks are reported as load errors"
+    assert time.monotonic() - t0 < 3 * TIMEOUT + 30
+    fin = d.wait(lambda e: e[0] == "finished" and e[1] == "d-lost")
+    assert "ERROR" in fin[2].upper() or "ABORT" in fin[2].upper(), fin
+    assert any("KV load" in r or "transfer_timeout" in r for r in d_log(d)), "a typed reason was logged"
+    _no_leaks(p, d)
+
+
+def p_boot(p: Inst) -> int:
+    return p.opts["extra"]["bootstrap_port"]
+
+
+def d_log(d: Inst) -> List[str]:
+    d.send("logs")
+    return d.wait(lambda e: e[0] == "logs")[1]
+
+
+def test_abort_on_the_decode_while_waiting_reports_once(pd):
+    p, d = pd
+    params = {"do_remote_prefill": True, "do_remote_decode": False, "pdxfer_room_key": "abort-me",
+              "remote_bootstrap_addr": f"http://127.0.0.1:{p_boot(p)}", "remote_num_tokens": 40}
+    d.send("add", {"id": "d-abort", "prompt": _prompt(40, 5), "max_tokens": 2, "params": params})
+    time.sleep(1.0)
+    d.send("abort", "d-abort")
+    _no_leaks(p, d)
+    # and the pair still works afterwards
+    got = _pd_request(p, d, "after-abort", _prompt(33, 21))
+    assert got["bad_rows"] == 0
+    _no_leaks(p, d)
