@@ -64,7 +64,8 @@ def build(role: str, opts: Dict[str, Any]):
     from vllm.v1.structured_output import StructuredOutputManager
 
     bs, nb = opts["block_size"], opts["num_blocks"]
-    mc = ModelConfig(model=MODEL, skip_tokenizer_init=True, dtype="bfloat16", seed=0,
+    dtype = getattr(torch, opts.get("dtype", "bfloat16"))
+    mc = ModelConfig(model=MODEL, skip_tokenizer_init=True, dtype=opts.get("dtype", "bfloat16"), seed=0,
                      max_model_len=opts.get("max_model_len", 2048))
     kt = KVTransferConfig(kv_connector="PdxferConnector",
                           kv_connector_module_path=opts.get("module_path", "pdxfer.vllm"),
@@ -87,7 +88,7 @@ def build(role: str, opts: Dict[str, Any]):
                                             distributed_init_method=f"tcp://127.0.0.1:{opts['dist_port']}")
             ps.initialize_model_parallel(1, 1, backend="gloo")
     layers = [f"model.layers.{i}.self_attn.attn" for i in range(mc.get_num_layers(vc.parallel_config))]
-    spec = MLAAttentionSpec(block_size=bs, num_kv_heads=1, head_size=ROW, dtype=torch.bfloat16,
+    spec = MLAAttentionSpec(block_size=bs, num_kv_heads=1, head_size=ROW, dtype=dtype,
                             cache_dtype_str=opts.get("cache_dtype", "auto"))
     kcc = KVCacheConfig(num_blocks=nb,
                         kv_cache_tensors=[KVCacheTensor(size=nb * spec.page_size_bytes, layers=[n],
@@ -97,7 +98,7 @@ def build(role: str, opts: Dict[str, Any]):
     sched = Scheduler(vllm_config=vc, kv_cache_config=kcc, structured_output_manager=StructuredOutputManager(vc),
                       block_size=bs, log_stats=False)
     worker = KVConnectorFactory.create_connector(vc, KVConnectorRole.WORKER, kcc)
-    caches = {n: torch.zeros(nb, 1, bs, ROW, dtype=torch.bfloat16) for n in layers}
+    caches = {n: torch.zeros(nb, 1, bs, ROW, dtype=dtype) for n in layers}
     worker.register_kv_caches(caches)
     return vc, sched, worker, caches, layers
 

@@ -78,16 +78,19 @@ def _opts(engine_id: str, boot_port: int, **kw) -> Dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def pd():
+    """A prefill, a decode, and a decode whose model dtype differs (fp16),
+    all started at once (each import of vLLM takes seconds)."""
     boot = _port()
     p = Inst("kv_producer", _opts("prefill-0", boot))
     d = Inst("kv_consumer", _opts("decode-0", boot))
+    d16 = Inst("kv_consumer", _opts("decode-fp16", boot, dtype="float16"))
     try:
-        p.wait(lambda e: e[0] == "ready", 300)
-        d.wait(lambda e: e[0] == "ready", 300)
-        yield p, d
+        for i in (p, d, d16):
+            i.wait(lambda e: e[0] == "ready", 300)
+        yield p, d, d16
     finally:
-        d.stop()
-        p.stop()
+        for i in (d16, d, p):
+            i.stop()
 
 
 def _prompt(n: int, seed: int, prefix: Optional[List[int]] = None) -> List[int]:
@@ -128,7 +131,7 @@ def _no_leaks(*insts: Inst) -> None:
 
 
 def test_sequential_proxy_flow_every_byte(pd):
-    p, d = pd
+    p, d, _ = pd
     for i, n in enumerate((5, 16, 100)):
         got = _pd_request(p, d, f"seq-{i}", _prompt(n, i))
         assert got["bad_rows"] == 0, got
@@ -139,14 +142,14 @@ def test_sequential_proxy_flow_every_byte(pd):
 
 def test_chunked_prefill_chunks_not_page_aligned(pd):
     # max_num_batched_tokens=40: chunks of 40 tokens over 16-token blocks
-    p, d = pd
+    p, d, _ = pd
     got = _pd_request(p, d, "chunked", _prompt(150, 7))
     assert got["bad_rows"] == 0 and got["tokens"] == 150
     _no_leaks(p, d)
 
 
 def test_decode_and_prefill_prefix_hits(pd):
-    p, d = pd
+    p, d, _ = pd
     base = _prompt(64, 11)
     first = _pd_request(p, d, "prefix-a", base + _prompt(9, 12))
     assert first["bad_rows"] == 0
@@ -159,7 +162,7 @@ def test_decode_and_prefill_prefix_hits(pd):
 
 
 def test_decode_timeout_fails_the_request_with_a_typed_reason(pd, caplog):
-    p, d = pd
+    p, d, _ = pd
     # kv_transfer_params of a prefill request that never ran: no sender for the room
     params = {"do_remote_prefill": True, "do_remote_decode": False, "pdxfer_room_key": "never-sent",
               "remote_bootstrap_addr": f"http://127.0.0.1:{p_boot(p)}", "remote_num_tokens": 20}
@@ -184,7 +187,7 @@ def d_log(d: Inst) -> List[str]:
 
 
 def test_abort_on_the_decode_while_waiting_reports_once(pd):
-    p, d = pd
+    p, d, _ = pd
     params = {"do_remote_prefill": True, "do_remote_decode": False, "pdxfer_room_key": "abort-me",
               "remote_bootstrap_addr": f"http://127.0.0.1:{p_boot(p)}", "remote_num_tokens": 40}
     d.send("add", {"id": "d-abort", "prompt": _prompt(40, 5), "max_tokens": 2, "params": params})
@@ -195,3 +198,20 @@ def test_abort_on_the_decode_while_waiting_reports_once(pd):
     got = _pd_request(p, d, "after-abort", _prompt(33, 21))
     assert got["bad_rows"] == 0
     _no_leaks(p, d)
+
+
+def test_dtype_mismatch_is_a_typed_failure_naming_the_flag(pd):
+    p, d, d16 = pd
+    prompt = _prompt(24, 9)
+    p.send("add", {"id": "mismatch", "prompt": prompt, "max_tokens": 1,
+                   "params": {"do_remote_decode": True, "do_remote_prefill": False}})
+    params = p.wait(lambda e: e[0] == "finished" and e[1] == "mismatch")[3]
+    d16.send("add", {"id": "d-mismatch", "prompt": prompt, "max_tokens": 2, "params": params})
+    ev = d16.wait(lambda e: e[0] == "failed_recving" and "d-mismatch" in e[1], 60)
+    assert ev[2], "load-error blocks reported"
+    d16.wait(lambda e: e[0] == "finished" and e[1] == "d-mismatch")
+    logs = d_log(d16)
+    assert any("kv_dtype_mismatch" in m and "--kv-cache-dtype" in m for m in logs), logs
+    # the prefill's room was never taken: it is released within its deadline (2 x transfer_timeout)
+    p.wait(lambda e: e[0] == "finished_sending" and "mismatch" in e[1], 2 * TIMEOUT + 30)
+    _no_leaks(p, d16)

@@ -151,10 +151,16 @@ impl Engine {
     }
 
     /// Forgets a terminal room (refused while writes for it are in flight),
-    /// and the key bound to it.
+    /// and the key bound to it (also when the room is unknown: a key bound
+    /// to a room that was never opened).
     pub fn clear(&self, room: u64) -> Result<()> {
-        lock(&self.shared().rooms).clear(room)?;
-        lock(&self.room_keys).release(room);
+        let cleared = lock(&self.shared().rooms).clear(room);
+        // a key bound to a room that was never opened (its sender or
+        // receiver refused) is released too
+        if matches!(&cleared, Err(e) if e.status() == Status::UnknownRoom) || cleared.is_ok() {
+            lock(&self.room_keys).release(room);
+        }
+        cleared?;
         match &self.inner {
             Inner::Prefill(p) => {
                 lock(&p.prefill_rooms).remove(&room);

@@ -506,16 +506,30 @@ class _WorkerSide:
     def _clear(self, eng: Engine, room: int) -> None:
         try:
             eng.clear(room)
-        except PdxError:
+        except PdxError:  # unknown room (never opened): its key is released all the same
             pass
+
+    @staticmethod
+    def _abort_room(eng: Engine, room: int) -> None:
+        try:
+            eng.abort(room)
+        except PdxError:  # unknown room: nothing to abort
+            pass
+
+    @staticmethod
+    def _fenced(eng: Engine, room: int) -> bool:
+        try:
+            return eng.is_fenced(room)
+        except PdxError:
+            return True
 
     def _fail_recv(self, rid: str, req: RecvReq, eng: Optional[Engine], room: Optional[int], err: PdxError) -> None:
         msg = _cfg.vllm_hint(err)
         logger.error("pdxfer: request %s: KV load from %s failed: %s", rid, req.bootstrap, msg)
         if eng is not None and room is not None:
-            eng.abort(room)
+            self._abort_room(eng, room)
         r = self.recvs.get(rid)
-        if r is not None and eng is not None and room is not None and not eng.is_fenced(room):
+        if r is not None and eng is not None and room is not None and not self._fenced(eng, room):
             r.aborted = True  # reported once fenced
             r.failed = True  # type: ignore[attr-defined]
             return
@@ -535,7 +549,7 @@ class _WorkerSide:
         r = self.recvs.get(rid)
         if r is not None:
             if r.engine is not None:
-                r.engine.abort(r.room)
+                self._abort_room(r.engine, r.room)
             r.aborted = True
 
     def get_finished(self) -> Tuple[Set[str], Set[str], Set[str]]:
@@ -559,9 +573,9 @@ class _WorkerSide:
                 self.finished_sending.add(rid)
         for rid, r in list(self.recvs.items()):
             eng = r.engine
-            p = eng.poll(r.room)
+            p = eng.poll(r.room) if r.started else KVPoll.Bootstrapping
             if r.aborted:
-                if eng.is_fenced(r.room):
+                if not r.started or self._fenced(eng, r.room):
                     self._clear(eng, r.room)
                     del self.recvs[rid]
                     self.finished_recving.add(rid)
