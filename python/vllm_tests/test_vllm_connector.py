@@ -30,11 +30,20 @@ def _port() -> int:
 
 
 class Inst:
+    """One vLLM instance: ``opts["tp"]`` rank processes, rank 0 with the scheduler."""
+
     def __init__(self, role: str, opts: Dict[str, Any]):
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=instance.main, args=(role, opts, child), daemon=True)
+        leads, self.ranks = [], []
+        for rank in range(1, opts.get("tp", 1)):
+            a, b = ctx.Pipe()
+            leads.append(a)
+            self.ranks.append(ctx.Process(target=instance.follower, args=(role, opts, rank, b), daemon=True))
+        self.proc = ctx.Process(target=instance.main, args=(role, opts, child, leads), daemon=True)
         self.proc.start()
+        for r in self.ranks:
+            r.start()
         self.opts = opts
         self.events: List[tuple] = []
 
@@ -64,9 +73,10 @@ class Inst:
                 self.send("stop")
                 self.wait(lambda e: e[0] == "stopped", 30)
             finally:
-                self.proc.join(10)
-                if self.proc.is_alive():
-                    self.proc.kill()
+                for p in [self.proc] + self.ranks:
+                    p.join(10)
+                    if p.is_alive():
+                        p.kill()
 
 
 def _opts(engine_id: str, boot_port: int, **kw) -> Dict[str, Any]:
@@ -215,3 +225,20 @@ def test_dtype_mismatch_is_a_typed_failure_naming_the_flag(pd):
     # the prefill's room was never taken: it is released within its deadline (2 x transfer_timeout)
     p.wait(lambda e: e[0] == "finished_sending" and "mismatch" in e[1], 2 * TIMEOUT + 30)
     _no_leaks(p, d16)
+
+
+def test_plugin_registers_the_connector_by_name():
+    """The vllm.general_plugins entry point's function: "PdxferConnector" then
+    needs no module path (vLLM's factory resolves it); it is HMA-capable, so
+    vLLM's default hybrid KV cache manager may stay on."""
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import supports_hma
+
+    from pdxfer.vllm import PdxferConnector, plugin
+
+    plugin.register()
+    plugin.register()  # vLLM may load plugins twice
+    kt = KVTransferConfig(kv_connector="PdxferConnector", kv_role="kv_consumer")
+    assert KVConnectorFactory.get_connector_class(kt) is PdxferConnector
+    assert supports_hma(PdxferConnector)

@@ -138,9 +138,16 @@ def pool_geometry(name: str, t: Any) -> Tuple[int, int, int]:
     return nb, bs, row
 
 
-def topology(kv_caches: Mapping[str, Any], par: Parallel, dtype_tag: str) -> Tuple[Topology, List[Any], int]:
+def topology(kv_caches: Mapping[str, Any], par: Parallel, dtype_tag: str,
+             producer: bool = False) -> Tuple[Topology, List[Any], int]:
     """The rank's topology (one entry per layer, by layer index), its pools in
-    entry order and the block count. Every layer must have the same blocks."""
+    entry order and the block count. Every layer must have the same blocks.
+    A prefill (``producer``) with DCP > 1 is refused: its ranks hold shards of
+    each request, and the engine pairs decode ranks with prefill TP ranks."""
+    if producer and par.dcp_size > 1:
+        raise CompatError(-105, f"a prefill (kv_producer) with --decode-context-parallel-size {par.dcp_size} "
+                                "is not served: launch the prefill with --decode-context-parallel-size 1 "
+                                "(the decode may use any DCP size and interleave)")
     items = sorted(((layer_index(n), n, t) for n, t in kv_caches.items()), key=lambda x: x[0])
     if not items:
         raise ArgumentError(-101, "register_kv_caches: no KV caches")

@@ -46,6 +46,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    SupportsHMA,
 )
 
 try:  # 0.33: KVConnectorTransferResults carries failed_recving
@@ -106,8 +107,12 @@ def _room_key(request: Any) -> str:
     return str(p.get("transfer_id") or p.get(PARAM_ROOM_KEY) or request.request_id)
 
 
-class PdxferConnector(KVConnectorBase_V1):
-    """vLLM's KV connector over pdxfer (MLA models; see the module doc)."""
+class PdxferConnector(KVConnectorBase_V1, SupportsHMA):
+    """vLLM's KV connector over pdxfer (MLA models; see the module doc).
+
+    ``SupportsHMA``: vLLM's hybrid KV cache manager (on by default) may stay
+    on; an MLA model has one KV cache group, and a hybrid model (several
+    groups) is refused when its request finishes."""
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None):
         super().__init__(vllm_config, role, kv_cache_config)
@@ -156,6 +161,13 @@ class PdxferConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: Any, block_ids: List[int]) -> Tuple[bool, Optional[Dict[str, Any]]]:
         return self._sched.request_finished(request, block_ids)
+
+    def request_finished_all_groups(self, request: Any, block_ids: Tuple[List[int], ...]
+                                    ) -> Tuple[bool, Optional[Dict[str, Any]]]:
+        if len(block_ids) != 1:
+            raise CompatError(-105, f"request {request.request_id}: {len(block_ids)} KV cache groups (a hybrid "
+                                    "model); PdxferConnector serves MLA models with one KV cache group")
+        return self._sched.request_finished(request, list(block_ids[0]))
 
     def has_pending_push_work(self) -> bool:
         return self._sched is not None and self._sched.has_pending_work()
@@ -377,7 +389,8 @@ class _WorkerSide:
 
     def register_kv_caches(self, kv_caches: Dict[str, Any]) -> None:
         self.par = self._parallel()
-        self.topology, self.pools, self.num_blocks = _cfg.topology(kv_caches, self.par, self.c.dtype_tag)
+        self.topology, self.pools, self.num_blocks = _cfg.topology(kv_caches, self.par, self.c.dtype_tag,
+                                                                   producer=self.c.is_producer)
         dev = getattr(self.pools[0], "device", None)
         self.pool_device = dev.index or 0 if dev is not None and dev.type == "cuda" else None
         if self.c.is_producer:
