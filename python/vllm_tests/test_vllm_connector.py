@@ -242,3 +242,62 @@ def test_plugin_registers_the_connector_by_name():
     kt = KVTransferConfig(kv_connector="PdxferConnector", kv_role="kv_consumer")
     assert KVConnectorFactory.get_connector_class(kt) is PdxferConnector
     assert supports_hma(PdxferConnector)
+
+
+def test_router_flow_decode_first_chunks_sent_as_computed(pd):
+    """A router gives both sides one transfer_id and sends the decode first:
+    its metadata waits in the prefill engine, and the prefill sends page-aligned
+    chunks while its chunked prefill (40-token chunks) runs."""
+    p, d, _ = pd
+    prompt = _prompt(150, 31)
+    tid = "router-7f3a"
+    d.send("add", {"id": "d-router", "prompt": prompt, "max_tokens": 2,
+                   "params": {"do_remote_prefill": True, "transfer_id": tid, "remote_num_tokens": len(prompt),
+                              "remote_bootstrap_addr": f"http://127.0.0.1:{p_boot(p)}"}})
+    time.sleep(0.5)
+    p.send("add", {"id": "p-router", "prompt": prompt, "max_tokens": 1,
+                   "params": {"do_remote_decode": True, "transfer_id": tid}})
+    got = d.wait(lambda e: e[0] == "loaded" and e[1] == "d-router")[2]
+    assert got["bad_rows"] == 0 and got["tokens"] == 150, got
+    d.wait(lambda e: e[0] == "finished" and e[1] == "d-router")
+    p.wait(lambda e: e[0] == "finished" and e[1] == "p-router")
+    p.wait(lambda e: e[0] == "finished_sending" and "p-router" in e[1])
+    p.send("sends")
+    chunks = p.wait(lambda e: e[0] == "sends")[1]
+    assert chunks.get("p-router", 0) > 1, f"sent in more than one chunk as it was computed: {chunks}"
+    _no_leaks(p, d)
+
+
+def test_abort_on_the_prefill_frees_its_blocks_once_fenced(pd):
+    p, d, _ = pd
+    p.send("add", {"id": "p-abort", "prompt": _prompt(400, 8), "max_tokens": 1,
+                   "params": {"do_remote_decode": True, "do_remote_prefill": False}})
+    p.wait(lambda e: e[0] == "scheduled" and e[1] == "p-abort")
+    p.send("abort", "p-abort")
+    p.wait(lambda e: e[0] == "finished_sending" and "p-abort" in e[1], 30)
+    _no_leaks(p, d)
+
+
+def test_a_killed_prefill_fails_the_decode_request_before_its_timeout(pd):
+    """A second prefill instance takes a decode's metadata (router flow) and is
+    killed (SIGKILL) before it sends: the decode request fails through
+    failed_recving with its blocks as load errors, and the decode ends clean."""
+    _, d, _ = pd
+    boot = _port()
+    victim = Inst("kv_producer", _opts("prefill-victim", boot))
+    try:
+        victim.wait(lambda e: e[0] == "ready", 300)
+        params = {"do_remote_prefill": True, "transfer_id": "victim-1", "remote_num_tokens": 48,
+                  "remote_bootstrap_addr": f"http://127.0.0.1:{boot}"}
+        d.send("add", {"id": "d-victim", "prompt": _prompt(48, 61), "max_tokens": 2, "params": params})
+        time.sleep(2.0)  # the decode's receiver connected and sent its metadata
+    finally:
+        victim.proc.kill()
+        victim.proc.join(10)
+    t0 = time.monotonic()
+    ev = d.wait(lambda e: e[0] == "failed_recving" and "d-victim" in e[1], 2 * TIMEOUT + 30)
+    assert ev[2], "load-error blocks reported"
+    assert time.monotonic() - t0 <= TIMEOUT + 10, "failed within the transfer timeout"
+    d.wait(lambda e: e[0] == "finished" and e[1] == "d-victim")
+    assert any("d-victim" in m and "(" in m for m in d_log(d)), "the typed reason was logged"
+    _no_leaks(d)

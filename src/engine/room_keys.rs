@@ -119,7 +119,11 @@ mod tests {
         c.by_room.insert(r, b"req-b".to_vec());
         let e = c.bind(b"req-a").unwrap_err();
         assert_eq!(e.status(), Status::RoomKeyCollision);
-        assert_eq!(c.key(r), Some(&b"req-b"[..]), "a refused bind changes nothing");
+        assert_eq!(
+            c.key(r),
+            Some(&b"req-b"[..]),
+            "a refused bind changes nothing"
+        );
         c.release(r);
         assert_eq!(c.bind(b"req-a").unwrap(), r);
         assert_eq!(c.key(r), Some(&b"req-a"[..]));

@@ -19,7 +19,11 @@ fn key<'a>(k: *const u8, len: usize) -> Result<&'a [u8]> {
 /// host and release (SHA-256 based, below 2^63). Binds nothing; use
 /// `pdxfer_engine_bind_room_key` on an engine to have collisions refused.
 #[no_mangle]
-pub extern "C" fn pdxfer_room_for_key(key_bytes: *const u8, len: usize, out_room: *mut u64) -> PdxStatus {
+pub extern "C" fn pdxfer_room_for_key(
+    key_bytes: *const u8,
+    len: usize,
+    out_room: *mut u64,
+) -> PdxStatus {
     boundary(|| {
         ptr::check_out(out_room, "out_room")?;
         let r = room_for_key(key(key_bytes, len)?)?;
@@ -57,12 +61,21 @@ mod tests {
     fn room_for_key_over_the_abi() {
         let mut r = 0u64;
         let k = b"cmpl-7";
-        assert_eq!(pdxfer_room_for_key(k.as_ptr(), k.len(), &mut r), PdxStatus::Ok);
+        assert_eq!(
+            pdxfer_room_for_key(k.as_ptr(), k.len(), &mut r),
+            PdxStatus::Ok
+        );
         assert_eq!(r, room_for_key(k).unwrap());
         let mut r2 = 5u64;
-        assert_eq!(pdxfer_room_for_key(k.as_ptr(), 0, &mut r2), PdxStatus::InvalidArgument);
+        assert_eq!(
+            pdxfer_room_for_key(k.as_ptr(), 0, &mut r2),
+            PdxStatus::InvalidArgument
+        );
         assert_eq!(r2, 5, "a refused call writes nothing");
-        assert_eq!(pdxfer_room_for_key(std::ptr::null(), 3, &mut r2), PdxStatus::NullArgument);
+        assert_eq!(
+            pdxfer_room_for_key(std::ptr::null(), 3, &mut r2),
+            PdxStatus::NullArgument
+        );
         assert_eq!(
             pdxfer_room_for_key(k.as_ptr(), k.len(), std::ptr::null_mut()),
             PdxStatus::NullArgument

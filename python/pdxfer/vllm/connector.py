@@ -365,6 +365,7 @@ class _WorkerSide:
         self.failed_recving: Set[str] = set()
         self.load_errors: Set[int] = set()
         self.par: Optional[_cfg.Parallel] = None
+        self.chunks_sent: Dict[str, int] = {}  # chunks queued per request (telemetry and tests)
 
     # ----- setup -----
 
@@ -392,7 +393,7 @@ class _WorkerSide:
         self.topology, self.pools, self.num_blocks = _cfg.topology(kv_caches, self.par, self.c.dtype_tag,
                                                                    producer=self.c.is_producer)
         dev = getattr(self.pools[0], "device", None)
-        self.pool_device = dev.index or 0 if dev is not None and dev.type == "cuda" else None
+        self.pool_device = (dev.index or 0) if dev is not None and dev.type == "cuda" else None
         if self.c.is_producer:
             s = self.c.settings
             url = s.own_bootstrap_url(self.c.dp_index)
@@ -489,7 +490,9 @@ class _WorkerSide:
             first = start // cap
             pages = st.block_ids[first:first + -(-n // cap)] if n else []
             try:
-                self.engine.send(st.room, pages, n, last=final)
+                # device pools: the gather waits for the KV writes queued on
+                # the current stream (the step's forward), not the host
+                self.engine.send(st.room, pages, n, last=final, event=self._event())
             except PdxError as e:
                 logger.warning("pdxfer: request %s: send refused: %s", rid, _cfg.vllm_hint(e))
                 self.engine.abort(st.room)
@@ -497,6 +500,19 @@ class _WorkerSide:
                 continue
             st.sent += n
             st.last_sent = final
+            self.chunks_sent[rid] = self.chunks_sent.get(rid, 0) + 1
+            if len(self.chunks_sent) > 4096:
+                self.chunks_sent.pop(next(iter(self.chunks_sent)))
+
+    def _event(self) -> Any:
+        """A CUDA event recorded now on the current stream (device pools), else None."""
+        if self.pool_device is None:
+            return None
+        import torch
+
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(self.pool_device))
+        return ev
 
     def _pump_recvs(self) -> None:
         now = time.monotonic()
