@@ -9,7 +9,8 @@
 //!   the control messages and channel; [`room`]: the room table and its
 //!   times; `metrics` (its Prometheus text in `metrics/prometheus.rs`),
 //!   `telemetry`: the counters and per-room telemetry; `room_grants`: the
-//!   rows a room's grant covers (both roles).
+//!   rows a room's grant covers (both roles); [`room_keys`]: rooms
+//!   named by string keys (request ids) and the keys bound on an engine.
 //! - `state`: `Shared`, the state of both roles (configuration, agent,
 //!   store, room table, regions, staging, counters) and its lock order.
 //! - `device`: KV pools in CUDA device memory (checks, each worker's GPU
