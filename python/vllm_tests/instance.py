@@ -371,7 +371,8 @@ def main(role: str, opts: Dict[str, Any], conn, followers=()) -> None:
                     elif cmd[0] == "abort":
                         r.abort(cmd[1])
                     elif cmd[0] == "sends":
-                        conn.send(("sends", dict(r.w0.worker._worker.chunks_sent)))
+                        ws = r.w0.worker._worker
+                        conn.send(("sends", {"chunks": dict(ws.chunks_sent), "layers": dict(ws.layer_sends)}))
                     elif cmd[0] == "logs":
                         conn.send(("logs", list(r.log)))
                     elif cmd[0] == "check":

@@ -247,7 +247,8 @@ def test_plugin_registers_the_connector_by_name():
 def test_router_flow_decode_first_chunks_sent_as_computed(pd):
     """A router gives both sides one transfer_id and sends the decode first:
     its metadata waits in the prefill engine, and the prefill sends page-aligned
-    chunks while its chunked prefill (40-token chunks) runs."""
+    chunks while its chunked prefill (40-token chunks) runs, each layer by layer
+    from save_kv_layer."""
     p, d, _ = pd
     prompt = _prompt(150, 31)
     tid = "router-7f3a"
@@ -263,8 +264,11 @@ def test_router_flow_decode_first_chunks_sent_as_computed(pd):
     p.wait(lambda e: e[0] == "finished" and e[1] == "p-router")
     p.wait(lambda e: e[0] == "finished_sending" and "p-router" in e[1])
     p.send("sends")
-    chunks = p.wait(lambda e: e[0] == "sends")[1]
-    assert chunks.get("p-router", 0) > 1, f"sent in more than one chunk as it was computed: {chunks}"
+    sends = p.wait(lambda e: e[0] == "sends")[1]
+    chunks = sends["chunks"].get("p-router", 0)
+    assert chunks > 1, f"sent in more than one chunk as it was computed: {sends}"
+    # each chunk layer by layer from save_kv_layer (2 layers)
+    assert sends["layers"].get("p-router", 0) == 2 * chunks, sends
     _no_leaks(p, d)
 
 

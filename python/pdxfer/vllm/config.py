@@ -24,6 +24,7 @@ DEFAULTS: Dict[str, Any] = {
     "cluster": "vllm",
     "token": None,  # the bootstrap's bearer token and cluster secret (else PDXFER_CLUSTER_SECRET)
     "transfer_timeout": 60.0,  # seconds: a decode's transfer, a prefill's wait for its decode
+    "layerwise": True,  # send a step's chunk layer by layer from save_kv_layer when the decode waits
 }
 
 TRANSPORTS = ("auto", "tcp", "cma", "rdma", "nccl")
@@ -40,6 +41,7 @@ class ConnectorSettings:
     cluster: str
     token: Optional[str]
     transfer_timeout: float
+    layerwise: bool = True
 
     def own_bootstrap_url(self, dp_index: int = 0) -> str:
         """The bootstrap a prefill instance's ranks register with."""
@@ -65,7 +67,7 @@ def settings(extra: Optional[Mapping[str, Any]]) -> ConnectorSettings:
     return ConnectorSettings(
         bootstrap_url=v["bootstrap_url"] or None, bootstrap_host=str(v["bootstrap_host"]),
         bootstrap_port=int(v["bootstrap_port"]), transport=v["transport"], cluster=str(v["cluster"]),
-        token=v["token"], transfer_timeout=t)
+        token=v["token"], transfer_timeout=t, layerwise=bool(v["layerwise"]))
 
 
 #: vLLM --kv-cache-dtype (and the model dtype under "auto") -> pdxfer's dtype tag.

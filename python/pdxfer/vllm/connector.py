@@ -188,7 +188,11 @@ class PdxferConnector(KVConnectorBase_V1, SupportsHMA):
         return None  # whole-request readiness: the request runs once every byte landed
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
-        return None  # sends follow the step (wait_for_save), ordered after its forward
+        self._worker.save_kv_layer(layer_name)
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: Dict[str, Any]) -> bool:
+        return bool(dict(extra_config or {}).get("layerwise", True))
 
     def wait_for_save(self) -> None:
         self._worker.wait_for_save(self._get_connector_metadata())
@@ -366,6 +370,9 @@ class _WorkerSide:
         self.load_errors: Set[int] = set()
         self.par: Optional[_cfg.Parallel] = None
         self.chunks_sent: Dict[str, int] = {}  # chunks queued per request (telemetry and tests)
+        self.layer_sends: Dict[str, int] = {}  # layer-wise sends per request
+        self.layer_chunks: Dict[str, Any] = {}  # this step's layer-wise chunk and next layer, per request
+        self.layer_pos: Dict[str, int] = {}
 
     # ----- setup -----
 
@@ -392,6 +399,8 @@ class _WorkerSide:
         self.par = self._parallel()
         self.topology, self.pools, self.num_blocks = _cfg.topology(kv_caches, self.par, self.c.dtype_tag,
                                                                    producer=self.c.is_producer)
+        names = sorted(kv_caches, key=_cfg.layer_index)
+        self.layer_pos = {n: i for i, n in enumerate(names)}
         dev = getattr(self.pools[0], "device", None)
         self.pool_device = (dev.index or 0) if dev is not None and dev.type == "cuda" else None
         if self.c.is_producer:
@@ -452,8 +461,24 @@ class _WorkerSide:
                 self.sends[rid] = st
             st.block_ids = s.block_ids
         self._pump_recvs()
+        self.plan_layerwise(meta)
 
     def wait_for_save(self, meta: Optional[PdxferConnectorMetadata]) -> None:
+        # layers of a layer-wise chunk that save_kv_layer did not see this
+        # step (a layer without attention metadata): the rest go now, in
+        # order, ordered after the whole forward
+        for rid, ((pages, n, final), nxt) in list(self.layer_chunks.items()):
+            st = self.sends[rid]
+            try:
+                self.engine.send(st.room, pages, n, final, event=self._event(), layers=(nxt, len(self.pools) - nxt))
+                st.sent += n
+                st.last_sent = final
+                self._count_chunk(rid)
+            except PdxError as e:
+                logger.warning("pdxfer: request %s: layer-wise send refused: %s", rid, _cfg.vllm_hint(e))
+                self.engine.abort(st.room)
+                st.aborted = True
+        self.layer_chunks = {}
         # the step's forward wrote its KV before this (vLLM calls it after the
         # forward, on the same stream); sends are ordered after it
         if meta is not None:
@@ -467,28 +492,84 @@ class _WorkerSide:
                     st.done = True
         self._pump_sends()
 
-    def _pump_sends(self) -> None:
-        cap = self.topology.page_size * self.topology.dcp_size if self.topology else 1
-        for rid, st in list(self.sends.items()):
-            if st.aborted or st.last_sent:
+    def _next_chunk(self, st: "_Send", computed: int) -> Optional[Tuple[List[int], int, bool]]:
+        """The chunk a room can send once ``computed`` tokens are written:
+        ``(pages, tokens, last)``; page-aligned unless last; None when nothing
+        is ready or the decode has not sent its metadata."""
+        cap = self.topology.page_size * self.topology.dcp_size
+        p = self.engine.poll(st.room)
+        if p != KVPoll.WaitingForInput and p != KVPoll.Transferring:
+            return None
+        prefix = self.engine.decode_prefix_len(st.room) or 0
+        start = prefix + st.sent
+        if start % cap:
+            return None
+        final = computed >= st.num_prompt
+        if final:
+            n = max(0, st.num_prompt - start)
+        else:
+            n = ((computed - start) // cap) * cap
+            if n <= 0:
+                return None
+        first = start // cap
+        return (st.block_ids[first:first + -(-n // cap)] if n else []), n, final
+
+    def plan_layerwise(self, meta: Optional[PdxferConnectorMetadata]) -> None:
+        """Before the forward: the rooms whose decode is waiting send this
+        step's chunk layer by layer from ``save_kv_layer``."""
+        self.layer_chunks = {}
+        if meta is None or not self.c.settings.layerwise or self.engine is None:
+            return
+        for rid, s in meta.sends.items():
+            st = self.sends.get(rid)
+            if st is None or st.aborted or st.last_sent:
                 continue
-            p = self.engine.poll(st.room)
-            if p != KVPoll.WaitingForInput and p != KVPoll.Transferring:
+            ch = self._next_chunk(st, min(s.computed, st.num_prompt))
+            if ch is not None and ch[1] > 0:
+                self.layer_chunks[rid] = (ch, 0)
+
+    def save_kv_layer(self, layer_name: str) -> None:
+        if not self.layer_chunks:
+            return
+        pos = self.layer_pos.get(layer_name)
+        if pos is None:
+            return
+        for rid, ((pages, n, final), nxt) in list(self.layer_chunks.items()):
+            st = self.sends[rid]
+            if pos != nxt:
                 continue
-            prefix = self.engine.decode_prefix_len(st.room) or 0
-            start = prefix + st.sent
-            if start % cap:
-                continue  # not reached: chunks are page-aligned
-            final = st.computed >= st.num_prompt
-            avail = st.computed - start
-            if final:
-                n = max(0, st.num_prompt - start)
+            try:
+                # ordered after this layer's KV writes on the current stream
+                self.engine.send(st.room, pages, n, final, event=self._event(), layers=(pos, 1))
+            except PdxError as e:
+                logger.warning("pdxfer: request %s: layer-wise send refused: %s", rid, _cfg.vllm_hint(e))
+                self.engine.abort(st.room)
+                st.aborted = True
+                del self.layer_chunks[rid]
+                continue
+            self.layer_sends[rid] = self.layer_sends.get(rid, 0) + 1
+            if pos + 1 == len(self.pools):
+                del self.layer_chunks[rid]
+                st.sent += n
+                st.last_sent = final
+                self._count_chunk(rid)
             else:
-                n = (avail // cap) * cap
-                if n <= 0:
-                    continue
-            first = start // cap
-            pages = st.block_ids[first:first + -(-n // cap)] if n else []
+                self.layer_chunks[rid] = ((pages, n, final), pos + 1)
+
+    def _count_chunk(self, rid: str) -> None:
+        self.chunks_sent[rid] = self.chunks_sent.get(rid, 0) + 1
+        for d in (self.chunks_sent, self.layer_sends):
+            if len(d) > 4096:
+                d.pop(next(iter(d)))
+
+    def _pump_sends(self) -> None:
+        for rid, st in list(self.sends.items()):
+            if st.aborted or st.last_sent or rid in self.layer_chunks:
+                continue
+            ch = self._next_chunk(st, st.computed)
+            if ch is None:
+                continue
+            pages, n, final = ch
             try:
                 # device pools: the gather waits for the KV writes queued on
                 # the current stream (the step's forward), not the host
@@ -500,9 +581,7 @@ class _WorkerSide:
                 continue
             st.sent += n
             st.last_sent = final
-            self.chunks_sent[rid] = self.chunks_sent.get(rid, 0) + 1
-            if len(self.chunks_sent) > 4096:
-                self.chunks_sent.pop(next(iter(self.chunks_sent)))
+            self._count_chunk(rid)
 
     def _event(self) -> Any:
         """A CUDA event recorded now on the current stream (device pools), else None."""
