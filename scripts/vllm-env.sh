@@ -2,7 +2,7 @@
 # Builds (once) the Python environment the vLLM connector tests run in, and
 # prints its interpreter's path on stdout.
 #
-#   py=$(bash scripts/vllm-env.sh)      # then: "$py" -m pytest python/tests/vllm
+#   py=$(bash scripts/vllm-env.sh)      # then: "$py" -m pytest python/vllm_tests
 #
 # Where: ${PDXFER_VLLM_ENV:-$HOME/.cache/pdxfer/vllm-0.33.0}, outside the
 # repository, so fresh clones on one machine share it. A second run only checks
@@ -15,8 +15,9 @@
 # GPU (they run CPU tensors there; no driver is needed). Then vLLM 0.33.0 with
 # --no-deps, and only the small pure-Python packages that vLLM's config,
 # scheduler, connector factory and parallel state import (found by importing
-# them; listed in DEPS below), not vLLM's serving stack (kernels, FlashInfer,
-# fastapi ...). VLLM_TARGET_DEVICE=cpu at run time selects vLLM's CPU platform.
+# them; listed in DEPS below), not the rest of vLLM's serving stack (kernels,
+# FlashInfer, Triton extensions, multimodal codecs ...). About 6.6 GB, a few
+# minutes from PyPI. VLLM_TARGET_DEVICE=cpu at run time selects vLLM's CPU platform.
 #
 # A failure exits non-zero with the pip or import error: the test stage that
 # calls this fails loudly rather than skipping.
@@ -42,10 +43,10 @@ if [ -f "$stamp" ] && [ -x "$env_dir/bin/python" ]; then
   exit 0
 fi
 t0=$SECONDS
-echo "vllm-env: building $env_dir (vLLM 0.33.0, torch 2.14.0 without nvidia-* wheels)" >&2
+echo "vllm-env: building $env_dir (vLLM 0.33.0 without its dependencies, torch 2.14.0 with its own)" >&2
 mkdir -p "$(dirname "$env_dir")"
 [ -x "$env_dir/bin/python" ] || python3 -m venv "$env_dir"
-pip=("$env_dir/bin/python" -m pip install --disable-pip-version-check --quiet)
+pip=("$env_dir/bin/python" -m pip install --disable-pip-version-check --no-warn-conflicts --quiet)
 "${pip[@]}" "setuptools>=77" "$TORCH" >&2
 "${pip[@]}" --no-deps "$VLLM" >&2
 "${pip[@]}" "${DEPS[@]}" >&2
