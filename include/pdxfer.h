@@ -106,6 +106,9 @@
 // Plan only the packed layout: source rows are indices into a staging buffer.
 #define PDXFER_PLAN_PACKED 1
 
+// The longest room key `pdxfer_room_for_key` and `pdxfer_engine_bind_room_key` accept, in bytes.
+#define PDXFER_MAX_ROOM_KEY_BYTES 4096
+
 // CP rank 0 sends the whole request; the other CP ranks conclude locally.
 #define PDXFER_CP_MODE_RANK0 0
 
@@ -138,6 +141,9 @@
 // 1.5: `pdxfer_alloc_shared_pool` / `pdxfer_free_shared_pool` (shared KV
 // pools, one copy on the same host), `PDXFER_ENGINE_NO_ONE_COPY`,
 // `PDXFER_ENGINE_NO_PREFAULT`.
+// 1.6: `PdxTopology.cp_mode` / `cp_storage` and `pdxfer_engine_set_request_pages`
+// (prefill attention CP), `pdxfer_room_for_key` / `pdxfer_engine_bind_room_key`
+// (rooms named by request ids), `PdxKvDtype` 6 (`fp8_ds_mla`).
 #define PDXFER_ABI_VERSION_MINOR 6
 
 // Stable status codes shared by Rust, C (`PdxStatus`) and Python (`.code`).
@@ -273,6 +279,9 @@ enum PdxStatus
   // A layer-wise send came out of order, repeated a layer, or left layers
   // of a chunk unsent; the detail names the layers.
   PDX_STATUS_LAYER_ORDER = -904,
+  // Two different room keys (request ids) map to one room on this engine;
+  // the detail names both keys.
+  PDX_STATUS_ROOM_KEY_COLLISION = -910,
 };
 #ifndef __cplusplus
 #if __STDC_VERSION__ >= 202311L
@@ -408,7 +417,8 @@ typedef struct PdxTopology {
   uint32_t dcp_interleave;
   // Tokens per page.
   uint32_t page_size;
-  // `PdxKvDtype` value (0 auto, 1 bf16, 2 fp16, 3 fp32, 4 fp8_e4m3, 5 fp8_e5m2).
+  // `PdxKvDtype` value (0 auto, 1 bf16, 2 fp16, 3 fp32, 4 fp8_e4m3, 5 fp8_e5m2,
+  // 6 fp8_ds_mla: vLLM's 656-byte fp8 MLA rows).
   uint32_t kv_dtype;
   // `PdxPoolKind` value (0 mla, 1 hybrid_mla, 2 mha).
   uint32_t pool_kind;
@@ -1254,6 +1264,22 @@ PdxStatus pdxfer_registration_deregister(struct PdxRegistration *registration);
 // after it. (The Python package enforces this: its `Registration.close()` waits for the
 // calls in flight and refuses later ones with a typed error.)
 PdxStatus pdxfer_registration_destroy(struct PdxRegistration *registration);
+
+// The room id of the `len` bytes at `key` (a request id, 1 to
+// `PDXFER_MAX_ROOM_KEY_BYTES` bytes) into `*out_room`: the same on every
+// host and release (SHA-256 based, below 2^63). Binds nothing; use
+// `pdxfer_engine_bind_room_key` on an engine to have collisions refused.
+PdxStatus pdxfer_room_for_key(const uint8_t *key_bytes, size_t len, uint64_t *out_room);
+
+// Binds the key (a request id) on the engine until its room is cleared and
+// writes its room (as `pdxfer_room_for_key`) into `*out_room`. Binding the
+// same key again gives the same room; a different key whose room is bound
+// on this engine is refused with `PDX_STATUS_ROOM_KEY_COLLISION` (the
+// detail names both keys) and nothing changes.
+PdxStatus pdxfer_engine_bind_room_key(const struct PdxEngine *engine,
+                                      const uint8_t *key_bytes,
+                                      size_t len,
+                                      uint64_t *out_room);
 
 // The library's ABI version: `(major << 16) | minor`.
 uint32_t pdxfer_abi_version(void);

@@ -22,7 +22,8 @@
 # DCP ranks as processes on the GPU, SGLang's scheduler call sequence, every
 # decode row read back and checked; needs python3 with numpy and torch with
 # CUDA, and the carried libpdxfer.so; skipped with the reason printed when
-# those are missing). Runs on a machine with an NVIDIA
+# those are missing), then pdxfer's vLLM connector on torch CUDA tensors with an
+# event-ordered send (scripts/gpu-check-vllm.sh, same needs). Runs on a machine with an NVIDIA
 # GPU and no Rust toolchain and no network, from a binary built on a build
 # machine; it builds nothing (bash, coreutils and the binary; nvidia-smi and
 # nvcc are used when present):
@@ -201,6 +202,20 @@ else
         2>&1 | tee -a "$log"
     src=${PIPESTATUS[0]}
     [ "$src" -ne 0 ] && say "gpu-check: SGLang adapter step failed (exit $src)" && [ "$rc" -eq 0 ] && rc=$src
+fi
+
+# pdxfer's vLLM connector on torch CUDA tensors (scripts/gpu-check-vllm.sh; exit 3: cannot run here).
+if [ "$rc" -eq 3 ]; then
+    say "gpu-check: vLLM connector step skipped: no kernel image loads"
+elif [ $((budget - SECONDS)) -lt 30 ]; then
+    say "gpu-check: vLLM connector step skipped: under 30 s of GPU_CHECK_BUDGET left"
+else
+    PDXFER_LIB=${lib:-} VLLM_CHECK_TIMEOUT=$(within "${VLLM_CHECK_TIMEOUT:-90}") bash scripts/gpu-check-vllm.sh 2>&1 | tee -a "$log"
+    vrc=${PIPESTATUS[0]}
+    if [ "$vrc" -ne 0 ] && [ "$vrc" -ne 3 ]; then
+        say "gpu-check: vLLM connector step failed (exit $vrc)"
+        [ "$rc" -eq 0 ] && rc=$vrc
+    fi
 fi
 
 # NCCL on one GPU (target/nccl-check, built as scripts/nccl-check.sh says):

@@ -129,6 +129,14 @@ PDXFER_LIB="$PWD/target/debug/libpdxfer.so" python3 -m pytest -q -rs python/test
 grep '^SKIPPED' target/pytest.log | sed 's/^/python\tpytest\t/' >>"$PDXFER_SKIP_LOG" || true
 echo "pytest: $(grep -oE '[0-9]+ skipped' target/pytest.log | tail -n 1 || echo '0 skipped')"
 
+step "vLLM connector tests (vLLM 0.33.0 and torch on the CPU)"
+# The environment is built once per machine outside the repository (about 6.6
+# GB); a failure to build it fails this stage rather than skipping it.
+vllm_py=$(bash scripts/vllm-env.sh)
+PDXFER_LIB="$PWD/target/debug/libpdxfer.so" VLLM_TARGET_DEVICE=cpu "$vllm_py" -m pytest -q -rs -p no:cacheprovider \
+  python/vllm_tests 2>&1 | tee target/pytest-vllm.log
+grep '^SKIPPED' target/pytest-vllm.log | sed 's/^/python\tpytest-vllm\t/' >>"$PDXFER_SKIP_LOG" || true
+
 step "C/C++ install: scripts/install.sh, examples/cpp with CMake and pkg-config"
 bash scripts/check-install.sh
 

@@ -162,6 +162,9 @@ pub enum PdxStatus {
     /// A layer-wise send came out of order, repeated a layer, or left layers
     /// of a chunk unsent; the detail names the layers.
     LayerOrder = -904,
+    /// Two different room keys (request ids) map to one room on this engine;
+    /// the detail names both keys.
+    RoomKeyCollision = -910,
 }
 
 /// Rust-side name of the status enum.
@@ -270,6 +273,7 @@ status_table! {
     Aborted => "aborted", "room aborted";
     EngineClosed => "engine_closed", "engine closed or poisoned";
     LayerOrder => "layer_order", "layer-wise send out of order, repeated, or with layers missing";
+    RoomKeyCollision => "room_key_collision", "two room keys map to the same room";
 }
 
 impl fmt::Display for PdxStatus {

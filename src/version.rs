@@ -17,4 +17,7 @@ pub const PDXFER_ABI_VERSION_MAJOR: u32 = 1;
 /// 1.5: `pdxfer_alloc_shared_pool` / `pdxfer_free_shared_pool` (shared KV
 /// pools, one copy on the same host), `PDXFER_ENGINE_NO_ONE_COPY`,
 /// `PDXFER_ENGINE_NO_PREFAULT`.
+/// 1.6: `PdxTopology.cp_mode` / `cp_storage` and `pdxfer_engine_set_request_pages`
+/// (prefill attention CP), `pdxfer_room_for_key` / `pdxfer_engine_bind_room_key`
+/// (rooms named by request ids), `PdxKvDtype` 6 (`fp8_ds_mla`).
 pub const PDXFER_ABI_VERSION_MINOR: u32 = 6;

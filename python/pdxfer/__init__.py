@@ -29,7 +29,7 @@ from ._lib import (
 from . import bootstrap
 from . import engine
 from . import log
-from .engine import Engine, KVPoll, Receiver, Sender
+from .engine import Engine, KVPoll, Receiver, Sender, room_for_key
 from .layout import (
     PeerCompat,
     RankMapping,
@@ -95,6 +95,7 @@ __all__ = [
     "KVPoll",
     "Receiver",
     "Sender",
+    "room_for_key",
     "check",
     "error_class",
     "library_path",

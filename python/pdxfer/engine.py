@@ -2,8 +2,9 @@
 decode), rooms with SGLang's :class:`KVPoll` lifecycle, per-room
 :class:`Sender` / :class:`Receiver` objects.
 
-Pools are host memory given as integer addresses or as writable buffers
-(numpy arrays, ``bytearray``, ``memoryview`` ...); the engine keeps a reference
+Pools are host memory given as integer addresses, as writable buffers
+(numpy arrays, ``bytearray``, ``memoryview`` ...) or as CPU tensors with
+``data_ptr()`` (torch bf16 tensors have no buffer protocol); the engine keeps a reference
 to every buffer object it was given until :meth:`Engine.close`. With
 ``pool_device=n`` the pools are CUDA device memory of device ``n``: integer
 device addresses or objects with ``data_ptr()`` and ``nbytes`` (e.g. torch
@@ -40,6 +41,7 @@ __all__ = [
     "POOL_HOST",
     "POOL_CUDA",
     "RoomTelemetry",
+    "room_for_key",
 ]
 
 ROLE_PREFILL = 1
@@ -265,17 +267,45 @@ _sizep = ctypes.POINTER(ctypes.c_size_t)
 _sig("pdxfer_engine_metrics", [_vp, ctypes.c_char_p, ctypes.c_size_t, _sizep])
 _sig("pdxfer_engine_metrics_address", [_vp, ctypes.c_char_p, ctypes.c_size_t, _sizep])
 _sig("pdxfer_engine_room_telemetry", [_vp, _u64, ctypes.POINTER(CRoomTelemetry)])
+_sig("pdxfer_room_for_key", [ctypes.c_char_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_uint64)])
+_sig("pdxfer_engine_bind_room_key", [_vp, ctypes.c_char_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_uint64)])
+
+
+def _key_bytes(key: Any) -> bytes:
+    if isinstance(key, str):
+        return key.encode()
+    if isinstance(key, (bytes, bytearray)):
+        return bytes(key)
+    raise ArgumentError(-101, f"a room key is a str or bytes, not a {type(key).__name__}")
+
+
+def room_for_key(key: Any) -> int:
+    """The room id of a string key (a serving engine's request id), the same
+    on every side and host; :meth:`Engine.bind_room_key` also refuses a
+    second key that maps to a room bound on that engine."""
+    k = _key_bytes(key)
+    out = ctypes.c_uint64()
+    check(lib.pdxfer_room_for_key(k, len(k), ctypes.byref(out)))
+    return out.value
 
 
 def buffer_address(buf: Any) -> Tuple[int, Optional[int]]:
     """``(address, nbytes)`` of a pool given as an int (nbytes unknown: None),
-    a numpy array (C-contiguous, writable), or any writable buffer object."""
+    a numpy array (C-contiguous, writable), a host tensor with ``data_ptr()``
+    (contiguous, on the CPU: e.g. a torch bf16 tensor, which has no buffer
+    protocol), or any writable buffer object."""
     if isinstance(buf, bool):
         raise ArgumentError(-101, "a pool base must be an address or a buffer, not a bool")
     if isinstance(buf, int):
         if buf <= 0:
             raise ArgumentError(-100, f"pool address {buf:#x} is NULL or negative")
         return buf, None
+    if hasattr(buf, "data_ptr") and not (_np is not None and isinstance(buf, _np.ndarray)):
+        dev = getattr(buf, "device", None)
+        if dev is not None and getattr(dev, "type", "cpu") != "cpu":
+            raise ArgumentError(-101, f"a host pool tensor must be on the CPU, this one is on {dev}; "
+                                      "pass pool_device=<ordinal> for device pools")
+        return device_address(buf)
     if _np is not None and isinstance(buf, _np.ndarray):
         if not buf.flags["C_CONTIGUOUS"]:
             raise ArgumentError(-101, "pool arrays must be C-contiguous")
@@ -483,6 +513,16 @@ class Engine:
             pass
 
     # ----- rooms -----
+
+    @guarded
+    def bind_room_key(self, key: Any) -> int:
+        """The room of ``key`` (a request id, ``str`` or ``bytes``), bound on
+        this engine until :meth:`clear`; a different key whose room is bound
+        here raises ``room_key_collision`` (nothing changes)."""
+        k = _key_bytes(key)
+        out = ctypes.c_uint64()
+        check(lib.pdxfer_engine_bind_room_key(self._live(), k, len(k), ctypes.byref(out)))
+        return out.value
 
     @guarded
     def sender(self, room: int) -> "Sender":

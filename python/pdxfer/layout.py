@@ -344,7 +344,7 @@ POOL_MLA, POOL_HYBRID_MLA, POOL_MHA = 0, 1, 2
 CP_MODES = {"rank0": 0, "all-cp": 1}
 #: How a prefill's CP ranks store the KV (``PDXFER_CP_STORAGE_*``).
 CP_STORAGES = {"replicated": 0, "layer_split": 1, "kv_sharded": 2}
-DTYPES = {"auto": 0, "bf16": 1, "fp16": 2, "fp32": 3, "fp8_e4m3": 4, "fp8_e5m2": 5}
+DTYPES = {"auto": 0, "bf16": 1, "fp16": 2, "fp32": 3, "fp8_e4m3": 4, "fp8_e5m2": 5, "fp8_ds_mla": 6}
 
 
 @dataclass

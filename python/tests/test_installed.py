@@ -41,3 +41,15 @@ def test_the_sglang_plugin_entry_point_is_declared():
     import pdxfer.sglang.plugin as plugin
 
     assert callable(plugin.register)
+
+
+def test_the_vllm_plugin_entry_point_is_declared_and_the_package_shipped():
+    from importlib.metadata import entry_points
+
+    eps = {e.name: e.value for e in entry_points(group="vllm.general_plugins")}
+    assert eps.get("pdxfer") == "pdxfer.vllm.plugin:register", eps
+    import pdxfer.vllm.config as config
+    import pdxfer.vllm.plugin as plugin
+
+    assert callable(plugin.register)
+    assert Path(config.__file__).resolve().parent.parent == Path(pdxfer.__file__).resolve().parent

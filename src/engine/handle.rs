@@ -20,6 +20,7 @@ use super::layers::SendOptions;
 use super::metrics::MetricsSnapshot;
 use super::prefill::{notify_decode, Prefill};
 use super::room::KvPoll;
+use super::room_keys::RoomKeys;
 use super::state::{lock, Shared};
 use super::telemetry::RoomTelemetry;
 use crate::bootstrap::schema::{Registration, Role};
@@ -76,6 +77,8 @@ impl WeakInner {
 #[derive(Clone)]
 pub struct Engine {
     pub(super) inner: Inner,
+    /// Room keys bound on this engine ([`Engine::bind_room_key`]).
+    pub(super) room_keys: Arc<std::sync::Mutex<RoomKeys>>,
 }
 
 impl std::fmt::Debug for Engine {
@@ -133,9 +136,31 @@ impl Engine {
         }
     }
 
-    /// Forgets a terminal room (refused while writes for it are in flight).
+    /// The room of a string key (a serving engine's request id), bound on
+    /// this engine until the room is cleared: the same key gives the same
+    /// room on every side ([`room_for_key`](super::room_keys::room_for_key));
+    /// a different key that maps to a room bound here is refused
+    /// (`room_key_collision`) and nothing changes.
+    pub fn bind_room_key(&self, key: &[u8]) -> Result<u64> {
+        lock(&self.room_keys).bind(key)
+    }
+
+    /// The key bound to `room` by [`Engine::bind_room_key`], if any.
+    pub fn room_key(&self, room: u64) -> Option<Vec<u8>> {
+        lock(&self.room_keys).key(room).map(<[u8]>::to_vec)
+    }
+
+    /// Forgets a terminal room (refused while writes for it are in flight),
+    /// and the key bound to it (also when the room is unknown: a key bound
+    /// to a room that was never opened).
     pub fn clear(&self, room: u64) -> Result<()> {
-        lock(&self.shared().rooms).clear(room)?;
+        let cleared = lock(&self.shared().rooms).clear(room);
+        // a key bound to a room that was never opened (its sender or
+        // receiver refused) is released too
+        if matches!(&cleared, Err(e) if e.status() == Status::UnknownRoom) || cleared.is_ok() {
+            lock(&self.room_keys).release(room);
+        }
+        cleared?;
         match &self.inner {
             Inner::Prefill(p) => {
                 lock(&p.prefill_rooms).remove(&room);

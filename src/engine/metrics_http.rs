@@ -41,7 +41,11 @@ pub(super) fn serve(w: WeakInner, l: TcpListener) {
                 Some(inner) => HttpReply {
                     code: 200,
                     content_type: "text/plain; version=0.0.4",
-                    body: Engine { inner }.metrics(),
+                    body: Engine {
+                        inner,
+                        room_keys: Default::default(),
+                    }
+                    .metrics(),
                 },
                 None => HttpReply::text(503, "engine closed\n"),
             },

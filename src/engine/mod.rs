@@ -9,7 +9,8 @@
 //!   the control messages and channel; [`room`]: the room table and its
 //!   times; `metrics` (its Prometheus text in `metrics/prometheus.rs`),
 //!   `telemetry`: the counters and per-room telemetry; `room_grants`: the
-//!   rows a room's grant covers (both roles).
+//!   rows a room's grant covers (both roles); [`room_keys`]: rooms
+//!   named by string keys (request ids) and the keys bound on an engine.
 //! - `state`: `Shared`, the state of both roles (configuration, agent,
 //!   store, room table, regions, staging, counters) and its lock order.
 //! - [`gpu_identity`]: the GPU of an engine's device pools (host and PCI
@@ -67,6 +68,7 @@ mod path;
 mod prefill;
 pub mod room;
 mod room_grants;
+pub mod room_keys;
 mod setup;
 mod state;
 pub mod synthetic;
@@ -81,4 +83,5 @@ pub use metrics::{
     Histogram, MetricsSnapshot, PeerSnapshot, RoomTotals, LATENCY_BUCKETS, STATE_NAMES,
 };
 pub use room::{KvPoll, Room, RoomTable, RoomTimes};
+pub use room_keys::{room_for_key, RoomKeys, MAX_ROOM_KEY_BYTES};
 pub use telemetry::RoomTelemetry;

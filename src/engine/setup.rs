@@ -90,7 +90,10 @@ impl Engine {
                 .name("pdxfer-ctl".into())
                 .spawn(move || accept_loop(w, l))?;
         }
-        Ok(Engine { inner })
+        Ok(Engine {
+            inner,
+            room_keys: Default::default(),
+        })
     }
 }
 

@@ -31,6 +31,7 @@ pub mod peer;
 pub mod plan;
 pub mod ptr;
 pub mod registration;
+pub mod room_key;
 pub mod status;
 pub mod topology;
 

@@ -35,7 +35,8 @@ pub struct PdxTopology {
     pub dcp_interleave: u32,
     /// Tokens per page.
     pub page_size: u32,
-    /// `PdxKvDtype` value (0 auto, 1 bf16, 2 fp16, 3 fp32, 4 fp8_e4m3, 5 fp8_e5m2).
+    /// `PdxKvDtype` value (0 auto, 1 bf16, 2 fp16, 3 fp32, 4 fp8_e4m3, 5 fp8_e5m2,
+    /// 6 fp8_ds_mla: vLLM's 656-byte fp8 MLA rows).
     pub kv_dtype: u32,
     /// `PdxPoolKind` value (0 mla, 1 hybrid_mla, 2 mha).
     pub pool_kind: u32,

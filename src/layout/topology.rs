@@ -63,6 +63,9 @@ pub enum KvDtype {
     Fp8E4m3 = 4,
     /// fp8 e5m2.
     Fp8E5m2 = 5,
+    /// vLLM's `fp8_ds_mla` MLA rows (fp8 latent, fp32 scales and a bf16 rope
+    /// part in one 656-byte token row): not interchangeable with plain fp8 rows.
+    Fp8DsMla = 6,
 }
 
 impl KvDtype {
@@ -75,11 +78,12 @@ impl KvDtype {
             3 => KvDtype::Fp32,
             4 => KvDtype::Fp8E4m3,
             5 => KvDtype::Fp8E5m2,
+            6 => KvDtype::Fp8DsMla,
             _ => return Err(Error::invalid(format!("unknown KV dtype {v}"))),
         })
     }
 
-    /// The name SGLang's `--kv-cache-dtype` uses.
+    /// The name SGLang's `--kv-cache-dtype` uses (vLLM's for `fp8_ds_mla`).
     pub fn as_str(self) -> &'static str {
         match self {
             KvDtype::Auto => "auto",
@@ -88,6 +92,7 @@ impl KvDtype {
             KvDtype::Fp32 => "fp32",
             KvDtype::Fp8E4m3 => "fp8_e4m3",
             KvDtype::Fp8E5m2 => "fp8_e5m2",
+            KvDtype::Fp8DsMla => "fp8_ds_mla",
         }
     }
 }
