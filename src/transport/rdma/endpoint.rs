@@ -12,7 +12,7 @@
 //! ep.wait(7, timeout)?;                                        // Done / Failed(reason), never retried
 //! ```
 
-use super::config::RdmaConfig;
+use super::config::{PairingMode, RdmaConfig};
 use super::device::{select_rails, RailChoice};
 use super::handshake::{
     random_psn, random_u64, Gid, Handshake, HandshakeField, LinkLayer, Mtu, Negotiated, RailInfo,
@@ -496,6 +496,7 @@ impl VerbsNic {
             local: Handshake {
                 instance_id: self.instance_id,
                 rails: infos,
+                pair_by_index: self.cfg.pairing == PairingMode::Index,
             },
             negotiated: Vec::new(),
             cfg: self.cfg.clone(),

@@ -878,6 +878,7 @@ impl NicProvider for FakeNic {
             local: Handshake {
                 instance_id: self.instance_id,
                 rails: infos,
+                pair_by_index: self.cfg.pairing == super::config::PairingMode::Index,
             },
         }))
     }

@@ -226,6 +226,9 @@ pub struct Handshake {
     pub instance_id: u64,
     /// One entry per rail, in rail order.
     pub rails: Vec<RailInfo>,
+    /// This side asks for rails paired by index instead of by subnet
+    /// (`PDXFER_RDMA_PAIRING=index`; flag bit 0).
+    pub pair_by_index: bool,
 }
 
 /// The handshake field a failure is about.
@@ -404,7 +407,8 @@ impl Handshake {
 
     /// Encodes the handshake (little-endian, version [`Handshake::VERSION`]).
     ///
-    /// Layout: magic `PDXR`, u16 version, u16 flags (0), u64 instance id, u16 rail
+    /// Layout: magic `PDXR`, u16 version, u16 flags (bit 0: pair rails by index),
+    /// u64 instance id, u16 rail
     /// count, then per rail: u8 name length + name, u8 port, u8 link layer, u8 GID
     /// index, u8 MTU (`ibv_mtu`), u32 QPN, u16 LID, u32 PSN, 16-byte GID, u8 IPv4
     /// prefix length, u32 region count, then per region u64 addr, u64 len, u32 rkey.
@@ -418,7 +422,7 @@ impl Handshake {
         let mut w = Writer(Vec::with_capacity(64 + self.rails.len() * 64));
         w.bytes(&HANDSHAKE_MAGIC);
         w.u16(HANDSHAKE_VERSION);
-        w.u16(0);
+        w.u16(u16::from(self.pair_by_index));
         w.u64(self.instance_id);
         w.u16(self.rails.len() as u16);
         for (i, r) in self.rails.iter().enumerate() {
@@ -479,7 +483,7 @@ impl Handshake {
                 ),
             ));
         }
-        let _flags = r.u16(F::Version)?;
+        let flags = r.u16(F::Version)?;
         let instance_id = r.u64(F::Version)?;
         let n = r.u16(F::Rails)? as usize;
         if n == 0 || n > MAX_RAILS {
@@ -587,7 +591,11 @@ impl Handshake {
                 format!("{} trailing byte(s) after the last rail", buf.len() - r.pos),
             ));
         }
-        Ok(Handshake { instance_id, rails })
+        Ok(Handshake {
+            instance_id,
+            rails,
+            pair_by_index: flags & 1 != 0,
+        })
     }
 }
 
@@ -829,6 +837,7 @@ mod tests {
         Handshake {
             instance_id: 0x0102_0304_0506_0708,
             rails,
+            pair_by_index: false,
         }
     }
 
@@ -872,12 +881,16 @@ mod tests {
         r2.regions.clear();
         r2.gid = Gid::parse("0000:0000:0000:0000:0000:ffff:0a00:0102").unwrap();
         r2.prefix_len = 24;
-        let h = hs(vec![rail(LinkLayer::Ethernet, Mtu::Mtu4096), r2]);
+        let mut h = hs(vec![rail(LinkLayer::Ethernet, Mtu::Mtu4096), r2]);
         let bytes = h.encode().unwrap();
         assert_eq!(&bytes[..4], b"PDXR");
         assert_eq!(u16::from_le_bytes([bytes[4], bytes[5]]), HANDSHAKE_VERSION);
         let back = Handshake::decode(&bytes).unwrap();
         assert_eq!(back, h);
+        h.pair_by_index = true;
+        let bytes = h.encode().unwrap();
+        assert_eq!(u16::from_le_bytes([bytes[6], bytes[7]]), 1);
+        assert_eq!(Handshake::decode(&bytes).unwrap(), h);
     }
 
     #[test]

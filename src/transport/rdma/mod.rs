@@ -70,7 +70,7 @@ pub mod transport;
 pub mod verbs;
 pub mod wr;
 
-pub use config::{RdmaConfig, RecordMode};
+pub use config::{PairingMode, RdmaConfig, RecordMode};
 pub use device::{RdmaDevice, RdmaPort};
 #[cfg(feature = "rdma")]
 pub use endpoint::{MemoryKind, RdmaEndpoint, RegistrationReport, VerbsNic};

@@ -17,7 +17,9 @@
 //! the same matching from swapped inputs, so it is always computed from the
 //! side that [`leads`] and flipped on the other. Rails left without a
 //! partner are reported; no pair at all is a [`HandshakeField::Subnet`]
-//! error naming both sides' rails and subnets.
+//! error naming both sides' rails and subnets. When either side asks for it
+//! ([`Handshake::pair_by_index`]: a fabric routed between subnets), rail `i`
+//! pairs with the peer's rail `i` instead.
 
 use super::handshake::{
     negotiate, Handshake, HandshakeError, HandshakeField, LinkLayer, Negotiated, RailInfo,
@@ -166,7 +168,14 @@ fn match_from(a: &[Subnet], b: &[Subnet]) -> Vec<(usize, usize)> {
 pub fn pair_rails(local: &Handshake, remote: &Handshake) -> Result<RailPairing, HandshakeError> {
     let ls: Vec<Subnet> = local.rails.iter().map(Subnet::of).collect();
     let rs: Vec<Subnet> = remote.rails.iter().map(Subnet::of).collect();
-    let mut pairs: Vec<RailPair> = if leads(local, remote) {
+    let mut pairs: Vec<RailPair> = if local.pair_by_index || remote.pair_by_index {
+        (0..ls.len().min(rs.len()))
+            .map(|i| RailPair {
+                local: i,
+                remote: i,
+            })
+            .collect()
+    } else if leads(local, remote) {
         match_from(&ls, &rs)
             .into_iter()
             .map(|(l, r)| RailPair {
@@ -341,6 +350,7 @@ mod tests {
         Handshake {
             instance_id: id,
             rails,
+            pair_by_index: false,
         }
     }
 
@@ -562,6 +572,27 @@ mod tests {
         let p = both(&a, &b).unwrap();
         assert_eq!(pairs(&p), [(0, 0), (1, 1)]);
         assert_eq!(p.unpaired_remote, [2]);
+    }
+
+    #[test]
+    fn either_end_asking_for_index_pairing_pairs_by_index() {
+        // A routed fabric: every rail on its own /31, no subnet in common.
+        let a = hs(
+            1,
+            vec![roce("a0", [10, 0, 0, 0], 31), roce("a1", [10, 0, 0, 2], 31)],
+        );
+        let mut b = hs(
+            2,
+            vec![roce("b0", [10, 0, 1, 0], 31), roce("b1", [10, 0, 1, 2], 31)],
+        );
+        assert_eq!(both(&a, &b).unwrap_err().field, HandshakeField::Subnet);
+        b.pair_by_index = true;
+        let p = both(&a, &b).unwrap();
+        assert_eq!(pairs(&p), [(0, 0), (1, 1)]);
+        b.rails.pop();
+        let p = both(&a, &b).unwrap();
+        assert_eq!(pairs(&p), [(0, 0)]);
+        assert_eq!(p.unpaired_local, [1]);
     }
 
     #[test]
