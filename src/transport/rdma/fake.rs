@@ -1156,6 +1156,56 @@ mod tests {
     }
 
     #[test]
+    fn a_rail_with_no_partner_is_left_out_and_regions_added_later_use_the_paired_rail() {
+        let ll = LinkLayer::Ethernet;
+        // Prefill rails A (10.0.1.0/24), B (10.0.2.0/24); the decode has only B'.
+        let a = FakeNic::with_link_layer("pa", 2, Mtu::Mtu4096, ll);
+        let b = FakeNic::with_link_layer("pb", 1, Mtu::Mtu4096, ll);
+        a.set_rail_addresses(&[(v4([10, 0, 1, 1]), 24), (v4([10, 0, 2, 1]), 24)]);
+        b.set_rail_addresses(&[(v4([10, 0, 2, 2]), 24)]);
+        let dst = vec![0u8; 200_000];
+        // SAFETY: dst outlives the endpoints below.
+        unsafe {
+            b.register(dst.as_ptr() as u64, dst.len() as u64, RegionKind::Host)
+                .unwrap();
+        }
+        let ea = a.endpoint().unwrap();
+        let eb = b.endpoint().unwrap();
+        let (ha, hb) = (ea.local().clone(), eb.local().clone());
+        let (pa, negs) = ea.connect(&hb).unwrap();
+        let (_pb, _) = eb.connect(&ha).unwrap();
+        assert_eq!((pa.rails(), negs.len()), (1, 1));
+        assert_eq!(negs[0].dgid, v4([10, 0, 2, 2]));
+        // Rail A's QP is gone; B's talks to B'.
+        let (qa, qb) = (a.qpns(), b.qpns());
+        assert!(!qp_alive(qa[0]));
+        assert_eq!(
+            lock(fabric()).qps[&qa[1]].remote.load(Ordering::SeqCst),
+            qb[0]
+        );
+        // A source registered after connecting: its lkey on NIC rail 1 is used
+        // (rail 0's key would be a local protection error on B's QP).
+        let src: Vec<u8> = (0..200_000u32).map(|i| (i * 11 + 1) as u8).collect();
+        // SAFETY: src outlives the data path below.
+        let keys = unsafe {
+            a.register(src.as_ptr() as u64, src.len() as u64, RegionKind::Host)
+                .unwrap()
+        };
+        pa.add_local(&keys);
+        let span = Span {
+            local_addr: src.as_ptr() as u64,
+            remote_addr: dst.as_ptr() as u64,
+            len: 200_000,
+        };
+        pa.post_batch(3, Direction::Write, &[span]).unwrap();
+        assert_eq!(
+            pa.wait(3, Duration::from_secs(5)).unwrap(),
+            BatchState::Done { bytes: 200_000 }
+        );
+        assert_eq!(dst, src);
+    }
+
+    #[test]
     fn rails_with_no_common_subnet_are_refused_with_the_subnets_named() {
         let ll = LinkLayer::Ethernet;
         let a = FakeNic::with_link_layer("na", 2, Mtu::Mtu4096, ll);
