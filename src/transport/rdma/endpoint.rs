@@ -542,9 +542,11 @@ impl RdmaEndpoint {
         &self.negotiated
     }
 
-    /// Connects to the peer described by `remote`: negotiates each rail (min MTU,
-    /// GIDs, LIDs), moves each QP INIT -> RTR -> RTS, posts the receives for
-    /// completion records and starts the completion poller.
+    /// Connects to the peer described by `remote`: pairs the rails by subnet
+    /// (`pairing`; no pair is `RdmaHandshake`, field `subnet`), negotiates each
+    /// pair (min MTU, GIDs, LIDs), moves its QP INIT -> RTR -> RTS, drops the
+    /// QPs of rails left out, posts the receives for completion records and
+    /// starts the completion poller.
     pub fn connect(&mut self, remote: &Handshake) -> Result<Vec<Negotiated>> {
         if !self.negotiated.is_empty() {
             return Err(Error::invalid("endpoint is already connected"));
@@ -616,7 +618,7 @@ impl RdmaEndpoint {
     }
 
     /// Makes a region registered after this endpoint connected usable as a
-    /// local source or destination (`per_rail[i]` holds its lkey on rail `i`).
+    /// local source or destination (`per_rail[i]` holds its lkey on NIC rail `i`).
     pub fn session_add_local(&self, per_rail: &[LocalRegion]) {
         self.session.add_local(per_rail)
     }

@@ -7,7 +7,8 @@
 //!   GID, PSN, MTU, regions with rkeys) and `handshake::negotiate` (min MTU,
 //!   zero-GID detection, errors naming the failing field);
 //! - `pairing`: which local rail connects to which peer rail, by the subnet
-//!   of their GIDs (IB subnet prefix, IPv4 network, IPv6 /64), never by index;
+//!   of their GIDs (IB subnet prefix, IPv4 network, IPv6 /64), or by index
+//!   where `PDXFER_RDMA_PAIRING=index` asks for it;
 //! - `wr`: work-request lists for a batch (splitting, signalling every k, the
 //!   WRITE_WITH_IMM or final-write completion record);
 //! - `slice`: spreading a batch across rails and resolving keys with bounds checks;
