@@ -224,7 +224,7 @@ pub fn pair_rails(local: &Handshake, remote: &Handshake) -> Result<RailPairing, 
         return Err(HandshakeError::new(
             HandshakeField::Subnet,
             format!(
-                "no rail of this side shares a subnet with a rail of the peer: local rails {}; remote rails {}. Connect both hosts' NICs to a common network, or choose the rails that reach the peer with PDXFER_RDMA_DEVICES",
+                "no rail of this side shares a subnet with a rail of the peer: local rails {}; remote rails {}. Connect both hosts' NICs to a common network, choose the rails that reach the peer with PDXFER_RDMA_DEVICES, or on a fabric routed between subnets set PDXFER_RDMA_PAIRING=index",
                 describe(&local.rails, &ls),
                 describe(&remote.rails, &rs)
             ),
@@ -421,6 +421,7 @@ mod tests {
         assert!(e.detail.contains("a0 port 1 (10.0.1.0/24)"), "{e}");
         assert!(e.detail.contains("c0 port 1 (10.0.2.0/24)"), "{e}");
         assert!(e.detail.contains("PDXFER_RDMA_DEVICES"), "{e}");
+        assert!(e.detail.contains("PDXFER_RDMA_PAIRING=index"), "{e}");
         // The same address bits under different prefix lengths are different networks.
         let d = hs(2, vec![roce("d0", [10, 0, 1, 2], 16)]);
         assert_eq!(both(&a, &d).unwrap_err().field, HandshakeField::Subnet);
