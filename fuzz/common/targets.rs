@@ -137,6 +137,7 @@ pub fn seeds(name: &str) -> Vec<Vec<u8>> {
             v.extend_from_slice(&7u16.to_le_bytes());
             v.extend_from_slice(&0x55u32.to_le_bytes());
             v.extend_from_slice(&[0u8; 16]);
+            v.push(24); // IPv4 prefix length
             v.extend_from_slice(&1u32.to_le_bytes());
             v.extend_from_slice(&0x1000u64.to_le_bytes());
             v.extend_from_slice(&0x2000u64.to_le_bytes());

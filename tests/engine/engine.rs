@@ -671,6 +671,64 @@ fn a_qp_error_fails_its_room_and_later_rooms_reconnect_over_rdma() {
     assert!(qpns[2..].iter().all(|q| fake::qp_alive(*q)));
 }
 
+/// Rails are paired by GID subnet across engines: the prefill's rails A
+/// (10.0.1.0/24), B (10.0.2.0/24) and the decode's B', A' listed crossed
+/// connect A-A' and B-B' (the fake fabric has no route between the two
+/// subnets, so pairing by index would fail with RETRY_EXC), and every byte
+/// lands.
+#[test]
+fn rdma_rails_listed_crossed_pair_by_subnet() {
+    use pdxfer::transport::rdma::handshake::{Gid, LinkLayer};
+    let gid = |a: [u8; 4]| {
+        let mut g = [0u8; 16];
+        g[10] = 0xff;
+        g[11] = 0xff;
+        g[12..].copy_from_slice(&a);
+        Gid(g)
+    };
+    let nic = |name: &str, addrs: &[[u8; 4]]| {
+        let n = FakeNic::with_link_layer(name, addrs.len(), Mtu::Mtu4096, LinkLayer::Ethernet);
+        n.set_rail_addresses(&addrs.iter().map(|a| (gid(*a), 24)).collect::<Vec<_>>());
+        n
+    };
+    let server = BootstrapServer::start(ServerConfig::default()).unwrap();
+    let url = server.url();
+    let p_pools = SyntheticPools::new(LAYERS, ROW, P, 64, 8, 32).unwrap();
+    let mut cfg = EngineConfig::new(
+        Role::Prefill,
+        "e2e-subnet",
+        &url,
+        p_pools.topology(1, 0),
+        p_pools.kv_pools(),
+    );
+    cfg.aux = p_pools.aux_buffers();
+    cfg.transport = TransportKind::Rdma;
+    cfg.testing.nic = Some(nic("subnet-p", &[[10, 0, 1, 1], [10, 0, 2, 1]]) as _);
+    cfg.staging_bytes = 1 << 20;
+    cfg.room_timeout = Duration::from_secs(20);
+    // SAFETY: the pools live in the Cluster below, alongside the engine.
+    let prefill = unsafe { Engine::new(cfg) }.unwrap();
+    let d_pools = cluster::pools(LAYERS, 32);
+    let mut dcfg = cluster::config(
+        Role::Decode,
+        "e2e-subnet",
+        &url,
+        &d_pools,
+        (1, 0),
+        TransportKind::Rdma,
+    );
+    let d_nic = nic("subnet-d", &[[10, 0, 2, 2], [10, 0, 1, 2]]);
+    dcfg.testing.nic = Some(d_nic.clone() as _);
+    // SAFETY: the pools live in the Cluster below, alongside the engine.
+    let decode = unsafe { Engine::new(dcfg) }.unwrap();
+    let mut c = Cluster::from_parts(server, vec![(prefill, p_pools)], vec![(decode, d_pools)]);
+    c.receiver_timeout = Some(Duration::from_secs(20));
+    let row_total = LAYERS as u64 * ROW;
+    assert_eq!(c.request(1, 300, 0, 100), 300 * row_total + 32);
+    assert_eq!(c.request(2, 200, 0, 3), 200 * row_total + 32);
+    assert_eq!(d_nic.qpns().len(), 2, "one data link of two rails");
+}
+
 /// Room grants held by each decode rank of `c`.
 fn grants_held(c: &Cluster) -> Vec<u64> {
     c.decode

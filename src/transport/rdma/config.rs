@@ -16,6 +16,18 @@ pub enum RecordMode {
     None,
 }
 
+/// How the two ends of a connection pair their rails.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum PairingMode {
+    /// Each rail with a rail of the peer on the same GID subnet.
+    #[default]
+    Subnet,
+    /// Rail `i` with the peer's rail `i` (a fabric routed between subnets,
+    /// where rails on different subnets reach each other). Either end asking
+    /// for it makes both ends pair by index.
+    Index,
+}
+
 /// Settings of an RDMA transport.
 #[derive(Debug, Clone, PartialEq)]
 pub struct RdmaConfig {
@@ -45,6 +57,8 @@ pub struct RdmaConfig {
     pub min_slice: u64,
     /// Completion record of write batches.
     pub record: RecordMode,
+    /// How rails are paired with the peer's (`PDXFER_RDMA_PAIRING`).
+    pub pairing: PairingMode,
     /// QP timeouts and retry counts.
     pub tuning: QpTuning,
     /// Threads registering memory in parallel.
@@ -68,6 +82,7 @@ impl Default for RdmaConfig {
             signal_every: 64,
             min_slice: 64 << 10,
             record: RecordMode::Immediate,
+            pairing: PairingMode::Subnet,
             tuning: QpTuning::default(),
             reg_threads: 8,
             post_timeout: Duration::from_secs(30),
@@ -87,7 +102,8 @@ impl RdmaConfig {
     /// `PDXFER_RDMA_MAX_RAILS`, `PDXFER_RDMA_NUMA_NODE`, `PDXFER_RDMA_GPU_PCI`,
     /// `PDXFER_RDMA_SQ_DEPTH`, `PDXFER_RDMA_SIGNAL_EVERY`, `PDXFER_RDMA_MIN_SLICE`,
     /// `PDXFER_RDMA_TIMEOUT`, `PDXFER_RDMA_RETRY_CNT`, `PDXFER_RDMA_TRAFFIC_CLASS`,
-    /// `PDXFER_RDMA_SL`, `PDXFER_RDMA_REG_THREADS`, `PDXFER_RDMA_RECORD` (`imm`|`none`).
+    /// `PDXFER_RDMA_SL`, `PDXFER_RDMA_REG_THREADS`, `PDXFER_RDMA_RECORD` (`imm`|`none`),
+    /// `PDXFER_RDMA_PAIRING` (`subnet`|`index`).
     pub fn from_env() -> Result<RdmaConfig> {
         Self::from_lookup(|k| std::env::var(k).ok())
     }
@@ -147,6 +163,17 @@ impl RdmaConfig {
                 other => {
                     return Err(Error::invalid(format!(
                         "PDXFER_RDMA_RECORD={other:?}: expected imm or none"
+                    )))
+                }
+            };
+        }
+        if let Some(v) = g("PDXFER_RDMA_PAIRING") {
+            c.pairing = match v.trim() {
+                "subnet" => PairingMode::Subnet,
+                "index" => PairingMode::Index,
+                other => {
+                    return Err(Error::invalid(format!(
+                        "PDXFER_RDMA_PAIRING={other:?}: expected subnet or index"
                     )))
                 }
             };
@@ -246,6 +273,7 @@ mod tests {
             ("PDXFER_RDMA_SIGNAL_EVERY", "16"),
             ("PDXFER_RDMA_RETRY_CNT", "3"),
             ("PDXFER_RDMA_RECORD", "none"),
+            ("PDXFER_RDMA_PAIRING", "index"),
         ])
         .unwrap();
         assert_eq!(
@@ -258,6 +286,8 @@ mod tests {
         assert_eq!(c.signal_every, 16);
         assert_eq!(c.tuning.retry_cnt, 3);
         assert_eq!(c.record, RecordMode::None);
+        assert_eq!(c.pairing, PairingMode::Index);
+        assert!(from(&[("PDXFER_RDMA_PAIRING", "gid")]).is_err());
         assert_eq!(c.affinity().numa_node, Some(1));
     }
 

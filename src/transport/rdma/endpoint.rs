@@ -12,12 +12,13 @@
 //! ep.wait(7, timeout)?;                                        // Done / Failed(reason), never retried
 //! ```
 
-use super::config::RdmaConfig;
+use super::config::{PairingMode, RdmaConfig};
 use super::device::{select_rails, RailChoice};
 use super::handshake::{
-    negotiate_all, random_psn, random_u64, Gid, Handshake, HandshakeField, LinkLayer, Mtu,
-    Negotiated, RailInfo, RemoteRegion,
+    random_psn, random_u64, Gid, Handshake, HandshakeField, LinkLayer, Mtu, Negotiated, RailInfo,
+    RemoteRegion,
 };
+use super::pairing::negotiate_paired;
 use super::qp::transitions;
 use super::session::{lock, RailIo, Session, SessionParams, SessionRail};
 use super::slice::{check_new_regions, LocalRegion, RailKeys, Span};
@@ -41,6 +42,37 @@ pub fn traffic_class_note(tc: u8) -> String {
     }
 }
 
+/// The prefix length of the chosen GID's IPv4 address on its net device
+/// (0 when the GID is not IPv4 or the device or address is not found: the
+/// rail then pairs with any rail the peer has left).
+fn ipv4_prefix_len(devs: &[super::device::RdmaDevice], c: &RailChoice, gid: &Gid) -> u8 {
+    if !gid.is_ipv4_mapped() {
+        return 0;
+    }
+    let addr = std::net::Ipv4Addr::new(gid.0[12], gid.0[13], gid.0[14], gid.0[15]);
+    let netdev = devs
+        .iter()
+        .filter(|d| d.name == c.device)
+        .flat_map(|d| d.ports.iter().filter(|p| p.num == c.port))
+        .flat_map(|p| p.gids.iter().filter(|g| g.index == c.gid_index))
+        .find_map(|g| g.netdev.clone());
+    let len = netdev
+        .as_deref()
+        .and_then(|nd| super::netdev::ipv4_prefix_len(nd, addr));
+    match len {
+        Some(l) => l,
+        None => {
+            log::warn!(
+                "rdma: {} port {}: no prefix length for {addr} on net device {}: its subnet is unknown, so it pairs with any rail of the peer left unpaired",
+                c.device,
+                c.port,
+                netdev.as_deref().unwrap_or("(none)")
+            );
+            0
+        }
+    }
+}
+
 /// One opened NIC port.
 pub struct Rail {
     /// Why and how it was chosen.
@@ -53,6 +85,9 @@ pub struct Rail {
     pub gid: Gid,
     /// The port's active MTU.
     pub mtu: Mtu,
+    /// The prefix length of an IPv4 GID's address on the port's net device
+    /// (0: not known, or not IPv4), sent in the handshake for rail pairing.
+    pub prefix_len: u8,
     pd: Arc<Pd>,
     ctx: Arc<Context>,
 }
@@ -152,6 +187,7 @@ impl VerbsNic {
                     ),
                 ));
             }
+            let prefix_len = ipv4_prefix_len(&devs, &c, &gid);
             let device = ctx.query_device()?;
             let pd = Pd::alloc(&ctx)?;
             log::info!(
@@ -177,6 +213,7 @@ impl VerbsNic {
                 device,
                 gid,
                 mtu,
+                prefix_len,
                 pd,
                 ctx,
             }));
@@ -423,6 +460,7 @@ impl VerbsNic {
                 lid: r.port.lid,
                 gid: r.gid,
                 gid_index: r.choice.gid_index,
+                prefix_len: r.prefix_len,
                 psn: random_psn(),
                 mtu: r.mtu,
                 regions: regions
@@ -458,6 +496,7 @@ impl VerbsNic {
             local: Handshake {
                 instance_id: self.instance_id,
                 rails: infos,
+                pair_by_index: self.cfg.pairing == PairingMode::Index,
             },
             negotiated: Vec::new(),
             cfg: self.cfg.clone(),
@@ -503,16 +542,19 @@ impl RdmaEndpoint {
         &self.negotiated
     }
 
-    /// Connects to the peer described by `remote`: negotiates each rail (min MTU,
-    /// GIDs, LIDs), moves each QP INIT -> RTR -> RTS, posts the receives for
-    /// completion records and starts the completion poller.
+    /// Connects to the peer described by `remote`: pairs the rails by subnet
+    /// (`pairing`; no pair is `RdmaHandshake`, field `subnet`), negotiates each
+    /// pair (min MTU, GIDs, LIDs), moves its QP INIT -> RTR -> RTS, drops the
+    /// QPs of rails left out, posts the receives for completion records and
+    /// starts the completion poller.
     pub fn connect(&mut self, remote: &Handshake) -> Result<Vec<Negotiated>> {
         if !self.negotiated.is_empty() {
             return Err(Error::invalid("endpoint is already connected"));
         }
-        let negs = negotiate_all(&self.local, remote)?;
-        let mut keys = Vec::with_capacity(negs.len());
-        for (i, n) in negs.iter().enumerate() {
+        let paired = negotiate_paired(&self.local, remote)?;
+        let mut keys = Vec::with_capacity(paired.len());
+        for p in &paired {
+            let (i, n) = (p.pair.local, &p.negotiated);
             let (rail, local) = &self.info[i];
             let qp = &self.session.rails()[i].io.qp;
             let gid_len = rail.port.gid_tbl_len;
@@ -531,15 +573,14 @@ impl RdmaEndpoint {
                 qp.modify(&a)
                     .map_err(|e| Error::new(e.status(), format!("rail {i}: {}", e.detail())))?;
             }
-            keys.push(RailKeys::new(
-                local.clone(),
-                remote.rails[i].regions.clone(),
-            ));
+            let peer = &remote.rails[p.pair.remote];
+            keys.push(RailKeys::new(local.clone(), peer.regions.clone()));
             log::info!(
-                "rdma: rail {i} connected: {} port {} -> {} qpn {:#x}, mtu {} (local {}, remote {}), {}",
+                "rdma: rail {i} connected: {} port {} -> peer rail {} {} qpn {:#x}, mtu {} (local {}, remote {}), {}",
                 rail.choice.device,
                 n.port,
-                remote.rails[i].device,
+                p.pair.remote,
+                peer.device,
                 n.remote_qpn,
                 n.mtu,
                 n.local_mtu,
@@ -551,7 +592,10 @@ impl RdmaEndpoint {
                 }
             );
         }
+        let order: Vec<usize> = paired.iter().map(|p| p.pair.local).collect();
+        self.session.keep_rails(&order)?;
         self.session.start(keys)?;
+        let negs: Vec<Negotiated> = paired.into_iter().map(|p| p.negotiated).collect();
         self.negotiated = negs.clone();
         Ok(negs)
     }
@@ -574,7 +618,7 @@ impl RdmaEndpoint {
     }
 
     /// Makes a region registered after this endpoint connected usable as a
-    /// local source or destination (`per_rail[i]` holds its lkey on rail `i`).
+    /// local source or destination (`per_rail[i]` holds its lkey on NIC rail `i`).
     pub fn session_add_local(&self, per_rail: &[LocalRegion]) {
         self.session.add_local(per_rail)
     }

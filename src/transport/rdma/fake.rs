@@ -33,6 +33,12 @@
 //! dma-buf nor nvidia-peermem works). [`gpu_direct`](NicProvider::gpu_direct)
 //! answers by a real probe registration, as the verbs provider does.
 //!
+//! Each rail's GID (and IPv4 prefix length) can be set
+//! ([`FakeNic::set_rail_addresses`]) to put rails on different subnets: the
+//! two ends pair their rails by subnet as the verbs NIC does, and a WR
+//! between QPs on two different known subnets fails with RETRY_EXC (no
+//! route), as on a fabric where those networks do not meet.
+//!
 //! Tests can kill a QP ([`kill_qp`]), make it fail after some WRs
 //! ([`fail_qp_after`]) or make its next posts accepted only part-way
 //! ([`refuse_posts`]). The fabric only connects QPs of one process; it is
@@ -61,6 +67,7 @@ use super::handshake::{
     random_psn, random_u64, Gid, Handshake, LinkLayer, Mtu, Negotiated, RailInfo,
 };
 use super::nic::{DataPath, NicEndpoint, NicProvider};
+use super::pairing::{negotiate_paired, Subnet};
 use super::session::{lock, RailIo, Session, SessionParams, SessionRail};
 use super::slice::{LocalRegion, RailKeys};
 use super::tracker::{
@@ -117,6 +124,8 @@ struct SendQueue {
 struct Qp {
     qpn: u32,
     device: u64,
+    /// The subnet of its port's GID: a peer on another known subnet is unreachable.
+    subnet: Subnet,
     remote: AtomicU32,
     error: AtomicBool,
     /// Destroyed: nothing it queued is executed any more.
@@ -272,10 +281,12 @@ fn covers(mrs: &HashMap<u32, Mr>, key: u32, device: u64, addr: u64, len: u64) ->
 }
 
 impl Qp {
-    fn new(qpn: u32, device: u64, sq_depth: usize, recv_depth: usize, cq_depth: usize) -> Qp {
+    fn new(qpn: u32, device: u64, subnet: Subnet, depths: (usize, usize, usize)) -> Qp {
+        let (sq_depth, recv_depth, cq_depth) = depths;
         Qp {
             qpn,
             device,
+            subnet,
             remote: AtomicU32::new(0),
             error: AtomicBool::new(false),
             destroyed: AtomicBool::new(false),
@@ -374,6 +385,11 @@ impl Qp {
             // No ACK from a dead or vanished peer.
             return self.fault(w, WC_RETRY_EXC_ERR);
         };
+        if self.subnet.is_known() && peer.subnet.is_known() && self.subnet != peer.subnet {
+            drop(f);
+            // No route between the two networks: no ACK either.
+            return self.fault(w, WC_RETRY_EXC_ERR);
+        }
         if len > 0 && !covers(&f.mrs, w.lkey, self.device, w.local_addr, len) {
             drop(f);
             return self.fault(w, WC_LOC_PROT_ERR);
@@ -578,6 +594,8 @@ pub struct FakeNic {
     cfg: RdmaConfig,
     /// Completion-queue depth of later endpoints (default: send plus receive depth).
     cq_depth: Mutex<Option<usize>>,
+    /// GID and IPv4 prefix length per rail set by the test (default: see `endpoint`).
+    addresses: Mutex<Vec<(Gid, u8)>>,
 }
 
 impl FakeNic {
@@ -628,6 +646,7 @@ impl FakeNic {
             refuse_device_late: AtomicBool::new(false),
             cfg,
             cq_depth: Mutex::new(None),
+            addresses: Mutex::new(Vec::new()),
         })
     }
 
@@ -656,6 +675,15 @@ impl FakeNic {
     /// (default: send-queue plus receive-queue depth, as the verbs NIC).
     pub fn set_cq_depth(&self, depth: usize) {
         *lock(&self.cq_depth) = Some(depth);
+    }
+
+    /// Sets the GID and IPv4 prefix length of rails `0..addrs.len()` in
+    /// endpoints created from now on (the others keep the default: on
+    /// InfiniBand the zero GID, all on one subnet; on RoCE an IPv4-mapped GID
+    /// of unknown prefix length). Rails on different subnets cannot reach
+    /// each other.
+    pub fn set_rail_addresses(&self, addrs: &[(Gid, u8)]) {
+        *lock(&self.addresses) = addrs.to_vec();
     }
 
     /// The settings its rails use.
@@ -780,6 +808,7 @@ impl NicProvider for FakeNic {
 
     fn endpoint(&self) -> Result<Box<dyn NicEndpoint>> {
         let regions = lock(&self.regions).clone();
+        let addresses = lock(&self.addresses).clone();
         let mut f = lock(fabric());
         let mut rails = Vec::new();
         let mut infos = Vec::new();
@@ -793,16 +822,8 @@ impl NicProvider for FakeNic {
             let qpn = f.next_qpn;
             let (sq, rq) = (self.cfg.sq_depth as usize, self.cfg.recv_depth as usize);
             let cq = lock(&self.cq_depth).unwrap_or(sq + rq);
-            let qp = Arc::new(Qp::new(qpn, *d, sq, rq, cq));
-            f.qps.insert(qpn, qp.clone());
-            lock(&self.qps).push(qpn);
-            infos.push(RailInfo {
-                device: format!("{}_{i}", self.name),
-                port: 1,
-                link_layer: self.link_layer,
-                qpn,
-                lid: (*d & 0x3fff) as u16 + 1,
-                gid: match self.link_layer {
+            let (gid, prefix_len) = addresses.get(i).copied().unwrap_or_else(|| {
+                let gid = match self.link_layer {
                     LinkLayer::InfiniBand => Gid::default(),
                     LinkLayer::Ethernet => {
                         let mut g = [0u8; 16];
@@ -811,8 +832,18 @@ impl NicProvider for FakeNic {
                         g[12..].copy_from_slice(&(*d as u32).to_be_bytes());
                         Gid(g)
                     }
-                },
+                };
+                (gid, 0)
+            });
+            let info = RailInfo {
+                device: format!("{}_{i}", self.name),
+                port: 1,
+                link_layer: self.link_layer,
+                qpn,
+                lid: (*d & 0x3fff) as u16 + 1,
+                gid,
                 gid_index: 0,
+                prefix_len,
                 psn: random_psn(),
                 mtu: self.mtu,
                 regions: regions
@@ -823,7 +854,11 @@ impl NicProvider for FakeNic {
                         rkey: r.keys[i],
                     })
                     .collect(),
-            });
+            };
+            let qp = Arc::new(Qp::new(qpn, *d, Subnet::of(&info), (sq, rq, cq)));
+            f.qps.insert(qpn, qp.clone());
+            lock(&self.qps).push(qpn);
+            infos.push(info);
             locals.push(
                 regions
                     .iter()
@@ -843,6 +878,7 @@ impl NicProvider for FakeNic {
             local: Handshake {
                 instance_id: self.instance_id,
                 rails: infos,
+                pair_by_index: self.cfg.pairing == super::config::PairingMode::Index,
             },
         }))
     }
@@ -864,21 +900,27 @@ impl NicEndpoint for FakeEndpoint {
         self: Box<Self>,
         remote: &Handshake,
     ) -> Result<(Box<dyn DataPath>, Vec<Negotiated>)> {
-        let negs = super::handshake::negotiate_all(&self.local, remote)?;
+        let paired = negotiate_paired(&self.local, remote)?;
         let this = *self;
         let mut keys = Vec::new();
-        let mut rails = Vec::new();
-        for (i, r) in this.rails.into_iter().enumerate() {
-            if let Some(n) = negs.get(i) {
-                r.qp.remote.store(n.remote_qpn, Ordering::SeqCst);
-                keys.push(RailKeys::new(
-                    this.locals[i].clone(),
-                    remote.rails[i].regions.clone(),
-                ));
-            }
-            let (sq, rq) = (r.qp.sq_depth as u32, r.qp.recv_depth as u32);
-            rails.push(SessionRail::new(r, FAKE_WEIGHT, FAKE_MAX_MSG, sq, rq));
+        for p in &paired {
+            this.rails[p.pair.local]
+                .qp
+                .remote
+                .store(p.negotiated.remote_qpn, Ordering::SeqCst);
+            keys.push(RailKeys::new(
+                this.locals[p.pair.local].clone(),
+                remote.rails[p.pair.remote].regions.clone(),
+            ));
         }
+        let rails: Vec<SessionRail<FakeRail>> = this
+            .rails
+            .into_iter()
+            .map(|r| {
+                let (sq, rq) = (r.qp.sq_depth as u32, r.qp.recv_depth as u32);
+                SessionRail::new(r, FAKE_WEIGHT, FAKE_MAX_MSG, sq, rq)
+            })
+            .collect();
         let mut s = Session::new(
             rails,
             SessionParams {
@@ -889,8 +931,12 @@ impl NicEndpoint for FakeEndpoint {
                 post_timeout: this.cfg.post_timeout,
             },
         );
+        s.keep_rails(&paired.iter().map(|p| p.pair.local).collect::<Vec<_>>())?;
         s.start(keys)?;
-        Ok((Box::new(s), negs))
+        Ok((
+            Box::new(s),
+            paired.into_iter().map(|p| p.negotiated).collect(),
+        ))
     }
 }
 
@@ -1017,6 +1063,170 @@ mod tests {
         match st {
             BatchState::Failed(e) => assert!(e.detail().contains("RETRY_EXC"), "{e}"),
             s => panic!("expected failure, got {s:?}"),
+        }
+    }
+
+    fn v4(a: [u8; 4]) -> Gid {
+        let mut g = [0u8; 16];
+        g[10] = 0xff;
+        g[11] = 0xff;
+        g[12..].copy_from_slice(&a);
+        Gid(g)
+    }
+
+    #[test]
+    fn rails_listed_crossed_pair_by_subnet_and_bytes_land() {
+        let ll = LinkLayer::Ethernet;
+        // Prefill rails A (10.0.1.0/24), B (10.0.2.0/24); decode rails listed
+        // crossed: B' (10.0.2.0/24), A' (10.0.1.0/24).
+        let a = FakeNic::with_link_layer("xa", 2, Mtu::Mtu4096, ll);
+        let b = FakeNic::with_link_layer("xb", 2, Mtu::Mtu4096, ll);
+        a.set_rail_addresses(&[(v4([10, 0, 1, 1]), 24), (v4([10, 0, 2, 1]), 24)]);
+        b.set_rail_addresses(&[(v4([10, 0, 2, 2]), 24), (v4([10, 0, 1, 2]), 24)]);
+        let src: Vec<u8> = (0..300_000u32).map(|i| (i * 7 + 3) as u8).collect();
+        let dst = vec![0u8; 300_000];
+        // SAFETY: both buffers outlive the endpoints below.
+        unsafe {
+            a.register(src.as_ptr() as u64, src.len() as u64, RegionKind::Host)
+                .unwrap();
+            b.register(dst.as_ptr() as u64, dst.len() as u64, RegionKind::Host)
+                .unwrap();
+        }
+        let ea = a.endpoint().unwrap();
+        let eb = b.endpoint().unwrap();
+        let (ha, hb) = (ea.local().clone(), eb.local().clone());
+        let (pa, negs) = ea.connect(&hb).unwrap();
+        let (pb, negs_b) = eb.connect(&ha).unwrap();
+        assert_eq!((pa.rails(), pb.rails()), (2, 2));
+        // A -> A' (decode rail 1), B -> B' (decode rail 0), and the reverse there.
+        assert_eq!(negs[0].dgid, v4([10, 0, 1, 2]));
+        assert_eq!(negs[1].dgid, v4([10, 0, 2, 2]));
+        assert_eq!(negs_b[0].dgid, v4([10, 0, 2, 1]));
+        assert_eq!(negs_b[1].dgid, v4([10, 0, 1, 1]));
+        let (qa, qb) = (a.qpns(), b.qpns());
+        {
+            let f = lock(fabric());
+            let remote = |q: u32| f.qps[&q].remote.load(Ordering::SeqCst);
+            assert_eq!((remote(qa[0]), remote(qa[1])), (qb[1], qb[0]));
+            assert_eq!((remote(qb[0]), remote(qb[1])), (qa[1], qa[0]));
+        }
+        // Sliced over both pairs: every byte lands (a pair across subnets
+        // would fail with RETRY_EXC).
+        let span = Span {
+            local_addr: src.as_ptr() as u64 + 5,
+            remote_addr: dst.as_ptr() as u64 + 9,
+            len: 290_000,
+        };
+        pa.post_batch(1, Direction::Write, &[span]).unwrap();
+        assert_eq!(
+            pa.wait(1, Duration::from_secs(5)).unwrap(),
+            BatchState::Done { bytes: 290_000 }
+        );
+        assert_eq!(&dst[9..290_009], &src[5..290_005]);
+        assert!(dst[..9].iter().all(|x| *x == 0));
+
+        // What pairing by index would have done: rail A to B' has no route
+        // (fresh endpoints, no session polling their queues).
+        let (_ea2, _eb2) = (a.endpoint().unwrap(), b.endpoint().unwrap());
+        let (qa, qb) = (a.qpns(), b.qpns());
+        let qp = lock(fabric()).qps[&qa[2]].clone();
+        let (l, r) = (a.regions()[0].keys[0], b.regions()[0].keys[1]);
+        let status = |to: u32, rkey: u32| {
+            qp.remote.store(to, Ordering::SeqCst);
+            qp.execute(&WorkRequest {
+                wr_id: 9,
+                opcode: Opcode::Write,
+                local_addr: src.as_ptr() as u64,
+                lkey: l,
+                len: 16,
+                remote_addr: dst.as_ptr() as u64,
+                rkey,
+                signaled: true,
+                imm: None,
+                retires: 1,
+            });
+            lock(&qp.cq).entries.pop_back().map(|c| c.status)
+        };
+        // A to A' (decode rail 1, its rkey there) lands; A to B' does not.
+        assert_eq!(status(qb[3], r), Some(0));
+        assert_eq!(
+            status(qb[2], b.regions()[0].keys[0]),
+            Some(WC_RETRY_EXC_ERR)
+        );
+    }
+
+    #[test]
+    fn a_rail_with_no_partner_is_left_out_and_regions_added_later_use_the_paired_rail() {
+        let ll = LinkLayer::Ethernet;
+        // Prefill rails A (10.0.1.0/24), B (10.0.2.0/24); the decode has only B'.
+        let a = FakeNic::with_link_layer("pa", 2, Mtu::Mtu4096, ll);
+        let b = FakeNic::with_link_layer("pb", 1, Mtu::Mtu4096, ll);
+        a.set_rail_addresses(&[(v4([10, 0, 1, 1]), 24), (v4([10, 0, 2, 1]), 24)]);
+        b.set_rail_addresses(&[(v4([10, 0, 2, 2]), 24)]);
+        let dst = vec![0u8; 200_000];
+        // SAFETY: dst outlives the endpoints below.
+        unsafe {
+            b.register(dst.as_ptr() as u64, dst.len() as u64, RegionKind::Host)
+                .unwrap();
+        }
+        let ea = a.endpoint().unwrap();
+        let eb = b.endpoint().unwrap();
+        let (ha, hb) = (ea.local().clone(), eb.local().clone());
+        let (pa, negs) = ea.connect(&hb).unwrap();
+        let (_pb, _) = eb.connect(&ha).unwrap();
+        assert_eq!((pa.rails(), negs.len()), (1, 1));
+        assert_eq!(negs[0].dgid, v4([10, 0, 2, 2]));
+        // Rail A's QP is gone; B's talks to B'.
+        let (qa, qb) = (a.qpns(), b.qpns());
+        assert!(!qp_alive(qa[0]));
+        assert_eq!(
+            lock(fabric()).qps[&qa[1]].remote.load(Ordering::SeqCst),
+            qb[0]
+        );
+        // A source registered after connecting: its lkey on NIC rail 1 is used
+        // (rail 0's key would be a local protection error on B's QP).
+        let src: Vec<u8> = (0..200_000u32).map(|i| (i * 11 + 1) as u8).collect();
+        // SAFETY: src outlives the data path below.
+        let keys = unsafe {
+            a.register(src.as_ptr() as u64, src.len() as u64, RegionKind::Host)
+                .unwrap()
+        };
+        pa.add_local(&keys);
+        let span = Span {
+            local_addr: src.as_ptr() as u64,
+            remote_addr: dst.as_ptr() as u64,
+            len: 200_000,
+        };
+        pa.post_batch(3, Direction::Write, &[span]).unwrap();
+        assert_eq!(
+            pa.wait(3, Duration::from_secs(5)).unwrap(),
+            BatchState::Done { bytes: 200_000 }
+        );
+        assert_eq!(dst, src);
+    }
+
+    #[test]
+    fn rails_with_no_common_subnet_are_refused_with_the_subnets_named() {
+        let ll = LinkLayer::Ethernet;
+        let a = FakeNic::with_link_layer("na", 2, Mtu::Mtu4096, ll);
+        let b = FakeNic::with_link_layer("nb", 1, Mtu::Mtu4096, ll);
+        a.set_rail_addresses(&[(v4([10, 0, 1, 1]), 24), (v4([10, 0, 2, 1]), 24)]);
+        b.set_rail_addresses(&[(v4([10, 0, 3, 2]), 24)]);
+        let ea = a.endpoint().unwrap();
+        let eb = b.endpoint().unwrap();
+        let (ha, hb) = (ea.local().clone(), eb.local().clone());
+        for e in [ea.connect(&hb).err(), eb.connect(&ha).err()] {
+            let e = e.expect("no rail pair is refused");
+            assert_eq!(e.status(), Status::RdmaHandshake);
+            let d = e.detail();
+            assert!(d.contains("field `subnet`"), "{d}");
+            for want in [
+                "na_0 port 1 (10.0.1.0/24)",
+                "na_1 port 1 (10.0.2.0/24)",
+                "nb_0 port 1 (10.0.3.0/24)",
+            ] {
+                assert!(d.contains(want), "{want}: {d}");
+            }
         }
     }
 

@@ -3,9 +3,11 @@
 //! parameters from both sides' values.
 //!
 //! Each side sends one [`Handshake`] holding one [`RailInfo`] per NIC ("rail"):
-//! QP number, LID, GID and the GID index it came from, the starting PSN, the
-//! port's active MTU, the link layer and the remote-accessible regions with their
-//! rkeys on that NIC. [`negotiate`] turns a (local, remote) pair into the
+//! QP number, LID, GID and the GID index it came from, the prefix length of an
+//! IPv4 GID's address (so the peer can compute the rail's network), the starting
+//! PSN, the port's active MTU, the link layer and the remote-accessible regions
+//! with their rkeys on that NIC. Which local rail connects to which remote rail
+//! is decided by subnet in `pairing`. [`negotiate`] turns a (local, remote) pair into the
 //! [`Negotiated`] attributes the QP moves to RTR/RTS with: the path MTU is the
 //! **smaller** of the two active MTUs, and every failure names the field that is
 //! wrong ([`HandshakeField`]) together with both sides' values, instead of one
@@ -205,6 +207,10 @@ pub struct RailInfo {
     pub gid: Gid,
     /// The GID table index `gid` was read from.
     pub gid_index: u8,
+    /// For an IPv4-mapped RoCE GID: the prefix length of that address on the
+    /// port's net device (1..=32), so both ends can compute its network; 0 when
+    /// it is not known or the GID is not IPv4.
+    pub prefix_len: u8,
     /// The first packet sequence number this side sends with (24-bit).
     pub psn: u32,
     /// The port's active MTU.
@@ -220,6 +226,9 @@ pub struct Handshake {
     pub instance_id: u64,
     /// One entry per rail, in rail order.
     pub rails: Vec<RailInfo>,
+    /// This side asks for rails paired by index instead of by subnet
+    /// (`PDXFER_RDMA_PAIRING=index`; flag bit 0).
+    pub pair_by_index: bool,
 }
 
 /// The handshake field a failure is about.
@@ -251,6 +260,10 @@ pub enum HandshakeField {
     Psn,
     /// Region list.
     Regions,
+    /// IPv4 prefix length.
+    PrefixLen,
+    /// The rails' subnets: no rail of one side can reach a rail of the other.
+    Subnet,
 }
 
 impl HandshakeField {
@@ -270,6 +283,8 @@ impl HandshakeField {
             HandshakeField::Qpn => "qpn",
             HandshakeField::Psn => "psn",
             HandshakeField::Regions => "regions",
+            HandshakeField::PrefixLen => "prefix_len",
+            HandshakeField::Subnet => "subnet",
         }
     }
 }
@@ -290,7 +305,7 @@ pub struct HandshakeError {
 }
 
 impl HandshakeError {
-    fn new(field: HandshakeField, detail: impl Into<String>) -> Self {
+    pub(crate) fn new(field: HandshakeField, detail: impl Into<String>) -> Self {
         HandshakeError {
             field,
             detail: detail.into(),
@@ -381,7 +396,8 @@ impl Handshake {
     /// First bytes of every encoded handshake.
     pub const MAGIC: [u8; 4] = *b"PDXR";
     /// The handshake encoding this build writes (and the newest it reads).
-    pub const VERSION: u16 = 1;
+    /// Version 2 added each rail's IPv4 prefix length (rails are paired by subnet).
+    pub const VERSION: u16 = 2;
     /// Largest valid QP number / PSN (both are 24-bit on the wire).
     pub const MAX_24BIT: u32 = 0x00ff_ffff;
     /// Most rails (NICs) one handshake may carry.
@@ -391,10 +407,11 @@ impl Handshake {
 
     /// Encodes the handshake (little-endian, version [`Handshake::VERSION`]).
     ///
-    /// Layout: magic `PDXR`, u16 version, u16 flags (0), u64 instance id, u16 rail
+    /// Layout: magic `PDXR`, u16 version, u16 flags (bit 0: pair rails by index),
+    /// u64 instance id, u16 rail
     /// count, then per rail: u8 name length + name, u8 port, u8 link layer, u8 GID
-    /// index, u8 MTU (`ibv_mtu`), u32 QPN, u16 LID, u32 PSN, 16-byte GID, u32 region
-    /// count, then per region u64 addr, u64 len, u32 rkey.
+    /// index, u8 MTU (`ibv_mtu`), u32 QPN, u16 LID, u32 PSN, 16-byte GID, u8 IPv4
+    /// prefix length, u32 region count, then per region u64 addr, u64 len, u32 rkey.
     pub fn encode(&self) -> Result<Vec<u8>, HandshakeError> {
         if self.rails.is_empty() || self.rails.len() > MAX_RAILS {
             return Err(HandshakeError::new(
@@ -405,7 +422,7 @@ impl Handshake {
         let mut w = Writer(Vec::with_capacity(64 + self.rails.len() * 64));
         w.bytes(&HANDSHAKE_MAGIC);
         w.u16(HANDSHAKE_VERSION);
-        w.u16(0);
+        w.u16(u16::from(self.pair_by_index));
         w.u64(self.instance_id);
         w.u16(self.rails.len() as u16);
         for (i, r) in self.rails.iter().enumerate() {
@@ -432,6 +449,7 @@ impl Handshake {
             w.u16(r.lid);
             w.u32(r.psn);
             w.bytes(&r.gid.0);
+            w.u8(r.prefix_len);
             w.u32(r.regions.len() as u32);
             for g in &r.regions {
                 w.u64(g.addr);
@@ -465,7 +483,7 @@ impl Handshake {
                 ),
             ));
         }
-        let _flags = r.u16(F::Version)?;
+        let flags = r.u16(F::Version)?;
         let instance_id = r.u64(F::Version)?;
         let n = r.u16(F::Rails)? as usize;
         if n == 0 || n > MAX_RAILS {
@@ -511,6 +529,13 @@ impl Handshake {
             let psn = r.u32(F::Psn)?;
             let mut gid = [0u8; 16];
             gid.copy_from_slice(r.take(16, F::Gid)?);
+            let prefix_len = r.u8(F::PrefixLen)?;
+            if prefix_len > 32 {
+                return Err(HandshakeError::new(
+                    F::PrefixLen,
+                    format!("rail {i} ({device}): IPv4 prefix length {prefix_len} (max 32)"),
+                ));
+            }
             let nr = r.u32(F::Regions)? as usize;
             if nr > MAX_REGIONS {
                 return Err(HandshakeError::new(
@@ -552,6 +577,7 @@ impl Handshake {
                 lid,
                 gid: Gid(gid),
                 gid_index,
+                prefix_len,
                 psn,
                 mtu,
                 regions,
@@ -565,7 +591,11 @@ impl Handshake {
                 format!("{} trailing byte(s) after the last rail", buf.len() - r.pos),
             ));
         }
-        Ok(Handshake { instance_id, rails })
+        Ok(Handshake {
+            instance_id,
+            rails,
+            pair_by_index: flags & 1 != 0,
+        })
     }
 }
 
@@ -753,34 +783,6 @@ pub fn negotiate(local: &RailInfo, remote: &RailInfo) -> Result<Negotiated, Hand
     })
 }
 
-/// Negotiates every rail: rail `i` of this side connects to rail `i` of the peer,
-/// over `min(local rails, remote rails)` rails (extra QPs on the side with more
-/// NICs stay idle). Fails on the first rail that cannot be negotiated.
-pub fn negotiate_all(
-    local: &Handshake,
-    remote: &Handshake,
-) -> Result<Vec<Negotiated>, HandshakeError> {
-    let n = local.rails.len().min(remote.rails.len());
-    if n == 0 {
-        return Err(HandshakeError::new(
-            HandshakeField::Rails,
-            format!(
-                "no rail to connect: local has {}, remote has {}",
-                local.rails.len(),
-                remote.rails.len()
-            ),
-        ));
-    }
-    (0..n)
-        .map(|i| {
-            negotiate(&local.rails[i], &remote.rails[i]).map_err(|e| HandshakeError {
-                field: e.field,
-                detail: format!("rail {i}: {}", e.detail),
-            })
-        })
-        .collect()
-}
-
 /// A random 24-bit PSN (from the OS's random source mixed with the time).
 pub fn random_psn() -> u32 {
     random_u64() as u32 & MAX_24BIT
@@ -813,6 +815,7 @@ mod tests {
             lid: if ll == LinkLayer::InfiniBand { 7 } else { 0 },
             gid: Gid::parse("fe80:0000:0000:0000:0202:c9ff:fe00:0001").unwrap(),
             gid_index: 3,
+            prefix_len: 0,
             psn: 0x00ab_cdef,
             mtu,
             regions: vec![
@@ -834,6 +837,7 @@ mod tests {
         Handshake {
             instance_id: 0x0102_0304_0506_0708,
             rails,
+            pair_by_index: false,
         }
     }
 
@@ -875,12 +879,18 @@ mod tests {
         let mut r2 = rail(LinkLayer::Ethernet, Mtu::Mtu1024);
         r2.device = "mlx5_1".into();
         r2.regions.clear();
-        let h = hs(vec![rail(LinkLayer::Ethernet, Mtu::Mtu4096), r2]);
+        r2.gid = Gid::parse("0000:0000:0000:0000:0000:ffff:0a00:0102").unwrap();
+        r2.prefix_len = 24;
+        let mut h = hs(vec![rail(LinkLayer::Ethernet, Mtu::Mtu4096), r2]);
         let bytes = h.encode().unwrap();
         assert_eq!(&bytes[..4], b"PDXR");
         assert_eq!(u16::from_le_bytes([bytes[4], bytes[5]]), HANDSHAKE_VERSION);
         let back = Handshake::decode(&bytes).unwrap();
         assert_eq!(back, h);
+        h.pair_by_index = true;
+        let bytes = h.encode().unwrap();
+        assert_eq!(u16::from_le_bytes([bytes[6], bytes[7]]), 1);
+        assert_eq!(Handshake::decode(&bytes).unwrap(), h);
     }
 
     #[test]
@@ -903,6 +913,19 @@ mod tests {
         let e = Handshake::decode(&b).unwrap_err();
         assert_eq!(e.field, HandshakeField::Version);
         assert!(e.detail.contains("version 9"), "{e}");
+
+        // A peer of the previous encoding (no prefix lengths, rails paired by
+        // index) is refused naming both versions.
+        let mut b = good.clone();
+        b[4..6].copy_from_slice(&1u16.to_le_bytes());
+        let e = Handshake::decode(&b).unwrap_err();
+        assert_eq!(e.field, HandshakeField::Version);
+        assert!(
+            e.detail.contains("version 1") && e.detail.contains("speaks 2"),
+            "{e}"
+        );
+        let err: Error = e.into();
+        assert_eq!(err.status(), Status::RdmaHandshake);
 
         let mut b = good.clone();
         b[port] = 0;
@@ -953,8 +976,17 @@ mod tests {
             HandshakeField::Length
         );
 
+        // An IPv4 prefix length past 32 is named.
+        let plen = psn + 4 + 16;
+        let mut b = good.clone();
+        b[plen] = 33;
+        assert_eq!(
+            Handshake::decode(&b).unwrap_err().field,
+            HandshakeField::PrefixLen
+        );
+
         // A huge region count is refused before allocating.
-        let nreg = psn + 4 + 16;
+        let nreg = plen + 1;
         let mut b = good;
         b[nreg..nreg + 4].copy_from_slice(&100_000u32.to_le_bytes());
         assert_eq!(
@@ -1051,24 +1083,6 @@ mod tests {
     }
 
     #[test]
-    fn negotiate_all_pairs_rails_by_index_and_names_the_rail() {
-        let r = rail(LinkLayer::Ethernet, Mtu::Mtu4096);
-        let mut slow = r.clone();
-        slow.mtu = Mtu::Mtu512;
-        let local = hs(vec![r.clone(), r.clone(), r.clone()]);
-        let remote = hs(vec![r.clone(), slow]);
-        let n = negotiate_all(&local, &remote).unwrap();
-        assert_eq!(n.len(), 2);
-        assert_eq!(n[0].mtu, Mtu::Mtu4096);
-        assert_eq!(n[1].mtu, Mtu::Mtu512);
-        let mut bad = r.clone();
-        bad.gid = Gid::default();
-        let e = negotiate_all(&local, &hs(vec![r, bad])).unwrap_err();
-        assert!(e.detail.starts_with("rail 1:"), "{e}");
-        assert_eq!(e.field, HandshakeField::Gid);
-    }
-
-    #[test]
     fn exchange_over_a_stream_pair() {
         let (mut a, mut b) = std::os::unix::net::UnixStream::pair().unwrap();
         for s in [&a, &b] {
@@ -1085,7 +1099,10 @@ mod tests {
         let got_a = t.join().unwrap().unwrap();
         assert_eq!(got_b, hb);
         assert_eq!(got_a, ha);
-        assert_eq!(negotiate_all(&ha, &got_b).unwrap()[0].mtu, Mtu::Mtu1024);
+        assert_eq!(
+            negotiate(&ha.rails[0], &got_b.rails[0]).unwrap().mtu,
+            Mtu::Mtu1024
+        );
 
         // A closed stream is PeerUnreachable; garbage names the field.
         let (mut c, d) = std::os::unix::net::UnixStream::pair().unwrap();

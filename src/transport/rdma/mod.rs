@@ -6,6 +6,9 @@
 //! - `handshake`: the versioned wire format of what each side sends (QPN, LID,
 //!   GID, PSN, MTU, regions with rkeys) and `handshake::negotiate` (min MTU,
 //!   zero-GID detection, errors naming the failing field);
+//! - `pairing`: which local rail connects to which peer rail, by the subnet
+//!   of their GIDs (IB subnet prefix, IPv4 network, IPv6 /64), or by index
+//!   where `PDXFER_RDMA_PAIRING=index` asks for it;
 //! - `wr`: work-request lists for a batch (splitting, signalling every k, the
 //!   WRITE_WITH_IMM or final-write completion record);
 //! - `slice`: spreading a batch across rails and resolving keys with bounds checks;
@@ -44,8 +47,8 @@
 //!
 //! The agent's handshake carries it: the server offers its NICs in
 //! `HelloAck.rdma`, the client sends its `Handshake` in `Select`, the server
-//! answers with its own in `SelectOk`, and both `negotiate` and bring their
-//! QPs up.
+//! answers with its own in `SelectOk`, and both pair their rails by subnet,
+//! `negotiate` each pair and bring their QPs up.
 //!
 //! Without a device every entry point returns `Status::NoRdmaDevice` with the
 //! reason (e.g. no `/sys/class/infiniband`), never a panic.
@@ -57,7 +60,10 @@ pub mod endpoint;
 #[cfg(any(test, feature = "testing"))]
 pub mod fake;
 pub mod handshake;
+#[cfg(feature = "rdma")]
+pub mod netdev;
 pub mod nic;
+pub mod pairing;
 pub mod qp;
 pub mod report;
 pub mod session;
@@ -72,7 +78,7 @@ mod verbs_layout_check;
 pub mod verbs_sys;
 pub mod wr;
 
-pub use config::{RdmaConfig, RecordMode};
+pub use config::{PairingMode, RdmaConfig, RecordMode};
 pub use device::{RdmaDevice, RdmaPort};
 #[cfg(feature = "rdma")]
 pub use endpoint::{MemoryKind, RdmaEndpoint, RegistrationReport, VerbsNic};

@@ -25,7 +25,8 @@ pub trait DataPath: Send + Sync {
     fn post_batch(&self, batch: u32, dir: Direction, spans: &[Span]) -> Result<()>;
     /// Waits up to `timeout` for the batch (`Timeout` then; it keeps running).
     fn wait(&self, batch: u32, timeout: Duration) -> Result<BatchState>;
-    /// Adds a local region registered after connecting (`per_rail[i]` on rail `i`).
+    /// Adds a local region registered after connecting (`per_rail[i]`: its lkey
+    /// on NIC rail `i`; rails left out of the connection are skipped).
     fn add_local(&self, per_rail: &[LocalRegion]);
     /// Forgets every local region overlapping `[addr, addr+len)` (their
     /// registrations are gone; a stale lkey would fail the QP).
@@ -69,8 +70,9 @@ impl<R: RailIo> DataPath for Session<R> {
 pub trait NicEndpoint: Send {
     /// What to send the peer.
     fn local(&self) -> &Handshake;
-    /// Negotiates every rail with the peer's handshake (errors name the
-    /// failing field), brings the QPs up and returns the running data path.
+    /// Pairs its rails with the peer's by subnet (`pairing`), negotiates each
+    /// pair (errors name the failing field), brings those QPs up (the others
+    /// are dropped) and returns the running data path.
     fn connect(self: Box<Self>, remote: &Handshake)
         -> Result<(Box<dyn DataPath>, Vec<Negotiated>)>;
 }

@@ -115,6 +115,9 @@ const PARK: Duration = Duration::from_millis(50);
 /// The data path of one connection.
 pub struct Session<R: RailIo> {
     shared: Arc<Shared<R>>,
+    /// The NIC rail index of each session rail (the session keeps only the
+    /// rails paired with the peer, in pair order).
+    nic_rails: Vec<usize>,
     connected: usize,
     poller: Option<JoinHandle<()>>,
     params: SessionParams,
@@ -124,6 +127,7 @@ impl<R: RailIo> Session<R> {
     /// A session over `rails` (not started: nothing can be posted yet).
     pub fn new(rails: Vec<SessionRail<R>>, params: SessionParams) -> Self {
         Session {
+            nic_rails: (0..rails.len()).collect(),
             shared: Arc::new(Shared {
                 rails,
                 tracker: Mutex::new(Tracker::new(0, 0)),
@@ -144,6 +148,30 @@ impl<R: RailIo> Session<R> {
     /// The rails (for the verbs layer to move QPs through their states).
     pub fn rails(&self) -> &[SessionRail<R>] {
         &self.shared.rails
+    }
+
+    /// Keeps only the rails at NIC rail indices `order`, in that order (the rails
+    /// paired with the peer); the others are dropped (their QPs destroyed).
+    /// Only before [`start`](Self::start). [`add_local`](Self::add_local) keeps
+    /// taking lkeys by NIC rail index.
+    pub fn keep_rails(&mut self, order: &[usize]) -> Result<()> {
+        let n = self.shared.rails.len();
+        let mut seen = vec![false; n];
+        for &i in order {
+            if i >= n || std::mem::replace(&mut seen[i], true) {
+                return Err(Error::invalid(format!(
+                    "rail order {order:?} is not a selection of {n} rails"
+                )));
+            }
+        }
+        let shared = match Arc::get_mut(&mut self.shared) {
+            Some(s) if self.poller.is_none() => s,
+            _ => return Err(Error::invalid("session already started")),
+        };
+        let mut all: Vec<Option<SessionRail<R>>> = shared.rails.drain(..).map(Some).collect();
+        shared.rails = order.iter().filter_map(|&i| all[i].take()).collect();
+        self.nic_rails = order.iter().map(|&i| self.nic_rails[i]).collect();
+        Ok(())
     }
 
     /// Starts the first `keys.len()` rails with their keys: posts the receives and
@@ -186,9 +214,12 @@ impl<R: RailIo> Session<R> {
     }
 
     /// Adds a local region registered after the session started: `per_rail[i]`
-    /// holds its lkey on rail `i` (rails beyond the connected ones are ignored).
+    /// holds its lkey on NIC rail `i` (rails not connected are ignored).
     pub fn add_local(&self, per_rail: &[LocalRegion]) {
-        for (r, l) in self.shared.rails[..self.connected].iter().zip(per_rail) {
+        for (j, r) in self.shared.rails[..self.connected].iter().enumerate() {
+            let Some(l) = per_rail.get(self.nic_rails[j]) else {
+                continue;
+            };
             if let Some(k) = lock(&r.keys).as_mut() {
                 k.add_local(*l);
             }
