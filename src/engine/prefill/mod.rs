@@ -22,6 +22,7 @@ use super::control::CtlMsg;
 use super::layers::{check_next, LayerChunk, LayerPlan, Ready, SendOptions};
 use super::link::DecodeLink;
 use super::nccl_link::NcclLinks;
+use super::path::spread::CopyCrew;
 use super::path::Conn;
 use super::room::KvPoll;
 use super::state::{lock, peer_names, Shared};
@@ -98,6 +99,8 @@ pub(super) struct Prefill {
     pub(super) jobs: Arc<JobQueue>,
     /// Transport nccl: each decode link's sending end, the decode's answers.
     pub(super) nccl: NcclLinks,
+    /// The one-copy path's helper threads (started at its first pair).
+    pub(in crate::engine) copy_crew: CopyCrew,
 }
 
 impl Deref for Prefill {
@@ -117,6 +120,7 @@ impl Prefill {
             decode_links: Mutex::new(Vec::new()),
             jobs: Arc::new(JobQueue::default()),
             nccl: Default::default(),
+            copy_crew: CopyCrew::default(),
         }
     }
 
