@@ -106,6 +106,8 @@ impl Conn {
                 }
                 FrameType::RoomAck => room::decode_room_ack(&p)
                     .map(|(token, sum)| self.rooms.answered(token, Ok(sum))),
+                FrameType::RoomLanded => crate::transport::landed::Landed::decode(&p)
+                    .map(|(token, l)| self.rooms.landed(token, l)),
                 FrameType::RoomRefuse => {
                     wire::decode_reason(&p).map(|(token, e)| self.rooms.answered(token, Err(e)))
                 }
@@ -198,6 +200,39 @@ impl Conn {
             return Err(e);
         }
         self.rooms.open(grant, epoch, self.instance)
+    }
+
+    /// Reopens `grant` on this connection after an earlier connection of
+    /// the room broke: asks the receiver what landed under it (within
+    /// `timeout`), opens the room here and counts `carried` bytes as landed
+    /// before (the caller's total of the room minus what it sends again
+    /// here, computed from the answer); returns the answer.
+    pub fn resume_room(
+        &self,
+        grant: &RoomGrant,
+        epoch: u64,
+        timeout: Duration,
+    ) -> Result<crate::transport::landed::Landed> {
+        if let Some(e) = self.table.dead() {
+            return Err(e);
+        }
+        self.rooms.ask(grant.token);
+        if let Err(e) = self.send(FrameType::RoomQuery, &grant.token.to_le_bytes()) {
+            self.rooms.answered(grant.token, Err(e));
+        }
+        let landed = self.rooms.wait_landed(grant.token, timeout).map_err(|e| {
+            Error::new(
+                e.status(),
+                format!(
+                    "asking peer pid {} what landed of room {}: {}",
+                    self.peer.pid,
+                    grant.room,
+                    e.detail()
+                ),
+            )
+        })?;
+        self.rooms.open(grant, epoch, self.instance)?;
+        Ok(landed)
     }
 
     /// Closes an open room: waits for its batches, sends RoomEnd with their

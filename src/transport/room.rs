@@ -13,6 +13,7 @@
 //! answered by RoomAck once the receiver accepted them; on tcp once every
 //! byte the totals name landed).
 
+use super::landed::Landed;
 use super::piece::Piece;
 use super::wire::Cursor;
 use super::BatchOptions;
@@ -130,6 +131,8 @@ struct OpenState {
     rooms: HashMap<(u64, u64), OpenRoom>,
     /// Room closes waiting for the receiver's answer, by token.
     closing: HashMap<u64, CloseOutcome>,
+    /// Questions of what landed waiting for the receiver's answer, by token.
+    asking: HashMap<u64, Option<Result<Landed>>>,
     dead: Option<Error>,
 }
 
@@ -301,12 +304,78 @@ impl OpenRooms {
         self.lock().rooms.remove(&(room, epoch));
     }
 
-    /// The receiver answered the close of grant `token`.
+    /// The receiver answered the close of grant `token` (or refused a
+    /// question of what landed under it).
     pub(crate) fn answered(&self, token: u64, outcome: Result<RoomSummary>) {
         let mut s = self.lock();
+        if let Err(e) = &outcome {
+            if let Some(slot) = s.asking.get_mut(&token) {
+                *slot = Some(Err(e.clone()));
+                self.cv.notify_all();
+                return;
+            }
+        }
         if let Some(slot) = s.closing.get_mut(&token) {
             *slot = Some(outcome);
             self.cv.notify_all();
+        }
+    }
+
+    /// Asks after grant `token`: a question now waits for its answer
+    /// ([`wait_landed`](Self::wait_landed)).
+    pub(crate) fn ask(&self, token: u64) {
+        self.lock().asking.insert(token, None);
+    }
+
+    /// The receiver said what landed under grant `token`.
+    pub(crate) fn landed(&self, token: u64, landed: Landed) {
+        let mut s = self.lock();
+        if let Some(slot) = s.asking.get_mut(&token) {
+            *slot = Some(Ok(landed));
+            self.cv.notify_all();
+        }
+    }
+
+    /// Waits up to `timeout` for the answer to the question after `token`.
+    pub(crate) fn wait_landed(&self, token: u64, timeout: Duration) -> Result<Landed> {
+        let end = Instant::now() + timeout;
+        let mut s = self.lock();
+        loop {
+            if let Some(Some(_)) = s.asking.get(&token) {
+                return s.asking.remove(&token).flatten().expect("checked above");
+            }
+            if let Some(e) = s.dead.clone() {
+                s.asking.remove(&token);
+                return Err(e);
+            }
+            let now = Instant::now();
+            if now >= end {
+                s.asking.remove(&token);
+                return Err(Error::new(
+                    Status::Timeout,
+                    format!("the receiver did not say what landed within {timeout:?}"),
+                ));
+            }
+            s = self
+                .cv
+                .wait_timeout(s, end - now)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+    }
+
+    /// Counts `bytes` that landed over an earlier connection in the open
+    /// room `(room, epoch)`: its room end then names the room's whole total.
+    pub(crate) fn carry(&self, room: u64, epoch: u64, bytes: u64) -> Result<()> {
+        match self.lock().rooms.get_mut(&(room, epoch)) {
+            Some(r) => {
+                r.bytes += bytes;
+                Ok(())
+            }
+            None => Err(Error::new(
+                Status::UnknownRoom,
+                format!("room {room} epoch {epoch} has no open grant on this connection"),
+            )),
         }
     }
 
