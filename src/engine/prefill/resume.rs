@@ -16,6 +16,7 @@ use crate::engine::state::lock;
 use crate::error::{Error, Result};
 use crate::transport::landed::Landed;
 use crate::transport::{BatchOptions, TransportKind, WriteOp};
+use std::collections::hash_map::Entry;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -39,10 +40,12 @@ pub(super) fn settle(
     if !sent.is_empty() {
         if let Some(r) = lock(&inner.prefill_rooms).get_mut(&room) {
             for (link, ops) in sent {
-                r.tcp_sent
-                    .entry(link.hello.instance_id.0)
-                    .or_default()
-                    .extend(ops);
+                match r.tcp_sent.entry(link.hello.instance_id.0) {
+                    Entry::Occupied(mut o) => o.get_mut().extend(ops),
+                    Entry::Vacant(v) => {
+                        v.insert(ops);
+                    }
+                }
             }
         }
     }

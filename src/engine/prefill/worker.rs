@@ -107,6 +107,12 @@ fn release_ended(inner: &Prefill, jobs: &JobQueue) {
 /// the close of its grants), fails on an error; aborts that waited for the
 /// in-flight writes are answered.
 fn conclude(inner: &Prefill, room: u64, attempt: u64, last: bool, r: Result<()>) {
+    if last || r.is_err() {
+        // the room's writes are kept for a resume until it ends
+        if let Some(p) = lock(&inner.prefill_rooms).get_mut(&room) {
+            p.tcp_sent = Default::default();
+        }
+    }
     match r {
         Ok(()) if last => {
             if lock(&inner.rooms)
