@@ -71,7 +71,7 @@ pub(super) fn write(
         // decode has granted and pinned exactly these destination ranges (this
         // runs only after its grant); source and destination are different
         // memory (our pool, the peer's memfd).
-        unsafe { inner.copy_crew.copy(&entries, runs, bytes) };
+        unsafe { inner.copy_crew.copy(&entries, runs, bytes) }?;
         metrics.gathered(t0);
         metrics.placed(bytes);
         Ok(())

@@ -6,10 +6,12 @@
 //! destination and merged into runs before they are split: each thread
 //! copies one contiguous stretch of the decode's rows, a run at a time.
 
+use crate::error::{Error, Result, Status};
 use crate::layout::runs::RunMerger;
 use crate::layout::Run;
 use crate::relayout::CopyEntry;
 use crossbeam::channel::{bounded, unbounded, Sender};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
 
 /// Bytes of a pair below which the worker's thread copies it alone (a
@@ -22,7 +24,12 @@ const SPREAD_MAX_THREADS: usize = 8;
 /// One group of a pair's runs for a helper, and where it says it is done.
 struct Task {
     entries: Arc<[CopyEntry]>,
-    runs: Vec<Run>,
+    runs: Arc<[Run]>,
+    /// Set by whoever copies the group: the helper, or the caller that
+    /// takes it back once its own groups are done (a helper busy with
+    /// another pair, or not scheduled on a loaded machine, then costs no
+    /// wait). A helper answers only for the groups it took.
+    taken: Arc<AtomicBool>,
     done: Sender<bool>,
 }
 
@@ -63,6 +70,9 @@ impl CopyCrew {
                         .name(format!("pdxfer-copy{i}"))
                         .spawn(move || {
                             for t in rx {
+                                if t.taken.swap(true, Ordering::AcqRel) {
+                                    continue;
+                                }
                                 let ok = std::panic::catch_unwind(|| {
                                     // SAFETY: the contract of `copy`, whose caller
                                     // waits for this answer before it returns.
@@ -98,48 +108,73 @@ impl CopyCrew {
     /// every run of every entry readable at its source and writable at its
     /// destination, no destination byte overlapping a source byte or another
     /// destination byte.
-    pub(in crate::engine) unsafe fn copy(&self, entries: &[CopyEntry], runs: &[Run], bytes: u64) {
+    pub(in crate::engine) unsafe fn copy(
+        &self,
+        entries: &[CopyEntry],
+        runs: &[Run],
+        bytes: u64,
+    ) -> Result<()> {
         let helpers = match self.helpers() {
             Some(h) if self.threads > 1 && bytes >= SPREAD_MIN_BYTES => h,
             _ => {
                 let runs = merge_by_destination(runs);
                 // SAFETY: the caller's contract (the same rows, merged).
                 unsafe { crate::relayout::cpu::copy_spans_streaming(entries, &runs) };
-                return;
+                return Ok(());
             }
         };
         let mut groups = split_by_destination(runs, self.threads).into_iter();
-        let Some(first) = groups.next() else { return };
+        let Some(first) = groups.next() else {
+            return Ok(());
+        };
         let shared: Arc<[CopyEntry]> = Arc::from(entries);
         let (done_tx, done_rx) = bounded::<bool>(self.threads);
-        let mut handed = 0usize;
-        let mut here = vec![first];
+        let mut handed: Vec<(Arc<AtomicBool>, Arc<[Run]>)> = Vec::new();
+        let mut here: Vec<Arc<[Run]>> = vec![Arc::from(first)];
         for g in groups {
+            let (runs, taken): (Arc<[Run]>, _) = (Arc::from(g), Arc::new(AtomicBool::new(false)));
             let task = Task {
                 entries: shared.clone(),
-                runs: g,
+                runs: runs.clone(),
+                taken: taken.clone(),
                 done: done_tx.clone(),
             };
             match helpers.send(task) {
-                Ok(()) => handed += 1,
-                Err(e) => here.push(e.into_inner().runs),
+                Ok(()) => handed.push((taken, runs)),
+                Err(_) => here.push(runs),
             }
         }
-        for g in &here {
+        let copy_here = |g: &[Run]| {
             // SAFETY: a subset of the caller's rows (the groups are disjoint
             // in destination, so no two threads write the same byte).
-            unsafe { crate::relayout::cpu::copy_spans_streaming(entries, g) };
+            unsafe { crate::relayout::cpu::copy_spans_streaming(entries, g) }
+        };
+        for g in &here {
+            copy_here(g);
         }
-        // every helper answers before the caller's memory may go
+        // the groups no helper took yet are copied here
+        let mut helped = 0usize;
+        for (taken, g) in &handed {
+            if taken.swap(true, Ordering::AcqRel) {
+                helped += 1;
+            } else {
+                copy_here(g);
+            }
+        }
+        // every helper that took a group answers before the caller's memory may go
         let mut lost = 0usize;
-        for _ in 0..handed {
+        for _ in 0..helped {
             if !matches!(done_rx.recv(), Ok(true)) {
                 lost += 1;
             }
         }
         if lost > 0 {
-            log::error!("engine: {lost} one-copy helper copies did not finish");
+            return Err(Error::new(
+                Status::BatchFailed,
+                format!("{lost} one-copy helper copies did not finish (a helper thread panicked); the pair's rows are incomplete"),
+            ));
         }
+        Ok(())
     }
 }
 
@@ -337,7 +372,7 @@ mod tests {
         assert!((SPREAD_MIN_BYTES..8 << 20).contains(&bytes));
         let crew = CopyCrew::new(4);
         // SAFETY: every run lies inside both vectors; the destinations are distinct rows.
-        unsafe { crew.copy(&entries, &runs, bytes) };
+        unsafe { crew.copy(&entries, &runs, bytes) }.unwrap();
         assert!(crew.helpers().is_some(), "the crew's helpers started");
         for (e, (s, d)) in src.iter().zip(&dst).enumerate() {
             for r in &runs {
@@ -350,5 +385,45 @@ mod tests {
                 );
             }
         }
+    }
+
+    #[test]
+    fn pairs_copied_at_once_through_one_crew_land_byte_exact() {
+        // four workers share a crew of three: groups are taken by the
+        // helpers or back by their caller, each row copied once
+        let crew = CopyCrew::new(3);
+        let (rb, rows) = (256u64, 2048u64);
+        std::thread::scope(|s| {
+            for w in 0..4u8 {
+                let crew = &crew;
+                s.spawn(move || {
+                    let mut rng = Rng(u64::from(w) + 11);
+                    for round in 0..10u8 {
+                        let runs = shuffled(&mut rng, rows, 1);
+                        let src: Vec<u8> = (0..(rows + 3) * rb)
+                            .map(|i| (i as u8) ^ w.wrapping_mul(31) ^ round)
+                            .collect();
+                        let mut dst = vec![0u8; (rows * rb) as usize];
+                        let e = [CopyEntry {
+                            src: src.as_ptr() as u64,
+                            dst: dst.as_mut_ptr() as u64,
+                            row_bytes: rb,
+                            reserved: 0,
+                        }];
+                        // SAFETY: every run lies inside both vectors; distinct destination rows.
+                        unsafe { crew.copy(&e, &runs, rows * rb) }.unwrap();
+                        for r in &runs {
+                            let (so, d) = ((r.src * rb) as usize, (r.dst * rb) as usize);
+                            assert_eq!(
+                                &dst[d..d + rb as usize],
+                                &src[so..so + rb as usize],
+                                "worker {w} round {round} row {}",
+                                r.dst
+                            );
+                        }
+                    }
+                });
+            }
+        });
     }
 }
