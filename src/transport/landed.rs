@@ -91,7 +91,7 @@ impl Landed {
     }
 
     /// The RoomLanded payload: `token | bytes | count | (region, offset, len) * count`.
-    pub(crate) fn encode(&self, token: u64) -> Vec<u8> {
+    pub fn encode(&self, token: u64) -> Vec<u8> {
         let n: usize = self.by_region.values().map(|m| m.len()).sum();
         let mut b = Vec::with_capacity(24 + 24 * n);
         for v in [token, self.bytes, n as u64] {
@@ -109,7 +109,7 @@ impl Landed {
 
     /// A RoomLanded payload: the token and what landed (the byte count
     /// must match the ranges).
-    pub(crate) fn decode(p: &[u8]) -> Result<(u64, Landed)> {
+    pub fn decode(p: &[u8]) -> Result<(u64, Landed)> {
         let mut c = Cursor::new(p, "room landed");
         let token = c.u64()?;
         let bytes = c.u64()?;
