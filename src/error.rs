@@ -452,7 +452,10 @@ mod tests {
                     "no_gpudirect",
                 ],
             ),
-            (8, &["no_nccl", "nccl", "nccl_plan_mismatch"]),
+            (
+                8,
+                &["no_nccl", "nccl", "nccl_plan_mismatch", "nccl_same_gpu"],
+            ),
             (
                 9,
                 &[
