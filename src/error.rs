@@ -456,7 +456,10 @@ mod tests {
                     "no_gpudirect",
                 ],
             ),
-            (8, &["no_nccl", "nccl", "nccl_plan_mismatch"]),
+            (
+                8,
+                &["no_nccl", "nccl", "nccl_plan_mismatch", "nccl_same_gpu"],
+            ),
             (
                 9,
                 &[
@@ -465,6 +468,7 @@ mod tests {
                     "aborted",
                     "engine_closed",
                     "layer_order",
+                    "room_key_collision",
                 ],
             ),
         ];

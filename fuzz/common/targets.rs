@@ -14,6 +14,7 @@ use pdxfer::bootstrap::schema::{
 };
 use pdxfer::engine::control::{CtlMsg, CtlReader};
 use pdxfer::transport::handshake::{Attach, Hello, HelloAck, Select};
+use pdxfer::transport::landed::Landed;
 use pdxfer::transport::peer_auth::authenticate_server;
 use pdxfer::transport::wire::{self, DataHeader, FrameType, DATA_HEADER_LEN};
 use std::ffi::c_char;
@@ -245,6 +246,11 @@ fn wire_records(data: &[u8]) {
         }
         3 => {
             let _ = wire::decode_batch(p);
+            // a RoomLanded answer: what decodes re-encodes to the same ranges
+            if let Ok((token, l)) = Landed::decode(p) {
+                let (t2, again) = Landed::decode(&l.encode(token)).expect("re-decode room landed");
+                assert_eq!((t2, again), (token, l));
+            }
         }
         4 => {
             if p.len() >= DATA_HEADER_LEN {

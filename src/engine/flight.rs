@@ -5,7 +5,7 @@ use super::link::DecodeLink;
 use super::room::RoomTable;
 use super::state::lock;
 use crate::error::{Error, Result};
-use crate::transport::{BatchId, BatchOptions, PlacedRange, Transport, WriteOp};
+use crate::transport::{BatchId, BatchOptions, PlacedRange, Transport, TransportKind, WriteOp};
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -48,6 +48,16 @@ pub(super) struct Flight<'a> {
     pending: Vec<InFlight>,
     /// Slots handed out so far (the next slot is this modulo the slot count).
     turns: usize,
+    /// tcp links may resume the room on a new connection: every write
+    /// submitted over tcp is kept in `tcp_sent`, and a batch that fails
+    /// because its tcp connection broke is not an error of the flight: its
+    /// link goes to `broken` (the caller resumes it).
+    pub(super) resumable: bool,
+    /// The writes submitted over tcp, per link (with `resumable`).
+    pub(super) tcp_sent: Vec<(Arc<DecodeLink>, Vec<WriteOp>)>,
+    /// Links whose tcp connection broke under a batch, and why (with
+    /// `resumable`; each link once).
+    pub(super) broken: Vec<(Arc<DecodeLink>, Error)>,
 }
 
 impl<'a> Flight<'a> {
@@ -57,7 +67,22 @@ impl<'a> Flight<'a> {
             opts,
             pending: Vec::new(),
             turns: 0,
+            resumable: false,
+            tcp_sent: Vec::new(),
+            broken: Vec::new(),
         }
+    }
+
+    /// With `resumable`: whether a failure of a batch on `data` is its tcp
+    /// connection breaking (recorded in `broken`: not the flight's error).
+    fn broke(&mut self, link: &Arc<DecodeLink>, data: &Arc<dyn Transport>, e: &Error) -> bool {
+        if !self.resumable || data.kind() != TransportKind::Tcp || data.is_alive() {
+            return false;
+        }
+        if !self.broken.iter().any(|(l, _)| Arc::ptr_eq(l, link)) {
+            self.broken.push((link.clone(), e.clone()));
+        }
+        true
     }
 
     /// Submits `ops` over `link` without waiting (nothing for no ops).
@@ -74,6 +99,12 @@ impl<'a> Flight<'a> {
         lock(self.rooms).begin_write(room, epoch)?;
         let bytes = ops.iter().map(|o| o.len).sum();
         let data = link.data();
+        if self.resumable && data.kind() == TransportKind::Tcp {
+            match self.tcp_sent.iter_mut().find(|(l, _)| Arc::ptr_eq(l, link)) {
+                Some((_, v)) => v.extend_from_slice(ops),
+                None => self.tcp_sent.push((link.clone(), ops.to_vec())),
+            }
+        }
         let t0 = Instant::now();
         let r = data.submit(ops, &self.opts);
         link.counters.add_wire(t0);
@@ -94,7 +125,11 @@ impl<'a> Flight<'a> {
             Err(e) => {
                 link.counters.failed_batches.fetch_add(1, Relaxed);
                 lock(self.rooms).end_write(room, epoch);
-                Err(write_error(room, link, &e))
+                let e = write_error(room, link, &e);
+                if self.broke(link, &data, &e) {
+                    return Ok(());
+                }
+                Err(e)
             }
         }
     }
@@ -155,8 +190,16 @@ impl<'a> Flight<'a> {
             c.failed_batches.fetch_add(1, Relaxed);
         }
         lock(self.rooms).end_write(self.opts.room, self.opts.epoch);
-        r.map(|_| ())
-            .map_err(|e| write_error(self.opts.room, &b.link, &e))
+        match r {
+            Ok(_) => Ok(()),
+            Err(e) => {
+                let e = write_error(self.opts.room, &b.link, &e);
+                if self.broke(&b.link, &b.data, &e) {
+                    return Ok(());
+                }
+                Err(e)
+            }
+        }
     }
 
     /// The next of `slots` staging slots in turn, waited free (every batch

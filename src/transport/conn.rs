@@ -106,6 +106,8 @@ impl Conn {
                 }
                 FrameType::RoomAck => room::decode_room_ack(&p)
                     .map(|(token, sum)| self.rooms.answered(token, Ok(sum))),
+                FrameType::RoomLanded => crate::transport::landed::Landed::decode(&p)
+                    .map(|(token, l)| self.rooms.landed(token, l)),
                 FrameType::RoomRefuse => {
                     wire::decode_reason(&p).map(|(token, e)| self.rooms.answered(token, Err(e)))
                 }
@@ -198,6 +200,39 @@ impl Conn {
             return Err(e);
         }
         self.rooms.open(grant, epoch, self.instance)
+    }
+
+    /// Reopens `grant` on this connection after an earlier connection of
+    /// the room broke: asks the receiver what landed under it (within
+    /// `timeout`), opens the room here and counts `carried` bytes as landed
+    /// before (the caller's total of the room minus what it sends again
+    /// here, computed from the answer); returns the answer.
+    pub fn resume_room(
+        &self,
+        grant: &RoomGrant,
+        epoch: u64,
+        timeout: Duration,
+    ) -> Result<crate::transport::landed::Landed> {
+        if let Some(e) = self.table.dead() {
+            return Err(e);
+        }
+        self.rooms.ask(grant.token);
+        if let Err(e) = self.send(FrameType::RoomQuery, &grant.token.to_le_bytes()) {
+            self.rooms.answered(grant.token, Err(e));
+        }
+        let landed = self.rooms.wait_landed(grant.token, timeout).map_err(|e| {
+            Error::new(
+                e.status(),
+                format!(
+                    "asking peer pid {} what landed of room {}: {}",
+                    self.peer.pid,
+                    grant.room,
+                    e.detail()
+                ),
+            )
+        })?;
+        self.rooms.open(grant, epoch, self.instance)?;
+        Ok(landed)
     }
 
     /// Closes an open room: waits for its batches, sends RoomEnd with their
@@ -422,6 +457,9 @@ pub(crate) fn validate_ops(
     let mut pinned: HashMap<u64, AccessGuard> = HashMap::new();
     let mut locals: HashMap<u64, RegionDesc> = HashMap::new();
     let mut remotes: HashMap<u64, Option<RegionDesc>> = HashMap::new();
+    // the previous op's regions (checked and pinned): an op into the same
+    // ones, as most of a batch's are, costs no lookup
+    let mut last: Option<(u64, RegionDesc, u64, RegionDesc)> = None;
     for (i, op) in ops.iter().enumerate() {
         let ctx = |e: Error| {
             Error::new(
@@ -429,6 +467,23 @@ pub(crate) fn validate_ops(
                 format!("op {i} of the batch: {}; nothing was sent", e.detail()),
             )
         };
+        if let Some((l, ldesc, r, rdesc)) = &last {
+            if (*l, *r) == (op.local_region, op.remote_region) {
+                ldesc.check(op.local_offset, op.len).map_err(ctx)?;
+                rdesc.check(op.remote_offset, op.len).map_err(ctx)?;
+                total = total
+                    .checked_add(op.len)
+                    .ok_or_else(|| Error::invalid("batch size overflows"))?;
+                pieces.push(Piece {
+                    src: ldesc.addr + op.local_offset,
+                    region: op.remote_region,
+                    offset: op.remote_offset,
+                    dst: rdesc.addr + op.remote_offset,
+                    len: op.len,
+                });
+                continue;
+            }
+        }
         let ldesc = match locals.entry(op.local_region) {
             std::collections::hash_map::Entry::Occupied(o) => o.into_mut(),
             std::collections::hash_map::Entry::Vacant(v) => {
@@ -478,6 +533,17 @@ pub(crate) fn validate_ops(
             dst: rdesc.addr + op.remote_offset,
             len: op.len,
         });
+        if last
+            .as_ref()
+            .is_none_or(|(l, _, r, _)| (*l, *r) != (op.local_region, op.remote_region))
+        {
+            // without their transport keys: nothing to allocate per change
+            let bare = |d: &RegionDesc| RegionDesc {
+                keys: Default::default(),
+                ..*d
+            };
+            last = Some((op.local_region, bare(ldesc), op.remote_region, bare(rdesc)));
+        }
     }
     Ok((pieces, Arc::new(pinned.into_values().collect()), total))
 }

@@ -66,6 +66,12 @@ pub enum FrameType {
     /// Sender: a batch under standing grants was written (a commit record);
     /// the receiver delivers its completion, nothing is answered.
     StandingCommit = 46,
+    /// Sender (tcp, after a redial in the middle of a room): which bytes of
+    /// the room grant (u64 token) landed?
+    RoomQuery = 47,
+    /// Receiver: the bytes of the grant that landed (token, bytes, ranges),
+    /// or a `RoomRefuse` when the token names no live grant of the sender.
+    RoomLanded = 48,
 }
 
 impl FrameType {
@@ -100,6 +106,8 @@ impl FrameType {
             44 => Revoke,
             45 => Fenced,
             46 => StandingCommit,
+            47 => RoomQuery,
+            48 => RoomLanded,
             _ => return None,
         })
     }

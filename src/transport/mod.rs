@@ -37,6 +37,7 @@ mod frame_type;
 pub mod handshake;
 pub mod http_serve;
 pub mod identity;
+pub mod landed;
 pub mod listen;
 pub mod local;
 pub mod nccl;
@@ -418,6 +419,39 @@ pub trait Transport: Send + Sync {
     /// receiver revokes its grant itself).
     fn forget_room(&self, room: u64, epoch: u64) {
         let _ = (room, epoch);
+    }
+
+    /// Opens `grant` on this connection after an earlier connection of the
+    /// room broke in its middle, and returns what the receiver says landed
+    /// under it so far (over every connection): the caller sends only the
+    /// rest, then counts the bytes it does not send again with
+    /// [`carry_room`](Self::carry_room), so the room end names the room's
+    /// whole total. tcp only (its receiver records what landed); the other
+    /// transports answer `Unsupported`.
+    fn resume_room(
+        &self,
+        grant: &room::RoomGrant,
+        epoch: u64,
+        timeout: Duration,
+    ) -> Result<landed::Landed> {
+        let _ = (grant, epoch, timeout);
+        Err(crate::Error::new(
+            crate::Status::Unsupported,
+            format!(
+                "the {} transport cannot resume a room on a new connection",
+                self.kind().name()
+            ),
+        ))
+    }
+
+    /// Counts `bytes` of the open room `(room, epoch)` as landed over an
+    /// earlier connection ([`resume_room`](Self::resume_room)).
+    fn carry_room(&self, room: u64, epoch: u64, bytes: u64) -> Result<()> {
+        let _ = (room, epoch, bytes);
+        Err(crate::Error::new(
+            crate::Status::Unsupported,
+            format!("the {} transport has no room grants", self.kind().name()),
+        ))
     }
 
     /// The current status of a batch. A terminal status (`Done`, `Failed`)

@@ -13,6 +13,7 @@
 //! answered by RoomAck once the receiver accepted them; on tcp once every
 //! byte the totals name landed).
 
+use super::landed::Landed;
 use super::piece::Piece;
 use super::wire::Cursor;
 use super::BatchOptions;
@@ -91,6 +92,32 @@ impl RangeSet {
         RangeSet(m)
     }
 
+    /// The index of the first of `pieces` that does not lie inside one
+    /// range, if any. A piece inside the range the piece before it matched
+    /// costs no lookup (a batch's pieces mostly follow each other).
+    pub(crate) fn first_outside(&self, pieces: &[Piece]) -> Option<usize> {
+        let mut hit: Option<(u64, u64, u64)> = None;
+        for (i, p) in pieces.iter().enumerate() {
+            let Some(end) = p.offset.checked_add(p.len) else {
+                return Some(i);
+            };
+            if let Some((region, start, stop)) = hit {
+                if region == p.region && p.offset >= start && end <= stop {
+                    continue;
+                }
+            }
+            match self
+                .0
+                .get(&p.region)
+                .and_then(|m| m.range(..=p.offset).next_back())
+            {
+                Some((&start, &stop)) if end <= stop => hit = Some((p.region, start, stop)),
+                _ => return Some(i),
+            }
+        }
+        None
+    }
+
     /// Whether `[offset, offset + len)` of `region` lies inside one range.
     pub(crate) fn contains(&self, region: u64, offset: u64, len: u64) -> bool {
         let Some(end) = offset.checked_add(len) else {
@@ -130,6 +157,8 @@ struct OpenState {
     rooms: HashMap<(u64, u64), OpenRoom>,
     /// Room closes waiting for the receiver's answer, by token.
     closing: HashMap<u64, CloseOutcome>,
+    /// Questions of what landed waiting for the receiver's answer, by token.
+    asking: HashMap<u64, Option<Result<Landed>>>,
     dead: Option<Error>,
 }
 
@@ -213,16 +242,15 @@ impl OpenRooms {
         if let Some(e) = &r.failed {
             return Err(e.clone());
         }
-        for (i, p) in pieces.iter().enumerate() {
-            if !r.ranges.contains(p.region, p.offset, p.len) {
-                return Err(Error::new(
-                    Status::OutOfBounds,
-                    format!(
-                        "op {i} of the batch: region {} offset {} len {} lies outside room {}'s grant; nothing was written",
-                        p.region, p.offset, p.len, opts.room
-                    ),
-                ));
-            }
+        if let Some(i) = r.ranges.first_outside(pieces) {
+            let p = &pieces[i];
+            return Err(Error::new(
+                Status::OutOfBounds,
+                format!(
+                    "op {i} of the batch: region {} offset {} len {} lies outside room {}'s grant; nothing was written",
+                    p.region, p.offset, p.len, opts.room
+                ),
+            ));
         }
         r.pending += 1;
         Ok(Some(r.grant.token))
@@ -301,12 +329,78 @@ impl OpenRooms {
         self.lock().rooms.remove(&(room, epoch));
     }
 
-    /// The receiver answered the close of grant `token`.
+    /// The receiver answered the close of grant `token` (or refused a
+    /// question of what landed under it).
     pub(crate) fn answered(&self, token: u64, outcome: Result<RoomSummary>) {
         let mut s = self.lock();
+        if let Err(e) = &outcome {
+            if let Some(slot) = s.asking.get_mut(&token) {
+                *slot = Some(Err(e.clone()));
+                self.cv.notify_all();
+                return;
+            }
+        }
         if let Some(slot) = s.closing.get_mut(&token) {
             *slot = Some(outcome);
             self.cv.notify_all();
+        }
+    }
+
+    /// Asks after grant `token`: a question now waits for its answer
+    /// ([`wait_landed`](Self::wait_landed)).
+    pub(crate) fn ask(&self, token: u64) {
+        self.lock().asking.insert(token, None);
+    }
+
+    /// The receiver said what landed under grant `token`.
+    pub(crate) fn landed(&self, token: u64, landed: Landed) {
+        let mut s = self.lock();
+        if let Some(slot) = s.asking.get_mut(&token) {
+            *slot = Some(Ok(landed));
+            self.cv.notify_all();
+        }
+    }
+
+    /// Waits up to `timeout` for the answer to the question after `token`.
+    pub(crate) fn wait_landed(&self, token: u64, timeout: Duration) -> Result<Landed> {
+        let end = Instant::now() + timeout;
+        let mut s = self.lock();
+        loop {
+            if let Some(Some(_)) = s.asking.get(&token) {
+                return s.asking.remove(&token).flatten().expect("checked above");
+            }
+            if let Some(e) = s.dead.clone() {
+                s.asking.remove(&token);
+                return Err(e);
+            }
+            let now = Instant::now();
+            if now >= end {
+                s.asking.remove(&token);
+                return Err(Error::new(
+                    Status::Timeout,
+                    format!("the receiver did not say what landed within {timeout:?}"),
+                ));
+            }
+            s = self
+                .cv
+                .wait_timeout(s, end - now)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+    }
+
+    /// Counts `bytes` that landed over an earlier connection in the open
+    /// room `(room, epoch)`: its room end then names the room's whole total.
+    pub(crate) fn carry(&self, room: u64, epoch: u64, bytes: u64) -> Result<()> {
+        match self.lock().rooms.get_mut(&(room, epoch)) {
+            Some(r) => {
+                r.bytes += bytes;
+                Ok(())
+            }
+            None => Err(Error::new(
+                Status::UnknownRoom,
+                format!("room {room} epoch {epoch} has no open grant on this connection"),
+            )),
         }
     }
 
@@ -431,6 +525,32 @@ mod tests {
         assert!(!s.contains(1, 40, 9));
         assert!(!s.contains(3, 0, 1));
         assert!(!s.contains(1, u64::MAX, 2));
+        // the batch check agrees with the piece check, piece by piece
+        let piece = |region, offset, len| Piece {
+            src: 0,
+            region,
+            offset,
+            dst: 0,
+            len,
+        };
+        let inside = [
+            piece(1, 0, 8),
+            piece(1, 8, 8),
+            piece(1, 40, 8),
+            piece(2, 0, 8),
+            piece(1, 16, 16),
+        ];
+        assert_eq!(s.first_outside(&inside), None);
+        for bad in [
+            piece(1, 30, 4),
+            piece(1, 44, 8),
+            piece(3, 0, 1),
+            piece(1, u64::MAX, 2),
+        ] {
+            let mut v = inside.to_vec();
+            v.insert(3, bad);
+            assert_eq!(s.first_outside(&v), Some(3), "{bad:?}");
+        }
     }
 
     #[test]

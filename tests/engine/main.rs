@@ -22,6 +22,8 @@ mod faults;
 mod layerwise;
 #[cfg(feature = "testing")]
 mod room_close;
+#[cfg(feature = "testing")]
+mod tcp_resume;
 
 /// Without the `testing` feature the modules above marked so are not built;
 /// this test says so instead of leaving them out silently.

@@ -157,6 +157,10 @@ pub(crate) struct EngineMetrics {
     gathers: AtomicU64,
     /// KV bytes gathered straight into same-host decode pools (one copy).
     one_copy_bytes: AtomicU64,
+    /// Prefill: rooms resumed on a new tcp connection, and the bytes sent
+    /// again there (what had not landed).
+    tcp_resumes: AtomicU64,
+    tcp_resent_bytes: AtomicU64,
     /// Decode: batches that landed (the agent's completion records).
     received_batches: AtomicU64,
     /// Transport nccl: communicators opened, inits that failed, and the
@@ -195,6 +199,12 @@ impl EngineMetrics {
     /// Counts `bytes` gathered straight into a decode rank's mapped pools.
     pub(crate) fn placed(&self, bytes: u64) {
         self.one_copy_bytes.fetch_add(bytes, Ordering::Relaxed);
+    }
+
+    /// Counts one room resumed on a new tcp connection, `bytes` sent again.
+    pub(crate) fn room_resumed(&self, bytes: u64) {
+        self.tcp_resumes.fetch_add(1, Ordering::Relaxed);
+        self.tcp_resent_bytes.fetch_add(bytes, Ordering::Relaxed);
     }
 
     /// Transport nccl: counts one communicator init that took `took`.
@@ -288,6 +298,11 @@ pub struct MetricsSnapshot {
     /// Prefill: KV bytes gathered straight into same-host decode ranks'
     /// mapped pools (one copy, no staging; counted once placed).
     pub one_copy_bytes: u64,
+    /// Prefill: rooms resumed on a new tcp connection after their data
+    /// connection broke in their middle (one per decode rank and redial).
+    pub tcp_resumes: u64,
+    /// Prefill: bytes those resumed rooms sent again (what had not landed).
+    pub tcp_resent_bytes: u64,
     /// Bytes of the prefill workers' host staging buffers.
     pub staging_bytes: u64,
     /// Registered memory by kind (`kv`, `aux`, `state`, `staging`, `other`).
@@ -336,6 +351,8 @@ impl MetricsSnapshot {
             gather_seconds: m.gather_ns.load(Ordering::Relaxed) as f64 * 1e-9,
             gathers: m.gathers.load(Ordering::Relaxed),
             one_copy_bytes: m.one_copy_bytes.load(Ordering::Relaxed),
+            tcp_resumes: m.tcp_resumes.load(Ordering::Relaxed),
+            tcp_resent_bytes: m.tcp_resent_bytes.load(Ordering::Relaxed),
             staging_bytes,
             registered_bytes,
             control: crate::transport::control_counts::control_counts(),

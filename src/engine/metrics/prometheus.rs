@@ -249,6 +249,28 @@ impl MetricsSnapshot {
         );
         head(
             &mut o,
+            "pdxfer_engine_tcp_room_resumes_total",
+            "counter",
+            "Rooms resumed on a new tcp connection after theirs broke in their middle.",
+        );
+        let _ = writeln!(
+            o,
+            "pdxfer_engine_tcp_room_resumes_total {}",
+            self.tcp_resumes
+        );
+        head(
+            &mut o,
+            "pdxfer_engine_tcp_resent_bytes_total",
+            "counter",
+            "Bytes resumed rooms sent again on their new tcp connection (what had not landed).",
+        );
+        let _ = writeln!(
+            o,
+            "pdxfer_engine_tcp_resent_bytes_total {}",
+            self.tcp_resent_bytes
+        );
+        head(
+            &mut o,
             "pdxfer_engine_staging_bytes",
             "gauge",
             "Bytes of the prefill workers' host staging buffers.",

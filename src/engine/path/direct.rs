@@ -3,7 +3,8 @@
 //! decode pools in shared memory: [`alloc_pool`](crate::memory::shared::alloc_pool)),
 //! a pair's rows are copied straight from the prefill's pools into the
 //! decode's rows, after the decode granted the destination ranges; no
-//! staging, no second copy.
+//! staging, no second copy. The copy is split by destination over the
+//! engine's copy crew ([`super::spread`]).
 
 use super::chunk::{Chunk, Pair};
 use crate::engine::link::DecodeLink;
@@ -70,7 +71,7 @@ pub(super) fn write(
         // decode has granted and pinned exactly these destination ranges (this
         // runs only after its grant); source and destination are different
         // memory (our pool, the peer's memfd).
-        unsafe { copy_spread(&entries, runs, bytes) };
+        unsafe { inner.copy_crew.copy(&entries, runs, bytes) }?;
         metrics.gathered(t0);
         metrics.placed(bytes);
         Ok(())
@@ -78,53 +79,6 @@ pub(super) fn write(
     cx.flight
         .submit_placed(link, data.clone(), &ranges, &mut place)?;
     Ok(bytes)
-}
-
-/// Bytes of a pair below which one thread copies it.
-const SPREAD_MIN_BYTES: u64 = 8 << 20;
-
-/// Most threads one pair's copy is spread over.
-const SPREAD_MAX_THREADS: usize = 8;
-
-/// [`copy_spans_streaming`](crate::relayout::cpu::copy_spans_streaming) of `bytes`,
-/// spread over up to [`SPREAD_MAX_THREADS`] threads (the available cores)
-/// in slices of about equal rows when the pair is large.
-///
-/// # Safety
-/// As `copy_spans_streaming`: every span of every entry readable at its source
-/// and writable at its destination, no destination byte overlapping a
-/// source byte or another destination byte.
-unsafe fn copy_spread(entries: &[CopyEntry], runs: &[Run], bytes: u64) {
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let threads = cores.min(SPREAD_MAX_THREADS);
-    if bytes < SPREAD_MIN_BYTES || threads < 2 || runs.len() < 2 {
-        // SAFETY: the caller's contract.
-        unsafe { crate::relayout::cpu::copy_spans_streaming(entries, runs) };
-        return;
-    }
-    let rows: u64 = runs.iter().map(|r| r.len).sum();
-    let share = rows.div_ceil(threads as u64).max(1);
-    let mut groups: Vec<&[Run]> = Vec::with_capacity(threads);
-    let (mut start, mut acc) = (0usize, 0u64);
-    for (i, r) in runs.iter().enumerate() {
-        acc += r.len;
-        if acc >= share {
-            groups.push(&runs[start..=i]);
-            (start, acc) = (i + 1, 0);
-        }
-    }
-    if start < runs.len() {
-        groups.push(&runs[start..]);
-    }
-    std::thread::scope(|s| {
-        for g in &groups[1..] {
-            // SAFETY: a subset of the caller's spans: the same contract, and
-            // the groups are disjoint, so no two threads write the same byte.
-            s.spawn(move || unsafe { crate::relayout::cpu::copy_spans_streaming(entries, g) });
-        }
-        // SAFETY: as above, the first group on this thread.
-        unsafe { crate::relayout::cpu::copy_spans_streaming(entries, groups[0]) };
-    });
 }
 
 /// `OutOfBounds` unless rows `row..row + rows` of `row_bytes` lie in `len` bytes.
@@ -208,48 +162,6 @@ mod tests {
             ]
         );
         assert_eq!(r.iter().map(|r| r.len).sum::<u64>(), 4 * (4 + 10));
-    }
-
-    #[test]
-    fn a_spread_copy_moves_every_row_once() {
-        let rb = 64u64;
-        let rows = 4096u64;
-        let src: Vec<Vec<u8>> = (0..16)
-            .map(|e| (0..rows * rb).map(|i| (i as u8) ^ (e as u8 * 17)).collect())
-            .collect();
-        let mut dst: Vec<Vec<u8>> = (0..16).map(|_| vec![0u8; (rows * rb) as usize]).collect();
-        // every other source row to the destination rows in reverse pairs
-        let runs: Vec<Run> = (0..rows / 2)
-            .map(|i| Run {
-                src: 2 * i,
-                dst: rows - 1 - i,
-                len: 1,
-            })
-            .collect();
-        let entries: Vec<CopyEntry> = src
-            .iter()
-            .zip(&mut dst)
-            .map(|(s, d)| CopyEntry {
-                src: s.as_ptr() as u64,
-                dst: d.as_mut_ptr() as u64,
-                row_bytes: rb,
-                reserved: 0,
-            })
-            .collect();
-        // SAFETY: every run lies inside both vectors; destinations are distinct rows.
-        // (`bytes` at the threshold: spread over the cores there are)
-        unsafe { copy_spread(&entries, &runs, SPREAD_MIN_BYTES) };
-        for (e, (s, d)) in src.iter().zip(&dst).enumerate() {
-            for i in 0..rows {
-                let got = &d[(i * rb) as usize..((i + 1) * rb) as usize];
-                if i < rows / 2 {
-                    assert!(got.iter().all(|&b| b == 0), "entry {e} row {i} written");
-                } else {
-                    let from = 2 * (rows - 1 - i);
-                    assert_eq!(got, &s[(from * rb) as usize..((from + 1) * rb) as usize]);
-                }
-            }
-        }
     }
 
     #[test]

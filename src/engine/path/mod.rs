@@ -15,13 +15,15 @@
 //!   staging and written from there (GPUDirect RDMA) or from its pinned copy.
 //! - [`nccl`]: transport nccl (whole chunks over the link's communicator).
 //!
-//! `chunk` holds what a worker writes one chunk with (`Chunk`, `Pair`),
+//! `spread` is the one-copy path's copy crew (a pair split by destination
+//! over helper threads). `chunk` holds what a worker writes one chunk with (`Chunk`, `Pair`),
 //! `write` the dispatch of [`WritePath::write`] to the path's file.
 
 pub(super) mod chunk;
 mod device;
 mod direct;
 pub(super) mod nccl;
+pub(in crate::engine) mod spread;
 pub(super) mod staged;
 mod write;
 #[cfg(test)]

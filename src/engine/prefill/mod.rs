@@ -7,11 +7,14 @@
 //! - `jobs`: the job queue (a room's chunks in order, a decode rank on one
 //!   worker at a time, so a stalled one delays only its rooms);
 //! - `worker`: the transfer workers (a chunk planned and written through
-//!   each link's write path, then completed).
+//!   each link's write path, then completed);
+//! - `resume`: a room resumed over tcp on a new connection after its data
+//!   connection broke in its middle (only what did not land is sent again).
 
 mod accept;
 mod cp;
 pub(super) mod jobs;
+mod resume;
 #[cfg(test)]
 mod tests;
 pub(super) mod worker;
@@ -22,13 +25,14 @@ use super::control::CtlMsg;
 use super::layers::{check_next, LayerChunk, LayerPlan, Ready, SendOptions};
 use super::link::DecodeLink;
 use super::nccl_link::NcclLinks;
+use super::path::spread::CopyCrew;
 use super::path::Conn;
 use super::room::KvPoll;
 use super::state::{lock, peer_names, Shared};
 use crate::error::{Error, Result, Status};
 use crate::layout::prefill_unique_rank;
 use crate::transport::room::RoomGrant;
-use crate::transport::ConnectOptions;
+use crate::transport::{ConnectOptions, WriteOp};
 use jobs::{Job, JobQueue};
 use std::collections::HashMap;
 use std::ops::Deref;
@@ -68,6 +72,10 @@ pub(super) struct PrefillRoom {
     pub(super) layer_plan: Option<Arc<LayerPlan>>,
     /// The request's page count after the decode prefix (all-CP-ranks mode).
     pub(super) total_pages: Option<u64>,
+    /// The writes of the room sent over tcp so far, per decode rank (by
+    /// instance id): what a redial in the middle of the room sends again
+    /// where it did not land (`resume`).
+    pub(in crate::engine) tcp_sent: HashMap<u128, Vec<WriteOp>>,
 }
 
 /// A prefill engine's state: the [`Shared`] state and the prefill's own.
@@ -98,6 +106,8 @@ pub(super) struct Prefill {
     pub(super) jobs: Arc<JobQueue>,
     /// Transport nccl: each decode link's sending end, the decode's answers.
     pub(super) nccl: NcclLinks,
+    /// The one-copy path's helper threads (started at its first pair).
+    pub(in crate::engine) copy_crew: CopyCrew,
 }
 
 impl Deref for Prefill {
@@ -117,6 +127,7 @@ impl Prefill {
             decode_links: Mutex::new(Vec::new()),
             jobs: Arc::new(JobQueue::default()),
             nccl: Default::default(),
+            copy_crew: CopyCrew::default(),
         }
     }
 
@@ -340,8 +351,11 @@ impl Prefill {
     /// the rooms in flight on it, not every later room of the pair. Batches
     /// still held on the old connection finish or fail on it; it closes when
     /// the last of them lets go. A failed redial leaves the broken link (the
-    /// room then fails with its reason, and the next room tries again).
-    fn redial_if_broken(&self, link: &DecodeLink) {
+    /// room then fails with its reason, and the next room tries again). A
+    /// tcp room in flight on the broken connection resumes on the new one
+    /// (`resume`). Of two threads redialling one
+    /// link at once, the second's connection is dropped.
+    pub(in crate::engine) fn redial_if_broken(&self, link: &DecodeLink) {
         let old = link.data();
         if old.is_alive() || !link.alive.load(Ordering::Acquire) {
             return;
@@ -361,7 +375,11 @@ impl Prefill {
                     data.kind().name()
                 );
                 let gpu_direct = link.conn().path.gpu_direct();
-                *lock(&link.conn) = Conn::new(self, Arc::from(data), &link.regions, id, gpu_direct);
+                let conn = Conn::new(self, Arc::from(data), &link.regions, id, gpu_direct);
+                let mut cur = lock(&link.conn);
+                if Arc::ptr_eq(&cur.data, &old) {
+                    *cur = conn;
+                }
             }
             Err(e) => log::warn!(
                 "engine: the {} data link to decode {id} broke and reconnecting failed: {e}",

@@ -107,6 +107,12 @@ fn release_ended(inner: &Prefill, jobs: &JobQueue) {
 /// the close of its grants), fails on an error; aborts that waited for the
 /// in-flight writes are answered.
 fn conclude(inner: &Prefill, room: u64, attempt: u64, last: bool, r: Result<()>) {
+    if last || r.is_err() {
+        // the room's writes are kept for a resume until it ends
+        if let Some(p) = lock(&inner.prefill_rooms).get_mut(&room) {
+            p.tcp_sent = Default::default();
+        }
+    }
     match r {
         Ok(()) if last => {
             if lock(&inner.rooms)
@@ -163,6 +169,7 @@ fn run_job(
         epoch: job.attempt,
     };
     let mut flight = Flight::new(&inner.rooms, opts);
+    flight.resumable = true;
     let mut last = job.last;
     let mut sent = send_chunk(inner, idx, job, stage.as_deref_mut(), &mut flight);
     while let Ok(bytes) = &mut sent {
@@ -183,6 +190,8 @@ fn run_job(
     let drained = flight.drain();
     let bytes = sent?;
     drained?;
+    // tcp links broken under the flight resume on a new connection
+    super::resume::settle(inner, job.room, job.attempt, &mut flight)?;
     if let Some(r) = lock(&inner.prefill_rooms).get_mut(&job.room) {
         for (x, b) in r.infos.iter_mut().zip(bytes) {
             x.bytes += b;
@@ -295,10 +304,12 @@ fn send_chunk<'a>(
             dst_regions: &dst_regions,
         };
         let conn = m.link.conn();
-        sent.push(
-            conn.path
-                .write(&mut cx, &m.link, &conn, &pair, &job.layers)?,
-        );
+        let wrote = conn
+            .path
+            .write(&mut cx, &m.link, &conn, &pair, &job.layers)?;
+        #[cfg(any(test, feature = "testing"))]
+        super::resume::sever_for_test(inner, &m.link, wrote);
+        sent.push(wrote);
         // the aux and state rows are CP replicas: CP rank 0 sends them
         let aux_and_state = job.last && inner.cp_sender().sends_aux_and_state();
         if aux_and_state && !inner.cfg.aux.is_empty() {
@@ -362,8 +373,12 @@ fn send_chunk<'a>(
 /// keeps the per-batch protocol.
 fn open_grant(m: &MetaInfo, epoch: u64) -> Result<()> {
     let Some(g) = &m.grant else { return Ok(()) };
-    match m.link.data().open_room(g, epoch) {
+    let data = m.link.data();
+    match data.open_room(g, epoch) {
         Err(e) if e.status() == Status::Unsupported => Ok(()),
+        // a tcp connection broken in the middle of the room: the chunk's
+        // batches fail on it, and the room resumes on a new one
+        Err(_) if data.kind() == TransportKind::Tcp && !data.is_alive() => Ok(()),
         Err(e) => Err(Error::new(
             e.status(),
             format!(
@@ -389,11 +404,22 @@ fn close_grants(inner: &Prefill, room: u64, attempt: u64) -> Result<()> {
         .unwrap_or_default();
     let granted: Vec<&MetaInfo> = infos.iter().filter(|m| m.grant.is_some()).collect();
     let close = |m: &MetaInfo| -> Result<()> {
-        match m
-            .link
-            .data()
-            .close_room(room, attempt, inner.cfg.batch_timeout)
-        {
+        let data = m.link.data();
+        let mut r = data.close_room(room, attempt, inner.cfg.batch_timeout);
+        if let Err(e) = &r {
+            // the connection broke before every byte was confirmed: the
+            // room resumes on a new one and closes there
+            if data.kind() == TransportKind::Tcp && !data.is_alive() {
+                r = super::resume::resume_link(inner, room, attempt, &m.link, e.clone()).and_then(
+                    |()| {
+                        m.link
+                            .data()
+                            .close_room(room, attempt, inner.cfg.batch_timeout)
+                    },
+                );
+            }
+        }
+        match r {
             Ok(_) => Ok(()),
             // never opened here: the transport has no grants, or the link was remade
             Err(e) if matches!(e.status(), Status::Unsupported | Status::UnknownRoom) => Ok(()),

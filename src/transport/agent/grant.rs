@@ -109,6 +109,7 @@ pub(super) fn control_loop(
                 }
             }
             FrameType::RoomEnd => super::room_grant::room_end(a, sess, &p, &peer),
+            FrameType::RoomQuery => super::room_grant::room_query(a, sess, &p),
             FrameType::Fenced => super::standing_grant::fenced(a, sess, &p)?,
             FrameType::StandingCommit => super::standing_grant::committed(a, sess, &p, &peer)?,
             FrameType::Abort => {

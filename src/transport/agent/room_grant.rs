@@ -12,6 +12,7 @@ use crate::auth::PeerInstance;
 use crate::error::{Error, Result, Status};
 use crate::memory::{AccessGuard, RegionKind};
 use crate::transport::identity::ProcIdentity;
+use crate::transport::landed::Landed;
 use crate::transport::room::{self, GrantRange, RangeSet, RoomEnd, RoomGrant, RoomSummary};
 use crate::transport::wire::{self, FrameType};
 use crate::transport::{BatchId, Completion};
@@ -28,8 +29,9 @@ pub(crate) struct HeldGrant {
     deadline: Instant,
     /// Some range lies in device memory.
     device: bool,
-    /// tcp: bytes landed under the grant so far.
-    received: u64,
+    /// tcp: the bytes landed under the grant so far, over every connection
+    /// of the grantee (a byte landed twice counts once).
+    landed: Landed,
     /// tcp: why a piece under the grant was refused or failed (the room end
     /// is then refused).
     failed: Option<Error>,
@@ -176,15 +178,15 @@ impl RoomGrants {
     }
 }
 
-/// A tcp piece of grant `token` was received on session `sess`: `Ok(len)`
-/// bytes landed, or it failed. Answers the room end parked for the grant
+/// tcp pieces of grant `token` were received on session `sess`: `Ok` the
+/// (region, offset, len) of those that landed, or one failed. Answers the room end parked for the grant
 /// once every byte it counts landed (or a piece failed).
 pub(crate) fn piece_landed(
     a: &AgentInner,
     sess: &ReceiverSession,
     peer: &ProcIdentity,
     token: u64,
-    outcome: Result<u64>,
+    outcome: Result<&[(u64, u64, u64)]>,
 ) {
     let done = {
         let mut s = a.room_grants.lock();
@@ -196,13 +198,17 @@ pub(crate) fn piece_landed(
             return;
         };
         match outcome {
-            Ok(n) => g.received += n,
+            Ok(pieces) => {
+                for &(region, offset, len) in pieces {
+                    g.landed.insert(region, offset, len);
+                }
+            }
             Err(e) => {
                 g.failed.get_or_insert(e);
             }
         }
         match g.end {
-            Some(e) if g.failed.is_some() || g.received >= e.bytes => {
+            Some(e) if g.failed.is_some() || g.landed.bytes() >= e.bytes => {
                 let g = s.forget(token, Gone::Ended).expect("held");
                 Some((e, g))
             }
@@ -223,12 +229,14 @@ fn tcp_verdict(g: &HeldGrant, e: &RoomEnd) -> Result<()> {
             format!("room {}: a write was refused: {}", e.room, f.detail()),
         ));
     }
-    if g.received != e.bytes {
+    if g.landed.bytes() != e.bytes {
         return Err(Error::new(
             Status::Protocol,
             format!(
                 "room {}: {} bytes landed, the room end says {}",
-                e.room, g.received, e.bytes
+                e.room,
+                g.landed.bytes(),
+                e.bytes
             ),
         ));
     }
@@ -333,7 +341,7 @@ impl Agent {
                 ranges: RangeSet::new(&ranges),
                 deadline: Instant::now() + deadline,
                 device,
-                received: 0,
+                landed: Landed::default(),
                 failed: None,
                 end: None,
                 _guards: guards,
@@ -396,7 +404,7 @@ pub(super) fn room_end(a: &AgentInner, sess: &ReceiverSession, p: &[u8], peer: &
                 ),
             ));
         }
-        if tcp && g.failed.is_none() && g.received < e.bytes {
+        if tcp && g.failed.is_none() && g.landed.bytes() < e.bytes {
             if let Some(g) = s.held.get_mut(&e.token) {
                 g.end = Some(e);
             }
@@ -411,5 +419,27 @@ pub(super) fn room_end(a: &AgentInner, sess: &ReceiverSession, p: &[u8], peer: &
             answer(a, sess, peer, &e, g, r);
         }
         Err(err) => sess.send(FrameType::RoomRefuse, &wire::encode_reason(e.token, &err)),
+    }
+}
+
+/// The sender's RoomQuery on session `sess` (a tcp sender that redialled in
+/// the middle of the room): answered with RoomLanded, what landed under the
+/// grant so far over every connection of its instance, when the token names
+/// a live grant for the session's authenticated instance; else RoomRefuse.
+pub(super) fn room_query(a: &AgentInner, sess: &ReceiverSession, p: &[u8]) {
+    let answer = wire::decode_batch(p).and_then(|token| {
+        let mut s = a.room_grants.lock();
+        let g = s.usable(token, sess.instance)?;
+        if let Some(f) = &g.failed {
+            return Err(f.clone());
+        }
+        Ok((token, g.landed.encode(token)))
+    });
+    match answer {
+        Ok((_, payload)) => sess.send(FrameType::RoomLanded, &payload),
+        Err(err) => {
+            let token = wire::decode_batch(p).unwrap_or(0);
+            sess.send(FrameType::RoomRefuse, &wire::encode_reason(token, &err))
+        }
     }
 }

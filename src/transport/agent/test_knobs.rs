@@ -45,4 +45,10 @@ pub struct TestKnobs {
     /// endpoint instead of the one its bootstrap entry advertises (an
     /// on-path relay in front of the prefill).
     pub ctl_via: Option<String>,
+    /// Engine, prefill: once the KV bytes its workers submitted over tcp
+    /// reach this count (counted down, shared by every engine holding a
+    /// clone), the data connection that took the last of them is closed
+    /// right after its submit, once (a tcp link broken in the middle of a
+    /// room). `None`: never.
+    pub sever_tcp_data_after: Option<Arc<std::sync::atomic::AtomicU64>>,
 }

@@ -294,7 +294,13 @@ impl Ledger for SessionLedger<'_> {
     fn merge(&mut self, tally: &mut Tally) {
         let (a, sess, peer) = (self.a, self.sess, self.peer);
         for r in tally.rooms.drain(..) {
-            piece_landed(a, sess, peer, r.token, r.failed.map_or(Ok(r.received), Err));
+            piece_landed(
+                a,
+                sess,
+                peer,
+                r.token,
+                r.failed.map_or(Ok(&r.landed[..]), Err),
+            );
         }
         if tally.counts.is_empty() {
             return;
@@ -309,10 +315,11 @@ impl Ledger for SessionLedger<'_> {
     }
 }
 
-/// One stream's count of the pieces of one room grant since its last merge.
+/// One stream's count of the pieces of one room grant since its last merge:
+/// the (region, offset, len) of each piece landed.
 pub(crate) struct RoomCount {
     token: u64,
-    received: u64,
+    landed: Vec<(u64, u64, u64)>,
     failed: Option<Error>,
 }
 
@@ -385,14 +392,15 @@ impl Tally {
         self.closed.contains(&batch)
     }
 
-    /// A piece of the room grant `token` landed `Ok(len)` bytes, or failed.
-    fn room(&mut self, token: u64, outcome: Result<u64>) {
+    /// A piece of the room grant `token` landed (`Ok((region, offset,
+    /// len))`), or failed.
+    fn room(&mut self, token: u64, outcome: Result<(u64, u64, u64)>) {
         let i = match self.rooms.iter().rposition(|r| r.token == token) {
             Some(i) => i,
             None => {
                 self.rooms.push(RoomCount {
                     token,
-                    received: 0,
+                    landed: Vec::new(),
                     failed: None,
                 });
                 self.rooms.len() - 1
@@ -400,7 +408,11 @@ impl Tally {
         };
         let r = &mut self.rooms[i];
         match outcome {
-            Ok(n) => r.received += n,
+            Ok(piece) => match r.landed.last_mut() {
+                // a run of pieces that follow each other is one range
+                Some(l) if l.0 == piece.0 && l.1 + l.2 == piece.1 => l.2 += piece.2,
+                _ => r.landed.push(piece),
+            },
             Err(e) => {
                 r.failed.get_or_insert(e);
             }
@@ -667,7 +679,7 @@ fn land_piece(
         let outcome = match ledger.admit_room(h) {
             Ok(()) => {
                 let dest = dests.validate(h);
-                land(dest, r, h, scratch, bounce)?.map(|_| h.len)
+                land(dest, r, h, scratch, bounce)?.map(|_| (h.region, h.offset, h.len))
             }
             Err(e) => {
                 drain(r, h.len, scratch)?;

@@ -528,6 +528,19 @@ impl Transport for TcpTransport {
     crate::transport::conn::conn_backed_transport!();
     crate::transport::conn::conn_room_grants!();
 
+    fn resume_room(
+        &self,
+        grant: &crate::transport::room::RoomGrant,
+        epoch: u64,
+        timeout: std::time::Duration,
+    ) -> Result<crate::transport::landed::Landed> {
+        self.conn.resume_room(grant, epoch, timeout)
+    }
+
+    fn carry_room(&self, room: u64, epoch: u64, bytes: u64) -> Result<()> {
+        self.conn.rooms.carry(room, epoch, bytes)
+    }
+
     fn submit(&self, ops: &[WriteOp], opts: &BatchOptions) -> Result<BatchId> {
         // device destinations are landed by the receiver's device writer
         let (pieces, guards, bytes) = self.conn.validate(ops, Reach::AnyDestination)?;
