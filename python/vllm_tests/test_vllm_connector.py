@@ -158,6 +158,22 @@ def test_chunked_prefill_chunks_not_page_aligned(pd):
     _no_leaks(p, d)
 
 
+def test_layer_saves_before_the_decode_registers_are_queued_then_sent(pd):
+    """Sequential flow: the prefill's four steps (40-token chunks of 150) all
+    run before the decode exists; each step's layers are queued as saved (with
+    their events on device pools) and sent layer by layer once the decode's
+    metadata arrives: one chunk per step, every layer of each, every byte."""
+    p, d, _ = pd
+    got = _pd_request(p, d, "queued", _prompt(150, 17))
+    assert got["bad_rows"] == 0 and got["tokens"] == 150, got
+    p.send("sends")
+    sends = p.wait(lambda e: e[0] == "sends")[1]
+    steps = -(-150 // 40)
+    assert sends["chunks"].get("queued") == steps, sends
+    assert sends["layers"].get("queued") == 2 * steps, sends  # 2 layers
+    _no_leaks(p, d)
+
+
 def test_decode_and_prefill_prefix_hits(pd):
     p, d, _ = pd
     base = _prompt(64, 11)
