@@ -24,8 +24,9 @@ pub struct DcpTargets {
     pub dst_info_num: u32,
 }
 
-/// `None` when the prefill holds whole requests (DCP 1) or a side's DCP does
-/// not divide its TP: the TP mapping applies (and the peer check).
+/// `None` when the prefill holds whole requests (DCP 1), a side's DCP does
+/// not divide its TP, or the decode's DCP rank is not `tp_rank % N`: the TP
+/// mapping applies (and the peer check).
 pub fn dcp_targets(decode: &Topology, prefill: &Topology) -> Result<Option<DcpTargets>> {
     let m = prefill.dcp_size;
     if m <= 1 {
@@ -33,8 +34,10 @@ pub fn dcp_targets(decode: &Topology, prefill: &Topology) -> Result<Option<DcpTa
     }
     let n = decode.dcp_size.max(1);
     let (tp, td) = (prefill.attn_tp_size, decode.attn_tp_size);
-    if tp % m != 0 || td % n != 0 {
-        // DCP not grouped inside TP: the TP mapping, each pair then checked
+    if tp % m != 0 || td % n != 0 || decode.dcp_rank != (decode.engine_rank % td) % n {
+        // DCP not grouped inside TP, or a decode DCP rank that is not its TP
+        // rank's (stale or miswired): the TP mapping, whose peer check refuses
+        // a pair that shares no position
         return Ok(None);
     }
     let pairs = pairs_with_share(&prefill.dcp_layout()?, &decode.dcp_layout()?);
@@ -150,6 +153,10 @@ mod tests {
             dcp_targets(&topo(4, 4, 1, 0), &topo(3, 2, 1, 0)).unwrap(),
             None
         );
+        // a decode DCP rank that is not its TP rank's: left to the TP mapping's peer check
+        let mut miswired = topo(2, 2, 1, 0);
+        miswired.dcp_rank = 1;
+        assert_eq!(dcp_targets(&miswired, &topo(2, 2, 1, 0)).unwrap(), None);
         let e = dcp_targets(&topo(4, 1, 1, 0), &topo(6, 2, 1, 0)).unwrap_err();
         assert_eq!(e.status(), Status::UnsupportedDcpTopology, "{e}");
     }
