@@ -3,7 +3,9 @@
 # side with torch CUDA tensors in vLLM's MLA cache shape as device pools, a
 # prefill and a decode worker in one process over tcp, the prefill's send
 # ordered after its KV writes by the CUDA event wait_for_save records (the
-# writes queued behind a GPU sleep), every decode byte checked. Needs python3
+# writes queued behind a GPU sleep), then the layer saves of a prefill step
+# run before the decode registers, queued with one event per layer and sent
+# once it does; every decode byte checked. Needs python3
 # with torch (CUDA) and numpy, and libpdxfer.so built with the cuda feature
 # (target/libpdxfer.so as scripts/gpu-check.sh builds it, or PDXFER_LIB); vLLM
 # need not be installed. scripts/gpu-check.sh runs it; alone:
@@ -35,7 +37,12 @@ if [ -n "$skip" ]; then
     echo "gpu-check-vllm: skipped: $skip"
     exit 3
 fi
-echo "gpu-check-vllm: vLLM connector, torch CUDA tensors as pools, event-ordered send ($lib)"
-# shellcheck disable=SC2086 # VLLM_CHECK_ARGS is a list of arguments
-PDXFER_LIB=$lib PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}" \
-    timeout "${VLLM_CHECK_TIMEOUT:-120}" "$py" scripts/vllm-gpu-check.py --memory device "$@" ${VLLM_CHECK_ARGS:-}
+echo "gpu-check-vllm: vLLM connector, torch CUDA tensors as pools, event-ordered sends ($lib)"
+# router: one send after wait_for_save's event; sequential: layer saves queued
+# with their events before the decode registers, sent after it does
+for flow in router sequential; do
+    # shellcheck disable=SC2086 # VLLM_CHECK_ARGS is a list of arguments
+    PDXFER_LIB=$lib PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}" \
+        timeout "${VLLM_CHECK_TIMEOUT:-120}" "$py" scripts/vllm-gpu-check.py --memory device --flow "$flow" \
+        "$@" ${VLLM_CHECK_ARGS:-} || exit $?
+done

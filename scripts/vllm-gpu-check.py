@@ -13,6 +13,13 @@ the names the connector imports from vLLM's ``kv_connector.v1.base`` into
 the role enum, the metadata and results classes); everything the check
 exercises is pdxfer's code. ``--memory host`` runs the same on CPU tensors.
 
+``--flow router`` (the default): the decode registers first and the prefill's
+``wait_for_save`` sends after the event it records. ``--flow sequential``: the
+prefill's step runs before any decode exists, each layer's rows written behind
+its own GPU sleep and ``save_kv_layer`` called at once (the event queued with
+that layer's save); the decode registers after, and the queued sends go layer
+by layer, each after its layer's event.
+
     PDXFER_LIB=target/libpdxfer.so PYTHONPATH=python python3 scripts/vllm-gpu-check.py
 """
 
@@ -97,6 +104,7 @@ def main() -> int:
     ap.add_argument("--block", type=int, default=64)
     ap.add_argument("--stub-vllm", action="store_true", help="use the stand-ins even if vLLM is importable")
     ap.add_argument("--timeout", type=float, default=60)
+    ap.add_argument("--flow", choices=("router", "sequential"), default="router")
     a = ap.parse_args()
     import torch
 
@@ -135,37 +143,70 @@ def main() -> int:
     n = a.tokens
     pblocks = list(range(2, 2 + -(-n // a.block)))
     dblocks = list(reversed(range(1, 1 + -(-n // a.block))))
+    g = torch.Generator(device="cpu").manual_seed(7)
+    want = {nm: torch.randint(-30000, 30000, (n, 576), dtype=torch.int16, generator=g) for nm in names}
+    pos = torch.arange(n)
+    bl = torch.tensor(pblocks)[pos // a.block]
+
+    def write(nm: str) -> None:
+        pc[nm].view(torch.int16)[bl.to(dev), 0, (pos % a.block).to(dev), :] = want[nm].to(dev, non_blocking=True)
+
+    def decode_registers() -> None:
+        m = PdxferConnectorMetadata()
+        m.recvs["d"] = RecvReq(key="gpu-check", bootstrap=f"http://127.0.0.1:{port}", block_ids=dblocks,
+                               prefix_len=0, num_tokens=n)
+        dec.bind_connector_metadata(m)
+        dec.start_load_kv(None)
+        dec.clear_connector_metadata()
+
+    t0 = time.monotonic()
+    if a.flow == "sequential":
+        # one prefill step before any decode: each layer's saves queued with its event
+        m = PdxferConnectorMetadata()
+        m.sends["p"] = SendReq(key="gpu-check", block_ids=pblocks, computed=n, num_prompt=n)
+        m.send_done = {"p"}
+        pre.bind_connector_metadata(m)
+        pre.start_load_kv(None)
+        for nm in names:
+            if dev == "cuda":
+                torch.cuda._sleep(int(2e7))  # GPU time before this layer's writes
+            write(nm)
+            pre.save_kv_layer(nm, pc[nm], None)
+        pre.wait_for_save()
+        pre.clear_connector_metadata()
+        decode_registers()
+        return finish(a, pre, dec, dc, want, names, dblocks, t0, time.monotonic(), expect_layers=len(names))
     # the decode first (router flow): its metadata waits in the prefill engine
-    m = PdxferConnectorMetadata()
-    m.recvs["d"] = RecvReq(key="gpu-check", bootstrap=f"http://127.0.0.1:{port}", block_ids=dblocks,
-                           prefix_len=0, num_tokens=n)
-    dec.bind_connector_metadata(m)
-    dec.start_load_kv(None)
-    dec.clear_connector_metadata()
+    decode_registers()
     m = PdxferConnectorMetadata()
     m.sends["p"] = SendReq(key="gpu-check", block_ids=pblocks, computed=0, num_prompt=n)
     pre.bind_connector_metadata(m)
     pre.start_load_kv(None)
     pre.clear_connector_metadata()
-    t0 = time.monotonic()
     while pre._worker.engine.poll(pre._worker.sends["p"].room) < 2 and time.monotonic() - t0 < a.timeout:
         time.sleep(0.01)
     # the step's forward: rows written by work queued behind a sleep on the current stream
-    g = torch.Generator(device="cpu").manual_seed(7)
-    want = {nm: torch.randint(-30000, 30000, (n, 576), dtype=torch.int16, generator=g) for nm in names}
     if dev == "cuda":
         torch.cuda._sleep(int(2e8))  # ~0.1-0.2 s of GPU time before the writes
-    pos = torch.arange(n)
-    bl = torch.tensor(pblocks)[pos // a.block]
     for nm in names:
-        pc[nm].view(torch.int16)[bl.to(dev), 0, (pos % a.block).to(dev), :] = want[nm].to(dev, non_blocking=True)
+        write(nm)
     m = PdxferConnectorMetadata()
     m.sends["p"] = SendReq(key="gpu-check", block_ids=pblocks, computed=n, num_prompt=n)
     m.send_done = {"p"}
     pre.bind_connector_metadata(m)
     pre.wait_for_save()  # records the event and sends: no host synchronisation before it
     pre.clear_connector_metadata()
-    t_send = time.monotonic()
+    return finish(a, pre, dec, dc, want, names, dblocks, t0, time.monotonic(), expect_layers=None)
+
+
+def finish(a, pre, dec, dc, want, names, dblocks, t0, t_send, expect_layers) -> int:
+    """Waits for both sides, checks every decode byte (and, for queued saves,
+    that they went layer by layer)."""
+    import torch
+
+    dev = "cuda" if a.memory == "device" else "cpu"
+    n = a.tokens
+    pos = torch.arange(n)
     got_r, got_s, failed = set(), set(), set()
     while (not got_r or not got_s) and time.monotonic() - t0 < a.timeout:
         r = dec.get_transfer_results(set())
@@ -183,13 +224,17 @@ def main() -> int:
         rows = dc[nm].view(torch.int16)[dpos_bl.to(dev), 0, (pos % a.block).to(dev), :].cpu()
         bad += int((rows != want[nm]).any(dim=1).sum())
     nbytes = n * 576 * 2 * a.layers
+    layer_sends = pre._worker.layer_sends.get("p", 0)
     pre.shutdown()
     dec.shutdown()
+    if expect_layers is not None and layer_sends != expect_layers:
+        print(f"vllm-gpu-check: FAILED: {layer_sends} layer-wise sends, {expect_layers} queued", file=sys.stderr)
+        return 1
     if bad:
         print(f"vllm-gpu-check: FAILED: {bad} of {n * a.layers} decode rows differ", file=sys.stderr)
         return 1
     print(f"vllm-gpu-check: OK: {nbytes} bytes ({n} tokens x {a.layers} layers x 1152 B, {a.memory} pools, "
-          f"tcp) landed and verified; {nbytes / dt / 1e9:.2f} GB/s from wait_for_save to finished")
+          f"tcp, {a.flow} flow) landed and verified; {nbytes / dt / 1e9:.2f} GB/s from the send to finished")
     return 0
 
 

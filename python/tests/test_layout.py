@@ -186,6 +186,18 @@ def test_check_peer_and_rank_mapping():
     with pytest.raises(pdxfer.CompatError) as e:
         pdxfer.rank_mapping(pdxfer.Topology.mla(pp_size=2), pdxfer.Topology.mla(pp_size=4))
     assert e.value.kind == "pp_mismatch"
+    # a DCP-sharded prefill: each decode rank reads the shares overlapping its positions
+    for r in range(4):
+        m = pdxfer.rank_mapping(pdxfer.Topology.mla(attn_tp_size=4, engine_rank=r, dcp_size=4, dcp_rank=r),
+                                pdxfer.Topology.mla(attn_tp_size=2, dcp_size=2))
+        assert (m.target_tp_ranks, m.dummy_tp, m.required_dst_info_num) == ([r % 2], [False], 2), (r, m)
+    m = pdxfer.rank_mapping(pdxfer.Topology.mla(attn_tp_size=2, engine_rank=1, dcp_size=2, dcp_rank=1),
+                            pdxfer.Topology.mla(attn_tp_size=2, dcp_size=2, dcp_interleave=64))
+    assert (m.target_tp_ranks, m.dummy_tp, m.required_prefill_response_num) == ([0, 1], [False, False], 2)
+    # shares 1 and 3 of a DCP 4 prefill for a DCP 2 decode rank: no range in the C struct, refused
+    with pytest.raises(pdxfer.PdxError, match="no representable tp rank range"):
+        pdxfer.rank_mapping(pdxfer.Topology.mla(attn_tp_size=2, engine_rank=1, dcp_size=2, dcp_rank=1),
+                            pdxfer.Topology.mla(attn_tp_size=4, dcp_size=4))
 
 
 def test_prefill_cp_with_decode_dcp():

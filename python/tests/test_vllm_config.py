@@ -73,8 +73,10 @@ def test_refusals_name_the_flag():
     with pytest.raises(pdxfer.PdxError, match="kv-cache-layout"):
         C.pool_geometry("l.0.a", T([32, 1, 16, 576], stride=[2 * 16 * 576, 16 * 576, 576, 1]))
     caches = {"model.layers.0.self_attn.attn": T([8, 1, 16, 576])}
-    with pytest.raises(pdxfer.PdxError, match="--decode-context-parallel-size 1"):
-        C.topology(caches, C.Parallel(tp_size=2, dcp_size=2), "bf16", producer=True)
+    # a prefill with DCP holds its share of each request: served
+    topo, _, _ = C.topology(caches, C.Parallel(tp_size=2, tp_rank=1, dcp_size=2, dcp_rank=1), "bf16",
+                            producer=True)
+    assert (topo.dcp_size, topo.dcp_rank) == (2, 1)
     with pytest.raises(pdxfer.PdxError, match="hybrid"):
         C.topology({"model.layers.0.a": T([8, 1, 16, 576]), "model.layers.1.a": T([8, 1, 32, 576])},
                    C.Parallel(), "bf16")

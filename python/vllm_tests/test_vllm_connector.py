@@ -158,6 +158,22 @@ def test_chunked_prefill_chunks_not_page_aligned(pd):
     _no_leaks(p, d)
 
 
+def test_layer_saves_before_the_decode_registers_are_queued_then_sent(pd):
+    """Sequential flow: the prefill's four steps (40-token chunks of 150) all
+    run before the decode exists; each step's layers are queued as saved (with
+    their events on device pools) and sent layer by layer once the decode's
+    metadata arrives: one chunk per step, every layer of each, every byte."""
+    p, d, _ = pd
+    got = _pd_request(p, d, "queued", _prompt(150, 17))
+    assert got["bad_rows"] == 0 and got["tokens"] == 150, got
+    p.send("sends")
+    sends = p.wait(lambda e: e[0] == "sends")[1]
+    steps = -(-150 // 40)
+    assert sends["chunks"].get("queued") == steps, sends
+    assert sends["layers"].get("queued") == 2 * steps, sends  # 2 layers
+    _no_leaks(p, d)
+
+
 def test_decode_and_prefill_prefix_hits(pd):
     p, d, _ = pd
     base = _prompt(64, 11)
@@ -285,7 +301,8 @@ def test_abort_on_the_prefill_frees_its_blocks_once_fenced(pd):
 def test_a_killed_prefill_fails_the_decode_request_before_its_timeout(pd):
     """A second prefill instance takes a decode's metadata (router flow) and is
     killed (SIGKILL) before it sends: the decode request fails through
-    failed_recving with its blocks as load errors, and the decode ends clean."""
+    failed_recving with its blocks as load errors, from the broken link and
+    not its transfer timeout, and the decode ends clean."""
     _, d, _ = pd
     boot = _port()
     victim = Inst("kv_producer", _opts("prefill-victim", boot))
@@ -293,15 +310,21 @@ def test_a_killed_prefill_fails_the_decode_request_before_its_timeout(pd):
         victim.wait(lambda e: e[0] == "ready", 300)
         params = {"do_remote_prefill": True, "transfer_id": "victim-1", "remote_num_tokens": 48,
                   "remote_bootstrap_addr": f"http://127.0.0.1:{boot}"}
+        # the request's deadline starts when the decode worker opens its load,
+        # after this: it cannot pass before t_add + TIMEOUT
+        t_add = time.monotonic()
         d.send("add", {"id": "d-victim", "prompt": _prompt(48, 61), "max_tokens": 2, "params": params})
         time.sleep(2.0)  # the decode's receiver connected and sent its metadata
     finally:
         victim.proc.kill()
         victim.proc.join(10)
-    t0 = time.monotonic()
     ev = d.wait(lambda e: e[0] == "failed_recving" and "d-victim" in e[1], 2 * TIMEOUT + 30)
+    failed_after = time.monotonic() - t_add
     assert ev[2], "load-error blocks reported"
-    assert time.monotonic() - t0 <= TIMEOUT + 10, "failed within the transfer timeout"
+    reasons = [m for m in d_log(d) if "d-victim" in m and "failed" in m]
+    assert reasons and all("no KV within" not in m for m in reasons), reasons  # not the timeout's reason
+    assert failed_after < TIMEOUT, f"the broken link failed the load after {failed_after:.1f} s, " \
+                                   f"before its {TIMEOUT:.0f} s timeout could ({reasons})"
     d.wait(lambda e: e[0] == "finished" and e[1] == "d-victim")
-    assert any("d-victim" in m and "(" in m for m in d_log(d)), "the typed reason was logged"
+    assert any("(" in m for m in reasons), "the typed reason was logged"
     _no_leaks(d)

@@ -1,7 +1,8 @@
 """PdxferConnector across topologies, each a prefill and a decode instance
 with one process per rank (vLLM's parallel state on gloo): heterogeneous TP
 (MLA replicated: P TP2 -> D TP1, P TP1 -> D TP2), decode DCP 1 -> 2 at
-interleave 1 and at the block size (vLLM's NIXL forces the latter). Every decode rank checks every byte it owns; a
+interleave 1 and at the block size (vLLM's NIXL forces the latter), prefill
+DCP 2 -> decode DCP 1, 2 and 4 (M > N, M = N, M < N) at both interleaves. Every decode rank checks every byte it owns; a
 request shorter than one DCP round completes on every rank; prefix hits are
 whole DCP rounds; both schedulers end with nothing held."""
 
@@ -16,6 +17,13 @@ TOPOLOGIES = {
     "p_tp1_to_d_tp2": ({"tp": 1}, {"tp": 2}),
     "d_dcp2_interleave1": ({"tp": 1}, {"tp": 2, "dcp": 2, "interleave": 1}),
     "d_dcp2_interleave_block": ({"tp": 1}, {"tp": 2, "dcp": 2, "interleave": 16}),
+    # prefill DCP M -> decode DCP N: each decode rank reads the prefill shares overlapping its positions
+    "p_dcp2_to_d_dcp1_interleave1": ({"tp": 2, "dcp": 2, "interleave": 1}, {"tp": 1}),
+    "p_dcp2_to_d_dcp2_interleave_block": ({"tp": 2, "dcp": 2, "interleave": 16},
+                                          {"tp": 2, "dcp": 2, "interleave": 16}),
+    "p_dcp2_to_d_dcp4_interleave1": ({"tp": 2, "dcp": 2, "interleave": 1}, {"tp": 4, "dcp": 4, "interleave": 1}),
+    "p_dcp2_block_to_d_dcp4_interleave1": ({"tp": 2, "dcp": 2, "interleave": 16},
+                                           {"tp": 4, "dcp": 4, "interleave": 1}),
 }
 
 

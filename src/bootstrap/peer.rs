@@ -249,7 +249,11 @@ pub fn decode_peers(store: &dyn Store, prefill: &Registration) -> Result<Vec<Reg
         let Ok(m) = resolve_rank_mapping(&d.topology, t, MappingOptions::default()) else {
             continue;
         };
-        let real_tp = m.target_tp_rank() == t.attn_tp_rank;
+        let real_tp = m
+            .target_tp_ranks
+            .iter()
+            .zip(&m.dummy_tp)
+            .any(|(&r, &dummy)| r == t.attn_tp_rank && !dummy);
         if real_tp
             && m.target_cp_ranks.contains(&t.attn_cp_rank)
             && m.target_pp_ranks.contains(&t.pp_rank)

@@ -216,10 +216,13 @@ pub extern "C" fn pdxfer_rank_mapping(
         };
         let m = layout::resolve_rank_mapping(&d, &p, opts)?;
         // [first, last + 1); an empty list or a rank at u32::MAX is an error, not a
-        // panic (found by the c_abi fuzz target: an empty list was indexed)
+        // panic (found by the c_abi fuzz target: an empty list was indexed); a
+        // list with gaps (a DCP-sharded prefill read by a smaller decode DCP:
+        // shares d and d + N) has no range and is refused, not widened
         let range = |v: &[u32], what: &str| -> Result<(u32, u32)> {
+            let consecutive = v.windows(2).all(|w| w[0].checked_add(1) == Some(w[1]));
             match (v.first(), v.last().and_then(|l| l.checked_add(1))) {
-                (Some(&a), Some(b)) => Ok((a, b)),
+                (Some(&a), Some(b)) if consecutive => Ok((a, b)),
                 _ => Err(crate::Error::new(
                     crate::Status::InvalidTopology,
                     format!("the mapping has no representable {what} rank range: {v:?}"),

@@ -16,6 +16,7 @@ pub mod chunk;
 pub mod compat;
 pub mod cp;
 pub mod cp_transfer;
+pub mod dcp_targets;
 pub mod plan;
 pub mod rank_map;
 pub mod runs;
@@ -25,6 +26,7 @@ pub use chunk::{slice_requests, ChunkSpec, SendChunker};
 pub use compat::{check_peer, PeerCompat, TransferMode};
 pub use cp::{check_cp_storage, cp_page_bounds, CpSender, CpShare};
 pub use cp_transfer::{CpMode, CpStorage, CpTransfer};
+pub use dcp_targets::{dcp_targets, DcpTargets};
 pub use plan::{
     dcp_token_plan, pairs_with_share, PairRequest, Segment, SglangChunk, Side, TokenPlan,
 };

@@ -2,6 +2,7 @@
 //! PP targets, dummy ranks, and how many peers each side waits for.
 
 use super::cp::CpSender;
+use super::dcp_targets::dcp_targets;
 use super::topology::{PoolKind, Topology};
 use crate::error::{Error, Result, Status};
 use serde::Serialize;
@@ -75,7 +76,16 @@ pub fn resolve_rank_mapping(
     }
     let e = decode.engine_rank % td;
     let is_mla = decode.pool == PoolKind::Mla;
-    let (tp_ranks, dst_info, mut resp) = if td == tp {
+    let dcp = if decode.pool.is_mla_like() && prefill.pool.is_mla_like() {
+        dcp_targets(decode, prefill)?
+    } else {
+        None
+    };
+    let (tp_ranks, dst_info, mut resp) = if let Some(t) = &dcp {
+        // a DCP-sharded prefill: every target holds a share this rank owns
+        let n = t.tp_ranks.len() as u32;
+        (t.tp_ranks.clone(), t.dst_info_num, n)
+    } else if td == tp {
         (vec![e], 1, 1)
     } else if td > tp {
         if td % tp != 0 {
@@ -100,7 +110,7 @@ pub fn resolve_rank_mapping(
     let dummy_tp = tp_ranks
         .iter()
         .enumerate()
-        .map(|(i, _)| i > 0 && is_mla)
+        .map(|(i, _)| i > 0 && is_mla && dcp.is_none())
         .collect();
 
     if decode.attn_cp_size != 1 {

@@ -892,3 +892,104 @@ fn a_decode_faults_its_host_pools_in_at_creation_unless_told_not_to() {
         drop(engine);
     }
 }
+
+/// Prefill DCP `m` -> decode DCP `n` (m != n, both > 1): each decode rank
+/// reads from every prefill rank whose share overlaps its positions (one for
+/// 2 -> 4; two for 4 -> 2), chunked and with a prefix; every byte checked.
+fn dcp_m_to_n(m: u32, n: u32, name: &str) {
+    let server = BootstrapServer::start(ServerConfig::default()).unwrap();
+    let url = server.url();
+    let mut prefill: Vec<_> = (0..m)
+        .map(|r| rank(Role::Prefill, name, &url, 32, (m, r), TransportKind::Cma))
+        .collect();
+    let decode: Vec<_> = (0..n)
+        .map(|r| rank(Role::Decode, name, &url, 32, (n, r), TransportKind::Auto))
+        .collect();
+    let (vp, vd) = (P * u64::from(m), P * u64::from(n));
+    let (room, prefix, total) = (33u64, vp.max(vd), 700u64);
+    let dst_pages: Vec<u64> = (0..(total - prefix).div_ceil(vd))
+        .map(|i| (i * 5 + 1) % 32)
+        .collect();
+    let src_pages = |r: u64| -> Vec<u64> {
+        (0..(total - prefix).div_ceil(vp))
+            .map(|i| (i * 3 + r) % 32)
+            .collect()
+    };
+    for (r, (e, pools)) in prefill.iter_mut().enumerate() {
+        let src = src_pages(r as u64);
+        let side = Side {
+            layout: DcpLayout::sglang(P, u64::from(m)).unwrap(),
+            rank: r as u64,
+            pages: &src,
+            origin: prefix,
+        };
+        pools.fill(room, &side, total);
+        pools.fill_aux(room, 2);
+        e.sender(room).unwrap();
+    }
+    for (e, _) in &decode {
+        e.receiver(room, 0, None).unwrap();
+        e.send_metadata(room, &dst_pages, prefix, 6).unwrap();
+    }
+    for (r, (e, _)) in prefill.iter().enumerate() {
+        let src = src_pages(r as u64);
+        let mut waited = 0;
+        while e.poll(room) == KvPoll::Bootstrapping {
+            std::thread::sleep(Duration::from_millis(5));
+            waited += 1;
+            assert!(waited < 2000, "prefill {r}: no decode metadata");
+        }
+        // chunks of 2 local pages (2 prefill rounds of positions) each
+        let mut sent = 0;
+        for (i, c) in src.chunks(2).enumerate() {
+            let last = (i + 1) * 2 >= src.len();
+            let tokens = if last {
+                total - prefix - sent
+            } else {
+                c.len() as u64 * vp
+            };
+            e.send(room, c, tokens, last, 2).unwrap();
+            sent += tokens;
+        }
+    }
+    for (r, (e, _)) in prefill.iter().enumerate() {
+        assert_eq!(
+            e.wait(room, Duration::from_secs(20)),
+            KvPoll::Success,
+            "prefill {r}: {:?}",
+            e.failure(room)
+        );
+    }
+    let dl = DcpLayout::sglang(P, u64::from(n)).unwrap();
+    for (r, (e, pools)) in decode.iter().enumerate() {
+        assert_eq!(
+            e.wait(room, Duration::from_secs(20)),
+            KvPoll::Success,
+            "decode {r}: {:?}",
+            e.failure(room)
+        );
+        let side = Side {
+            layout: dl,
+            rank: r as u64,
+            pages: &dst_pages,
+            origin: prefix,
+        };
+        let owned = dl.count_owned(r as u64, prefix, total);
+        assert_eq!(
+            pools.verify(room, &side, total, Some(6)).unwrap(),
+            owned * LAYERS as u64 * ROW + 32,
+            "decode {r}"
+        );
+        assert_eq!(e.room_bytes(room), owned * LAYERS as u64 * ROW);
+    }
+}
+
+#[test]
+fn dcp_2_to_4_each_decode_rank_reads_its_prefill_share() {
+    dcp_m_to_n(2, 4, "e2e-2to4");
+}
+
+#[test]
+fn dcp_4_to_2_each_decode_rank_reads_two_prefill_shares() {
+    dcp_m_to_n(4, 2, "e2e-4to2");
+}

@@ -144,12 +144,10 @@ def topology(kv_caches: Mapping[str, Any], par: Parallel, dtype_tag: str,
              producer: bool = False) -> Tuple[Topology, List[Any], int]:
     """The rank's topology (one entry per layer, by layer index), its pools in
     entry order and the block count. Every layer must have the same blocks.
-    A prefill (``producer``) with DCP > 1 is refused: its ranks hold shards of
-    each request, and the engine pairs decode ranks with prefill TP ranks."""
-    if producer and par.dcp_size > 1:
-        raise CompatError(-105, f"a prefill (kv_producer) with --decode-context-parallel-size {par.dcp_size} "
-                                "is not served: launch the prefill with --decode-context-parallel-size 1 "
-                                "(the decode may use any DCP size and interleave)")
+    A rank with DCP > 1 (prefill or decode) holds its share of each request's
+    positions in its local blocks; the engine pairs each decode rank with the
+    prefill ranks holding the shares it owns. ``producer`` is kept for callers."""
+    del producer
     items = sorted(((layer_index(n), n, t) for n, t in kv_caches.items()), key=lambda x: x[0])
     if not items:
         raise ArgumentError(-101, "register_kv_caches: no KV caches")
@@ -179,7 +177,8 @@ HINTS = {
     "page_size_mismatch": "vLLM: serve both sides with the same --block-size",
     "geometry_mismatch": "vLLM: serve the same model (--model, --hf-overrides) on both sides",
     "dcp_rank_mismatch": "vLLM: check --tensor-parallel-size and --decode-context-parallel-size on both sides",
-    "unsupported_dcp_topology": "vLLM: give the prefill --decode-context-parallel-size 1 or the decode's value",
+    "unsupported_dcp_topology": "vLLM: give each side a --decode-context-parallel-size that divides its "
+                                "--tensor-parallel-size, and TP replica counts that divide each other",
     "dcp_requires_mla": "vLLM: --decode-context-parallel-size > 1 needs an MLA model",
     "prefix_misaligned": "vLLM: a decode prefix hit must be a multiple of --block-size x "
                          "--decode-context-parallel-size (and of the prefill's)",

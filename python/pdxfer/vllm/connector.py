@@ -339,6 +339,10 @@ class _Send:
     done: bool = False  # the scheduler finished the request
     aborted: bool = False
     deadline: float = 0.0
+    # layer-wise saves recorded before the decode sent its metadata: per step,
+    # (tokens computed once it ran, one event per layer recorded after that
+    # layer's writes), sent in order, each layer after its event, once it does
+    queued: List[Tuple[int, List[Any]]] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -372,6 +376,7 @@ class _WorkerSide:
         self.chunks_sent: Dict[str, int] = {}  # chunks queued per request (telemetry and tests)
         self.layer_sends: Dict[str, int] = {}  # layer-wise sends per request
         self.layer_chunks: Dict[str, Any] = {}  # this step's layer-wise chunk and next layer, per request
+        self.layer_events: Dict[str, Tuple[int, List[Any]]] = {}  # this step's saves to queue, per request
         self.layer_pos: Dict[str, int] = {}
 
     # ----- setup -----
@@ -461,6 +466,9 @@ class _WorkerSide:
                 self.sends[rid] = st
             st.block_ids = s.block_ids
         self._pump_recvs()
+        if self.engine is not None:
+            for rid, st in list(self.sends.items()):
+                self._send_queued(rid, st)
         self.plan_layerwise(meta)
 
     def wait_for_save(self, meta: Optional[PdxferConnectorMetadata]) -> None:
@@ -479,6 +487,15 @@ class _WorkerSide:
                 self.engine.abort(st.room)
                 st.aborted = True
         self.layer_chunks = {}
+        for rid, (computed, events) in self.layer_events.items():
+            st = self.sends.get(rid)
+            if st is None or st.aborted:
+                continue
+            if len(events) < len(self.pools):  # layers not saved this step: after the whole forward
+                last = self._event()
+                events = events + [last] * (len(self.pools) - len(events))
+            st.queued.append((computed, events))
+        self.layer_events = {}
         # the step's forward wrote its KV before this (vLLM calls it after the
         # forward, on the same stream); sends are ordered after it
         if meta is not None:
@@ -497,8 +514,7 @@ class _WorkerSide:
         ``(pages, tokens, last)``; page-aligned unless last; None when nothing
         is ready or the decode has not sent its metadata."""
         cap = self.topology.page_size * self.topology.dcp_size
-        p = self.engine.poll(st.room)
-        if p != KVPoll.WaitingForInput and p != KVPoll.Transferring:
+        if not self._decode_waits(st):
             return None
         prefix = self.engine.decode_prefix_len(st.room) or 0
         start = prefix + st.sent
@@ -514,26 +530,69 @@ class _WorkerSide:
         first = start // cap
         return (st.block_ids[first:first + -(-n // cap)] if n else []), n, final
 
+    def _decode_waits(self, st: "_Send") -> bool:
+        """The room's decode ranks sent their metadata (pages can go)."""
+        p = self.engine.poll(st.room)
+        return p == KVPoll.WaitingForInput or p == KVPoll.Transferring
+
+    def _send_queued(self, rid: str, st: "_Send") -> None:
+        """The layer-wise saves queued before the decode came, in step order,
+        each layer's send after the event recorded when it was saved."""
+        if not st.queued or st.aborted or not self._decode_waits(st):
+            return
+        queued, st.queued = st.queued, []
+        for computed, events in queued:
+            if st.last_sent:
+                break
+            ch = self._next_chunk(st, computed)
+            if ch is None:
+                continue  # not a whole page yet: a later step's chunk takes these tokens
+            pages, n, final = ch
+            try:
+                if n == 0:  # everything was in the decode's prefix
+                    self.engine.send(st.room, pages, n, final, event=events[-1])
+                else:
+                    for pos, ev in enumerate(events):
+                        self.engine.send(st.room, pages, n, final, event=ev, layers=(pos, 1))
+                        self.layer_sends[rid] = self.layer_sends.get(rid, 0) + 1
+            except PdxError as e:
+                logger.warning("pdxfer: request %s: queued layer-wise send refused: %s", rid, _cfg.vllm_hint(e))
+                self.engine.abort(st.room)
+                st.aborted = True
+                return
+            st.sent += n
+            st.last_sent = final
+            self._count_chunk(rid)
+
     def plan_layerwise(self, meta: Optional[PdxferConnectorMetadata]) -> None:
         """Before the forward: the rooms whose decode is waiting send this
         step's chunk layer by layer from ``save_kv_layer``."""
         self.layer_chunks = {}
+        self.layer_events = {}
         if meta is None or not self.c.settings.layerwise or self.engine is None:
             return
         for rid, s in meta.sends.items():
             st = self.sends.get(rid)
             if st is None or st.aborted or st.last_sent:
                 continue
-            ch = self._next_chunk(st, min(s.computed, st.num_prompt))
-            if ch is not None and ch[1] > 0:
-                self.layer_chunks[rid] = (ch, 0)
+            computed = min(s.computed, st.num_prompt)
+            if self._decode_waits(st):
+                ch = self._next_chunk(st, computed)
+                if ch is not None and ch[1] > 0:
+                    self.layer_chunks[rid] = (ch, 0)
+            else:  # no decode yet: each layer's save is queued with its event
+                self.layer_events[rid] = (computed, [])
 
     def save_kv_layer(self, layer_name: str) -> None:
-        if not self.layer_chunks:
+        if not self.layer_chunks and not self.layer_events:
             return
         pos = self.layer_pos.get(layer_name)
         if pos is None:
             return
+        for computed, events in self.layer_events.values():
+            if pos == len(events):
+                # ordered after this layer's KV writes on the current stream
+                events.append(self._event())
         for rid, ((pages, n, final), nxt) in list(self.layer_chunks.items()):
             st = self.sends[rid]
             if pos != nxt:
@@ -565,6 +624,9 @@ class _WorkerSide:
     def _pump_sends(self) -> None:
         for rid, st in list(self.sends.items()):
             if st.aborted or st.last_sent or rid in self.layer_chunks:
+                continue
+            self._send_queued(rid, st)
+            if st.aborted or st.last_sent:
                 continue
             ch = self._next_chunk(st, st.computed)
             if ch is None:
