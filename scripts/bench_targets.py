@@ -165,7 +165,7 @@ def main():
             else:
                 row(f"PD request {m}, warm median ({r['warm_median_ms']:.1f} ms) vs memcpy ({r['memcpy_ms']:.1f} ms)",
                     ratio, "x memcpy", "(informational)", None, show(cmd))
-            if m == "tcp":
+            if m.startswith("tcp"):
                 x = r.get("ratio_vs_iperf3")
                 if x is None:
                     notes.append(f"PD request tcp vs iperf3: not measured: {r.get('iperf3_note') or 'no iperf3'}")
