@@ -459,7 +459,7 @@ pub(crate) fn validate_ops(
     let mut remotes: HashMap<u64, Option<RegionDesc>> = HashMap::new();
     // the previous op's regions (checked and pinned): an op into the same
     // ones, as most of a batch's are, costs no lookup
-    let mut last: Option<(u64, RegionDesc, u64, RegionDesc)> = None;
+    let mut last: Option<LastRegions> = None;
     for (i, op) in ops.iter().enumerate() {
         let ctx = |e: Error| {
             Error::new(
@@ -467,85 +467,107 @@ pub(crate) fn validate_ops(
                 format!("op {i} of the batch: {}; nothing was sent", e.detail()),
             )
         };
-        if let Some((l, ldesc, r, rdesc)) = &last {
-            if (*l, *r) == (op.local_region, op.remote_region) {
-                ldesc.check(op.local_offset, op.len).map_err(ctx)?;
-                rdesc.check(op.remote_offset, op.len).map_err(ctx)?;
-                total = total
-                    .checked_add(op.len)
-                    .ok_or_else(|| Error::invalid("batch size overflows"))?;
-                pieces.push(Piece {
-                    src: ldesc.addr + op.local_offset,
-                    region: op.remote_region,
-                    offset: op.remote_offset,
-                    dst: rdesc.addr + op.remote_offset,
-                    len: op.len,
-                });
-                continue;
-            }
-        }
-        let ldesc = match locals.entry(op.local_region) {
-            std::collections::hash_map::Entry::Occupied(o) => o.into_mut(),
-            std::collections::hash_map::Entry::Vacant(v) => {
-                v.insert(registry.get(op.local_region).map_err(ctx)?)
-            }
-        };
-        ldesc.check(op.local_offset, op.len).map_err(ctx)?;
-        if ldesc.kind != RegionKind::Host && reach != Reach::Any {
-            return Err(ctx(Error::new(
-                Status::Unsupported,
-                format!(
-                    "local region {} is device memory; this transport moves host memory only",
-                    op.local_region
-                ),
-            )));
-        }
-        let rdesc = remotes
-            .entry(op.remote_region)
-            .or_insert_with(|| remote(op.remote_region))
+        let same = last
             .as_ref()
-            .ok_or_else(|| {
-                ctx(Error::new(
-                    Status::RegionNotFound,
-                    format!("the peer exported no region {}", op.remote_region),
-                ))
-            })?;
-        rdesc.check(op.remote_offset, op.len).map_err(ctx)?;
-        if rdesc.kind != RegionKind::Host && reach == Reach::Host {
-            return Err(ctx(Error::new(
-                Status::Unsupported,
-                format!(
-                    "remote region {} is device memory; this transport moves host memory only",
-                    op.remote_region
-                ),
-            )));
-        }
-        if let std::collections::hash_map::Entry::Vacant(v) = pinned.entry(op.local_region) {
-            v.insert(registry.acquire(op.local_region, 0, 0).map_err(ctx)?);
-        }
+            .filter(|(l, _, r, _)| (*l, *r) == (op.local_region, op.remote_region));
+        let (src_base, dst_base) = if let Some((_, ldesc, _, rdesc)) = same {
+            ldesc.check(op.local_offset, op.len).map_err(ctx)?;
+            rdesc.check(op.remote_offset, op.len).map_err(ctx)?;
+            (ldesc.addr, rdesc.addr)
+        } else {
+            let bases = check_new_regions(
+                registry,
+                &remote,
+                op,
+                reach,
+                &ctx,
+                &mut locals,
+                &mut remotes,
+                &mut pinned,
+            )?;
+            last = Some(bases.1);
+            bases.0
+        };
         total = total
             .checked_add(op.len)
             .ok_or_else(|| Error::invalid("batch size overflows"))?;
         pieces.push(Piece {
-            src: ldesc.addr + op.local_offset,
+            src: src_base + op.local_offset,
             region: op.remote_region,
             offset: op.remote_offset,
-            dst: rdesc.addr + op.remote_offset,
+            dst: dst_base + op.remote_offset,
             len: op.len,
         });
-        if last
-            .as_ref()
-            .is_none_or(|(l, _, r, _)| (*l, *r) != (op.local_region, op.remote_region))
-        {
-            // without their transport keys: nothing to allocate per change
-            let bare = |d: &RegionDesc| RegionDesc {
-                keys: Default::default(),
-                ..*d
-            };
-            last = Some((op.local_region, bare(ldesc), op.remote_region, bare(rdesc)));
-        }
     }
     Ok((pieces, Arc::new(pinned.into_values().collect()), total))
+}
+
+/// The previous op's regions: local id and descriptor, remote id and descriptor.
+type LastRegions = (u64, RegionDesc, u64, RegionDesc);
+
+/// An op into regions other than the previous op's: looks them up (cached per
+/// batch), checks its bounds and the regions' kinds against `reach`, pins the
+/// local source; returns both regions' base addresses and the op's regions for
+/// the next op.
+#[allow(clippy::too_many_arguments)]
+fn check_new_regions(
+    registry: &Registry,
+    remote: &impl Fn(u64) -> Option<RegionDesc>,
+    op: &WriteOp,
+    reach: Reach,
+    ctx: &impl Fn(Error) -> Error,
+    locals: &mut HashMap<u64, RegionDesc>,
+    remotes: &mut HashMap<u64, Option<RegionDesc>>,
+    pinned: &mut HashMap<u64, AccessGuard>,
+) -> Result<((u64, u64), LastRegions)> {
+    let ldesc = match locals.entry(op.local_region) {
+        std::collections::hash_map::Entry::Occupied(o) => o.into_mut(),
+        std::collections::hash_map::Entry::Vacant(v) => {
+            v.insert(registry.get(op.local_region).map_err(ctx)?)
+        }
+    };
+    ldesc.check(op.local_offset, op.len).map_err(ctx)?;
+    if ldesc.kind != RegionKind::Host && reach != Reach::Any {
+        return Err(ctx(Error::new(
+            Status::Unsupported,
+            format!(
+                "local region {} is device memory; this transport moves host memory only",
+                op.local_region
+            ),
+        )));
+    }
+    let rdesc = remotes
+        .entry(op.remote_region)
+        .or_insert_with(|| remote(op.remote_region))
+        .as_ref()
+        .ok_or_else(|| {
+            ctx(Error::new(
+                Status::RegionNotFound,
+                format!("the peer exported no region {}", op.remote_region),
+            ))
+        })?;
+    rdesc.check(op.remote_offset, op.len).map_err(ctx)?;
+    if rdesc.kind != RegionKind::Host && reach == Reach::Host {
+        return Err(ctx(Error::new(
+            Status::Unsupported,
+            format!(
+                "remote region {} is device memory; this transport moves host memory only",
+                op.remote_region
+            ),
+        )));
+    }
+    if let std::collections::hash_map::Entry::Vacant(v) = pinned.entry(op.local_region) {
+        v.insert(registry.acquire(op.local_region, 0, 0).map_err(ctx)?);
+    }
+    // without their transport keys: nothing to allocate per change of regions
+    let bare = |d: &RegionDesc| RegionDesc {
+        keys: Default::default(),
+        ..*d
+    };
+    Ok((
+        (ldesc.addr, rdesc.addr),
+        (op.local_region, bare(ldesc), op.remote_region, bare(rdesc)),
+    ))
 }
 
 /// Checksum of the pieces' source bytes.
