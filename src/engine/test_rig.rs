@@ -185,22 +185,7 @@ pub(super) fn rig(staging: u64) -> Rig {
         written: AtomicU64::new(0),
         placed: AtomicU64::new(0),
     });
-    let shared = Shared {
-        cfg,
-        agent,
-        store: Arc::new(MemStore::new()),
-        registrar: Mutex::new(None),
-        rooms: Mutex::new(RoomTable::new()),
-        cv: Condvar::new(),
-        pool_regions,
-        aux_regions: Vec::new(),
-        state_regions: Vec::new(),
-        staging: staged,
-        closed: AtomicBool::new(false),
-        metrics: Default::default(),
-        metrics_addr: None,
-        gpu_direct_logged: AtomicBool::new(false),
-    };
+    let shared = rig_shared(cfg, agent, pool_regions, staged);
     let l = TcpListener::bind("127.0.0.1:0").unwrap();
     let ctl = TcpStream::connect(l.local_addr().unwrap()).unwrap();
     let reg = Registration::new(
@@ -269,7 +254,19 @@ pub(super) fn decode_state() -> (Decode, SyntheticPools) {
             unsafe { agent.register_host(p.base as *mut u8, len) }.unwrap()
         })
         .collect();
-    let shared = Shared {
+    let shared = rig_shared(cfg, agent, pool_regions, Vec::new());
+    (Decode::new(shared), pools)
+}
+
+/// An engine's shared state over the rig's pools: an in-memory bootstrap store,
+/// no aux or state rows, no metrics responder.
+fn rig_shared(
+    cfg: EngineConfig,
+    agent: Agent,
+    pool_regions: Vec<RegionDesc>,
+    staging: Vec<(Vec<u8>, RegionDesc)>,
+) -> Shared {
+    Shared {
         cfg,
         agent,
         store: Arc::new(MemStore::new()),
@@ -279,11 +276,10 @@ pub(super) fn decode_state() -> (Decode, SyntheticPools) {
         pool_regions,
         aux_regions: Vec::new(),
         state_regions: Vec::new(),
-        staging: Vec::new(),
+        staging,
         closed: AtomicBool::new(false),
         metrics: Default::default(),
         metrics_addr: None,
         gpu_direct_logged: AtomicBool::new(false),
-    };
-    (Decode::new(shared), pools)
+    }
 }
