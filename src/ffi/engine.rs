@@ -215,6 +215,7 @@ fn config_from_c(p: *const PdxEngineConfig) -> Result<EngineConfig> {
             base: p.base as u64,
             page_bytes: p.page_bytes,
             num_pages: p.num_pages,
+            page_stride: p.page_bytes,
         })
         .collect::<Vec<_>>();
     if let Some((i, _)) = pools.iter().enumerate().find(|(_, p)| p.base == 0) {
