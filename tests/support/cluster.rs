@@ -45,6 +45,17 @@ pub enum Pools {
     Heap,
     /// Shared pool allocations a same-host prefill maps (the one-copy path).
     Shared,
+    /// Strided heap pools ([`SyntheticPools::new_strided`]): page `p` of a
+    /// layer `step` pages after page `p - 1`; `interleaved`, every layer in
+    /// one allocation (block-outermost, `step >= layers`), else one
+    /// allocation per layer (padded pages). The bytes between pages are
+    /// checked untouched by [`Cluster::finish`].
+    Strided {
+        /// Pages from one page's start to the next's.
+        step: u64,
+        /// Every layer in one allocation.
+        interleaved: bool,
+    },
     /// Device memory of device 0 (`pool_device` 0), one allocation per
     /// layer, zeroed; the rank's [`SyntheticPools`] are its host mirror:
     /// [`Cluster::fill`] uploads it, [`Cluster::verify_rank`] reads back into it.
@@ -65,6 +76,9 @@ pub fn fake_nic(transport: TransportKind, name: &str) -> Option<Arc<dyn NicProvi
 fn pools_of(kind: Pools, layers: u32, row: u64, pages: u64) -> SyntheticPools {
     match kind {
         Pools::Shared => SyntheticPools::new_shared(layers, row, P, pages, 8, 32).unwrap(),
+        Pools::Strided { step, interleaved } => {
+            SyntheticPools::new_strided(layers, row, P, pages, 8, 32, step, interleaved).unwrap()
+        }
         _ => SyntheticPools::new(layers, row, P, pages, 8, 32).unwrap(),
     }
 }
@@ -752,6 +766,19 @@ impl Cluster {
             self.wait_decode_success(req.room, r);
             verified += self.verify_rank(req, r);
             self.decode[r].0.clear(req.room).unwrap();
+        }
+        // strided pools: no byte between two pages written, on either side
+        for (role, (_, pools)) in self
+            .prefill
+            .iter()
+            .map(|p| ("prefill", p))
+            .chain(self.decode.iter().map(|d| ("decode", d)))
+        {
+            if pools.page_step > 1 {
+                pools
+                    .check_gaps()
+                    .unwrap_or_else(|e| panic!("{role} room {}: {e}", req.room));
+            }
         }
         for (e, _) in &self.prefill {
             e.clear(req.room).unwrap();
