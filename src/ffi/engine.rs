@@ -6,7 +6,7 @@ use super::ptr::{self, Versioned};
 use super::topology::{topology_from_c, PdxTopology};
 use super::{boundary, non_negative, ok, PdxStatus};
 use crate::bootstrap::schema::Role;
-use crate::engine::{AuxBuffer, Engine, EngineConfig, ReadyFlag, SendOptions};
+use crate::engine::{AuxBuffer, Engine, EngineConfig, KvPool, ReadyFlag, SendOptions};
 use crate::error::{Error, Result, Status};
 use crate::transport::TransportKind;
 use std::ffi::{c_char, c_void};
@@ -215,7 +215,38 @@ fn config_from_c(p: *const PdxEngineConfig) -> Result<EngineConfig> {
         return Err(Error::new(Status::NullArgument, "config.topology is NULL"));
     }
     let topology = topology_from_c(c.topology)?;
-    let pools = super::pool_desc::kv_pools(c.pools, c.num_pools, c.pool_descs, c.num_pool_descs)?;
+    let n = usize::try_from(c.num_pools).map_err(|_| Error::invalid("num_pools too large"))?;
+    let pools = if c.num_pool_descs > 0 {
+        if n > 0 {
+            return Err(Error::invalid(format!(
+                "config has {n} pools and {} pool_descs: give the pools once, as PdxKvPool (pages end to end) or as PdxKvPoolDesc (with a page stride)",
+                c.num_pool_descs
+            )));
+        }
+        super::pool_desc::kv_pools(c.pool_descs, c.num_pool_descs)?
+    } else {
+        ptr::slice(c.pools, n, "config.pools")?
+            .iter()
+            .map(|p| KvPool {
+                layer_id: p.layer_id,
+                base: p.base as u64,
+                page_bytes: p.page_bytes,
+                num_pages: p.num_pages,
+                page_stride: p.page_bytes,
+            })
+            .collect::<Vec<_>>()
+    };
+    let what = if c.num_pool_descs > 0 {
+        "pool_descs"
+    } else {
+        "pools"
+    };
+    if let Some((i, _)) = pools.iter().enumerate().find(|(_, p)| p.base == 0) {
+        return Err(Error::new(
+            Status::NullArgument,
+            format!("config.{what}[{i}].base is NULL"),
+        ));
+    }
     let aux = aux_buffers(c.aux, c.num_aux, "config.aux")?;
     let state = aux_buffers(c.state, c.num_state, "config.state")?;
     let mut cfg = EngineConfig::new(role, cluster, bootstrap, topology, pools);
@@ -883,6 +914,19 @@ mod tests {
             .pools
             .iter()
             .all(|k| k.page_stride == 2 * k.page_bytes && k.num_pages == 2));
+        // both arrays, or a NULL base: refused
+        let mut both = c;
+        both.pools = s.pools.as_ptr();
+        both.num_pools = s.pools.len() as u64;
+        let e = config_from_c(&both).map(|_| ()).unwrap_err();
+        assert_eq!(e.status(), Status::InvalidArgument, "{e}");
+        let mut null_base = descs.clone();
+        null_base[1].base = std::ptr::null_mut();
+        let mut cn = c;
+        cn.pool_descs = null_base.as_ptr();
+        let e = config_from_c(&cn).map(|_| ()).unwrap_err();
+        assert_eq!(e.status(), Status::NullArgument, "{e}");
+        assert!(e.detail().contains("pool_descs[1]"), "{e}");
         // a 1.6 caller: the pools as PdxKvPool, nothing past 176 bytes read
         let mut old = config(&s, PDXFER_ROLE_DECODE, cl, url, tr);
         old.struct_size = 176;
