@@ -199,6 +199,20 @@ impl SyntheticPools {
         Ok(pools)
     }
 
+    /// The same pools (contents and geometry) moved into shared pool
+    /// allocations ([`alloc_pool`](crate::memory::shared::alloc_pool)), so a
+    /// same-host prefill writes them with one copy.
+    pub fn into_shared(mut self) -> Result<SyntheticPools> {
+        for b in &mut self.bufs {
+            let words = b.len();
+            let addr = crate::memory::shared::alloc_pool(words.max(1) * 8)?;
+            let mut shared = Words::Shared { addr, words };
+            shared.copy_from_slice(b);
+            *b = shared;
+        }
+        Ok(self)
+    }
+
     /// (buffer, first word) of layer `l`'s pool.
     fn layer_buf(&self, l: usize) -> (usize, usize) {
         if self.interleaved {

@@ -20,10 +20,12 @@ const LAYERS: u32 = 3;
 const BLOCK_OUTERMOST: Pools = Pools::Strided {
     step: LAYERS as u64 + 1,
     interleaved: true,
+    shared: false,
 };
 const PADDED: Pools = Pools::Strided {
     step: 2,
     interleaved: false,
+    shared: false,
 };
 
 fn strided(name: &str, dcp: u32, t: TransportKind, prefill: Pools, decode: Pools) -> Cluster {
@@ -64,6 +66,31 @@ fn strided_pools_land_byte_exact_over_cma_tcp_and_rdma_by_page_and_by_token() {
                 assert_eq!(got, (250 - prefix) * row_total + aux, "{name}");
             }
         }
+    }
+}
+
+/// Block-outermost decode pools in shared pool allocations: a same-host
+/// prefill over cma gathers every row straight into them (one copy), by page
+/// and by token, the gaps untouched.
+#[test]
+fn strided_shared_decode_pools_take_the_one_copy_path() {
+    let row_total = u64::from(LAYERS) * ROW;
+    for (dcp, prefill) in [(1u32, Pools::Heap), (2, PADDED)] {
+        let shared = Pools::Strided {
+            step: LAYERS as u64 + 1,
+            interleaved: true,
+            shared: true,
+        };
+        let name = format!("strided-one-copy-{dcp}");
+        let mut c = strided(&name, dcp, TransportKind::Cma, prefill, shared);
+        let aux = u64::from(dcp) * 32;
+        assert_eq!(c.request(1, 300, 0, 3), 300 * row_total + aux, "{name}");
+        let s = c.prefill().metrics_snapshot();
+        assert_eq!(
+            s.one_copy_bytes,
+            300 * row_total,
+            "{name}: every KV byte in one copy"
+        );
     }
 }
 

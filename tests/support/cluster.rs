@@ -55,6 +55,8 @@ pub enum Pools {
         step: u64,
         /// Every layer in one allocation.
         interleaved: bool,
+        /// In shared pool allocations (the one-copy path, as [`Pools::Shared`]).
+        shared: bool,
     },
     /// Device memory of device 0 (`pool_device` 0), one allocation per
     /// layer, zeroed; the rank's [`SyntheticPools`] are its host mirror:
@@ -81,8 +83,18 @@ fn pools_of(kind: Pools, layers: u32, row: u64, pages: u64, device_step: u64) ->
             SyntheticPools::new_strided(layers, row, P, pages, 8, 32, device_step, false).unwrap()
         }
         Pools::Shared => SyntheticPools::new_shared(layers, row, P, pages, 8, 32).unwrap(),
-        Pools::Strided { step, interleaved } => {
-            SyntheticPools::new_strided(layers, row, P, pages, 8, 32, step, interleaved).unwrap()
+        Pools::Strided {
+            step,
+            interleaved,
+            shared,
+        } => {
+            let p = SyntheticPools::new_strided(layers, row, P, pages, 8, 32, step, interleaved)
+                .unwrap();
+            if shared {
+                p.into_shared().unwrap()
+            } else {
+                p
+            }
         }
         _ => SyntheticPools::new(layers, row, P, pages, 8, 32).unwrap(),
     }
