@@ -124,6 +124,17 @@ fn validate(cfg: &EngineConfig) -> Result<()> {
             ));
         }
     }
+    check_page_strides(cfg)?;
+    if let Some(ordinal) = cfg.pool_device {
+        super::device::preflight(cfg, ordinal)?;
+    }
+    super::nccl_link::preflight(cfg)?;
+    Ok(())
+}
+
+/// The pools' page strides ([`PoolGeometry`](crate::layout::PoolGeometry)):
+/// each valid, one step for all, and a transport that can move them.
+fn check_page_strides(cfg: &EngineConfig) -> Result<()> {
     let step = crate::layout::side_page_step(
         &cfg.pools
             .iter()
@@ -163,10 +174,6 @@ fn validate(cfg: &EngineConfig) -> Result<()> {
             format!("transport nccl moves pages end to end; these KV pools' pages are {step} pages apart (page_stride): use transport cma, tcp or rdma, or a layer-compact KV cache layout"),
         ));
     }
-    if let Some(ordinal) = cfg.pool_device {
-        super::device::preflight(cfg, ordinal)?;
-    }
-    super::nccl_link::preflight(cfg)?;
     Ok(())
 }
 
