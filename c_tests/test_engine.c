@@ -31,9 +31,10 @@
         }                                                                        \
     } while (0)
 
-_Static_assert(sizeof(PdxEngineConfig) == 176, "PdxEngineConfig size is ABI");
+_Static_assert(sizeof(PdxEngineConfig) == 192, "PdxEngineConfig size is ABI");
 _Static_assert(sizeof(PdxSendOptions) == 48, "PdxSendOptions size is ABI");
 _Static_assert(sizeof(PdxKvPool) == 32, "PdxKvPool size is ABI");
+_Static_assert(sizeof(PdxKvPoolDesc) == 48, "PdxKvPoolDesc size is ABI");
 _Static_assert(sizeof(PdxAuxBuffer) == 24, "PdxAuxBuffer size is ABI");
 _Static_assert(sizeof(PdxTopology) == 96, "PdxTopology size is ABI");
 _Static_assert(PDXFER_POLL_FAILED == 0 && PDXFER_POLL_BOOTSTRAPPING == 1 &&
@@ -433,6 +434,37 @@ static void bad_inputs(void) {
     CHECK(pdxfer_engine_create(&c, &h) == PDX_STATUS_INVALID_ARGUMENT);
     CHECK(pdxfer_engine_create(NULL, &h) == PDX_STATUS_NULL_ARGUMENT);
     CHECK(h == NULL);
+    /* ABI 1.7 pool descriptions: pages two apart inside the same memory
+     * (16 pages span 31); a stride below the page, both arrays, or a
+     * smaller struct_size are refused and create nothing */
+    PdxKvPoolDesc descs[LAYERS];
+    memset(descs, 0, sizeof descs);
+    for (int l = 0; l < LAYERS; l++) {
+        descs[l].struct_size = sizeof descs[l];
+        descs[l].layer_id = (uint32_t)l;
+        descs[l].base = d0.kv[l];
+        descs[l].page_bytes = (uint64_t)PAGE * ROW;
+        descs[l].page_stride = 2 * (uint64_t)PAGE * ROW;
+        descs[l].num_pages = POOL_PAGES / 2;
+    }
+    c = config(&d0, PDXFER_ROLE_DECODE, "c-desc", url);
+    c.pools = NULL;
+    c.num_pools = 0;
+    c.pool_descs = descs;
+    c.num_pool_descs = LAYERS;
+    c.transport = "tcp";
+    CHECK(pdxfer_engine_create(&c, &h) == PDX_STATUS_OK && h != NULL);
+    CHECK(pdxfer_engine_destroy(h) == PDX_STATUS_OK);
+    h = NULL;
+    descs[1].page_stride = (uint64_t)PAGE * ROW / 2;
+    CHECK(pdxfer_engine_create(&c, &h) == PDX_STATUS_INVALID_LAYOUT && h == NULL);
+    descs[1].page_stride = 2 * (uint64_t)PAGE * ROW;
+    descs[0].struct_size = 40;
+    CHECK(pdxfer_engine_create(&c, &h) == PDX_STATUS_ABI_MISMATCH && h == NULL);
+    descs[0].struct_size = sizeof descs[0];
+    c.pools = d0.pools;
+    c.num_pools = LAYERS;
+    CHECK(pdxfer_engine_create(&c, &h) == PDX_STATUS_INVALID_ARGUMENT && h == NULL);
     /* ABI 1.2 pool memory: unknown kinds refused; CUDA pools refused on a
      * decode over cma (process_vm_writev cannot reach device memory); a
      * decode over tcp and a prefill whose "CUDA" pools are host memory fail

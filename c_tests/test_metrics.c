@@ -16,7 +16,7 @@
 #include <time.h>
 #include <unistd.h>
 
-_Static_assert(sizeof(PdxEngineConfig) == 176, "PdxEngineConfig size is ABI");
+_Static_assert(sizeof(PdxEngineConfig) == 192, "PdxEngineConfig size is ABI");
 _Static_assert(sizeof(PdxRoomTelemetry) == 96, "PdxRoomTelemetry size is ABI");
 _Static_assert(PDXFER_TELEMETRY_UNSET == UINT64_MAX, "unset telemetry is all ones");
 

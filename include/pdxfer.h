@@ -144,7 +144,9 @@
 // 1.6: `PdxTopology.cp_mode` / `cp_storage` and `pdxfer_engine_set_request_pages`
 // (prefill attention CP), `pdxfer_room_for_key` / `pdxfer_engine_bind_room_key`
 // (rooms named by request ids), `PdxKvDtype` 6 (`fp8_ds_mla`).
-#define PDXFER_ABI_VERSION_MINOR 6
+// 1.7: `PdxKvPoolDesc` and `PdxEngineConfig.pool_descs` / `num_pool_descs`
+// (KV pools with a page stride).
+#define PDXFER_ABI_VERSION_MINOR 7
 
 // Stable status codes shared by Rust, C (`PdxStatus`) and Python (`.code`).
 enum PdxStatus
@@ -463,6 +465,30 @@ typedef struct PdxAuxBuffer {
   uint64_t count;
 } PdxAuxBuffer;
 
+// One KV entry's pool (ABI 1.7): `num_pages` pages of `page_bytes`, page `p`
+// at `base + p * page_stride`. `page_stride` 0 means `page_bytes` (pages end
+// to end); a larger stride (block-outermost or padded layouts) must be a
+// whole number of pages, the same number for every pool of the engine
+// (docs/engine.md, "Page stride"). An array of these is `struct_size` bytes
+// an element.
+typedef struct PdxKvPoolDesc {
+  // `sizeof(PdxKvPoolDesc)`, set by the caller in every element.
+  uint64_t struct_size;
+  // Global layer id (the topology entry's).
+  uint32_t layer_id;
+  // Reserved flags, zero.
+  uint32_t flags;
+  // Start of the pool (its page 0): host memory, or a CUDA device address
+  // with `PDXFER_POOL_CUDA`.
+  void *base;
+  // Bytes of one page (`page_size * row_bytes` of the entry).
+  uint64_t page_bytes;
+  // Bytes from one page's start to the next's (0: `page_bytes`).
+  uint64_t page_stride;
+  // Pages in the pool.
+  uint64_t num_pages;
+} PdxKvPoolDesc;
+
 // How to create an engine (`pdxfer_engine_create`). Zero fields take the
 // documented defaults.
 typedef struct PdxEngineConfig {
@@ -528,6 +554,12 @@ typedef struct PdxEngineConfig {
   // (`pdxfer_engine_metrics` still answers). No authentication: keep it
   // on loopback or a monitoring network.
   const char *metrics_listen;
+  // ABI 1.7: the KV pools with their page strides, one per topology
+  // entry, same order, in place of `pools` (which must then be NULL with
+  // 0); NULL with 0 takes `pools`. See `PdxKvPoolDesc`.
+  const struct PdxKvPoolDesc *pool_descs;
+  // ABI 1.7: number of `pool_descs`.
+  uint64_t num_pool_descs;
 } PdxEngineConfig;
 
 // Options of `pdxfer_engine_send_ex`. Zero fields take the defaults: aux

@@ -20,4 +20,6 @@ pub const PDXFER_ABI_VERSION_MAJOR: u32 = 1;
 /// 1.6: `PdxTopology.cp_mode` / `cp_storage` and `pdxfer_engine_set_request_pages`
 /// (prefill attention CP), `pdxfer_room_for_key` / `pdxfer_engine_bind_room_key`
 /// (rooms named by request ids), `PdxKvDtype` 6 (`fp8_ds_mla`).
-pub const PDXFER_ABI_VERSION_MINOR: u32 = 6;
+/// 1.7: `PdxKvPoolDesc` and `PdxEngineConfig.pool_descs` / `num_pool_descs`
+/// (KV pools with a page stride).
+pub const PDXFER_ABI_VERSION_MINOR: u32 = 7;

@@ -79,6 +79,20 @@ class CKvPool(ctypes.Structure):
     ]
 
 
+class CKvPoolDesc(ctypes.Structure):
+    """``PdxKvPoolDesc`` (ABI 1.7): a pool with its page stride."""
+
+    _fields_ = [
+        ("struct_size", ctypes.c_uint64),
+        ("layer_id", ctypes.c_uint32),
+        ("flags", ctypes.c_uint32),
+        ("base", ctypes.c_void_p),
+        ("page_bytes", ctypes.c_uint64),
+        ("page_stride", ctypes.c_uint64),
+        ("num_pages", ctypes.c_uint64),
+    ]
+
+
 class CAuxBuffer(ctypes.Structure):
     """``PdxAuxBuffer``."""
 
@@ -121,6 +135,9 @@ class CEngineConfig(ctypes.Structure):
         ("pool_device", ctypes.c_uint32),
         # ABI 1.3
         ("metrics_listen", _cp),
+        # ABI 1.7
+        ("pool_descs", ctypes.POINTER(CKvPoolDesc)),
+        ("num_pool_descs", ctypes.c_uint64),
     ]
 
 
@@ -365,7 +382,11 @@ class Engine:
 
     ``role``: ``"prefill"`` or ``"decode"``. ``pools``: one per topology entry,
     in order; each an int address (then ``num_pages`` is required) or a buffer
-    (its size gives the page count), or a ``(base, num_pages)`` tuple.
+    (its size gives the page count), or a ``(base, num_pages)`` tuple, or a
+    ``(base, num_pages, page_stride)`` tuple for a pool whose pages are
+    ``page_stride`` bytes apart (block-outermost or padded layouts: a whole
+    number of pages, the same for every pool; ``base`` may then be a strided
+    tensor view, its ``data_ptr()`` page 0; docs/engine.md, "Page stride").
     ``aux``: items ``(base, item_bytes)`` or ``(base, item_bytes, count)``
     (count taken from the buffer's size when omitted). Timeouts are seconds.
     ``pool_device``: CUDA device ordinal when the KV pools are device memory
@@ -421,22 +442,39 @@ class Engine:
         self.topology = topology
         self._keep: List[Any] = []
         cpools = (CKvPool * max(1, len(pools)))()
+        cdescs = (CKvPoolDesc * max(1, len(pools)))()
+        strided = False
         for i, item in enumerate(pools):
-            n_given = num_pages
+            n_given, stride = num_pages, 0
             if isinstance(item, tuple):
-                item, n_given = item
-            base, nbytes = buffer_address(item) if pool_device is None else device_address(item)
+                if len(item) == 3:
+                    item, n_given, stride = item
+                    stride = int(stride)
+                else:
+                    item, n_given = item
+            if stride and hasattr(item, "data_ptr") and not isinstance(item, int):
+                # a strided view: its data_ptr() is page 0, its extent is the stride's
+                base, nbytes = int(item.data_ptr()), None
+            else:
+                base, nbytes = buffer_address(item) if pool_device is None else device_address(item)
             self._keep.append(item)
             layer, row = topology.entries[i] if i < len(topology.entries) else (i, 0)
             page_bytes = int(row) * topology.page_size
+            step = stride or page_bytes
             if n_given is None:
                 if nbytes is None:
                     raise ArgumentError(-101, f"pool {i} is an address: pass num_pages or (base, num_pages)")
-                n_given = nbytes // page_bytes if page_bytes else 0
-            elif nbytes is not None and page_bytes and int(n_given) * page_bytes > nbytes:
+                n_given = (nbytes - page_bytes) // step + 1 if page_bytes and nbytes >= page_bytes else 0
+            elif nbytes is not None and page_bytes and int(n_given) > 0 \
+                    and (int(n_given) - 1) * step + page_bytes > nbytes:
                 raise ArgumentError(
-                    -101, f"pool {i}: {n_given} pages of {page_bytes} B exceed its buffer of {nbytes} B")
+                    -101, f"pool {i}: {n_given} pages of {page_bytes} B, {step} B apart, exceed its buffer of "
+                          f"{nbytes} B")
+            strided = strided or (stride != 0 and stride != page_bytes)
             cpools[i] = CKvPool(int(layer), 0, base, page_bytes, int(n_given))
+            cdescs[i] = CKvPoolDesc(ctypes.sizeof(CKvPoolDesc), int(layer), 0, base, page_bytes, stride,
+                                    int(n_given))
+        self._keep.extend([cpools, cdescs])
         caux = self._rows(aux, "aux")
         cstate = self._rows(state, "state")
         topo, keep_t = topology._c()
@@ -445,12 +483,14 @@ class Engine:
             ctypes.sizeof(CEngineConfig), roles[role], dp_size, dp_rank, workers,
             (NO_STAGING if no_staging else 0) | (0 if one_copy else NO_ONE_COPY)
             | (0 if prefault else NO_PREFAULT), 0, b(cluster), b(bootstrap), b(token),
-            ctypes.pointer(topo), ctypes.cast(cpools, ctypes.POINTER(CKvPool)), len(pools),
+            ctypes.pointer(topo),
+            None if strided else ctypes.cast(cpools, ctypes.POINTER(CKvPool)), 0 if strided else len(pools),
             ctypes.cast(caux, ctypes.POINTER(CAuxBuffer)), len(aux), b(transport), b(host),
             staging_bytes, _ms(room_timeout), _ms(batch_timeout), _ms(lease_ttl),
             ctypes.cast(cstate, ctypes.POINTER(CAuxBuffer)), len(state),
             POOL_HOST if pool_device is None else POOL_CUDA, 0 if pool_device is None else int(pool_device),
             b(metrics_listen),
+            ctypes.cast(cdescs, ctypes.POINTER(CKvPoolDesc)) if strided else None, len(pools) if strided else 0,
         )
         h = _vp()
         check(lib.pdxfer_engine_create(ctypes.byref(cfg), ctypes.byref(h)))

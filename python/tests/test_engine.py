@@ -41,7 +41,8 @@ def test_engine_flags_match_the_header():
 
 
 def test_struct_sizes_are_pinned():
-    assert ctypes.sizeof(E.CEngineConfig) == 176
+    assert ctypes.sizeof(E.CEngineConfig) == 192
+    assert ctypes.sizeof(E.CKvPoolDesc) == 48
     assert ctypes.sizeof(E.CKvPool) == 32
     assert ctypes.sizeof(E.CAuxBuffer) == 24
 

@@ -1,7 +1,8 @@
 """pdxfer.vllm.config without vLLM: the extra config's validation, dtype tags,
 layer indices, MLA cache geometry from a tensor's shape and strides, the
-topology of a rank, and the refusals (non-MLA shapes, padded or
-block-outermost strides, a DCP prefill) naming the vLLM flag to change."""
+topology of a rank (block-outermost strides served as pool page strides),
+and the refusals (non-MLA shapes, rows not contiguous inside a block, a DCP
+prefill) naming the vLLM flag to change."""
 
 import pytest
 
@@ -69,9 +70,18 @@ def test_mla_geometry_and_topology():
 def test_refusals_name_the_flag():
     with pytest.raises(pdxfer.PdxError, match="MLA"):
         C.pool_geometry("l.0.a", T([32, 2, 16, 128]))
-    # block-outermost (layers interleaved inside a block row): the stride between blocks is larger
+    # block-outermost (layers interleaved inside a block row): served, the blocks page_stride apart
+    bo = T([32, 1, 16, 576], stride=[2 * 16 * 576, 16 * 576, 576, 1])
+    assert C.pool_geometry("l.0.a", bo) == (32, 16, 1152)
+    assert C.pool_page_stride("l.0.a", bo) == 2 * 16 * 1152
+    caches = {"model.layers.0.a": bo, "model.layers.1.a": T([32, 1, 16, 576])}
+    topo, pools, nb = C.topology(caches, C.Parallel(), "bf16")
+    assert C.engine_pools(caches, pools, nb) == [(bo, 32, 2 * 16 * 1152), (caches["model.layers.1.a"], 32)]
+    # rows not contiguous inside a block (head-major, or a row pitch): refused naming the flag
     with pytest.raises(pdxfer.PdxError, match="kv-cache-layout"):
-        C.pool_geometry("l.0.a", T([32, 1, 16, 576], stride=[2 * 16 * 576, 16 * 576, 576, 1]))
+        C.pool_geometry("l.0.a", T([32, 16, 576], stride=[16 * 1024, 1024, 1]))
+    with pytest.raises(pdxfer.PdxError, match="kv-cache-layout"):
+        C.pool_geometry("l.0.a", T([32, 1, 16, 576], stride=[8 * 576, 16 * 576, 576, 1]))
     caches = {"model.layers.0.self_attn.attn": T([8, 1, 16, 576])}
     # a prefill with DCP holds its share of each request: served
     topo, _, _ = C.topology(caches, C.Parallel(tp_size=2, tp_rank=1, dcp_size=2, dcp_rank=1), "bf16",

@@ -97,6 +97,33 @@ def kv_cache_config(vc, opts: Dict[str, Any]):
     return kcc, layers
 
 
+#: What a block-outermost cache's padding page holds (vLLM's allocation is
+#: zeroed; a distinct byte shows a write that strayed there).
+PAD_BYTE = 0x5A
+
+
+def block_outermost_caches(kcc, layers: List[str], layout: str):
+    """vLLM's own per-layer views (``create_kv_cache_views``) of one int8
+    allocation in block-outermost ``layout`` (``BLNHC``): each block row holds
+    every layer's page then one padding page, so a layer's blocks are
+    ``(len(layers) + 1)`` pages apart. Returns the views by layer name, the
+    allocation, and the padding pages as a view of it."""
+    import torch
+    from vllm.v1.kv_cache_interface import KVCacheTensor, create_kv_cache_views
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+
+    spec = kcc.kv_cache_groups[0].kv_cache_spec
+    page, nb, n = spec.page_size_bytes, kcc.num_blocks, len(layers)
+    tensor = KVCacheTensor(size=nb * (n + 1) * page, layers=layers, layer_stride=page,
+                           block_stride=(n + 1) * page)
+    raw = torch.full((tensor.size,), PAD_BYTE, dtype=torch.int8)
+    views = create_kv_cache_views(raw, spec, nb, KVCacheLayout[layout], tensor)
+    for v in views:
+        v.zero_()
+    kcc.kv_cache_tensors = [tensor]
+    return dict(zip(layers, views)), raw, raw.view(nb, n + 1, page)[:, n]
+
+
 class RankWorker:
     """One worker rank: vLLM's parallel state on gloo, the worker-side
     connector from vLLM's factory, this rank's KV caches, the stand-in forward."""
@@ -122,7 +149,11 @@ class RankWorker:
             self.worker = KVConnectorFactory.create_connector(self.vc, KVConnectorRole.WORKER, self.kcc)
         bs, nb = opts["block_size"], opts["num_blocks"]
         dtype = getattr(torch, opts.get("dtype", "bfloat16"))
-        self.caches = {n: torch.zeros(nb, 1, bs, ROW, dtype=dtype) for n in self.layers}
+        self.pad = None
+        if opts.get("kv_layout"):
+            self.caches, self.raw, self.pad = block_outermost_caches(self.kcc, self.layers, opts["kv_layout"])
+        else:
+            self.caches = {n: torch.zeros(nb, 1, bs, ROW, dtype=dtype) for n in self.layers}
         self.worker.register_kv_caches(self.caches)
         self.bs = bs
         self.inter = opts.get("interleave", 1)
@@ -177,7 +208,10 @@ class RankWorker:
             want = kv_rows(toks, start, stop, li)[t - start]
             bad += int((got != want).any(dim=1).sum())
             nbytes += got.numel() * 2
-        return {"bad_rows": bad, "bytes": nbytes, "tokens": int(len(t))}
+        out = {"bad_rows": bad, "bytes": nbytes, "tokens": int(len(t))}
+        if self.pad is not None:
+            out["pad_bytes_changed"] = int((self.pad != PAD_BYTE).sum())
+        return out
 
     def rooms(self) -> int:
         return len(self.worker._worker.sends) + len(self.worker._worker.recvs)
@@ -279,8 +313,8 @@ class Runner:
         for rid in verify:
             c = {"bad_rows": 0, "bytes": 0, "tokens": 0}
             for res in results:
-                for k in c:
-                    c[k] += res["checks"][rid][k]
+                for k, v in res["checks"][rid].items():
+                    c[k] = c.get(k, 0) + v
             c["decode_prefix_len"] = self.prefix.get(rid)
             c["ranks"] = len(results)
             self.conn.send(("loaded", rid, c))

@@ -243,6 +243,7 @@ impl Pools {
                 base: g.data as u64,
                 page_bytes: PAGE * ROW,
                 num_pages: self.num_pages,
+                page_stride: PAGE * ROW,
             })
             .collect()
     }

@@ -7,7 +7,8 @@ use crate::transport::listen::ListenLimits;
 use crate::transport::TransportKind;
 use std::time::Duration;
 
-/// One KV entry's pool: `num_pages` pages of `page_bytes` at `base`.
+/// One KV entry's pool: `num_pages` pages of `page_bytes` at `base`, page
+/// `p` at `base + p * page_stride` ([`PoolGeometry`](crate::layout::PoolGeometry)).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct KvPool {
     /// Global layer id (matches the topology entry).
@@ -19,6 +20,17 @@ pub struct KvPool {
     pub page_bytes: u64,
     /// Pages in the pool.
     pub num_pages: u64,
+    /// Bytes from one page's start to the next's: `page_bytes` (or 0, the
+    /// same) for pages end to end; larger for block-outermost or padded
+    /// layouts, a whole number of pages (docs/engine.md, "Page stride").
+    pub page_stride: u64,
+}
+
+impl KvPool {
+    /// The pool's page geometry (stride, span), validated.
+    pub fn geometry(&self) -> crate::Result<crate::layout::PoolGeometry> {
+        crate::layout::PoolGeometry::new(self.page_bytes, self.page_stride, self.num_pages)
+    }
 }
 
 /// One aux buffer: `count` items of `item_bytes` at `base`; a request uses one row.
@@ -180,6 +192,15 @@ impl EngineConfig {
             TransportKind::Nccl => TransportKind::Auto,
             t => t,
         }
+    }
+
+    /// The page step of this rank's KV pools (1: pages end to end), checked
+    /// when the engine was created ([`crate::layout::side_page_step`]).
+    pub(crate) fn page_step(&self) -> u64 {
+        self.pools
+            .first()
+            .and_then(|p| p.geometry().ok())
+            .map_or(1, |g| g.page_step())
     }
 
     /// Checks every page id against every pool: a page id addresses the same

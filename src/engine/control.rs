@@ -27,7 +27,10 @@ use std::sync::Mutex;
 
 /// Version of the control protocol; a peer with another version is refused.
 /// Version 2: every line after the authentication exchange carries a session MAC.
-pub const CONTROL_VERSION: u32 = 2;
+/// Version 3: the decode's Hello lists its KV pools' page strides
+/// ([`RegionMap::kv_stride`]), which a version-2 prefill would ignore and
+/// write strided pools as if their pages were end to end.
+pub const CONTROL_VERSION: u32 = 3;
 /// Largest accepted control line (a page list of a very long request fits).
 pub const MAX_LINE: usize = 64 << 20;
 /// Largest line accepted before the peer authenticated (the auth messages
@@ -45,9 +48,46 @@ pub struct RegionMap {
     /// Per state buffer: (region id, item bytes).
     #[serde(default)]
     pub state: Vec<(u64, u64)>,
+    /// (layer id, page stride in bytes) of each KV pool whose pages are not
+    /// end to end ([`PoolGeometry`](crate::layout::PoolGeometry)); a layer
+    /// not listed has `page_stride == page_bytes`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub kv_stride: Vec<(u32, u64)>,
 }
 
 impl RegionMap {
+    /// The page stride of layer `layer`'s pool (0: its page bytes).
+    pub fn kv_page_stride(&self, layer: u32) -> u64 {
+        self.kv_stride
+            .iter()
+            .find(|(l, _)| *l == layer)
+            .map_or(0, |(_, s)| *s)
+    }
+
+    /// The page step of the decode's pools (1: pages end to end), from its
+    /// topology's page bytes and the strides listed; a stride that is no
+    /// whole number of pages, or steps that differ between pools, are refused.
+    pub fn page_step(&self, topo: &crate::layout::Topology) -> Result<u64> {
+        if self.kv_stride.is_empty() {
+            return Ok(1);
+        }
+        let page = u64::from(topo.page_size);
+        let geoms = topo
+            .entries
+            .iter()
+            .map(|e| {
+                let stride = self.kv_page_stride(e.layer_id);
+                crate::layout::PoolGeometry::new(e.row_bytes * page, stride, 1).map_err(|err| {
+                    Error::new(
+                        err.status(),
+                        format!("decode KV pool of layer {}: {}", e.layer_id, err.detail()),
+                    )
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        crate::layout::side_page_step(&geoms)
+    }
+
     /// The region holding layer `layer`'s pool.
     pub fn kv_region(&self, layer: u32) -> Option<u64> {
         self.kv.iter().find(|(l, _)| *l == layer).map(|(_, r)| *r)
@@ -897,7 +937,9 @@ mod tests {
         let e = pr.recv_first().unwrap_err();
         assert!(is_older_peer(&e), "{e}");
         assert!(
-            e.detail().contains("control protocol 1") && e.detail().contains("control protocol 2"),
+            e.detail().contains("control protocol 1")
+                && e.detail()
+                    .contains(&format!("control protocol {CONTROL_VERSION}")),
             "{e}"
         );
         // a version-1 prefill's bare refusal of a sealed Hello

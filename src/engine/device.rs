@@ -180,7 +180,7 @@ pub(super) fn decide_gpu_direct_writes(
 fn pool_without_gpu_direct(cfg: &EngineConfig, ordinal: u32) -> Result<Option<Error>> {
     let w = crate::cuda::HostToDevice::new(ordinal as usize)?;
     for (i, p) in cfg.pools.iter().enumerate() {
-        let len = p.page_bytes.saturating_mul(p.num_pages);
+        let len = p.geometry()?.span();
         if let Some((start, end)) = w.mapping_without_gpu_direct(p.base, len)? {
             return Ok(Some(Error::new(
                 Status::NoGpuDirect,

@@ -11,7 +11,7 @@
 
 use super::control::RegionMap;
 use crate::error::{Error, Result, Status};
-use crate::layout::Topology;
+use crate::layout::{PoolGeometry, Topology};
 use crate::transport::room::GrantRange;
 
 /// The decode rank's rows a room writes, as byte ranges of its regions: the
@@ -30,15 +30,7 @@ pub(super) fn room_ranges(
     let mut pages = dst_pages.to_vec();
     pages.sort_unstable();
     pages.dedup();
-    // runs of consecutive pages: one range per run and pool
-    let mut runs: Vec<(u64, u64)> = Vec::new();
-    for p in pages {
-        match runs.last_mut() {
-            Some((s, n)) if *s + *n == p => *n += 1,
-            _ => runs.push((p, 1)),
-        }
-    }
-    let mut out = Vec::with_capacity(runs.len() * topo.entries.len() + 2);
+    let mut out = Vec::with_capacity(pages.len() * topo.entries.len() + 2);
     for e in &topo.entries {
         let region = map.kv_region(e.layer_id).ok_or_else(|| {
             Error::new(
@@ -46,12 +38,14 @@ pub(super) fn room_ranges(
                 format!("decode rank has no KV region for layer {}", e.layer_id),
             )
         })?;
-        let page_bytes = page * e.row_bytes;
-        for &(s, n) in &runs {
+        let stride = map.kv_page_stride(e.layer_id);
+        // one range per run of consecutive pages (per page when strided)
+        let g = PoolGeometry::new(page * e.row_bytes, stride, 0)?;
+        for (offset, len) in g.page_ranges(&pages) {
             out.push(GrantRange {
                 region,
-                offset: s * page_bytes,
-                len: n * page_bytes,
+                offset,
+                len,
             });
         }
     }
@@ -84,6 +78,7 @@ mod tests {
             kv: vec![(0, 10), (1, 11)],
             aux: vec![(20, 64)],
             state: vec![(30, 100), (31, 7)],
+            kv_stride: Vec::new(),
         };
         let r = room_ranges(&map, &topo, &[5, 2, 3, 9], 3, &[2, 4]).unwrap();
         let g = |region, offset, len| GrantRange {
@@ -103,6 +98,21 @@ mod tests {
                 g(20, 3 * 64, 64),
                 g(30, 200, 100),
                 g(31, 28, 7),
+            ]
+        );
+        // a strided pool: one range per page, none over the gaps
+        let strided = RegionMap {
+            kv_stride: vec![(1, 3 * 64)],
+            ..map.clone()
+        };
+        let r = room_ranges(&strided, &topo, &[3, 2], 0, &[]).unwrap();
+        assert_eq!(
+            r[..4],
+            [
+                g(10, 2 * 32, 2 * 32),
+                g(11, 2 * 192, 64),
+                g(11, 3 * 192, 64),
+                g(20, 0, 64),
             ]
         );
         // a layer without a region is a geometry mismatch

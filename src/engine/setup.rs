@@ -124,10 +124,56 @@ fn validate(cfg: &EngineConfig) -> Result<()> {
             ));
         }
     }
+    check_page_strides(cfg)?;
     if let Some(ordinal) = cfg.pool_device {
         super::device::preflight(cfg, ordinal)?;
     }
     super::nccl_link::preflight(cfg)?;
+    Ok(())
+}
+
+/// The pools' page strides ([`PoolGeometry`](crate::layout::PoolGeometry)):
+/// each valid, one step for all, and a transport that can move them.
+fn check_page_strides(cfg: &EngineConfig) -> Result<()> {
+    let step = crate::layout::side_page_step(
+        &cfg.pools
+            .iter()
+            .enumerate()
+            .map(|(i, p)| {
+                p.geometry().map_err(|e| {
+                    Error::new(
+                        e.status(),
+                        format!("pool {i} (layer {}): {}", p.layer_id, e.detail()),
+                    )
+                })
+            })
+            .collect::<Result<Vec<_>>>()?,
+    )?;
+    if step > 1 && cfg.transport == TransportKind::Rdma {
+        // interleaved pools (block-outermost) overlap: a NIC registers each range once
+        let mut spans: Vec<(u64, u64)> = cfg
+            .pools
+            .iter()
+            .filter_map(|p| {
+                p.geometry()
+                    .ok()
+                    .map(|g| (p.base, p.base.saturating_add(g.span())))
+            })
+            .collect();
+        spans.sort_unstable();
+        if spans.windows(2).any(|w| w[0].1 > w[1].0) {
+            return Err(Error::new(
+                Status::Unsupported,
+                "these KV pools interleave in one allocation (block-outermost layout: their strided spans overlap), which transport rdma cannot register (a NIC registers each range once): use transport tcp or cma, or a layer-compact KV cache layout",
+            ));
+        }
+    }
+    if step > 1 && cfg.transport == TransportKind::Nccl {
+        return Err(Error::new(
+            Status::Unsupported,
+            format!("transport nccl moves pages end to end; these KV pools' pages are {step} pages apart (page_stride): use transport cma, tcp or rdma, or a layer-compact KV cache layout"),
+        ));
+    }
     Ok(())
 }
 
@@ -213,12 +259,12 @@ struct Regions {
 unsafe fn register_regions(cfg: &EngineConfig, agent: &Agent, workers: usize) -> Result<Regions> {
     let reg = agent.registry();
     let mut pool_spans = Vec::new();
+    let mut views = Vec::new();
     for pool in &cfg.pools {
-        let len = pool
-            .page_bytes
-            .checked_mul(pool.num_pages)
-            .ok_or_else(|| Error::invalid("pool size overflows"))?;
-        pool_spans.push((pool.base, len));
+        let g = pool.geometry()?;
+        pool_spans.push((pool.base, g.span()));
+        // strided pools may interleave (block-outermost): registered as views
+        views.push(!g.is_compact());
     }
     // device pools: one GPU stage per worker (checks the pools first)
     let stages = match cfg.pool_device {
@@ -231,9 +277,15 @@ unsafe fn register_regions(cfg: &EngineConfig, agent: &Agent, workers: usize) ->
         _ => None,
     };
     let mut pool_regions = Vec::new();
-    for &(base, len) in &pool_spans {
+    for (&(base, len), &view) in pool_spans.iter().zip(&views) {
         pool_regions.push(match (cfg.pool_device, &decode_writer) {
             // SAFETY: the caller guarantees the pool memory is valid for the engine's life (function contract).
+            (Some(ordinal), w) if view => unsafe {
+                reg.register_device_view(base, len as usize, ordinal, w.clone())?
+            },
+            // SAFETY: as above.
+            (None, _) if view => unsafe { reg.register_host_view(base as *mut u8, len as usize)? },
+            // SAFETY: as above.
             (Some(ordinal), Some(w)) => unsafe {
                 reg.register_device_with(base, len as usize, ordinal, w.clone())?
             },

@@ -70,6 +70,13 @@ impl Shared {
                 .zip(&self.pool_regions)
                 .map(|(p, r)| (p.layer_id, r.id))
                 .collect(),
+            kv_stride: self
+                .cfg
+                .pools
+                .iter()
+                .filter(|p| p.page_stride != 0 && p.page_stride != p.page_bytes)
+                .map(|p| (p.layer_id, p.page_stride))
+                .collect(),
             aux: self
                 .cfg
                 .aux

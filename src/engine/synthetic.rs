@@ -52,6 +52,11 @@ impl Drop for Words {
 #[derive(Debug)]
 pub struct SyntheticPools {
     bufs: Vec<Words>,
+    /// KV entries (layers).
+    layers: u32,
+    /// Block-outermost: every layer in `bufs[0]`, layer `l`'s pages
+    /// starting `l` pages in (vLLM's `BLNHC`); else one buffer per layer.
+    interleaved: bool,
     aux: Vec<u64>,
     /// Tokens per page.
     pub page_size: u64,
@@ -63,7 +68,14 @@ pub struct SyntheticPools {
     pub aux_item: u64,
     /// Aux rows.
     pub aux_rows: u64,
+    /// Pages of `page_size * row_bytes` from one page's start to the next's
+    /// (1: end to end).
+    pub page_step: u64,
 }
+
+/// What a strided pool's bytes outside every page hold, so a test can see
+/// that no write touched them.
+pub const GAP_WORD: u64 = 0xa5a5_5a5a_c3c3_3c3c;
 
 fn mix(mut z: u64) -> u64 {
     z = z.wrapping_add(0x9e37_79b9_7f4a_7c15);
@@ -133,6 +145,120 @@ impl SyntheticPools {
         )
     }
 
+    /// Strided pools: page `p` of every layer `page_step` pages after page
+    /// `p - 1` (`page_stride = page_step * page_size * row_bytes`). With
+    /// `interleaved`, one allocation holds every layer, layer `l`'s pages `l`
+    /// pages into each block row of `page_step >= layers` pages (vLLM's
+    /// block-outermost `BLNHC`); else one allocation per layer (padded
+    /// pages). Bytes outside every page hold [`GAP_WORD`]
+    /// ([`check_gaps`](Self::check_gaps)).
+    #[allow(clippy::too_many_arguments)]
+    pub fn new_strided(
+        layers: u32,
+        row_bytes: u64,
+        page_size: u64,
+        num_pages: u64,
+        aux_rows: u64,
+        aux_item: u64,
+        page_step: u64,
+        interleaved: bool,
+    ) -> Result<SyntheticPools> {
+        if page_step == 0 || (interleaved && page_step < u64::from(layers)) {
+            return Err(Error::invalid(format!(
+                "page_step {page_step} cannot hold {layers} interleaved layers"
+            )));
+        }
+        let span_pages = num_pages.saturating_sub(1) * page_step + 1;
+        // interleaved: whole block rows, as vLLM allocates them
+        let words = if interleaved {
+            num_pages * page_step
+        } else {
+            span_pages
+        };
+        let words = Self::words(row_bytes, page_size, words);
+        let n = if interleaved { 1 } else { layers };
+        let mut pools = Self::with_layers(
+            (0..n).map(|_| Ok(Words::Heap(vec![GAP_WORD; words]))),
+            row_bytes,
+            page_size,
+            num_pages,
+            aux_rows,
+            aux_item,
+        )?;
+        pools.page_step = page_step;
+        pools.interleaved = interleaved;
+        pools.layers = layers;
+        // every page starts zeroed, as the other pools
+        for l in 0..layers as usize {
+            for pg in 0..num_pages {
+                let r = pools.page_word_range(l, pg);
+                let (b, _) = pools.layer_buf(l);
+                pools.bufs[b][r].fill(0);
+            }
+        }
+        Ok(pools)
+    }
+
+    /// The same pools (contents and geometry) moved into shared pool
+    /// allocations ([`alloc_pool`](crate::memory::shared::alloc_pool)), so a
+    /// same-host prefill writes them with one copy.
+    pub fn into_shared(mut self) -> Result<SyntheticPools> {
+        for b in &mut self.bufs {
+            let words = b.len();
+            let addr = crate::memory::shared::alloc_pool(words.max(1) * 8)?;
+            let mut shared = Words::Shared { addr, words };
+            shared.copy_from_slice(b);
+            *b = shared;
+        }
+        Ok(self)
+    }
+
+    /// (buffer, first word) of layer `l`'s pool.
+    fn layer_buf(&self, l: usize) -> (usize, usize) {
+        if self.interleaved {
+            (0, l * Self::words(self.row_bytes, self.page_size, 1))
+        } else {
+            (l, 0)
+        }
+    }
+
+    /// The words of page `pg` of layer `l`, in its buffer.
+    fn page_word_range(&self, l: usize, pg: u64) -> std::ops::Range<usize> {
+        let (_, first) = self.layer_buf(l);
+        let page_words = Self::words(self.row_bytes, self.page_size, 1);
+        let start = first + (pg * self.page_step) as usize * page_words;
+        start..start + page_words
+    }
+
+    /// Strided pools: the number of words outside every page of every
+    /// layer, each checked to still hold [`GAP_WORD`]; the first one that
+    /// does not is an error naming where it is.
+    pub fn check_gaps(&self) -> Result<u64> {
+        let mut in_page: Vec<Vec<bool>> = self.bufs.iter().map(|b| vec![false; b.len()]).collect();
+        for l in 0..self.layers as usize {
+            let (b, _) = self.layer_buf(l);
+            for pg in 0..self.num_pages {
+                in_page[b][self.page_word_range(l, pg)].fill(true);
+            }
+        }
+        let mut n = 0;
+        for (b, buf) in self.bufs.iter().enumerate() {
+            for (i, (&w, &inside)) in buf.iter().zip(&in_page[b]).enumerate() {
+                if inside {
+                    continue;
+                }
+                if w != GAP_WORD {
+                    return Err(Error::new(
+                        Status::Relayout,
+                        format!("buffer {b} word {i} between pages was written: {w:#x}"),
+                    ));
+                }
+                n += 1;
+            }
+        }
+        Ok(n)
+    }
+
     fn words(row_bytes: u64, page_size: u64, num_pages: u64) -> usize {
         (num_pages * page_size * row_bytes / 8) as usize
     }
@@ -150,8 +276,12 @@ impl SyntheticPools {
                 "synthetic rows must be non-empty multiples of 8 bytes",
             ));
         }
+        let bufs: Vec<Words> = layers.collect::<Result<_>>()?;
         Ok(SyntheticPools {
-            bufs: layers.collect::<Result<_>>()?,
+            layers: bufs.len() as u32,
+            bufs,
+            interleaved: false,
+            page_step: 1,
             aux: vec![0u64; (aux_rows * aux_item / 8) as usize],
             page_size,
             row_bytes,
@@ -163,14 +293,17 @@ impl SyntheticPools {
 
     /// The pools as engine descriptors (layer ids 0..layers).
     pub fn kv_pools(&self) -> Vec<KvPool> {
-        self.bufs
-            .iter()
-            .enumerate()
-            .map(|(l, b)| KvPool {
-                layer_id: l as u32,
-                base: b.as_ptr() as u64,
-                page_bytes: self.page_size * self.row_bytes,
-                num_pages: self.num_pages,
+        let page_bytes = self.page_size * self.row_bytes;
+        (0..self.layers as usize)
+            .map(|l| {
+                let (b, first) = self.layer_buf(l);
+                KvPool {
+                    layer_id: l as u32,
+                    base: self.bufs[b].as_ptr() as u64 + first as u64 * 8,
+                    page_bytes,
+                    num_pages: self.num_pages,
+                    page_stride: page_bytes * self.page_step,
+                }
             })
             .collect()
     }
@@ -214,7 +347,7 @@ impl SyntheticPools {
             page_size: self.page_size as u32,
             kv_dtype: KvDtype::Bf16,
             pool: PoolKind::Mla,
-            entries: (0..self.bufs.len() as u32)
+            entries: (0..self.layers)
                 .map(|l| KvEntry {
                     layer_id: l,
                     row_bytes: self.row_bytes,
@@ -228,20 +361,29 @@ impl SyntheticPools {
         (self.row_bytes / 8) as usize
     }
 
+    /// (buffer, first word) of slot `slot` of page `pg` of layer `l`.
+    fn row_word(&self, l: usize, pg: u64, slot: u64) -> (usize, usize) {
+        let (b, _) = self.layer_buf(l);
+        (
+            b,
+            self.page_word_range(l, pg).start + slot as usize * self.row_words(),
+        )
+    }
+
     /// Prefill: writes the pattern of the positions of `[side.origin, end)` that
     /// `side.rank` owns into its rows (placed through `side.pages` from `side.origin`).
     pub fn fill(&mut self, room: u64, side: &Side<'_>, end: u64) {
         let (p, w) = (self.page_size, self.row_words());
         let base = side.layout.local(side.origin);
-        for (l, buf) in self.bufs.iter_mut().enumerate() {
+        for l in 0..self.layers as usize {
             for t in side.origin..end {
                 if side.layout.owner(t) != side.rank {
                     continue;
                 }
                 let li = side.layout.local(t) - base;
-                let row = (side.pages[(li / p) as usize] * p + li % p) as usize;
+                let (b, at) = self.row_word(l, side.pages[(li / p) as usize], li % p);
                 let s = seed(room, l as u64, t);
-                for (j, word) in buf[row * w..(row + 1) * w].iter_mut().enumerate() {
+                for (j, word) in self.bufs[b][at..at + w].iter_mut().enumerate() {
                     *word = s.wrapping_add(j as u64);
                 }
             }
@@ -272,19 +414,20 @@ impl SyntheticPools {
         let (p, w) = (self.page_size, self.row_words());
         let base = side.layout.local(side.origin);
         let mut bytes = 0u64;
-        for (l, buf) in self.bufs.iter().enumerate() {
+        for l in 0..self.layers as usize {
             for t in side.origin..end {
                 if side.layout.owner(t) != side.rank {
                     continue;
                 }
                 let li = side.layout.local(t) - base;
-                let row = (side.pages[(li / p) as usize] * p + li % p) as usize;
+                let (pg, slot) = (side.pages[(li / p) as usize], li % p);
+                let (b, at) = self.row_word(l, pg, slot);
                 let s = seed(room, l as u64, t);
-                for (j, word) in buf[row * w..(row + 1) * w].iter().enumerate() {
+                for (j, word) in self.bufs[b][at..at + w].iter().enumerate() {
                     if *word != s.wrapping_add(j as u64) {
                         return Err(Error::new(
                             Status::Relayout,
-                            format!("room {room}: layer {l} position {t} (row {row}) word {j} differs: got {word:#x}, want {:#x}", s.wrapping_add(j as u64)),
+                            format!("room {room}: layer {l} position {t} (page {pg} slot {slot}) word {j} differs: got {word:#x}, want {:#x}", s.wrapping_add(j as u64)),
                         ));
                     }
                 }

@@ -145,6 +145,12 @@ static INSTANCES: AtomicU64 = AtomicU64::new(1);
 pub(super) fn rig(staging: u64) -> Rig {
     let src = SyntheticPools::new(LAYERS, ROW, P, 16, 2, 8).unwrap();
     let dst = SyntheticPools::new(LAYERS, ROW, P, 16, 2, 8).unwrap();
+    rig_over(staging, src, dst)
+}
+
+/// A rig over the given prefill (`src`) and decode (`dst`) pools (strided
+/// ones among them: their strides travel in the decode's region map).
+pub(super) fn rig_over(staging: u64, src: SyntheticPools, dst: SyntheticPools) -> Rig {
     let cfg = EngineConfig::new(
         Role::Prefill,
         "path-tests",
@@ -153,12 +159,21 @@ pub(super) fn rig(staging: u64) -> Rig {
         src.kv_pools(),
     );
     let agent = Agent::new(&AgentOptions::default()).unwrap();
-    let len = |p: &crate::engine::config::KvPool| p.page_bytes * p.num_pages;
+    let len = |p: &crate::engine::config::KvPool| p.geometry().unwrap().span();
     let pool_regions: Vec<RegionDesc> = cfg
         .pools
         .iter()
-        // SAFETY: the pools live in the rig, next to (and dropped after) the agent.
-        .map(|p| unsafe { agent.register_host(p.base as *mut u8, len(p) as usize) }.unwrap())
+        .map(|p| {
+            let (base, n) = (p.base as *mut u8, len(p) as usize);
+            let reg = agent.registry();
+            if p.page_stride == p.page_bytes {
+                // SAFETY: the pools live in the rig, next to (and dropped after) the agent.
+                unsafe { reg.register_host(base, n) }.unwrap()
+            } else {
+                // SAFETY: as above.
+                unsafe { reg.register_host_view(base, n) }.unwrap()
+            }
+        })
         .collect();
     let mut staged = Vec::new();
     if staging > 0 {
@@ -198,6 +213,12 @@ pub(super) fn rig(staging: u64) -> Rig {
     let regions = RegionMap {
         kv: (0..LAYERS)
             .map(|e| (e, DST_REGION + u64::from(e)))
+            .collect(),
+        kv_stride: dst
+            .kv_pools()
+            .iter()
+            .filter(|p| p.page_stride != p.page_bytes)
+            .map(|p| (p.layer_id, p.page_stride))
             .collect(),
         ..Default::default()
     };

@@ -1,6 +1,7 @@
 //! `PdxEngine`: one rank's prefill or decode transfer engine over the C ABI
 //! (rooms with SGLang's `KVPoll` lifecycle; see `engine::Engine`).
 
+use super::pool_desc::PdxKvPoolDesc;
 use super::ptr::{self, Versioned};
 use super::topology::{topology_from_c, PdxTopology};
 use super::{boundary, non_negative, ok, PdxStatus};
@@ -148,12 +149,19 @@ pub struct PdxEngineConfig {
     /// (`pdxfer_engine_metrics` still answers). No authentication: keep it
     /// on loopback or a monitoring network.
     pub metrics_listen: *const c_char,
+    /// ABI 1.7: the KV pools with their page strides, one per topology
+    /// entry, same order, in place of `pools` (which must then be NULL with
+    /// 0); NULL with 0 takes `pools`. See `PdxKvPoolDesc`.
+    pub pool_descs: *const PdxKvPoolDesc,
+    /// ABI 1.7: number of `pool_descs`.
+    pub num_pool_descs: u64,
 }
 
 // SAFETY: repr(C), starts with u64 struct_size, integers and raw pointers only (zero is valid).
 unsafe impl Versioned for PdxEngineConfig {
-    /// ABI 1.0 callers (without `state`, the pool memory and `metrics_listen`) are accepted.
-    const MIN_SIZE: usize = std::mem::size_of::<PdxEngineConfig>() - 32;
+    /// ABI 1.0 callers (without `state`, the pool memory, `metrics_listen`
+    /// and `pool_descs`) are accepted.
+    const MIN_SIZE: usize = std::mem::size_of::<PdxEngineConfig>() - 48;
     const NAME: &'static str = "PdxEngineConfig";
 }
 
@@ -208,19 +216,35 @@ fn config_from_c(p: *const PdxEngineConfig) -> Result<EngineConfig> {
     }
     let topology = topology_from_c(c.topology)?;
     let n = usize::try_from(c.num_pools).map_err(|_| Error::invalid("num_pools too large"))?;
-    let pools = ptr::slice(c.pools, n, "config.pools")?
-        .iter()
-        .map(|p| KvPool {
-            layer_id: p.layer_id,
-            base: p.base as u64,
-            page_bytes: p.page_bytes,
-            num_pages: p.num_pages,
-        })
-        .collect::<Vec<_>>();
+    let pools = if c.num_pool_descs > 0 {
+        if n > 0 {
+            return Err(Error::invalid(format!(
+                "config has {n} pools and {} pool_descs: give the pools once, as PdxKvPool (pages end to end) or as PdxKvPoolDesc (with a page stride)",
+                c.num_pool_descs
+            )));
+        }
+        super::pool_desc::kv_pools(c.pool_descs, c.num_pool_descs)?
+    } else {
+        ptr::slice(c.pools, n, "config.pools")?
+            .iter()
+            .map(|p| KvPool {
+                layer_id: p.layer_id,
+                base: p.base as u64,
+                page_bytes: p.page_bytes,
+                num_pages: p.num_pages,
+                page_stride: p.page_bytes,
+            })
+            .collect::<Vec<_>>()
+    };
+    let what = if c.num_pool_descs > 0 {
+        "pool_descs"
+    } else {
+        "pools"
+    };
     if let Some((i, _)) = pools.iter().enumerate().find(|(_, p)| p.base == 0) {
         return Err(Error::new(
             Status::NullArgument,
-            format!("config.pools[{i}].base is NULL"),
+            format!("config.{what}[{i}].base is NULL"),
         ));
     }
     let aux = aux_buffers(c.aux, c.num_aux, "config.aux")?;
@@ -738,7 +762,7 @@ mod tests {
         use std::mem::size_of;
         assert_eq!(size_of::<PdxKvPool>(), 32);
         assert_eq!(size_of::<PdxAuxBuffer>(), 24);
-        assert_eq!(size_of::<PdxEngineConfig>(), 176);
+        assert_eq!(size_of::<PdxEngineConfig>(), 192);
         for p in [
             KvPoll::Failed,
             KvPoll::Bootstrapping,
@@ -853,7 +877,63 @@ mod tests {
             pool_memory: PDXFER_POOL_HOST,
             pool_device: 0,
             metrics_listen: null(),
+            pool_descs: null(),
+            num_pool_descs: 0,
         }
+    }
+
+    /// ABI 1.7 pool descriptions: read from a 1.7 struct (their strides
+    /// reach the engine's pools), ignored in a 1.6 one (176 bytes: whatever
+    /// follows is not the caller's).
+    #[test]
+    fn pool_descs_are_versioned() {
+        let p = SyntheticPools::new(2, 64, 16, 4, 1, 32).unwrap();
+        let s = c_side(&p, 1, 0);
+        let (cl, url, tr) = (c"pd", c"http://127.0.0.1:1", c"tcp");
+        let descs: Vec<PdxKvPoolDesc> = s
+            .pools
+            .iter()
+            .map(|k| PdxKvPoolDesc {
+                struct_size: std::mem::size_of::<PdxKvPoolDesc>() as u64,
+                layer_id: k.layer_id,
+                flags: 0,
+                base: k.base,
+                page_bytes: k.page_bytes,
+                page_stride: 2 * k.page_bytes,
+                num_pages: 2,
+            })
+            .collect();
+        let mut c = config(&s, PDXFER_ROLE_DECODE, cl, url, tr);
+        c.pools = null();
+        c.num_pools = 0;
+        c.pool_descs = descs.as_ptr();
+        c.num_pool_descs = descs.len() as u64;
+        let cfg = config_from_c(&c).unwrap();
+        assert_eq!(cfg.pools.len(), 2);
+        assert!(cfg
+            .pools
+            .iter()
+            .all(|k| k.page_stride == 2 * k.page_bytes && k.num_pages == 2));
+        // both arrays, or a NULL base: refused
+        let mut both = c;
+        both.pools = s.pools.as_ptr();
+        both.num_pools = s.pools.len() as u64;
+        let e = config_from_c(&both).map(|_| ()).unwrap_err();
+        assert_eq!(e.status(), Status::InvalidArgument, "{e}");
+        let mut null_base = descs.clone();
+        null_base[1].base = std::ptr::null_mut();
+        let mut cn = c;
+        cn.pool_descs = null_base.as_ptr();
+        let e = config_from_c(&cn).map(|_| ()).unwrap_err();
+        assert_eq!(e.status(), Status::NullArgument, "{e}");
+        assert!(e.detail().contains("pool_descs[1]"), "{e}");
+        // a 1.6 caller: the pools as PdxKvPool, nothing past 176 bytes read
+        let mut old = config(&s, PDXFER_ROLE_DECODE, cl, url, tr);
+        old.struct_size = 176;
+        old.pool_descs = descs.as_ptr();
+        old.num_pool_descs = 99;
+        let cfg = config_from_c(&old).unwrap();
+        assert!(cfg.pools.iter().all(|k| k.page_stride == k.page_bytes));
     }
 
     /// ABI 1.2 pool memory: older, smaller structs mean host pools whatever

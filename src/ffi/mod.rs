@@ -29,6 +29,7 @@ pub mod memory;
 pub mod metrics;
 pub mod peer;
 pub mod plan;
+pub mod pool_desc;
 pub mod ptr;
 pub mod registration;
 pub mod room_key;

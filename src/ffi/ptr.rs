@@ -76,6 +76,44 @@ pub fn write_versioned<T: Versioned>(p: *mut T, value: &T) -> Result<()> {
     Ok(())
 }
 
+/// Reads a caller array of `len` versioned structs, each `struct_size` bytes
+/// apart: the first element's `struct_size` is the array's stride (the
+/// caller's `sizeof`), and every element must state the same. NULL is
+/// accepted only with length 0.
+pub fn read_versioned_array<T: Versioned>(p: *const T, len: usize, what: &str) -> Result<Vec<T>> {
+    if len == 0 {
+        return Ok(Vec::new());
+    }
+    if p.is_null() {
+        return Err(Error::new(
+            Status::NullArgument,
+            format!("{what} is NULL but its length is {len}"),
+        ));
+    }
+    let stride = versioned_size(p, "")?;
+    if !stride.is_multiple_of(align_of::<u64>()) {
+        return Err(Error::new(
+            Status::AbiMismatch,
+            format!("{what}[0].struct_size={stride} is not a multiple of 8"),
+        ));
+    }
+    check_array(p as usize, len, stride, align_of::<u64>(), what)?;
+    let mut out = Vec::with_capacity(len);
+    for i in 0..len {
+        // SAFETY: inside the caller's array of `len` elements `stride` bytes apart (its contract, size checked above).
+        let e = unsafe { (p as *const u8).add(i * stride) } as *const T;
+        let size = versioned_size(e, "")?;
+        if size != stride {
+            return Err(Error::new(
+                Status::AbiMismatch,
+                format!("{what}[{i}].struct_size={size} differs from {what}[0].struct_size={stride}: every element is sizeof({})", T::NAME),
+            ));
+        }
+        out.push(read_versioned(e)?);
+    }
+    Ok(out)
+}
+
 /// A caller array as a slice; NULL is accepted only with length 0.
 pub fn slice<'a, T>(p: *const T, len: usize, what: &str) -> Result<&'a [T]> {
     if len == 0 {

@@ -8,6 +8,8 @@
 //!   CP storages a DCP decode refuses.
 //! - [`compat`]: whether a prefill rank may send to a decode rank, and how.
 //! - [`plan`]: token plans for one chunk and one rank pair, SGLang's and general.
+//! - [`pool_geometry`]: where a KV pool's pages lie (page stride, span) and
+//!   the page ids the planner addresses for them.
 //! - [`runs`]: runs, byte operations per entry, packed layout and pack sizing.
 //! - [`chunk`]: splitting a request's send into chunks under a pack limit, and
 //!   a chunk's pair into staging slices.
@@ -18,6 +20,7 @@ pub mod cp;
 pub mod cp_transfer;
 pub mod dcp_targets;
 pub mod plan;
+pub mod pool_geometry;
 pub mod rank_map;
 pub mod runs;
 pub mod topology;
@@ -30,6 +33,7 @@ pub use dcp_targets::{dcp_targets, DcpTargets};
 pub use plan::{
     dcp_token_plan, pairs_with_share, PairRequest, Segment, SglangChunk, Side, TokenPlan,
 };
+pub use pool_geometry::{side_page_step, PoolGeometry};
 pub use rank_map::{prefill_unique_rank, resolve_rank_mapping, MappingOptions, RankMapping};
 pub use runs::{
     byte_ops, coalesce_runs, dcp_pack_buffer_bytes, pack_slice_tokens, ByteOp, PackLayout, Run,

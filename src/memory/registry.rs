@@ -19,6 +19,8 @@ struct Entry {
     _owned: Option<Arc<SharedMapping>>,
     /// How host-side receivers copy into this device region (`None`: they cannot).
     writer: Option<Arc<dyn DeviceWriter>>,
+    /// A pool view ([`Registry::register_host_view`]): may overlap other views.
+    view: bool,
 }
 
 /// Key under which a shared region publishes its memfd number (in the owner process).
@@ -180,12 +182,31 @@ impl Registry {
     /// stay so until [`unregister`](Self::unregister) returns for it: peers
     /// write into it with no further synchronisation.
     pub unsafe fn register_host(&self, ptr: *mut u8, len: usize) -> Result<RegionDesc> {
+        // SAFETY: the caller's contract.
+        unsafe { self.register_host_as(ptr, len, false) }
+    }
+
+    /// Registers host memory like [`register_host`](Self::register_host) as
+    /// a *view*: one strided KV pool of an allocation whose pools interleave
+    /// (block-outermost layouts), so it may overlap other views (never a
+    /// region registered otherwise).
+    ///
+    /// # Safety
+    /// As [`register_host`](Self::register_host).
+    pub unsafe fn register_host_view(&self, ptr: *mut u8, len: usize) -> Result<RegionDesc> {
+        // SAFETY: the caller's contract.
+        unsafe { self.register_host_as(ptr, len, true) }
+    }
+
+    /// # Safety
+    /// As [`register_host`](Self::register_host).
+    unsafe fn register_host_as(&self, ptr: *mut u8, len: usize, view: bool) -> Result<RegionDesc> {
         if ptr.is_null() {
             return Err(Error::new(Status::NullArgument, "region pointer is NULL"));
         }
         match super::shared::find(ptr as u64, len as u64) {
-            Some((mapping, offset)) => self.insert_shared(ptr as u64, len, mapping, offset),
-            None => self.insert(ptr as u64, len as u64, RegionKind::Host),
+            Some((mapping, offset)) => self.insert_shared(ptr as u64, len, mapping, offset, view),
+            None => self.insert(ptr as u64, len as u64, RegionKind::Host, view),
         }
     }
 
@@ -198,8 +219,9 @@ impl Registry {
         len: usize,
         mapping: Arc<SharedMapping>,
         offset: u64,
+        view: bool,
     ) -> Result<RegionDesc> {
-        let mut desc = self.insert(addr, len as u64, RegionKind::Host)?;
+        let mut desc = self.insert(addr, len as u64, RegionKind::Host, view)?;
         desc.keys
             .insert(MEMFD_KEY.to_string(), mapping.raw_fd() as u64);
         if offset > 0 {
@@ -231,7 +253,31 @@ impl Registry {
             return Err(Error::new(Status::NullArgument, "device pointer is 0"));
         }
         check_device_pointer(dptr, ordinal)?;
-        self.insert(dptr, len as u64, RegionKind::Device { ordinal })
+        self.insert(dptr, len as u64, RegionKind::Device { ordinal }, false)
+    }
+
+    /// Registers device memory like
+    /// [`register_device_with`](Self::register_device_with) (`writer`
+    /// optional) as a view, as [`register_host_view`](Self::register_host_view).
+    ///
+    /// # Safety
+    /// As [`register_device`](Self::register_device).
+    pub unsafe fn register_device_view(
+        &self,
+        dptr: u64,
+        len: usize,
+        ordinal: u32,
+        writer: Option<Arc<dyn DeviceWriter>>,
+    ) -> Result<RegionDesc> {
+        if dptr == 0 {
+            return Err(Error::new(Status::NullArgument, "device pointer is 0"));
+        }
+        check_device_pointer(dptr, ordinal)?;
+        let desc = self.insert(dptr, len as u64, RegionKind::Device { ordinal }, true)?;
+        if let Some(w) = writer {
+            self.set_writer(desc.id, w);
+        }
+        Ok(desc)
     }
 
     /// Registers device memory like [`register_device`](Self::register_device)
@@ -274,7 +320,7 @@ impl Registry {
         if addr == 0 {
             return Err(Error::new(Status::NullArgument, "device pointer is 0"));
         }
-        self.insert(addr, len as u64, RegionKind::Device { ordinal })
+        self.insert(addr, len as u64, RegionKind::Device { ordinal }, false)
     }
 
     /// Test knob: [`register_device_unchecked`](Self::register_device_unchecked)
@@ -315,7 +361,7 @@ impl Registry {
             .and_then(|e| e.writer.clone())
     }
 
-    fn insert(&self, addr: u64, len: u64, kind: RegionKind) -> Result<RegionDesc> {
+    fn insert(&self, addr: u64, len: u64, kind: RegionKind, view: bool) -> Result<RegionDesc> {
         if len == 0 {
             return Err(Error::invalid("region length must be > 0"));
         }
@@ -331,7 +377,7 @@ impl Registry {
                 (RegionKind::Host, RegionKind::Host)
                     | (RegionKind::Device { .. }, RegionKind::Device { .. })
             );
-            if same_space && addr < d.addr + d.len && d.addr < end {
+            if same_space && !(view && e.view) && addr < d.addr + d.len && d.addr < end {
                 return Err(Error::new(
                     Status::RegionOverlap,
                     format!(
@@ -358,6 +404,7 @@ impl Registry {
                 closing: 0,
                 _owned: None,
                 writer: None,
+                view,
             },
         );
         Ok(desc)
@@ -369,7 +416,7 @@ impl Registry {
     /// `memcpy` (the descriptor carries the `memfd` key). Freed on unregister.
     pub fn alloc_shared(&self, len: usize) -> Result<RegionDesc> {
         let m = Arc::new(SharedMapping::create(len)?);
-        self.insert_shared(m.addr(), len, m, 0)
+        self.insert_shared(m.addr(), len, m, 0, false)
     }
 
     /// Sets a per-transport key on a region's descriptor (e.g. an RDMA rkey).
@@ -642,6 +689,28 @@ mod tests {
         let e = unsafe { r.register_host(std::ptr::null_mut(), 8) }.unwrap_err();
         assert_eq!(e.status(), Status::NullArgument);
         assert_eq!(r.descriptors().len(), 2);
+    }
+
+    #[test]
+    fn pool_views_overlap_only_each_other() {
+        let r = Registry::new();
+        let mut buf = vec![0u8; 4096];
+        let p = buf.as_mut_ptr();
+        // SAFETY: inside the live test buffer (two interleaved pool views).
+        let a = unsafe { r.register_host_view(p, 3072) }.unwrap();
+        // SAFETY: as above.
+        let b = unsafe { r.register_host_view(p.wrapping_add(1024), 3072) }.unwrap();
+        assert_ne!(a.id, b.id);
+        // a plain region over a view, and a view over a plain region, are refused
+        // SAFETY: as above.
+        let e = unsafe { r.register_host(p.wrapping_add(2048), 8) }.unwrap_err();
+        assert_eq!(e.status(), Status::RegionOverlap);
+        let mut other = vec![0u8; 64];
+        let _ = reg_buf(&r, &mut other);
+        // SAFETY: inside the live second buffer.
+        let e = unsafe { r.register_host_view(other.as_mut_ptr(), 64) }.unwrap_err();
+        assert_eq!(e.status(), Status::RegionOverlap);
+        assert_eq!(r.descriptors().len(), 3);
     }
 
     #[test]

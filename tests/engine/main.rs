@@ -23,6 +23,8 @@ mod layerwise;
 #[cfg(feature = "testing")]
 mod room_close;
 #[cfg(feature = "testing")]
+mod strided;
+#[cfg(feature = "testing")]
 mod tcp_resume;
 
 /// Without the `testing` feature the modules above marked so are not built;

@@ -47,6 +47,7 @@ fn device_path_runs_on_fake_driver() {
         .spawn()
         .expect("spawn the child test");
     let decode_child = spawn("child_engine_decode_device_pools_on_fake_driver");
+    let strided_child = spawn("child_engine_strided_device_pools_on_fake_driver");
     let flush_child = spawn("child_engine_gpudirect_flush_on_fake_driver");
     let layerwise_child = spawn("child_gpu_layerwise_bench_on_fake_driver");
     // two fake GPUs: the NCCL pairs' ranks on devices 0 and 1 (NCCL refuses one)
@@ -116,6 +117,14 @@ fn device_path_runs_on_fake_driver() {
         let cuda = v["cuda"]["detail"].as_str().unwrap();
         assert!(cuda.contains(&on[10..]), "{cuda}");
     }
+    let strided_out = strided_child.wait_with_output().unwrap();
+    let strided_text = String::from_utf8_lossy(&strided_out.stdout).into_owned()
+        + &String::from_utf8_lossy(&strided_out.stderr);
+    assert!(
+        strided_out.status.success()
+            && strided_text.contains("fake-driver strided child: all checks passed"),
+        "strided device-pool child failed:\n{strided_text}"
+    );
     let decode_text = String::from_utf8_lossy(&decode_out.stdout).into_owned()
         + &String::from_utf8_lossy(&decode_out.stderr);
     assert!(
@@ -982,6 +991,55 @@ fn child_engine_device_pools_on_fake_driver() {
     assert_eq!(e.status(), Status::InvalidArgument, "{e}");
     assert!(e.detail().contains("KV pool 0"), "{e}");
     println!("fake-driver engine child: all checks passed");
+}
+
+/// Device pools with a page stride (padded: pages two apart, one allocation
+/// per layer) on both sides, over tcp: the prefill gathers its pitch rows on
+/// the device (the relayout kernel, DCP 1 -> 2) or sends whole pages (DCP 1
+/// -> 1), the decode's receiver lands them through the host-to-device
+/// writer. Every KV byte is read back and checked, and the gap bytes (the
+/// mirror's, uploaded with it) are read back unchanged.
+#[test]
+#[ignore = "run by device_path_runs_on_fake_driver in a child process with the fake libcuda"]
+fn child_engine_strided_device_pools_on_fake_driver() {
+    use cluster::{Cluster, Pools};
+    use pdxfer::transport::TransportKind;
+    use std::time::Duration;
+
+    assert!(
+        std::env::var_os("PDXFER_FAKE_CUDA_CHILD").is_some(),
+        "this test only runs as the child of device_path_runs_on_fake_driver"
+    );
+    const LAYERS: u32 = 3;
+    const ROW: u64 = 96;
+    for dcp in [1u32, 2] {
+        let token = LAYERS as u64 * ROW;
+        let mut c = Cluster::build(&format!("fake-strided-{dcp}"), (1, dcp), TransportKind::Tcp)
+            .layers(LAYERS)
+            .row_bytes(ROW)
+            .prefill_pools(Pools::Device)
+            .decode_pools(Pools::Device)
+            .device_page_step(2)
+            .staging(2 * 7 * token)
+            .room_timeout(Duration::from_secs(20))
+            .receiver_timeout(Duration::from_secs(20))
+            .start();
+        let aux = u64::from(dcp) * 32;
+        assert_eq!(c.request(1, 300, 0, 4), 300 * token + aux, "dcp {dcp}");
+        let v = cluster::P * u64::from(dcp);
+        assert_eq!(
+            c.request(2, 517, 2 * v, 100),
+            (517 - 2 * v) * token + aux,
+            "dcp {dcp}"
+        );
+        for (_, pools) in &c.decode {
+            assert!(
+                pools.check_gaps().unwrap() > 0,
+                "gaps read back and checked"
+            );
+        }
+    }
+    println!("fake-driver strided child: all checks passed");
 }
 
 /// Decode engines whose KV pools are (fake) device memory, DCP 1 -> 2 over

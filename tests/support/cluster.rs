@@ -45,6 +45,19 @@ pub enum Pools {
     Heap,
     /// Shared pool allocations a same-host prefill maps (the one-copy path).
     Shared,
+    /// Strided heap pools ([`SyntheticPools::new_strided`]): page `p` of a
+    /// layer `step` pages after page `p - 1`; `interleaved`, every layer in
+    /// one allocation (block-outermost, `step >= layers`), else one
+    /// allocation per layer (padded pages). The bytes between pages are
+    /// checked untouched by [`Cluster::finish`].
+    Strided {
+        /// Pages from one page's start to the next's.
+        step: u64,
+        /// Every layer in one allocation.
+        interleaved: bool,
+        /// In shared pool allocations (the one-copy path, as [`Pools::Shared`]).
+        shared: bool,
+    },
     /// Device memory of device 0 (`pool_device` 0), one allocation per
     /// layer, zeroed; the rank's [`SyntheticPools`] are its host mirror:
     /// [`Cluster::fill`] uploads it, [`Cluster::verify_rank`] reads back into it.
@@ -62,9 +75,27 @@ pub fn fake_nic(transport: TransportKind, name: &str) -> Option<Arc<dyn NicProvi
 /// Fresh synthetic pools of `kind` (heap, or the host mirror of device
 /// pools; shared pool allocations for [`Pools::Shared`]): `layers` layers of
 /// `row`-byte rows, [`P`] tokens a page, `pages` pages, 8 aux slots of 32 bytes.
-fn pools_of(kind: Pools, layers: u32, row: u64, pages: u64) -> SyntheticPools {
+#[cfg_attr(not(feature = "cuda"), allow(unused_variables))]
+fn pools_of(kind: Pools, layers: u32, row: u64, pages: u64, device_step: u64) -> SyntheticPools {
     match kind {
+        #[cfg(feature = "cuda")]
+        Pools::Device if device_step > 1 => {
+            SyntheticPools::new_strided(layers, row, P, pages, 8, 32, device_step, false).unwrap()
+        }
         Pools::Shared => SyntheticPools::new_shared(layers, row, P, pages, 8, 32).unwrap(),
+        Pools::Strided {
+            step,
+            interleaved,
+            shared,
+        } => {
+            let p = SyntheticPools::new_strided(layers, row, P, pages, 8, 32, step, interleaved)
+                .unwrap();
+            if shared {
+                p.into_shared().unwrap()
+            } else {
+                p
+            }
+        }
         _ => SyntheticPools::new(layers, row, P, pages, 8, 32).unwrap(),
     }
 }
@@ -183,6 +214,7 @@ pub struct Spec {
     prefill_pools: Pools,
     decode_pools: Pools,
     decode_device: usize,
+    device_page_step: u64,
     prefill_staging: Option<u64>,
     decode_staging: Option<u64>,
     prefill_timeout: Option<Duration>,
@@ -228,6 +260,14 @@ impl Spec {
     /// `PDXFER_FAKE_CUDA_DEVICES=2`).
     pub fn decode_device(mut self, ordinal: usize) -> Self {
         self.decode_device = ordinal;
+        self
+    }
+    /// Pages from one page's start to the next in [`Pools::Device`] pools
+    /// (default 1; more: padded pages, one allocation per layer, the host
+    /// mirror [`SyntheticPools::new_strided`], the gaps checked by
+    /// [`Cluster::finish`]).
+    pub fn device_page_step(mut self, step: u64) -> Self {
+        self.device_page_step = step;
         self
     }
     /// The decode ranks' `room_grants` (default: the engine's).
@@ -305,7 +345,13 @@ impl Spec {
         let (mut prefill_dev, mut decode_dev) = (Vec::new(), Vec::new());
         let mut prefill = Vec::new();
         for r in 0..self.src_dcp {
-            let pools = pools_of(self.prefill_pools, self.layers, self.row, PREFILL_PAGES);
+            let pools = pools_of(
+                self.prefill_pools,
+                self.layers,
+                self.row,
+                PREFILL_PAGES,
+                self.device_page_step,
+            );
             let mut cfg = self.config(Role::Prefill, &url, &pools, (self.src_dcp, r));
             #[cfg(feature = "cuda")]
             prefill_dev.push(on_device(
@@ -335,7 +381,13 @@ impl Spec {
         }
         let mut decode = Vec::new();
         for r in 0..self.dcp {
-            let pools = pools_of(self.decode_pools, self.layers, self.row, DECODE_PAGES);
+            let pools = pools_of(
+                self.decode_pools,
+                self.layers,
+                self.row,
+                DECODE_PAGES,
+                self.device_page_step,
+            );
             let mut cfg = self.config(Role::Decode, &url, &pools, (self.dcp, r));
             #[cfg(feature = "cuda")]
             decode_dev.push(on_device(
@@ -415,8 +467,13 @@ fn on_device(
         return Vec::new();
     };
     let (bufs, kv) = device_pools(g, mirror);
-    for b in &bufs {
-        g.stream().memset(b, 0).unwrap();
+    for (l, b) in bufs.iter().enumerate() {
+        if mirror.page_step > 1 {
+            // the mirror's gap words too, which the transfer must not touch
+            g.stream().upload(b, 0, mirror.layer_bytes(l)).unwrap();
+        } else {
+            g.stream().memset(b, 0).unwrap();
+        }
     }
     g.stream().record(false).unwrap().wait().unwrap();
     cfg.pools = kv;
@@ -485,6 +542,7 @@ impl Cluster {
             prefill_pools: Pools::Heap,
             decode_pools: Pools::Heap,
             decode_device: 0,
+            device_page_step: 1,
             prefill_staging: None,
             decode_staging: None,
             prefill_timeout: None,
@@ -752,6 +810,19 @@ impl Cluster {
             self.wait_decode_success(req.room, r);
             verified += self.verify_rank(req, r);
             self.decode[r].0.clear(req.room).unwrap();
+        }
+        // strided pools: no byte between two pages written, on either side
+        for (role, (_, pools)) in self
+            .prefill
+            .iter()
+            .map(|p| ("prefill", p))
+            .chain(self.decode.iter().map(|d| ("decode", d)))
+        {
+            if pools.page_step > 1 {
+                pools
+                    .check_gaps()
+                    .unwrap_or_else(|e| panic!("{role} room {}: {e}", req.room));
+            }
         }
         for (e, _) in &self.prefill {
             e.clear(req.room).unwrap();

@@ -120,24 +120,53 @@ class Parallel:
 def pool_geometry(name: str, t: Any) -> Tuple[int, int, int]:
     """``(num_blocks, block_size, row_bytes)`` of one MLA layer's cache as vLLM
     lays it out (``[num_blocks, 1, block_size, head_size]``, or
-    ``[num_blocks, block_size, head_size]``), refusing a layout whose blocks
-    are not ``block_size`` rows of ``row_bytes`` back to back."""
+    ``[num_blocks, block_size, head_size]``): a block's ``block_size`` rows of
+    ``row_bytes`` back to back, the blocks :func:`pool_page_stride` bytes
+    apart (a layer-compact layout, or a block-outermost ``BL*`` one whose
+    block row interleaves the layers); a layout whose rows are not contiguous
+    inside a block is refused."""
     shape = tuple(int(x) for x in t.shape)
     if len(shape) == 4 and shape[1] == 1:
         nb, bs, hs = shape[0], shape[2], shape[3]
+        row_stride = int(t.stride()[2])
     elif len(shape) == 3:
         nb, bs, hs = shape
+        row_stride = int(t.stride()[1])
     else:
         raise CompatError(-105, f"KV cache {name}: shape {list(shape)} is not an MLA cache "
                                 "([num_blocks, 1, block_size, head_size]); PdxferConnector serves MLA models only")
     es = int(t.element_size())
     row = hs * es
-    stride = [int(s) for s in t.stride()]
-    if stride[-1] != 1 or (len(shape) == 4 and stride[2] != hs) or (len(shape) == 3 and stride[1] != hs) \
-            or stride[0] != bs * hs:
-        raise CompatError(-105, f"KV cache {name}: strides {stride} for shape {list(shape)} are not block-major "
-                                "contiguous; run vLLM with a layer-compact --kv-cache-layout (the MLA default)")
+    stride = [int(x) for x in t.stride()]
+    if stride[-1] != 1 or row_stride != hs or (nb > 1 and stride[0] < bs * hs):
+        raise CompatError(-105, f"KV cache {name}: strides {stride} for shape {list(shape)} do not keep a block's "
+                                f"{bs} token rows of {row} B contiguous; run vLLM with a --kv-cache-layout whose "
+                                "blocks are whole (LBNHC, the MLA default, or a block-outermost BLNHC)")
     return nb, bs, row
+
+
+def pool_page_stride(name: str, t: Any) -> int:
+    """Bytes from one block of ``t``'s layer to the next: the page bytes for a
+    layer-compact layout, more for a block-outermost one (``BLNHC``: every
+    layer's page of a block side by side) or padded pages."""
+    nb, bs, row = pool_geometry(name, t)
+    if nb <= 1:
+        return bs * row
+    return int(t.stride()[0]) * int(t.element_size())
+
+
+def engine_pools(kv_caches: Mapping[str, Any], pools: List[Any], num_blocks: int) -> List[Tuple]:
+    """The pools as :class:`pdxfer.Engine` takes them, in ``pools``' (entry)
+    order: ``(tensor, num_blocks)``, or ``(tensor, num_blocks, page_stride)``
+    where the blocks are not end to end."""
+    names = {id(t): n for n, t in kv_caches.items()}
+    out: List[Tuple] = []
+    for t in pools:
+        name = names.get(id(t), "?")
+        nb, bs, row = pool_geometry(name, t)
+        stride = pool_page_stride(name, t)
+        out.append((t, num_blocks) if stride == bs * row else (t, num_blocks, stride))
+    return out
 
 
 def topology(kv_caches: Mapping[str, Any], par: Parallel, dtype_tag: str,

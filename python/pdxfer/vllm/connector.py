@@ -364,6 +364,7 @@ class _WorkerSide:
         self.bootstrap: Optional[BootstrapServer] = None
         self.topology = None
         self.pools: List[Any] = []
+        self.engine_pools: List[Any] = []
         self.num_blocks = 0
         self.pool_device: Optional[int] = None
         self.sends: Dict[str, _Send] = {}
@@ -404,6 +405,7 @@ class _WorkerSide:
         self.par = self._parallel()
         self.topology, self.pools, self.num_blocks = _cfg.topology(kv_caches, self.par, self.c.dtype_tag,
                                                                    producer=self.c.is_producer)
+        self.engine_pools = _cfg.engine_pools(kv_caches, self.pools, self.num_blocks)
         names = sorted(kv_caches, key=_cfg.layer_index)
         self.layer_pos = {n: i for i, n in enumerate(names)}
         dev = getattr(self.pools[0], "device", None)
@@ -421,7 +423,7 @@ class _WorkerSide:
 
     def _engine(self, role: str, url: str) -> Engine:
         s = self.c.settings
-        pools = [(t, self.num_blocks) for t in self.pools]
+        pools = self.engine_pools
         deadline = time.monotonic() + s.transfer_timeout
         while True:
             try:

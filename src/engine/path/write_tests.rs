@@ -9,8 +9,9 @@ use crate::engine::flight::Flight;
 use crate::engine::prefill::jobs::Job;
 use crate::engine::room::KvPoll;
 use crate::engine::state::lock;
-use crate::engine::test_rig::{rig, side, Rig, DST_REGION, LAYERS, ROOM, ROW};
-use crate::layout::PairRequest;
+use crate::engine::synthetic::SyntheticPools;
+use crate::engine::test_rig::{rig, rig_over, side, Rig, DST_REGION, LAYERS, P, ROOM, ROW};
+use crate::layout::{PairRequest, PoolGeometry};
 use crate::transport::{BatchOptions, MappedRegion};
 use std::ops::Range;
 use std::sync::atomic::Ordering;
@@ -48,9 +49,13 @@ fn write_through(
     let attempt = lock(&r.prefill.rooms)
         .create(ROOM, KvPoll::WaitingForInput, None, Instant::now())
         .unwrap();
+    // the page ids the plan addresses, as the worker makes them
+    let src_pitch = PoolGeometry::pitch_pages(r.prefill.cfg.page_step(), src_pages);
+    let dst_step = r.link.regions.page_step(&r.link.hello.topology).unwrap();
+    let dst_pitch = PoolGeometry::pitch_pages(dst_step, dst_pages);
     let req = PairRequest {
-        src: side(src_pages),
-        dst: side(dst_pages),
+        src: side(&src_pitch),
+        dst: side(&dst_pitch),
         start: 0,
         num_tokens: tokens,
     };
@@ -156,13 +161,84 @@ fn one_copy_rows_land_byte_exact_in_the_mapped_pools_whole_and_by_layer() {
                 .iter()
                 .map(|p| MappedRegion {
                     addr: p.base,
-                    len: p.page_bytes * p.num_pages,
+                    len: p.geometry().unwrap().span(),
                 })
                 .collect();
             let n = write_through(&mut r, WritePath::Direct { maps }, groups, rows);
             assert_eq!(r.conn.placed.load(Ordering::Relaxed), n, "one copy");
             assert_eq!(r.conn.written.load(Ordering::Relaxed), 0, "nothing else");
             assert_eq!(r.prefill.metrics.one_copy_bytes_total(), n);
+        }
+    }
+}
+
+/// Strided pools on either side or both: the prefill's padded (pages two
+/// apart, one allocation per layer), the decode's block-outermost (every
+/// layer in one allocation, a block row of `LAYERS + 1` pages).
+fn strided_rigs(staging: u64) -> Vec<(&'static str, Rig)> {
+    let pools = |step, interleaved| {
+        SyntheticPools::new_strided(LAYERS, ROW, P, 16, 2, 8, step, interleaved).unwrap()
+    };
+    let compact = || SyntheticPools::new(LAYERS, ROW, P, 16, 2, 8).unwrap();
+    let block_row = u64::from(LAYERS) + 1;
+    vec![
+        (
+            "strided decode",
+            rig_over(staging, compact(), pools(block_row, true)),
+        ),
+        (
+            "strided prefill",
+            rig_over(staging, pools(2, false), compact()),
+        ),
+        (
+            "both",
+            rig_over(staging, pools(2, false), pools(block_row, true)),
+        ),
+    ]
+}
+
+/// The decode's strided pools: every byte between pages untouched.
+fn gaps_untouched(what: &str, r: &Rig) {
+    for (side, pools) in [("decode", &r.dst), ("prefill", &r.src)] {
+        if pools.page_step > 1 {
+            let n = pools
+                .check_gaps()
+                .unwrap_or_else(|e| panic!("{what}: {side}: {e}"));
+            assert!(n > 0, "{what}: {side} has gap bytes to check");
+        }
+    }
+}
+
+#[test]
+fn strided_pools_land_byte_exact_with_the_gaps_untouched_on_every_path() {
+    for rows in [SCATTERED, SPREAD] {
+        for groups in [WHOLE, GROUPS] {
+            // packed through the staging, straight from the pools, gathered by the sender
+            for (gathers, staging) in [
+                (false, 2 * 3 * ROW * u64::from(LAYERS)),
+                (false, 0),
+                (true, 1 << 16),
+            ] {
+                for (what, mut r) in strided_rigs(staging) {
+                    let n = write_through(&mut r, staged(gathers), groups, rows);
+                    assert_eq!(r.conn.written.load(Ordering::Relaxed), n, "{what}");
+                    gaps_untouched(what, &r);
+                }
+            }
+            for (what, mut r) in strided_rigs(1 << 16) {
+                let maps = r
+                    .dst
+                    .kv_pools()
+                    .iter()
+                    .map(|p| MappedRegion {
+                        addr: p.base,
+                        len: p.geometry().unwrap().span(),
+                    })
+                    .collect();
+                let n = write_through(&mut r, WritePath::Direct { maps }, groups, rows);
+                assert_eq!(r.conn.placed.load(Ordering::Relaxed), n, "{what}: one copy");
+                gaps_untouched(what, &r);
+            }
         }
     }
 }

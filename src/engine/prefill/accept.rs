@@ -144,10 +144,15 @@ fn prefill_conn(
             ));
         }
         if version != CONTROL_VERSION {
+            let why = if version < 3 {
+                " (before 3 a decode cannot say its KV pools' page strides)"
+            } else {
+                ""
+            };
             return Err(Error::new(
                 Status::Protocol,
                 format!(
-                    "decode instance {peer} speaks control protocol {version}, this build speaks control protocol {CONTROL_VERSION}; run the same pdxfer version on every rank"
+                    "decode instance {peer} speaks control protocol {version}, this build speaks control protocol {CONTROL_VERSION}{why}; run the same pdxfer version on every rank"
                 ),
             ));
         }
@@ -169,6 +174,8 @@ fn prefill_conn(
             peer_gpu.as_ref(),
             &format!("decode instance {}", hello.instance_id),
         )?;
+        // the decode's page strides: whole pages, one step for all its pools
+        regions.page_step(&hello.topology)?;
         Ok(local)
     });
     let local = match setup {

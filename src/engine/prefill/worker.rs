@@ -17,7 +17,7 @@ use crate::engine::room::KvPoll;
 use crate::engine::room::RoomTimes;
 use crate::engine::state::{catch, lock};
 use crate::error::{Error, Result, Status};
-use crate::layout::{DcpLayout, PairRequest, Side};
+use crate::layout::{DcpLayout, PairRequest, PoolGeometry, Side};
 use crate::transport::{BatchOptions, TransportKind, WriteOp};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -234,6 +234,7 @@ fn send_chunk<'a>(
     } else {
         None
     };
+    let src_pages = PoolGeometry::pitch_pages(inner.cfg.page_step(), &job.pages);
     let mut planned: Vec<PairPlan> = Vec::new();
     let mut cx = Chunk {
         inner,
@@ -257,17 +258,19 @@ fn send_chunk<'a>(
             u64::from(dt.dcp_size),
             u64::from(dt.dcp_interleave),
         )?;
+        // strided pools: the page ids the plan addresses (PoolGeometry)
+        let dst_pages = PoolGeometry::pitch_pages(m.link.regions.page_step(dt)?, &m.dst_pages);
         let req = PairRequest {
             src: Side {
                 layout: src_l,
                 rank: u64::from(topo.dcp_rank),
-                pages: &job.pages,
+                pages: &src_pages,
                 origin: job.start,
             },
             dst: Side {
                 layout: dst_l,
                 rank: u64::from(dt.dcp_rank),
-                pages: &m.dst_pages,
+                pages: &dst_pages,
                 origin: m.prefix,
             },
             start: job.start,
