@@ -20,4 +20,6 @@ pub const PDXFER_ABI_VERSION_MAJOR: u32 = 1;
 /// 1.6: `PdxTopology.cp_mode` / `cp_storage` and `pdxfer_engine_set_request_pages`
 /// (prefill attention CP), `pdxfer_room_for_key` / `pdxfer_engine_bind_room_key`
 /// (rooms named by request ids), `PdxKvDtype` 6 (`fp8_ds_mla`).
-pub const PDXFER_ABI_VERSION_MINOR: u32 = 6;
+/// 1.7: `pdxfer_rank_targets` / `PdxRankTargets` (the prefill ranks a decode
+/// rank contacts as lists, gaps included).
+pub const PDXFER_ABI_VERSION_MINOR: u32 = 7;

@@ -30,6 +30,7 @@ pub mod metrics;
 pub mod peer;
 pub mod plan;
 pub mod ptr;
+pub mod rank_targets;
 pub mod registration;
 pub mod room_key;
 pub mod status;
