@@ -15,6 +15,7 @@ _Static_assert(sizeof(PdxLayout) == 24, "PdxLayout size is ABI");
 _Static_assert(sizeof(PdxTopology) == 96, "PdxTopology size is ABI");
 _Static_assert(sizeof(PdxPeerCompat) == 24, "PdxPeerCompat size is ABI");
 _Static_assert(sizeof(PdxRankMapping) == 48, "PdxRankMapping size is ABI");
+_Static_assert(sizeof(PdxRankTargets) == 80, "PdxRankTargets size is ABI");
 
 static PdxDcpPlanArgs plan_args(const int64_t *src, size_t ns, const int64_t *dst, size_t nd,
                                 uint64_t p, uint64_t d, uint64_t r, int64_t n) {
@@ -241,6 +242,81 @@ static void test_prefill_cp(void) {
     CHECK(m.cp_rank_begin == 0 && m.cp_rank_end == 2 && m.required_prefill_response_num == 2);
 }
 
+/* pdxfer_rank_targets: the prefill ranks as lists, gaps included; a size
+ * query; a refused call writes nothing */
+static void test_rank_targets(void) {
+    uint32_t ids[4] = {0, 1, 2, 3};
+    uint64_t rows[4] = {1152, 1152, 1152, 1152};
+    /* decode DCP 2 rank 1 reads shares 1 and 3 of a DCP 4 prefill: no range */
+    PdxTopology d = mla(2, 1, ids, rows, 4), p = mla(4, 0, ids, rows, 4);
+    d.attn_tp_size = 2;
+    d.attn_tp_rank = 1;
+    d.engine_rank = 1;
+    p.attn_tp_size = 4;
+    PdxRankMapping m;
+    memset(&m, 0, sizeof m);
+    m.struct_size = sizeof m;
+    CHECK(pdxfer_rank_mapping(&d, &p, 0, &m) == PDX_STATUS_INVALID_TOPOLOGY);
+
+    PdxRankTargets t;
+    memset(&t, 0, sizeof t);
+    t.struct_size = sizeof t;
+    CHECK(pdxfer_rank_targets(&d, &p, 0, &t) == PDX_STATUS_OK); /* size query */
+    CHECK(t.num_tp_ranks == 2 && t.num_cp_ranks == 1 && t.num_pp_ranks == 1);
+    CHECK(t.required_dst_info_num == 1 && t.required_prefill_response_num == 2);
+
+    uint32_t tp[4], dummy[4], cp[4], pp[4];
+    memset(tp, 0xAB, sizeof tp);
+    memset(dummy, 0xAB, sizeof dummy);
+    memset(cp, 0xAB, sizeof cp);
+    memset(pp, 0xAB, sizeof pp);
+    /* too small: refused, nothing written */
+    PdxRankTargets small;
+    memset(&small, 0, sizeof small);
+    small.struct_size = sizeof small;
+    small.tp_ranks = tp;
+    small.cp_ranks = cp;
+    small.pp_ranks = pp;
+    small.capacity = 1;
+    CHECK(pdxfer_rank_targets(&d, &p, 0, &small) == PDX_STATUS_BUFFER_TOO_SMALL);
+    CHECK(strstr(pdxfer_last_error(), "2 entries are needed") != NULL);
+    CHECK(small.num_tp_ranks == 0 && small.required_dst_info_num == 0 && tp[0] == 0xABABABABu);
+    /* a rank array missing: refused, nothing written */
+    small.capacity = 4;
+    small.pp_ranks = NULL;
+    CHECK(pdxfer_rank_targets(&d, &p, 0, &small) == PDX_STATUS_NULL_ARGUMENT);
+    CHECK(small.num_tp_ranks == 0 && tp[0] == 0xABABABABu && cp[0] == 0xABABABABu);
+    /* unknown flags: refused */
+    small.pp_ranks = pp;
+    CHECK(pdxfer_rank_targets(&d, &p, 0x10, &small) == PDX_STATUS_INVALID_ARGUMENT);
+    CHECK(small.num_tp_ranks == 0 && tp[0] == 0xABABABABu);
+
+    t.tp_ranks = tp;
+    t.tp_dummy = dummy;
+    t.cp_ranks = cp;
+    t.pp_ranks = pp;
+    t.capacity = 4;
+    CHECK(pdxfer_rank_targets(&d, &p, 0, &t) == PDX_STATUS_OK);
+    CHECK(t.num_tp_ranks == 2 && tp[0] == 1 && tp[1] == 3 && tp[2] == 0xABABABABu);
+    CHECK(dummy[0] == 0 && dummy[1] == 0 && dummy[2] == 0xABABABABu);
+    CHECK(t.num_cp_ranks == 1 && cp[0] == 0 && t.num_pp_ranks == 1 && pp[0] == 0);
+    CHECK(t.tp_ranks == tp && t.capacity == 4); /* the caller's fields are kept */
+
+    /* a decode TP 2 rank 1 over a TP 8 MLA prefill: ranks 4..7, the last three MLA replicas */
+    PdxTopology d2 = mla(1, 0, ids, rows, 4), p2 = mla(1, 0, ids, rows, 4);
+    d2.attn_tp_size = 2;
+    d2.attn_tp_rank = 1;
+    d2.engine_rank = 1;
+    p2.attn_tp_size = 8;
+    t.tp_dummy = NULL; /* optional */
+    CHECK(pdxfer_rank_targets(&d2, &p2, 0, &t) == PDX_STATUS_OK);
+    CHECK(t.num_tp_ranks == 4 && tp[0] == 4 && tp[1] == 5 && tp[2] == 6 && tp[3] == 7);
+    t.tp_dummy = dummy;
+    CHECK(pdxfer_rank_targets(&d2, &p2, 0, &t) == PDX_STATUS_OK);
+    CHECK(dummy[0] == 0 && dummy[1] == 1 && dummy[2] == 1 && dummy[3] == 1);
+    CHECK(pdxfer_rank_targets(&d2, &p2, 0, NULL) == PDX_STATUS_NULL_ARGUMENT);
+}
+
 int main(void) {
     CHECK(pdxfer_abi_version() >> 16 == PDXFER_ABI_VERSION_MAJOR);
     test_worked_example();
@@ -248,6 +324,7 @@ int main(void) {
     test_plan_errors();
     test_bad_inputs();
     test_peer_and_mapping();
+    test_rank_targets();
     test_prefill_cp();
     return CHECK_SUMMARY();
 }

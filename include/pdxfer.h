@@ -145,7 +145,8 @@
 // (prefill attention CP), `pdxfer_room_for_key` / `pdxfer_engine_bind_room_key`
 // (rooms named by request ids), `PdxKvDtype` 6 (`fp8_ds_mla`).
 // 1.7: `PdxKvPoolDesc` and `PdxEngineConfig.pool_descs` / `num_pool_descs`
-// (KV pools with a page stride).
+// (KV pools with a page stride); `pdxfer_rank_targets` / `PdxRankTargets` (the
+// prefill ranks a decode rank contacts as lists, gaps included).
 #define PDXFER_ABI_VERSION_MINOR 7
 
 // Stable status codes shared by Rust, C (`PdxStatus`) and Python (`.code`).
@@ -752,6 +753,42 @@ typedef struct PdxRun {
   int64_t len;
 } PdxRun;
 
+// The result of `pdxfer_rank_targets`: which prefill ranks a decode rank
+// contacts, as lists of ranks written into the caller's arrays.
+//
+// The caller sets `struct_size`, the array pointers and `capacity` (the
+// entries each non-NULL array holds); the call writes the counts and the
+// arrays. All arrays NULL with `capacity` 0 is a size query: only the counts
+// and the two `required_*` numbers are written. Otherwise `tp_ranks`,
+// `cp_ranks` and `pp_ranks` must be non-NULL and `capacity` at least the
+// largest count (`tp_dummy` may stay NULL); a refused call writes nothing.
+typedef struct PdxRankTargets {
+  // `sizeof(PdxRankTargets)`, set by the caller before the call.
+  uint64_t struct_size;
+  // In: the caller's array for the prefill TP ranks to contact (the first
+  // is the real one), or NULL for a size query.
+  uint32_t *tp_ranks;
+  // In: the caller's array, or NULL: 1 where `tp_ranks[i]` only
+  // acknowledges (an MLA replica), else 0.
+  uint32_t *tp_dummy;
+  // In: the caller's array for the prefill CP ranks to contact, or NULL for a size query.
+  uint32_t *cp_ranks;
+  // In: the caller's array for the prefill PP ranks to contact, or NULL for a size query.
+  uint32_t *pp_ranks;
+  // In: the entries each non-NULL array holds.
+  uint64_t capacity;
+  // Out: the prefill TP ranks written (or needed).
+  uint64_t num_tp_ranks;
+  // Out: the prefill CP ranks written (or needed).
+  uint64_t num_cp_ranks;
+  // Out: the prefill PP ranks written (or needed).
+  uint64_t num_pp_ranks;
+  // Out: decode infos a prefill rank waits for per room.
+  uint32_t required_dst_info_num;
+  // Out: distinct prefill responses the decode rank waits for per room.
+  uint32_t required_prefill_response_num;
+} PdxRankTargets;
+
 // The result of `pdxfer_check_peer`.
 typedef struct PdxPeerCompat {
   // `sizeof(PdxPeerCompat)`, set by the caller before the call.
@@ -1254,6 +1291,15 @@ PdxStatus pdxfer_dcp_pack_buffer_bytes(const uint64_t *kv_item_lens,
                                        uint64_t max_tokens,
                                        uint64_t dcp_size,
                                        uint64_t *out_bytes);
+
+// Resolves which prefill TP/CP/PP ranks the decode rank contacts (reference
+// 3.1-3.3) as lists: any set of ranks, gaps included (prefill DCP M ->
+// decode DCP N). `flags`: `PDXFER_MAP_ALL_CP_RANKS` or 0. See
+// `PdxRankTargets` for the size query and the arrays.
+PdxStatus pdxfer_rank_targets(const struct PdxTopology *decode,
+                              const struct PdxTopology *prefill,
+                              uint32_t flags,
+                              struct PdxRankTargets *out);
 
 // Registers a rank. `registration_json` is a registration (see the schema);
 // an `instance_id` of 32 zeros, or none at all, is replaced by a fresh random

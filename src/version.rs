@@ -21,5 +21,6 @@ pub const PDXFER_ABI_VERSION_MAJOR: u32 = 1;
 /// (prefill attention CP), `pdxfer_room_for_key` / `pdxfer_engine_bind_room_key`
 /// (rooms named by request ids), `PdxKvDtype` 6 (`fp8_ds_mla`).
 /// 1.7: `PdxKvPoolDesc` and `PdxEngineConfig.pool_descs` / `num_pool_descs`
-/// (KV pools with a page stride).
+/// (KV pools with a page stride); `pdxfer_rank_targets` / `PdxRankTargets` (the
+/// prefill ranks a decode rank contacts as lists, gaps included).
 pub const PDXFER_ABI_VERSION_MINOR: u32 = 7;

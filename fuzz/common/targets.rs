@@ -623,6 +623,42 @@ fn c_abi(data: &[u8]) {
         f.u8() as u32 % 4,
         map.as_mut_ptr(),
     ));
+    // the list form: a size query, caller arrays of a fuzzed capacity, NULL arrays
+    let cap = usize::from(f.u8() % 6);
+    let mut lists = [[0u32; 5]; 4];
+    let [tp, dummy, cp, pp] = &mut lists;
+    let null_some = f.one_in(4);
+    let mut targets = pdxfer::ffi::rank_targets::PdxRankTargets {
+        struct_size: f.num(),
+        tp_ranks: if cap == 0 {
+            std::ptr::null_mut()
+        } else {
+            tp.as_mut_ptr()
+        },
+        tp_dummy: if f.one_in(2) {
+            std::ptr::null_mut()
+        } else {
+            dummy.as_mut_ptr()
+        },
+        cp_ranks: if null_some {
+            std::ptr::null_mut()
+        } else {
+            cp.as_mut_ptr()
+        },
+        pp_ranks: pp.as_mut_ptr(),
+        capacity: cap.min(5) as u64,
+        num_tp_ranks: 0,
+        num_cp_ranks: 0,
+        num_pp_ranks: 0,
+        required_dst_info_num: 0,
+        required_prefill_response_num: 0,
+    };
+    no_panic(pdxfer::ffi::rank_targets::pdxfer_rank_targets(
+        pb,
+        pa,
+        f.u8() as u32 % 4,
+        &mut targets,
+    ));
 
     // plans
     let pages = |f: &mut Input| -> Vec<i64> {

@@ -153,6 +153,24 @@ class CRankMapping(ctypes.Structure):
     ]
 
 
+class CRankTargets(ctypes.Structure):
+    """``PdxRankTargets`` (ABI 1.7): the rank lists in the caller's arrays."""
+
+    _fields_ = [
+        ("struct_size", ctypes.c_uint64),
+        ("tp_ranks", ctypes.POINTER(ctypes.c_uint32)),
+        ("tp_dummy", ctypes.POINTER(ctypes.c_uint32)),
+        ("cp_ranks", ctypes.POINTER(ctypes.c_uint32)),
+        ("pp_ranks", ctypes.POINTER(ctypes.c_uint32)),
+        ("capacity", ctypes.c_uint64),
+        ("num_tp_ranks", ctypes.c_uint64),
+        ("num_cp_ranks", ctypes.c_uint64),
+        ("num_pp_ranks", ctypes.c_uint64),
+        ("required_dst_info_num", ctypes.c_uint32),
+        ("required_prefill_response_num", ctypes.c_uint32),
+    ]
+
+
 PLAN_PACKED = 1
 MAP_ALL_CP_RANKS = 1
 
@@ -174,6 +192,13 @@ lib.pdxfer_rank_mapping.restype = ctypes.c_int32
 lib.pdxfer_rank_mapping.argtypes = [
     ctypes.POINTER(CTopology), ctypes.POINTER(CTopology), ctypes.c_uint32, ctypes.POINTER(CRankMapping),
 ]
+# ABI 1.7; an older 1.x library (PDXFER_LIB) gives the ranges of pdxfer_rank_mapping only
+_HAS_RANK_TARGETS = hasattr(lib, "pdxfer_rank_targets")
+if _HAS_RANK_TARGETS:
+    lib.pdxfer_rank_targets.restype = ctypes.c_int32
+    lib.pdxfer_rank_targets.argtypes = [
+        ctypes.POINTER(CTopology), ctypes.POINTER(CTopology), ctypes.c_uint32, ctypes.POINTER(CRankTargets),
+    ]
 
 
 def _is_np(*xs) -> bool:
@@ -426,12 +451,30 @@ class RankMapping:
 
 
 def rank_mapping(decode: Topology, prefill: Topology, *, all_cp_ranks: bool = False) -> RankMapping:
-    """Resolves the decode rank's targets against the prefill instance's topology."""
+    """Resolves the decode rank's targets against the prefill instance's
+    topology: any set of prefill ranks, gaps included (a DCP-sharded prefill
+    read by a smaller decode DCP contacts shares d, d + N, ...)."""
     d, keep_d = decode._c()
     p, keep_p = prefill._c()
+    flags = MAP_ALL_CP_RANKS if all_cp_ranks else 0
+    if _HAS_RANK_TARGETS:
+        t = CRankTargets(ctypes.sizeof(CRankTargets))
+        check(lib.pdxfer_rank_targets(ctypes.byref(d), ctypes.byref(p), flags, ctypes.byref(t)))  # the counts
+        cap = max(t.num_tp_ranks, t.num_cp_ranks, t.num_pp_ranks)
+        tp, dummy, cp, pp = ((ctypes.c_uint32 * cap)() for _ in range(4))
+        t.tp_ranks, t.tp_dummy, t.cp_ranks, t.pp_ranks = tp, dummy, cp, pp
+        t.capacity = cap
+        check(lib.pdxfer_rank_targets(ctypes.byref(d), ctypes.byref(p), flags, ctypes.byref(t)))
+        return RankMapping(
+            target_tp_ranks=list(tp[:t.num_tp_ranks]),
+            dummy_tp=[bool(x) for x in dummy[:t.num_tp_ranks]],
+            target_cp_ranks=list(cp[:t.num_cp_ranks]),
+            target_pp_ranks=list(pp[:t.num_pp_ranks]),
+            required_dst_info_num=t.required_dst_info_num,
+            required_prefill_response_num=t.required_prefill_response_num,
+        )
     out = CRankMapping(ctypes.sizeof(CRankMapping))
-    check(lib.pdxfer_rank_mapping(ctypes.byref(d), ctypes.byref(p), MAP_ALL_CP_RANKS if all_cp_ranks else 0,
-                                  ctypes.byref(out)))
+    check(lib.pdxfer_rank_mapping(ctypes.byref(d), ctypes.byref(p), flags, ctypes.byref(out)))
     tp = list(range(out.tp_rank_begin, out.tp_rank_end))
     return RankMapping(
         target_tp_ranks=tp,

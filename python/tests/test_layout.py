@@ -194,10 +194,44 @@ def test_check_peer_and_rank_mapping():
     m = pdxfer.rank_mapping(pdxfer.Topology.mla(attn_tp_size=2, engine_rank=1, dcp_size=2, dcp_rank=1),
                             pdxfer.Topology.mla(attn_tp_size=2, dcp_size=2, dcp_interleave=64))
     assert (m.target_tp_ranks, m.dummy_tp, m.required_prefill_response_num) == ([0, 1], [False, False], 2)
-    # shares 1 and 3 of a DCP 4 prefill for a DCP 2 decode rank: no range in the C struct, refused
-    with pytest.raises(pdxfer.PdxError, match="no representable tp rank range"):
-        pdxfer.rank_mapping(pdxfer.Topology.mla(attn_tp_size=2, engine_rank=1, dcp_size=2, dcp_rank=1),
-                            pdxfer.Topology.mla(attn_tp_size=4, dcp_size=4))
+    # shares 1 and 3 of a DCP 4 prefill for a DCP 2 decode rank: no range in
+    # PdxRankMapping (refused there), a list from pdxfer_rank_targets
+    dec = pdxfer.Topology.mla(attn_tp_size=2, engine_rank=1, dcp_size=2, dcp_rank=1)
+    pre = pdxfer.Topology.mla(attn_tp_size=4, dcp_size=4)
+    m = pdxfer.rank_mapping(dec, pre)
+    assert (m.target_tp_ranks, m.dummy_tp, m.required_prefill_response_num) == ([1, 3], [False, False], 2), m
+    d, keep_d = dec._c()
+    p, keep_p = pre._c()
+    r = L.CRankMapping(ctypes.sizeof(L.CRankMapping))
+    assert L.lib.pdxfer_rank_mapping(ctypes.byref(d), ctypes.byref(p), 0, ctypes.byref(r)) == -210
+    for d_dcp, p_dcp in ((1, 4), (2, 8), (4, 8)):  # every decode rank: the shares r, r + N, ...
+        for rank in range(d_dcp):
+            m = pdxfer.rank_mapping(pdxfer.Topology.mla(attn_tp_size=d_dcp, engine_rank=rank, dcp_size=d_dcp,
+                                                        dcp_rank=rank),
+                                    pdxfer.Topology.mla(attn_tp_size=p_dcp, dcp_size=p_dcp))
+            assert m.target_tp_ranks == list(range(rank, p_dcp, d_dcp)), (d_dcp, p_dcp, rank, m)
+
+
+def test_rank_targets_size_query_and_refusals_write_nothing():
+    d, keep_d = pdxfer.Topology.mla(attn_tp_size=2, engine_rank=1, dcp_size=2, dcp_rank=1)._c()
+    p, keep_p = pdxfer.Topology.mla(attn_tp_size=4, dcp_size=4)._c()
+    call = L.lib.pdxfer_rank_targets
+    t = L.CRankTargets(ctypes.sizeof(L.CRankTargets))
+    assert call(ctypes.byref(d), ctypes.byref(p), 0, ctypes.byref(t)) == 0  # NULL arrays, capacity 0
+    assert (t.num_tp_ranks, t.num_cp_ranks, t.num_pp_ranks) == (2, 1, 1)
+    tp, cp, pp = ((ctypes.c_uint32 * 4)(*[7] * 4) for _ in range(3))
+    small = L.CRankTargets(ctypes.sizeof(L.CRankTargets))
+    small.tp_ranks, small.cp_ranks, small.pp_ranks, small.capacity = tp, cp, pp, 1
+    assert call(ctypes.byref(d), ctypes.byref(p), 0, ctypes.byref(small)) == -104  # buffer_too_small
+    assert b"2 entries are needed" in L.lib.pdxfer_last_error()
+    assert (small.num_tp_ranks, list(tp)) == (0, [7] * 4), "a refused call writes nothing"
+    small.capacity = 4
+    small.cp_ranks = None
+    assert call(ctypes.byref(d), ctypes.byref(p), 0, ctypes.byref(small)) == -100  # null_argument
+    assert (small.num_tp_ranks, list(tp)) == (0, [7] * 4)
+    small.cp_ranks = cp
+    assert call(ctypes.byref(d), ctypes.byref(p), 0, ctypes.byref(small)) == 0
+    assert (small.num_tp_ranks, list(tp), list(cp)[:1]) == (2, [1, 3, 7, 7], [0])
 
 
 def test_prefill_cp_with_decode_dcp():
@@ -233,6 +267,7 @@ def test_struct_sizes_pinned():
     assert ctypes.sizeof(L.CTopology) == 96
     assert ctypes.sizeof(L.CPeerCompat) == 24
     assert ctypes.sizeof(L.CRankMapping) == 48
+    assert ctypes.sizeof(L.CRankTargets) == 80
 
 
 def test_status_text_and_abi():

@@ -31,6 +31,7 @@ pub mod peer;
 pub mod plan;
 pub mod pool_desc;
 pub mod ptr;
+pub mod rank_targets;
 pub mod registration;
 pub mod room_key;
 pub mod status;

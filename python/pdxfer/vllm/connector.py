@@ -61,6 +61,24 @@ from . import config as _cfg
 
 logger = logging.getLogger("pdxfer.vllm")
 
+
+def _log_with_vllm() -> None:
+    """The ``pdxfer`` logger (the connector's and the library's records) writes
+    through vLLM's handlers at INFO when nothing configured it: ``vllm serve``
+    sets up only the ``vllm`` logger, and Python's last-resort handler would
+    drop INFO and print bare warnings without the process prefix."""
+    root = logging.getLogger("pdxfer")
+    if root.handlers:
+        return
+    handlers = logging.getLogger("vllm").handlers
+    if not handlers:
+        return
+    for h in handlers:
+        root.addHandler(h)
+    if root.level == logging.NOTSET:
+        root.setLevel(logging.INFO)
+    root.propagate = False
+
 #: kv_transfer_params keys this connector writes and reads.
 PARAM_ROOM_KEY = "pdxfer_room_key"
 PARAM_BOOTSTRAP = "remote_bootstrap_addr"
@@ -116,6 +134,7 @@ class PdxferConnector(KVConnectorBase_V1, SupportsHMA):
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None):
         super().__init__(vllm_config, role, kv_cache_config)
+        _log_with_vllm()
         kt = vllm_config.kv_transfer_config
         self.settings = _cfg.settings(kt.kv_connector_extra_config)
         self.kv_role = kt.kv_role
@@ -343,6 +362,7 @@ class _Send:
     # (tokens computed once it ran, one event per layer recorded after that
     # layer's writes), sent in order, each layer after its event, once it does
     queued: List[Tuple[int, List[Any]]] = dataclasses.field(default_factory=list)
+    created: float = dataclasses.field(default_factory=time.monotonic)
 
 
 @dataclasses.dataclass
@@ -353,6 +373,7 @@ class _Recv:
     deadline: float
     started: bool = False
     aborted: bool = False
+    created: float = dataclasses.field(default_factory=time.monotonic)
 
 
 class _WorkerSide:
@@ -379,6 +400,8 @@ class _WorkerSide:
         self.layer_chunks: Dict[str, Any] = {}  # this step's layer-wise chunk and next layer, per request
         self.layer_events: Dict[str, Tuple[int, List[Any]]] = {}  # this step's saves to queue, per request
         self.layer_pos: Dict[str, int] = {}
+        self.landed_bytes = 0  # decode: KV bytes landed on this worker (every request)
+        self.landed_requests = 0
 
     # ----- setup -----
 
@@ -743,6 +766,9 @@ class _WorkerSide:
                 self._clear(self.engine, st.room)
                 del self.sends[rid]
                 self.finished_sending.add(rid)
+                logger.info("pdxfer: request %s: %s after %.3f s (%d chunks); its blocks are freed", rid,
+                            "sent" if p == KVPoll.Success else "not sent", now - st.created,
+                            self.chunks_sent.get(rid, 0))
         for rid, r in list(self.recvs.items()):
             eng = r.engine
             p = eng.poll(r.room) if r.started else KVPoll.Bootstrapping
@@ -756,6 +782,7 @@ class _WorkerSide:
                         self.load_errors |= set(r.req.block_ids)
                 continue
             if p == KVPoll.Success:
+                self._landed(rid, r)
                 self._clear(eng, r.room)
                 del self.recvs[rid]
                 self.finished_recving.add(rid)
@@ -769,6 +796,18 @@ class _WorkerSide:
             r_, self.finished_recving = self.finished_recving, set()
             f, self.failed_recving = self.failed_recving, set()
         return s, r_, f
+
+    def _landed(self, rid: str, r: "_Recv") -> None:
+        """Counts and logs a load that landed (``landed_bytes``: this worker's total)."""
+        try:
+            n = r.engine.room_bytes(r.room)
+        except PdxError:
+            n = 0
+        self.landed_bytes += n
+        self.landed_requests += 1
+        logger.info("pdxfer: request %s: %d KV bytes of %d tokens (%d from the local prefix) landed from %s "
+                    "in %.3f s; this worker: %d requests, %d bytes", rid, n, r.req.num_tokens, r.req.prefix_len,
+                    r.req.bootstrap, time.monotonic() - r.created, self.landed_requests, self.landed_bytes)
 
     def take_load_errors(self) -> Set[int]:
         out, self.load_errors = self.load_errors, set()
