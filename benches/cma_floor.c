@@ -6,8 +6,12 @@
  *   memcpy-heap     memcpy into a private, pre-faulted buffer of this process
  *   memcpy-shared   memcpy into a MAP_SHARED memfd mapping (what cma does to a peer's shared
  *                   region after mapping it), pre-faulted with MADV_POPULATE_WRITE
- *   vm-writev       one process_vm_writev of BATCH iovecs into a child process's pre-faulted
- *                   private buffer (what cma does to a peer's heap region)
+ *   stream-shared   the same with non-temporal AVX2 stores per block, as the engine's one-copy
+ *                   path moves rows (skipped unless AVX2 and BLOCK a multiple of 64)
+ *   vm-writev       process_vm_writev of BATCH iovecs (1024 per call) into a child process's
+ *                   pre-faulted private buffer (what cma does to a peer's heap region)
+ * BLOCK 1152 and BATCH 499712 is one PD request's 575.7 MB in KV rows (8192 tokens x 61
+ * layers x 1152 B): the per-row floor of `pdxfer bench-request`.
  * Per mode: batches, Mops/s (blocks per second over the run), GB/s, the per-batch p50 in
  * microseconds and the Mops/s at that p50 (BATCH / p50: what one thread gives when it is not
  * preempted, the figure to read on a loaded machine).
@@ -36,8 +40,40 @@
 #define MADV_POPULATE_WRITE 23
 #endif
 
-enum mode { MEMCPY_HEAP, MEMCPY_SHARED, VM_WRITEV };
-static const char *mode_name[] = {"memcpy-heap", "memcpy-shared", "vm-writev"};
+enum mode { MEMCPY_HEAP, MEMCPY_SHARED, STREAM_SHARED, VM_WRITEV };
+static const char *mode_name[] = {"memcpy-heap", "memcpy-shared", "stream-shared", "vm-writev"};
+
+/* Most iovecs per process_vm_writev call (Linux IOV_MAX). */
+#define IOV_MAX_CALL 1024
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+/* One block with non-temporal 32-byte stores, as the engine's one-copy path moves a row
+ * (src/relayout/cpu.rs, copy_spans_streaming): dst 32-byte aligned, len a multiple of 64. */
+__attribute__((target("avx2"))) static void stream_block(unsigned char *dst,
+                                                           const unsigned char *src,
+                                                           size_t len) {
+    for (size_t i = 0; i < len; i += 64) {
+        __m256i a = _mm256_loadu_si256((const __m256i *)(src + i));
+        __m256i b = _mm256_loadu_si256((const __m256i *)(src + i + 32));
+        _mm256_stream_si256((__m256i *)(dst + i), a);
+        _mm256_stream_si256((__m256i *)(dst + i + 32), b);
+    }
+}
+static int can_stream(size_t block) {
+    return __builtin_cpu_supports("avx2") && block % 64 == 0;
+}
+static void stream_fence(void) { _mm_sfence(); }
+#else
+static void stream_block(unsigned char *dst, const unsigned char *src, size_t len) {
+    memcpy(dst, src, len);
+}
+static int can_stream(size_t block) {
+    (void)block;
+    return 0;
+}
+static void stream_fence(void) {}
+#endif
 
 struct job {
     enum mode mode;
@@ -87,29 +123,33 @@ static void *run_job(void *arg) {
         if (s >= end && n >= 3)
             break;
         if (j->mode == VM_WRITEV) {
-            size_t want = j->block * j->batch, got = 0;
-            while (got < want) {
-                /* one call per batch; a short write (never seen for 256 iovecs) resumes */
-                size_t skip = got, k = 0;
-                while (skip >= local[k].iov_len) {
-                    skip -= local[k].iov_len;
-                    k++;
-                }
+            size_t k = 0, skip = 0; /* next iovec, bytes of it already written */
+            while (k < j->batch) {
+                size_t cnt = j->batch - k < IOV_MAX_CALL ? j->batch - k : IOV_MAX_CALL;
                 struct iovec l0 = local[k], r0 = remote[k];
                 local[k].iov_base = (char *)local[k].iov_base + skip;
                 local[k].iov_len -= skip;
                 remote[k].iov_base = (char *)remote[k].iov_base + skip;
                 remote[k].iov_len -= skip;
-                ssize_t w = process_vm_writev(j->child, local + k, j->batch - k, remote + k,
-                                              j->batch - k, 0);
+                ssize_t w = process_vm_writev(j->child, local + k, cnt, remote + k, cnt, 0);
                 local[k] = l0;
                 remote[k] = r0;
                 if (w <= 0) {
                     j->err = w < 0 ? errno : EIO;
                     goto out;
                 }
-                got += (size_t)w;
+                /* advance by w bytes; a short write resumes mid-iovec */
+                size_t left = (size_t)w + skip;
+                while (k < j->batch && left >= local[k].iov_len) {
+                    left -= local[k].iov_len;
+                    k++;
+                }
+                skip = left;
             }
+        } else if (j->mode == STREAM_SHARED) {
+            for (size_t i = 0; i < j->batch; i++)
+                stream_block(j->dst + i * j->block, j->src + i * j->block, j->block);
+            stream_fence();
         } else {
             for (size_t i = 0; i < j->batch; i++)
                 memcpy(j->dst + i * j->block, j->src + i * j->block, j->block);
@@ -241,11 +281,13 @@ int main(int argc, char **argv) {
         printf("{\"block\":%zu,\"batch\":%zu,\"modes\":[", block, batch);
     int first = 1;
     for (int m = MEMCPY_HEAP; m <= VM_WRITEV; m++) {
+        if (m == STREAM_SHARED && !can_stream(block))
+            continue;
         for (int threads = 1; threads <= max_threads; threads++) {
             struct job jobs[2];
             pthread_t th[2];
             for (int t = 0; t < threads; t++) {
-                if (m == MEMCPY_SHARED)
+                if (m == MEMCPY_SHARED || m == STREAM_SHARED)
                     memset(shared[t], 0, len);
                 jobs[t] = (struct job){
                     .mode = (enum mode)m,
