@@ -5,11 +5,19 @@
 # the layer-wise exposure at 8K and 32K tokens over cma and tcp
 # (scripts/bench_targets.py says how each is measured). Release build; needs
 # iperf3 for the tcp request row. Runs about 5 minutes on an idle machine (plus the
-# release build); exits 1 when a target fails. Not part of the tests.
+# release build); exits 1 when a target fails. With a C compiler it also prints the
+# machine's floor (benches/cma_floor.c, see scripts/bench-floor.sh) and the cma figures
+# as a ratio of it. Not part of the tests.
 #
 #   bash scripts/bench-targets.sh [--requests N] [--json]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PDXFER=${PDXFER:-target/release/pdxfer}
 [ -n "${PDXFER_NO_BUILD:-}" ] || nice cargo build --release -q
-exec python3 scripts/bench_targets.py --pdxfer "$PDXFER" "$@"
+floor=()
+if command -v "${CC:-cc}" >/dev/null; then
+    mkdir -p target
+    "${CC:-cc}" -O2 -Wall -Wextra -Werror -pthread -o target/cma_floor benches/cma_floor.c
+    floor=(--floor target/cma_floor)
+fi
+exec python3 scripts/bench_targets.py --pdxfer "$PDXFER" "${floor[@]}" "$@"

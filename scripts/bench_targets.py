@@ -20,7 +20,12 @@ Figures (every ratio within one run; targets for an idle 2-core machine):
   loopback stream; in every mode the first request within 1.2x of a warm one;
   heap pools over cma against memcpy (informational);
 - `pdxfer bench --layerwise`: transfer exposed after the last layer's compute
-  <= 1 layer at 8K and 32K tokens, over cma and tcp.
+  <= 1 layer at 8K and 32K tokens, over cma and tcp;
+- the floor of this machine, same run (informational; `--floor`, built from
+  benches/cma_floor.c by scripts/bench-targets.sh): 4 KiB x 256 with no
+  engine at all, memcpy into a shared memfd mapping and process_vm_writev
+  into another process, one thread, in Mops/s at their per-batch p50; the
+  cma figures above as a ratio of the memcpy floor.
 Exit status 0 when every target passed, 1 otherwise.
 """
 
@@ -88,6 +93,7 @@ def main():
     ap.add_argument("--requests", type=int, default=7, help="requests per bench-request mode (the first is the cold one)")
     ap.add_argument("--self-test", action="store_true")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--floor", default="", help="the built benches/cma_floor.c (rows of the machine's floor)")
     a = ap.parse_args()
     if a.self_test:
         check_self()
@@ -190,6 +196,24 @@ def main():
                     x, "layers", "<= 1 layer", x <= 1.0, show(cmd))
         except Exception as e:
             notes.append(f"layer-wise over {transport}: not measured: {e}")
+
+    if a.floor:
+        cmd = [a.floor, "4096", "256", "1500"]
+        try:
+            p = subprocess.run(cmd + ["--json"], capture_output=True, text=True, check=True)
+            modes = {(m["mode"], m["threads"]): m for m in json.loads(p.stdout.splitlines()[-1])["modes"]}
+            for mode, what in (("memcpy-shared", "memcpy into a shared memfd mapping"),
+                               ("vm-writev", "process_vm_writev into another process")):
+                m = modes[(mode, 1)]
+                row(f"floor: 4 KiB x 256, {what}, one thread (p50 {m['p50_us']:.1f} us)", m["p50_mops"],
+                    "Mops/s at the p50", "(the machine)", None, "`" + " ".join(cmd) + "`")
+            floor = modes[("memcpy-shared", 1)]["p50_mops"]
+            for r in list(rows):
+                if r["figure"].startswith("cma 4 KiB x 256") and r["unit"] == "Mops/s" and floor > 0:
+                    row(r["figure"] + " vs the memcpy floor", r["value"] / floor, "x floor",
+                        "(informational)", None, "same run")
+        except Exception as e:
+            notes.append(f"the floor ({a.floor}): not measured: {e}")
 
     checked = [r for r in rows if r["met"] is not None]
     passed = sum(1 for r in checked if r["met"])

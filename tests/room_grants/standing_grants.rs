@@ -29,6 +29,11 @@ struct Side {
 }
 
 fn side() -> Side {
+    side_with_threads(1)
+}
+
+/// Two agents and a cma connection with `threads` writer threads.
+fn side_with_threads(threads: u32) -> Side {
     let rx = Agent::new(&AgentOptions {
         listen: Some("127.0.0.1:0".into()),
         ..Default::default()
@@ -47,6 +52,7 @@ fn side() -> Side {
             &ConnectOptions {
                 transport: TransportKind::Cma,
                 timeout: Duration::from_secs(5),
+                threads,
                 ..Default::default()
             },
         )
@@ -89,7 +95,10 @@ fn granted(s: &Side) {
         let intents = frames_sent(FrameType::Intent);
         let id = s.t.submit(&ops(s, 0, 1, 4096), &opts()).unwrap();
         s.t.wait(id, Duration::from_secs(10)).unwrap();
-        while s.rx.next_completion(Duration::from_millis(1)).is_some() {}
+        // the batch's completion: its last frame (a StandingCommit) has been received,
+        // so a caller counting frames after this counts only its own
+        s.rx.next_completion(Duration::from_secs(5))
+            .expect("a completion per batch");
         if frames_sent(FrameType::Intent) == intents {
             assert_eq!(
                 s.rx.standing_grants_held(),
@@ -124,7 +133,7 @@ fn cma_batches_under_standing_grants_send_one_frame_each() {
     };
     let before = per_batch();
     let commits = frames_received(FrameType::StandingCommit);
-    // 16 batches of 16 x 4 KiB, and one of 64 x 4 KiB (moved off the caller's thread)
+    // 16 batches of 16 x 4 KiB, and one of 64 x 4 KiB
     let mut sizes = Vec::new();
     for b in 0..16u64 {
         let id = s.t.submit(&ops(&s, b * 16, 16, 4096), &opts()).unwrap();
@@ -185,13 +194,43 @@ fn out_of_bounds_write_under_standing_grant_refused_target_unchanged() {
     assert_eq!(&s.dst[3 * 4096..4 * 4096], &s.src[3 * 4096..4 * 4096]);
 }
 
+/// On a connection with one writer thread, a standing batch (here 1 MiB)
+/// is written on the submitting thread: when `submit` returns its bytes
+/// are in the target and the batch is done, with no hand-off to wait for.
+#[test]
+fn one_thread_standing_batch_is_written_inside_submit() {
+    let _g = serial();
+    let s = side();
+    granted(&s);
+    let dst = s.dst.as_ptr() as usize;
+    for (b, fill) in [(0u64, 256u64), (1, 128)] {
+        // SAFETY: dst is the Side's buffer (alive, LEN bytes); no batch is in flight.
+        unsafe { std::ptr::write_bytes(dst as *mut u8, 0, LEN) };
+        let id = s.t.submit(&ops(&s, 0, fill, 4096), &opts()).unwrap();
+        let n = fill as usize * 4096;
+        // SAFETY: as above; the batch's bytes were written before submit returned.
+        let landed = unsafe { std::slice::from_raw_parts(dst as *const u8, n) };
+        assert_eq!(
+            landed,
+            &s.src[..n],
+            "batch {b}: every byte landed inside submit"
+        );
+        match s.t.poll(id).unwrap() {
+            pdxfer::transport::BatchStatus::Done(c) => assert_eq!(c.bytes, n as u64),
+            other => panic!("batch {b}: {other:?} right after submit, not Done"),
+        }
+    }
+    while s.rx.next_completion(Duration::from_millis(200)).is_some() {}
+}
+
 /// An unregister racing a writer: the sender is told (Revoke), fences its
 /// writes (Fenced) and the unregister returns; no byte lands after it, and
-/// later batches into the region are refused.
+/// later batches into the region are refused. Two writer threads, so the
+/// batches in flight are on the connection's writer threads, not the caller's.
 #[test]
 fn unregister_racing_standing_writes_is_fenced() {
     let _g = serial();
-    let mut s = side();
+    let mut s = side_with_threads(2);
     granted(&s);
     let stop = AtomicBool::new(false);
     let (ok, failed) = (AtomicU64::new(0), AtomicU64::new(0));
@@ -200,7 +239,7 @@ fn unregister_racing_standing_writes_is_fenced() {
         let (s, stop, ok, failed) = (&s, &stop, &ok, &failed);
         sc.spawn(move || {
             while !stop.load(Ordering::SeqCst) {
-                // 1 MiB batches, moved by the writer thread
+                // 1 MiB batches, moved by the writer threads
                 let r =
                     s.t.submit(&ops(s, 0, 256, 4096), &opts())
                         .and_then(|id| s.t.wait(id, Duration::from_secs(10)));
