@@ -133,11 +133,11 @@ fn validate(cfg: &EngineConfig) -> Result<()> {
 }
 
 /// The pools' page strides ([`PoolGeometry`](crate::layout::PoolGeometry)):
-/// each valid, one step for all, and a transport that can move them
-/// (interleaved pools over rdma are one NIC region per allocation:
+/// each valid and one step for all. Every transport moves them (interleaved
+/// pools over rdma are one NIC region per allocation:
 /// [`ViewHulls`](crate::transport::rdma::view_hulls::ViewHulls)).
 fn check_page_strides(cfg: &EngineConfig) -> Result<()> {
-    let step = crate::layout::side_page_step(
+    crate::layout::side_page_step(
         &cfg.pools
             .iter()
             .enumerate()
@@ -151,12 +151,6 @@ fn check_page_strides(cfg: &EngineConfig) -> Result<()> {
             })
             .collect::<Result<Vec<_>>>()?,
     )?;
-    if step > 1 && cfg.transport == TransportKind::Nccl {
-        return Err(Error::new(
-            Status::Unsupported,
-            format!("transport nccl moves pages end to end; these KV pools' pages are {step} pages apart (page_stride): use transport cma, tcp or rdma, or a layer-compact KV cache layout"),
-        ));
-    }
     Ok(())
 }
 
