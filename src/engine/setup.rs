@@ -133,9 +133,11 @@ fn validate(cfg: &EngineConfig) -> Result<()> {
 }
 
 /// The pools' page strides ([`PoolGeometry`](crate::layout::PoolGeometry)):
-/// each valid, one step for all, and a transport that can move them.
+/// each valid and one step for all. Every transport moves them (interleaved
+/// pools over rdma are one NIC region per allocation:
+/// [`ViewHulls`](crate::transport::rdma::view_hulls::ViewHulls)).
 fn check_page_strides(cfg: &EngineConfig) -> Result<()> {
-    let step = crate::layout::side_page_step(
+    crate::layout::side_page_step(
         &cfg.pools
             .iter()
             .enumerate()
@@ -149,31 +151,6 @@ fn check_page_strides(cfg: &EngineConfig) -> Result<()> {
             })
             .collect::<Result<Vec<_>>>()?,
     )?;
-    if step > 1 && cfg.transport == TransportKind::Rdma {
-        // interleaved pools (block-outermost) overlap: a NIC registers each range once
-        let mut spans: Vec<(u64, u64)> = cfg
-            .pools
-            .iter()
-            .filter_map(|p| {
-                p.geometry()
-                    .ok()
-                    .map(|g| (p.base, p.base.saturating_add(g.span())))
-            })
-            .collect();
-        spans.sort_unstable();
-        if spans.windows(2).any(|w| w[0].1 > w[1].0) {
-            return Err(Error::new(
-                Status::Unsupported,
-                "these KV pools interleave in one allocation (block-outermost layout: their strided spans overlap), which transport rdma cannot register (a NIC registers each range once): use transport tcp or cma, or a layer-compact KV cache layout",
-            ));
-        }
-    }
-    if step > 1 && cfg.transport == TransportKind::Nccl {
-        return Err(Error::new(
-            Status::Unsupported,
-            format!("transport nccl moves pages end to end; these KV pools' pages are {step} pages apart (page_stride): use transport cma, tcp or rdma, or a layer-compact KV cache layout"),
-        ));
-    }
     Ok(())
 }
 

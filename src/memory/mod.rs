@@ -15,9 +15,11 @@ pub mod prefault;
 mod region;
 mod registry;
 pub mod shared;
+mod view_hull;
 
 pub use device_writer::{BounceBuffer, DeviceWriter, Fence};
 pub use region::{RegionDesc, RegionKind};
 pub use registry::{
     AccessGuard, Registry, RevokeHook, UnregisterHook, MEMFD_KEY, MEMFD_OFFSET_KEY,
 };
+pub use view_hull::view_hull;

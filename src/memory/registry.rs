@@ -504,6 +504,22 @@ impl Registry {
             .ok_or_else(|| not_found(region))
     }
 
+    /// The hull of the pool views connected by overlap to `[addr, addr+len)`
+    /// in `kind`'s address space (host, or device memory): the range a NIC
+    /// registers once for every view of an interleaved allocation. `None`
+    /// when no view overlaps that range.
+    pub fn view_hull(&self, addr: u64, len: u64, kind: RegionKind) -> Option<(u64, u64)> {
+        let device = !matches!(kind, RegionKind::Host);
+        let views: Vec<(u64, u64)> = self
+            .lock()
+            .regions
+            .values()
+            .filter(|e| e.view && !matches!(e.desc.kind, RegionKind::Host) == device)
+            .map(|e| (e.desc.addr, e.desc.len))
+            .collect();
+        super::view_hull::view_hull(&views, addr, len)
+    }
+
     /// Descriptors of every registered region, by id.
     pub fn descriptors(&self) -> Vec<RegionDesc> {
         let st = self.lock();

@@ -44,17 +44,17 @@ fn strided_pools_land_byte_exact_over_cma_tcp_and_rdma_by_page_and_by_token() {
     let row_total = u64::from(LAYERS) * ROW;
     for t in [TransportKind::Cma, TransportKind::Tcp, TransportKind::Rdma] {
         for dcp in [1u32, 2] {
-            // rdma: padded pools only (interleaved ones are refused, below)
-            let decode_strided = if t == TransportKind::Rdma {
-                PADDED
-            } else {
-                BLOCK_OUTERMOST
-            };
-            for (what, prefill, decode) in [
-                ("strided decode", Pools::Heap, decode_strided),
+            let mut cases = vec![
+                ("strided decode", Pools::Heap, BLOCK_OUTERMOST),
                 ("padded prefill", PADDED, Pools::Heap),
-                ("both", PADDED, decode_strided),
-            ] {
+                ("both", PADDED, BLOCK_OUTERMOST),
+            ];
+            if t == TransportKind::Rdma {
+                // interleaved views on both NICs: one memory region per allocation
+                cases.push(("block-outermost both", BLOCK_OUTERMOST, BLOCK_OUTERMOST));
+                cases.push(("padded decode", Pools::Heap, PADDED));
+            }
+            for (what, prefill, decode) in cases {
                 let name = format!("strided-{}-{dcp}-{}", t.name(), what.replace(' ', "-"));
                 let mut c = strided(&name, dcp, t, prefill, decode);
                 let aux = u64::from(dcp) * 32;
@@ -129,22 +129,4 @@ fn pools_that_cannot_be_strided_are_refused_typed() {
     assert!(overflow.detail().contains("overflows"), "{overflow}");
     let mixed = engine_with("stride-mixed", t, |p| p[1].page_stride = p[1].page_bytes).unwrap_err();
     assert_eq!(mixed.status(), Status::GeometryMismatch, "{mixed}");
-    // interleaved pools over rdma: the NIC would register overlapping ranges
-    let server = pdxfer::bootstrap::server::BootstrapServer::start(Default::default()).unwrap();
-    let pools = SyntheticPools::new_strided(2, ROW, P, 8, 8, 32, 2, true).unwrap();
-    let cfg = cluster::config(
-        Role::Decode,
-        "stride-rdma",
-        &server.url(),
-        &pools,
-        (1, 0),
-        TransportKind::Rdma,
-    );
-    // SAFETY: refused before any use of the pools.
-    let rdma = unsafe { Engine::new(cfg) }.map(|_| ()).unwrap_err();
-    assert_eq!(rdma.status(), Status::Unsupported, "{rdma}");
-    assert!(rdma.detail().contains("block-outermost"), "{rdma}");
-    let nccl = engine_with("stride-nccl", TransportKind::Nccl, |_| {}).unwrap_err();
-    assert_eq!(nccl.status(), Status::Unsupported, "{nccl}");
-    assert!(nccl.detail().contains("page_stride"), "{nccl}");
 }

@@ -91,6 +91,7 @@ fn engines_over_nccl_on_the_fakes() {
         "decode_close",
         "forged",
         "same_gpu",
+        "strided",
     ];
     let kids: Vec<_> = cases
         .iter()
@@ -619,6 +620,36 @@ fn child_nccl_engine() {
             );
             println!("mismatch: nccl_plan_mismatch on both sides before posting: {e}");
             c.close();
+        }
+        "strided" => {
+            // padded device pools on both sides (pages two apart): direct recvs
+            // into the decode's pitch pages at DCP 1 -> 1, staged chunks and
+            // the scatter at DCP 1 -> 2; every KV byte checked, the gaps untouched
+            for (dcp, plan) in [(1u32, direct_options()), (2, staged_options())] {
+                let mut c = device_cluster(&format!("{cluster}-{dcp}"), dcp)
+                    .device_page_step(2)
+                    .knobs(move |_, _, cfg| cfg.testing.nccl_plan = Some(plan))
+                    .start();
+                let aux = u64::from(dcp) * 32;
+                assert_eq!(c.request(1, 300, 0, 4), 300 * token + aux, "dcp {dcp}");
+                let v = PAGE * u64::from(dcp);
+                assert_eq!(
+                    c.request(2, 517, 2 * v, 100),
+                    (517 - 2 * v) * token + aux,
+                    "dcp {dcp}"
+                );
+                for (_, pools) in &c.decode {
+                    assert!(
+                        pools.check_gaps().unwrap() > 0,
+                        "gaps read back and checked"
+                    );
+                }
+                for (d, _) in &c.decode {
+                    assert_eq!(d.metrics_snapshot().nccl_comm_inits, 1, "dcp {dcp} decode");
+                }
+                c.close();
+                println!("strided: DCP 1->{dcp} over nccl with page stride 2, every byte checked");
+            }
         }
         "same_gpu" => {
             // both ends' pools on device 0: the link is refused when the decode

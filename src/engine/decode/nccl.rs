@@ -10,7 +10,7 @@ use crate::engine::nccl_link::{
 };
 use crate::engine::state::lock;
 use crate::error::{Error, Result, Status};
-use crate::layout::{PairRequest, Side};
+use crate::layout::{PairRequest, PoolGeometry, Side};
 use crate::relayout::{self, gpu::GpuRelayout};
 use crate::transport::nccl::{
     check_mirror, NcclAbort, NcclBuffer, NcclId, NcclPair, NcclPlan, NcclRole,
@@ -379,21 +379,23 @@ fn named_pages(
             ),
         ));
     }
-    if c.claimed_dst_pages != named.dst_pages.as_slice() {
+    // the prefill plans strided pools' pages as pitch pages (PoolGeometry)
+    let pitched = PoolGeometry::pitch_pages(inner.cfg.page_step(), &named.dst_pages);
+    if c.claimed_dst_pages != &*pitched {
         let at = c
             .claimed_dst_pages
             .iter()
-            .zip(&named.dst_pages)
+            .zip(pitched.iter())
             .position(|(a, b)| a != b);
         let why = match at {
             Some(i) => format!(
                 "page {} at index {i} where this decode named page {}",
-                c.claimed_dst_pages[i], named.dst_pages[i]
+                c.claimed_dst_pages[i], pitched[i]
             ),
             None => format!(
                 "{} pages where this decode named {}",
                 c.claimed_dst_pages.len(),
-                named.dst_pages.len()
+                pitched.len()
             ),
         };
         return Err(Error::new(
@@ -434,6 +436,8 @@ fn accept(
         ));
     }
     inner.cfg.check_pages(&dst_pages, "dst_pages", "decode")?;
+    // strided pools: the page ids the plan addresses, as the prefill's
+    let dst_pages = PoolGeometry::pitch_pages(inner.cfg.page_step(), &dst_pages).into_owned();
     let topo = &inner.cfg.topology;
     let src = &link.registration.topology;
     let parts = ReqParts {

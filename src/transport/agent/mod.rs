@@ -120,15 +120,26 @@ impl Default for AgentOptions {
     }
 }
 
+/// `nic` registering the registry's overlapping pool views as one region
+/// per allocation ([`ViewHulls`](crate::transport::rdma::view_hulls::ViewHulls)).
+fn by_view_hulls(nic: Arc<dyn NicProvider>, registry: &Registry) -> Arc<dyn NicProvider> {
+    let registry = registry.clone();
+    crate::transport::rdma::view_hulls::ViewHulls::wrap(
+        nic,
+        Arc::new(move |addr, len, kind| registry.view_hull(addr, len, kind)),
+    )
+}
+
 impl AgentOptions {
     /// The NIC provider the options give (the [`TestKnobs::nic`] knob), set
     /// up front so the unregister hook sees it before first use; unset in a
     /// product build (the real NICs open on first use).
-    fn given_nic(&self) -> OnceLock<Result<Arc<dyn NicProvider>>> {
+    fn given_nic(&self, registry: &Registry) -> OnceLock<Result<Arc<dyn NicProvider>>> {
         #[cfg(any(test, feature = "testing"))]
         if let Some(p) = &self.testing.nic {
-            return OnceLock::from(Ok(p.clone()));
+            return OnceLock::from(Ok(by_view_hulls(p.clone(), registry)));
         }
+        let _ = registry;
         OnceLock::new()
     }
 }
@@ -273,7 +284,10 @@ impl AgentInner {
     /// the real NICs (opened once, on first use); `NoRdmaDevice` with the reason.
     pub(crate) fn nic(&self) -> Result<Arc<dyn NicProvider>> {
         self.nic
-            .get_or_init(|| accept::open_default_nic(self.gpu, self.rdma_traffic_class))
+            .get_or_init(|| {
+                accept::open_default_nic(self.gpu, self.rdma_traffic_class)
+                    .map(|n| by_view_hulls(n, &self.registry))
+            })
             .clone()
     }
 
@@ -364,8 +378,10 @@ impl Agent {
             );
         }
         let (tx, rx) = unbounded();
+        let registry = Registry::new();
         let inner = Arc::new(AgentInner {
-            registry: Registry::new(),
+            nic: opts.given_nic(&registry),
+            registry,
             identity,
             addr,
             shutdown: AtomicBool::new(false),
@@ -377,7 +393,6 @@ impl Agent {
             idle_timeout: opts.idle_timeout,
             pin_timeout: opts.pin_timeout,
             listen_stats: ListenStats::default(),
-            nic: opts.given_nic(),
             #[cfg(any(test, feature = "testing"))]
             knobs: opts.testing.clone(),
             gpu: opts.gpu,

@@ -24,8 +24,12 @@
 //! the NIC's [`RdmaConfig`] (the verbs path's settings); completions in
 //! error carry an undefined opcode, as `ibv_poll_cq(3)` allows.
 //!
-//! Registration behaves like verbs: a range overlapping another registration
-//! is refused (`RegionOverlap`), deregistering removes its keys from the
+//! Registration is stricter than verbs: `ibv_reg_mr` accepts a range
+//! overlapping another memory region (each pins the pages again and takes its
+//! own MTT entries), while this fake refuses it (`RegionOverlap`), as the
+//! verbs provider's own check does, so a double registration fails a test;
+//! overlapping pool views reach a NIC as one region per allocation
+//! ([`super::view_hulls`]). Deregistering removes its keys from the
 //! fabric at once, and device-kind regions (plain memory here) are accepted
 //! and recorded unless the NIC has no GPU path ([`FakeNic::set_gpu_direct`]:
 //! libcuda absent) or its GPU registrations fail
@@ -759,7 +763,7 @@ impl NicProvider for FakeNic {
         if let RegionKind::Device { ordinal } = kind {
             self.device_path(ordinal, &format!("{addr:#x}+{len}"), false)?;
         }
-        // Like verbs: every byte is registered once per NIC.
+        // As the verbs provider (not verbs itself): every byte is registered once per NIC.
         let have: Vec<(u64, u64)> = regs.iter().map(|r| (r.addr, r.len)).collect();
         super::slice::check_new_regions(&have, &[(addr, len)])?;
         let mut f = lock(fabric());

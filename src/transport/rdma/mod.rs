@@ -76,6 +76,7 @@ pub mod verbs;
 mod verbs_layout_check;
 #[cfg(feature = "rdma")]
 pub mod verbs_sys;
+pub mod view_hulls;
 pub mod wr;
 
 pub use config::{PairingMode, RdmaConfig, RecordMode};

@@ -83,7 +83,9 @@ pub trait NicProvider: Send + Sync {
     fn describe(&self) -> String;
     /// Registers `[addr, addr+len)` of `kind` memory on every rail (an exact
     /// range registered before returns its keys again; a range overlapping
-    /// another registration is refused with `RegionOverlap`, as verbs does);
+    /// another registration is refused with `RegionOverlap`, although verbs
+    /// would accept it: memory is registered and pinned once, overlapping
+    /// pool views as their allocation by [`super::view_hulls::ViewHulls`]);
     /// returns the lkey per rail. Device memory goes through the NIC's GPU path
     /// (GPUDirect RDMA); without one: `NoGpuDirect` naming the reason.
     ///

@@ -124,10 +124,11 @@ impl RdmaTransport {
                 )
             })?;
             // Regions known before over these addresses were unregistered (live
-            // regions never overlap): their lkeys are gone, forget them.
+            // regions overlap only as pool views, which share their allocation's
+            // keys): their lkeys are gone, forget them.
             let end = d.addr + d.len;
-            known.retain(|(_, a, l)| {
-                let stale = *a < end && d.addr < a + l;
+            known.retain(|(id, a, l)| {
+                let stale = *a < end && d.addr < a + l && self.conn.registry.get(*id).is_err();
                 if stale {
                     self.path.remove_local(*a, *l);
                 }
@@ -983,7 +984,8 @@ mod tests {
         let t = connect(&tx, &rx, TransportKind::Rdma).unwrap();
         run(&*t, &[write_op(&s, &d, 0, 0, 8192)]).unwrap();
         assert_eq!(&dst[4096..12_288], &src[65_536..73_728]);
-        // Without deregistration the NIC refuses an overlapping range, like verbs.
+        // Without deregistration the NIC refuses an overlapping range (as the
+        // verbs provider does; verbs itself would register it twice).
         // SAFETY: the range is only checked (refused), never used.
         let e = unsafe { tn.register(sp as u64 + 100_000, 4096, RegionKind::Host) }.unwrap_err();
         assert_eq!(e.status(), Status::RegionOverlap, "{e}");
@@ -1016,6 +1018,111 @@ mod tests {
         assert_eq!(&dst[100_000..600_000], &src[..500_000]);
         assert_eq!(rn.regions().len(), 1);
         drop((t, t2));
+    }
+
+    /// Interleaved pool views (block-outermost: three layers' pages 4 KiB
+    /// apart in one allocation) on both sides: each side's NIC registers the
+    /// allocation once, every view writes through its keys, and unregistering
+    /// views keeps the others working until the last one takes the region.
+    #[test]
+    fn interleaved_views_share_one_nic_region_per_allocation() {
+        const PAGE: usize = 4096;
+        const LAYERS: usize = 3;
+        const PAGES: usize = 16;
+        let rn = FakeNic::new("views-rx", 2, Mtu::Mtu4096);
+        let tn = FakeNic::new("views-tx", 2, Mtu::Mtu4096);
+        let rx = agent(true, Some(rn.clone()));
+        let tx = agent(false, Some(tn.clone()));
+        let alloc = PAGE * LAYERS * PAGES;
+        let view_len = PAGE * LAYERS * (PAGES - 1) + PAGE;
+        let mut dst = vec![0u8; alloc];
+        let mut src: Vec<u8> = (0..alloc as u64).map(|i| (i % 253) as u8 + 1).collect();
+        let (sp, dp) = (src.as_mut_ptr(), dst.as_mut_ptr());
+        let views = |agent: &Agent, base: *mut u8| -> Vec<RegionDesc> {
+            (0..LAYERS)
+                .map(|l| {
+                    // SAFETY: every view lies inside its buffer, which outlives the agents' use.
+                    let v = unsafe {
+                        agent
+                            .registry()
+                            .register_host_view(base.add(l * PAGE), view_len)
+                    };
+                    v.unwrap()
+                })
+                .collect()
+        };
+        let (dv, sv) = (views(&rx, dp), views(&tx, sp));
+        rx.rdma_register_all().unwrap();
+        let one = |n: &FakeNic, base: *mut u8| {
+            let r = n.regions();
+            assert_eq!(r.len(), 1, "{r:?}");
+            assert_eq!((r[0].addr, r[0].len), (base as u64, alloc as u64));
+        };
+        one(&rn, dp);
+        let t = connect(&tx, &rx, TransportKind::Rdma).unwrap();
+        // page p of layer l lies at (p * LAYERS + l) * PAGE: source layer l's
+        // page p into destination layer d's page PAGES-1-p
+        let op = |l: usize, d: usize, p: usize| {
+            write_op(
+                &sv[l],
+                &dv[d],
+                (p * LAYERS * PAGE) as u64,
+                ((PAGES - 1 - p) * LAYERS * PAGE) as u64,
+                PAGE as u64,
+            )
+        };
+        let mut model = vec![0u8; alloc];
+        let land = |ops: &[(usize, usize, usize)], model: &mut Vec<u8>| {
+            let w: Vec<WriteOp> = ops.iter().map(|&(l, d, p)| op(l, d, p)).collect();
+            run(&*t, &w).unwrap();
+            for &(l, d, p) in ops {
+                let dp_ = PAGES - 1 - p;
+                let (from, to) = ((p * LAYERS + l) * PAGE, (dp_ * LAYERS + d) * PAGE);
+                model[to..to + PAGE].copy_from_slice(&src[from..from + PAGE]);
+            }
+        };
+        // every layer into the next one, the first half of the pages
+        let all: Vec<(usize, usize, usize)> = (0..LAYERS)
+            .flat_map(|l| (0..PAGES / 2).map(move |p| (l, (l + 1) % LAYERS, p)))
+            .collect();
+        land(&all, &mut model);
+        assert!(dst == model, "every page and no byte between them");
+        one(&tn, sp);
+        // one view goes on each side: the others keep their keys
+        rx.registry()
+            .unregister(dv[0].id, Duration::from_secs(2))
+            .unwrap();
+        tx.registry()
+            .unregister(sv[1].id, Duration::from_secs(2))
+            .unwrap();
+        one(&rn, dp);
+        one(&tn, sp);
+        // the second half: source layers 0 and 2 into destination layers 1 and 2
+        let rest: Vec<(usize, usize, usize)> = [(0usize, 1usize), (2, 2)]
+            .iter()
+            .flat_map(|&(l, d)| (PAGES / 2..PAGES).map(move |p| (l, d, p)))
+            .collect();
+        land(&rest, &mut model);
+        assert!(dst == model, "the remaining views still land byte-exact");
+        // the unregistered destination view is refused, nothing lands
+        let e = run(&*t, &[op(2, 0, 9)]).unwrap_err();
+        assert_eq!(e.status(), Status::RegionNotFound, "{e}");
+        assert!(dst == model);
+        drop(t);
+        // the last view takes the allocation's region with it
+        for d in &dv[1..] {
+            rx.registry()
+                .unregister(d.id, Duration::from_secs(2))
+                .unwrap();
+        }
+        for s in [&sv[0], &sv[2]] {
+            tx.registry()
+                .unregister(s.id, Duration::from_secs(2))
+                .unwrap();
+        }
+        assert!(rn.regions().is_empty(), "{:?}", rn.regions());
+        assert!(tn.regions().is_empty(), "{:?}", tn.regions());
+        drop((src, dst));
     }
 
     #[test]
