@@ -13,6 +13,7 @@
 
 use super::device::DeviceStage;
 use super::path::PairPlan;
+use super::ready_bell::{FlagWatcher, ReadyBell};
 use super::room::KvPoll;
 use super::state::{lock, Shared};
 use crate::error::{Error, Result, Status};
@@ -25,16 +26,22 @@ use std::time::Duration;
 /// release ordering) once the rows of a send are written. The transfer
 /// worker waits for it before it reads the host pools; the caller never
 /// blocks. For host pools, what a CUDA event is for device pools.
+///
+/// [`set`](Self::set) also wakes the queue of the send waiting for the flag
+/// at once; a flag written by a plain store is seen within the queue's poll
+/// of its flags (some tens of microseconds).
 #[derive(Clone)]
 pub struct ReadyFlag {
     addr: *const AtomicU64,
     _keep: Option<Arc<AtomicU64>>,
+    /// Whom [`set`](Self::set) wakes (shared by the clones).
+    bell: Arc<ReadyBell>,
 }
 
-// SAFETY: the flag is only read atomically; `from_raw`'s caller keeps the
-// address valid, `new` keeps its Arc.
+// SAFETY: the flag is only accessed atomically; `from_raw`'s caller keeps the
+// address valid, `new` keeps its Arc; the bell is Send + Sync.
 unsafe impl Send for ReadyFlag {}
-// SAFETY: as above (atomic loads only).
+// SAFETY: as above (atomic accesses only).
 unsafe impl Sync for ReadyFlag {}
 
 impl std::fmt::Debug for ReadyFlag {
@@ -49,6 +56,7 @@ impl ReadyFlag {
         ReadyFlag {
             addr: Arc::as_ptr(&flag),
             _keep: Some(flag),
+            bell: Arc::default(),
         }
     }
 
@@ -58,7 +66,30 @@ impl ReadyFlag {
     /// `addr` must be an aligned `u64` that stays valid until the room is
     /// terminal (or cleared), written by the caller only atomically.
     pub unsafe fn from_raw(addr: *const AtomicU64) -> ReadyFlag {
-        ReadyFlag { addr, _keep: None }
+        ReadyFlag {
+            addr,
+            _keep: None,
+            bell: Arc::default(),
+        }
+    }
+
+    /// Sets the flag (1, release ordering) and wakes the queues holding a
+    /// send that waits for it (of this flag or one of its clones).
+    pub fn set(&self) {
+        // SAFETY: as in `is_set`; the flag is written only atomically.
+        unsafe { &*self.addr }.store(1, Ordering::Release);
+        self.bell.ring();
+    }
+
+    /// The live watchers of the flag (the queues it wakes).
+    #[cfg(test)]
+    pub(super) fn watchers(&self) -> usize {
+        self.bell.watchers()
+    }
+
+    /// `w` is told when [`set`](Self::set) sets the flag.
+    pub(super) fn watch(&self, w: std::sync::Weak<dyn FlagWatcher>) {
+        self.bell.watch(w);
     }
 
     /// True once the caller set the flag non-zero.
@@ -290,6 +321,16 @@ mod tests {
         let f = ReadyFlag::new(w.clone());
         assert!(!f.is_set());
         w.store(7, Ordering::Release);
+        assert!(f.is_set());
+    }
+
+    #[test]
+    fn set_sets_the_word_for_every_clone() {
+        let w = Arc::new(AtomicU64::new(0));
+        let f = ReadyFlag::new(w.clone());
+        let g = f.clone();
+        g.set();
+        assert_eq!(w.load(Ordering::Acquire), 1);
         assert!(f.is_set());
     }
 }

@@ -66,6 +66,7 @@ mod metrics_http;
 mod nccl_link;
 mod path;
 mod prefill;
+mod ready_bell;
 pub mod room;
 mod room_grants;
 pub mod room_keys;

@@ -111,6 +111,9 @@ fn decode_completes_after_the_last_layers_only() {
 /// A send ordered after a ready flag: the rows are written after the send
 /// was queued, then the flag is set; a worker that read the pools before the
 /// flag would send zeros (the pools start zeroed) and the check would fail.
+/// With staging the flags are set by a plain store (what the C ABI's caller
+/// or a GPU does: the queue's poll sees it), without by `ReadyFlag::set`
+/// (which wakes the queue).
 #[test]
 fn ready_flag_orders_the_gather_after_the_caller_writes() {
     for staging in [1 << 20, 0] {
@@ -123,15 +126,16 @@ fn ready_flag_orders_the_gather_after_the_caller_writes() {
         );
         let req = c.open_room(6, 500, 64, false);
         let flags: Vec<Arc<AtomicU64>> = (0..GROUPS.len()).map(|_| Arc::default()).collect();
+        let ready: Vec<ReadyFlag> = flags.iter().map(|f| ReadyFlag::new(f.clone())).collect();
         {
             let (e, _) = &c.prefill[0];
             let ch = c.chunks(&req, 0, 200);
             assert_eq!(ch.len(), 1);
             let (pages, t, last) = &ch[0];
-            for (g, f) in GROUPS.iter().zip(&flags) {
+            for (g, f) in GROUPS.iter().zip(&ready) {
                 let o = SendOptions {
                     layers: Some(g.clone()),
-                    ready_flag: Some(ReadyFlag::new(f.clone())),
+                    ready_flag: Some(f.clone()),
                     ..Default::default()
                 };
                 e.send_with(req.room, pages, *t, *last, 3, &o).unwrap();
@@ -140,8 +144,12 @@ fn ready_flag_orders_the_gather_after_the_caller_writes() {
         std::thread::sleep(Duration::from_millis(200));
         assert_eq!(c.decode[0].0.poll(req.room), KvPoll::WaitingForInput);
         c.fill(&req);
-        for f in &flags {
-            f.store(1, Ordering::Release);
+        for (f, r) in flags.iter().zip(&ready) {
+            if staging == 0 {
+                r.set();
+            } else {
+                f.store(1, Ordering::Release);
+            }
         }
         assert_eq!(
             c.finish(&req),

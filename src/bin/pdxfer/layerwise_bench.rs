@@ -22,7 +22,7 @@ use pdxfer::error::{Error, Result};
 use pdxfer::layout::{DcpLayout, Side};
 use pdxfer::transport::TransportKind;
 use serde::Serialize;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -231,18 +231,18 @@ fn whole(s: &Setup, a: &LayerwiseArgs, room: u64, layer: Duration, tokens: u64) 
 
 fn layerwise(s: &Setup, a: &LayerwiseArgs, room: u64, layer: Duration, tokens: u64) -> Result<f64> {
     open(s, room)?;
-    let flags: Vec<Arc<AtomicU64>> = (0..a.layers).map(|_| Arc::default()).collect();
+    let flags: Vec<ReadyFlag> = (0..a.layers)
+        .map(|_| ReadyFlag::new(Arc::<AtomicU64>::default()))
+        .collect();
     for (l, f) in flags.iter().enumerate() {
         let o = SendOptions {
             layers: Some(l as u32..l as u32 + 1),
-            ready_flag: Some(ReadyFlag::new(f.clone())),
+            ready_flag: Some(f.clone()),
             ..Default::default()
         };
         s.prefill.send_with(room, &s.src, tokens, true, 3, &o)?;
     }
-    let end = compute(a.layers, layer, |l| {
-        flags[l as usize].store(1, Ordering::Release)
-    });
+    let end = compute(a.layers, layer, |l| flags[l as usize].set());
     let t = acked(s, room)?;
     Ok((t - end).as_secs_f64() * 1e3)
 }

@@ -13,11 +13,12 @@
 //! thread of its own, so a decode slow to answer it holds no worker at all.
 
 use crate::engine::layers::Ready;
+use crate::engine::ready_bell::FlagWatcher;
 use crate::engine::state::lock;
 use std::collections::{HashSet, VecDeque};
 use std::ops::Range;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Condvar, Mutex};
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 /// One chunk (or layer group of one) that `send` queued for the workers.
@@ -98,11 +99,27 @@ impl State {
 /// looks at them (the caller sets a flag without telling anyone).
 const FLAG_POLL: Duration = Duration::from_micros(20);
 
+/// The queue's jobs and the condition its workers wait on; told by the
+/// ready flags of its waiting jobs when they are set.
+#[derive(Default)]
+struct Core {
+    state: Mutex<State>,
+    cv: Condvar,
+}
+
+impl FlagWatcher for Core {
+    fn flag_set(&self) {
+        // taking the lock orders the wake after a watcher's look at the
+        // flags: it saw the flag set, or it waits already and is woken
+        drop(lock(&self.state));
+        self.cv.notify_all();
+    }
+}
+
 /// See the module documentation.
 #[derive(Default)]
 pub(in crate::engine) struct JobQueue {
-    state: Mutex<State>,
-    cv: Condvar,
+    core: Arc<Core>,
     /// Room closes running on threads of their own (see [`start_close`](Self::start_close)).
     closing: AtomicUsize,
 }
@@ -114,8 +131,12 @@ const MAX_CLOSERS: usize = 256;
 impl JobQueue {
     /// Queues a job.
     pub(in crate::engine) fn push(&self, job: Job) {
-        lock(&self.state).queue.push_back(job);
-        self.cv.notify_all();
+        if let Some(f) = &job.ready.flag {
+            let core: Arc<dyn FlagWatcher> = self.core.clone();
+            f.watch(Arc::downgrade(&core));
+        }
+        lock(&self.core.state).queue.push_back(job);
+        self.core.cv.notify_all();
     }
 
     /// The oldest job no other worker's room or decode rank blocks and whose
@@ -123,7 +144,7 @@ impl JobQueue {
     /// blocks no other room), marked busy until [`done`](Self::done); `None`
     /// after `wait` without one.
     pub(in crate::engine) fn take(&self, wait: Duration) -> Option<Job> {
-        let mut st = lock(&self.state);
+        let mut st = lock(&self.core.state);
         let end = std::time::Instant::now() + wait;
         let mut watching = false;
         loop {
@@ -132,7 +153,7 @@ impl JobQueue {
                 // handed on: another idle worker watches what is left
                 st.watched = false;
                 watching = false;
-                self.cv.notify_all();
+                self.core.cv.notify_all();
             }
             if let Some(i) = found {
                 let j = st.queue.remove(i).expect("position is in the queue");
@@ -150,7 +171,7 @@ impl JobQueue {
             if left.is_zero() {
                 if watching {
                     st.watched = false;
-                    self.cv.notify_all();
+                    self.core.cv.notify_all();
                 }
                 return None;
             }
@@ -160,6 +181,7 @@ impl JobQueue {
             }
             let nap = if watching { left.min(FLAG_POLL) } else { left };
             st = self
+                .core
                 .cv
                 .wait_timeout(st, nap)
                 .unwrap_or_else(|p| p.into_inner())
@@ -173,7 +195,7 @@ impl JobQueue {
     /// that waits for no CUDA event: taken without a busy mark of its own
     /// (the worker's [`done`](Self::done) of `held` frees both).
     pub(in crate::engine) fn take_follow(&self, held: &Job) -> Option<Job> {
-        let mut st = lock(&self.state);
+        let mut st = lock(&self.core.state);
         let i = st.queue.iter().position(|j| j.room == held.room)?;
         let j = &st.queue[i];
         let follows = j.attempt == held.attempt
@@ -189,7 +211,7 @@ impl JobQueue {
 
     /// The (room, attempt) of the queued jobs whose ready flag is unset.
     pub(in crate::engine) fn waiting(&self) -> Vec<(u64, u64)> {
-        let st = lock(&self.state);
+        let st = lock(&self.core.state);
         let mut v: Vec<(u64, u64)> = st
             .queue
             .iter()
@@ -206,8 +228,10 @@ impl JobQueue {
         if ended.is_empty() {
             return;
         }
-        lock(&self.state).released.extend(ended.iter().copied());
-        self.cv.notify_all();
+        lock(&self.core.state)
+            .released
+            .extend(ended.iter().copied());
+        self.core.cv.notify_all();
     }
 
     /// Reserves a room close on a thread of its own (false: too many run
@@ -227,13 +251,13 @@ impl JobQueue {
 
     /// The job taken is finished: its room and decode ranks are free again.
     pub(in crate::engine) fn done(&self, job: &Job) {
-        let mut st = lock(&self.state);
+        let mut st = lock(&self.core.state);
         st.busy_rooms.remove(&job.room);
         for p in &job.peers {
             st.busy_peers.remove(p);
         }
         drop(st);
-        self.cv.notify_all();
+        self.core.cv.notify_all();
     }
 }
 
@@ -280,6 +304,26 @@ mod tests {
         assert!(q.take(NOW).is_none(), "room 2 waits for decode 10");
         q.done(&stuck);
         assert_eq!(q.take(NOW).unwrap().room, 2);
+    }
+
+    #[test]
+    fn a_set_flag_wakes_the_queue_that_holds_its_job() {
+        use crate::engine::layers::ReadyFlag;
+        use std::sync::atomic::AtomicU64;
+        use std::sync::Arc;
+        let q = Arc::new(JobQueue::default());
+        let flag = ReadyFlag::new(Arc::new(AtomicU64::new(0)));
+        let mut waits = job(3, &[10]);
+        waits.ready.flag = Some(flag.clone());
+        q.push(waits);
+        assert_eq!(flag.watchers(), 1, "the queue watches its job's flag");
+        let q2 = q.clone();
+        let taker = std::thread::spawn(move || q2.take(Duration::from_secs(10)).map(|j| j.room));
+        std::thread::sleep(Duration::from_millis(20));
+        flag.set();
+        assert_eq!(taker.join().unwrap(), Some(3));
+        drop(q);
+        assert_eq!(flag.watchers(), 0, "a dropped queue is no watcher");
     }
 
     #[test]
