@@ -9,6 +9,7 @@
 
 use crate::rank_proc::{spawn, Event, Proc};
 use crate::request_bench::{collect, median};
+use crate::request_shape::RequestShape;
 use clap::Args;
 use crossbeam::channel::{unbounded, Receiver};
 use pdxfer::bootstrap::server::{BootstrapServer, ServerConfig};
@@ -31,30 +32,14 @@ pub struct CpBenchArgs {
     /// CP send modes to run, each with fresh rank processes: rank0, all-cp.
     #[arg(long, value_delimiter = ',', default_value = "rank0,all-cp")]
     cp_modes: Vec<String>,
-    /// Requests per mode (the first is reported apart from the median of the rest).
-    #[arg(long, default_value_t = 6)]
-    requests: u32,
-    /// Tokens per request.
-    #[arg(long, default_value_t = 8192)]
-    tokens: u64,
-    /// KV entries (layers).
-    #[arg(long, default_value_t = 61)]
-    layers: u32,
-    /// Bytes per token row (a multiple of 8).
-    #[arg(long, default_value_t = 1152)]
-    row_bytes: u64,
-    /// Tokens per page.
-    #[arg(long, default_value_t = 64)]
-    page_size: u64,
+    #[command(flatten)]
+    shape: RequestShape,
     /// Transport: cma, tcp or auto.
     #[arg(long, default_value = "cma")]
     transport: String,
     /// Pool memory: heap or shared.
     #[arg(long, default_value = "heap")]
     pools: String,
-    /// Prefill staging (pack) buffer per worker, MiB; 0 writes unpacked rows.
-    #[arg(long, default_value_t = 64)]
-    staging_mib: u64,
     /// Print one JSON object as the last line (and no table).
     #[arg(long)]
     json: bool,
@@ -79,11 +64,11 @@ struct CpModeResult {
 
 fn run_mode(a: &CpBenchArgs, mode: CpMode) -> Result<CpModeResult> {
     let transport = TransportKind::parse(&a.transport)?;
-    let (c, d, p) = (a.src_cp_size, a.dcp_size, a.page_size);
-    let src: Vec<u64> = (0..a.tokens.div_ceil(p)).collect();
-    let dst: Vec<u64> = (0..a.tokens.div_ceil(p * u64::from(d))).collect();
-    let token_bytes = a.row_bytes * u64::from(a.layers);
-    let request_bytes = a.tokens * token_bytes;
+    let (c, d, p) = (a.src_cp_size, a.dcp_size, a.shape.page_size);
+    let src: Vec<u64> = (0..a.shape.tokens.div_ceil(p)).collect();
+    let dst: Vec<u64> = (0..a.shape.tokens.div_ceil(p * u64::from(d))).collect();
+    let token_bytes = a.shape.row_bytes * u64::from(a.shape.layers);
+    let request_bytes = a.shape.tokens * token_bytes;
     let server = BootstrapServer::start(ServerConfig::default())?;
     let cluster = format!("bench-cp-{}", std::process::id());
     let url = server.url();
@@ -94,13 +79,13 @@ fn run_mode(a: &CpBenchArgs, mode: CpMode) -> Result<CpModeResult> {
             ("--cluster", cluster.clone()),
             ("--dcp-size", dcp.to_string()),
             ("--rank", rank.to_string()),
-            ("--layers", a.layers.to_string()),
-            ("--row-bytes", a.row_bytes.to_string()),
+            ("--layers", a.shape.layers.to_string()),
+            ("--row-bytes", a.shape.row_bytes.to_string()),
             ("--page-size", p.to_string()),
             ("--pages", pages.to_string()),
             ("--transport", transport.name().to_string()),
             ("--pools", a.pools.clone()),
-            ("--staging-mib", a.staging_mib.to_string()),
+            ("--staging-mib", a.shape.staging_mib.to_string()),
         ]
         .into_iter()
         .flat_map(|(k, v)| [k.to_string(), v])
@@ -170,7 +155,7 @@ fn run_mode(a: &CpBenchArgs, mode: CpMode) -> Result<CpModeResult> {
             } else {
                 0..n_pages
             };
-            (b.end * p).min(a.tokens).saturating_sub(b.start * p) * token_bytes
+            (b.end * p).min(a.shape.tokens).saturating_sub(b.start * p) * token_bytes
         })
         .collect();
     Ok(CpModeResult {
@@ -205,17 +190,19 @@ fn drive(
     };
     collect(rx, &all, "ready", Duration::from_secs(60))?;
     let mut transfer_ms = Vec::new();
-    for room in 1..=u64::from(a.requests) {
+    for room in 1..=u64::from(a.shape.requests) {
         for pr in procs.iter_mut().take(c) {
-            pr.send(&json!({"cmd": "fill", "room": room, "pages": src, "total": a.tokens}))?;
+            pr.send(&json!({"cmd": "fill", "room": room, "pages": src, "total": a.shape.tokens}))?;
         }
         collect(rx, &prefills, "filled", Duration::from_secs(300))?;
         for pr in procs.iter_mut().skip(c) {
-            pr.send(&json!({"cmd": "recv", "room": room, "dst_pages": dst, "total": a.tokens}))?;
+            pr.send(
+                &json!({"cmd": "recv", "room": room, "dst_pages": dst, "total": a.shape.tokens}),
+            )?;
         }
         for pr in procs.iter_mut().take(c) {
             pr.send(
-                &json!({"cmd": "send", "room": room, "pages": src, "total": a.tokens,
+                &json!({"cmd": "send", "room": room, "pages": src, "total": a.shape.tokens,
                             "prefilled": true}),
             )?;
         }
@@ -247,7 +234,12 @@ fn drive(
 
 /// Runs `pdxfer bench-cp`.
 pub fn run(a: &CpBenchArgs) -> Result<()> {
-    if a.requests < 2 || a.tokens == 0 || a.page_size == 0 || a.dcp_size == 0 || a.src_cp_size < 2 {
+    if a.shape.requests < 2
+        || a.shape.tokens == 0
+        || a.shape.page_size == 0
+        || a.dcp_size == 0
+        || a.src_cp_size < 2
+    {
         return Err(Error::invalid(
             "requests must be >= 2 (the first is reported apart), src-cp-size >= 2; tokens, page-size and dcp-size >= 1",
         ));
@@ -261,22 +253,22 @@ pub fn run(a: &CpBenchArgs) -> Result<()> {
         .iter()
         .map(|&m| run_mode(a, m))
         .collect::<Result<_>>()?;
-    let bytes = a.tokens * a.row_bytes * u64::from(a.layers);
+    let bytes = a.shape.tokens * a.shape.row_bytes * u64::from(a.shape.layers);
     if a.json {
         println!(
             "{}",
             json!({
-                "tokens": a.tokens, "layers": a.layers, "row_bytes": a.row_bytes, "page_size": a.page_size,
+                "tokens": a.shape.tokens, "layers": a.shape.layers, "row_bytes": a.shape.row_bytes, "page_size": a.shape.page_size,
                 "src_cp_size": a.src_cp_size, "dcp_size": a.dcp_size, "transport": a.transport,
-                "pools": a.pools, "request_bytes": bytes, "requests": a.requests, "results": results,
+                "pools": a.pools, "request_bytes": bytes, "requests": a.shape.requests, "results": results,
             })
         );
         return Ok(());
     }
     println!(
         "pdxfer bench-cp: {} tokens x {} layers x {} B = {:.1} MB, {} prefill CP -> {} decode DCP processes over {} ({} pools), {} requests per mode (warm = median of requests 2..{})",
-        a.tokens, a.layers, a.row_bytes, bytes as f64 / 1e6, a.src_cp_size, a.dcp_size, a.transport,
-        a.pools, a.requests, a.requests
+        a.shape.tokens, a.shape.layers, a.shape.row_bytes, bytes as f64 / 1e6, a.src_cp_size, a.dcp_size, a.transport,
+        a.pools, a.shape.requests, a.shape.requests
     );
     println!();
     println!("| CP mode | senders | MB per sender | first ms | warm ms | GB/s (warm) |");

@@ -18,6 +18,7 @@ mod rank_proc;
 mod rdma_bench;
 mod rdma_gpu;
 mod request_bench;
+mod request_shape;
 mod target;
 
 use clap::{Parser, Subcommand};

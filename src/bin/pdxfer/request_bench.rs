@@ -10,6 +10,7 @@
 //! (after its timing).
 
 use crate::rank_proc::{pages_of, spawn, EngineRankArgs, Event, Proc};
+use crate::request_shape::RequestShape;
 use clap::Args;
 use crossbeam::channel::{unbounded, Receiver};
 use pdxfer::bootstrap::server::{BootstrapServer, ServerConfig};
@@ -33,27 +34,11 @@ pub struct RequestBenchArgs {
     /// into the decode's rows), tcp.
     #[arg(long, value_delimiter = ',', default_value = "cma-heap,cma-shared,tcp")]
     modes: Vec<String>,
-    /// Requests per mode (the first is reported apart from the median of the rest).
-    #[arg(long, default_value_t = 6)]
-    requests: u32,
-    /// Tokens per request.
-    #[arg(long, default_value_t = 8192)]
-    tokens: u64,
-    /// KV entries (layers).
-    #[arg(long, default_value_t = 61)]
-    layers: u32,
-    /// Bytes per token row (a multiple of 8).
-    #[arg(long, default_value_t = 1152)]
-    row_bytes: u64,
-    /// Tokens per page.
-    #[arg(long, default_value_t = 64)]
-    page_size: u64,
+    #[command(flatten)]
+    shape: RequestShape,
     /// Decode DCP ranks (processes).
     #[arg(long, default_value_t = 4)]
     dcp_size: u32,
-    /// Prefill staging (pack) buffer per worker, MiB; 0 writes unpacked rows.
-    #[arg(long, default_value_t = 64)]
-    staging_mib: u64,
     /// Seconds of the iperf3 loopback stream (tcp mode); 0 skips it.
     #[arg(long, default_value_t = 3)]
     iperf3_secs: u32,
@@ -494,10 +479,10 @@ fn iperf3_gbps(secs: u32) -> std::result::Result<f64, String> {
 }
 
 fn run_mode(a: &RequestBenchArgs, mode: Mode, bar: &indicatif::ProgressBar) -> Result<ModeResult> {
-    let (p, d) = (a.page_size, u64::from(a.dcp_size));
-    let src_pages = a.tokens.div_ceil(p);
-    let dst_pages = a.tokens.div_ceil(p * d);
-    let request_bytes = a.tokens * a.row_bytes * u64::from(a.layers);
+    let (p, d) = (a.shape.page_size, u64::from(a.dcp_size));
+    let src_pages = a.shape.tokens.div_ceil(p);
+    let dst_pages = a.shape.tokens.div_ceil(p * d);
+    let request_bytes = a.shape.tokens * a.shape.row_bytes * u64::from(a.shape.layers);
     let server = BootstrapServer::start(ServerConfig::default())?;
     let cluster = format!("bench-request-{}", std::process::id());
     let url = server.url();
@@ -508,8 +493,8 @@ fn run_mode(a: &RequestBenchArgs, mode: Mode, bar: &indicatif::ProgressBar) -> R
             ("--cluster", cluster.clone()),
             ("--dcp-size", dcp.to_string()),
             ("--rank", rank.to_string()),
-            ("--layers", a.layers.to_string()),
-            ("--row-bytes", a.row_bytes.to_string()),
+            ("--layers", a.shape.layers.to_string()),
+            ("--row-bytes", a.shape.row_bytes.to_string()),
             ("--page-size", p.to_string()),
             ("--pages", pages.to_string()),
             ("--transport", mode.transport.name().to_string()),
@@ -517,7 +502,7 @@ fn run_mode(a: &RequestBenchArgs, mode: Mode, bar: &indicatif::ProgressBar) -> R
                 "--pools",
                 if mode.shared_pools { "shared" } else { "heap" }.to_string(),
             ),
-            ("--staging-mib", a.staging_mib.to_string()),
+            ("--staging-mib", a.shape.staging_mib.to_string()),
         ];
         let mut v: Vec<String> = v
             .into_iter()
@@ -596,17 +581,20 @@ fn drive(
 ) -> Result<ModeResult> {
     let all: Vec<usize> = (0..procs.len()).collect();
     collect(rx, &all, "ready", Duration::from_secs(60))?;
-    let (p, d) = (a.page_size, u64::from(a.dcp_size));
-    let src: Vec<u64> = (0..a.tokens.div_ceil(p)).collect();
-    let dst: Vec<u64> = (0..a.tokens.div_ceil(p * d)).collect();
+    let (p, d) = (a.shape.page_size, u64::from(a.dcp_size));
+    let src: Vec<u64> = (0..a.shape.tokens.div_ceil(p)).collect();
+    let dst: Vec<u64> = (0..a.shape.tokens.div_ceil(p * d)).collect();
     let before = counters(procs, rx)?;
     let mut transfer_ms = Vec::new();
-    for room in 1..=u64::from(a.requests) {
+    for room in 1..=u64::from(a.shape.requests) {
         bar.set_message(format!("{}: request {room}", mode.name()));
         for pr in procs.iter_mut().skip(1) {
-            pr.send(&json!({"cmd": "recv", "room": room, "dst_pages": dst, "total": a.tokens}))?;
+            pr.send(
+                &json!({"cmd": "recv", "room": room, "dst_pages": dst, "total": a.shape.tokens}),
+            )?;
         }
-        procs[0].send(&json!({"cmd": "send", "room": room, "pages": src, "total": a.tokens}))?;
+        procs[0]
+            .send(&json!({"cmd": "send", "room": room, "pages": src, "total": a.shape.tokens}))?;
         let done = collect(rx, &all, "done", Duration::from_secs(300))?;
         for (i, e) in done.iter().enumerate() {
             if e["ok"] != true {
@@ -631,7 +619,7 @@ fn drive(
     let memcpy_first_ms = m["first_s"].as_f64().unwrap_or(0.0) * 1e3;
     let first_ms = transfer_ms[0];
     let warm_median_ms = median(&transfer_ms[1..]).unwrap_or(first_ms);
-    let n = f64::from(a.requests);
+    let n = f64::from(a.shape.requests);
     let control = match (before.control, after.control) {
         (Some(b), Some(e)) => Some(e.saturating_sub(b) as f64 / n),
         _ => None,
@@ -639,7 +627,7 @@ fn drive(
     Ok(ModeResult {
         mode: mode.name(),
         request_bytes,
-        requests: a.requests,
+        requests: a.shape.requests,
         first_ms,
         warm_median_ms,
         first_over_warm: first_ms / warm_median_ms,
@@ -664,7 +652,7 @@ fn opt(v: Option<f64>, prec: usize, suffix: &str) -> String {
 
 /// Runs `pdxfer bench-request`.
 pub fn run(a: &RequestBenchArgs) -> Result<()> {
-    if a.requests < 2 || a.tokens == 0 || a.page_size == 0 || a.dcp_size == 0 {
+    if a.shape.requests < 2 || a.shape.tokens == 0 || a.shape.page_size == 0 || a.dcp_size == 0 {
         return Err(Error::invalid(
             "requests must be >= 2 (the first is reported apart); tokens, page-size and dcp-size >= 1",
         ));
@@ -674,7 +662,7 @@ pub fn run(a: &RequestBenchArgs) -> Result<()> {
         .iter()
         .map(|m| Mode::parse(m))
         .collect::<Result<_>>()?;
-    let bar = indicatif::ProgressBar::new(u64::from(a.requests) * modes.len() as u64);
+    let bar = indicatif::ProgressBar::new(u64::from(a.shape.requests) * modes.len() as u64);
     bar.set_style(
         indicatif::ProgressStyle::with_template("{bar:30} {pos}/{len} requests {msg}")
             .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
@@ -696,19 +684,19 @@ pub fn run(a: &RequestBenchArgs) -> Result<()> {
         }
     }
     bar.finish_and_clear();
-    let bytes = a.tokens * a.row_bytes * u64::from(a.layers);
+    let bytes = a.shape.tokens * a.shape.row_bytes * u64::from(a.shape.layers);
     if a.json {
         println!(
             "{}",
             json!({
-                "tokens": a.tokens, "layers": a.layers, "row_bytes": a.row_bytes, "dcp_size": a.dcp_size,
-                "request_bytes": bytes, "requests": a.requests, "results": results, "errors": errors,
+                "tokens": a.shape.tokens, "layers": a.shape.layers, "row_bytes": a.shape.row_bytes, "dcp_size": a.dcp_size,
+                "request_bytes": bytes, "requests": a.shape.requests, "results": results, "errors": errors,
             })
         );
     } else {
         println!(
             "pdxfer bench-request: {} tokens x {} layers x {} B = {:.1} MB, 1 prefill -> {} decode DCP ranks, {} requests per mode (warm = median of requests 2..{})",
-            a.tokens, a.layers, a.row_bytes, bytes as f64 / 1e6, a.dcp_size, a.requests, a.requests
+            a.shape.tokens, a.shape.layers, a.shape.row_bytes, bytes as f64 / 1e6, a.dcp_size, a.shape.requests, a.shape.requests
         );
         println!();
         println!("| mode | first ms | warm ms | GB/s (warm) | memcpy ms (same run) | x memcpy | first / warm | control msgs / request | one-copy share | iperf3 GB/s | x iperf3 |");
