@@ -54,6 +54,7 @@ fn open(d: &Decode, targets: &[Arc<PrefillLink>]) -> u64 {
             responded: BTreeSet::new(),
             bytes: 0,
             abort_acks: 0,
+            dummies: Vec::new(),
             state_indices: Vec::new(),
             grants: Vec::new(),
             named: None,

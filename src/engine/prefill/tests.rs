@@ -28,6 +28,7 @@ fn meta(link: &Arc<DecodeLink>, required: u32, prefix: u64) -> MetaInfo {
         bytes: 0,
         arrived: Instant::now(),
         grant: None,
+        dummy: false,
     }
 }
 
