@@ -30,6 +30,9 @@ use std::ops::Deref;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+/// A room's control links to prefill ranks.
+type Links = Vec<Arc<PrefillLink>>;
+
 /// Decode-side room data beyond the state machine.
 pub(super) struct DecodeRoom {
     pub(super) attempt: u64,
@@ -142,7 +145,7 @@ impl Decode {
         timeout: Option<Duration>,
     ) -> Result<()> {
         let attempt = self.create_room(room, timeout)?;
-        let r = (|| -> Result<(Vec<Arc<PrefillLink>>, Vec<Arc<PrefillLink>>)> {
+        let r = (|| -> Result<(Links, Links)> {
             let local = self.registration()?;
             let targets = prefill_targets(self.store.as_ref(), &local, prefill_dp)?;
             let mut links = Vec::new();
