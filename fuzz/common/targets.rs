@@ -155,6 +155,7 @@ pub fn seeds(name: &str) -> Vec<Vec<u8>> {
                 proof.as_str(),
                 r#"{"type":"meta","room":1,"attempt":1,"dst_pages":[1,2,3],"decode_prefix_len":0,"aux_index":0,"required_dst_info_num":2,"timeout_ms":100}"#,
                 r#"{"type":"status","room":1,"attempt":1,"ok":false,"prefill_rank":0,"bytes":5,"reason":"x","code":-401}"#,
+                r#"{"type":"dummy_meta","room":1,"attempt":1,"decode_prefix_len":16}"#,
                 r#"{"type":"abort","room":1,"attempt":2}"#,
                 r#"{"type":"abort_ack","room":1,"attempt":2}"#,
             ];

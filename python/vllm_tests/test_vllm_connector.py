@@ -120,7 +120,10 @@ def _pd_request(p: Inst, d: Inst, rid: str, prompt: List[int], decode_tokens: in
     loaded = d.wait(lambda e: e[0] == "loaded" and e[1] == "d-" + rid)[2]
     loaded["prefill_hit"] = p.wait(lambda e: e[0] == "scheduled" and e[1] == rid)[2]
     d.wait(lambda e: e[0] == "finished" and e[1] == "d-" + rid)
+    decoded = time.monotonic()
     p.wait(lambda e: e[0] == "finished_sending" and rid in e[1])
+    # every prefill rank's finished_sending (vLLM aggregates them) after the decode's end
+    loaded["freed_after_s"] = time.monotonic() - decoded
     return loaded
 
 

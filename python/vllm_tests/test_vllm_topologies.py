@@ -4,13 +4,15 @@ with one process per rank (vLLM's parallel state on gloo): heterogeneous TP
 interleave 1 and at the block size (vLLM's NIXL forces the latter), prefill
 DCP 2 -> decode DCP 1, 2 and 4 (M > N, M = N, M < N) at both interleaves. Every decode rank checks every byte it owns; a
 request shorter than one DCP round completes on every rank; prefix hits are
-whole DCP rounds; both schedulers end with nothing held."""
+whole DCP rounds; every prefill rank, one that sends nothing too (P TP2 -> D
+TP1's rank 1), reports finished_sending soon after the decode finished, far
+below the transfer timeout; both schedulers end with nothing held."""
 
 from __future__ import annotations
 
 import pytest
 
-from test_vllm_connector import Inst, _no_leaks, _opts, _pd_request, _port, _prompt
+from test_vllm_connector import TIMEOUT, Inst, _no_leaks, _opts, _pd_request, _port, _prompt
 
 TOPOLOGIES = {
     "p_tp2_to_d_tp1": ({"tp": 2}, {"tp": 1}),
@@ -50,6 +52,8 @@ def test_every_rank_gets_every_byte_it_owns(pd):
         got = _pd_request(p, d, f"topo-{i}", _prompt(n, 40 + i))
         assert got["bad_rows"] == 0, got
         assert got["tokens"] == n * replicas, got  # each position on its owner, on every TP replica
+        # a prefill rank no decode rank reads from frees its blocks now, not at its deadline
+        assert got["freed_after_s"] < TIMEOUT / 2, got
     base = _prompt(2 * round_, 50)
     _pd_request(p, d, "topo-pa", base + _prompt(7, 51))
     got = _pd_request(p, d, "topo-pb", base + _prompt(20, 52))

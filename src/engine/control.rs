@@ -29,7 +29,9 @@ use std::sync::Mutex;
 /// Version 2: every line after the authentication exchange carries a session MAC.
 /// Version 3: the decode's Hello lists its KV pools' page strides
 /// ([`RegionMap::kv_stride`]), which a version-2 prefill would ignore and
-/// write strided pools as if their pages were end to end.
+/// write strided pools as if their pages were end to end; the decode tells
+/// each dummy target of a room that it needs nothing from it
+/// ([`CtlMsg::DummyMeta`]).
 pub const CONTROL_VERSION: u32 = 3;
 /// Largest accepted control line (a page list of a very long request fits).
 pub const MAX_LINE: usize = 64 << 20;
@@ -195,6 +197,19 @@ pub enum CtlMsg {
         /// The room's grant to this prefill rank, when the decode issued one.
         #[serde(default)]
         grant: Option<MetaGrant>,
+    },
+    /// Decode -> prefill, per room: this prefill rank is a dummy target of
+    /// the room (a TP replica of MLA KV that another prefill rank sends to
+    /// this decode rank): it sends nothing and concludes the room with its
+    /// last chunk.
+    DummyMeta {
+        /// Room id.
+        room: u64,
+        /// The decode room's attempt.
+        attempt: u64,
+        /// Tokens the decode side already holds (the prefix the prefill's
+        /// TP group skips on every rank).
+        decode_prefix_len: u64,
     },
     /// Decode -> prefill: give up the room.
     Abort {

@@ -238,9 +238,10 @@ impl Engine {
         let p = match &self.inner {
             Inner::Prefill(p) => p,
             Inner::Decode(d) => {
+                // the dummy targets too: their rooms wait for nothing then
                 let targets = lock(&d.decode_rooms)
                     .get(&room)
-                    .map(|r| r.targets.clone())
+                    .map(|r| [r.targets.as_slice(), r.dummies.as_slice()].concat())
                     .unwrap_or_default();
                 for t in &targets {
                     let _ = t.writer.send(&CtlMsg::Abort { room, attempt });
@@ -259,7 +260,8 @@ impl Engine {
 
     /// Prefill: the `decode_prefix_len` the decode ranks sent for the room,
     /// once their metadata has arrived (`None` before, or for an unknown room;
-    /// 0 at once on a dummy CP rank, which no decode rank contacts).
+    /// 0 at once on a dummy CP rank, which no decode rank contacts; the
+    /// decode's prefix in a room whose decode named this rank a dummy target).
     /// The prefill's chunks start right after it: SGLang's
     /// `pop_decode_prefix_len` reads it to skip the prefix the decode holds.
     pub fn decode_prefix_len(&self, room: u64) -> Option<u64> {
@@ -272,7 +274,7 @@ impl Engine {
         }
         lock(&p.prefill_rooms)
             .get(&room)
-            .and_then(|r| r.infos.first().map(|m| m.prefix))
+            .and_then(|r| r.infos.first().map(|m| m.prefix).or(r.dummy_prefix))
     }
 
     /// True when no write for an aborted room can still land in local memory

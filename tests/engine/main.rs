@@ -1,7 +1,7 @@
 //! The engine: in one process (a bootstrap server, prefill and decode ranks
 //! over cma, tcp and rdma on the fake NIC; layer-wise sends; metrics and
 //! telemetry; room-setup races) and with real processes (bounded resources,
-//! fault injection with `pdxfer-fault-peer`). Room grants between agents are
+//! fault injection with `pdxfer-fault-peer`; a dummy TP prefill rank). Room grants between agents are
 //! the `room_grants` binary: they count process-wide frames.
 //! `cargo test --features testing --test engine [filter]`.
 
@@ -12,6 +12,7 @@ mod support;
 mod bounded;
 #[cfg(feature = "testing")]
 mod cp;
+mod dummy_tp;
 #[cfg(feature = "testing")]
 mod engine;
 mod engine_metrics;

@@ -7,6 +7,7 @@
 //!   checked) and its reader (statuses, abort acknowledgements, NCCL
 //!   messages, disconnects).
 
+mod dummy;
 #[cfg(feature = "nccl")]
 mod nccl;
 mod reader;
@@ -29,10 +30,17 @@ use std::ops::Deref;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+/// A room's control links to prefill ranks.
+type Links = Vec<Arc<PrefillLink>>;
+
 /// Decode-side room data beyond the state machine.
 pub(super) struct DecodeRoom {
     pub(super) attempt: u64,
     pub(super) targets: Vec<Arc<PrefillLink>>,
+    /// The prefill ranks the rank mapping names dummy targets of the room
+    /// (told that nothing is needed from them, and of an abort; never
+    /// waited for).
+    pub(super) dummies: Vec<Arc<PrefillLink>>,
     pub(super) responded: BTreeSet<u32>,
     pub(super) bytes: u64,
     pub(super) abort_acks: usize,
@@ -137,22 +145,23 @@ impl Decode {
         timeout: Option<Duration>,
     ) -> Result<()> {
         let attempt = self.create_room(room, timeout)?;
-        let r = (|| -> Result<Vec<Arc<PrefillLink>>> {
+        let r = (|| -> Result<(Links, Links)> {
             let local = self.registration()?;
             let targets = prefill_targets(self.store.as_ref(), &local, prefill_dp)?;
             let mut links = Vec::new();
             for t in targets.iter().filter(|t| !t.dummy) {
                 links.push(self.prefill_link(&t.registration, &local)?);
             }
-            Ok(links)
+            Ok((links, self.dummy_links(room, &targets, &local)))
         })();
         match r {
-            Ok(links) => {
+            Ok((links, dummies)) => {
                 lock(&self.decode_rooms).insert(
                     room,
                     DecodeRoom {
                         attempt,
                         targets: links,
+                        dummies,
                         responded: BTreeSet::new(),
                         bytes: 0,
                         abort_acks: 0,
@@ -197,7 +206,7 @@ impl Decode {
                 ));
             }
         }
-        let (attempt, targets) = {
+        let (attempt, targets, dummies) = {
             let d = lock(&self.decode_rooms);
             let r = d.get(&room).ok_or_else(|| {
                 Error::new(
@@ -205,7 +214,7 @@ impl Decode {
                     format!("room {room}: call receiver() first"),
                 )
             })?;
-            (r.attempt, r.targets.clone())
+            (r.attempt, r.targets.clone(), r.dummies.clone())
         };
         let state_indices = lock(&self.decode_rooms)
             .get(&room)
@@ -310,6 +319,7 @@ impl Decode {
                 return Err(e);
             }
         }
+        self.tell_dummies(room, attempt, decode_prefix_len, &dummies);
         lock(&self.rooms).update(room, attempt, KvPoll::WaitingForInput);
         Ok(())
     }

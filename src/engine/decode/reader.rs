@@ -241,9 +241,14 @@ pub(super) fn decode_reader(w: Weak<Decode>, link: Arc<PrefillLink>, mut reader:
             }
             Ok(Some(CtlMsg::AbortAck { room, attempt })) => {
                 let mut d = lock(&inner.decode_rooms);
-                let acked = d.get_mut(&room).filter(|r| r.attempt == attempt).map(|r| {
-                    r.abort_acks += 1;
-                });
+                // a dummy target's acknowledgement fences nothing: it never writes
+                let acked = d
+                    .get_mut(&room)
+                    .filter(|r| r.attempt == attempt)
+                    .filter(|r| r.targets.iter().any(|t| Arc::ptr_eq(t, &link)))
+                    .map(|r| {
+                        r.abort_acks += 1;
+                    });
                 drop(d);
                 if acked.is_some() {
                     // fenced on that prefill rank: its grant goes

@@ -44,6 +44,11 @@ fn link(d: &Arc<Decode>, instance: u128) -> (Arc<PrefillLink>, CtlWriter) {
 /// Opens room [`ROOM`] against `targets` (as `receiver` and `send_metadata`
 /// leave it: waiting for the prefill ranks); returns its attempt.
 fn open(d: &Decode, targets: &[Arc<PrefillLink>]) -> u64 {
+    open_with(d, targets, &[])
+}
+
+/// [`open`], with `dummies` as the room's dummy targets.
+fn open_with(d: &Decode, targets: &[Arc<PrefillLink>], dummies: &[Arc<PrefillLink>]) -> u64 {
     let attempt = d.create_room(ROOM, None).unwrap();
     lock(&d.rooms).update(ROOM, attempt, KvPoll::WaitingForInput);
     lock(&d.decode_rooms).insert(
@@ -54,6 +59,7 @@ fn open(d: &Decode, targets: &[Arc<PrefillLink>]) -> u64 {
             responded: BTreeSet::new(),
             bytes: 0,
             abort_acks: 0,
+            dummies: dummies.to_vec(),
             state_indices: Vec::new(),
             grants: Vec::new(),
             named: None,
@@ -146,4 +152,35 @@ fn a_lost_prefill_link_fails_its_rooms_and_an_abort_ack_is_counted() {
     let e = lock(&d.rooms).get(ROOM).unwrap().failure.clone().unwrap();
     assert_eq!(e.status(), Status::PeerUnreachable);
     assert!(e.detail().contains("lost the control connection"), "{e}");
+}
+
+#[test]
+fn a_dummy_targets_abort_ack_fences_nothing_and_its_loss_fails_nothing() {
+    let (d, _pools) = decode_state();
+    let d = Arc::new(d);
+    let (a, pa) = link(&d, 1);
+    let (b, pb) = link(&d, 2);
+    let attempt = open_with(&d, std::slice::from_ref(&a), std::slice::from_ref(&b));
+    let ack = CtlMsg::AbortAck {
+        room: ROOM,
+        attempt,
+    };
+    // the dummy's ack, then its link lost: its reader has read both once
+    // the link is marked dead
+    pb.send(&ack).unwrap();
+    pb.shutdown();
+    until(&d, "dummy link lost", |_| !b.alive.load(Ordering::Acquire));
+    let acks = |d: &Decode| lock(&d.decode_rooms).get(&ROOM).map(|r| r.abort_acks);
+    assert_eq!(
+        acks(&d),
+        Some(0),
+        "a dummy never writes: its ack fences nothing"
+    );
+    assert_eq!(
+        poll(&d),
+        KvPoll::WaitingForInput,
+        "the room waits for no dummy"
+    );
+    pa.send(&ack).unwrap();
+    until(&d, "the real target's ack", |d| acks(d) == Some(1));
 }

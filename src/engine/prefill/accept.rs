@@ -293,6 +293,29 @@ fn prefill_conn(
                         bytes: 0,
                         arrived: Instant::now(),
                         grant,
+                        dummy: false,
+                    },
+                );
+            }
+            Ok(Some(CtlMsg::DummyMeta {
+                room,
+                attempt,
+                decode_prefix_len,
+            })) => {
+                inner.add_meta(
+                    room,
+                    MetaInfo {
+                        link: link.clone(),
+                        attempt,
+                        dst_pages: Vec::new(),
+                        prefix: decode_prefix_len,
+                        aux_index: 0,
+                        state_indices: Vec::new(),
+                        required: 0,
+                        bytes: 0,
+                        arrived: Instant::now(),
+                        grant: None,
+                        dummy: true,
                     },
                 );
             }

@@ -75,8 +75,9 @@ impl Prefill {
     /// `start`, `num_tokens` tokens): all of it without CP or on CP rank 0
     /// in rank-0 mode; its page share in all-CP-ranks mode (the final chunk
     /// is queued even when empty, as it carries the status, and on CP rank 0
-    /// the aux and state rows); nothing on a dummy rank, whose room
-    /// concludes `Success` with its last chunk. `None`: no job to queue.
+    /// the aux and state rows); nothing on a dummy CP rank or in a room
+    /// whose decode named this rank a dummy target, which concludes
+    /// `Success` with its last chunk. `None`: no job to queue.
     pub(super) fn cp_share(
         &self,
         room: u64,
@@ -87,7 +88,7 @@ impl Prefill {
         room_done: bool,
     ) -> Result<Option<(Vec<u64>, u64, u64)>> {
         let cp = self.cp_sender();
-        if cp.is_dummy() {
+        if cp.is_dummy() || self.is_dummy_room(room) {
             if room_done {
                 lock(&self.rooms).update(room, attempt, KvPoll::Success);
                 self.cv.notify_all();

@@ -13,6 +13,7 @@
 
 mod accept;
 mod cp;
+mod dummy;
 pub(super) mod jobs;
 mod resume;
 #[cfg(test)]
@@ -55,6 +56,10 @@ pub(super) struct MetaInfo {
     /// The room's grant on this decode rank (its batches then skip the
     /// per-batch round trip where the data connection supports grants).
     pub(super) grant: Option<RoomGrant>,
+    /// The decode rank needs nothing from this rank in the room (a dummy
+    /// TP target, `CtlMsg::DummyMeta`): only `link`, `attempt`, `prefix`
+    /// and `arrived` are set.
+    pub(super) dummy: bool,
 }
 
 /// Prefill-side room data beyond the state machine.
@@ -72,6 +77,9 @@ pub(super) struct PrefillRoom {
     pub(super) layer_plan: Option<Arc<LayerPlan>>,
     /// The request's page count after the decode prefix (all-CP-ranks mode).
     pub(super) total_pages: Option<u64>,
+    /// The decode prefix a decode rank named when it told this rank that it
+    /// needs nothing from it in the room (`dummy`).
+    pub(super) dummy_prefix: Option<u64>,
     /// The writes of the room sent over tcp so far, per decode rank (by
     /// instance id): what a redial in the middle of the room sends again
     /// where it did not land (`resume`).
@@ -396,6 +404,9 @@ impl Prefill {
             lock(&self.pending_meta).entry(room).or_default().push(m);
             return;
         };
+        if m.dummy {
+            return self.add_dummy_meta(pr, room, m.prefix);
+        }
         if let Some(first) = r.infos.first() {
             if first.prefix != m.prefix {
                 let e = Error::invalid(format!(

@@ -28,6 +28,7 @@ fn meta(link: &Arc<DecodeLink>, required: u32, prefix: u64) -> MetaInfo {
         bytes: 0,
         arrived: Instant::now(),
         grant: None,
+        dummy: false,
     }
 }
 
@@ -113,4 +114,29 @@ fn layer_wise_sends_are_checked_against_the_pending_chunk() {
     })
     .collect();
     assert_eq!(queued, vec![0..1, 1..3]);
+}
+
+#[test]
+fn a_dummy_notice_parked_before_sender_opens_the_room_and_its_last_chunk_moves_nothing() {
+    let r = rig(0);
+    let p = &r.prefill;
+    let notice = MetaInfo {
+        dummy: true,
+        dst_pages: Vec::new(),
+        ..meta(&r.link, 0, 8)
+    };
+    p.add_meta(ROOM, notice);
+    assert_eq!(lock(&p.pending_meta).get(&ROOM).map(Vec::len), Some(1));
+    p.sender(ROOM).unwrap();
+    assert_eq!(poll(p), KvPoll::WaitingForInput, "no data is waited for");
+    let infos = lock(&p.prefill_rooms).get(&ROOM).map(|r| r.infos.len());
+    assert_eq!(infos, Some(0), "a notice is no decode rank to write to");
+    p.send_with(ROOM, &[1, 2], 8, false, 0, &SendOptions::default())
+        .unwrap();
+    assert_eq!(poll(p), KvPoll::WaitingForInput);
+    p.send_with(ROOM, &[3], 3, true, 0, &SendOptions::default())
+        .unwrap();
+    assert_eq!(poll(p), KvPoll::Success);
+    assert!(p.jobs.take(Duration::ZERO).is_none(), "no job queued");
+    assert_eq!(r.conn.written.load(std::sync::atomic::Ordering::Relaxed), 0);
 }
