@@ -34,7 +34,7 @@ def total(text, name):
 
 
 def test_struct_sizes_are_pinned():
-    assert ctypes.sizeof(E.CEngineConfig) == 176
+    assert ctypes.sizeof(E.CEngineConfig) == 192
     assert ctypes.sizeof(E.CRoomTelemetry) == 96
     assert lib.pdxfer_abi_version() & 0xFFFF >= 3
 
