@@ -24,6 +24,7 @@ pub mod relayout;
 pub mod rng;
 #[cfg(test)]
 mod test_skip;
+pub mod threads;
 pub mod transport;
 pub mod version;
 

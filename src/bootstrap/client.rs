@@ -221,37 +221,35 @@ impl Registrar {
         let (tx, rx) = bounded::<()>(1);
         let (st, store2) = (state.clone(), store.clone());
         let period = (ttl / 3).max(Duration::from_millis(20));
-        let thread = std::thread::Builder::new()
-            .name("pdxfer-bootstrap-keepalive".into())
-            .spawn(move || loop {
-                match rx.recv_timeout(period) {
-                    Err(crossbeam::channel::RecvTimeoutError::Timeout) => {}
-                    _ => return,
+        let thread = crate::threads::spawn("pdxfer-bootstrap-keepalive".into(), move || loop {
+            match rx.recv_timeout(period) {
+                Err(crossbeam::channel::RecvTimeoutError::Timeout) => {}
+                _ => return,
+            }
+            let lease = lock(&st).ack.lease_id;
+            match store2.keepalive(lease) {
+                Ok(()) => lock(&st).state = LeaseState::Live,
+                Err(e) if e.status() == Status::StaleMetadata => {
+                    lock(&st).state = LeaseState::Replaced(e.detail().to_string());
+                    return;
                 }
-                let lease = lock(&st).ack.lease_id;
-                match store2.keepalive(lease) {
-                    Ok(()) => lock(&st).state = LeaseState::Live,
-                    Err(e) if e.status() == Status::StaleMetadata => {
-                        lock(&st).state = LeaseState::Replaced(e.detail().to_string());
-                        return;
-                    }
-                    Err(e) if e.status() == Status::NotRegistered => {
-                        let reg = lock(&st).reg.clone();
-                        match store2.register(&reg, ttl) {
-                            Ok(ack) => {
-                                let mut g = lock(&st);
-                                g.reg.epoch = ack.epoch;
-                                g.reg.registered_at_ms = ack.registered_at_ms;
-                                g.ack = ack;
-                                g.state = LeaseState::Live;
-                            }
-                            Err(e) => lock(&st).state = LeaseState::Failing(e.to_string()),
+                Err(e) if e.status() == Status::NotRegistered => {
+                    let reg = lock(&st).reg.clone();
+                    match store2.register(&reg, ttl) {
+                        Ok(ack) => {
+                            let mut g = lock(&st);
+                            g.reg.epoch = ack.epoch;
+                            g.reg.registered_at_ms = ack.registered_at_ms;
+                            g.ack = ack;
+                            g.state = LeaseState::Live;
                         }
+                        Err(e) => lock(&st).state = LeaseState::Failing(e.to_string()),
                     }
-                    Err(e) => lock(&st).state = LeaseState::Failing(e.to_string()),
                 }
-            })
-            .map_err(|e| Error::new(Status::Io, format!("cannot start keep-alive thread: {e}")))?;
+                Err(e) => lock(&st).state = LeaseState::Failing(e.to_string()),
+            }
+        })
+        .map_err(|e| Error::new(Status::Io, format!("cannot start keep-alive thread: {e}")))?;
         Ok(Registrar {
             store,
             state,

@@ -78,17 +78,15 @@ impl Engine {
         if let (Some(l), Some(addr)) = (metrics_listener, metrics_addr) {
             endpoints.insert("metrics".to_string(), addr.to_string());
             let w = inner.downgrade();
-            std::thread::Builder::new()
-                .name("pdxfer-metrics".into())
-                .spawn(move || super::metrics_http::serve(w, l))?;
+            crate::threads::spawn("pdxfer-metrics".into(), move || {
+                super::metrics_http::serve(w, l)
+            })?;
         }
         register_with_bootstrap(inner.shared(), endpoints)?;
         // the prefill accepts decode ranks only once its registration is stored
         if let (Some(l), Inner::Prefill(p)) = (listener, &inner) {
             let w = Arc::downgrade(p);
-            std::thread::Builder::new()
-                .name("pdxfer-ctl".into())
-                .spawn(move || accept_loop(w, l))?;
+            crate::threads::spawn("pdxfer-ctl".into(), move || accept_loop(w, l))?;
         }
         Ok(Engine {
             inner,
@@ -398,17 +396,15 @@ fn start_threads(
             let (w, jobs) = (Arc::downgrade(inner), inner.jobs.clone());
             // the worker owns its GPU stage (device pools) for its whole life
             let stage = (!stages.is_empty()).then(|| stages.remove(0));
-            std::thread::Builder::new()
-                .name(format!("pdxfer-worker-{i}"))
-                .spawn(move || worker_loop(w, jobs, i, stage))?;
+            crate::threads::spawn(format!("pdxfer-worker-{i}"), move || {
+                worker_loop(w, jobs, i, stage)
+            })?;
         }
     } else if let Some(a) = inner.shared().agent.local_addr() {
         endpoints.insert("data".to_string(), a.to_string());
     }
     let w = inner.downgrade();
-    std::thread::Builder::new()
-        .name("pdxfer-deadlines".into())
-        .spawn(move || deadline_loop(w))?;
+    crate::threads::spawn("pdxfer-deadlines".into(), move || deadline_loop(w))?;
     Ok((endpoints, listener))
 }
 

@@ -67,9 +67,9 @@ impl Conn {
             standing: Arc::default(),
         });
         let c = conn.clone();
-        std::thread::Builder::new()
-            .name("pdxfer-ctrl-rx".into())
-            .spawn(move || c.reader(reader, keepalive, recv))?;
+        crate::threads::spawn("pdxfer-ctrl-rx".into(), move || {
+            c.reader(reader, keepalive, recv)
+        })?;
         Ok(conn)
     }
 
@@ -157,15 +157,15 @@ impl Conn {
     /// reads), once no batch under the grant is writing, `Fenced`.
     fn fence(self: &Arc<Self>, region: u64) -> Result<()> {
         let c = self.clone();
-        std::thread::Builder::new()
-            .name("pdxfer-fence".into())
-            .spawn(move || match c.standing.revoke(region, FENCE_WAIT) {
+        crate::threads::spawn("pdxfer-fence".into(), move || {
+            match c.standing.revoke(region, FENCE_WAIT) {
                 Ok(()) => {
                     let _ = c.send(FrameType::Fenced, &region.to_le_bytes());
                 }
                 // no Fenced: the receiver keeps the region pinned
                 Err(e) => log::error!("revoking the standing grant of region {region}: {e}"),
-            })?;
+            }
+        })?;
         Ok(())
     }
 

@@ -171,16 +171,14 @@ pub fn serve(l: TcpListener, limits: HttpLimits, stop: impl Fn() -> bool, answer
             };
             answering.fetch_add(1, Ordering::SeqCst);
             let (count, answer, mut s) = (answering.clone(), answer.clone(), p.stream);
-            let spawned = std::thread::Builder::new()
-                .name("pdxfer-http".into())
-                .spawn(move || {
-                    let r = answer(&method, &path);
-                    let _ = s.set_nonblocking(false);
-                    let _ = s.set_write_timeout(Some(limits.write_timeout));
-                    let _ = s.write_all(&r.bytes());
-                    let _ = s.flush();
-                    count.fetch_sub(1, Ordering::SeqCst);
-                });
+            let spawned = crate::threads::spawn("pdxfer-http".into(), move || {
+                let r = answer(&method, &path);
+                let _ = s.set_nonblocking(false);
+                let _ = s.set_write_timeout(Some(limits.write_timeout));
+                let _ = s.write_all(&r.bytes());
+                let _ = s.flush();
+                count.fetch_sub(1, Ordering::SeqCst);
+            });
             if spawned.is_err() {
                 answering.fetch_sub(1, Ordering::SeqCst);
             }

@@ -262,10 +262,10 @@ impl BootstrapServer {
             running: AtomicBool::new(true),
         });
         let sh = shared.clone();
-        let acceptor = std::thread::Builder::new()
-            .name("pdxfer-bootstrap-accept".into())
-            .spawn(move || accept_loop(&sh, &listener))
-            .map_err(|e| Error::new(Status::Io, format!("cannot start bootstrap server: {e}")))?;
+        let acceptor = crate::threads::spawn("pdxfer-bootstrap-accept".into(), move || {
+            accept_loop(&sh, &listener)
+        })
+        .map_err(|e| Error::new(Status::Io, format!("cannot start bootstrap server: {e}")))?;
         Ok(BootstrapServer {
             addr,
             shared,
@@ -437,15 +437,15 @@ fn admit(shared: &Arc<Shared>, stream: TcpStream, source: Source) {
     // second handle to it for the refusal otherwise.
     let slot = Arc::new(Mutex::new(Some(stream)));
     let slot2 = slot.clone();
-    let spawned = std::thread::Builder::new()
+    let builder = std::thread::Builder::new()
         .name("pdxfer-bootstrap-conn".into())
-        .stack_size(CONN_STACK)
-        .spawn(move || {
-            let stream = slot2.lock().unwrap_or_else(|p| p.into_inner()).take();
-            if let Some(stream) = stream {
-                serve(&sh, id, stream);
-            }
-        });
+        .stack_size(CONN_STACK);
+    let spawned = crate::threads::spawn_with(builder, move || {
+        let stream = slot2.lock().unwrap_or_else(|p| p.into_inner()).take();
+        if let Some(stream) = stream {
+            serve(&sh, id, stream);
+        }
+    });
     if spawned.is_err() {
         let stream = slot.lock().unwrap_or_else(|p| p.into_inner()).take();
         let mut conns = shared.lock_conns();

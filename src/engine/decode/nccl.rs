@@ -54,10 +54,7 @@ pub(in crate::engine) fn on_prefill_message(
     let _ = tx.send(m);
     let opened = Arc::new(AtomicU64::new(newer));
     let (w, l, o) = (Arc::downgrade(inner), link.clone(), opened.clone());
-    match std::thread::Builder::new()
-        .name("pdxfer-nccl-d".into())
-        .spawn(move || receiver_loop(w, l, rx, o))
-    {
+    match crate::threads::spawn("pdxfer-nccl-d".into(), move || receiver_loop(w, l, rx, o)) {
         Ok(handle) => {
             r.insert(key, ReceiverThread { tx, opened, handle });
         }

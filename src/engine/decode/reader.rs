@@ -161,9 +161,7 @@ impl Decode {
         }
         let w = Arc::downgrade(self);
         let l2 = link.clone();
-        std::thread::Builder::new()
-            .name("pdxfer-ctl-d".into())
-            .spawn(move || decode_reader(w, l2, reader))?;
+        crate::threads::spawn("pdxfer-ctl-d".into(), move || decode_reader(w, l2, reader))?;
         Ok(link)
     }
 }

@@ -66,9 +66,7 @@ impl CopyCrew {
                 let (tx, rx) = unbounded::<Task>();
                 for i in 1..self.threads {
                     let rx = rx.clone();
-                    let started = std::thread::Builder::new()
-                        .name(format!("pdxfer-copy{i}"))
-                        .spawn(move || {
+                    let started = crate::threads::spawn(format!("pdxfer-copy{i}"), move || {
                             for t in rx {
                                 if t.taken.swap(true, Ordering::AcqRel) {
                                     continue;

@@ -53,9 +53,9 @@ pub(in crate::engine) fn accept_loop(w: Weak<Prefill>, l: TcpListener) {
         || AuthExchange::new(mode.clone(), Channel::Control, instance, CtlAuth),
         |s, rest, peer, slot| {
             let w2 = w.clone();
-            let _ = std::thread::Builder::new()
-                .name("pdxfer-ctl-p".into())
-                .spawn(move || prefill_conn(w2, s, rest, peer, slot));
+            let _ = crate::threads::spawn("pdxfer-ctl-p".into(), move || {
+                prefill_conn(w2, s, rest, peer, slot)
+            });
         },
     );
 }

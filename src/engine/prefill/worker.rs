@@ -51,14 +51,12 @@ pub(in crate::engine) fn worker_loop(
         // on a thread of its own, so a decode slow to answer holds no worker
         if last && r.is_ok() && jobs.start_close() {
             let (p, q) = (inner.clone(), jobs.clone());
-            let spawned = std::thread::Builder::new()
-                .name("pdxfer-close".into())
-                .spawn(move || {
-                    let r = close_grants(&p, room, attempt);
-                    conclude(&p, room, attempt, last, r);
-                    q.end_close();
-                    p.cv.notify_all();
-                });
+            let spawned = crate::threads::spawn("pdxfer-close".into(), move || {
+                let r = close_grants(&p, room, attempt);
+                conclude(&p, room, attempt, last, r);
+                q.end_close();
+                p.cv.notify_all();
+            });
             if spawned.is_ok() {
                 inner.jobs.done(&job);
                 inner.cv.notify_all();

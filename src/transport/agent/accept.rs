@@ -61,9 +61,9 @@ pub(super) fn accept_loop(
         || AuthExchange::new(mode.clone(), Channel::Data, instance, WireAuth),
         |s, rest, peer, slot| {
             let Some(a) = agent.upgrade() else { return };
-            let _ = std::thread::Builder::new()
-                .name("pdxfer-rx".into())
-                .spawn(move || serve_connection(a, s, &rest, peer, slot));
+            let _ = crate::threads::spawn("pdxfer-rx".into(), move || {
+                serve_connection(a, s, &rest, peer, slot)
+            });
         },
     );
 }

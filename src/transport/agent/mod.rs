@@ -435,9 +435,9 @@ impl Agent {
         if let Some(l) = listener {
             let weak = Arc::downgrade(&inner);
             let limits = opts.limits;
-            std::thread::Builder::new()
-                .name("pdxfer-accept".into())
-                .spawn(move || accept::accept_loop(l, limits, weak))?;
+            crate::threads::spawn("pdxfer-accept".into(), move || {
+                accept::accept_loop(l, limits, weak)
+            })?;
         }
         Ok(Agent { inner })
     }

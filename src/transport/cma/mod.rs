@@ -104,13 +104,11 @@ impl CmaTransport {
         let (tx, rx) = unbounded::<Job>();
         let (c, p) = (conn.clone(), peer.clone());
         let writers = Writers::start(&peer, threads)?;
-        std::thread::Builder::new()
-            .name("pdxfer-cma-tx".into())
-            .spawn(move || {
-                for job in rx {
-                    c.run_job(&p, &writers, job);
-                }
-            })?;
+        crate::threads::spawn("pdxfer-cma-tx".into(), move || {
+            for job in rx {
+                c.run_job(&p, &writers, job);
+            }
+        })?;
         Ok(CmaTransport {
             conn,
             tx,

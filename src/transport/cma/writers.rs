@@ -39,22 +39,20 @@ impl Writers {
         let (tx, rx) = unbounded::<Task>();
         for i in 1..threads {
             let (rx, p) = (rx.clone(), peer.clone());
-            std::thread::Builder::new()
-                .name(format!("pdxfer-cma-w{i}"))
-                .spawn(move || {
-                    for t in rx {
-                        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                            p.xfer(&t.pieces, t.read)
-                        }))
-                        .unwrap_or_else(|_| {
-                            Err(Error::new(
-                                Status::BatchFailed,
-                                "a cma writer thread panicked",
-                            ))
-                        });
-                        let _ = t.done.send(r);
-                    }
-                })?;
+            crate::threads::spawn(format!("pdxfer-cma-w{i}"), move || {
+                for t in rx {
+                    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                        p.xfer(&t.pieces, t.read)
+                    }))
+                    .unwrap_or_else(|_| {
+                        Err(Error::new(
+                            Status::BatchFailed,
+                            "a cma writer thread panicked",
+                        ))
+                    });
+                    let _ = t.done.send(r);
+                }
+            })?;
         }
         Ok(Writers {
             helpers: Some(tx),

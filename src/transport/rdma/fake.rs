@@ -182,9 +182,7 @@ fn wire() -> &'static Wire {
             busy: Mutex::new(Vec::new()),
             cv: Condvar::new(),
         }));
-        std::thread::Builder::new()
-            .name("pdxfer-fake-nic".into())
-            .spawn(move || wire_loop(w))
+        crate::threads::spawn("pdxfer-fake-nic".into(), move || wire_loop(w))
             .expect("the fake NIC's fabric thread starts");
         w
     })

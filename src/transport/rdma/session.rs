@@ -199,15 +199,14 @@ impl<R: RailIo> Session<R> {
         *lock(&self.shared.tracker) = Tracker::new(n, sq);
         let shared = self.shared.clone();
         self.poller = Some(
-            std::thread::Builder::new()
-                .name("pdxfer-rdma-cq".into())
-                .spawn(move || poll_loop(&shared, n))
-                .map_err(|e| {
+            crate::threads::spawn("pdxfer-rdma-cq".into(), move || poll_loop(&shared, n)).map_err(
+                |e| {
                     Error::new(
                         Status::Rdma,
                         format!("cannot start the CQ poller thread: {e}"),
                     )
-                })?,
+                },
+            )?,
         );
         self.connected = n;
         Ok(())

@@ -78,13 +78,13 @@ impl RdmaTransport {
         let (tx, rx) = unbounded::<Job>();
         let (done_tx, done_rx) = unbounded::<Job>();
         let (c, p) = (conn.clone(), path.clone());
-        std::thread::Builder::new()
-            .name("pdxfer-rdma-post".into())
-            .spawn(move || poster(&c, &*p, rx, done_tx))?;
+        crate::threads::spawn("pdxfer-rdma-post".into(), move || {
+            poster(&c, &*p, rx, done_tx)
+        })?;
         let (c, p) = (conn.clone(), path.clone());
-        std::thread::Builder::new()
-            .name("pdxfer-rdma-done".into())
-            .spawn(move || completer(&c, &*p, done_rx))?;
+        crate::threads::spawn("pdxfer-rdma-done".into(), move || {
+            completer(&c, &*p, done_rx)
+        })?;
         Ok(RdmaTransport {
             conn,
             tx,

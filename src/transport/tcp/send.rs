@@ -143,29 +143,27 @@ impl TcpTransport {
             sockets.push(s.try_clone()?);
             let (tx, rx) = unbounded::<Job>();
             let c = conn.clone();
-            std::thread::Builder::new()
-                .name(format!("pdxfer-tcp-tx{i}"))
-                .spawn(move || {
-                    let mut gather = Gather::default();
-                    for job in rx {
-                        if let Err(e) = send_job(&c, &s, &job, &mut gather, sealer.as_mut()) {
-                            let e = Error::new(
-                                Status::PeerUnreachable,
-                                format!(
-                                    "data stream {i} to peer pid {} at {} failed: {}",
-                                    c.peer.pid,
-                                    c.addr,
-                                    e.detail()
-                                ),
-                            );
-                            c.rooms.fail_all(e.clone());
-                            c.table.fail_all(e);
-                            let _ = s.shutdown(Shutdown::Both);
-                            return;
-                        }
-                        finish_part(&c, &job.batch);
+            crate::threads::spawn(format!("pdxfer-tcp-tx{i}"), move || {
+                let mut gather = Gather::default();
+                for job in rx {
+                    if let Err(e) = send_job(&c, &s, &job, &mut gather, sealer.as_mut()) {
+                        let e = Error::new(
+                            Status::PeerUnreachable,
+                            format!(
+                                "data stream {i} to peer pid {} at {} failed: {}",
+                                c.peer.pid,
+                                c.addr,
+                                e.detail()
+                            ),
+                        );
+                        c.rooms.fail_all(e.clone());
+                        c.table.fail_all(e);
+                        let _ = s.shutdown(Shutdown::Both);
+                        return;
                     }
-                })?;
+                    finish_part(&c, &job.batch);
+                }
+            })?;
             txs.push(tx);
         }
         Ok(TcpTransport {

@@ -339,60 +339,58 @@ pub(in crate::engine) fn keep_open(inner: &Arc<Prefill>, link: &Arc<DecodeLink>)
         return;
     };
     let (w, link) = (Arc::downgrade(inner), link.clone());
-    let spawned = std::thread::Builder::new()
-        .name("pdxfer-nccl-open".into())
-        .spawn(move || {
-            let peer = peer_of(&link);
-            let mut backoff = KEEP_OPEN_PERIOD;
-            loop {
-                {
-                    let Some(inner) = w.upgrade() else { return };
-                    let gone = inner.nccl.is_closing()
-                        || inner.closed.load(Ordering::Acquire)
-                        || !link.alive.load(Ordering::Acquire)
-                        || !lock(&inner.decode_links)
-                            .iter()
-                            .any(|l| Arc::ptr_eq(l, &link));
-                    if gone {
+    let spawned = crate::threads::spawn("pdxfer-nccl-open".into(), move || {
+        let peer = peer_of(&link);
+        let mut backoff = KEEP_OPEN_PERIOD;
+        loop {
+            {
+                let Some(inner) = w.upgrade() else { return };
+                let gone = inner.nccl.is_closing()
+                    || inner.closed.load(Ordering::Acquire)
+                    || !link.alive.load(Ordering::Acquire)
+                    || !lock(&inner.decode_links)
+                        .iter()
+                        .any(|l| Arc::ptr_eq(l, &link));
+                if gone {
+                    return;
+                }
+                let slot = match sender_of(&inner, &link, ordinal) {
+                    Ok(s) => s,
+                    Err(e) => {
+                        log::warn!("engine: no NCCL sending end for {peer}: {e}");
                         return;
                     }
-                    let slot = match sender_of(&inner, &link, ordinal) {
-                        Ok(s) => s,
-                        Err(e) => {
-                            log::warn!("engine: no NCCL sending end for {peer}: {e}");
-                            return;
-                        }
-                    };
-                    // a worker moving a chunk holds the slot: look again later
-                    if let Ok(mut s) = slot.try_lock() {
-                        if s.pair.is_none() {
-                            let abort = NcclAbort::new();
-                            let a2 = abort.clone();
-                            let mut alive = || {
-                                if inner.nccl.is_closing() || inner.closed.load(Ordering::Acquire) {
-                                    a2.abort();
-                                }
-                                link.alive.load(Ordering::Acquire)
-                            };
-                            let deadline = Instant::now() + inner.cfg.handshake_timeout;
-                            match open_locked(
-                                &inner, &mut s, &link, &peer, deadline, ordinal, &mut alive, abort,
-                            ) {
-                                Ok(()) => backoff = KEEP_OPEN_PERIOD,
-                                Err(e) => {
-                                    log::warn!(
-                                        "engine: NCCL communicator {} with {peer} failed: {e}",
-                                        s.generation
-                                    );
-                                    backoff = (backoff * 2).min(Duration::from_secs(2));
-                                }
+                };
+                // a worker moving a chunk holds the slot: look again later
+                if let Ok(mut s) = slot.try_lock() {
+                    if s.pair.is_none() {
+                        let abort = NcclAbort::new();
+                        let a2 = abort.clone();
+                        let mut alive = || {
+                            if inner.nccl.is_closing() || inner.closed.load(Ordering::Acquire) {
+                                a2.abort();
+                            }
+                            link.alive.load(Ordering::Acquire)
+                        };
+                        let deadline = Instant::now() + inner.cfg.handshake_timeout;
+                        match open_locked(
+                            &inner, &mut s, &link, &peer, deadline, ordinal, &mut alive, abort,
+                        ) {
+                            Ok(()) => backoff = KEEP_OPEN_PERIOD,
+                            Err(e) => {
+                                log::warn!(
+                                    "engine: NCCL communicator {} with {peer} failed: {e}",
+                                    s.generation
+                                );
+                                backoff = (backoff * 2).min(Duration::from_secs(2));
                             }
                         }
-                    };
-                }
-                std::thread::sleep(backoff);
+                    }
+                };
             }
-        });
+            std::thread::sleep(backoff);
+        }
+    });
     if let Err(e) = spawned {
         log::warn!("engine: cannot start the NCCL keeper thread: {e}");
     }
