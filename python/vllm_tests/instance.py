@@ -76,6 +76,15 @@ def build_config(role: str, opts: Dict[str, Any]):
                                        decode_context_parallel_size=opts.get("dcp", 1),
                                        cp_kv_cache_interleave_size=opts.get("interleave", 1)),
         kv_transfer_config=kt, device_config=DeviceConfig("cpu"))
+    # On a CPU without AMX, vLLM's CPU platform gives MLA its reference CPU_MLA
+    # kernel and turns chunked prefill and prefix caching off (that kernel cannot
+    # continue a prefill), and forces block size 16. These tests run no attention
+    # kernel, only vLLM's scheduler and the connector, so they keep the settings
+    # they asked for, as a GPU deployment has them, whatever this CPU is.
+    vc.cache_config.block_size = bs
+    vc.cache_config.enable_prefix_caching = True
+    vc.scheduler_config.enable_chunked_prefill = True
+    vc.scheduler_config.max_num_batched_tokens = opts.get("batch_tokens", 40)
     vc.cache_config.num_gpu_blocks = nb
     return vc
 
