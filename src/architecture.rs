@@ -34,6 +34,7 @@ const BESIDE: &[&str] = &[
     "error",
     "version",
     "rng",
+    "threads",
     "test_skip",
     "architecture",
 ];
