@@ -57,6 +57,7 @@ const MODULES: &[&str] = &[
     "memory",
     "relayout",
     "rng",
+    "threads",
     "transport",
     "version",
 ];
