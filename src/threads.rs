@@ -145,13 +145,9 @@ fn process_cpus() -> Option<libc::cpu_set_t> {
     Some(all)
 }
 
-/// Moves the calling thread onto the placement's CPUs (a no-op when it is
-/// already there or the placement is `inherit`).
+/// Moves the calling thread onto the placement's CPUs (nothing for `inherit`).
 fn place_current() {
     let Some(want) = target() else { return };
-    if affinity(0).is_some_and(|now| cpus_of(&now) == cpus_of(want)) {
-        return;
-    }
     // SAFETY: `want` is a valid cpu_set_t of the size passed; tid 0 is this thread.
     let r = unsafe { libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), want) };
     if r != 0 {
