@@ -147,8 +147,7 @@ impl Conn {
             Status::PeerUnreachable
         };
         let e = Error::new(status, detail);
-        self.rooms.fail_all(e.clone());
-        self.table.fail_all(e);
+        self.fail_all(e);
         let _ = self.shut.shutdown(Shutdown::Both);
     }
 
@@ -169,6 +168,12 @@ impl Conn {
         Ok(())
     }
 
+    /// Fails every open room grant and batch of this connection with `e`.
+    pub(crate) fn fail_all(&self, e: Error) {
+        self.rooms.fail_all(e.clone());
+        self.table.fail_all(e);
+    }
+
     /// Sends a control frame; a failure kills the connection.
     pub fn send(&self, ty: FrameType, payload: &[u8]) -> Result<()> {
         let r = {
@@ -187,8 +192,7 @@ impl Conn {
                     e.detail()
                 ),
             );
-            self.rooms.fail_all(e.clone());
-            self.table.fail_all(e);
+            self.fail_all(e);
         }
         r
     }
@@ -289,8 +293,7 @@ impl Conn {
             Status::PeerUnreachable,
             "the connection was closed by this side",
         );
-        self.rooms.fail_all(e.clone());
-        self.table.fail_all(e);
+        self.fail_all(e);
         let _ = self.shut.shutdown(Shutdown::Both);
     }
 

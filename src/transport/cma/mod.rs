@@ -211,8 +211,7 @@ impl Conn {
         let gone = || Error::new(Status::BatchFailed, "the batch ended before it was written");
         self.table.wait_granted(job.id)?;
         if let Err(e) = peer.check_alive() {
-            self.rooms.fail_all(e.clone());
-            self.table.fail_all(e.clone());
+            self.fail_all(e.clone());
             return Err(e);
         }
         if self.table.finished(job.id) {
@@ -252,8 +251,7 @@ impl Conn {
             Err(e) => {
                 self.table.fail(job.id, e.clone());
                 if e.status() == Status::PeerUnreachable {
-                    self.rooms.fail_all(e.clone());
-                    self.table.fail_all(e.clone());
+                    self.fail_all(e.clone());
                 }
                 Err(e)
             }
@@ -459,8 +457,7 @@ impl CmaTransport {
         let commit = self.conn.insert_room_batch(bytes, &guards, opts)?;
         let id = commit.batch;
         let placed = self.peer.check_alive().inspect_err(|e| {
-            self.conn.rooms.fail_all(e.clone());
-            self.conn.table.fail_all(e.clone());
+            self.conn.fail_all(e.clone());
         });
         if let Err(e) = placed.and_then(|()| place()) {
             self.conn.table.fail(id, e.clone());

@@ -156,8 +156,7 @@ impl TcpTransport {
                                 e.detail()
                             ),
                         );
-                        c.rooms.fail_all(e.clone());
-                        c.table.fail_all(e);
+                        c.fail_all(e);
                         let _ = s.shutdown(Shutdown::Both);
                         return;
                     }
