@@ -57,6 +57,7 @@ def build_config(role: str, opts: Dict[str, Any]):
                              SchedulerConfig, VllmConfig)
 
     bs, nb = opts["block_size"], opts["num_blocks"]
+    batch_tokens = opts.get("batch_tokens", 40)
     mc = ModelConfig(model=MODEL, skip_tokenizer_init=True, dtype=opts.get("dtype", "bfloat16"), seed=0,
                      max_model_len=opts.get("max_model_len", 2048))
     kt = KVTransferConfig(kv_connector="PdxferConnector",
@@ -68,7 +69,7 @@ def build_config(role: str, opts: Dict[str, Any]):
         model_config=mc,
         cache_config=CacheConfig(block_size=bs, cache_dtype=opts.get("cache_dtype", "auto"),
                                  enable_prefix_caching=True),
-        scheduler_config=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=opts.get("batch_tokens", 40),
+        scheduler_config=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=batch_tokens,
                                          max_model_len=mc.max_model_len, enable_chunked_prefill=True,
                                          is_encoder_decoder=False,
                                          disable_hybrid_kv_cache_manager=opts.get("disable_hma")),
@@ -84,7 +85,7 @@ def build_config(role: str, opts: Dict[str, Any]):
     vc.cache_config.block_size = bs
     vc.cache_config.enable_prefix_caching = True
     vc.scheduler_config.enable_chunked_prefill = True
-    vc.scheduler_config.max_num_batched_tokens = opts.get("batch_tokens", 40)
+    vc.scheduler_config.max_num_batched_tokens = batch_tokens
     vc.cache_config.num_gpu_blocks = nb
     return vc
 
