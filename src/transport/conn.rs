@@ -13,16 +13,49 @@ use crate::auth::{SessionKeys, SessionMac};
 use crate::error::{Error, Result, Status};
 use crate::memory::{AccessGuard, RegionDesc, RegionKind, Registry};
 use std::collections::HashMap;
+use std::io::Write;
 use std::net::{Shutdown, TcpStream};
 use std::os::fd::AsRawFd;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+/// The write half of a control connection: when a frame was last written,
+/// the session MAC that seals what this side sends, and the frames sealed
+/// but not yet written ([`Conn::send_deferred`]). Every write puts the
+/// deferred frames first, so frames reach the peer in the order sealed.
+struct ControlWriter {
+    stream: TcpStream,
+    last: Instant,
+    mac: SessionMac,
+    deferred: Vec<u8>,
+    /// The types of the frames in `deferred`, counted once written.
+    deferred_types: Vec<FrameType>,
+}
+
+impl ControlWriter {
+    /// Writes the deferred frames and then `frame` (may be empty) in one write.
+    fn write(&mut self, frame: Option<(FrameType, &[u8])>) -> Result<()> {
+        if let Some((ty, payload)) = frame {
+            wire::seal_frame(&mut self.deferred, ty, payload, &mut self.mac)?;
+            self.deferred_types.push(ty);
+        }
+        if self.deferred.is_empty() {
+            return Ok(());
+        }
+        self.last = Instant::now();
+        let r = self.stream.write_all(&self.deferred);
+        self.deferred.clear();
+        for ty in self.deferred_types.drain(..) {
+            super::control_counts::frame_sent(ty);
+        }
+        Ok(r?)
+    }
+}
+
 pub(crate) struct Conn {
     pub table: BatchTable,
-    /// The control connection's write half, when a frame was last sent on
-    /// it, and the session MAC that seals what this side sends.
-    writer: Mutex<(TcpStream, Instant, SessionMac)>,
+    /// The control connection's write half (see [`ControlWriter`]).
+    writer: Mutex<ControlWriter>,
     shut: TcpStream,
     pub peer: ProcIdentity,
     pub regions: HashMap<u64, RegionDesc>,
@@ -55,7 +88,13 @@ impl Conn {
         let SessionKeys { send, recv, .. } = keys;
         let conn = Arc::new(Conn {
             table: BatchTable::default(),
-            writer: Mutex::new((stream, Instant::now(), send)),
+            writer: Mutex::new(ControlWriter {
+                stream,
+                last: Instant::now(),
+                mac: send,
+                deferred: Vec::new(),
+                deferred_types: Vec::new(),
+            }),
             shut,
             peer,
             regions: regions.into_iter().map(|d| (d.id, d)).collect(),
@@ -174,14 +213,40 @@ impl Conn {
         self.table.fail_all(e);
     }
 
-    /// Sends a control frame; a failure kills the connection.
+    /// Sends a control frame (after any deferred ones); a failure kills the
+    /// connection.
     pub fn send(&self, ty: FrameType, payload: &[u8]) -> Result<()> {
-        let r = {
-            let mut w = self.writer.lock().unwrap_or_else(|p| p.into_inner());
-            let w = &mut *w;
-            w.1 = Instant::now();
-            wire::write_frame_sealed(&mut w.0, ty, payload, &mut w.2)
-        };
+        let r = self.writer().write(Some((ty, payload)));
+        self.sent(r)
+    }
+
+    /// Seals a control frame now and writes it with the next write on this
+    /// connection (`send`, `flush_deferred`), in order. `Ok(true)` when it is
+    /// the first frame waiting: the caller arranges a `flush_deferred` then.
+    pub fn send_deferred(&self, ty: FrameType, payload: &[u8]) -> Result<bool> {
+        if let Some(e) = self.table.dead() {
+            return Err(e);
+        }
+        let mut guard = self.writer();
+        let w = &mut *guard;
+        let first = w.deferred.is_empty();
+        wire::seal_frame(&mut w.deferred, ty, payload, &mut w.mac)?;
+        w.deferred_types.push(ty);
+        Ok(first)
+    }
+
+    /// Writes the frames `send_deferred` sealed; a failure kills the connection.
+    pub fn flush_deferred(&self) -> Result<()> {
+        let r = self.writer().write(None);
+        self.sent(r)
+    }
+
+    fn writer(&self) -> std::sync::MutexGuard<'_, ControlWriter> {
+        self.writer.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// A write's outcome: a failure fails the connection.
+    fn sent(&self, r: Result<()>) -> Result<()> {
         if let Err(e) = &r {
             let e = Error::new(
                 Status::PeerUnreachable,
@@ -281,14 +346,13 @@ impl Conn {
 
     /// How long since a frame was last sent.
     fn idle(&self) -> Duration {
-        self.writer
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .1
-            .elapsed()
+        self.writer().last.elapsed()
     }
 
+    /// Fails what is open on this connection and shuts it down; the frames
+    /// still deferred are written first (their batches are done).
     pub fn close(&self) {
+        let _ = self.flush_deferred();
         let e = Error::new(
             Status::PeerUnreachable,
             "the connection was closed by this side",

@@ -106,6 +106,22 @@ pub fn write_frame_sealed(
     payload: &[u8],
     mac: &mut SessionMac,
 ) -> Result<()> {
+    let mut buf = Vec::with_capacity(12 + payload.len() + TAG_LEN);
+    seal_frame(&mut buf, ty, payload, mac)?;
+    w.write_all(&buf)?;
+    w.flush()?;
+    super::control_counts::frame_sent(ty);
+    Ok(())
+}
+
+/// Appends one control frame sealed with `mac` to `out` (written later, in
+/// the order sealed: the tags are sequenced).
+pub fn seal_frame(
+    out: &mut Vec<u8>,
+    ty: FrameType,
+    payload: &[u8],
+    mac: &mut SessionMac,
+) -> Result<()> {
     let len = u32::try_from(payload.len() + TAG_LEN)
         .ok()
         .filter(|&l| l <= MAX_CONTROL_PAYLOAD)
@@ -115,17 +131,15 @@ pub fn write_frame_sealed(
                 payload.len()
             ))
         })?;
-    let mut buf = Vec::with_capacity(12 + payload.len() + TAG_LEN);
-    buf.extend_from_slice(&MAGIC.to_le_bytes());
-    buf.extend_from_slice(&VERSION.to_le_bytes());
-    buf.extend_from_slice(&(ty as u16).to_le_bytes());
-    buf.extend_from_slice(&len.to_le_bytes());
-    buf.extend_from_slice(payload);
-    let tag = mac.seal(&buf);
-    buf.extend_from_slice(&tag);
-    w.write_all(&buf)?;
-    w.flush()?;
-    super::control_counts::frame_sent(ty);
+    let start = out.len();
+    out.reserve(12 + payload.len() + TAG_LEN);
+    out.extend_from_slice(&MAGIC.to_le_bytes());
+    out.extend_from_slice(&VERSION.to_le_bytes());
+    out.extend_from_slice(&(ty as u16).to_le_bytes());
+    out.extend_from_slice(&len.to_le_bytes());
+    out.extend_from_slice(payload);
+    let tag = mac.seal(&out[start..]);
+    out.extend_from_slice(&tag);
     Ok(())
 }
 

@@ -3,7 +3,8 @@
 //! (one StandingCommit, then the receiver's completion), an out-of-bounds
 //! write is refused with the target unchanged, and an unregister racing the
 //! writes is fenced: the writes in flight finish, none lands after it
-//! returned, and the later batches are refused.
+//! returned, and the later batches are refused. A commit the submitting
+//! thread sealed is written before a later fence and before a close.
 
 use super::room_grants::serial;
 use pdxfer::error::Status;
@@ -290,4 +291,93 @@ fn unregister_racing_standing_writes_is_fenced() {
             .and_then(|id| s.t.wait(id, Duration::from_secs(10)));
     assert_eq!(e.unwrap_err().status(), Status::RegionNotFound);
     s.dst.clear();
+}
+
+/// On one writer thread the submitting thread moves the bytes and seals the
+/// batch's `StandingCommit`, and the writer thread writes it: an unregister
+/// racing such batches still sees every commit of a batch the sender was
+/// told is done before the `Fenced` (the frames go out in the order sealed),
+/// so the receiver delivers a completion for each of them and keeps the
+/// connection (a commit after the fence would be a protocol error).
+#[test]
+fn deferred_commits_are_written_before_the_fence() {
+    let _g = serial();
+    let s = side();
+    granted(&s);
+    let stop = AtomicBool::new(false);
+    let ok = AtomicU64::new(0);
+    std::thread::scope(|sc| {
+        let (s, stop, ok) = (&s, &stop, &ok);
+        sc.spawn(move || {
+            while !stop.load(Ordering::SeqCst) {
+                // 64 KiB batches, each moved inside submit
+                let r =
+                    s.t.submit(&ops(s, 0, 16, 4096), &opts())
+                        .and_then(|id| s.t.wait(id, Duration::from_secs(10)));
+                if r.is_ok() {
+                    ok.fetch_add(1, Ordering::SeqCst);
+                } else {
+                    return;
+                }
+            }
+        });
+        let t0 = Instant::now();
+        while ok.load(Ordering::SeqCst) < 50 {
+            assert!(
+                t0.elapsed() < Duration::from_secs(20),
+                "the writer never wrote"
+            );
+            std::thread::yield_now();
+        }
+        s.rx.registry()
+            .unregister(s.d.id, Duration::from_secs(10))
+            .unwrap();
+        stop.store(true, Ordering::SeqCst);
+    });
+    let done = ok.load(Ordering::SeqCst);
+    let mut delivered = 0u64;
+    while delivered < done {
+        match s.rx.next_completion(Duration::from_secs(5)) {
+            Some(c) => {
+                assert_eq!(c.completion.bytes, 16 * 4096);
+                delivered += 1;
+            }
+            None => panic!("{delivered} of {done} completions arrived"),
+        }
+    }
+    assert!(
+        s.rx.next_completion(Duration::from_millis(100)).is_none(),
+        "one completion per batch"
+    );
+    // the connection outlived the fence: the next batch is refused for the
+    // region, not for a dead connection
+    let e =
+        s.t.submit(&ops(&s, 0, 1, 4096), &opts())
+            .and_then(|id| s.t.wait(id, Duration::from_secs(10)));
+    assert_eq!(e.unwrap_err().status(), Status::RegionNotFound);
+}
+
+/// A batch done inside `submit` whose commit is still waiting to be written
+/// when the connection is closed: the close writes it first, so the receiver
+/// gets the completion of every batch the sender saw done.
+#[test]
+fn close_writes_the_deferred_commits_first() {
+    let _g = serial();
+    let s = side();
+    granted(&s);
+    let n = 20u64;
+    for b in 0..n {
+        let id = s.t.submit(&ops(&s, b, 1, 4096), &opts()).unwrap();
+        assert!(matches!(
+            s.t.poll(id).unwrap(),
+            pdxfer::transport::BatchStatus::Done(_)
+        ));
+    }
+    s.t.close();
+    for b in 0..n {
+        assert!(
+            s.rx.next_completion(Duration::from_secs(5)).is_some(),
+            "completion {b} of {n} did not arrive"
+        );
+    }
 }

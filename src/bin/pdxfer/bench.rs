@@ -50,6 +50,9 @@ pub struct Point {
     pub p50_us: f64,
     /// 99th percentile batch latency, microseconds.
     pub p99_us: f64,
+    /// Median time spent inside `submit` per batch, microseconds (a cma
+    /// batch moved by the submitting thread is written inside it).
+    pub submit_p50_us: f64,
     /// The batches were written under a room grant.
     pub room_grant: bool,
     /// tcp: the payload was encrypted (`--encrypt`).
@@ -201,7 +204,7 @@ fn measure(
     batch: usize,
     a: &BenchArgs,
     room: u64,
-) -> Result<(usize, f64, Vec<f64>)> {
+) -> Result<(usize, f64, Vec<f64>, Vec<f64>)> {
     let ops: Vec<WriteOp> = (0..batch as u64)
         .map(|i| WriteOp {
             local_region: src_region,
@@ -217,7 +220,11 @@ fn measure(
         room,
         epoch: 1,
     };
-    let run = |n: usize, budget: Duration, lat: &mut Vec<f64>| -> Result<usize> {
+    let run = |n: usize,
+               budget: Duration,
+               lat: &mut Vec<f64>,
+               in_submit: &mut Vec<f64>|
+     -> Result<usize> {
         let t0 = Instant::now();
         let mut inflight: VecDeque<(BatchId, Instant)> = VecDeque::new();
         let mut done = 0usize;
@@ -227,6 +234,7 @@ fn measure(
                 // timed from before the submit: a transport may move the bytes inside it
                 let s = Instant::now();
                 inflight.push_back((t.submit(&ops, &opts)?, s));
+                in_submit.push(s.elapsed().as_secs_f64() * 1e6);
                 submitted += 1;
             }
             let Some((id, s)) = inflight.pop_front() else {
@@ -238,13 +246,19 @@ fn measure(
         }
         Ok(done)
     };
-    let mut warm = Vec::new();
-    run(3, Duration::from_secs(10), &mut warm)?;
+    let (mut warm, mut warm_submit) = (Vec::new(), Vec::new());
+    run(3, Duration::from_secs(10), &mut warm, &mut warm_submit)?;
     let mut lat = Vec::with_capacity(a.iters);
+    let mut in_submit = Vec::with_capacity(a.iters);
     let t0 = Instant::now();
-    let n = run(a.iters.max(1), Duration::from_millis(a.max_ms), &mut lat)?;
+    let n = run(
+        a.iters.max(1),
+        Duration::from_millis(a.max_ms),
+        &mut lat,
+        &mut in_submit,
+    )?;
     let secs = t0.elapsed().as_secs_f64();
-    Ok((n, secs, lat))
+    Ok((n, secs, lat, in_submit))
 }
 
 /// Runs the benchmark.
@@ -348,7 +362,8 @@ pub fn run(a: &BenchArgs) -> Result<()> {
                     let g = target.grant(me.instance(), room)?;
                     t.open_room(&g, 1)?;
                 }
-                let (n, secs, mut lat) = measure(&*t, s_desc.id, d_region, block, batch, a, room)?;
+                let (n, secs, mut lat, mut in_submit) =
+                    measure(&*t, s_desc.id, d_region, block, batch, a, room)?;
                 if a.room_grant {
                     t.close_room(room, 1, Duration::from_secs(30))?;
                 }
@@ -357,6 +372,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
                 let per_batch =
                     (c1.sent() + c1.received() - c0.sent() - c0.received()) as f64 / (n + 3) as f64;
                 lat.sort_by(|x, y| x.total_cmp(y));
+                in_submit.sort_by(|x, y| x.total_cmp(y));
                 let bytes = block as f64 * batch as f64 * n as f64;
                 let gbps = bytes / secs / 1e9;
                 memcpy_gbps(&memsrc, &mut memdst, block as usize, batch, 1);
@@ -377,6 +393,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
                     ops_per_s: (batch * n) as f64 / secs,
                     p50_us: percentile(&lat, 0.50),
                     p99_us: percentile(&lat, 0.99),
+                    submit_p50_us: percentile(&in_submit, 0.50),
                     room_grant: a.room_grant,
                     encrypted: encrypt && kind == TransportKind::Tcp,
                     control_messages_per_batch: per_batch,
@@ -539,6 +556,7 @@ mod tests {
             ops_per_s: 1.0,
             p50_us: 1.0,
             p99_us: 2.0,
+            submit_p50_us: 0.5,
             room_grant: false,
             encrypted: false,
             control_messages_per_batch: 2.0,

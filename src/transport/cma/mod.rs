@@ -20,7 +20,10 @@
 //! handshake, until an unregister revokes one) skips the exchange too: it
 //! is checked against the peer's descriptors, written, and ends with one
 //! `StandingCommit` frame, after which the receiver delivers its completion;
-//! nothing is answered. Reads and batches with a checksum keep the exchange.
+//! nothing is answered. When the submitting thread wrote the bytes, it seals
+//! the commit in order on the connection and the writer thread writes it
+//! (with any other waiting, in one write): the batch is done once its bytes
+//! are in the receiver's memory and its commit is queued behind them. Reads and batches with a checksum keep the exchange.
 //!
 //! The process written into is the one the kernel names ([`bind`]): the
 //! listener of the receiver's per-session Unix socket, by `SO_PEERCRED` and
@@ -52,17 +55,20 @@ mod peer;
 mod writers;
 pub(crate) use peer::{split_even, PeerProcess};
 
-/// A write batch of a granted room below this many bytes is moved on the
-/// submitting thread (one thread would move it anyway): no hand-off to the
-/// writer thread and back, whose two wake-ups cost more than the copy.
-const INLINE_ROOM_BYTES: u64 = 256 << 10;
+/// A one-sided batch (a granted room's, or under standing grants) below this
+/// many bytes is moved on the submitting thread whatever the writer threads
+/// (one thread would move it anyway): no hand-off to the writer thread and
+/// back, whose two wake-ups cost more than the copy.
+const INLINE_BYTES: u64 = 256 << 10;
 
-/// A batch under standing grants up to this many bytes, on a connection with
-/// one writer thread, is moved on the submitting thread whatever its size:
-/// the writer thread would move it alone anyway, and handing it over costs
-/// two wake-ups per batch (a third of a 1 MiB batch's time on a 2-core
-/// machine). `submit` then returns with the bytes written.
-const INLINE_STANDING_BYTES: u64 = 4 << 20;
+/// A batch of a granted room or under standing grants up to this many
+/// bytes, on a connection with one writer thread, is moved on the submitting
+/// thread whatever its size: the writer thread would move it alone anyway,
+/// and handing it over costs two wake-ups per batch (a third of a 1 MiB
+/// batch's time on a 2-core machine). `submit` then returns with the bytes
+/// written; a standing batch's `StandingCommit` is sealed there and written
+/// by the writer thread, off the caller's time.
+const INLINE_ONE_THREAD_BYTES: u64 = 4 << 20;
 
 struct Job {
     id: u64,
@@ -80,10 +86,19 @@ struct Job {
     standing: Option<Ticket>,
 }
 
+/// What the writer thread is handed.
+enum Task {
+    /// A batch to move (and end).
+    Move(Job),
+    /// Write the control frames the submitting thread deferred (the
+    /// `StandingCommit`s of batches it moved itself).
+    Flush,
+}
+
 /// The cma transport (sender side).
 pub struct CmaTransport {
     conn: Arc<Conn>,
-    tx: Sender<Job>,
+    tx: Sender<Task>,
     mapped: usize,
     /// The peer (shared with the writer thread): its mapped regions live as
     /// long as this transport.
@@ -101,12 +116,19 @@ impl CmaTransport {
         let regions: Vec<RegionDesc> = conn.regions.values().cloned().collect();
         let mapped = peer.map_shared(&regions);
         let peer = Arc::new(peer);
-        let (tx, rx) = unbounded::<Job>();
+        let (tx, rx) = unbounded::<Task>();
         let (c, p) = (conn.clone(), peer.clone());
         let writers = Writers::start(&peer, threads)?;
         crate::threads::spawn("pdxfer-cma-tx".into(), move || {
-            for job in rx {
-                c.run_job(&p, &writers, job);
+            for task in rx {
+                match task {
+                    Task::Move(job) => {
+                        c.run_job(&p, &writers, job, false);
+                    }
+                    Task::Flush => {
+                        let _ = c.flush_deferred();
+                    }
+                }
             }
         })?;
         Ok(CmaTransport {
@@ -160,19 +182,33 @@ pub(crate) fn connect(mut d: Dialed<'_>) -> Result<Box<dyn Transport>> {
 }
 
 impl Conn {
-    fn run_job(&self, peer: &PeerProcess, writers: &Writers, mut job: Job) {
+    /// Moves a job's bytes and ends its batch. `defer` (the submitting
+    /// thread moved it): a `StandingCommit` is sealed in order but written by
+    /// the writer thread, and `true` is returned when that thread must be
+    /// asked to (the first frame waiting).
+    fn run_job(&self, peer: &PeerProcess, writers: &Writers, mut job: Job, defer: bool) -> bool {
         let r = self.move_job(peer, writers, &job);
         if let Some(ticket) = job.standing.take() {
-            // written (or failed) under standing grants: one frame, no answer
-            if r.is_ok()
-                && self
-                    .send(FrameType::StandingCommit, &wire::encode_commit(&job.commit))
-                    .is_ok()
-            {
-                self.table.set(job.id, Stage::Done);
+            // written (or failed) under standing grants: one frame, no answer.
+            // The batch is done once its bytes are in the receiver's memory
+            // and its commit is sealed behind them on the connection; the
+            // ticket (a revoke's fence waits for it) goes after the sealing,
+            // so a `Fenced` is always written after the commit.
+            let mut flush = false;
+            if r.is_ok() {
+                let commit = wire::encode_commit(&job.commit);
+                let sealed = if defer {
+                    self.send_deferred(FrameType::StandingCommit, &commit)
+                        .map(|first| flush = first)
+                } else {
+                    self.send(FrameType::StandingCommit, &commit)
+                };
+                if sealed.is_ok() {
+                    self.table.set(job.id, Stage::Done);
+                }
             }
             drop(ticket);
-            return;
+            return flush;
         }
         if let Some(key) = job.room {
             // a granted room's batch ends here: no commit, no frame
@@ -187,7 +223,7 @@ impl Conn {
                 }
             };
             self.rooms.finished(key, outcome);
-            return;
+            return false;
         }
         match r {
             Ok(read_sum) => {
@@ -201,6 +237,7 @@ impl Conn {
                 let _ = self.send(FrameType::Abort, &job.id.to_le_bytes());
             }
         }
+        false
     }
 
     /// Moves a job's bytes once it is granted; `Ok` when every byte landed
@@ -297,8 +334,9 @@ impl CmaTransport {
                 None,
             ),
         };
-        let inline = ((room.is_some() || standing.is_some()) && bytes < INLINE_ROOM_BYTES)
-            || (standing.is_some() && self.threads <= 1 && bytes <= INLINE_STANDING_BYTES);
+        let one_sided = room.is_some() || standing.is_some();
+        let inline = one_sided
+            && (bytes < INLINE_BYTES || (self.threads <= 1 && bytes <= INLINE_ONE_THREAD_BYTES));
         let id = commit.batch;
         let job = Job {
             id,
@@ -312,8 +350,13 @@ impl CmaTransport {
         };
         if inline {
             // nothing to wait for (granted with the room, or standing):
-            // moved on this thread, sparing the writer thread's wake-up and the caller's
-            self.conn.run_job(&self.peer, &Writers::single(), job);
+            // moved on this thread, sparing the writer thread's wake-up and
+            // the caller's; a standing commit is written by the writer thread
+            if self.conn.run_job(&self.peer, &Writers::single(), job, true)
+                && self.tx.send(Task::Flush).is_err()
+            {
+                let _ = self.conn.flush_deferred();
+            }
         } else {
             self.queue(job);
         }
@@ -323,7 +366,7 @@ impl CmaTransport {
     /// Hands a job to the writer thread (it fails when the thread is gone).
     fn queue(&self, job: Job) {
         let (id, room) = (job.id, job.room);
-        if self.tx.send(job).is_err() {
+        if self.tx.send(Task::Move(job)).is_err() {
             let e = Error::new(Status::PeerUnreachable, "cma writer thread is gone");
             if let Some(key) = room {
                 self.conn.rooms.finished(key, Err(e.clone()));
@@ -466,7 +509,7 @@ impl CmaTransport {
             return Err(e);
         }
         // placed already and granted with the room: marked done on this thread
-        self.conn.run_job(
+        let _ = self.conn.run_job(
             &self.peer,
             &Writers::single(),
             Job {
@@ -479,6 +522,7 @@ impl CmaTransport {
                 placed: true,
                 standing: None,
             },
+            false,
         );
         Ok(BatchId(id))
     }
