@@ -192,6 +192,8 @@ fn prefill_conn(
             keepalive: inner.cfg.keepalive,
             // the decode's data plane must be the instance this channel authenticated
             expect_instance: Some(peer),
+            // a worker writes a chunk to every decode rank, then waits for them all
+            fan_out: true,
             ..Default::default()
         },
     ) {

@@ -373,6 +373,7 @@ impl Prefill {
             &link.data_addr,
             &ConnectOptions {
                 transport: self.cfg.data_transport(),
+                fan_out: true,
                 ..Default::default()
             },
         ) {

@@ -215,6 +215,12 @@ pub struct ConnectOptions {
     /// The instance the peer must authenticate as (`PeerIdentity` naming both
     /// ids otherwise); `None` accepts any peer that proves the secret.
     pub expect_instance: Option<PeerInstance>,
+    /// cma: the caller submits one job's batches over several connections
+    /// and then waits for them all, so every batch of 256 KiB or more is
+    /// moved by this connection's writer thread (the connections move in
+    /// parallel). Without it, a one-thread connection moves a one-sided
+    /// batch of up to 4 MiB inside `submit`, sparing two thread hand-offs.
+    pub fan_out: bool,
 }
 
 impl Default for ConnectOptions {
@@ -226,6 +232,7 @@ impl Default for ConnectOptions {
             timeout: Duration::from_secs(10),
             keepalive: Duration::from_secs(15),
             expect_instance: None,
+            fan_out: false,
         }
     }
 }

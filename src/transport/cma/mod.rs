@@ -62,8 +62,8 @@ pub(crate) use peer::{split_even, PeerProcess};
 const INLINE_BYTES: u64 = 256 << 10;
 
 /// A batch of a granted room or under standing grants up to this many
-/// bytes, on a connection with one writer thread, is moved on the submitting
-/// thread whatever its size: the writer thread would move it alone anyway,
+/// bytes, on a connection with one writer thread and without `fan_out`, is
+/// moved on the submitting thread whatever its size: the writer thread would move it alone anyway,
 /// and handing it over costs two wake-ups per batch (a third of a 1 MiB
 /// batch's time on a 2-core machine). `submit` then returns with the bytes
 /// written; a standing batch's `StandingCommit` is sealed there and written
@@ -105,6 +105,9 @@ pub struct CmaTransport {
     peer: Arc<PeerProcess>,
     /// Writer threads a batch is split over (the connection's `threads`).
     threads: usize,
+    /// The connection's `fan_out`: no batch of `INLINE_BYTES` or more is
+    /// moved inside `submit`.
+    fan_out: bool,
 }
 
 impl CmaTransport {
@@ -112,6 +115,7 @@ impl CmaTransport {
         conn: Arc<Conn>,
         mut peer: PeerProcess,
         threads: usize,
+        fan_out: bool,
     ) -> Result<CmaTransport> {
         let regions: Vec<RegionDesc> = conn.regions.values().cloned().collect();
         let mapped = peer.map_shared(&regions);
@@ -137,6 +141,7 @@ impl CmaTransport {
             mapped,
             peer,
             threads,
+            fan_out,
         })
     }
 }
@@ -176,9 +181,9 @@ pub(crate) fn connect(mut d: Dialed<'_>) -> Result<Box<dyn Transport>> {
     )?;
     let _: serde_json::Value = d.recv_json(FrameType::SelectOk)?;
     vouched.confirm(addr)?;
-    let threads = d.opts.threads.max(1) as usize;
+    let (threads, fan_out) = (d.opts.threads.max(1) as usize, d.opts.fan_out);
     let conn = d.start()?;
-    Ok(Box::new(CmaTransport::new(conn, pidfd, threads)?))
+    Ok(Box::new(CmaTransport::new(conn, pidfd, threads, fan_out)?))
 }
 
 impl Conn {
@@ -336,7 +341,8 @@ impl CmaTransport {
         };
         let one_sided = room.is_some() || standing.is_some();
         let inline = one_sided
-            && (bytes < INLINE_BYTES || (self.threads <= 1 && bytes <= INLINE_ONE_THREAD_BYTES));
+            && (bytes < INLINE_BYTES
+                || (!self.fan_out && self.threads <= 1 && bytes <= INLINE_ONE_THREAD_BYTES));
         let id = commit.batch;
         let job = Job {
             id,
