@@ -304,10 +304,24 @@ impl Conn {
         Ok(landed)
     }
 
-    /// Closes an open room: waits for its batches, sends RoomEnd with their
-    /// totals and waits for the receiver's RoomAck (all within `timeout`).
-    pub fn close_room(&self, room: u64, epoch: u64, timeout: Duration) -> Result<RoomSummary> {
-        let t0 = Instant::now();
+    /// Sends an open room's RoomEnd (once its batches are done, within
+    /// `timeout`) and returns without waiting for the answer; `close_room`
+    /// of the same room then waits for it. A caller closing a room on several
+    /// connections sends every RoomEnd first, so the answers overlap.
+    pub fn end_room(&self, room: u64, epoch: u64, timeout: Duration) -> Result<()> {
+        let (token, sum) = self.send_room_end(room, epoch, timeout)?;
+        self.rooms.ended(room, epoch, token, sum);
+        Ok(())
+    }
+
+    /// Takes the room once its batches are done and sends its RoomEnd: the
+    /// grant's token and the totals sent.
+    fn send_room_end(
+        &self,
+        room: u64,
+        epoch: u64,
+        timeout: Duration,
+    ) -> Result<(u64, RoomSummary)> {
         let (grant, sum) = self.rooms.take(room, epoch, timeout)?;
         let end = RoomEnd {
             token: grant.token,
@@ -319,9 +333,21 @@ impl Conn {
         if let Err(e) = self.send(FrameType::RoomEnd, &end.encode()) {
             self.rooms.answered(grant.token, Err(e));
         }
+        Ok((grant.token, sum))
+    }
+
+    /// Closes an open room: waits for its batches, sends RoomEnd with their
+    /// totals (unless `end_room` did) and waits for the receiver's RoomAck
+    /// (all within `timeout`).
+    pub fn close_room(&self, room: u64, epoch: u64, timeout: Duration) -> Result<RoomSummary> {
+        let t0 = Instant::now();
+        let (token, sum) = match self.rooms.take_ended(room, epoch) {
+            Some(ended) => ended,
+            None => self.send_room_end(room, epoch, timeout)?,
+        };
         let got = self
             .rooms
-            .wait_answer(grant.token, timeout.saturating_sub(t0.elapsed()))
+            .wait_answer(token, timeout.saturating_sub(t0.elapsed()))
             .map_err(|e| {
                 Error::new(
                     e.status(),
@@ -692,6 +718,15 @@ macro_rules! conn_room_grants {
             epoch: u64,
         ) -> $crate::error::Result<()> {
             self.conn.open_room(grant, epoch)
+        }
+
+        fn end_room(
+            &self,
+            room: u64,
+            epoch: u64,
+            timeout: std::time::Duration,
+        ) -> $crate::error::Result<()> {
+            self.conn.end_room(room, epoch, timeout)
         }
 
         fn close_room(

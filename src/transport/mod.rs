@@ -403,6 +403,16 @@ pub trait Transport: Send + Sync {
         ))
     }
 
+    /// Sends the room's end now and returns without waiting for the
+    /// receiver's answer; [`close_room`](Self::close_room) of the same room
+    /// then waits for it (so a room closed on several connections has every
+    /// end in flight at once). Transports without room grants do nothing
+    /// here; their `close_room` answers.
+    fn end_room(&self, room: u64, epoch: u64, timeout: Duration) -> Result<()> {
+        let _ = (room, epoch, timeout);
+        Ok(())
+    }
+
     /// Closes an open room: waits (within `timeout`) for its batches, then one
     /// round trip: the receiver checks the totals, releases the grant and
     /// acknowledges once every byte landed. Fails when a batch of the room

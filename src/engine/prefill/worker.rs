@@ -47,12 +47,16 @@ pub(in crate::engine) fn worker_loop(
         // the room's last chunk ran (this job's, or a layer group after it)
         let last = matches!(r, Ok(true));
         let r = r.map(|_| ());
-        // the last chunk closes the room's grants (every decode rank at once):
-        // on a thread of its own, so a decode slow to answer holds no worker
+        // the last chunk closes the room's grants: every decode rank's room
+        // end is sent here, at once; the answers are awaited on a thread of
+        // its own, so a decode slow to answer holds no worker
+        let mut ended = None;
         if last && r.is_ok() && jobs.start_close() {
-            let (p, q) = (inner.clone(), jobs.clone());
+            let ends = Arc::new(std::sync::Mutex::new(Some(end_grants(&inner, room, attempt))));
+            let (p, q, e) = (inner.clone(), jobs.clone(), ends.clone());
             let spawned = crate::threads::spawn("pdxfer-close".into(), move || {
-                let r = close_grants(&p, room, attempt);
+                let ends = lock(&e).take().unwrap_or_default();
+                let r = await_grants(&p, room, attempt, ends);
                 conclude(&p, room, attempt, last, r);
                 q.end_close();
                 p.cv.notify_all();
@@ -63,13 +67,13 @@ pub(in crate::engine) fn worker_loop(
                 continue;
             }
             jobs.end_close();
+            // the thread did not start: the ends sent are awaited here
+            ended = lock(&ends).take();
         }
-        let r = r.and_then(|()| {
-            if last {
-                close_grants(&inner, room, attempt)
-            } else {
-                Ok(())
-            }
+        let r = r.and_then(|()| match (last, ended) {
+            (true, Some(ends)) => await_grants(&inner, room, attempt, ends),
+            (true, None) => close_grants(&inner, room, attempt),
+            (false, _) => Ok(()),
         });
         conclude(&inner, room, attempt, last, r);
         inner.jobs.done(&job);
@@ -399,14 +403,47 @@ fn open_grant(m: &MetaInfo, epoch: u64) -> Result<()> {
 /// before the room is reported done: a slow decode rank's answer costs the
 /// room one wait, not one per rank.
 fn close_grants(inner: &Prefill, room: u64, attempt: u64) -> Result<()> {
-    let infos = lock(&inner.prefill_rooms)
+    let ended = end_grants(inner, room, attempt);
+    await_grants(inner, room, attempt, ended)
+}
+
+/// The room's decode ranks holding a grant, each with its link.
+fn granted_infos(inner: &Prefill, room: u64) -> Vec<MetaInfo> {
+    lock(&inner.prefill_rooms)
         .get(&room)
-        .map(|r| r.infos.clone())
-        .unwrap_or_default();
-    let granted: Vec<&MetaInfo> = infos.iter().filter(|m| m.grant.is_some()).collect();
-    let close = |m: &MetaInfo| -> Result<()> {
+        .map(|r| r.infos.iter().filter(|m| m.grant.is_some()).cloned().collect())
+        .unwrap_or_default()
+}
+
+/// Sends the room end to every decode rank holding a grant, without
+/// waiting for any answer (a few microseconds each): what each send gave,
+/// in the order of [`granted_infos`], for [`await_grants`].
+fn end_grants(inner: &Prefill, room: u64, attempt: u64) -> Vec<Result<()>> {
+    granted_infos(inner, room)
+        .iter()
+        .map(|m| {
+            m.link
+                .data()
+                .end_room(room, attempt, inner.cfg.batch_timeout)
+        })
+        .collect()
+}
+
+/// Waits for every decode rank's answer to the room end `end_grants` sent
+/// (`ended`, one per rank); a tcp link that broke before every byte was
+/// confirmed resumes the room on a new connection and closes it there.
+fn await_grants(inner: &Prefill, room: u64, attempt: u64, ended: Vec<Result<()>>) -> Result<()> {
+    let granted = granted_infos(inner, room);
+    let mut ended = ended.into_iter();
+    let mut results = Vec::with_capacity(granted.len());
+    for m in &granted {
         let data = m.link.data();
-        let mut r = data.close_room(room, attempt, inner.cfg.batch_timeout);
+        // a rank the ends did not see (the room's ranks are fixed before its
+        // last chunk; kept for safety) is ended and closed here
+        let mut r = match ended.next() {
+            Some(Ok(())) | None => data.close_room(room, attempt, inner.cfg.batch_timeout),
+            Some(Err(e)) => Err(e),
+        };
         if let Err(e) = &r {
             // the connection broke before every byte was confirmed: the
             // room resumes on a new one and closes there
@@ -420,7 +457,7 @@ fn close_grants(inner: &Prefill, room: u64, attempt: u64) -> Result<()> {
                 );
             }
         }
-        match r {
+        results.push(match r {
             Ok(_) => Ok(()),
             // never opened here: the transport has no grants, or the link was remade
             Err(e) if matches!(e.status(), Status::Unsupported | Status::UnknownRoom) => Ok(()),
@@ -432,24 +469,8 @@ fn close_grants(inner: &Prefill, room: u64, attempt: u64) -> Result<()> {
                     e.detail()
                 ),
             )),
-        }
-    };
-    let Some((first, rest)) = granted.split_first() else {
-        return Ok(());
-    };
-    let results: Vec<Result<()>> = std::thread::scope(|s| {
-        let others: Vec<_> = rest.iter().map(|m| s.spawn(move || close(m))).collect();
-        let mut v = vec![close(first)];
-        v.extend(others.into_iter().map(|h| {
-            h.join().unwrap_or_else(|_| {
-                Err(Error::new(
-                    Status::Panic,
-                    format!("room {room}: a room close panicked"),
-                ))
-            })
-        }));
-        v
-    });
+        });
+    }
     results.into_iter().collect()
 }
 
