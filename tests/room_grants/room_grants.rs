@@ -666,3 +666,68 @@ fn cma_placed_batches_of_a_room_skip_the_per_batch_frames() {
     assert_eq!(&landed[100..4100], &expected(4000, 0)[..]);
     assert!(landed[..100].iter().chain(&landed[4100..]).all(|&b| b == 0));
 }
+
+/// `end_room` sends the room's end and returns before the answer; the
+/// receiver releases the grant on it, and `close_room` then only waits for
+/// the answer (one RoomEnd in all) and returns the room's totals. An end of
+/// a room not open here is `UnknownRoom`, and sends nothing.
+fn end_then_close(kind: TransportKind) {
+    let _g = serial();
+    let p = pair(kind, "end");
+    let g =
+        p.rx.grant_room(
+            p.tx.instance(),
+            ROOM,
+            DECODE_EPOCH,
+            &[range(&p.d, 0, 64 << 10)],
+            Duration::from_secs(30),
+        )
+        .unwrap();
+    p.t.open_room(&g, EPOCH).unwrap();
+    for i in 0..4u64 {
+        let id =
+            p.t.submit(&[op(&p, i * 4096, i * 4096, 4096)], &opts())
+                .unwrap();
+        p.t.wait(id, Duration::from_secs(10)).unwrap();
+    }
+    let ends = frames_sent(FrameType::RoomEnd);
+    p.t.end_room(ROOM, EPOCH, Duration::from_secs(10)).unwrap();
+    assert_eq!(
+        frames_sent(FrameType::RoomEnd),
+        ends + 1,
+        "the end went out"
+    );
+    let t0 = std::time::Instant::now();
+    while p.rx.room_grants_held() != 0 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(5),
+            "the receiver never released the grant"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let sum =
+        p.t.close_room(ROOM, EPOCH, Duration::from_secs(10))
+            .unwrap();
+    assert_eq!((sum.batches, sum.bytes), (4, 4 * 4096));
+    assert_eq!(
+        frames_sent(FrameType::RoomEnd),
+        ends + 1,
+        "one RoomEnd in all"
+    );
+    assert_eq!(&p.dst[..4 * 4096], &expected(4 * 4096, 0)[..]);
+    let e =
+        p.t.end_room(ROOM, EPOCH, Duration::from_secs(1))
+            .unwrap_err();
+    assert_eq!(e.status(), Status::UnknownRoom, "{e}");
+    assert_eq!(frames_sent(FrameType::RoomEnd), ends + 1);
+}
+
+#[test]
+fn cma_end_room_then_close_waits_only_for_the_answer() {
+    end_then_close(TransportKind::Cma);
+}
+
+#[test]
+fn tcp_end_room_then_close_waits_only_for_the_answer() {
+    end_then_close(TransportKind::Tcp);
+}

@@ -52,7 +52,9 @@ pub(in crate::engine) fn worker_loop(
         // its own, so a decode slow to answer holds no worker
         let mut ended = None;
         if last && r.is_ok() && jobs.start_close() {
-            let ends = Arc::new(std::sync::Mutex::new(Some(end_grants(&inner, room, attempt))));
+            let ends = Arc::new(std::sync::Mutex::new(Some(end_grants(
+                &inner, room, attempt,
+            ))));
             let (p, q, e) = (inner.clone(), jobs.clone(), ends.clone());
             let spawned = crate::threads::spawn("pdxfer-close".into(), move || {
                 let ends = lock(&e).take().unwrap_or_default();
@@ -411,7 +413,13 @@ fn close_grants(inner: &Prefill, room: u64, attempt: u64) -> Result<()> {
 fn granted_infos(inner: &Prefill, room: u64) -> Vec<MetaInfo> {
     lock(&inner.prefill_rooms)
         .get(&room)
-        .map(|r| r.infos.iter().filter(|m| m.grant.is_some()).cloned().collect())
+        .map(|r| {
+            r.infos
+                .iter()
+                .filter(|m| m.grant.is_some())
+                .cloned()
+                .collect()
+        })
         .unwrap_or_default()
 }
 
