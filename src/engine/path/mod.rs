@@ -8,7 +8,7 @@
 //!
 //! - [`staged`]: host pools; rows written straight from the pools, or
 //!   gathered on the CPU into the worker's host staging when that makes
-//!   fewer writes (never over tcp, whose sender gathers itself).
+//!   fewer writes (never over tcp or cma, whose senders gather themselves).
 //! - [`direct`]: the one-copy path (host pools, the decode's pools mapped
 //!   here: cma with shared pools).
 //! - [`device`]: device pools, gathered on the GPU into the worker's device
@@ -45,8 +45,10 @@ pub(super) enum WritePath {
     /// host staging when that makes fewer writes. `sender_gathers`: the
     /// connection's sender gathers scattered sources itself (tcp sends
     /// consecutive writes whose destinations follow each other as one piece,
-    /// its payload gathered by the kernel), so rows go straight from the
-    /// pools (each entry's runs in order) and packing would only add a copy.
+    /// its payload gathered by the kernel; cma hands `process_vm_writev` the
+    /// scattered rows as its local iovecs and their destination run as one
+    /// remote iovec), so rows go straight from the pools (each entry's runs
+    /// in order) and packing would only add a copy.
     Staged { sender_gathers: bool },
     /// One copy: every decode pool of the pair is mapped here (cma, decode
     /// pools in shared memory), one mapping per topology entry.
@@ -127,7 +129,7 @@ impl WritePath {
             }
         }
         WritePath::Staged {
-            sender_gathers: data.kind() == TransportKind::Tcp,
+            sender_gathers: matches!(data.kind(), TransportKind::Tcp | TransportKind::Cma),
         }
     }
 

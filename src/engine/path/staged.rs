@@ -1,9 +1,11 @@
 //! The host staging path of a prefill worker: a pair's rows written
 //! straight from the pools, or gathered on the CPU into the worker's
 //! registered staging buffer slice by slice and written from there. Over
-//! tcp the rows always go straight from the pools: its sender gathers the
-//! scattered rows of a destination run itself (one piece, one `writev`), so
-//! packing them first would only add a copy.
+//! tcp and cma the rows always go straight from the pools: their sender
+//! gathers the scattered rows of a destination run itself (tcp: one piece,
+//! one `writev`; cma: one `process_vm_writev` whose local iovecs are the
+//! rows and whose remote iovec is the run), so packing them first would
+//! only add a copy.
 
 use super::chunk::{Chunk, Pair};
 use super::{clip, packed_ops};
@@ -122,7 +124,7 @@ pub(super) fn gather_into_slot(
 
 /// Submits `layers` of one pair's rows of a chunk into the chunk's flight:
 /// straight from the pools where the link's sender gathers them
-/// (`sender_gathers`: tcp), else packed through the worker's host staging
+/// (`sender_gathers`: tcp, cma), else packed through the worker's host staging
 /// buffer (the group's rows entry-major, slice by slice) when that makes
 /// fewer writes, else straight from the pools. The staging is used as
 /// [`STAGING_SLOTS`] slots: each slice is gathered into the next slot,

@@ -134,7 +134,7 @@ fn staged_rows_go_straight_from_the_pools_when_packing_saves_nothing() {
         (false, SPREAD, 1 << 16),
         // no staging at all
         (false, SCATTERED, 0),
-        // the sender gathers them itself (tcp)
+        // the sender gathers them itself (tcp, cma)
         (true, SCATTERED, 1 << 16),
     ] {
         for groups in [WHOLE, GROUPS] {
