@@ -134,13 +134,35 @@ pub fn scatter(
 pub unsafe fn copy_spans_raw(entries: &[CopyEntry], spans: &[Run]) {
     for e in entries {
         for s in spans {
-            let n = (s.len * e.row_bytes) as usize;
-            let src = (e.src + s.src * e.row_bytes) as usize as *const u8;
-            let dst = (e.dst + s.dst * e.row_bytes) as usize as *mut u8;
+            let (src, dst, n) = span_bytes(e, s);
             // SAFETY: the caller guarantees both ranges are valid and disjoint.
             unsafe { std::ptr::copy_nonoverlapping(src, dst, n) };
         }
     }
+}
+
+/// The source, destination and length in bytes of span `s` of entry `e`.
+fn span_bytes(e: &CopyEntry, s: &Run) -> (*const u8, *mut u8, usize) {
+    let n = (s.len * e.row_bytes) as usize;
+    let src = (e.src + s.src * e.row_bytes) as usize as *const u8;
+    let dst = (e.dst + s.dst * e.row_bytes) as usize as *mut u8;
+    (src, dst, n)
+}
+
+/// Span `s` of entry `e` for a streaming kernel: its bytes when the
+/// destination is `align`-byte aligned and the length a multiple of 64;
+/// otherwise the span is copied here, plainly, and `None` is returned.
+///
+/// # Safety
+/// The contract of [`copy_spans_raw`] for this span.
+unsafe fn streamable(e: &CopyEntry, s: &Run, align: usize) -> Option<(*const u8, *mut u8, usize)> {
+    let (src, dst, n) = span_bytes(e, s);
+    if (dst as usize).is_multiple_of(align) && n.is_multiple_of(64) {
+        return Some((src, dst, n));
+    }
+    // SAFETY: the caller guarantees both ranges are valid and disjoint.
+    unsafe { std::ptr::copy_nonoverlapping(src, dst, n) };
+    None
 }
 
 /// [`copy_spans_raw`] with non-temporal (streaming) stores where the CPU
@@ -201,14 +223,10 @@ unsafe fn streaming_avx512(entries: &[CopyEntry], spans: &[Run]) {
                     }
                 }
             }
-            let n = (s.len * e.row_bytes) as usize;
-            let src = (e.src + s.src * e.row_bytes) as usize as *const u8;
-            let dst = (e.dst + s.dst * e.row_bytes) as usize as *mut u8;
-            if !(dst as usize).is_multiple_of(64) || !n.is_multiple_of(64) {
-                // SAFETY: the caller guarantees both ranges are valid and disjoint.
-                unsafe { std::ptr::copy_nonoverlapping(src, dst, n) };
+            // SAFETY: the caller guarantees both ranges are valid and disjoint.
+            let Some((src, dst, n)) = (unsafe { streamable(e, s, 64) }) else {
                 continue;
-            }
+            };
             let (sp, dp) = (src as *const __m512i, dst as *mut __m512i);
             let lines = n / 64;
             let mut i = 0;
@@ -248,14 +266,10 @@ unsafe fn streaming_avx2(entries: &[CopyEntry], spans: &[Run]) {
     use std::arch::x86_64::{__m256i, _mm256_loadu_si256, _mm256_stream_si256, _mm_sfence};
     for e in entries {
         for s in spans {
-            let n = (s.len * e.row_bytes) as usize;
-            let src = (e.src + s.src * e.row_bytes) as usize as *const u8;
-            let dst = (e.dst + s.dst * e.row_bytes) as usize as *mut u8;
-            if !(dst as usize).is_multiple_of(32) || !n.is_multiple_of(64) {
-                // SAFETY: the caller guarantees both ranges are valid and disjoint.
-                unsafe { std::ptr::copy_nonoverlapping(src, dst, n) };
+            // SAFETY: the caller guarantees both ranges are valid and disjoint.
+            let Some((src, dst, n)) = (unsafe { streamable(e, s, 32) }) else {
                 continue;
-            }
+            };
             let (sp, dp) = (src as *const __m256i, dst as *mut __m256i);
             for i in (0..n / 32).step_by(2) {
                 // SAFETY: i + 1 < n / 32 (n is a multiple of 64): both 32-byte
