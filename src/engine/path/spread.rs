@@ -3,8 +3,9 @@
 //! its first one-copy pair), so a pair of a few hundred KiB (a layer-wise
 //! send's layer group) is copied by every core too, for two channel
 //! hand-offs per helper and no thread spawn. The rows are sorted by
-//! destination and merged into runs before they are split: each thread
-//! copies one contiguous stretch of the decode's rows, a run at a time.
+//! destination and merged into runs before they are split into four groups
+//! a thread, each a contiguous stretch of the decode's rows; the threads
+//! take the groups one at a time (the caller takes back what no helper took).
 
 use crate::error::{Error, Result, Status};
 use crate::layout::runs::RunMerger;
@@ -20,6 +21,13 @@ pub(super) const SPREAD_MIN_BYTES: u64 = 256 << 10;
 
 /// Most threads one pair's copy is spread over.
 const SPREAD_MAX_THREADS: usize = 8;
+
+/// Groups a pair is cut into per thread of the crew: the threads take them
+/// one at a time, so a helper the scheduler leaves off its core for a while
+/// holds back one small group, not a whole share the caller must then copy
+/// after its own (on a 2-core machine beside the decode ranks, the slowest
+/// request's extra time).
+const GROUPS_PER_THREAD: usize = 4;
 
 /// One group of a pair's runs for a helper, and where it says it is done.
 struct Task {
@@ -121,12 +129,14 @@ impl CopyCrew {
                 return Ok(());
             }
         };
-        let mut groups = split_by_destination(runs, self.threads).into_iter();
+        let groups = split_by_destination(runs, self.threads * GROUPS_PER_THREAD);
+        // one answer per group at most: a helper never waits to answer
+        let (done_tx, done_rx) = bounded::<bool>(groups.len().max(1));
+        let mut groups = groups.into_iter();
         let Some(first) = groups.next() else {
             return Ok(());
         };
         let shared: Arc<[CopyEntry]> = Arc::from(entries);
-        let (done_tx, done_rx) = bounded::<bool>(self.threads);
         let mut handed: Vec<(Arc<AtomicBool>, Arc<[Run]>)> = Vec::new();
         let mut here: Vec<Arc<[Run]>> = vec![Arc::from(first)];
         for g in groups {
