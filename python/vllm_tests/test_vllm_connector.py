@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import random
 import socket
 import time
 from typing import Any, Dict, List, Optional
@@ -21,12 +22,35 @@ BLOCKS = 64
 TIMEOUT = 8.0  # the instances' transfer_timeout (s)
 
 
+def _ephemeral_low() -> int:
+    """The first port the kernel hands out for a bind to port 0 or a connect."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+_PORTS = random.Random(os.getpid())
+
+
 def _port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    p = s.getsockname()[1]
-    s.close()
-    return p
+    """A free port for an instance to listen on seconds from now. Drawn below
+    the ephemeral range: a port the kernel handed out for a bind to port 0 is
+    free again once closed, and the next bind to 0 (a pdxfer agent's data-plane
+    listener, say) may take it before the instance listens on it."""
+    low = _ephemeral_low()
+    for _ in range(200):
+        p = _PORTS.randrange(10000, max(10001, low))
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", p))
+            except OSError:
+                continue
+        return p
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 class Inst:
