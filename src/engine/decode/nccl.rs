@@ -6,13 +6,15 @@ use crate::engine::control::CtlMsg;
 use crate::engine::decode::{Decode, DecodeRoom};
 use crate::engine::link::PrefillLink;
 use crate::engine::nccl_link::{
-    open_abort, plan_options, room_deadline, room_live, LinkKey, ReceiverThread, Staging,
+    plan_options, room_deadline, room_live, LinkKey, ReceiverThread, Staging,
 };
 use crate::engine::state::lock;
 use crate::error::{Error, Result, Status};
 use crate::layout::{PairRequest, PoolGeometry, Side};
 use crate::relayout::{self, gpu::GpuRelayout};
-use crate::transport::nccl::{check_mirror, NcclBuffer, NcclId, NcclPair, NcclPlan, NcclRole};
+use crate::transport::nccl::{
+    check_mirror, NcclAbort, NcclBuffer, NcclId, NcclPair, NcclPlan, NcclRole,
+};
 use std::sync::atomic::AtomicU64;
 use std::sync::atomic::Ordering;
 use std::sync::mpsc;
@@ -156,7 +158,14 @@ fn open(
     let r = (|| {
         let id = NcclId::from_hex(id)?;
         let gpu = st.gpu.as_ref().map_err(Clone::clone)?;
-        let (abort, mut alive) = open_abort(inner, &inner.nccl, &link.alive);
+        let abort = NcclAbort::new();
+        let a2 = abort.clone();
+        let mut alive = || {
+            if inner.nccl.is_closing() || inner.closed.load(Ordering::Acquire) {
+                a2.abort();
+            }
+            link.alive.load(Ordering::Acquire)
+        };
         NcclPair::connect(
             &id,
             NcclRole::Receiver,

@@ -299,26 +299,6 @@ pub(in crate::engine) fn room_deadline(inner: &Shared, room: u64) -> Instant {
         .unwrap_or_else(|| Instant::now() + inner.cfg.room_timeout)
 }
 
-/// The abort of one communicator open and the liveness check its wait
-/// polls: the check aborts the open once the engine closes, and says whether
-/// the link (`link_alive`) is still up.
-#[cfg(feature = "nccl")]
-pub(in crate::engine) fn open_abort<'a>(
-    inner: &'a Shared,
-    nccl: &'a NcclLinks,
-    link_alive: &'a AtomicBool,
-) -> (crate::transport::nccl::NcclAbort, impl FnMut() -> bool + 'a) {
-    let abort = crate::transport::nccl::NcclAbort::new();
-    let a2 = abort.clone();
-    let alive = move || {
-        if nccl.is_closing() || inner.closed.load(Ordering::Acquire) {
-            a2.abort();
-        }
-        link_alive.load(Ordering::Acquire)
-    };
-    (abort, alive)
-}
-
 /// Whether the room's `attempt` still takes bytes (not failed, aborted or
 /// ended) and the engine is open.
 pub(in crate::engine) fn room_live(

@@ -7,7 +7,7 @@
 use crate::engine::control::CtlMsg;
 use crate::engine::link::DecodeLink;
 use crate::engine::nccl_link::{
-    open_abort, plan_options, room_deadline, room_live, Answer, AnswerKey, LinkKey, Sender, Staging,
+    plan_options, room_deadline, room_live, Answer, AnswerKey, LinkKey, Sender, Staging,
 };
 use crate::engine::prefill::jobs::Job;
 use crate::engine::prefill::Prefill;
@@ -364,7 +364,14 @@ pub(in crate::engine) fn keep_open(inner: &Arc<Prefill>, link: &Arc<DecodeLink>)
                 // a worker moving a chunk holds the slot: look again later
                 if let Ok(mut s) = slot.try_lock() {
                     if s.pair.is_none() {
-                        let (abort, mut alive) = open_abort(&inner, &inner.nccl, &link.alive);
+                        let abort = NcclAbort::new();
+                        let a2 = abort.clone();
+                        let mut alive = || {
+                            if inner.nccl.is_closing() || inner.closed.load(Ordering::Acquire) {
+                                a2.abort();
+                            }
+                            link.alive.load(Ordering::Acquire)
+                        };
                         let deadline = Instant::now() + inner.cfg.handshake_timeout;
                         match open_locked(
                             &inner, &mut s, &link, &peer, deadline, ordinal, &mut alive, abort,
