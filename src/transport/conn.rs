@@ -33,18 +33,11 @@ struct ControlWriter {
 }
 
 impl ControlWriter {
-    /// Seals a frame behind the deferred ones; `true` when it is the first.
-    fn defer(&mut self, ty: FrameType, payload: &[u8]) -> Result<bool> {
-        let first = self.deferred.is_empty();
-        wire::seal_frame(&mut self.deferred, ty, payload, &mut self.mac)?;
-        self.deferred_types.push(ty);
-        Ok(first)
-    }
-
     /// Writes the deferred frames and then `frame` (may be empty) in one write.
     fn write(&mut self, frame: Option<(FrameType, &[u8])>) -> Result<()> {
         if let Some((ty, payload)) = frame {
-            self.defer(ty, payload)?;
+            wire::seal_frame(&mut self.deferred, ty, payload, &mut self.mac)?;
+            self.deferred_types.push(ty);
         }
         if self.deferred.is_empty() {
             return Ok(());
@@ -234,7 +227,12 @@ impl Conn {
         if let Some(e) = self.table.dead() {
             return Err(e);
         }
-        self.writer().defer(ty, payload)
+        let mut guard = self.writer();
+        let w = &mut *guard;
+        let first = w.deferred.is_empty();
+        wire::seal_frame(&mut w.deferred, ty, payload, &mut w.mac)?;
+        w.deferred_types.push(ty);
+        Ok(first)
     }
 
     /// Writes the frames `send_deferred` sealed; a failure kills the connection.
@@ -308,17 +306,12 @@ impl Conn {
 
     /// Sends an open room's RoomEnd (once its batches are done, within
     /// `timeout`) and returns without waiting for the answer; `close_room`
-    /// of the same room then waits for it, or returns the error the end met
-    /// (a failed batch, a timeout). A caller closing a room on several
-    /// connections sends every RoomEnd first, so the answers overlap. A room
-    /// not open here is `UnknownRoom`, and so is its close.
+    /// of the same room then waits for it. A caller closing a room on several
+    /// connections sends every RoomEnd first, so the answers overlap.
     pub fn end_room(&self, room: u64, epoch: u64, timeout: Duration) -> Result<()> {
-        let r = self.send_room_end(room, epoch, timeout);
-        match &r {
-            Err(e) if e.status() == Status::UnknownRoom => {}
-            _ => self.rooms.ended(room, epoch, r.clone()),
-        }
-        r.map(|_| ())
+        let (token, sum) = self.send_room_end(room, epoch, timeout)?;
+        self.rooms.ended(room, epoch, token, sum);
+        Ok(())
     }
 
     /// Takes the room once its batches are done and sends its RoomEnd: the
@@ -349,7 +342,7 @@ impl Conn {
     pub fn close_room(&self, room: u64, epoch: u64, timeout: Duration) -> Result<RoomSummary> {
         let t0 = Instant::now();
         let (token, sum) = match self.rooms.take_ended(room, epoch) {
-            Some(ended) => ended?,
+            Some(ended) => ended,
             None => self.send_room_end(room, epoch, timeout)?,
         };
         let got = self

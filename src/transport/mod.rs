@@ -405,10 +405,9 @@ pub trait Transport: Send + Sync {
 
     /// Sends the room's end now and returns without waiting for the
     /// receiver's answer; [`close_room`](Self::close_room) of the same room
-    /// then waits for it, or returns the error the end met (so a room closed
-    /// on several connections has every end in flight at once, and its
-    /// closes alone say how it went). Transports without room grants do
-    /// nothing here; their `close_room` answers.
+    /// then waits for it (so a room closed on several connections has every
+    /// end in flight at once). Transports without room grants do nothing
+    /// here; their `close_room` answers.
     fn end_room(&self, room: u64, epoch: u64, timeout: Duration) -> Result<()> {
         let _ = (room, epoch, timeout);
         Ok(())

@@ -157,10 +157,9 @@ struct OpenState {
     rooms: HashMap<(u64, u64), OpenRoom>,
     /// Room closes waiting for the receiver's answer, by token.
     closing: HashMap<u64, CloseOutcome>,
-    /// Rooms [`Conn::end_room`](super::conn::Conn::end_room) ended whose
-    /// close has not come yet: their token and totals (the RoomEnd went
-    /// out), or the error the end met.
-    ended: HashMap<(u64, u64), Result<(u64, RoomSummary)>>,
+    /// Rooms whose RoomEnd went out ([`Conn::end_room`](super::conn::Conn::end_room))
+    /// and whose answer nobody waits for yet: their token and totals.
+    ended: HashMap<(u64, u64), (u64, RoomSummary)>,
     /// Questions of what landed waiting for the receiver's answer, by token.
     asking: HashMap<u64, Option<Result<Landed>>>,
     dead: Option<Error>,
@@ -332,20 +331,19 @@ impl OpenRooms {
     pub(crate) fn forget(&self, room: u64, epoch: u64) {
         let mut s = self.lock();
         s.rooms.remove(&(room, epoch));
-        if let Some(Ok((token, _))) = s.ended.remove(&(room, epoch)) {
+        if let Some((token, _)) = s.ended.remove(&(room, epoch)) {
             s.closing.remove(&token);
         }
     }
 
-    /// How the end of `(room, epoch)` went (its RoomEnd out: the grant's
-    /// token and totals; or why not): a later close takes it instead of
-    /// ending the room again.
-    pub(crate) fn ended(&self, room: u64, epoch: u64, outcome: Result<(u64, RoomSummary)>) {
-        self.lock().ended.insert((room, epoch), outcome);
+    /// The RoomEnd of `(room, epoch)` (grant `token`, totals `sum`) went out:
+    /// a later close waits for its answer instead of ending the room again.
+    pub(crate) fn ended(&self, room: u64, epoch: u64, token: u64, sum: RoomSummary) {
+        self.lock().ended.insert((room, epoch), (token, sum));
     }
 
-    /// How the end of `(room, epoch)` went, if it was ended already.
-    pub(crate) fn take_ended(&self, room: u64, epoch: u64) -> Option<Result<(u64, RoomSummary)>> {
+    /// The token and totals of `(room, epoch)` if its RoomEnd went out already.
+    pub(crate) fn take_ended(&self, room: u64, epoch: u64) -> Option<(u64, RoomSummary)> {
         self.lock().ended.remove(&(room, epoch))
     }
 

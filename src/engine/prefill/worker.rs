@@ -50,13 +50,15 @@ pub(in crate::engine) fn worker_loop(
         // the last chunk closes the room's grants: every decode rank's room
         // end is sent here, at once; the answers are awaited on a thread of
         // its own, so a decode slow to answer holds no worker
-        if last && r.is_ok() {
-            end_grants(&inner, room, attempt);
-        }
+        let mut ended = None;
         if last && r.is_ok() && jobs.start_close() {
-            let (p, q) = (inner.clone(), jobs.clone());
+            let ends = Arc::new(std::sync::Mutex::new(Some(end_grants(
+                &inner, room, attempt,
+            ))));
+            let (p, q, e) = (inner.clone(), jobs.clone(), ends.clone());
             let spawned = crate::threads::spawn("pdxfer-close".into(), move || {
-                let r = close_grants(&p, room, attempt);
+                let ends = lock(&e).take().unwrap_or_default();
+                let r = await_grants(&p, room, attempt, ends);
                 conclude(&p, room, attempt, last, r);
                 q.end_close();
                 p.cv.notify_all();
@@ -67,13 +69,13 @@ pub(in crate::engine) fn worker_loop(
                 continue;
             }
             jobs.end_close();
+            // the thread did not start: the ends sent are awaited here
+            ended = lock(&ends).take();
         }
-        let r = r.and_then(|()| {
-            if last {
-                close_grants(&inner, room, attempt)
-            } else {
-                Ok(())
-            }
+        let r = r.and_then(|()| match (last, ended) {
+            (true, Some(ends)) => await_grants(&inner, room, attempt, ends),
+            (true, None) => close_grants(&inner, room, attempt),
+            (false, _) => Ok(()),
         });
         conclude(&inner, room, attempt, last, r);
         inner.jobs.done(&job);
@@ -399,15 +401,57 @@ fn open_grant(m: &MetaInfo, epoch: u64) -> Result<()> {
 
 /// Closes the room's grants once every batch completed: one RoomEnd /
 /// RoomAck per decode rank whose connection opened one (after every byte
-/// landed on it), before the room is reported done. [`end_grants`] sent
-/// every rank's end at once, so this waits for answers already on their way:
-/// a slow decode rank's answer costs the room one wait, not one per rank.
+/// landed on it), all decode ranks at once (a thread each beyond the first),
+/// before the room is reported done: a slow decode rank's answer costs the
+/// room one wait, not one per rank.
 fn close_grants(inner: &Prefill, room: u64, attempt: u64) -> Result<()> {
-    let mut results = Vec::new();
-    for m in granted_infos(inner, room) {
+    let ended = end_grants(inner, room, attempt);
+    await_grants(inner, room, attempt, ended)
+}
+
+/// The room's decode ranks holding a grant, each with its link.
+fn granted_infos(inner: &Prefill, room: u64) -> Vec<MetaInfo> {
+    lock(&inner.prefill_rooms)
+        .get(&room)
+        .map(|r| {
+            r.infos
+                .iter()
+                .filter(|m| m.grant.is_some())
+                .cloned()
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// Sends the room end to every decode rank holding a grant, without
+/// waiting for any answer (a few microseconds each): what each send gave,
+/// in the order of [`granted_infos`], for [`await_grants`].
+fn end_grants(inner: &Prefill, room: u64, attempt: u64) -> Vec<Result<()>> {
+    granted_infos(inner, room)
+        .iter()
+        .map(|m| {
+            m.link
+                .data()
+                .end_room(room, attempt, inner.cfg.batch_timeout)
+        })
+        .collect()
+}
+
+/// Waits for every decode rank's answer to the room end `end_grants` sent
+/// (`ended`, one per rank); a tcp link that broke before every byte was
+/// confirmed resumes the room on a new connection and closes it there.
+fn await_grants(inner: &Prefill, room: u64, attempt: u64, ended: Vec<Result<()>>) -> Result<()> {
+    let granted = granted_infos(inner, room);
+    let mut ended = ended.into_iter();
+    let mut results = Vec::with_capacity(granted.len());
+    for m in &granted {
         let data = m.link.data();
-        // waits for the answer to the end `end_grants` sent (or ends it now)
-        let mut r = data.close_room(room, attempt, inner.cfg.batch_timeout);
+        // a rank the ends did not see (the room's ranks are fixed before its
+        // last chunk; kept for safety) is ended and closed here
+        let mut r = match ended.next() {
+            Some(Ok(())) | None => data.close_room(room, attempt, inner.cfg.batch_timeout),
+            Some(Err(e)) => Err(e),
+        };
         if let Err(e) = &r {
             // the connection broke before every byte was confirmed: the
             // room resumes on a new one and closes there
@@ -436,32 +480,6 @@ fn close_grants(inner: &Prefill, room: u64, attempt: u64) -> Result<()> {
         });
     }
     results.into_iter().collect()
-}
-
-/// The room's decode ranks holding a grant, each with its link.
-fn granted_infos(inner: &Prefill, room: u64) -> Vec<MetaInfo> {
-    lock(&inner.prefill_rooms)
-        .get(&room)
-        .map(|r| {
-            r.infos
-                .iter()
-                .filter(|m| m.grant.is_some())
-                .cloned()
-                .collect()
-        })
-        .unwrap_or_default()
-}
-
-/// Sends the room end to every decode rank holding a grant without waiting
-/// for any answer (a few microseconds each); each connection keeps how its
-/// end went for the room's close ([`close_grants`]).
-fn end_grants(inner: &Prefill, room: u64, attempt: u64) {
-    for m in granted_infos(inner, room) {
-        let _ = m
-            .link
-            .data()
-            .end_room(room, attempt, inner.cfg.batch_timeout);
-    }
 }
 
 /// Forgets the room's open grants after a failure (the decode revokes them).

@@ -23,8 +23,7 @@
 //! nothing is answered. When the submitting thread wrote the bytes, it seals
 //! the commit in order on the connection and the writer thread writes it
 //! (with any other waiting, in one write): the batch is done once its bytes
-//! are in the receiver's memory and its commit is queued behind them. Reads
-//! and batches with a checksum keep the exchange.
+//! are in the receiver's memory and its commit is queued behind them. Reads and batches with a checksum keep the exchange.
 //!
 //! The process written into is the one the kernel names ([`bind`]): the
 //! listener of the receiver's per-session Unix socket, by `SO_PEERCRED` and
@@ -64,11 +63,11 @@ const INLINE_BYTES: u64 = 256 << 10;
 
 /// A batch of a granted room or under standing grants up to this many
 /// bytes, on a connection with one writer thread and without `fan_out`, is
-/// moved on the submitting thread: the writer thread would move it alone
-/// anyway, and handing it over costs two wake-ups per batch (a third of a
-/// 1 MiB batch's time on a 2-core machine). `submit` then returns with the
-/// bytes written; a standing batch's `StandingCommit` is sealed there and
-/// written by the writer thread, off the caller's time.
+/// moved on the submitting thread whatever its size: the writer thread would move it alone anyway,
+/// and handing it over costs two wake-ups per batch (a third of a 1 MiB
+/// batch's time on a 2-core machine). `submit` then returns with the bytes
+/// written; a standing batch's `StandingCommit` is sealed there and written
+/// by the writer thread, off the caller's time.
 const INLINE_ONE_THREAD_BYTES: u64 = 4 << 20;
 
 struct Job {
